@@ -1,0 +1,17 @@
+"""commfuse: fused all-reduce tails for tensor-parallel inference.
+
+    import commfuse
+    commfuse.init_distributed()
+    comm = commfuse.Communicator()
+    r = comm.fused_all_reduce(x, residual, weight, eps=1e-6, quant="nvfp4", scale=scale)
+
+See README.md and DESIGN.md for the semantics; `commfuse.reference` is the oracle.
+"""
+from . import reference
+from .communicator import Communicator, FusedResult
+from .distributed import init_distributed
+from .plan import Plan
+from .topology import Topology
+
+__all__ = ["Communicator", "FusedResult", "Plan", "Topology", "init_distributed", "reference"]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""Communicator: the public entry point. Owns the group, its topology and (later) the P2P workspace.
+
+The data path reads top-down: argument checks -> plan (plan.py) -> collective -> tail (a fused
+kernel, or commfuse.reference's separated ops).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import fused_tail, reference, topology
+from .plan import Plan, Request, TensorMeta, check_arguments, make_plan, registered_kernels
+
+STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
+
+
+@dataclass
+class FusedResult:
+    """Outputs of `fused_all_reduce` (t = tokens, h = hidden; all on the communicator's device).
+
+    residual: T[t, h], allreduce(x) + residual, rounded to T.
+    norm: T[t, h], RMSNorm of `residual`; None when quant is set and return_norm is False.
+    quant: float8_e4m3fn[t, h] (fp8) or uint8[t, h/2] (nvfp4, even index in the low nibble).
+    scale_factors: float8_e4m3fn (nvfp4 only): swizzled 128x4 flat, or linear [t, h/16].
+    plan: the route this call took.
+    """
+
+    residual: torch.Tensor
+    norm: Optional[torch.Tensor]
+    quant: Optional[torch.Tensor]
+    scale_factors: Optional[torch.Tensor]
+    plan: Plan
+
+
+class Communicator:
+    """Sum all-reduce and fused all-reduce tails over a torch.distributed group.
+
+    group: a torch.distributed process group; None = WORLD (init it first, e.g. with
+    commfuse.init_distributed()). strategy: "auto" (P2P where the topology allows and it wins, else
+    NCCL), "nccl" (force the fallback row), "oneshot"/"twoshot" (force a P2P algorithm where P2P
+    exists). The environment variable COMMFUSE_STRATEGY overrides the argument;
+    COMMFUSE_DISABLE_FUSION=1 forces separated ops; COMMFUSE_CHECK=1 compares every call's shapes
+    and dtypes across ranks first (raising on all ranks instead of hanging).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
+        strategy = os.environ.get("COMMFUSE_STRATEGY") or strategy
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.strategy = strategy
+        self.backend = str(dist.get_backend(self.group))
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
+        self.topology = topology.detect(self.group)
+        self.fusion = os.environ.get("COMMFUSE_DISABLE_FUSION") != "1"
+        self.check = os.environ.get("COMMFUSE_CHECK") == "1"
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def plan(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+             weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6, quant: Optional[str] = None,
+             scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
+             sf_layout: str = "swizzled") -> Plan:
+        """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without running it."""
+        check_arguments(x, residual, weight, eps, quant, scale, sf_layout, self.device)
+        req = Request(
+            x=TensorMeta.of(x),
+            residual=None if residual is None else TensorMeta.of(residual),
+            weight=None if weight is None else TensorMeta.of(weight),
+            scale=TensorMeta.of(scale) if isinstance(scale, torch.Tensor) else None,
+            quant=quant, return_norm=return_norm, sf_layout=sf_layout)
+        return make_plan(req, mode=self.topology.mode, backend=self.backend, sm=self.topology.sm,
+                         world_size=self.world_size, kernels=registered_kernels(),
+                         strategy=self.strategy, fusion=self.fusion, p2p=None,
+                         mode_reasons=self.topology.reasons)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the group, in a new tensor of x's shape and dtype (x is not modified).
+
+        x: any shape, on the communicator's device (CUDA for NCCL, CPU for gloo).
+        """
+        check_arguments(x, None, None, 0.0, None, None, "swizzled", self.device)
+        if self.check:
+            self._check_same_call(("all_reduce", tuple(x.shape), str(x.dtype)))
+        return self._collective(x)
+
+    def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float = 1e-6, quant: Optional[str] = None,
+                         scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
+                         sf_layout: str = "swizzled") -> FusedResult:
+        """All-reduce `x`, then residual add, RMSNorm and optional quantization (DESIGN.md semantics).
+
+        x, residual: T[..., h] (T = fp16 or bf16 for the fused rows; others go separated), same shape;
+        weight: T[h]; all on the communicator's device. scale: the dequant scale (value = code *
+        scale) as a float32 tensor of one element on the device (a Python float takes the separated
+        path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).
+        Outputs are flattened to [t, h]; see FusedResult.
+        """
+        plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale,
+                         return_norm=return_norm, sf_layout=sf_layout)
+        if self.check:
+            self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant,
+                                   return_norm, sf_layout, str(plan.collective)))
+        h = x.shape[-1]
+        a = self._collective(x).view(-1, h)
+        residual = residual.reshape(-1, h)
+        if plan.tail == "fused":
+            tail = fused_tail.run(a, residual.contiguous(), weight, eps, quant, scale, return_norm, sf_layout)
+        else:
+            tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
+        return FusedResult(*tail, plan=plan)
+
+    def _collective(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "nccl":
+            # NCCL reduces in T, in its own order (accepted by DESIGN.md on this path).
+            out = x.contiguous().clone()
+            dist.all_reduce(out, group=self.group)
+            return out
+        # Elsewhere (gloo on CPU) we can afford the exact semantics: fp32 sum, rounded once.
+        out = x.to(torch.float32, copy=True).contiguous()
+        dist.all_reduce(out, group=self.group)
+        return out.to(x.dtype)
+
+    def _check_same_call(self, signature: tuple) -> None:
+        """Raise on every rank when ranks disagree on a call (a mismatched collective would hang)."""
+        sigs: list = [None] * self.world_size
+        dist.all_gather_object(sigs, signature, group=self.group)
+        if any(s != sigs[0] for s in sigs):
+            detail = "; ".join(f"rank {i}: {s}" for i, s in enumerate(sigs))
+            raise ValueError(f"ranks disagree on the call ({detail})")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Usage: launch/test.sh [N] [pytest args...]
+# Runs the test suite on N ranks (default 4): mpirun -n N python -m pytest --with-mpi tests.
+# Each rank logs to $COMMFUSE_TEST_LOGS/rank<i>.log (a temporary folder by default); rank 0's log is
+# printed whole, the other ranks' summaries after it. Fails if any rank fails or no test passed.
+set -uo pipefail
+n=${1:-4}
+shift $(( $# > 0 ? 1 : 0 ))
+cd "$(dirname "$0")/.."
+logs=${COMMFUSE_TEST_LOGS:-$(mktemp -d -t commfuse-tests.XXXX)}
+mkdir -p "$logs" && rm -f "$logs"/rank*.log "$logs"/rank*.rc
+
+# Open MPI refuses root unless told; the same variables serve Open MPI 4 and 5.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export COMMFUSE_TEST_LOGS=$logs PYTHONUNBUFFERED=1
+
+# Each rank runs pytest under bash so that its exit status is recorded rather than making mpirun
+# tear the job down: a failing rank must not hide the other ranks' reports.
+timeout --kill-after=30 "${COMMFUSE_TEST_TIMEOUT:-1800}" \
+  mpirun -n "$n" --oversubscribe bash -c '
+    r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
+    python -m pytest --with-mpi -p no:cacheprovider -rfEs "$@" > "$COMMFUSE_TEST_LOGS/rank$r.log" 2>&1
+    echo $? > "$COMMFUSE_TEST_LOGS/rank$r.rc"' bash "${@:-tests}"
+mpirun_rc=$?
+
+cat "$logs/rank0.log" 2>/dev/null
+status=0
+for ((r = 0; r < n; r++)); do
+  rc=$(cat "$logs/rank$r.rc" 2>/dev/null || echo missing)
+  summary=$(grep -E '^=+ .*(passed|failed|error|skipped|deselected|no tests ran).* =+$' "$logs/rank$r.log" 2>/dev/null | tail -n 1)
+  # Ranks other than 0 run only the MPI tests; "no tests collected" (5) is fine there.
+  if [[ $rc == 0 || ($rc == 5 && $r != 0) ]]; then
+    [[ $r != 0 ]] && echo "rank $r: ok ${summary}"
+  else
+    status=1
+    echo "rank $r: FAILED (pytest exit $rc) ${summary}"
+    grep -E '^(FAILED|ERROR) ' "$logs/rank$r.log" 2>/dev/null | sed "s/^/rank $r: /"
+  fi
+done
+if ! grep -qE '[0-9]+ passed' "$logs/rank0.log" 2>/dev/null; then
+  echo "no test passed on rank 0"; status=1
+fi
+if (( mpirun_rc != 0 && status == 0 )); then
+  echo "mpirun exited with $mpirun_rc (timeout or a rank crashed)"; status=1
+fi
+echo "logs: $logs"
+exit $status

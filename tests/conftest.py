@@ -1,0 +1,47 @@
+"""Shared test set-up for single-process and `mpirun -n N pytest --with-mpi` runs.
+
+Under MPI every rank collects the same tests, but only tests marked `mpi` need all ranks: the
+others run on rank 0 alone (after the MPI tests, so the other ranks can exit rather than wait).
+"""
+import os
+
+import pytest
+import torch
+
+from commfuse.distributed import launch_env
+
+os.environ.setdefault("COMMFUSE_CHECK", "1")  # mismatched calls raise instead of hanging a collective
+
+RANK, WORLD, LOCAL_RANK, LAUNCHER = launch_env()
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU-only machine)")
+
+
+def pytest_collection_modifyitems(config, items):
+    mpi = [i for i in items if i.get_closest_marker("mpi")]
+    serial = [i for i in items if not i.get_closest_marker("mpi")]
+    if WORLD > 1 and RANK != 0:
+        if serial:
+            config.hook.pytest_deselected(items=serial)
+        items[:] = mpi
+    else:
+        items[:] = mpi + serial
+
+
+def pytest_report_header(config):
+    return f"commfuse: rank {RANK} of {WORLD} ({LAUNCHER or 'single process'}), cuda={torch.cuda.is_available()}"
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """A Communicator over WORLD (NCCL with GPUs, else gloo); the group is made on first use."""
+    import commfuse
+
+    commfuse.init_distributed(timeout_s=float(os.environ.get("COMMFUSE_TEST_COLLECTIVE_TIMEOUT", 180)))
+    return commfuse.Communicator()
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded from the test's name: fresh random data per test, reproducible, same on every rank."""
+    seed = sum(request.node.nodeid.encode()) * 7919 % (1 << 31)
+    return torch.Generator().manual_seed(seed)

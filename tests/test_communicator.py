@@ -1,0 +1,163 @@
+"""Communicator on every rank against commfuse.reference applied to all ranks' inputs.
+
+Runs under `mpirun -n N pytest --with-mpi` over whatever backend the machine has (gloo on CPU,
+NCCL on GPUs). Each rank generates every rank's input from one seeded generator and keeps its own
+slice, so the reference sees exactly the gathered inputs. All collectives of a test happen before
+its assertions, so a failing rank cannot leave the others waiting.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse import Communicator, reference
+
+from compare import assert_tail_close, assert_within_ulp
+
+mpi = pytest.mark.mpi(min_size=2)
+DTYPES = [torch.bfloat16, torch.float16]
+PATTERNS = [  # (quant, return_norm, sf_layout)
+    (None, False, "swizzled"),
+    ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
+    ("nvfp4", False, "swizzled"), ("nvfp4", True, "swizzled"), ("nvfp4", False, "linear"),
+]
+
+
+def rank_inputs(comm, gen, shape, dtype, outlier=True):
+    """This rank's x and the list of every rank's x (what a gather would give), on the comm's device."""
+    xs = [torch.randn(shape, generator=gen) for _ in range(comm.world_size)]
+    if outlier:  # one large row per rank, so norms and scale factors span a wide range
+        for x in xs:
+            x.view(-1, shape[-1])[0] *= 40
+    xs = [x.to(dtype).to(comm.device) for x in xs]
+    return xs[dist.get_rank(comm.group)], xs
+
+
+def exact_sum(comm) -> bool:
+    """gloo sums in fp32 (exact semantics); NCCL sums in T, which equals the fp32 sum rounded once
+    only for two ranks (a single addition)."""
+    return comm.backend != "nccl" or comm.world_size == 2
+
+
+def tail_inputs(comm, gen, t, h, dtype, quant):
+    residual = torch.randn(t, h, generator=gen).to(dtype).to(comm.device)
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(comm.device)
+    scale = {None: None, "fp8": 0.02, "nvfp4": 0.004}[quant]
+    if scale is not None:
+        scale = torch.tensor([scale], dtype=torch.float32, device=comm.device)
+    return residual, weight, scale
+
+
+@mpi
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("shape", [(1, 128), (7, 4096), (2, 3, 2880)])
+def test_all_reduce_matches_reference_sum(comm, gen, dtype, shape):
+    x, xs = rank_inputs(comm, gen, shape, dtype)
+    before = x.clone()
+    y = comm.all_reduce(x)
+    assert torch.equal(x, before), "all_reduce modified its input"
+    expect = reference.all_reduce_sum(xs)
+    assert y.shape == x.shape and y.dtype == dtype
+    if exact_sum(comm):
+        assert torch.equal(y, expect)
+    else:
+        assert_within_ulp(y, expect, comm.world_size, "all-reduce")
+
+
+@mpi
+@pytest.mark.parametrize("strategy", ["auto", "nccl"])
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, h", [(5, 256), (64, 4096), (3, 2880)])
+def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_norm, sf_layout, dtype, t, h):
+    c = comm if strategy == "auto" else Communicator(comm.group, strategy=strategy)
+    x, xs = rank_inputs(c, gen, (t, h), dtype)
+    residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
+    saved = [v.clone() for v in (x, residual, weight)]
+    a = c.all_reduce(x)
+    r = c.fused_all_reduce(x, residual, weight, eps=1e-5, quant=quant, scale=scale,
+                           return_norm=return_norm, sf_layout=sf_layout)
+    for before, after in zip(saved, (x, residual, weight)):
+        assert torch.equal(before, after), "fused_all_reduce modified an input"
+    # The tail is judged against the reference fed the same all-reduced values; the sum itself
+    # is judged by test_all_reduce_matches_reference_sum.
+    ref = reference.fused_tail(a, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
+    assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated")
+    if exact_sum(c):
+        full = reference.fused_tail(reference.all_reduce_sum(xs), residual, weight, 1e-5, quant, scale,
+                                    return_norm, sf_layout)
+        assert torch.equal(r.residual, full.residual)
+    if strategy == "nccl":
+        assert not r.plan.collective.startswith("p2p")
+    if c.device.type == "cuda":
+        assert r.plan.tail == "fused", str(r.plan)
+    else:
+        assert r.plan.tail == "separated" and any("cpu" in s for s in r.plan.reasons)
+
+
+@mpi
+def test_fused_all_reduce_flattens_leading_dims(comm, gen):
+    x, _ = rank_inputs(comm, gen, (2, 3, 64), torch.bfloat16)
+    residual, weight, _ = tail_inputs(comm, gen, 6, 64, torch.bfloat16, None)
+    r = comm.fused_all_reduce(x, residual.view(2, 3, 64), weight)
+    assert r.residual.shape == (6, 64) and r.norm.shape == (6, 64) and r.quant is None
+
+
+@mpi
+def test_separated_tail_for_float32_says_why(comm, gen):
+    x, _ = rank_inputs(comm, gen, (4, 64), torch.float32)
+    residual, weight, _ = tail_inputs(comm, gen, 4, 64, torch.float32, None)
+    a = comm.all_reduce(x)
+    r = comm.fused_all_reduce(x, residual, weight)
+    assert r.plan.tail == "separated" and r.plan.reasons
+    assert_tail_close(r, reference.fused_tail(a, residual, weight), None, exact=True)
+
+
+@mpi
+def test_bad_argument_raises_on_every_rank_before_any_collective(comm, gen):
+    x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
+    residual, weight, _ = tail_inputs(comm, gen, 4, 64, torch.bfloat16, None)
+    with pytest.raises(ValueError, match="needs scale"):
+        comm.fused_all_reduce(x, residual, weight, quant="fp8")
+    with pytest.raises(ValueError, match="weight must have shape"):
+        comm.fused_all_reduce(x, residual, weight[:32])
+    assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards
+
+
+@mpi
+def test_ranks_passing_different_shapes_raise_instead_of_hanging(comm, gen):
+    rank = dist.get_rank(comm.group)
+    x = torch.randn(4 + rank, 64, generator=gen).to(comm.device)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        comm.all_reduce(x)
+    residual, weight, _ = tail_inputs(comm, gen, 4, 64, torch.float32, None)
+    quant = "fp8" if rank == 0 else None
+    with pytest.raises(ValueError, match="ranks disagree"):
+        comm.fused_all_reduce(x[:4], residual, weight, quant=quant,
+                              scale=torch.ones(1, device=comm.device) if quant else None)
+
+
+@mpi
+def test_plan_without_running(comm, gen):
+    x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
+    residual, weight, scale = tail_inputs(comm, gen, 4, 64, torch.bfloat16, "nvfp4")
+    p = comm.plan(x, residual, weight, quant="nvfp4", scale=scale)
+    assert p.collective in ("nccl", "gloo") or p.collective.startswith("p2p")
+    assert p.tail == ("fused" if comm.device.type == "cuda" else "separated")
+
+
+def test_communicator_needs_initialised_group(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        Communicator()
+
+
+@mpi
+def test_unknown_strategy_raises(comm):
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        Communicator(comm.group, strategy="fastest")
+
+
+@mpi
+def test_env_strategy_overrides_argument(comm, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_STRATEGY", "nccl")
+    assert Communicator(comm.group, strategy="auto").strategy == "nccl"
