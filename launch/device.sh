@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One full GPU session on a machine without package registries (the device machine): install the
+# carried wheels, probe, run the suite on N GPUs (P2P/auto, then the forced fallback row), benchmark.
+# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback bench (default: all)
+# Logs go to $OUT (or ./logs) as one tarball plus a summary.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+n=${1:-2}; shift $(( $# > 0 ? 1 : 0 ))
+stages=${*:-probe test fallback bench}
+out=${OUT:-$PWD/logs}; mkdir -p "$out"
+logs=$(mktemp -d -t commfuse-device.XXXX)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 COMMFUSE_CACHE_DIR=${COMMFUSE_CACHE_DIR:-$logs/cache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+summary=$out/summary.txt; : > "$summary"
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$logs/$name.log" 2>&1; local rc=$?
+  printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - t0)) \
+    "$(grep -E '[0-9]+ (passed|failed)' "$logs/$name.log" | tail -n 1)" | tee -a "$summary"
+  tail -n 25 "$logs/$name.log" | sed "s/^/[$name] /"
+}
+nvidia-smi -L | tee -a "$summary"
+for s in $stages; do
+  case $s in
+    probe) run probe launch/probe.sh "$n" ;;
+    test) COMMFUSE_TEST_LOGS=$logs/test run test launch/test.sh "$n" ;;
+    fallback) COMMFUSE_STRATEGY=nccl COMMFUSE_TEST_LOGS=$logs/fallback run fallback launch/test.sh "$n" tests/test_communicator.py ;;
+    bench) run bench launch/bench.sh "$n" --out "$logs/bench" ${COMMFUSE_BENCH_ARGS:-} ;;
+  esac
+done
+rm -rf "$logs/cache"
+tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+cp "$logs"/bench/*.json "$logs"/bench/*.png "$out"/ 2>/dev/null
+echo "== summary"; cat "$summary"
