@@ -1,0 +1,176 @@
+"""The local fused tail (csrc/fused_tail.cu): residual add + RMSNorm + optional FP8/NVFP4
+quantization in one kernel, run after NCCL's all-reduce on the no-P2P path.
+
+Semantics are those of :func:`commfuse.reference.fused_tail` (the oracle); see DESIGN.md.
+
+Launch configuration: one CTA per row (plus, for NVFP4 in the swizzled layout, one per padding
+row of the last 128-row tile, which zeroes that row's scale factors). A row is split into
+16-byte vectors of 8 elements; with h <= 16384 it lives in registers, VPT vectors per thread
+(VPT in 1, 2, 4, 8, the smallest that fits 256 threads). Longer rows take the looped variant
+(VPT = 0), which re-reads its own residual output instead of holding the row.
+"""
+from __future__ import annotations
+
+import functools
+import struct
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import jit
+from .plan import FUSED_DTYPES, KernelSpec, register_kernel
+from .reference import Tail
+
+__all__ = ["run", "warmup", "variants", "launch_config", "SPEC", "MAX_HIDDEN", "MAX_TOKENS"]
+
+SOURCE = "fused_tail.cu"
+MAX_THREADS = 256          # kTailThreads in fused_tail.cu
+VPT_BUCKETS = (1, 2, 4, 8)  # vectors of 8 elements per thread on the register path
+MAX_HIDDEN = 1 << 16       # what the tests cover; the looped variant has no hard limit below 2^31
+# Rows are blockIdx.x (< 2^31) and include up to 127 padding rows of the swizzled layout.
+MAX_TOKENS = (1 << 31) - 128
+
+_CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+_QUANT_ID = {None: 0, "fp8": 1, "nvfp4": 2}
+
+# FusedTailParams in csrc/fused_tail.cu: a, then TailParams (7 pointers, eps, h, t, sf_swizzled).
+_PARAMS = struct.Struct("<8Qf3i")
+assert _PARAMS.size == 80
+
+SPEC = register_kernel(KernelSpec(
+    name="fused_tail",
+    kind="tail",
+    dtypes=frozenset(FUSED_DTYPES),
+    quants=frozenset(_QUANT_ID),
+    min_sm=(8, 0),
+    hidden_multiple=8,
+    max_hidden=MAX_HIDDEN,
+    max_tokens=MAX_TOKENS,
+))
+
+
+def name_expression(dtype: torch.dtype, quant: Optional[str], vpt: int) -> str:
+    """The template instantiation for (dtype, quant, vpt); vpt 0 is the looped variant."""
+    return f"commfuse::fused_tail<{_CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}>"
+
+
+def variants() -> List[str]:
+    """Every name expression the library may launch (the CPU build test compiles them all)."""
+    return [name_expression(d, q, v) for d in _CTYPE for q in _QUANT_ID for v in VPT_BUCKETS + (0,)]
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(hidden: int) -> Tuple[int, int]:
+    """(vpt, threads per CTA) for rows of `hidden` elements: the smallest VPT whose row fits
+    MAX_THREADS threads (rounded up to whole warps), else the looped variant with MAX_THREADS."""
+    vectors = hidden // 8
+    for vpt in VPT_BUCKETS:
+        threads = -(-vectors // vpt)
+        if threads <= MAX_THREADS:
+            return vpt, max(32, -(-threads // 32) * 32)
+    return 0, MAX_THREADS
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(dtype: torch.dtype, quant: Optional[str], vpt: int, device_index: int) -> jit.Kernel:
+    return jit.kernel(SOURCE, name_expression(dtype, quant, vpt), device=device_index)
+
+
+def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
+    """Compile and load the variant `run` uses for (dtype, quant, hidden) on `device` (default:
+    current), so a later call can be captured in a CUDA graph."""
+    if dtype not in _CTYPE or quant not in _QUANT_ID:
+        raise ValueError(f"no fused tail for dtype={dtype}, quant={quant!r}")
+    index = jit._device_index(device)
+    _kernel(dtype, quant, launch_config(hidden)[0], index)
+
+
+# Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
+_empty = torch.empty
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # The kernel moves 16-byte vectors; a view at an odd offset gets an aligned copy.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def sf_numel(tokens: int, hidden: int, sf_layout: str) -> int:
+    """Entries of the NVFP4 scale-factor tensor: roundup(t,128) * roundup(h/16,4) when swizzled."""
+    k = hidden // 16
+    if sf_layout == "swizzled":
+        return -(-tokens // 128) * 128 * (-(-k // 4) * 4)
+    return tokens * k
+
+
+def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+        quant: Optional[str] = None, scale: Optional[torch.Tensor] = None, return_norm: bool = False,
+        sf_layout: str = "swizzled") -> Tail:
+    """The tail after the all-reduce, as one kernel on torch's current stream.
+
+    a: [..., h] all-reduced activations, fp16 or bf16, CUDA, stride 1 on the last dim.
+    residual: same shape, dtype and device as a. weight: [h], a's dtype and device.
+    eps: python float. quant: None, "fp8" or "nvfp4".
+    scale: dequant scale, float32 CUDA tensor of one element on a's device (needed with quant).
+    return_norm: also return the T norm when quantizing. sf_layout: "swizzled" or "linear".
+    h % 8 == 0 (h % 16 == 0 for nvfp4), h <= MAX_HIDDEN.
+    Returns reference.Tail with fresh tensors on a's device: residual [t,h] T; norm [t,h] T or
+    None; quant float8_e4m3fn [t,h] (fp8) or uint8 [t,h/2] (nvfp4) or None; scale_factors
+    float8_e4m3fn, flat roundup(t,128)*roundup(h/16,4) (swizzled) or [t,h/16] (linear), nvfp4 only.
+    """
+    h = a.shape[-1]
+    dtype = a.dtype
+    if dtype not in _CTYPE:
+        raise TypeError(f"fused tail takes float16/bfloat16, got {dtype}")
+    if residual.shape != a.shape or residual.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
+        raise ValueError(f"residual must match a {tuple(a.shape)} {dtype} and weight be [{h}] {dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    if quant not in _QUANT_ID or sf_layout not in ("swizzled", "linear"):
+        raise ValueError(f"quant must be None/'fp8'/'nvfp4' and sf_layout 'swizzled'/'linear', got {quant!r}, {sf_layout!r}")
+    if h % (16 if quant == "nvfp4" else 8) or not 0 < h <= MAX_HIDDEN:
+        raise ValueError(f"hidden size {h} must be a multiple of {16 if quant == 'nvfp4' else 8} in (0, {MAX_HIDDEN}]")
+    device = a.device
+    if device.type != "cuda" or residual.device != device or weight.device != device:
+        raise ValueError(f"a, residual and weight must be on one CUDA device, got {a.device}, {residual.device}, {weight.device}")
+    if quant is not None:
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32 \
+                or scale.device != device:
+            raise TypeError(f"quant={quant!r} needs scale as a float32 tensor of one element on {device}")
+    a2 = _aligned(a.reshape(-1, h).contiguous())
+    r2 = _aligned(residual.reshape(-1, h).contiguous())
+    w = _aligned(weight.contiguous())
+    t = a2.shape[0]
+    if t > MAX_TOKENS:
+        raise ValueError(f"{t} tokens > {MAX_TOKENS}")
+
+    res_out = _empty((t, h), dtype=dtype, device=device)
+    norm = _empty((t, h), dtype=dtype, device=device) if quant is None or return_norm else None
+    q = sf = None
+    if quant == "fp8":
+        q = _empty((t, h), dtype=torch.float8_e4m3fn, device=device)
+    elif quant == "nvfp4":
+        q = _empty((t, h // 2), dtype=torch.uint8, device=device)
+        shape = (sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
+        sf = _empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    if t == 0:
+        return Tail(res_out, norm, q, sf)
+
+    swizzled = quant == "nvfp4" and sf_layout == "swizzled"
+    rows = -(-t // 128) * 128 if swizzled else t
+    vpt, threads = launch_config(h)
+    params = _PARAMS.pack(
+        a2.data_ptr(), r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
+        norm.data_ptr() if norm is not None else 0,
+        q.data_ptr() if q is not None else 0,
+        sf.data_ptr() if sf is not None else 0,
+        scale.data_ptr() if quant is not None else 0,
+        float(eps), h, t, int(swizzled),
+    )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    k = _kernel(dtype, quant, vpt, index)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if index == torch.cuda.current_device():
+        k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
+    else:
+        with torch.cuda.device(index):
+            k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
+    return Tail(res_out, norm, q, sf)

@@ -1,0 +1,420 @@
+"""Run-time compilation of commfuse's CUDA sources (csrc/) with NVRTC, an on-disk cubin cache,
+and kernel launches on torch's current stream.
+
+Kernels are C++ templates; a launcher names the instantiation it needs with a name expression
+such as ``"commfuse::fused_tail<__nv_bfloat16, 2, 4>"``. Each is compiled for the device's own
+architecture: ``sm_80``/``sm_89``/``sm_90`` as is, and ``sm_100a``/``sm_120a`` style (arch-
+specific) from SM 10.0 on, so instructions such as the hardware e2m1 conversion are allowed.
+
+Convention: every commfuse kernel takes exactly one by-value parameter, a struct, which the
+launcher packs into bytes (``struct.Struct``) and hands to :meth:`Kernel.launch`.
+
+Environment:
+
+``COMMFUSE_CACHE_DIR``
+    Where compiled cubins are kept (default ``~/.cache/commfuse``). The key is a hash of every
+    csrc source, the CUDA headers kernels include, the NVRTC options, the name expressions, the
+    NVRTC version and the arch, so a stale cubin is never loaded. Entries are written to a
+    temporary file and renamed, so ranks compiling the same kernel at once do not collide.
+``COMMFUSE_JIT_DEBUG=1``
+    Compile with ``-lineinfo`` (source lines in compute-sanitizer and Nsight reports).
+
+CUDA graphs: compiling and loading a kernel cannot happen while a stream is capturing (loading a
+module is not a capturable operation), so the first call of each variant must happen eagerly,
+or through a warm-up helper (e.g. :func:`commfuse.fused_tail.warmup`), before capture.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "JitError",
+    "Kernel",
+    "kernel",
+    "Build",
+    "build",
+    "compile_cubin",
+    "cache_path",
+    "compile_options",
+    "device_arch",
+    "arch_for_capability",
+    "nvrtc_version",
+    "supported_archs",
+    "CSRC_DIR",
+]
+
+
+class JitError(RuntimeError):
+    """Compiling, loading or launching a commfuse kernel failed; the message says which and why."""
+
+
+def _find_csrc() -> Path:
+    here = Path(__file__).resolve().parent
+    # Installed wheel: the package data lives in commfuse/csrc; source checkout: ../csrc.
+    for candidate in (here / "csrc", here.parent / "csrc"):
+        if (candidate / "epilogue.cuh").is_file():
+            return candidate
+    return here.parent / "csrc"
+
+
+CSRC_DIR = _find_csrc()
+
+# Headers whose content the cubins depend on besides csrc/ (the key hashes them: a new
+# nvidia-cuda-runtime wheel with the same NVRTC must not reuse old cubins).
+_CUDA_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp8.h", "cuda_fp8.hpp")
+_CACHE_MAGIC = b"commfuse-cubin-1\n"
+
+
+# --------------------------------------------------------------------------- NVRTC
+
+
+@functools.cache
+def _nvrtc():
+    """cuda.bindings.nvrtc with libnvrtc loaded (from the nvidia-cuda-nvrtc wheel or the toolkit)."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        load_nvidia_dynamic_lib("nvrtc")
+        from cuda.bindings import nvrtc
+    except Exception as exc:  # ImportError, or pathfinder's DynamicLibNotFoundError
+        raise JitError(
+            f"NVRTC is not available ({type(exc).__name__}: {exc}); install commfuse[jit] "
+            "(nvidia-cuda-nvrtc) or a CUDA toolkit"
+        ) from exc
+    return nvrtc
+
+
+def _nvrtc_check(result, what: str):
+    err = result[0]
+    nvrtc = _nvrtc()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, msg = nvrtc.nvrtcGetErrorString(err)
+        raise JitError(f"{what}: {msg.decode(errors='replace')}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+@functools.cache
+def nvrtc_version() -> Tuple[int, int]:
+    """(major, minor) of the loaded NVRTC; raises JitError when NVRTC is missing."""
+    return tuple(_nvrtc_check(_nvrtc().nvrtcVersion(), "nvrtcVersion"))
+
+
+@functools.cache
+def supported_archs() -> Tuple[int, ...]:
+    """Compute capabilities (80, 90, 100, ...) the loaded NVRTC can target."""
+    return tuple(_nvrtc_check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+
+@functools.cache
+def cuda_include_dirs() -> Tuple[str, ...]:
+    """Directories holding cuda_fp16.h & co: the NVIDIA runtime wheel, else CUDA_HOME, else /usr/local/cuda."""
+    dirs = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(found)
+    except Exception:  # an old cuda-pathfinder without the function, or nothing found
+        pass
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and Path(root, "include", "cuda_fp16.h").is_file():
+            dirs.append(str(Path(root, "include")))
+    dirs = [d for d in dict.fromkeys(dirs) if Path(d, "cuda_fp16.h").is_file()]
+    if not dirs:
+        raise JitError("CUDA headers (cuda_fp16.h) not found: install nvidia-cuda-runtime or set CUDA_HOME")
+    return tuple(dirs[:1])
+
+
+def arch_for_capability(capability: Tuple[int, int]) -> str:
+    """NVRTC arch for a compute capability: sm_80/sm_89/sm_90 plain, sm_100a/sm_120a from 10.0 on."""
+    major, minor = capability
+    return f"sm_{major}{minor}" + ("a" if major >= 10 else "")
+
+
+def device_arch(device=None) -> str:
+    """The arch the kernels are built for on `device` (default: the current CUDA device)."""
+    return arch_for_capability(torch.cuda.get_device_capability(device))
+
+
+def compile_options(arch: str, source_dir: Optional[Path] = None) -> Tuple[str, ...]:
+    """NVRTC options for `arch`. `source_dir`: extra include dir (the compiled file's own)."""
+    includes = [str(CSRC_DIR)]
+    if source_dir is not None and Path(source_dir) != CSRC_DIR:
+        includes.append(str(source_dir))
+    includes += cuda_include_dirs()
+    opts = ["-std=c++17", f"--gpu-architecture={arch}", "-default-device"]
+    opts += [f"-I{d}" for d in includes]
+    if os.environ.get("COMMFUSE_JIT_DEBUG") == "1":
+        opts.append("-lineinfo")
+    return tuple(opts)
+
+
+# --------------------------------------------------------------------------- disk cache
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("COMMFUSE_CACHE_DIR") or Path.home() / ".cache" / "commfuse")
+
+
+def _source_path(source_file: str) -> Path:
+    path = CSRC_DIR / source_file  # an absolute source_file replaces CSRC_DIR
+    if not path.is_file():
+        raise JitError(f"CUDA source {source_file!r} not found (looked at {path})")
+    return path
+
+
+def _key(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+
+    def add(tag: str, data: bytes) -> None:
+        h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+    sources = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
+    for p in sources + [path]:
+        add(f"src:{p.name}", p.read_bytes())
+    for d in cuda_include_dirs():
+        for name in _CUDA_HEADERS:
+            header = Path(d, name)
+            if header.is_file():
+                add(f"hdr:{name}", header.read_bytes())
+    add("file", str(path.name).encode())
+    add("names", "\n".join(names).encode())
+    add("arch", arch.encode())
+    add("options", "\n".join(options).encode())
+    add("nvrtc", repr(nvrtc_version()).encode())
+    return h.hexdigest()[:40]
+
+
+def cache_path(source_file: str, name_expressions: Sequence[str], arch: str) -> Path:
+    """Where the cubin of these name expressions of `source_file` for `arch` is (or would be) cached."""
+    path = _source_path(source_file)
+    names = tuple(name_expressions)
+    key = _key(path, names, arch, compile_options(arch, path.parent))
+    return _cache_dir() / f"{path.stem}-{arch}-{key}.cubin"
+
+
+def _read_cache(path: Path, names: Tuple[str, ...]):
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    if not blob.startswith(_CACHE_MAGIC):
+        return None
+    header, sep, cubin = blob[len(_CACHE_MAGIC):].partition(b"\n")
+    try:
+        lowered = json.loads(header)
+    except ValueError:
+        return None
+    if not sep or not cubin or not all(n in lowered for n in names):
+        return None
+    return cubin, lowered
+
+
+def _write_cache(path: Path, cubin: bytes, lowered: dict) -> None:
+    blob = _CACHE_MAGIC + json.dumps(lowered).encode() + b"\n" + cubin
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the entry from others sharing the dir
+        os.replace(tmp, path)  # atomic: a reader sees the old entry or the whole new one
+        tmp = None
+    except OSError as exc:
+        warnings.warn(f"commfuse: could not write the kernel cache {path}: {exc}", RuntimeWarning, stacklevel=3)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+# --------------------------------------------------------------------------- compile
+
+
+def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...]):
+    """Compile `path` with NVRTC: (cubin bytes, {name expression: lowered name})."""
+    nvrtc = _nvrtc()
+    what = f"NVRTC compile of {path.name} [{', '.join(names)}]"
+    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], []), what)
+    try:
+        for name in names:
+            _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), f"{what}: adding {name}")
+        opts = [o.encode() for o in options]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), what)
+            log = b" " * size
+            _nvrtc_check(nvrtc.nvrtcGetProgramLog(prog, log), what)
+            _, msg = nvrtc.nvrtcGetErrorString(err)
+            raise JitError(
+                f"{what} for {_arch_of(options)} failed ({msg.decode(errors='replace')}):\n"
+                + log.rstrip(b"\0 ").decode(errors="replace")
+            )
+        size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), what)
+        cubin = b" " * size
+        _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), what)
+        lowered = {}
+        for name in names:
+            low = _nvrtc_check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), f"{what}: lowered name of {name}")
+            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+        return cubin, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _arch_of(options: Tuple[str, ...]) -> str:
+    return next((o.split("=", 1)[1] for o in options if o.startswith("--gpu-architecture=")), "?")
+
+
+class Build(NamedTuple):
+    cubin: bytes
+    lowered: Dict[str, str]  # name expression -> mangled symbol in the cubin
+
+
+def build(source_file: str, name_expressions: Sequence[str], arch: str) -> Build:
+    """One cubin holding every name expression of `source_file` for `arch`, from the disk cache,
+    else compiled by NVRTC (and cached). source_file: a file name in csrc/ (or an absolute
+    path). Needs NVRTC, not a GPU."""
+    names = tuple(name_expressions)
+    if not names:
+        raise ValueError("build needs at least one name expression")
+    path = _source_path(source_file)
+    options = compile_options(arch, path.parent)
+    entry = _cache_dir() / f"{path.stem}-{arch}-{_key(path, names, arch, options)}.cubin"
+    hit = _read_cache(entry, names)
+    if hit is not None:
+        return Build(*hit)
+    cubin, lowered = _nvrtc_compile(path, names, options)
+    _write_cache(entry, cubin, lowered)
+    return Build(cubin, lowered)
+
+
+def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str) -> bytes:
+    """The cubin of :func:`build`."""
+    return build(source_file, name_expressions, arch).cubin
+
+
+# --------------------------------------------------------------------------- load and launch
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _cu_check(result, what: str):
+    driver = _driver()
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        _, desc = driver.cuGetErrorString(err)
+        raise JitError(f"{what}: {name.decode() if name else err}: {desc.decode() if desc else ''}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class _ParamSlot(threading.local):
+    """Per-thread staging for kernel parameters: cuLaunchKernel copies them before it returns,
+    so one buffer per thread serves every launch without allocating."""
+
+    MAX_BYTES = 4096  # CUDA's classic kernel-parameter limit
+
+    def __init__(self):
+        self.buf = ctypes.create_string_buffer(self.MAX_BYTES)
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.buf_addr = ctypes.addressof(self.buf)
+        self.argv_addr = ctypes.addressof(self.argv)
+
+
+_SLOT = _ParamSlot()
+
+
+class Kernel:
+    """A compiled kernel loaded into one device's primary context (torch's context)."""
+
+    __slots__ = ("name", "lowered_name", "arch", "device_index", "_module", "_function", "_ok", "_launch")
+
+    def __init__(self, name: str, lowered_name: str, arch: str, cubin: bytes, device_index: int):
+        self.name = name
+        self.lowered_name = lowered_name
+        self.arch = arch
+        self.device_index = device_index
+        driver = _driver()
+        where = f"loading {name} ({arch}) on cuda:{device_index}"
+        _cu_check(driver.cuInit(0), where)
+        dev = _cu_check(driver.cuDeviceGet(device_index), where)
+        # torch uses the primary context; retaining it here makes it exist and keeps it alive.
+        ctx = _cu_check(driver.cuDevicePrimaryCtxRetain(dev), where)
+        _cu_check(driver.cuCtxPushCurrent(ctx), where)
+        try:
+            image = ctypes.create_string_buffer(cubin, len(cubin))
+            self._module = _cu_check(driver.cuModuleLoadData(ctypes.addressof(image)), where)
+            self._function = _cu_check(driver.cuModuleGetFunction(self._module, lowered_name.encode()), where)
+        finally:
+            _cu_check(driver.cuCtxPopCurrent(), where)
+        self._ok = driver.CUresult.CUDA_SUCCESS
+        self._launch = driver.cuLaunchKernel
+
+    def launch(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], params: bytes = b"",
+               shared_mem: int = 0, stream: Optional[int] = None) -> None:
+        """Launch on `stream` (a raw cudaStream_t as int; default: torch's current stream of the
+        kernel's device). params: the bytes of the kernel's by-value parameter struct. The
+        caller makes the kernel's device current (torch.cuda.device) when it is not already."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        slot = _SLOT
+        n = len(params)
+        if n > _ParamSlot.MAX_BYTES:
+            raise JitError(f"{self.name}: {n} bytes of parameters > {_ParamSlot.MAX_BYTES}")
+        ctypes.memmove(slot.buf_addr, params, n)
+        (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                              shared_mem, stream, slot.argv_addr, 0)
+        if err != self._ok:
+            _cu_check((err,), f"launch of {self.name} grid={tuple(grid)} block={tuple(block)} on cuda:{self.device_index}")
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, arch={self.arch!r}, device={self.device_index})"
+
+
+def _device_index(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def kernel(source_file: str, name_expression: str, arch: Optional[str] = None, device=None) -> Kernel:
+    """The kernel `name_expression` of `source_file`, compiled for `arch` (default: the device's)
+    and loaded on `device` (default: the current CUDA device). Cached: compiled once per process
+    and arch (and once per machine through the disk cache), loaded once per device."""
+    index = _device_index(device)
+    return _kernel(source_file, name_expression, arch or device_arch(index), index)
+
+
+@functools.cache
+def _kernel(source_file: str, name_expression: str, arch: str, device_index: int) -> Kernel:
+    if torch.cuda.is_current_stream_capturing():
+        raise JitError(
+            f"{name_expression} is not compiled/loaded yet and the current CUDA stream is capturing a "
+            "graph, where loading a module is not allowed: call the op once eagerly (or its warmup "
+            "helper, e.g. commfuse.fused_tail.warmup) before capture"
+        )
+    cubin, lowered = build(source_file, (name_expression,), arch)
+    return Kernel(name_expression, lowered[name_expression], arch, cubin, device_index)

@@ -1,0 +1,422 @@
+// The all-reduce tail as device code: residual add, RMSNorm, then optional FP8 or NVFP4
+// quantization of one row.
+//
+// One implementation serves the local tail kernel (fused_tail.cu, after NCCL) and the P2P
+// all-reduce kernels, which reduce a row across ranks and hand it over here. The semantics are
+// DESIGN.md's "Semantics", bit for bit where they pin the bits; commfuse/reference.py is the
+// oracle the kernels are tested against.
+//
+// Contract with callers
+// - One CTA handles one row at a time. blockDim.x is a multiple of 32 (full-warp shuffles) and
+//   at most 32 * kTailMaxWarps. Every thread of the CTA calls the row functions (they contain
+//   __syncthreads and warp shuffles).
+// - A row is split into 16-byte vectors of 8 elements of T; thread threadIdx.x owns vectors
+//   v = threadIdx.x + i * blockDim.x. Because blockDim.x is even, the two vectors of an NVFP4
+//   block (2j, 2j+1) sit on neighbouring lanes of one warp.
+// - All pointers are 16-byte aligned (the launcher guarantees it), h % 8 == 0 (h % 16 == 0 for
+//   NVFP4).
+// - Swizzled scale-factor padding: the owner of row m < t writes its row's padding columns;
+//   the rows in [t, roundup(t, 128)) are written by whoever the caller assigns (fused_tail.cu
+//   launches one extra CTA per padding row, which calls tail_sf_zero(p, row, 0)).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace commfuse {
+
+constexpr int kQuantNone = 0;
+constexpr int kQuantFp8 = 1;
+constexpr int kQuantNvfp4 = 2;
+
+constexpr int kVecElems = 8;       // elements of T in one 16-byte vector
+constexpr int kSfBlock = 16;       // NVFP4 block size: two vectors
+constexpr int kTailMaxWarps = 32;  // size of the reduction scratch callers provide
+
+// Everything the tail needs besides the all-reduced values. Layout mirrored in
+// commfuse/fused_tail.py (_PARAMS); keep the two in step.
+struct TailParams {
+  const void* residual_in;  // T [t, h]
+  void* residual_out;       // T [t, h]
+  const void* weight;       // T [h]
+  void* norm_out;           // T [t, h], or nullptr when the norm is not returned
+  void* quant_out;          // fp8 [t, h] or uint8 [t, h/2] (NVFP4); unused without quant
+  void* sf_out;             // NVFP4 scale factors (e4m3), swizzled or [t, h/16]
+  const float* scale;       // dequant scale, 1 element; unused without quant
+  float eps;
+  int h;
+  int t;
+  int sf_swizzled;  // 1: 128x4 swizzled layout, 0: linear [t, h/16]
+};
+
+// ------------------------------------------------------------------ T <-> fp32, two at a time
+
+template <typename T>
+struct Pack;
+
+template <>
+struct Pack<__half> {
+  static __device__ __forceinline__ float2 unpack(unsigned w) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float from_bits(unsigned bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+};
+
+template <>
+struct Pack<__nv_bfloat16> {
+  static __device__ __forceinline__ float2 unpack(unsigned w) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float from_bits(unsigned bits) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(bits)));
+  }
+};
+
+__device__ __forceinline__ void words(const uint4& v, unsigned (&w)[4]) {
+  w[0] = v.x;
+  w[1] = v.y;
+  w[2] = v.z;
+  w[3] = v.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  unsigned w[4];
+  words(v, w);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = Pack<T>::unpack(w[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+// ------------------------------------------------------------------ FP8 e4m3
+
+// fp32 pair -> two e4m3 bytes (lo in the low byte): RNE, saturating to +-448 (Inf too).
+// The hardware convert (sm_89+) and the emulation below it may disagree on a NaN's sign; the
+// contract has one NaN code, 0x7F, so NaNs are made positive first.
+__device__ __forceinline__ unsigned e4m3x2(float lo, float hi) {
+  const float qnan = __int_as_float(0x7fffffff);
+  const float2 v = make_float2(isnan(lo) ? qnan : lo, isnan(hi) ? qnan : hi);
+  return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float e4m3_to_float(unsigned char b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
+}
+
+// ------------------------------------------------------------------ e2m1
+
+// Hardware e2m1 conversion exists on the arch-specific Blackwell targets (sm_100a, sm_120a, ...,
+// and the sm_10x/11x/12x families); the guard follows cuda_fp8.h's own. NVRTC 12.8 has only the
+// __CUDA_ARCH_FEAT_* macros.
+#if defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && (__CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000) && \
+    (__CUDA_ARCH_FAMILY_SPECIFIC__ < 1300)
+#define COMMFUSE_HW_E2M1 1
+#elif defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM101_ALL) || \
+    defined(__CUDA_ARCH_FEAT_SM103_ALL) || defined(__CUDA_ARCH_FEAT_SM120_ALL) ||     \
+    defined(__CUDA_ARCH_FEAT_SM121_ALL)
+#define COMMFUSE_HW_E2M1 1
+#else
+#define COMMFUSE_HW_E2M1 0
+#endif
+
+// Full e2m1 code from x and its magnitude code: the sign bit is the float's (so -0.0 -> 0x8).
+// NaN gives 0: a NaN only gets here from a NaN block (enc = NaN), whose codes the contract sets
+// to 0, or from 0 * Inf when the scale is absurdly small, where the reference gives 0 as well.
+__device__ __forceinline__ unsigned e2m1_with_sign(float x, unsigned magnitude) {
+  return isnan(x) ? 0u : (magnitude | ((__float_as_uint(x) >> 28) & 0x8u));
+}
+
+#if COMMFUSE_HW_E2M1
+// The instruction is fed |x|, and its NaN result (+6, per the emulation in cuda_fp4.hpp) is
+// overridden by e2m1_with_sign: only its RNE rounding of finite values and Inf is relied on.
+__device__ __forceinline__ unsigned e2m1_pair(float lo, float hi) {
+  unsigned short packed;
+  asm("{\n"
+      "  .reg .b8 q;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 q, %1, %2;\n"  // first source -> high nibble
+      "  mov.b16 %0, {q, 0};\n"
+      "}"
+      : "=h"(packed)
+      : "f"(fabsf(hi)), "f"(fabsf(lo)));
+  return e2m1_with_sign(lo, packed & 0x7u) | (e2m1_with_sign(hi, (packed >> 4) & 0x7u) << 4);
+}
+#else
+// e2m1 magnitude code of |x| (0..7 for 0, .5, 1, 1.5, 2, 3, 4, 6), RNE, saturating; NaN is the
+// caller's. The spec is the threshold form of reference.e2m1_encode:
+//   (m > .25) + (m >= .75) + (m > 1.25) + (m >= 1.75) + (m > 2.5) + (m >= 3.5) + (m > 5)
+// which costs ~21 instructions per element on sm_90; this form costs ~8 and equals it for every
+// non-NaN fp32 (checked exhaustively over all 2^32 bit patterns).
+__device__ __forceinline__ unsigned e2m1_magnitude(float x) {
+  const unsigned b = __float_as_uint(x) & 0x7fffffffu;
+  // |x| < 1: the codes 0, 1, 2 are 2|x| rounded to an integer. Added to 1.5 * 2^23 (unit ulp,
+  // even) in one fma, the rounding is the adder's RNE and the integer lands in the low bits.
+  const unsigned small = __float_as_uint(fmaf(fabsf(x), 2.0f, 12582912.0f)) & 0x3u;
+  // |x| >= 1: e2m1 is fp32 cut to one mantissa bit. Rounding the bit pattern (add half an ulp
+  // of the kept bit, minus one, plus the kept bit: RNE) and dropping 22 bits leaves
+  // (exponent << 1 | bit); fp32's 1.0 (254) is code 2. Inf and overflow saturate at 7.
+  const unsigned big = min(((b + 0x1fffffu + ((b >> 22) & 1u)) >> 22) - 252u, 7u);
+  return b < 0x3f800000u ? small : big;
+}
+
+__device__ __forceinline__ unsigned e2m1_pair(float lo, float hi) {
+  return e2m1_with_sign(lo, e2m1_magnitude(lo)) | (e2m1_with_sign(hi, e2m1_magnitude(hi)) << 4);
+}
+#endif
+
+// Eight codes, element j in bits [4j, 4j+4): the even element of each byte in its low nibble.
+__device__ __forceinline__ unsigned e2m1x8(const float (&x)[8]) {
+  unsigned out = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out |= e2m1_pair(x[2 * j], x[2 * j + 1]) << (8 * j);
+  return out;
+}
+
+// ------------------------------------------------------------------ per-vector steps
+
+// round_T(a + r) for 8 elements; adds the squares of the rounded values to sumsq.
+template <typename T>
+__device__ __forceinline__ uint4 add_round(const uint4& a, const uint4& r, float& sumsq) {
+  unsigned wa[4], wr[4], out[4];
+  words(a, wa);
+  words(r, wr);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 fa = Pack<T>::unpack(wa[j]);
+    const float2 fr = Pack<T>::unpack(wr[j]);
+    out[j] = Pack<T>::pack(fa.x + fr.x, fa.y + fr.y);
+    const float2 fo = Pack<T>::unpack(out[j]);  // the norm sees the T-rounded residual
+    sumsq = fmaf(fo.x, fo.x, sumsq);
+    sumsq = fmaf(fo.y, fo.y, sumsq);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// round_T((x * inv) * w), in the reference's order of operations.
+template <typename T>
+__device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, float inv) {
+  unsigned wx[4], ww[4], out[4];
+  words(x, wx);
+  words(w, ww);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 fx = Pack<T>::unpack(wx[j]);
+    const float2 fw = Pack<T>::unpack(ww[j]);
+    out[j] = Pack<T>::pack(__fmul_rn(__fmul_rn(fx.x, inv), fw.x),
+                           __fmul_rn(__fmul_rn(fx.y, inv), fw.y));
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// e4m3(norm / scale) with a true division, as the contract says (x * (1/scale) can differ).
+template <typename T>
+__device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
+  float f[8];
+  unpack8<T>(n, f);
+  unsigned q[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) q[j] = e4m3x2(__fdiv_rn(f[2 * j], scale), __fdiv_rn(f[2 * j + 1], scale));
+  return make_uint2(q[0] | (q[1] << 16), q[2] | (q[3] << 16));
+}
+
+// Largest |x| of 8 T values, as the bit pattern of a T. Without the sign bit, the integer order
+// of fp16/bf16 patterns is the order of their magnitudes, with every NaN above Inf: so a NaN in
+// the block comes out as NaN (fmaxf would drop it) and gives the block a NaN scale factor.
+__device__ __forceinline__ unsigned abs_max_bits(const uint4& n) {
+  unsigned m = __vmaxu2(n.x & 0x7fff7fffu, n.y & 0x7fff7fffu);
+  m = __vmaxu2(m, n.z & 0x7fff7fffu);
+  m = __vmaxu2(m, n.w & 0x7fff7fffu);
+  return max(m & 0xffffu, m >> 16);
+}
+
+// Flat index of the scale factor of (row m, block k). Unsigned: m, k >= 0, and unsigned
+// division by powers of two is a shift.
+__device__ __forceinline__ size_t sf_index(const TailParams& p, unsigned m, unsigned k) {
+  const unsigned K = static_cast<unsigned>(p.h) / kSfBlock;
+  if (!p.sf_swizzled) return static_cast<size_t>(m) * K + k;
+  const unsigned k_tiles = (K + 3) / 4;
+  return static_cast<size_t>(m / 128) * (static_cast<size_t>(k_tiles) * 512) + (k / 4) * 512 +
+         (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
+}
+
+// Zero the swizzled scale factors of row m for blocks [k_begin, roundup(K, 4)).
+__device__ __forceinline__ void tail_sf_zero(const TailParams& p, int m, int k_begin) {
+  const int k_end = ((p.h / kSfBlock) + 3) & ~3;
+  unsigned char* sf = static_cast<unsigned char*>(p.sf_out);
+  for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) sf[sf_index(p, m, k)] = 0;
+}
+
+// Rows the grid must cover: padding rows of the swizzled layout need someone to zero them.
+template <int QUANT>
+__device__ __forceinline__ int tail_row_slots(const TailParams& p) {
+  return (QUANT == kQuantNvfp4 && p.sf_swizzled) ? (p.t + 127) / 128 * 128 : p.t;
+}
+
+// The scalar the quantizer needs: the dequant scale for FP8, S = 1/scale for NVFP4.
+template <int QUANT>
+__device__ __forceinline__ float quant_scalar(const TailParams& p) {
+  if constexpr (QUANT == kQuantFp8) return *p.scale;
+  if constexpr (QUANT == kQuantNvfp4) return __frcp_rn(*p.scale);
+  return 0.f;
+}
+
+// Norm, and quantization, of vector v of row `row`, given its T-rounded residual x and weight w.
+// Every lane of the warp must call it (NVFP4 pairs lanes through a shuffle); `active` is false
+// for lanes past the row's end, whose x and w are zero.
+template <typename T, int QUANT>
+__device__ __forceinline__ void emit_vector(const TailParams& p, int row, int v, bool active,
+                                            const uint4& x, const uint4& w, float inv, float qs) {
+  const uint4 n = norm_round<T>(x, w, inv);
+  const size_t row_base = static_cast<size_t>(row) * p.h;
+  if (active && p.norm_out != nullptr)
+    reinterpret_cast<uint4*>(static_cast<T*>(p.norm_out) + row_base)[v] = n;
+  if constexpr (QUANT == kQuantFp8) {
+    const uint2 q = quant_fp8<T>(n, qs);
+    if (active) reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
+  } else if constexpr (QUANT == kQuantNvfp4) {
+    unsigned m = abs_max_bits(n);
+    m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the block's other half, on lane ^ 1
+    const float vmax = Pack<T>::from_bits(m);
+    const unsigned char sf = static_cast<unsigned char>(e4m3x2(__fdiv_rn(__fmul_rn(qs, vmax), 6.0f), 0.f));
+    const float sf_value = e4m3_to_float(sf);
+    // A NaN scale factor gives enc = NaN, so every code of the block is 0 (e2m1 of NaN).
+    const float enc = sf_value == 0.f ? 0.f : __fdiv_rn(qs, sf_value);
+    float f[8];
+    unpack8<T>(n, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = __fmul_rn(f[j], enc);
+    const unsigned codes = e2m1x8(f);
+    if (active) {
+      reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + row_base / 2)[v] = codes;
+      if ((v & 1) == 0) static_cast<unsigned char*>(p.sf_out)[sf_index(p, row, v / 2)] = sf;
+    }
+  }
+}
+
+// Sum of v over the CTA, the same bits in every thread (warp sums are added in warp order).
+// red: shared scratch of at least blockDim.x / 32 floats, free again on return.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warps = blockDim.x / 32;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < warps; ++i) total += red[i];
+  __syncthreads();  // lets the caller reuse red for the next row
+  return total;
+}
+
+__device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) {
+  return rsqrtf(__fdiv_rn(sumsq, static_cast<float>(p.h)) + p.eps);
+}
+
+// ------------------------------------------------------------------ whole rows
+
+// Tail of row `row` whose all-reduced values sit in registers: a[i] is vector
+// threadIdx.x + i * blockDim.x (zero past the row's end). Needs VPT * blockDim.x * 8 >= h.
+template <typename T, int QUANT, int VPT>
+__device__ __forceinline__ void tail_row(const TailParams& p, int row, const uint4 (&a)[VPT], float* red) {
+  const int nv = p.h / kVecElems;
+  const size_t row_base = static_cast<size_t>(row) * p.h;
+  const uint4* res_in = reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual_in) + row_base);
+  uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
+  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  // All loads first, so they are in flight together; the weight is shared by every row (__ldg).
+  uint4 x[VPT], w[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    x[i] = v < nv ? res_in[v] : zero;
+    w[i] = v < nv ? __ldg(weight + v) : zero;
+  }
+  const float qs = quant_scalar<QUANT>(p);
+
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    x[i] = add_round<T>(a[i], x[i], sumsq);
+    if (v < nv) res_out[v] = x[i];
+  }
+  const float inv = inv_rms(block_sum(sumsq, red), p);
+
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    emit_vector<T, QUANT>(p, row, v, v < nv, x[i], w[i], inv, qs);
+  }
+  if constexpr (QUANT == kQuantNvfp4) {
+    if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
+  }
+}
+
+// Tail of a row too long for registers: LV vectors per thread at a time, in two passes. Pass 1
+// writes residual_out and sums squares; pass 2 reads residual_out back (each thread only its own
+// writes, so no fence is needed) for the norm and quantization. load_a(v) returns vector v of
+// the all-reduced row.
+template <typename T, int QUANT, int LV, typename LoadA>
+__device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, LoadA load_a, float* red) {
+  const int nv = p.h / kVecElems;
+  const int step = LV * blockDim.x;
+  const size_t row_base = static_cast<size_t>(row) * p.h;
+  const uint4* res_in = reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual_in) + row_base);
+  uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
+  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const float qs = quant_scalar<QUANT>(p);
+
+  float sumsq = 0.f;
+  for (int c = 0; c < nv; c += step) {
+    uint4 a[LV], r[LV];
+#pragma unroll
+    for (int i = 0; i < LV; ++i) {
+      const int v = c + threadIdx.x + i * blockDim.x;
+      a[i] = v < nv ? load_a(v) : zero;
+      r[i] = v < nv ? res_in[v] : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < LV; ++i) {
+      const int v = c + threadIdx.x + i * blockDim.x;
+      const uint4 x = add_round<T>(a[i], r[i], sumsq);
+      if (v < nv) res_out[v] = x;
+    }
+  }
+  const float inv = inv_rms(block_sum(sumsq, red), p);
+
+  // The trip count is the same for every thread: emit_vector's shuffle needs whole warps.
+  for (int c = 0; c < nv; c += step) {
+    uint4 x[LV], w[LV];
+#pragma unroll
+    for (int i = 0; i < LV; ++i) {
+      const int v = c + threadIdx.x + i * blockDim.x;
+      x[i] = v < nv ? __ldcg(res_out + v) : zero;
+      w[i] = v < nv ? __ldg(weight + v) : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < LV; ++i) {
+      const int v = c + threadIdx.x + i * blockDim.x;
+      emit_vector<T, QUANT>(p, row, v, v < nv, x[i], w[i], inv, qs);
+    }
+  }
+  if constexpr (QUANT == kQuantNvfp4) {
+    if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
+  }
+}
+
+}  // namespace commfuse

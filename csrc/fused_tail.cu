@@ -1,0 +1,55 @@
+// Local fused tail, launched after NCCL's all-reduce: one kernel for residual add, RMSNorm and
+// optional FP8/NVFP4 quantization (the device code lives in epilogue.cuh).
+//
+// Grid: one CTA per row, plus (NVFP4, swizzled layout) one per padding row of the last 128-row
+// tile, which only zeroes that row's scale factors. Rows go on gridDim.x (up to 2^31 - 1).
+// Block: a multiple of 32 threads, at most kTailThreads, chosen by commfuse/fused_tail.py.
+//
+// One row per CTA even for small h: with h >= 2048 (every real model) a row already fills
+// 256 threads, and smaller rows are too cheap for packing several per CTA to matter.
+#include "epilogue.cuh"
+
+namespace commfuse {
+
+constexpr int kTailThreads = 256;
+// Vectors per thread per step of the looped path (rows longer than the register path takes).
+constexpr int kLoopVectors = 4;
+
+// The kernel's only parameter; packed by commfuse/fused_tail.py (_PARAMS) in this order.
+struct FusedTailParams {
+  const void* a;  // T [t, h]: the all-reduced input
+  TailParams tail;
+};
+// commfuse/fused_tail.py packs it as struct "<8Qf3i": 8 pointers, eps, h, t, sf_swizzled.
+static_assert(sizeof(FusedTailParams) == 80, "layout shared with commfuse/fused_tail.py");
+static_assert(__builtin_offsetof(FusedTailParams, tail) == 8, "layout shared with commfuse/fused_tail.py");
+static_assert(__builtin_offsetof(TailParams, eps) == 56 && __builtin_offsetof(TailParams, h) == 60 &&
+                  __builtin_offsetof(TailParams, t) == 64 && __builtin_offsetof(TailParams, sf_swizzled) == 68,
+              "layout shared with commfuse/fused_tail.py");
+
+// VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
+// VPT == 0: rows of any length, looped over (two passes over residual_out).
+template <typename T, int QUANT, int VPT>
+__global__ void __launch_bounds__(kTailThreads) fused_tail(const __grid_constant__ FusedTailParams p) {
+  __shared__ float red[kTailThreads / 32];
+  const int row = blockIdx.x;
+  if (row >= p.tail.t) {
+    if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p.tail, row, 0);
+    return;
+  }
+  const int nv = p.tail.h / kVecElems;
+  const uint4* a = reinterpret_cast<const uint4*>(static_cast<const T*>(p.a) + static_cast<size_t>(row) * p.tail.h);
+  if constexpr (VPT > 0) {
+    uint4 av[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      av[i] = v < nv ? a[v] : make_uint4(0, 0, 0, 0);
+    }
+    tail_row<T, QUANT, VPT>(p.tail, row, av, red);
+  } else {
+    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, row, [a](int v) { return a[v]; }, red);
+  }
+}
+
+}  // namespace commfuse

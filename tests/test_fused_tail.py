@@ -1,0 +1,380 @@
+"""GPU: the fused tail kernel (commfuse.fused_tail.run) against commfuse.reference.fused_tail fed
+the same all-reduced input, to DESIGN.md's tolerances:
+
+- residual: bit-identical (one fp32 add rounded to T, as the reference does);
+- norm: within 1 ulp of T (the row's sum of squares is added in another order);
+- quant codes and scale factors: equal to the reference, except where the kernel's norm differs
+  from the reference's by its ulp (then one step), at most 1e-3 of them; and bit-identical to the
+  reference quantizer run on CPU (the exact semantics) over the kernel's own norm.
+
+Every output is allocated poisoned, twice with two different poisons, and the two runs must agree
+byte for byte: an element the kernel never writes (swizzle padding included) fails.
+Every test skips with a reason without a CUDA GPU.
+"""
+import pytest
+import torch
+
+from commfuse import fused_tail as ft
+from commfuse import jit
+from commfuse import reference as ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fused tail kernel)"),
+]
+
+DTYPES = (torch.float16, torch.bfloat16)
+HIDDEN = (128, 2880, 4096, 5120, 7168, 8192, 16384)
+TOKENS = (1, 16, 64, 256, 8192)
+# (quant, return_norm, sf_layout)
+PATTERNS = (
+    (None, False, "swizzled"),
+    ("fp8", False, "swizzled"),
+    ("fp8", True, "swizzled"),
+    ("nvfp4", False, "swizzled"),
+    ("nvfp4", True, "swizzled"),
+    ("nvfp4", False, "linear"),
+    ("nvfp4", True, "linear"),
+)
+EPS = 1e-6
+POISONS = (0xA5, 0x5A)
+NAN_ROW, INF_ROW = 2, 3
+
+
+def _dtype_id(d):
+    return str(d).replace("torch.", "")
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_inputs(tokens, hidden, dtype, seed):
+    """a, residual [t,h] and weight [h] of dtype on the GPU, seeded, never all zeros.
+
+    Rows 0..4 (when t >= 5): spikes (outliers), whole zero blocks, a NaN, an Inf, all zeros.
+    Column big_col has the largest finite weight, so norms there overflow to +-Inf in T.
+    Returns (a, residual, weight, special_rows, big_col).
+    """
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+    residual = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+    weight = 1 + 0.5 * torch.randn(hidden, generator=g, device="cuda")  # some negative: signed zeros
+    big_col = hidden // 5
+    weight[big_col] = torch.finfo(dtype).max
+    weight = weight.to(dtype)
+    special = []
+    if tokens >= 5:
+        a[0, :: max(1, hidden // 7)] = 2000.0
+        for k in range(0, hidden // 16, 3):
+            a[1, 16 * k: 16 * k + 16] = 0
+            residual[1, 16 * k: 16 * k + 16] = 0
+        a[NAN_ROW, hidden // 3] = float("nan")
+        a[INF_ROW, hidden // 2] = float("inf")
+        a[4] = -residual[4]
+        special = [0, 1, NAN_ROW, INF_ROW, 4]
+    return a, residual, weight, special, big_col
+
+
+def scale_for(quant, norm, special, big_col):
+    """A dequant scale from the ordinary rows' amax (spike rows and the big column saturate)."""
+    rows = torch.ones(norm.shape[0], dtype=torch.bool, device=norm.device)
+    rows[special] = False
+    if not rows.any():
+        rows[:] = True
+    cols = torch.ones(norm.shape[1], dtype=torch.bool, device=norm.device)
+    cols[big_col] = False
+    x = norm[rows][:, cols].float().abs()
+    amax = x[torch.isfinite(x)].max().clamp(min=1e-3)
+    s = ref.fp8_scale_from_amax(amax) if quant == "fp8" else ref.nvfp4_scale_from_amax(amax)
+    return s.reshape(1).to(torch.float32)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_kernel(monkeypatch, *args, **kwargs):
+    """ft.run with outputs poisoned, twice with different poisons; the runs must agree bytewise."""
+    outs = []
+    for poison in POISONS:
+        def empty(*shape, dtype, device, _poison=poison):
+            x = torch.empty(*shape, dtype=dtype, device=device)
+            x.view(torch.uint8).fill_(_poison)
+            return x
+
+        monkeypatch.setattr(ft, "_empty", empty)
+        outs.append(ft.run(*args, **kwargs))
+    monkeypatch.setattr(ft, "_empty", torch.empty)
+    first, second = outs
+    for name, x, y in zip(first._fields, first, second):
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), \
+                f"{name}: elements left unwritten (or the kernel is not deterministic)"
+    return first
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def same(x, y):
+    """Elementwise: bit-identical, or both NaN."""
+    bits = x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16)
+    ybits = y.view(torch.uint8) if y.element_size() == 1 else y.view(torch.int16)
+    return (bits == ybits) | (torch.isnan(x.float()) & torch.isnan(y.float()))
+
+
+def ulp_key(x):
+    """fp16/bf16 -> int32 that counts ulps: neighbours differ by 1, +0 and -0 are both 0."""
+    bits = x.view(torch.int16).int()
+    mag = bits & 0x7FFF
+    return torch.where(bits < 0, -mag, mag)
+
+
+def fp8_key(codes):
+    """e4m3 byte codes -> int32 counting steps (+-0 both 0)."""
+    c = codes.int()
+    mag = c & 0x7F
+    return torch.where((c & 0x80) != 0, -mag, mag)
+
+
+def assert_residual(k, r):
+    assert k.shape == r.shape and k.dtype == r.dtype
+    assert same(k, r).all(), f"residual differs at {(~same(k, r)).nonzero()[:5].tolist()}"
+
+
+def assert_norm(k, r):
+    assert k.shape == r.shape and k.dtype == r.dtype
+    assert torch.equal(torch.isnan(k), torch.isnan(r)), "norm NaN positions differ"
+    inf = torch.isinf(r) | torch.isinf(k)
+    assert torch.equal(k[inf], r[inf]), "norm infinities differ"
+    fin = torch.isfinite(r) & torch.isfinite(k)
+    if fin.any():
+        worst = (ulp_key(k) - ulp_key(r)).abs()[fin].max().item()
+        assert worst <= 1, f"norm off by {worst} ulp"
+
+
+def sf_linear(sf, t, h, layout):
+    """Scale factors as uint8 [t, h/16], whatever the layout."""
+    K = h // 16
+    lin = ref.unswizzle_scale_factors(sf, t, K) if layout == "swizzled" else sf.reshape(t, K)
+    return lin.view(torch.uint8)
+
+
+def unpack_codes(q, t, h):
+    return torch.stack((q & 0xF, q >> 4), dim=-1).reshape(t, h)
+
+
+def budget(n):
+    return max(1, int(1e-3 * n))
+
+
+def check_fp8(k, e, kn, en):
+    kq, eq = k.quant.view(torch.uint8), e.quant.view(torch.uint8)
+    assert k.quant.dtype == torch.float8_e4m3fn and k.quant.shape == e.quant.shape
+    nan_ref = eq == 0x7F
+    assert (kq[nan_ref] == 0x7F).all(), "a NaN of the reference is not the NaN code"
+    mism = kq != eq
+    explained = ~same(kn, en)
+    assert not (mism & ~explained).any(), "fp8 codes differ where the norms agree"
+    if mism.any():
+        assert (fp8_key(kq) - fp8_key(eq)).abs()[mism].max() <= 1
+    assert mism.sum().item() <= budget(mism.numel())
+
+
+def check_nvfp4(k, e, kn, en, t, h, layout):
+    assert k.quant.dtype == torch.uint8 and k.quant.shape == (t, h // 2)
+    assert k.scale_factors.dtype == torch.float8_e4m3fn and k.scale_factors.shape == e.scale_factors.shape
+    K = h // 16
+    ksf, esf = sf_linear(k.scale_factors, t, h, layout), sf_linear(e.scale_factors, t, h, layout)
+    kc, ec = unpack_codes(k.quant, t, h), unpack_codes(e.quant, t, h)
+    nan_blocks = esf == 0x7F
+    assert (ksf[nan_blocks] == 0x7F).all(), "a NaN block of the reference lost its NaN scale factor"
+    assert (kc.view(t, K, 16)[nan_blocks] == 0).all(), "codes of a NaN block must be 0"
+    norm_diff = (~same(kn, en)).view(t, K, 16).any(-1)
+    sf_mism = ksf != esf
+    # A scale factor may also differ by one step where the reference, run on the GPU, rounds the
+    # other way at an e4m3 tie: torch divides by the python scalar 6 as a multiply by 1/6.
+    if sf_mism.any():
+        assert (fp8_key(ksf) - fp8_key(esf)).abs()[sf_mism].max() <= 1
+    assert sf_mism.sum().item() <= budget(sf_mism.numel())
+    code_mism = kc != ec
+    explained = (norm_diff | sf_mism).repeat_interleave(16, dim=1)
+    assert not (code_mism & ~explained).any(), "e2m1 codes differ in a block whose norm and sf agree"
+    assert code_mism.sum().item() <= max(16, int(1e-3 * code_mism.numel()))
+    if layout == "swizzled":
+        flat = k.scale_factors.view(torch.uint8)
+        assert flat.numel() == ft.sf_numel(t, h, "swizzled")
+        pad = torch.ones_like(flat, dtype=torch.bool)
+        m = torch.arange(t, device=flat.device).unsqueeze(1)
+        kk = torch.arange(K, device=flat.device).unsqueeze(0)
+        pad[ref.swizzled_sf_index(m, kk, K).reshape(-1)] = False
+        assert (flat[pad] == 0).all(), "swizzle padding not zeroed"
+
+
+def check_exact_quant(k, kn, quant, scale, layout, rows, t, h):
+    """The kernel's codes and scale factors are exactly the CPU reference quantizer's (the exact
+    semantics: true divisions) applied to the kernel's own norm."""
+    x = kn[rows].cpu()
+    s = scale.cpu()
+    if quant == "fp8":
+        want = ref.quantize_fp8(x, s).view(torch.uint8)
+        got = k.quant[rows].cpu().view(torch.uint8)
+        assert torch.equal(got, want), f"fp8 codes differ at {(got != want).nonzero()[:5].tolist()}"
+        return
+    q, sf = ref.quantize_nvfp4(x, s, "linear")
+    got_sf = sf_linear(k.scale_factors, t, h, layout)[rows].cpu()
+    assert torch.equal(got_sf, sf.view(torch.uint8)), \
+        f"scale factors differ at {(got_sf != sf.view(torch.uint8)).nonzero()[:5].tolist()}"
+    got_q = k.quant[rows].cpu()
+    assert torch.equal(got_q, q), f"e2m1 codes differ at {(got_q != q).nonzero()[:5].tolist()}"
+
+
+def check_rows(t, special, seed):
+    if t <= 64:
+        return torch.arange(t)
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(t, generator=g)[:59]
+    return torch.unique(torch.cat([picks, torch.tensor(special, dtype=torch.long)]))
+
+
+def check_patterns(monkeypatch, a, residual, weight, special, big_col, patterns, seed):
+    t, h = a.reshape(-1, a.shape[-1]).shape
+    base = ref.fused_tail(a, residual, weight, EPS)
+    rows = check_rows(t, special, seed)
+    for quant, return_norm, layout in patterns:
+        if quant == "nvfp4" and h % 16:
+            continue
+        where = f"quant={quant} return_norm={return_norm} sf_layout={layout}"
+        scale = scale_for(quant, base.norm, special, big_col) if quant else None
+        k = run_kernel(monkeypatch, a, residual, weight, EPS, quant, scale, return_norm, layout)
+        e = ref.fused_tail(a, residual, weight, EPS, quant, scale, return_norm, layout)
+        for name, x, y in zip(k._fields, k, e):
+            assert (x is None) == (y is None), f"{where}: {name}"
+        assert_residual(k.residual, e.residual)
+        if e.norm is not None:
+            assert_norm(k.norm, e.norm)
+        if quant is None:
+            continue
+        kn = k.norm if return_norm else ft.run(a, residual, weight, EPS, quant, scale, True, layout).norm
+        if quant == "fp8":
+            check_fp8(k, e, kn, base.norm)
+        else:
+            check_nvfp4(k, e, kn, base.norm, t, h, layout)
+        check_exact_quant(k, kn, quant, scale, layout, rows, t, h)
+        if special:
+            check_special_rows(k, quant, t, h, layout)
+
+
+def check_special_rows(k, quant, t, h, layout):
+    """NaN stays visible: a NaN in a row makes its whole norm NaN, so every code of the row is the
+    FP8 NaN code, or every NVFP4 block has a NaN scale factor and zero codes."""
+    if quant == "fp8":
+        assert (k.quant[NAN_ROW].view(torch.uint8) == 0x7F).all()
+        # Inf row: rms = Inf, so the Inf element's norm is Inf * 0 = NaN and the rest is +-0.
+        inf_row = k.quant[INF_ROW].view(torch.uint8)
+        assert (inf_row[h // 2] == 0x7F).item() and ((inf_row & 0x7F) == 0).sum().item() == h - 1
+    else:
+        sf = sf_linear(k.scale_factors, t, h, layout)
+        assert (sf[NAN_ROW] == 0x7F).all() and (k.quant[NAN_ROW] == 0).all()
+        assert sf[INF_ROW, h // 2 // 16].item() == 0x7F
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_matches_reference(dtype, hidden, tokens, monkeypatch):
+    seed = hidden * 100003 + tokens
+    a, residual, weight, special, big_col = make_inputs(tokens, hidden, dtype, seed)
+    check_patterns(monkeypatch, a, residual, weight, special, big_col, PATTERNS, seed)
+
+
+@pytest.mark.parametrize("hidden", (16, 24, 40, 48, 80, 1000, 32000, 65536))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_odd_and_long_rows(dtype, hidden, monkeypatch):
+    # 16..80: K = h/16 not a multiple of 4 (swizzle padding columns); 130 tokens: padding rows of
+    # a second 128-row tile; 32000 and 65536 take the looped (non-register) variant.
+    for tokens in (1, 7, 130):
+        seed = hidden * 7919 + tokens
+        a, residual, weight, special, big_col = make_inputs(tokens, hidden, dtype, seed)
+        check_patterns(monkeypatch, a, residual, weight, special, big_col, PATTERNS, seed)
+
+
+def test_saturation_and_signed_zero(monkeypatch):
+    # A tiny scale saturates every FP8 code to +-448 and every NVFP4 scale factor to 448.
+    a, residual, weight, _, _ = make_inputs(4, 256, torch.bfloat16, 5)  # no special rows
+    scale = torch.tensor([1e-6], dtype=torch.float32, device="cuda")
+    k = run_kernel(monkeypatch, a, residual, weight, EPS, "fp8", scale, True, "swizzled")
+    codes = k.quant.view(torch.uint8)
+    big = k.norm.float().abs() > 448 * 1e-6
+    assert ((codes[big] & 0x7F) == 0x7E).all()
+    k = run_kernel(monkeypatch, a, residual, weight, EPS, "nvfp4", scale, True, "linear")
+    assert (k.scale_factors.view(torch.uint8) == 0x7E).all()
+    # Zero rows with negative weights give -0 norms: e2m1 code 0x8 (sign of -0.0 kept).
+    a = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    a[:, 0] = 1  # not all zeros: one block stays live
+    residual = torch.zeros_like(a)
+    weight = -torch.ones(64, dtype=torch.bfloat16, device="cuda")
+    scale = torch.tensor([0.01], dtype=torch.float32, device="cuda")
+    k = run_kernel(monkeypatch, a, residual, weight, EPS, "nvfp4", scale, True, "linear")
+    e = ref.fused_tail(a, residual, weight, EPS, "nvfp4", scale, True, "linear")
+    assert torch.equal(k.quant, e.quant) and torch.equal(k.scale_factors.view(torch.uint8), e.scale_factors.view(torch.uint8))
+    assert (unpack_codes(k.quant, 4, 64)[:, 16:] == 0x8).all()
+
+
+def test_batched_shape_and_misaligned_views(monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(11)
+    h = 512
+    base = torch.randn(6 * h + 4, generator=g, device="cuda").to(torch.float16)
+    a = base[4:].view(2, 3, h)  # 8-byte offset: not 16-byte aligned
+    residual = torch.randn(2, 3, h, generator=g, device="cuda").to(torch.float16)
+    weight = torch.randn(h, generator=g, device="cuda").to(torch.float16)
+    scale = torch.tensor([0.01], dtype=torch.float32, device="cuda")
+    a_before = a.clone()
+    k = run_kernel(monkeypatch, a, residual, weight, EPS, "nvfp4", scale, True, "swizzled")
+    e = ref.fused_tail(a, residual, weight, EPS, "nvfp4", scale, True, "swizzled")
+    assert torch.equal(a, a_before)
+    assert k.residual.shape == (6, h)
+    assert_residual(k.residual, e.residual)
+    assert_norm(k.norm, e.norm)
+    check_exact_quant(k, k.norm, "nvfp4", scale, "swizzled", torch.arange(6), 6, h)
+
+
+def _graph_inputs():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(64, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(64, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(4096, generator=g, device="cuda").to(torch.bfloat16)
+    scale = torch.tensor([0.002], dtype=torch.float32, device="cuda")
+    return a, residual, weight, scale
+
+
+def test_cuda_graph_capture_after_warmup():
+    a, residual, weight, scale = _graph_inputs()
+    ft.warmup(torch.bfloat16, "nvfp4", 4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ft.run(a, residual, weight, EPS, "nvfp4", scale, True, "swizzled")
+    fresh = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
+    a.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    e = ref.fused_tail(fresh, residual, weight, EPS, "nvfp4", scale, True, "swizzled")
+    assert_residual(out.residual, e.residual)
+    assert_norm(out.norm, e.norm)
+    check_exact_quant(out, out.norm, "nvfp4", scale, "swizzled", torch.arange(64), 64, 4096)
+
+
+def test_first_use_inside_capture_raises():
+    a, residual, weight, scale = _graph_inputs()
+    ft._kernel.cache_clear()
+    jit._kernel.cache_clear()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(jit.JitError, match="eagerly"):
+        with torch.cuda.graph(graph):
+            ft.run(a, residual, weight, EPS, "fp8", scale)
+    # Eager use afterwards works, and then capture does.
+    k = ft.run(a, residual, weight, EPS, "fp8", scale)
+    assert_residual(k.residual, ref.fused_tail(a, residual, weight, EPS, "fp8", scale).residual)

@@ -1,0 +1,138 @@
+"""CPU (CI): every fused-tail kernel variant compiles with NVRTC for every supported arch, NVRTC
+failures become JitErrors that say which kernel and why, and the cubin cache keys and hits.
+
+No GPU needed; skipped with a reason when NVRTC cannot be loaded.
+"""
+import pytest
+import torch
+
+from commfuse import fused_tail, jit
+from commfuse.plan import Request, TensorMeta, make_plan, registered_kernels
+
+ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100a", "sm_120a")
+
+
+def _nvrtc_archs():
+    try:
+        return set(jit.supported_archs())
+    except jit.JitError as exc:
+        pytest.skip(f"NVRTC not available: {exc}")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(path))
+    monkeypatch.delenv("COMMFUSE_JIT_DEBUG", raising=False)
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_builds(arch, cache_dir):
+    if int(arch[3:].rstrip("a")) not in _nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
+    names = fused_tail.variants()
+    # One NVRTC program per arch with every variant: one front-end pass instead of thirty.
+    built = jit.build(fused_tail.SOURCE, names, arch)
+    assert built.cubin[:4] == b"\x7fELF"
+    assert sorted(built.lowered) == sorted(names)
+    for name, symbol in built.lowered.items():
+        assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
+
+
+def test_variants_cover_every_launch_config():
+    names = set(fused_tail.variants())
+    assert len(names) == 2 * 3 * (len(fused_tail.VPT_BUCKETS) + 1)
+    for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 16384, 16392, 32000, 65536):
+        vpt, threads = fused_tail.launch_config(hidden)
+        assert threads % 32 == 0 and 32 <= threads <= fused_tail.MAX_THREADS
+        if vpt:
+            assert vpt * threads * 8 >= hidden, hidden
+        else:
+            assert hidden > fused_tail.MAX_THREADS * 8 * max(fused_tail.VPT_BUCKETS)
+        for dtype in (torch.float16, torch.bfloat16):
+            for quant in (None, "fp8", "nvfp4"):
+                assert fused_tail.name_expression(dtype, quant, vpt) in names
+
+
+def test_broken_source_raises_jit_error_with_log(tmp_path, cache_dir):
+    _nvrtc_archs()
+    src = tmp_path / "broken.cu"
+    src.write_text('#include "epilogue.cuh"\n'
+                   "template <int N> __global__ void broken(int* x) { x[0] = N + undefined_symbol; }\n")
+    with pytest.raises(jit.JitError) as info:
+        jit.compile_cubin(str(src), ["broken<3>"], "sm_90")
+    msg = str(info.value)
+    assert "broken<3>" in msg and "broken.cu" in msg and "sm_90" in msg
+    assert "undefined_symbol" in msg  # the NVRTC log itself
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+
+
+def test_missing_source_raises_jit_error(cache_dir):
+    with pytest.raises(jit.JitError, match="not_there.cu"):
+        jit.compile_cubin("not_there.cu", ["k<1>"], "sm_90")
+
+
+def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
+    _nvrtc_archs()
+    src = tmp_path / "tiny.cu"
+    src.write_text("template <int N> __global__ void tiny(int* x) { x[threadIdx.x] = N; }\n")
+    names = ["tiny<1>"]
+    entry = jit.cache_path(str(src), names, "sm_90")
+    assert entry.parent == cache_dir
+    assert entry != jit.cache_path(str(src), names, "sm_80")
+    assert entry != jit.cache_path(str(src), ["tiny<2>"], "sm_90")
+    monkeypatch.setenv("COMMFUSE_JIT_DEBUG", "1")
+    assert "-lineinfo" in jit.compile_options("sm_90")
+    assert entry != jit.cache_path(str(src), names, "sm_90")
+    monkeypatch.delenv("COMMFUSE_JIT_DEBUG")
+    assert entry == jit.cache_path(str(src), names, "sm_90")
+
+    cubin = jit.compile_cubin(str(src), names, "sm_90")
+    assert entry.is_file()
+    assert [p.name for p in cache_dir.iterdir()] == [entry.name]  # no temporary file left behind
+
+    def no_nvrtc(*args):
+        raise AssertionError("NVRTC called although the cubin is cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(jit, "_nvrtc_compile", no_nvrtc)
+        assert jit.compile_cubin(str(src), names, "sm_90") == cubin
+
+    # A damaged entry is rebuilt, not loaded.
+    entry.write_bytes(b"garbage")
+    assert jit.compile_cubin(str(src), names, "sm_90") == cubin
+
+    # Any change of the sources changes the key.
+    src.write_text(src.read_text() + "// edited\n")
+    assert jit.cache_path(str(src), names, "sm_90") != entry
+
+
+def test_arch_for_capability():
+    assert jit.arch_for_capability((8, 0)) == "sm_80"
+    assert jit.arch_for_capability((8, 9)) == "sm_89"
+    assert jit.arch_for_capability((9, 0)) == "sm_90"
+    assert jit.arch_for_capability((10, 0)) == "sm_100a"
+    assert jit.arch_for_capability((12, 0)) == "sm_120a"
+
+
+def _meta(shape, dtype=torch.bfloat16, device="cuda:0"):
+    return TensorMeta(tuple(shape), dtype, torch.device(device), True, 1)
+
+
+def test_registered_with_plan():
+    spec = registered_kernels()["fused_tail"]
+    assert spec.kind == "tail" and spec.max_hidden == fused_tail.MAX_HIDDEN
+    scale = _meta((1,), torch.float32)
+
+    def plan(h, quant, sm=(9, 0)):
+        req = Request(_meta((64, h)), _meta((64, h)), _meta((h,)), scale if quant else None, quant)
+        return make_plan(req, mode="fallback", backend="nccl", sm=sm, world_size=2,
+                         kernels=registered_kernels())
+
+    ok = plan(8192, "nvfp4")
+    assert (ok.collective, ok.tail, ok.kernel) == ("nccl", "fused", "fused_tail")
+    assert plan(8200, "fp8").tail == "fused"
+    assert plan(8200, "nvfp4").tail == "separated"          # h % 16 != 0
+    assert plan(1 << 17, None).tail == "separated"          # beyond max_hidden
+    assert plan(8192, "nvfp4", sm=(7, 5)).tail == "separated"
