@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -128,6 +129,10 @@ def cuda_include_dirs() -> Tuple[str, ...]:
             dirs.append(found)
     except Exception:  # an old cuda-pathfinder without the function, or nothing found
         pass
+    # NVIDIA wheels without pathfinder's help: nvidia/cu13/include, nvidia/cuda_runtime/include.
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        dirs += sorted(str(p.parent) for p in Path(base).glob("*/include/cuda_fp16.h"))
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and Path(root, "include", "cuda_fp16.h").is_file():
             dirs.append(str(Path(root, "include")))
