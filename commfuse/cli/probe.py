@@ -1,0 +1,213 @@
+"""commfuse-probe: what commfuse would do on this machine, and why.
+
+    commfuse-probe [--json]              one process: local GPUs, driver P2P, NVLink, versions
+    launch/probe.sh N [--json]           N ranks (mpirun): the group's table, IPC-confirmed P2P and
+                                         the mode a Communicator would pick (also under torchrun)
+
+A single process can only ask the driver about P2P; the IPC check (a buffer written by one process
+and read through an IPC mapping by another) needs two processes. On a machine without a GPU the
+probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a traceback.
+
+--json prints one object (rank 0 only under a launcher) with these fields:
+  launcher      null (single process), "mpi" or "torchrun"
+  world_size    ranks in the group (1 for a single process)
+  host          host of this process (rank 0)
+  cuda          torch sees a CUDA GPU
+  versions      {torch, cuda_runtime, nccl, driver, driver_cuda} of this process (null: unreadable)
+  gpus          GPUs visible to this process: [{index, name, sm ("9.0"), uuid, pci_bus_id, memory_bytes,
+                nvlink ({gpu_links: {pci_bus_id: links}, switch_links} or null), fused}] where fused maps
+                each pattern (residual_rmsnorm, residual_rmsnorm_fp8, residual_rmsnorm_nvfp4) to
+                "fused-hw" | "fused-sw" | "separated"
+  ranks         one entry per rank of the group: the fields of gpus (index: the rank's CUDA ordinal,
+                null without a GPU) plus rank, host, node, versions
+  matrix_of     "gpus" (single process) or "ranks": what rows and columns of the matrices index
+  p2p_driver    cuDeviceCanAccessPeer[i][j]: true/false, null where not asked (another host, GPU not visible)
+  p2p_ipc       the IPC check[i][j] (null where not measured); null for a single process
+  p2p           what the mode decision used: IPC-confirmed (ranks) or the driver's answer (gpus)
+  nvlink        active NVLink links of i reaching j (through NVSwitch included); null entries where unknown
+  mode          the mode a Communicator over this group gets: "p2p" | "fallback" | "cpu"
+  reasons       why, as a list of strings
+  local_group   single process with GPUs: {mode, reasons} a group of one rank per local GPU would get
+                from the driver's P2P answer (not IPC-confirmed); null under a launcher or without GPUs
+  strategy      the Communicator's strategy here: COMMFUSE_STRATEGY or "auto"
+  overrides     {COMMFUSE_STRATEGY, COMMFUSE_PRETEND_NO_P2P, COMMFUSE_DISABLE_FUSION}: values set, or null
+  notes         what could not be measured and why ("rank i: ..." under a launcher)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+
+import torch
+
+from .. import topology
+from ..distributed import launch_env
+
+OVERRIDES = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_FUSION")
+_SHORT = {"residual_rmsnorm": "rmsnorm", "residual_rmsnorm_fp8": "+fp8", "residual_rmsnorm_nvfp4": "+nvfp4"}
+
+
+def _sm(sm):
+    return None if sm is None else f"{sm[0]}.{sm[1]}"
+
+
+def _gpu(info: topology.RankInfo) -> dict:
+    nvlink = None if info.nvlink is None else {"gpu_links": dict(info.nvlink.gpu_links),
+                                                "switch_links": info.nvlink.switch_links}
+    return {"index": info.device, "name": info.gpu_name, "sm": _sm(info.sm), "uuid": info.uuid,
+            "pci_bus_id": info.pci_bus_id, "memory_bytes": info.memory_bytes, "nvlink": nvlink,
+            "fused": topology.fusion_capability(info.sm)}
+
+
+def _rank(i: int, node: int, info: topology.RankInfo) -> dict:
+    versions = None if info.versions is None else dataclasses.asdict(info.versions)
+    return {"rank": i, "host": info.host, "node": node, **_gpu(info), "versions": versions}
+
+
+def _common(me: topology.RankInfo) -> dict:
+    env = {k: os.environ.get(k) for k in OVERRIDES}
+    return {"host": socket.gethostname(), "cuda": torch.cuda.is_available(),
+            "versions": dataclasses.asdict(me.versions),
+            "gpus": [_gpu(g) for g in topology.local_gpus(me.versions)],
+            "strategy": env["COMMFUSE_STRATEGY"] or "auto", "overrides": env}
+
+
+def single_report() -> dict:
+    """The report of one process: local GPUs and the driver's P2P answer among them."""
+    pretend = os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"
+    me = topology.own_info()
+    gpus = topology.local_gpus(me.versions)
+    driver, driver_notes = topology.driver_p2p_matrix(gpus)
+    p2p = tuple(tuple(v is True for v in row) for row in driver)
+    mode, reasons = topology.decide_mode([me], ((True,),), pretend, "nccl" if me.device is not None else None)
+    local = None
+    if gpus:
+        m, r = topology.decide_mode(gpus, p2p, pretend, "nccl")
+        local = {"mode": m, "reasons": list(r) + ["P2P from the driver only: the IPC check needs two "
+                                                  f"processes (launch/probe.sh {len(gpus)})"]}
+    notes = list(dict.fromkeys([*me.notes, *(n for g in gpus for n in g.notes), *driver_notes]))
+    return {"launcher": None, "world_size": 1, **_common(me), "ranks": [_rank(0, 0, me)],
+            "matrix_of": "gpus", "p2p_driver": driver, "p2p_ipc": None, "p2p": p2p,
+            "nvlink": topology.nvlink_matrix(gpus), "mode": mode, "reasons": list(reasons),
+            "local_group": local, "notes": notes}
+
+
+def group_report(topo: topology.Topology, launcher: str) -> dict:
+    """The report of a group (built on any rank; printed by rank 0)."""
+    me = topo.ranks[topo.rank]
+    nodes = topo.nodes
+    return {"launcher": launcher, "world_size": topo.world_size, **_common(me),
+            "ranks": [_rank(i, nodes[i], r) for i, r in enumerate(topo.ranks)],
+            "matrix_of": "ranks", "p2p_driver": topo.p2p_driver, "p2p_ipc": topo.p2p_ipc,
+            "p2p": topo.p2p, "nvlink": topo.nvlink, "mode": topo.mode, "reasons": list(topo.reasons),
+            "local_group": None, "notes": list(topo.notes)}
+
+
+def _matrix(title: str, labels, cells) -> list:
+    width = max([5] + [len(c) for row in cells for c in row])
+    lines = [title, "      " + "".join(f"{lab:>{width + 2}}" for lab in labels)]
+    lines += [f"  {lab:<4}" + "".join(f"{c:>{width + 2}}" for c in row) for lab, row in zip(labels, cells)]
+    return lines
+
+
+def _dash(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def _yn(v) -> str:
+    return "?" if v is None else "yes" if v else "no"
+
+
+def render(rep: dict) -> str:
+    """The report as text for people."""
+    v = rep["versions"]
+    out = [f"commfuse-probe on {rep['host']}: " + ("single process" if rep["launcher"] is None else
+                                                  f"{rep['world_size']} ranks ({rep['launcher']})"),
+           f"versions: torch {v['torch']}, CUDA runtime {v['cuda_runtime']}, NCCL {v['nccl']}, "
+           f"driver {v['driver']} (CUDA {v['driver_cuda']})", ""]
+    fused = "  ".join(f"{s:<9}" for s in _SHORT.values())
+    if not rep["cuda"]:
+        out += ["no CUDA GPU: torch sees none. commfuse runs on CPU (gloo), tails as separated ops.", ""]
+    else:
+        out.append("GPUs visible to this process:")
+        out.append(f"  {'gpu':<4}{'name':<24}{'SM':<6}{'memory':>10}  {'PCI bus id':<14}{'UUID':<42}{fused}")
+        for g in rep["gpus"]:
+            mem = f"{g['memory_bytes'] / 2**30:.1f} GiB"
+            out.append(f"  {g['index']:<4}{g['name'][:23]:<24}{g['sm']:<6}{mem:>10}  {g['pci_bus_id'] or '?':<14}"
+                       f"{g['uuid'] or '?':<42}" + "  ".join(f"{g['fused'][p]:<9}" for p in _SHORT))
+        out.append("")
+    if rep["matrix_of"] == "ranks":
+        out.append("ranks:")
+        out.append(f"  {'rank':<6}{'host':<20}{'node':<6}{'gpu':<5}{'name':<24}{'SM':<6}{'PCI bus id':<14}{fused}")
+        for r in rep["ranks"]:
+            out.append(f"  {r['rank']:<6}{r['host'][:19]:<20}{r['node']:<6}{_dash(r['index']):<5}"
+                       f"{(r['name'] or '-')[:23]:<24}{r['sm'] or '-':<6}{r['pci_bus_id'] or '-':<14}"
+                       + "  ".join(f"{r['fused'][p]:<9}" for p in _SHORT))
+        out.append("")
+    labels = [str(i) for i in range(len(rep["p2p"]))]
+    if len(labels) > 1 and any(u["index"] is not None for u in rep[rep["matrix_of"]]):
+        if rep["p2p_ipc"] is None:
+            cells = [["-" if i == j else _yn(x) for j, x in enumerate(row)]
+                     for i, row in enumerate(rep["p2p_driver"])]
+            out += _matrix("P2P between GPUs (driver, cuDeviceCanAccessPeer; the IPC check needs two "
+                           f"processes: launch/probe.sh {len(labels)}):", labels, cells)
+        else:
+            cells = [["-" if i == j else f"{_yn(d)}/{_yn(c)}" for j, (d, c) in enumerate(zip(dr, cr))]
+                     for i, (dr, cr) in enumerate(zip(rep["p2p_driver"], rep["p2p_ipc"]))]
+            out += _matrix("P2P between ranks (driver / IPC check):", labels, cells)
+        cells = [["-" if i == j else "?" if x is None else str(x) for j, x in enumerate(row)]
+                 for i, row in enumerate(rep["nvlink"])]
+        out += _matrix("NVLink links (of i reaching j, NVSwitch included; ? = unknown):", labels, cells)
+        out.append("")
+    scope = "a Communicator in this process" if rep["launcher"] is None else "a Communicator over this group"
+    out.append(f"mode of {scope}: {rep['mode']}")
+    out += [f"  - {r}" for r in rep["reasons"]]
+    if rep["local_group"]:
+        out.append(f"mode of a group of one rank per local GPU: {rep['local_group']['mode']}")
+        out += [f"  - {r}" for r in rep["local_group"]["reasons"]]
+    set_now = ", ".join(f"{k}={v}" for k, v in rep["overrides"].items() if v is not None) or "none set"
+    out += [f"strategy: {rep['strategy']}. Overrides ({set_now}): COMMFUSE_STRATEGY=nccl or "
+            "Communicator(strategy=\"nccl\") forces NCCL; COMMFUSE_PRETEND_NO_P2P=1 makes the mode "
+            "\"fallback\"; COMMFUSE_DISABLE_FUSION=1 forces separated ops."]
+    if rep["notes"]:
+        out += ["notes:"] + [f"  - {n}" for n in rep["notes"]]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="commfuse-probe", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON (fields: see the module docstring)")
+    args = parser.parse_args(argv)
+    _, world, _, launcher = launch_env()
+    if launcher is None or world == 1:
+        rep = single_report()
+        if launcher is not None:
+            rep["launcher"] = launcher
+    else:
+        import torch.distributed as dist
+
+        from ..distributed import init_distributed
+
+        try:
+            init_distributed()
+            topo = topology.detect()
+        except Exception as e:  # a broken launcher or backend is a message, not a traceback
+            print(f"commfuse-probe: the group could not be probed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if topo.rank != 0:
+            return 0
+        rep = group_report(topo, launcher)
+    print(json.dumps(rep, indent=2) if args.json else render(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Usage: launch/probe.sh [N] [--json]
+# N > 1: mpirun -n N of the probe (the group's table, IPC-confirmed P2P, the mode a Communicator
+# would pick; rank 0 prints). Otherwise one process (local GPUs, driver P2P, NVLink, versions).
+set -euo pipefail
+n=1
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+cd "$(dirname "$0")/.."
+if (( n <= 1 )); then
+  exec python -m commfuse.cli.probe "$@"
+fi
+flags=(--oversubscribe)  # more ranks than cores or slots is fine for a probe (Open MPI 4 and 5)
+if (( EUID == 0 )); then
+  flags+=(--allow-run-as-root)
+  # Open MPI 5 wants the confirmation too (Open MPI 4 reads the flag); harmless elsewhere.
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+exec mpirun "${flags[@]}" -n "$n" python -m commfuse.cli.probe "$@"

@@ -1,0 +1,384 @@
+"""topology.py, ipc.py and commfuse-probe: decisions on simulated hardware (CPU), the real probe on GPUs.
+
+CPU: decide_mode, fusion_capability and nvlink_matrix on simulated facts, NVML counting with a fake
+NVML, failures reported not raised, the probe command. GPU (2+ GPUs): driver P2P and NVLink between
+GPU 0 and 1; under `mpirun -n 2 ... --with-mpi`, the IPC-confirmed "p2p" mode and the pretend override.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse import ipc, topology
+from commfuse.cli import probe as probe_cli
+from commfuse.topology import NvLinkInfo, RankInfo, decide_mode, fusion_capability, nvlink_matrix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs (this machine has "
+                                     f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+PROBE_FIELDS = {"launcher", "world_size", "host", "cuda", "versions", "gpus", "ranks", "matrix_of",
+                "p2p_driver", "p2p_ipc", "p2p", "nvlink", "mode", "reasons", "local_group", "strategy",
+                "overrides", "notes"}
+UNIT_FIELDS = {"index", "name", "sm", "uuid", "pci_bus_id", "memory_bytes", "nvlink", "fused"}
+
+
+def gpu(host="a", sm=(9, 0), device=0, bus=None, nvlink=None):
+    return RankInfo(host, device, f"GPU-{host}{device}", sm, "sim", bus or f"0000:{device + 0x19:02x}:00.0",
+                    nvlink=nvlink)
+
+
+def full(n):
+    return [[True] * n for _ in range(n)]
+
+
+# ---- decide_mode on simulated topologies --------------------------------------------------------
+
+def test_one_node_all_pairs_p2p_takes_p2p_row():
+    for n in (2, 4, 8):
+        mode, reasons = decide_mode([gpu(device=i) for i in range(n)], full(n))
+        assert mode == "p2p" and f"{n} ranks on one node" in reasons[0]
+
+
+@pytest.mark.parametrize("missing, named, not_named", [((0, 1), "0->1", "1->0"), ((1, 0), "1->0", "0->1")])
+def test_one_missing_p2p_direction_falls_back_and_names_it(missing, named, not_named):
+    p2p = full(2)
+    p2p[missing[0]][missing[1]] = False
+    mode, reasons = decide_mode([gpu(device=0), gpu(device=1)], p2p)
+    assert mode == "fallback" and named in reasons[0] and not_named not in reasons[0]
+
+
+def test_mixed_sms_fall_back():
+    mode, reasons = decide_mode([gpu(sm=(9, 0), device=0), gpu(sm=(8, 0), device=1)], full(2))
+    assert mode == "fallback" and "8.0, 9.0" in reasons[0]
+
+
+def test_old_sm_everywhere_falls_back():
+    mode, reasons = decide_mode([gpu(sm=(7, 5), device=0), gpu(sm=(7, 5), device=1)], full(2))
+    assert mode == "fallback" and "7.5 < 8.0" in reasons[0]
+
+
+def test_two_nodes_fall_back_even_with_p2p_everywhere():
+    ranks = [gpu("a", device=0), gpu("a", device=1), gpu("b", device=0), gpu("b", device=1)]
+    mode, reasons = decide_mode(ranks, full(4))
+    assert mode == "fallback" and "2 nodes" in reasons[0]
+
+
+def test_one_rank_falls_back():
+    assert decide_mode([gpu()], full(1)) == ("fallback", ("one rank: nothing to exchange, NCCL path",))
+
+
+def test_a_rank_without_gpu_is_cpu():
+    ranks = [gpu(device=0), RankInfo("a", None, None, None, None)]
+    assert decide_mode(ranks, full(2))[0] == "cpu"
+
+
+def test_cpu_backend_with_gpus_is_cpu():
+    mode, reasons = decide_mode([gpu(device=0), gpu(device=1)], full(2), backend="gloo")
+    assert mode == "cpu" and "gloo" in reasons[0]
+    assert decide_mode([gpu(device=0), gpu(device=1)], full(2), backend="nccl")[0] == "p2p"
+
+
+def test_pretend_no_p2p_turns_p2p_into_fallback():
+    ranks = [gpu(device=0), gpu(device=1)]
+    assert decide_mode(ranks, full(2))[0] == "p2p"
+    mode, reasons = decide_mode(ranks, full(2), pretend_no_p2p=True)
+    assert mode == "fallback" and "COMMFUSE_PRETEND_NO_P2P" in reasons[0]
+
+
+def test_topology_properties():
+    ranks = (gpu("a", device=0), gpu("b", device=0), gpu("a", device=1), gpu("c", device=0))
+    topo = topology.Topology(2, 4, ranks, tuple(map(tuple, full(4))), "fallback")
+    assert topo.local_ranks == (0, 2)
+    assert topo.nodes == (0, 1, 0, 2)
+    assert topo.sm == (9, 0)
+
+
+# ---- capability per SM ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sm, fp8, nvfp4", [
+    ((8, 0), "fused-sw", "fused-sw"),
+    ((8, 6), "fused-sw", "fused-sw"),
+    ((8, 9), "fused-hw", "fused-sw"),
+    ((9, 0), "fused-hw", "fused-sw"),
+    ((10, 0), "fused-hw", "fused-hw"),
+    ((12, 0), "fused-hw", "fused-hw"),
+])
+def test_fusion_capability(sm, fp8, nvfp4):
+    assert fusion_capability(sm) == {"residual_rmsnorm": "fused-hw", "residual_rmsnorm_fp8": fp8,
+                                     "residual_rmsnorm_nvfp4": nvfp4}
+
+
+@pytest.mark.parametrize("sm", [(7, 5), (7, 0), None])
+def test_no_fusion_below_sm80_or_without_gpu(sm):
+    assert set(fusion_capability(sm).values()) == {"separated"}
+    assert set(fusion_capability(sm)) == set(topology.PATTERNS)
+
+
+# ---- NVLink ---------------------------------------------------------------------------------------
+
+def test_nvlink_matrix_counts_direct_and_switch_links():
+    a, b, c = "0000:19:00.0", "0000:3b:00.0", "0000:4c:00.0"
+    bridged = [gpu(bus=a, device=0, nvlink=NvLinkInfo(((b, 4),), 0)),
+               gpu(bus=b, device=1, nvlink=NvLinkInfo(((a, 4),), 0)),
+               gpu(bus=c, device=2, nvlink=NvLinkInfo((), 0))]
+    assert nvlink_matrix(bridged) == ((None, 4, 0), (4, None, 0), (0, 0, None))
+    switched = [gpu(bus=a, device=0, nvlink=NvLinkInfo((), 18)), gpu(bus=b, device=1, nvlink=NvLinkInfo((), 18)),
+                gpu(bus=c, device=2, nvlink=None), gpu("other", bus=c, device=0, nvlink=NvLinkInfo((), 18))]
+    m = nvlink_matrix(switched)
+    assert m[0][1] == m[1][0] == 18
+    assert m[0][2] is None and m[2][0] is None  # NVML failed on rank 2
+    assert m[0][3] is None  # another host
+
+
+class FakeNVML(types.SimpleNamespace):
+    """The pynvml calls _nvlink makes, over a table link -> (remote type, remote bus id) or an error."""
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    NVML_NVLINK_MAX_LINKS, NVML_FEATURE_ENABLED = 8, 1
+    NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_GPU_IS_LOST = 2, 3, 15
+    NVML_NVLINK_DEVICE_TYPE_GPU, NVML_NVLINK_DEVICE_TYPE_SWITCH = 0, 2
+
+    def __init__(self, links, error=None):
+        super().__init__(links=links, error=error)
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        return bus
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        if link == 5 and self.error:
+            raise self.NVMLError(self.error)
+        if link >= 6:
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        return int(link in self.links)
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle, link):
+        return self.links[link][0]
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
+        return types.SimpleNamespace(busId=self.links[link][1])
+
+
+def test_nvlink_counts_links_per_peer_and_switch(monkeypatch):
+    nv = FakeNVML({0: (0, b"00000000:3B:00.0"), 1: (0, b"00000000:3B:00.0"), 2: (2, None),
+                   3: (0, "00000000:4C:00.0"), 4: (2, None)})
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    # NVML writes 8-digit domains in upper case; the counts are keyed like CUDA's bus ids.
+    assert topology._nvlink("0000:19:00.0") == NvLinkInfo((("0000:3b:00.0", 2), ("0000:4c:00.0", 1)), 2)
+
+
+def test_nvlink_error_other_than_missing_link_raises(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML({0: (2, None)}, error=FakeNVML.NVML_ERROR_GPU_IS_LOST))
+    with pytest.raises(FakeNVML.NVMLError):
+        topology._nvlink("0000:19:00.0")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML({0: (2, None)}, error=FakeNVML.NVML_ERROR_NOT_SUPPORTED))
+    assert topology._nvlink("0000:19:00.0") == NvLinkInfo((), 1)
+
+
+def test_nvml_failure_is_reported_not_raised(monkeypatch, capsys):
+    import pynvml
+
+    def broken():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", broken)
+    vers, notes = topology.versions()
+    assert vers.driver is None and any(n.startswith("NVML:") and "Driver Not Loaded" in n for n in notes)
+    monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 1, 0, None))
+    assert probe_cli.main(["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["versions"]["driver"] is None
+    assert any("Driver Not Loaded" in n for n in rep["notes"])
+    if torch.cuda.is_available():  # NVLink is NVML's too: unknown, with the reason
+        assert all(g["nvlink"] is None for g in rep["gpus"])
+        assert any("NVLink of GPU 0 (NVML)" in n for n in rep["notes"])
+
+
+def test_bus_ids_normalised():
+    assert topology._norm_bus_id(b"00000000:3B:00.0\x00") == "0000:3b:00.0"
+    assert topology._norm_bus_id("0001:c1:1f.7") == "0001:c1:1f.7"
+
+
+# ---- ipc ------------------------------------------------------------------------------------------
+
+def test_driver_errors_name_the_call():
+    def cuFake():
+        return (ipc.driver.CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+    with pytest.raises(ipc.CudaError, match=r"^cuFake failed: CUDA_ERROR_INVALID_VALUE") as e:
+        ipc.call(cuFake)
+    assert (e.value.call, e.value.code) == ("cuFake", "CUDA_ERROR_INVALID_VALUE")
+    assert ipc.call(lambda: (ipc.driver.CUresult.CUDA_SUCCESS, 7)) == 7
+    assert ipc.call(lambda: (ipc.driver.CUresult.CUDA_SUCCESS, 7, 8)) == (7, 8)
+    with pytest.raises(ValueError, match="64 bytes"):
+        ipc.open_handle(b"short")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-driver path: this machine has CUDA")
+def test_missing_driver_is_a_cuda_error():
+    with pytest.raises(ipc.CudaError, match="^cuInit failed"):
+        ipc.device(0)
+    with pytest.raises(ipc.CudaError, match="^cuMemAlloc failed"):
+        ipc.alloc(16)
+
+
+# ---- the probe command ----------------------------------------------------------------------------
+
+def _run_probe(*args):
+    # Launcher variables of an mpirun'd test run would make the child think it is a rank.
+    env = {k: v for k, v in os.environ.items()
+           if not re.match(r"(OMPI_|PMI_|PMIX_|RANK$|WORLD_SIZE$|LOCAL_RANK$)", k)}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "commfuse.cli.probe", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_probe_text_runs():
+    res = _run_probe()
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert "single process" in res.stdout and "COMMFUSE_PRETEND_NO_P2P=1" in res.stdout
+    if torch.cuda.is_available():
+        assert torch.cuda.get_device_name(0)[:23] in res.stdout
+    else:
+        assert "no CUDA GPU" in res.stdout and "mode of a Communicator in this process: cpu" in res.stdout
+
+
+def test_probe_json_has_documented_fields():
+    res = _run_probe("--json")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert set(rep) == PROBE_FIELDS
+    for key in PROBE_FIELDS:  # every field is documented in the module docstring
+        assert re.search(rf"^  {key}\b", probe_cli.__doc__, re.M), key
+    assert rep["launcher"] is None and rep["world_size"] == 1 and rep["matrix_of"] == "gpus"
+    assert rep["p2p_ipc"] is None and rep["strategy"] == (os.environ.get("COMMFUSE_STRATEGY") or "auto")
+    assert set(rep["overrides"]) == set(probe_cli.OVERRIDES)
+    assert set(rep["versions"]) == {"torch", "cuda_runtime", "nccl", "driver", "driver_cuda"}
+    assert rep["versions"]["torch"] == torch.__version__
+    (me,) = rep["ranks"]
+    assert set(me) == UNIT_FIELDS | {"rank", "host", "node", "versions"}
+    assert me["host"] == socket.gethostname() == rep["host"]
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert rep["cuda"] is (n > 0) and len(rep["gpus"]) == n
+    assert len(rep["p2p_driver"]) == len(rep["nvlink"]) == n
+    if n == 0:
+        assert rep["mode"] == "cpu" and rep["local_group"] is None
+        assert set(me["fused"].values()) == {"separated"}
+        assert any("no CUDA GPU" in x for x in rep["notes"])
+    else:
+        cap = torch.cuda.get_device_capability(0)
+        assert rep["gpus"][0]["sm"] == f"{cap[0]}.{cap[1]}"
+        assert rep["gpus"][0]["fused"] == fusion_capability(cap)
+        assert set(rep["gpus"][0]) == UNIT_FIELDS
+        assert rep["mode"] == "fallback" and rep["local_group"]["mode"] in ("p2p", "fallback")
+
+
+# ---- single process on GPUs ---------------------------------------------------------------------
+
+@two_gpus
+def test_driver_p2p_and_nvlink_between_gpu0_and_gpu1():
+    gpus = topology.local_gpus()
+    assert [g.device for g in gpus] == list(range(torch.cuda.device_count()))
+    assert len({g.pci_bus_id for g in gpus}) == len({g.uuid for g in gpus}) == len(gpus)
+    driver, notes = topology.driver_p2p_matrix(gpus)
+    assert driver[0][1] is True and driver[1][0] is True, notes
+    links = topology.nvlink_matrix(gpus)
+    assert links[0][1] > 0 and links[1][0] > 0, [g.notes for g in gpus]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU-only machine)")
+def test_ipc_buffer_round_trip_on_gpu():
+    data = bytes(range(256)) * 16
+    with ipc.device_context(torch.cuda.current_device()):
+        ptr = ipc.alloc(len(data))
+        try:
+            ipc.copy_to_device(ptr, data)
+            assert ipc.copy_to_host(ptr, len(data)) == data
+            handle = ipc.export_handle(ptr)
+            assert len(handle) == ipc.HANDLE_BYTES and any(handle)
+        finally:
+            ipc.free(ptr)
+
+
+# ---- multi-rank ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world():
+    import commfuse
+
+    commfuse.init_distributed(timeout_s=float(os.environ.get("COMMFUSE_TEST_COLLECTIVE_TIMEOUT", 180)))
+    return dist.group.WORLD
+
+
+@pytest.fixture(scope="module")
+def gloo_group(world):
+    """WORLD when it is gloo, else a gloo group over the same ranks (so this runs on GPU machines too)."""
+    return world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gloo_group_is_cpu_mode(gloo_group):
+    topo = topology.detect(gloo_group)
+    assert topology.detect(gloo_group) is topo  # cached per group
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert (topo.world_size, topo.rank, len(topo.ranks)) == (world, rank, world)
+    assert topo.mode == "cpu"
+    assert topo.ranks[rank].host == socket.gethostname()
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=gloo_group)
+    assert [r.host for r in topo.ranks] == hosts
+    assert topo.p2p == tuple(tuple(i == j for j in range(world)) for i in range(world))
+
+
+def _gpu_world(world):
+    if dist.get_backend(world) != "nccl" or torch.cuda.device_count() < 2:
+        pytest.skip("needs an NCCL group over 2+ GPUs (mpirun -n 2 on the GPU machine)")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nccl_group_is_p2p_confirmed_by_ipc(world):
+    _gpu_world(world)
+    topo = topology.detect(world)
+    n, rank = topo.world_size, topo.rank
+    assert topo.mode == "p2p", (topo.reasons, topo.notes)
+    assert topo.sm == torch.cuda.get_device_capability()
+    if "H100" in topo.ranks[rank].gpu_name or "H200" in topo.ranks[rank].gpu_name:
+        assert topo.sm == (9, 0)
+    assert topo.ranks[rank].device == torch.cuda.current_device()
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                assert topo.p2p_driver[i][j] is True and topo.p2p_ipc[i][j] is True, topo.notes
+                assert topo.nvlink[i][j] > 0, topo.notes
+    assert all(all(row) for row in topo.p2p)
+    assert len({r.pci_bus_id for r in topo.ranks}) == n  # one GPU per rank
+    assert not [x for x in topo.notes if "IPC" in x]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pretend_no_p2p_gives_fallback_without_touching_the_cache(world, monkeypatch):
+    _gpu_world(world)
+    monkeypatch.setenv("COMMFUSE_PRETEND_NO_P2P", "1")
+    fresh = topology.probe(world)
+    assert fresh.mode == "fallback" and "COMMFUSE_PRETEND_NO_P2P" in fresh.reasons[0]
+    assert all(all(row) for row in fresh.p2p)  # the hardware still has P2P: only the override changed
+    monkeypatch.delenv("COMMFUSE_PRETEND_NO_P2P")
+    assert topology.detect(world).mode == "p2p"
