@@ -16,8 +16,8 @@ def meta(shape, dtype=torch.bfloat16, device=CUDA, contiguous=True, last_stride=
     return TensorMeta(tuple(shape), dtype, device, contiguous, last_stride)
 
 
-def request(t=16, h=4096, dtype=torch.bfloat16, quant=None, device=CUDA, plain=False, **kw):
-    x = meta((t, h), dtype, device)
+def request(t=16, h=4096, dtype=torch.bfloat16, quant=None, device=CUDA, plain=False, x=None, **kw):
+    x = x or meta((t, h), dtype, device)
     if plain:
         return Request(x)
     fields = dict(residual=meta((t, h), dtype, device), weight=meta((h,), dtype, device),
