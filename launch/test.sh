@@ -27,17 +27,17 @@ cat "$logs/rank0.log" 2>/dev/null
 status=0
 for ((r = 0; r < n; r++)); do
   rc=$(cat "$logs/rank$r.rc" 2>/dev/null || echo missing)
-  summary=$(grep -E '^=+ .*(passed|failed|error|skipped|deselected|no tests ran).* =+$' "$logs/rank$r.log" 2>/dev/null | tail -n 1)
+  summary=$(grep -aE '^=+ .*(passed|failed|error|skipped|deselected|no tests ran).* =+$' "$logs/rank$r.log" 2>/dev/null | tail -n 1)
   # Ranks other than 0 run only the MPI tests; "no tests collected" (5) is fine there.
   if [[ $rc == 0 || ($rc == 5 && $r != 0) ]]; then
     [[ $r != 0 ]] && echo "rank $r: ok ${summary}"
   else
     status=1
     echo "rank $r: FAILED (pytest exit $rc) ${summary}"
-    grep -E '^(FAILED|ERROR) ' "$logs/rank$r.log" 2>/dev/null | sed "s/^/rank $r: /"
+    grep -aE '^(FAILED|ERROR) ' "$logs/rank$r.log" 2>/dev/null | sed "s/^/rank $r: /"
   fi
 done
-if ! grep -qE '[0-9]+ passed' "$logs/rank0.log" 2>/dev/null; then
+if ! grep -aqE '[0-9]+ passed' "$logs/rank0.log" 2>/dev/null; then
   echo "no test passed on rank 0"; status=1
 fi
 if (( mpirun_rc != 0 && status == 0 )); then
