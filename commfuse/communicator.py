@@ -125,10 +125,11 @@ class Communicator:
             out = x.contiguous().clone()
             dist.all_reduce(out, group=self.group)
             return out
-        # Elsewhere (gloo on CPU) we can afford the exact semantics: fp32 sum, rounded once.
-        out = x.to(torch.float32, copy=True).contiguous()
-        dist.all_reduce(out, group=self.group)
-        return out.to(x.dtype)
+        # Elsewhere (gloo on CPU) we can afford the exact semantics: every rank's x, summed in
+        # fp32 in rank order and rounded once, so all ranks agree bit for bit with the reference.
+        xs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world_size)]
+        dist.all_gather(xs, x.contiguous(), group=self.group)
+        return reference.all_reduce_sum(xs)
 
     def _check_same_call(self, signature: tuple) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang)."""

@@ -33,8 +33,8 @@ def rank_inputs(comm, gen, shape, dtype, outlier=True):
 
 
 def exact_sum(comm) -> bool:
-    """gloo sums in fp32 (exact semantics); NCCL sums in T, which equals the fp32 sum rounded once
-    only for two ranks (a single addition)."""
+    """Off NCCL the communicator sums in fp32 in rank order (exact semantics); NCCL sums in T, which
+    equals the fp32 sum rounded once only for two ranks (a single addition)."""
     return comm.backend != "nccl" or comm.world_size == 2
 
 
