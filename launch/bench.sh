@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Usage: launch/bench.sh [N] [commfuse-bench args...]
+# Runs commfuse-bench on N ranks with mpirun, one process per GPU. N defaults to the number of local
+# GPUs (nvidia-smi -L, else torch; CUDA_VISIBLE_DEVICES is honoured). Without a GPU it runs 2 ranks
+# over gloo on the CPU: a smoke test of the harness, and it says that these are not GPU numbers.
+# Examples: launch/bench.sh 2 --quick --out /tmp/bench
+#           launch/bench.sh 2 --shapes 1x4096,64x8192 --patterns residual_rmsnorm_fp8 --out bench/results
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+
+n=""
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+
+# GPUs this job can use.
+if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+  gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[0-9A-Za-z]' || true)
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+else
+  gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
+gpus=${gpus:-0}
+if [[ -z $n ]]; then n=$(( gpus > 0 ? gpus : 2 )); fi
+if (( gpus == 0 )); then
+  echo "launch/bench.sh: no GPU: $n ranks over gloo on the CPU. These are NOT GPU numbers." >&2
+elif (( n > gpus )); then
+  echo "launch/bench.sh: $n ranks but $gpus GPUs: ranks would share GPUs; use N <= $gpus" >&2
+  exit 2
+fi
+
+# Open MPI refuses root unless told (same variables for Open MPI 4 and 5), as in launch/test.sh.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# No NVLink multicast / NVLS anywhere (NCCL, torch symmetric memory, NVSHMEM): not available on the
+# lent machines, and the numbers must not depend on it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+
+# --bind-to none: Open MPI binds each of <= 2 ranks to one core by default, which would put the
+# rank's Python thread, NCCL's proxy thread and torch's threads on one core and slow the eager rows.
+exec timeout --kill-after=30 "${COMMFUSE_BENCH_TIMEOUT:-3600}" \
+  mpirun -n "$n" --oversubscribe --bind-to none "$py" -m commfuse.cli.bench "$@"
