@@ -1152,7 +1152,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     help="calls captured in one graph, and back-to-back calls per eager repeat (default 20, --quick 10)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 3, --quick 2)")
     ap.add_argument("--compile-all", action="store_true",
-                    help="with --quick (or on the CPU), still run the torch.compile rows for every pattern")
+                    help="with --quick, still run the torch.compile rows for every pattern (on the CPU too)")
     ap.add_argument("--eps", type=float, default=1e-6, help="RMSNorm epsilon")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     ap.add_argument("--machine", default=os.environ.get("COMMFUSE_MACHINE") or socket.gethostname(),
