@@ -5,9 +5,19 @@ Semantics are those of :func:`commfuse.reference.fused_tail` (the oracle); see D
 
 Launch configuration: one CTA per row (plus, for NVFP4 in the swizzled layout, one per padding
 row of the last 128-row tile, which zeroes that row's scale factors). A row is split into
-16-byte vectors of 8 elements; with h <= 16384 it lives in registers, VPT vectors per thread
-(VPT in 1, 2, 4, 8, the smallest that fits 256 threads). Longer rows take the looped variant
-(VPT = 0), which re-reads its own residual output instead of holding the row.
+16-byte vectors of 8 elements and lives in registers, VPT vectors per thread (VPT in 1, 2, 4):
+- few rows (t < LATENCY_TOKENS, decode): the smallest VPT that fits the variant's thread limit
+  (1024 for VPT 1 and 2), spreading each row's dependent chain over as many threads as possible
+  (h <= 16384). H200, bf16: [16, 7168] -> FP8 3.4 us against 4.5 us with 4 x 224; at 256 rows the
+  two configurations are within 10% either way, from 512 rows on the one below wins (e.g.
+  [1024, 7168] -> NVFP4 18.4 us against 21.6 us).
+- many rows: the most vectors per thread (more loads in flight per thread, fewer warps per
+  reduction) that keeps at least 2 warps, at most 256 threads, so several CTAs share an SM and
+  one row's loads overlap another's arithmetic (h <= 8192). H200: [8192, 4096] -> NVFP4 65.6 us
+  with 4 x 128 against 70.8 us with 2 x 256.
+Longer rows take the looped variant (VPT = 0, 256 threads), which re-reads its own residual
+output (from L2) instead of holding the row: on the H200 it beat 8 vectors per thread at
+h = 16384 (252 us against 406 us for [8192, 16384] -> NVFP4; one 130-register CTA per SM).
 """
 from __future__ import annotations
 
@@ -24,8 +34,11 @@ from .reference import Tail
 __all__ = ["run", "warmup", "variants", "launch_config", "SPEC", "MAX_HIDDEN", "MAX_TOKENS"]
 
 SOURCE = "fused_tail.cu"
-MAX_THREADS = 256          # kTailThreads in fused_tail.cu
-VPT_BUCKETS = (1, 2, 4, 8)  # vectors of 8 elements per thread on the register path
+VPT_BUCKETS = (1, 2, 4)  # vectors of 8 elements per thread on the register path
+# kMaxThreads<VPT> in fused_tail.cu (the __launch_bounds__ of each variant); 0 is the looped one.
+MAX_THREADS = {1: 1024, 2: 1024, 4: 256, 0: 256}
+THROUGHPUT_THREADS = 256  # per CTA at most, when there are enough rows to fill the GPU
+LATENCY_TOKENS = 256      # below this many rows, a row gets as many threads as its variant allows
 MAX_HIDDEN = 1 << 16       # what the tests cover; the looped variant has no hard limit below 2^31
 # Rows are blockIdx.x (< 2^31) and include up to 127 padding rows of the swizzled layout.
 MAX_TOKENS = (1 << 31) - 128
@@ -59,16 +72,31 @@ def variants() -> List[str]:
     return [name_expression(d, q, v) for d in _CTYPE for q in _QUANT_ID for v in VPT_BUCKETS + (0,)]
 
 
+def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
+    """(vpt, threads per CTA) for `tokens` rows of `hidden` elements; vpt 0 is the looped variant."""
+    return _launch_config(hidden, tokens < LATENCY_TOKENS)
+
+
 @functools.lru_cache(maxsize=None)
-def launch_config(hidden: int) -> Tuple[int, int]:
-    """(vpt, threads per CTA) for rows of `hidden` elements: the smallest VPT whose row fits
-    MAX_THREADS threads (rounded up to whole warps), else the looped variant with MAX_THREADS."""
+def _launch_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
     vectors = hidden // 8
-    for vpt in VPT_BUCKETS:
+
+    def whole_warps(threads: int) -> int:
+        return max(32, -(-threads // 32) * 32)
+
+    if few_rows:
+        for vpt in VPT_BUCKETS:
+            threads = -(-vectors // vpt)
+            if threads <= MAX_THREADS[vpt]:
+                return vpt, whole_warps(threads)
+        return 0, MAX_THREADS[0]
+    if vectors > max(VPT_BUCKETS) * THROUGHPUT_THREADS:
+        return 0, MAX_THREADS[0]
+    for vpt in sorted(VPT_BUCKETS, reverse=True):
         threads = -(-vectors // vpt)
-        if threads <= MAX_THREADS:
-            return vpt, max(32, -(-threads // 32) * 32)
-    return 0, MAX_THREADS
+        if threads >= 64 or vpt == min(VPT_BUCKETS):
+            return vpt, whole_warps(threads)
+    raise AssertionError("unreachable: VPT 1 always fits")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,12 +105,13 @@ def _kernel(dtype: torch.dtype, quant: Optional[str], vpt: int, device_index: in
 
 
 def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
-    """Compile and load the variant `run` uses for (dtype, quant, hidden) on `device` (default:
-    current), so a later call can be captured in a CUDA graph."""
+    """Compile and load the variants `run` uses for (dtype, quant, hidden), any number of tokens,
+    on `device` (default: current), so later calls can be captured in a CUDA graph."""
     if dtype not in _CTYPE or quant not in _QUANT_ID:
         raise ValueError(f"no fused tail for dtype={dtype}, quant={quant!r}")
     index = jit._device_index(device)
-    _kernel(dtype, quant, launch_config(hidden)[0], index)
+    for few_rows in (True, False):
+        _kernel(dtype, quant, _launch_config(hidden, few_rows)[0], index)
 
 
 # Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
@@ -156,7 +185,7 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
 
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
     rows = -(-t // 128) * 128 if swizzled else t
-    vpt, threads = launch_config(h)
+    vpt, threads = launch_config(h, t)
     params = _PARAMS.pack(
         a2.data_ptr(), r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
         norm.data_ptr() if norm is not None else 0,

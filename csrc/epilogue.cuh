@@ -134,15 +134,19 @@ __device__ __forceinline__ float e4m3_to_float(unsigned char b) {
 #endif
 
 // Full e2m1 code from x and its magnitude code: the sign bit is the float's (so -0.0 -> 0x8).
-// NaN gives 0: a NaN only gets here from a NaN block (enc = NaN), whose codes the contract sets
-// to 0, or from 0 * Inf when the scale is absurdly small, where the reference gives 0 as well.
+// kNaNs: x may be NaN, whose code is 0 (reference.e2m1_encode). norm * enc is NaN only when enc
+// is not finite (a NaN block, or S / sf overflowing for an absurdly small scale); the caller
+// takes this slower form only then.
+template <bool kNaNs>
 __device__ __forceinline__ unsigned e2m1_with_sign(float x, unsigned magnitude) {
-  return isnan(x) ? 0u : (magnitude | ((__float_as_uint(x) >> 28) & 0x8u));
+  const unsigned code = magnitude | ((__float_as_uint(x) >> 28) & 0x8u);
+  return (kNaNs && isnan(x)) ? 0u : code;
 }
 
 #if COMMFUSE_HW_E2M1
 // The instruction is fed |x|, and its NaN result (+6, per the emulation in cuda_fp4.hpp) is
 // overridden by e2m1_with_sign: only its RNE rounding of finite values and Inf is relied on.
+template <bool kNaNs>
 __device__ __forceinline__ unsigned e2m1_pair(float lo, float hi) {
   unsigned short packed;
   asm("{\n"
@@ -152,7 +156,7 @@ __device__ __forceinline__ unsigned e2m1_pair(float lo, float hi) {
       "}"
       : "=h"(packed)
       : "f"(fabsf(hi)), "f"(fabsf(lo)));
-  return e2m1_with_sign(lo, packed & 0x7u) | (e2m1_with_sign(hi, (packed >> 4) & 0x7u) << 4);
+  return e2m1_with_sign<kNaNs>(lo, packed & 0x7u) | (e2m1_with_sign<kNaNs>(hi, (packed >> 4) & 0x7u) << 4);
 }
 #else
 // e2m1 magnitude code of |x| (0..7 for 0, .5, 1, 1.5, 2, 3, 4, 6), RNE, saturating; NaN is the
@@ -172,16 +176,18 @@ __device__ __forceinline__ unsigned e2m1_magnitude(float x) {
   return b < 0x3f800000u ? small : big;
 }
 
+template <bool kNaNs>
 __device__ __forceinline__ unsigned e2m1_pair(float lo, float hi) {
-  return e2m1_with_sign(lo, e2m1_magnitude(lo)) | (e2m1_with_sign(hi, e2m1_magnitude(hi)) << 4);
+  return e2m1_with_sign<kNaNs>(lo, e2m1_magnitude(lo)) | (e2m1_with_sign<kNaNs>(hi, e2m1_magnitude(hi)) << 4);
 }
 #endif
 
 // Eight codes, element j in bits [4j, 4j+4): the even element of each byte in its low nibble.
+template <bool kNaNs>
 __device__ __forceinline__ unsigned e2m1x8(const float (&x)[8]) {
   unsigned out = 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) out |= e2m1_pair(x[2 * j], x[2 * j + 1]) << (8 * j);
+  for (int j = 0; j < 4; ++j) out |= e2m1_pair<kNaNs>(x[2 * j], x[2 * j + 1]) << (8 * j);
   return out;
 }
 
@@ -242,21 +248,25 @@ __device__ __forceinline__ unsigned abs_max_bits(const uint4& n) {
   return max(m & 0xffffu, m >> 16);
 }
 
-// Flat index of the scale factor of (row m, block k). Unsigned: m, k >= 0, and unsigned
-// division by powers of two is a shift.
-__device__ __forceinline__ size_t sf_index(const TailParams& p, unsigned m, unsigned k) {
+// Where row m's scale factors start; block k of the row is at sf_offset(p, base, k).
+__device__ __forceinline__ size_t sf_row_base(const TailParams& p, unsigned m) {
   const unsigned K = static_cast<unsigned>(p.h) / kSfBlock;
-  if (!p.sf_swizzled) return static_cast<size_t>(m) * K + k;
+  if (!p.sf_swizzled) return static_cast<size_t>(m) * K;
   const unsigned k_tiles = (K + 3) / 4;
-  return static_cast<size_t>(m / 128) * (static_cast<size_t>(k_tiles) * 512) + (k / 4) * 512 +
-         (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
+  return static_cast<size_t>(m / 128) * (static_cast<size_t>(k_tiles) * 512) + (m % 32) * 16 +
+         ((m % 128) / 32) * 4;
+}
+
+__device__ __forceinline__ size_t sf_offset(const TailParams& p, size_t row_base, unsigned k) {
+  return row_base + (p.sf_swizzled ? (k / 4) * 512 + (k % 4) : k);
 }
 
 // Zero the swizzled scale factors of row m for blocks [k_begin, roundup(K, 4)).
 __device__ __forceinline__ void tail_sf_zero(const TailParams& p, int m, int k_begin) {
   const int k_end = ((p.h / kSfBlock) + 3) & ~3;
+  const size_t base = sf_row_base(p, m);
   unsigned char* sf = static_cast<unsigned char*>(p.sf_out);
-  for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) sf[sf_index(p, m, k)] = 0;
+  for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) sf[sf_offset(p, base, k)] = 0;
 }
 
 // Rows the grid must cover: padding rows of the swizzled layout need someone to zero them.
@@ -276,8 +286,9 @@ __device__ __forceinline__ float quant_scalar(const TailParams& p) {
 // Norm, and quantization, of vector v of row `row`, given its T-rounded residual x and weight w.
 // Every lane of the warp must call it (NVFP4 pairs lanes through a shuffle); `active` is false
 // for lanes past the row's end, whose x and w are zero.
+// sf_base: sf_row_base(p, row).
 template <typename T, int QUANT>
-__device__ __forceinline__ void emit_vector(const TailParams& p, int row, int v, bool active,
+__device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t sf_base, int v, bool active,
                                             const uint4& x, const uint4& w, float inv, float qs) {
   const uint4 n = norm_round<T>(x, w, inv);
   const size_t row_base = static_cast<size_t>(row) * p.h;
@@ -298,10 +309,15 @@ __device__ __forceinline__ void emit_vector(const TailParams& p, int row, int v,
     unpack8<T>(n, f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) f[j] = __fmul_rn(f[j], enc);
-    const unsigned codes = e2m1x8(f);
+    unsigned codes;
+    if (isfinite(enc)) {
+      codes = e2m1x8<false>(f);
+    } else {
+      codes = e2m1x8<true>(f);
+    }
     if (active) {
       reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + row_base / 2)[v] = codes;
-      if ((v & 1) == 0) static_cast<unsigned char*>(p.sf_out)[sf_index(p, row, v / 2)] = sf;
+      if ((v & 1) == 0) static_cast<unsigned char*>(p.sf_out)[sf_offset(p, sf_base, v / 2)] = sf;
     }
   }
 }
@@ -346,6 +362,7 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
     w[i] = v < nv ? __ldg(weight + v) : zero;
   }
   const float qs = quant_scalar<QUANT>(p);
+  const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
 
   float sumsq = 0.f;
 #pragma unroll
@@ -359,7 +376,7 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    emit_vector<T, QUANT>(p, row, v, v < nv, x[i], w[i], inv, qs);
+    emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, x[i], w[i], inv, qs);
   }
   if constexpr (QUANT == kQuantNvfp4) {
     if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
@@ -380,6 +397,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const float qs = quant_scalar<QUANT>(p);
+  const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
 
   float sumsq = 0.f;
   for (int c = 0; c < nv; c += step) {
@@ -411,7 +429,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
 #pragma unroll
     for (int i = 0; i < LV; ++i) {
       const int v = c + threadIdx.x + i * blockDim.x;
-      emit_vector<T, QUANT>(p, row, v, v < nv, x[i], w[i], inv, qs);
+      emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, x[i], w[i], inv, qs);
     }
   }
   if constexpr (QUANT == kQuantNvfp4) {

@@ -3,15 +3,20 @@
 //
 // Grid: one CTA per row, plus (NVFP4, swizzled layout) one per padding row of the last 128-row
 // tile, which only zeroes that row's scale factors. Rows go on gridDim.x (up to 2^31 - 1).
-// Block: a multiple of 32 threads, at most kTailThreads, chosen by commfuse/fused_tail.py.
+// Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/fused_tail.py:
+// for many rows 256 at most (several CTAs per SM overlap one row's loads with another's math),
+// for few rows (decode) up to 1024, so that each row's chain of dependent work is spread thin.
 //
-// One row per CTA even for small h: with h >= 2048 (every real model) a row already fills
-// 256 threads, and smaller rows are too cheap for packing several per CTA to matter.
+// One row per CTA even for small h: a row of a real model (h >= 2048) already fills 2 to 32
+// warps, and smaller rows are too cheap for packing several per CTA to matter.
 #include "epilogue.cuh"
 
 namespace commfuse {
 
-constexpr int kTailThreads = 256;
+// 1 or 2 vectors per thread fit 1024 threads (<= 64 registers); 4, and the looped variant,
+// are built for 256 (up to ~80 registers).
+template <int VPT>
+constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 // Vectors per thread per step of the looped path (rows longer than the register path takes).
 constexpr int kLoopVectors = 4;
 
@@ -22,16 +27,12 @@ struct FusedTailParams {
 };
 // commfuse/fused_tail.py packs it as struct "<8Qf3i": 8 pointers, eps, h, t, sf_swizzled.
 static_assert(sizeof(FusedTailParams) == 80, "layout shared with commfuse/fused_tail.py");
-static_assert(__builtin_offsetof(FusedTailParams, tail) == 8, "layout shared with commfuse/fused_tail.py");
-static_assert(__builtin_offsetof(TailParams, eps) == 56 && __builtin_offsetof(TailParams, h) == 60 &&
-                  __builtin_offsetof(TailParams, t) == 64 && __builtin_offsetof(TailParams, sf_swizzled) == 68,
-              "layout shared with commfuse/fused_tail.py");
 
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).
 template <typename T, int QUANT, int VPT>
-__global__ void __launch_bounds__(kTailThreads) fused_tail(const __grid_constant__ FusedTailParams p) {
-  __shared__ float red[kTailThreads / 32];
+__global__ void __launch_bounds__(kMaxThreads<VPT>) fused_tail(const __grid_constant__ FusedTailParams p) {
+  __shared__ float red[kMaxThreads<VPT> / 32];
   const int row = blockIdx.x;
   if (row >= p.tail.t) {
     if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p.tail, row, 0);

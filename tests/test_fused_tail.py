@@ -181,7 +181,19 @@ def check_fp8(k, e, kn, en):
     assert mism.sum().item() <= budget(mism.numel())
 
 
-def check_nvfp4(k, e, kn, en, t, h, layout):
+def gpu_reference_ties(en, scale, t, h):
+    """Blocks whose reference scale factor, computed on the GPU, may be one step off the contract:
+    torch divides by the python scalar 6 as a multiply by 1/6, which can round to the other side
+    of an e4m3 tie. (reference.quantize_nvfp4 on CPU divides truly.)"""
+    x = torch.reciprocal(scale) * en.float().reshape(t, h // 16, 16).abs().amax(-1)
+
+    def e4m3(v):
+        return v.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    return e4m3(x / torch.full((), 6.0, device=x.device)) != e4m3(x / 6.0)
+
+
+def check_nvfp4(k, e, kn, en, scale, t, h, layout):
     assert k.quant.dtype == torch.uint8 and k.quant.shape == (t, h // 2)
     assert k.scale_factors.dtype == torch.float8_e4m3fn and k.scale_factors.shape == e.scale_factors.shape
     K = h // 16
@@ -191,16 +203,17 @@ def check_nvfp4(k, e, kn, en, t, h, layout):
     assert (ksf[nan_blocks] == 0x7F).all(), "a NaN block of the reference lost its NaN scale factor"
     assert (kc.view(t, K, 16)[nan_blocks] == 0).all(), "codes of a NaN block must be 0"
     norm_diff = (~same(kn, en)).view(t, K, 16).any(-1)
+    ties = gpu_reference_ties(en, scale, t, h)
     sf_mism = ksf != esf
-    # A scale factor may also differ by one step where the reference, run on the GPU, rounds the
-    # other way at an e4m3 tie: torch divides by the python scalar 6 as a multiply by 1/6.
     if sf_mism.any():
         assert (fp8_key(ksf) - fp8_key(esf)).abs()[sf_mism].max() <= 1
-    assert sf_mism.sum().item() <= budget(sf_mism.numel())
+    assert not (sf_mism & ~(norm_diff | ties)).any(), "scale factors differ where the norms agree"
+    assert (sf_mism & ~ties).sum().item() <= budget(sf_mism.numel())
     code_mism = kc != ec
     explained = (norm_diff | sf_mism).repeat_interleave(16, dim=1)
     assert not (code_mism & ~explained).any(), "e2m1 codes differ in a block whose norm and sf agree"
-    assert code_mism.sum().item() <= max(16, int(1e-3 * code_mism.numel()))
+    beyond_ties = code_mism & ~ties.repeat_interleave(16, dim=1)
+    assert beyond_ties.sum().item() <= max(16, int(1e-3 * code_mism.numel()))
     if layout == "swizzled":
         flat = k.scale_factors.view(torch.uint8)
         assert flat.numel() == ft.sf_numel(t, h, "swizzled")
@@ -259,7 +272,7 @@ def check_patterns(monkeypatch, a, residual, weight, special, big_col, patterns,
         if quant == "fp8":
             check_fp8(k, e, kn, base.norm)
         else:
-            check_nvfp4(k, e, kn, base.norm, t, h, layout)
+            check_nvfp4(k, e, kn, base.norm, scale, t, h, layout)
         check_exact_quant(k, kn, quant, scale, layout, rows, t, h)
         if special:
             check_special_rows(k, quant, t, h, layout)
@@ -295,8 +308,9 @@ def test_matches_reference(dtype, hidden, tokens, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_odd_and_long_rows(dtype, hidden, monkeypatch):
     # 16..80: K = h/16 not a multiple of 4 (swizzle padding columns); 130 tokens: padding rows of
-    # a second 128-row tile; 32000 and 65536 take the looped (non-register) variant.
-    for tokens in (1, 7, 130):
+    # a second 128-row tile; 600 tokens: the many-rows launch configuration; 32000 and 65536 take
+    # the looped (non-register) variant.
+    for tokens in (1, 7, 130, 600):
         seed = hidden * 7919 + tokens
         a, residual, weight, special, big_col = make_inputs(tokens, hidden, dtype, seed)
         check_patterns(monkeypatch, a, residual, weight, special, big_col, PATTERNS, seed)

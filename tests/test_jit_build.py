@@ -43,16 +43,19 @@ def test_every_variant_builds(arch, cache_dir):
 def test_variants_cover_every_launch_config():
     names = set(fused_tail.variants())
     assert len(names) == 2 * 3 * (len(fused_tail.VPT_BUCKETS) + 1)
-    for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 16384, 16392, 32000, 65536):
-        vpt, threads = fused_tail.launch_config(hidden)
-        assert threads % 32 == 0 and 32 <= threads <= fused_tail.MAX_THREADS
-        if vpt:
-            assert vpt * threads * 8 >= hidden, hidden
-        else:
-            assert hidden > fused_tail.MAX_THREADS * 8 * max(fused_tail.VPT_BUCKETS)
-        for dtype in (torch.float16, torch.bfloat16):
-            for quant in (None, "fp8", "nvfp4"):
-                assert fused_tail.name_expression(dtype, quant, vpt) in names
+    for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 8200, 16384, 16392, 32000, 65536):
+        for tokens in (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192):
+            vpt, threads = fused_tail.launch_config(hidden, tokens)
+            assert threads % 32 == 0 and 32 <= threads <= fused_tail.MAX_THREADS[vpt]
+            few = tokens < fused_tail.LATENCY_TOKENS
+            limit = {v: fused_tail.MAX_THREADS[v] if few else fused_tail.THROUGHPUT_THREADS
+                     for v in fused_tail.VPT_BUCKETS}
+            assert (vpt == 0) == (hidden > 8 * max(v * limit[v] for v in limit)), (hidden, tokens)
+            if vpt:
+                assert vpt * threads * 8 >= hidden and threads <= limit[vpt], (hidden, tokens)
+            for dtype in (torch.float16, torch.bfloat16):
+                for quant in (None, "fp8", "nvfp4"):
+                    assert fused_tail.name_expression(dtype, quant, vpt) in names
 
 
 def test_broken_source_raises_jit_error_with_log(tmp_path, cache_dir):
