@@ -268,7 +268,9 @@ def quantize_nvfp4(x: Tensor, scale: Scale, sf_layout: str = "swizzled") -> Tupl
     blocks = xf.reshape(t, K, NVFP4_BLOCK)
     S = torch.reciprocal(_scale_tensor(scale, x.device))
     vmax = blocks.abs().amax(dim=-1)  # amax propagates NaN
-    sf = _to_e4m3((S * vmax) / E2M1_MAX)
+    # Divide by a tensor: on CUDA, torch turns division by a Python number into a multiply by its
+    # reciprocal, which is not the contract's division and moves scale factors at e4m3 ties.
+    sf = _to_e4m3((S * vmax) / torch.tensor(E2M1_MAX, device=x.device))
     sff = sf.float()
     enc = torch.where(sff == 0, torch.zeros_like(sff), S / sff)
     codes = e2m1_encode(blocks * enc.unsqueeze(-1))
