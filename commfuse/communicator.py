@@ -1,4 +1,4 @@
-"""Communicator: the public entry point. Owns the group, its topology and (later) the P2P workspace.
+"""Communicator: the public entry point. Owns the group, its topology and the P2P workspace.
 
 The data path reads top-down: argument checks -> plan (plan.py) -> collective -> tail (a fused
 kernel, or commfuse.reference's separated ops).
@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import fused_tail, reference, topology
+from . import fused_tail, p2p, reference, topology
 from .plan import Plan, Request, TensorMeta, check_arguments, make_plan, registered_kernels
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
@@ -45,6 +45,13 @@ class Communicator:
     exists). The environment variable COMMFUSE_STRATEGY overrides the argument;
     COMMFUSE_DISABLE_FUSION=1 forces separated ops; COMMFUSE_CHECK=1 compares every call's shapes
     and dtypes across ranks first (raising on all ranks instead of hanging).
+
+    Construction is collective. Where the topology's mode is "p2p" (NCCL group on one node, P2P
+    between every pair) and the strategy is not "nccl", it creates the P2P workspace
+    (commfuse.p2p.Workspace: IPC buffers, about 384 MiB per rank by default) and, for "auto",
+    calibrates the one-shot/two-shot/NCCL crossovers (cached on disk); so construct the
+    Communicator before any CUDA graph capture. `check()` surfaces a P2P timeout (also one inside a
+    graph replay) as commfuse.p2p.P2PTimeoutError; `close()` releases the workspace (collective).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
@@ -60,7 +67,20 @@ class Communicator:
                        else torch.device("cpu"))
         self.topology = topology.detect(self.group)
         self.fusion = os.environ.get("COMMFUSE_DISABLE_FUSION") != "1"
-        self.check = os.environ.get("COMMFUSE_CHECK") == "1"
+        self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
+        # ---- P2P workspace (commfuse/p2p.py) ----
+        self._p2p: Optional[p2p.Workspace] = None
+        if (self.backend == "nccl" and self.topology.mode == "p2p"
+                and self.world_size in p2p.SPEC.world_sizes):
+            # Creating the workspace is collective: every rank must take the same decision.
+            strategies: list = [None] * self.world_size
+            dist.all_gather_object(strategies, self.strategy, group=self.group)
+            if len(set(strategies)) > 1:
+                raise ValueError(f"ranks disagree on the strategy: {strategies}")
+            if self.strategy != "nccl":
+                self._p2p = p2p.Workspace(self.group, self.device, calibrate=self.strategy == "auto",
+                                          topology=self.topology)
+        # ---- end P2P workspace ----
 
     @property
     def world_size(self) -> int:
@@ -80,7 +100,8 @@ class Communicator:
             quant=quant, return_norm=return_norm, sf_layout=sf_layout)
         return make_plan(req, mode=self.topology.mode, backend=self.backend, sm=self.topology.sm,
                          world_size=self.world_size, kernels=registered_kernels(),
-                         strategy=self.strategy, fusion=self.fusion, p2p=None,
+                         strategy=self.strategy, fusion=self.fusion,
+                         p2p=self._p2p.limits if self._p2p is not None else None,
                          mode_reasons=self.topology.reasons)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +109,11 @@ class Communicator:
 
         x: any shape, on the communicator's device (CUDA for NCCL, CPU for gloo).
         """
-        check_arguments(x, None, None, 0.0, None, None, "swizzled", self.device)
-        if self.check:
-            self._check_same_call(("all_reduce", tuple(x.shape), str(x.dtype)))
-        return self._collective(x)
+        self._check_p2p_error()
+        plan = self.plan(x)
+        if self.check_calls:
+            self._check_same_call(("all_reduce", tuple(x.shape), str(x.dtype), str(plan.collective)))
+        return self._collective(x, plan)
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                          eps: float = 1e-6, quant: Optional[str] = None,
@@ -105,13 +127,18 @@ class Communicator:
         path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).
         Outputs are flattened to [t, h]; see FusedResult.
         """
+        self._check_p2p_error()
         plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale,
                          return_norm=return_norm, sf_layout=sf_layout)
-        if self.check:
+        if self.check_calls:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant,
                                    return_norm, sf_layout, str(plan.collective)))
         h = x.shape[-1]
-        a = self._collective(x).view(-1, h)
+        if plan.collective.startswith("p2p_") and plan.tail == "fused":  # the tail inside the P2P kernel
+            tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                                              plan.collective[len("p2p_"):])
+            return FusedResult(*tail, plan=plan)
+        a = self._collective(x, plan).view(-1, h)
         residual = residual.reshape(-1, h)
         if plan.tail == "fused":
             tail = fused_tail.run(a, residual.contiguous(), weight, eps, quant, scale, return_norm, sf_layout)
@@ -119,7 +146,26 @@ class Communicator:
             tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
         return FusedResult(*tail, plan=plan)
 
-    def _collective(self, x: torch.Tensor) -> torch.Tensor:
+    def check(self) -> None:
+        """Wait for this rank's queued GPU work, then raise commfuse.p2p.P2PTimeoutError if a P2P
+        kernel timed out waiting for a peer (eager or replayed in a CUDA graph). Not collective."""
+        if self._p2p is not None:
+            self._p2p.check()
+
+    def close(self) -> None:
+        """Release the P2P workspace (collective: every rank calls it); later calls take NCCL."""
+        if self._p2p is not None:
+            workspace, self._p2p = self._p2p, None
+            workspace.close()
+
+    def _check_p2p_error(self) -> None:
+        # A read of pinned host memory, no synchronisation: raises once a P2P kernel timed out.
+        if self._p2p is not None:
+            self._p2p.check_error()
+
+    def _collective(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if plan.collective.startswith("p2p_"):
+            return self._p2p.all_reduce(x, plan.collective[len("p2p_"):])
         if self.backend == "nccl":
             # NCCL reduces in T, in its own order (accepted by DESIGN.md on this path).
             out = x.contiguous().clone()

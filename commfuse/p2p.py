@@ -1,0 +1,692 @@
+"""P2P all-reduce over CUDA IPC buffers, with the all-reduce tail fused into the same kernel.
+
+This is the "one node, P2P between every pair" row of DESIGN.md. The kernels are in
+csrc/p2p_allreduce.cu (its header comment has the device-side details and the memory-ordering
+argument); this module owns the workspace they work in, launches them, measures where each
+algorithm wins (calibration) and turns a kernel's timeout into a Python exception.
+
+Workspace (class Workspace, one per Communicator, created collectively by every rank)
+- Per rank ONE device buffer (cuMemAlloc, exported as a CUDA IPC handle; handles all-gathered over
+  the group; every peer's buffer mapped once with cuIpcOpenMemHandle):
+      half 0 | half 1 | flags
+  where each half is `world` slots of `slot_bytes` (slot s receives rank s's data) followed by a
+  gather region of `slot_bytes` (two-shot's reduced rows), and flags is uint32[2 phases][NBLOCKS]
+  [world] (flags[k][b][s]: the last call in which rank s's CTA b finished phase k). Calls alternate
+  halves by the parity of their epoch (double buffering), so one barrier per phase suffices (the
+  argument is in csrc/p2p_allreduce.cu).
+  Size: 2 * (world + 1) * max_bytes + flags. max_bytes (the largest message the P2P row takes) is
+  the constructor's argument, else COMMFUSE_P2P_WORKSPACE_MB, else 192 MiB / (world + 1) rounded
+  down to whole MiB: 64 MiB for 2 ranks, 38 MiB for 4, 21 MiB for 8, i.e. about 384 MiB of device
+  memory per rank whatever the world size. Always rounded up to a multiple of 4 KiB.
+- Per rank, not shared: epochs[NBLOCKS] and a device error word (one small torch tensor), and one
+  host-mapped pinned error word (cuMemHostAlloc) that a timed-out kernel writes and the host polls.
+- NBLOCKS: the grid of every launch, min(SM count over the ranks, MAX_BLOCKS), so each CTA b has the
+  same sequence of calls on every rank and all CTAs are co-resident (one 256-thread CTA per SM).
+- Flags, epochs and error words are zeroed at creation, followed by a barrier before first use.
+- close() is collective: synchronise, barrier, unmap the peers' buffers, barrier, free. A workspace
+  that is never closed is released by the driver when the process exits (nothing here runs at
+  interpreter exit, so exiting cannot hang in a collective or crash in a torn-down context).
+
+Algorithms (both for the plain all-reduce and for every fused pattern; every rank computes every
+output, and the sum is fp32 in rank order, rounded to T once: bit-identical on every rank)
+- one-shot: each rank pushes its whole message into slot[rank] of every rank, one barrier, then
+  sums the slots locally and runs the tail (csrc/epilogue.cuh) on its rows.
+- two-shot: rows split into `world` contiguous segments. Phase 0 pushes each row to its segment
+  owner; barrier; each rank reduces its own segment and pushes the T-rounded sums into every rank's
+  gather region; barrier; every rank runs the tail on all rows from its gather region.
+  This differs from DESIGN.md's "epilogue on own rows, all-gather the outputs" on purpose:
+  gathering the one T row of sums moves fewer bytes over NVLink than gathering the 2-4 outputs
+  (residual, norm, quant, scale factors), and the outputs stay ordinary torch tensors (no IPC output
+  buffers, nothing registered per call). Each rank then runs the tail on every row, which costs HBM
+  bandwidth, not NVLink bandwidth, the scarcer of the two.
+- plain all-reduce: the same kernels without a tail (QUANT = kQuantPlain); the flattened tensor is cut
+  into rows of up to 2048 vectors so that every CTA gets work. Needs numel % 8 == 0 (16-byte
+  vectors; SPEC.rejects says so, and plan.py then takes NCCL).
+
+Bounded waits and errors: every cross-rank wait gives up after `timeout_s` (COMMFUSE_P2P_TIMEOUT_S,
+default 10 s); the kernel records the missing rank in the device and host error words and returns.
+`check_error()` (a plain read of pinned host memory: no synchronisation) raises P2PTimeoutError;
+the Communicator calls it at the start of every call, and `check()` synchronises first. The error is
+sticky: after a timeout the flags and epochs are out of step, so every later kernel on this
+workspace returns at once (it reads the device error word) and every later call raises. This also
+surfaces a timeout that happened inside a CUDA graph replay.
+
+CUDA graphs: the workspace is created (and calibrated) before any capture; a launch bakes in only
+pointers that stay valid for the workspace's life, and the epochs live in device memory, so replays
+advance them like eager calls. Kernels must be loaded before capture (call once eagerly, or
+`warmup`). Calls on one workspace must be stream-ordered (one stream, or ordered by events), as for
+NCCL: the double-buffering argument relies on a rank's call E finishing before its call E + 1 starts.
+
+Calibration (strategy "auto", at creation, i.e. before any capture): times one-shot, two-shot and
+NCCL plain bf16 all-reduces for messages of 4 KiB, 8 KiB, ... up to max_bytes. Each timing is
+GPU time of back-to-back eager calls held behind a short delay kernel (so Python launch overhead
+does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is taken so every rank
+decides the same. twoshot_max is the largest size up to which P2P (the better algorithm) beats NCCL
+at every measured size; oneshot_max the largest size up to which one-shot also beats two-shot.
+Between measured sizes the smaller one's decision applies (conservative). Results are cached as
+JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size,
+NVLink/P2P matrices, torch/CUDA/NCCL/driver versions, workspace size, grid and kernel source;
+rank 0 reads and writes it, every rank takes rank 0's answer. It takes well under 2 s (plus the
+first compilation of the plain kernels). COMMFUSE_P2P_CALIBRATE=0 skips it and uses
+oneshot_max = 512 KiB, twoshot_max = max_bytes.
+
+Kernel variants: T (fp16, bf16) x QUANT (plain, none, fp8, nvfp4) x algorithm, and for the tails two
+row shapes only: VPT = 4 (rows of up to 8192 elements in registers, 32..256 threads) and the looped
+tail (longer rows). Deviation from the one-bucket-per-VPT scheme of fused_tail.launch_config, and
+the world size is a run-time argument (loops over ranks unrolled to 8 with uniform predicates)
+rather than a template argument: 29 variants instead of several hundred, so that the CPU build of
+every variant for every arch stays quick. The tail's numerics do not depend on these choices beyond
+the order of the row's sum of squares (1 ulp of the norm at most, which the tolerances allow).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import math
+import os
+import struct
+import tempfile
+import warnings
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import fused_tail, ipc, jit
+from .plan import FUSED_DTYPES, KernelSpec, P2PLimits, register_kernel
+from .reference import Tail
+
+__all__ = ["Workspace", "P2PTimeoutError", "SPEC", "ALGORITHMS", "variants", "warmup", "launch_config",
+           "derive_limits", "default_max_bytes", "name_expression"]
+
+SOURCE = "p2p_allreduce.cu"
+ALGORITHMS = ("oneshot", "twoshot")
+MAX_WORLD = 8          # kMaxWorld in p2p_allreduce.cu
+THREADS = 256          # kP2PThreads
+VPT = 4                # the register tail's vectors per thread
+PLAIN_MAX_ROW_VECS = THREADS * 8
+MAX_BLOCKS = 160       # grid cap (H100/H200: 132 SMs, B200: 148)
+ALIGN = 4096
+DEFAULT_BUDGET = 192 << 20        # default max_bytes = DEFAULT_BUDGET / (world + 1)
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
+CALIBRATION_VERSION = 1
+_CAL_REPS = 3
+_CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
+_TIMEOUT_CODE = 1 << 16           # kTimeoutCode
+DELAY_KERNEL = "commfuse::p2p_delay"
+
+_CTYPE = fused_tail._CTYPE
+_QUANT_ID = {None: 0, "fp8": 1, "nvfp4": 2, "plain": -1}
+_ALGO_ID = {"oneshot": 0, "twoshot": 1}
+
+# P2PParams in csrc/p2p_allreduce.cu: TailParams (7 pointers, eps, h, t, sf_swizzled), then x, out,
+# peers[8], epochs, dev_error, host_error, timeout_ns, slot_bytes, flags_offset, total_vecs, rows,
+# row_vecs, row_slots, world, rank, padding.
+_PARAMS = struct.Struct("<7Qf3i" "2Q8Q3Q3Qq6i")
+assert _PARAMS.size == 232
+_NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
+
+
+class P2PTimeoutError(RuntimeError):
+    """A P2P all-reduce kernel waited longer than the timeout for a peer (named in the message).
+
+    rank: this rank; missing_rank: the peer that did not arrive; phase: the barrier (0 or 1);
+    timeout_s: the limit. The workspace is unusable afterwards: create a new Communicator.
+    """
+
+    def __init__(self, rank: int, missing_rank: int, phase: int, timeout_s: float):
+        super().__init__(
+            f"P2P all-reduce on rank {rank}: rank {missing_rank} did not arrive at barrier {phase} within "
+            f"{timeout_s:g} s (it skipped a call, is stuck or died, or the ranks' calls differ). The P2P "
+            "workspace is out of step now and every later call on it raises: close this Communicator and "
+            "create a new one.")
+        self.rank, self.missing_rank, self.phase, self.timeout_s = rank, missing_rank, phase, timeout_s
+
+
+class _P2PSpec(KernelSpec):
+    """KernelSpec plus the plain all-reduce's own need: whole 16-byte vectors of the flat tensor."""
+
+    def rejects(self, req, sm):
+        why = super().rejects(req, sm)
+        if why is None and req.residual is None and req.x.numel % 8:
+            return f"{self.name}: plain all-reduce needs a multiple of 8 elements, got {req.x.numel}"
+        return why
+
+
+SPEC = register_kernel(_P2PSpec(
+    name="p2p_allreduce",
+    kind="p2p",
+    dtypes=frozenset(FUSED_DTYPES),
+    quants=frozenset((None, "fp8", "nvfp4")),
+    min_sm=(8, 0),
+    hidden_multiple=8,
+    max_hidden=fused_tail.MAX_HIDDEN,
+    max_tokens=fused_tail.MAX_TOKENS,
+    plain=True,
+    algorithms=ALGORITHMS,
+    world_sizes=frozenset(range(2, MAX_WORLD + 1)),
+))
+
+
+# --------------------------------------------------------------------------- variants and shapes
+
+
+def name_expression(dtype: torch.dtype, quant: Optional[str], vpt: int, algo: str) -> str:
+    """The kernel instantiation; quant None/"fp8"/"nvfp4", or "plain" (no tail, vpt 0)."""
+    return f"commfuse::p2p_allreduce<{_CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}, {_ALGO_ID[algo]}>"
+
+
+def variants() -> List[str]:
+    """Every name expression the library may launch (the CPU build test compiles them all)."""
+    names = []
+    for dtype in _CTYPE:
+        for algo in ALGORITHMS:
+            names.append(name_expression(dtype, "plain", 0, algo))
+            names += [name_expression(dtype, q, v, algo) for q in (None, "fp8", "nvfp4") for v in (VPT, 0)]
+    return names + [DELAY_KERNEL]
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(hidden: int) -> Tuple[int, int]:
+    """(vpt, threads) of the tail for rows of `hidden` elements: VPT vectors per thread in registers
+    with the fewest whole warps that cover the row, else the looped tail (vpt 0) with THREADS."""
+    vectors = hidden // 8
+    if vectors <= VPT * THREADS:
+        return VPT, max(32, -(-vectors // (VPT * 32)) * 32)
+    return 0, THREADS
+
+
+def plain_rows(total_vecs: int, nblocks: int) -> Tuple[int, int]:
+    """(row_vecs, rows) cutting a plain all-reduce of `total_vecs` vectors into rows: whole multiples
+    of THREADS vectors, at most PLAIN_MAX_ROW_VECS, small enough that every CTA gets a row."""
+    per_block = -(-total_vecs // nblocks)
+    row_vecs = min(PLAIN_MAX_ROW_VECS, max(THREADS, -(-per_block // THREADS) * THREADS))
+    return row_vecs, -(-total_vecs // row_vecs)
+
+
+def default_max_bytes(world: int) -> int:
+    """Default largest P2P message: DEFAULT_BUDGET / (world + 1), whole MiB (64 MiB for 2 ranks)."""
+    return max(ALIGN, DEFAULT_BUDGET // (world + 1) >> 20 << 20)
+
+
+def layout(max_bytes: int, world: int, nblocks: int) -> Tuple[int, int, int]:
+    """(slot_bytes, flags_offset, total_bytes) of one rank's buffer (see the module docstring)."""
+    slot = -(-max_bytes // ALIGN) * ALIGN
+    flags_offset = 2 * (world + 1) * slot
+    flags_bytes = 2 * nblocks * world * 4
+    return slot, flags_offset, flags_offset + -(-flags_bytes // ALIGN) * ALIGN
+
+
+def calibration_sizes(max_bytes: int) -> List[int]:
+    """Message sizes calibration measures: 4 KiB, 8 KiB, ... below max_bytes, then max_bytes."""
+    sizes, s = [], 4096
+    while s < max_bytes:
+        sizes.append(s)
+        s *= 2
+    return sizes + [max_bytes]
+
+
+def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], workspace_bytes: int) -> P2PLimits:
+    """P2PLimits from times[i] = (one-shot, two-shot, NCCL) at sizes[i] (ascending, any unit).
+
+    twoshot_max: the largest size up to which min(one-shot, two-shot) < NCCL at every size (0: P2P
+    never); oneshot_max: the largest size <= twoshot_max up to which one-shot <= two-shot at every size.
+    """
+    twoshot_max = oneshot_max = 0
+    for size, (one, two, nccl) in zip(sizes, times):
+        if not min(one, two) < nccl:
+            break
+        twoshot_max = size
+    for size, (one, two, _) in zip(sizes, times):
+        if size > twoshot_max or not one <= two:
+            break
+        oneshot_max = size
+    return P2PLimits(workspace_bytes, oneshot_max, twoshot_max)
+
+
+def default_limits(max_bytes: int) -> P2PLimits:
+    return P2PLimits(max_bytes, min(DEFAULT_ONESHOT_MAX, max_bytes), max_bytes)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, device_index: int) -> jit.Kernel:
+    return jit.kernel(SOURCE, name, device=device_index)
+
+
+def warmup(dtype: torch.dtype, quant: Optional[str] = None, hidden: Optional[int] = None, device=None) -> None:
+    """Compile and load, on `device` (default: current), both algorithms' plain all-reduce of
+    `dtype`, and with `hidden` given also the fused (quant, hidden) variants, so that later calls
+    can be captured in a CUDA graph."""
+    if dtype not in _CTYPE or quant not in (None, "fp8", "nvfp4"):
+        raise ValueError(f"no P2P kernel for dtype={dtype}, quant={quant!r}")
+    index = jit._device_index(device)
+    for algo in ALGORITHMS:
+        _kernel(name_expression(dtype, "plain", 0, algo), index)
+        if hidden is not None:
+            _kernel(name_expression(dtype, quant, launch_config(hidden)[0], algo), index)
+
+
+# Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
+_empty = torch.empty
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {raw!r}")
+    return value
+
+
+def _all_gather(group, obj) -> list:
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for name in (SOURCE, "epilogue.cuh"):
+        h.update((jit.CSRC_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
+    try:
+        entry = json.loads(path.read_text())
+        if json.dumps(entry["key"], sort_keys=True) != json.dumps(key, sort_keys=True):
+            return None
+        lim = entry["limits"]
+        return P2PLimits(int(lim["workspace_bytes"]), int(lim["oneshot_max"]), int(lim["twoshot_max"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or damaged: measure again
+
+
+def _write_limits(path: Path, entry: dict) -> None:
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+        tmp = None
+    except OSError as exc:
+        warnings.warn(f"commfuse: could not write the P2P calibration cache {path}: {exc}", RuntimeWarning,
+                      stacklevel=3)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+# --------------------------------------------------------------------------- workspace
+
+
+class Workspace:
+    """The IPC buffers of one group's P2P all-reduce, and the launches that use them.
+
+    Collective: every rank of `group` (a NCCL group, 2..8 ranks, one node, P2P between every pair)
+    constructs it at the same point, with this process's CUDA device `device` current.
+    max_bytes: largest message (default: COMMFUSE_P2P_WORKSPACE_MB, else default_max_bytes(world));
+    timeout_s: longest wait for a peer (default: COMMFUSE_P2P_TIMEOUT_S, else 10 s); calibrate:
+    measure the crossovers (else default_limits; COMMFUSE_P2P_CALIBRATE=0 also turns it off);
+    topology: the group's Topology, for the calibration cache key (default: topology.detect(group)).
+    Every rank must use the same max_bytes and calibrate setting (checked: all ranks raise).
+    Attributes: limits (P2PLimits for plan.py), max_bytes, nblocks, world, rank, device.
+    """
+
+    def __init__(self, group, device, *, max_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
+                 calibrate: bool = True, topology=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if not 2 <= self.world <= MAX_WORLD:
+            raise ValueError(f"P2P workspace needs 2..{MAX_WORLD} ranks, the group has {self.world}")
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"P2P workspace needs a CUDA device, got {self.device}")
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self._index)
+        if max_bytes is None:
+            max_bytes = int(_env_number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20) * 2**20)
+        if int(max_bytes) <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.max_bytes = -(-int(max_bytes) // ALIGN) * ALIGN
+        self.timeout_s = float(timeout_s) if timeout_s is not None else _env_number("COMMFUSE_P2P_TIMEOUT_S",
+                                                                                      DEFAULT_TIMEOUT_S)
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        calibrate = bool(calibrate) and os.environ.get("COMMFUSE_P2P_CALIBRATE") != "0"
+
+        self._ptr = self._host_ptr = None
+        self._peers: list = [None] * self.world
+        self._state = None
+        self._closed = False
+        # Every rank lays its buffer out alike and launches the same grid: agree first.
+        sms = torch.cuda.get_device_properties(self._index).multi_processor_count
+        gathered = _all_gather(group, ((self.max_bytes, calibrate), sms))
+        if len({g[0] for g in gathered}) > 1:
+            detail = "; ".join(f"rank {i}: max_bytes={g[0][0]}, calibrate={g[0][1]}" for i, g in enumerate(gathered))
+            raise ValueError(f"ranks disagree on the P2P workspace ({detail})")
+        self.nblocks = min(MAX_BLOCKS, min(g[1] for g in gathered))
+        self.slot_bytes, self.flags_offset, self.total_bytes = layout(self.max_bytes, self.world, self.nblocks)
+        self._create()
+        self.limits = self._calibrate(topology) if calibrate else default_limits(self.max_bytes)
+
+    # ---------------------------------------------------------------- creation and teardown
+
+    def _create(self) -> None:
+        driver = ipc.driver
+        handle, err = None, None
+        try:
+            with ipc.device_context(self._index):
+                self._ptr = ipc.alloc(self.total_bytes)
+                flags_words = (self.total_bytes - self.flags_offset) // 4
+                ipc.call(driver.cuMemsetD32, self._ptr + self.flags_offset, 0, flags_words)
+                flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+                self._host_ptr = int(ipc.call(driver.cuMemHostAlloc, 4, flags))
+                ctypes.c_int32.from_address(self._host_ptr).value = 0
+                self._host_dev_ptr = int(ipc.call(driver.cuMemHostGetDevicePointer, self._host_ptr, 0))
+                ipc.call(driver.cuCtxSynchronize)  # the memset is done before any peer can write
+                handle = ipc.export_handle(self._ptr)
+        except ipc.CudaError as e:
+            err = f"workspace of {self.total_bytes} B: {e}"
+        handles = _all_gather(self.group, (handle, err))
+        self._raise_if_any(handles, lambda h: h[1], "could not create its P2P workspace")
+
+        err, q = None, None
+        try:
+            with ipc.device_context(self._index):
+                for q, (h, _) in enumerate(handles):
+                    if q != self.rank:
+                        self._peers[q] = ipc.open_handle(h)
+        except ipc.CudaError as e:
+            err = f"mapping rank {q}'s workspace: {e}" if q is not None else str(e)
+        self._raise_if_any(_all_gather(self.group, err), lambda e: e, "could not map a peer's P2P workspace")
+        self._peers[self.rank] = self._ptr
+
+        # epochs[nblocks] then the device error word; zeroed like the flags.
+        self._state = torch.zeros(self.nblocks + 1, dtype=torch.int32, device=self.device)
+        self._barrier()  # every buffer is zeroed and mapped everywhere before any kernel runs
+
+    def _raise_if_any(self, gathered: list, error_of, what: str) -> None:
+        """Raise on every rank (after releasing what this rank holds) if any rank reported an error."""
+        failed = [(i, error_of(g)) for i, g in enumerate(gathered) if error_of(g)]
+        if failed:
+            self._teardown()
+            raise RuntimeError("; ".join(f"rank {i} {what}: {e}" for i, e in failed))
+
+    def _barrier(self) -> None:
+        """Host barrier of the group that also waits for this rank's GPU work."""
+        torch.cuda.synchronize(self.device)
+        token = torch.zeros(1, device=self.device)
+        dist.all_reduce(token, group=self.group)
+        torch.cuda.synchronize(self.device)
+
+    def _teardown(self) -> None:
+        """Collective: unmap the peers' buffers, then (after a barrier) free this rank's own."""
+        errors = []
+        self._barrier()  # no kernel on any rank still touches any buffer
+        with ipc.device_context(self._index):
+            for q, ptr in enumerate(self._peers):
+                if ptr is not None and q != self.rank:
+                    try:
+                        ipc.close_handle(ptr)
+                    except ipc.CudaError as e:
+                        errors.append(f"unmapping rank {q}'s workspace: {e}")
+            self._peers = [None] * self.world
+        self._barrier()  # no rank maps this rank's buffer any more
+        with ipc.device_context(self._index):
+            for free, ptr in ((ipc.free, self._ptr), (lambda p: ipc.call(ipc.driver.cuMemFreeHost, p), self._host_ptr)):
+                if ptr is not None:
+                    try:
+                        free(ptr)
+                    except ipc.CudaError as e:
+                        errors.append(f"freeing the workspace: {e}")
+        self._ptr = self._host_ptr = None
+        self._state = None
+        if errors:
+            raise RuntimeError(f"rank {self.rank}: P2P workspace teardown: " + "; ".join(errors))
+
+    def close(self) -> None:
+        """Release the workspace (collective: every rank calls it). Later calls raise."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    # ---------------------------------------------------------------- errors
+
+    def _error_code(self) -> int:
+        return 0 if self._host_ptr is None else ctypes.c_int32.from_address(self._host_ptr).value
+
+    @property
+    def broken(self) -> bool:
+        """True once a kernel of this workspace timed out (as far as the host sees now)."""
+        return self._error_code() != 0
+
+    def check_error(self) -> None:
+        """Raise P2PTimeoutError if a kernel timed out; a read of pinned host memory, no synchronisation
+        (a timeout of a kernel still running shows on a later check)."""
+        if self._closed:
+            raise RuntimeError("this P2P workspace is closed")
+        code = self._error_code()
+        if code:
+            if code >> 16 != _TIMEOUT_CODE >> 16:
+                raise RuntimeError(f"P2P workspace on rank {self.rank}: unknown error code {code:#x}")
+            raise P2PTimeoutError(self.rank, code & 0xFF, (code >> 8) & 0xFF, self.timeout_s)
+
+    def check(self) -> None:
+        """Wait for this device's work, then raise P2PTimeoutError if any P2P kernel timed out."""
+        torch.cuda.synchronize(self.device)
+        self.check_error()
+
+    # ---------------------------------------------------------------- launches
+
+    def _check_call(self, x: torch.Tensor, algo: str) -> None:
+        self.check_error()
+        if algo not in _ALGO_ID:
+            raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the P2P workspace on {self.device}")
+        if x.dtype not in _CTYPE:
+            raise TypeError(f"P2P all-reduce takes float16/bfloat16, got {x.dtype}")
+        size = x.numel() * x.element_size()
+        if size > self.max_bytes:
+            raise ValueError(f"message of {size} B > P2P workspace of {self.max_bytes} B")
+
+    def _launch(self, name: str, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
+                rows: int, row_vecs: int, row_slots: int) -> None:
+        peers = [int(p) for p in self._peers] + [0] * (MAX_WORLD - self.world)
+        state = self._state.data_ptr()
+        params = _PARAMS.pack(
+            *tail, x_ptr, out_ptr, *peers,
+            state, state + 4 * self.nblocks, self._host_dev_ptr,
+            int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset,
+            total_vecs, rows, row_vecs, row_slots, self.world, self.rank, 0)
+        kernel = _kernel(name, self._index)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if self._index == torch.cuda.current_device():
+            kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params, 0, stream)
+        else:
+            with torch.cuda.device(self._index):
+                kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params, 0, stream)
+
+    def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
+        total_vecs = x_flat.numel() // 8
+        row_vecs, rows = plain_rows(total_vecs, self.nblocks)
+        self._launch(name_expression(x_flat.dtype, "plain", 0, algo), THREADS, _NO_TAIL, x_flat.data_ptr(),
+                     out.data_ptr(), total_vecs, rows, row_vecs, rows)
+
+    def all_reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
+        """Sum of x over the group (fp32 in rank order, rounded to T once), in a new tensor of x's
+        shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0, at most max_bytes."""
+        self._check_call(x, algo)
+        n = x.numel()
+        if n % 8:
+            raise ValueError(f"P2P plain all-reduce needs a multiple of 8 elements, got {n}")
+        out = _empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+        if n:
+            self._launch_plain(fused_tail._aligned(x.contiguous().view(-1)), out.view(-1), algo)
+        return out
+
+    def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         quant: Optional[str], scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
+                         algo: str) -> Tail:
+        """All-reduce of x with the tail fused (reference.fused_tail's semantics and outputs).
+
+        x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
+        quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= fused_tail.MAX_HIDDEN.
+        """
+        self._check_call(x, algo)
+        h, dtype = x.shape[-1], x.dtype
+        if residual.shape != x.shape or residual.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
+            raise ValueError(f"residual must match x {tuple(x.shape)} {dtype} and weight be [{h}] {dtype}, got "
+                             f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}")
+        if quant not in (None, "fp8", "nvfp4") or sf_layout not in ("swizzled", "linear"):
+            raise ValueError(f"quant must be None/'fp8'/'nvfp4' and sf_layout 'swizzled'/'linear', "
+                             f"got {quant!r}, {sf_layout!r}")
+        multiple = 16 if quant == "nvfp4" else 8
+        if h % multiple or not 0 < h <= fused_tail.MAX_HIDDEN:
+            raise ValueError(f"hidden size {h} must be a multiple of {multiple} in (0, {fused_tail.MAX_HIDDEN}]")
+        if residual.device != self.device or weight.device != self.device:
+            raise ValueError(f"residual and weight must be on {self.device}")
+        if quant is not None and not (isinstance(scale, torch.Tensor) and scale.numel() == 1
+                                      and scale.dtype == torch.float32 and scale.device == self.device):
+            raise TypeError(f"quant={quant!r} needs scale as a float32 tensor of one element on {self.device}")
+        x2 = fused_tail._aligned(x.reshape(-1, h).contiguous())
+        r2 = fused_tail._aligned(residual.reshape(-1, h).contiguous())
+        w = fused_tail._aligned(weight.contiguous())
+        t = x2.shape[0]
+
+        res_out = _empty((t, h), dtype=dtype, device=self.device)
+        norm = _empty((t, h), dtype=dtype, device=self.device) if quant is None or return_norm else None
+        q = sf = None
+        if quant == "fp8":
+            q = _empty((t, h), dtype=torch.float8_e4m3fn, device=self.device)
+        elif quant == "nvfp4":
+            q = _empty((t, h // 2), dtype=torch.uint8, device=self.device)
+            shape = (fused_tail.sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
+            sf = _empty(shape, dtype=torch.float8_e4m3fn, device=self.device)
+        if t == 0:
+            return Tail(res_out, norm, q, sf)
+
+        swizzled = quant == "nvfp4" and sf_layout == "swizzled"
+        row_slots = -(-t // 128) * 128 if swizzled else t
+        vpt, threads = launch_config(h)
+        tail = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
+                norm.data_ptr() if norm is not None else 0,
+                q.data_ptr() if q is not None else 0,
+                sf.data_ptr() if sf is not None else 0,
+                scale.data_ptr() if quant is not None else 0,
+                float(eps), h, t, int(swizzled))
+        self._launch(name_expression(dtype, quant, vpt, algo), threads, tail, x2.data_ptr(), 0,
+                     t * h // 8, t, h // 8, row_slots)
+        return Tail(res_out, norm, q, sf)
+
+    # ---------------------------------------------------------------- calibration
+
+    def _cache_key(self, topo) -> dict:
+        vers = topo.versions
+        return {
+            "calibration": CALIBRATION_VERSION, "kernel": _source_digest(), "world": self.world,
+            "gpus": [r.gpu_name for r in topo.ranks], "p2p": topo.p2p, "nvlink": topo.nvlink,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": vers.nccl if vers else None, "driver": vers.driver if vers else None,
+            "workspace_bytes": self.max_bytes, "nblocks": self.nblocks,
+        }
+
+    def _calibrate(self, topo) -> P2PLimits:
+        """Measured limits, from the disk cache when this machine and software were measured before."""
+        if topo is None:
+            from . import topology
+
+            topo = topology.detect(self.group)
+        key = self._cache_key(topo)
+        # JSON round trip: tuples become lists, so the cached key compares equal.
+        key = json.loads(json.dumps(key))
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        path = jit._cache_dir() / f"p2p-limits-{digest}.json"
+        cached = _read_limits(path, key) if self.rank == 0 else None
+        cached = _all_gather(self.group, cached)[0]
+        if cached is not None:
+            return cached
+        sizes, times = self.measure()
+        limits = derive_limits(sizes, times, self.max_bytes)
+        if self.rank == 0:
+            _write_limits(path, {"key": key, "sizes": sizes, "times_us": times,
+                                 "columns": ["oneshot", "twoshot", "nccl"],
+                                 "limits": {"workspace_bytes": limits.workspace_bytes,
+                                            "oneshot_max": limits.oneshot_max,
+                                            "twoshot_max": limits.twoshot_max}})
+        return limits
+
+    def measure(self, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[List[float]]]:
+        """(sizes, times): microseconds per plain bf16 all-reduce of each size in bytes (default
+        calibration_sizes(max_bytes)) for (one-shot, two-shot, NCCL), the max over ranks.
+        Collective; not allowed during CUDA graph capture."""
+        sizes = list(sizes) if sizes is not None else calibration_sizes(self.max_bytes)
+        if any(s % 16 or not 0 < s <= self.max_bytes for s in sizes):
+            raise ValueError(f"sizes must be multiples of 16 B in (0, {self.max_bytes}], got {sizes}")
+        n_max = max(sizes) // 2
+        x = torch.zeros(n_max, dtype=torch.bfloat16, device=self.device)
+        out = torch.empty_like(x)
+        buf = torch.zeros_like(x)
+        stream = torch.cuda.current_stream(self.device)
+        delay = _kernel(DELAY_KERNEL, self._index)
+        delay_params = struct.pack("<Q", _CAL_DELAY_NS)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        times = []
+        for size in sizes:
+            n = size // 2
+            runs = (lambda: self._launch_plain(x[:n], out[:n], "oneshot"),
+                    lambda: self._launch_plain(x[:n], out[:n], "twoshot"),
+                    lambda: dist.all_reduce(buf[:n], group=self.group))
+            calls = 8 if size <= 16 << 20 else 3
+            row = []
+            for run in runs:
+                run()  # first use: loads kernels, sets NCCL up
+                best = math.inf
+                for _ in range(_CAL_REPS):
+                    # The delay holds the stream while Python enqueues the batch; the first call then
+                    # lines the ranks up (it completes on all ranks together), the rest are timed.
+                    delay.launch((1, 1, 1), (1, 1, 1), delay_params, 0, stream.cuda_stream)
+                    run()
+                    start.record(stream)
+                    for _ in range(calls):
+                        run()
+                    end.record(stream)
+                    end.synchronize()
+                    best = min(best, start.elapsed_time(end) * 1e3 / calls)
+                row.append(best)
+            times.append(row)
+        # A timeout during calibration must not pass silently, and must raise on every rank together.
+        torch.cuda.synchronize(self.device)
+        codes = _all_gather(self.group, self._error_code())
+        if any(codes):
+            self.check_error()
+            raise RuntimeError(f"P2P calibration: a kernel timed out on rank(s) "
+                               f"{[i for i, c in enumerate(codes) if c]}")
+        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return sizes, t.cpu().tolist()

@@ -1,0 +1,364 @@
+// P2P all-reduce over CUDA IPC buffers, with the all-reduce tail (epilogue.cuh) in the same kernel.
+//
+// Every rank owns one workspace buffer that every other rank has mapped (commfuse/p2p.py builds it,
+// and its docstring describes the layout and the host side). Ranks PUSH their data into the peers'
+// buffers over NVLink (remote stores are posted writes) and READ only their own buffer.
+//
+// Algorithms (ALGO), per CTA b of a fixed grid of NBLOCKS CTAs (the same on every rank), which owns
+// the rows r with r % NBLOCKS == b:
+// - one-shot: phase 0 pushes this rank's rows into slot[rank] of every rank; barrier 0; then every
+//   rank sums slot[0..world) in rank order in fp32, rounds to T once, and runs the tail (or stores
+//   the plain sum).
+// - two-shot: rows are split into `world` contiguous segments, segment q owned by rank q. Phase 0
+//   pushes each row to its owner's slot[rank]; barrier 0; phase 1 sums the own segment's rows in
+//   rank order, rounds to T and pushes the T row into every rank's gather region; barrier 1;
+//   phase 2 runs the tail (or copies the plain sum out) for all rows from the local gather region.
+// Both sum in rank order in fp32 and round once, so every rank gets bit-identical results, equal to
+// reference.all_reduce_sum.
+//
+// Barriers are per CTA and cross-rank: CTA b signals phase k of call `epoch` by writing `epoch` into
+// flags[k][b][rank] of every peer, and waits until its own flags[k][b][q] reach `epoch` for every q.
+// Epochs live in device memory (epochs[b], bumped by the kernel), so a CUDA graph replays correctly:
+// nothing per call is baked into the launch.
+//
+// Why one barrier per phase is enough with two data halves (half = epoch & 1):
+// Only the owner of a buffer ever READS it (pushes are remote writes, reads are local). Rank r's CTA b
+// writes half (E & 1) of rank q's buffer in call E only after it passed CTA b's last barrier of call
+// E - 1, which needs rank q's CTA b to have reached that barrier, i.e. rank q's kernel of call E - 1
+// was running. Calls on one communicator are stream-ordered on every rank, so rank q's kernel of call
+// E - 2 - the last one that read half (E & 1), by ANY of its CTAs - had completed by then. Its reads
+// of that half are therefore finished before any write of call E lands there. Within a call, the
+// rows a CTA reads after barrier k are exactly the rows the same-numbered CTAs of all ranks wrote
+// before it (rows are assigned by r % NBLOCKS on every rank), and distinct CTAs touch disjoint
+// rows. Every CTA takes part in every call (even with no rows), so all CTAs of a rank agree on the
+// epoch, hence on the half. Two-shot's gather region is written in phase 1 of call E, only after
+// barrier 0 of call E, and read in phase 2 of call E (after barrier 1); the previous reader of that
+// half's gather region was phase 2 of call E - 2: covered by the argument above.
+//
+// Memory ordering (PTX memory model): data stores, then __syncthreads() (bar.sync: CTA-scope
+// synchronisation), then thread q does st.release.sys of the flag to peer q. Release is cumulative,
+// so the other threads' stores ordered before it by the barrier are visible to whoever acquires the
+// flag. The waiting thread reads its flag with ld.acquire.sys, then __syncthreads() orders the
+// CTA's subsequent reads after the acquire. Workspace reads use ld.global.cg (L2, which is where
+// NVLink writes to this GPU land) so no stale L1 line can be read even across calls.
+//
+// Bounded waits: a waiting thread gives up after p.timeout_ns (read from %globaltimer), records
+// (1 << 16) | (phase << 8) | missing_rank in the device error word (atomicCAS from 0: the first
+// cause wins) and, if it won, in the host-mapped error word the host polls. The CTA then returns
+// without writing its outputs (the host raises P2PTimeoutError). A kernel that finds the device
+// error word already set returns at once: after a timeout the flags and epochs are no longer in
+// step, so later launches (e.g. CUDA graph replays) must not run.
+//
+// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads, 1) make every CTA fit at
+// once (CTA b waits for CTA b of the peers only, never for another CTA of its own rank; the bounded
+// wait turns any remaining scheduling surprise into an error instead of a hang).
+#include "epilogue.cuh"
+
+namespace commfuse {
+
+constexpr int kMaxWorld = 8;
+constexpr int kP2PThreads = 256;
+constexpr int kQuantPlain = -1;  // plain all-reduce: no tail, output T
+constexpr int kAlgoOneshot = 0;
+constexpr int kAlgoTwoshot = 1;
+constexpr int kCopyUnroll = 4;   // vectors per thread in flight in the copy loops
+constexpr int kLoopVectors = 4;  // tail_row_looped's vectors per thread per step (as fused_tail.cu)
+constexpr int kTimeoutCode = 1 << 16;
+
+// The kernel's only parameter; packed by commfuse/p2p.py (_PARAMS) in this order.
+struct P2PParams {
+  TailParams tail;  // unused for the plain all-reduce (QUANT == kQuantPlain)
+  const void* x;    // T: this rank's input, total_vecs vectors of 8 elements
+  void* out;        // T: plain all-reduce output (same size as x); unused with a tail
+  void* peers[kMaxWorld];        // workspace base of every rank, as mapped here; own at [rank]
+  unsigned* epochs;              // [gridDim.x], this rank's device memory, not shared
+  int* dev_error;                // this rank's device memory: 0, or the first timeout's code
+  volatile int* host_error;      // host-mapped pinned memory, polled by the host
+  unsigned long long timeout_ns; // how long one wait may take
+  unsigned long long slot_bytes; // bytes of one slot (and of the gather region), 4 KiB multiple
+  unsigned long long flags_offset;  // bytes from a workspace base to its flags
+  long long total_vecs;          // vectors of 8 elements in the message
+  int rows;                      // rows holding data (t; plain: ceil(total_vecs / row_vecs))
+  int row_vecs;                  // vectors per row (h / 8; plain: chosen by the launcher)
+  int row_slots;                 // rows incl. NVFP4 swizzle padding rows (zeroed scale factors)
+  int world;                     // 2..kMaxWorld
+  int rank;
+  int pad_;
+};
+// commfuse/p2p.py packs it as struct "<7Qf3i" (TailParams) + "<2Q8Q3Q3Qq6i": naturally aligned
+// fields, no padding (eps at 56, x at 72, peers at 88, epochs at 152, timeout_ns at 176, total_vecs
+// at 200, rows at 208, rank at 224). Only the sizes are asserted: NVRTC 13.0 rejects
+// __builtin_offsetof in a static_assert.
+static_assert(sizeof(TailParams) == 72, "layout shared with commfuse/p2p.py");
+static_assert(sizeof(P2PParams) == 232, "layout shared with commfuse/p2p.py");
+
+// ------------------------------------------------------------------ memory-model primitives
+
+__device__ __forceinline__ void st_release_sys(unsigned* addr, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* addr) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ------------------------------------------------------------------ workspace addressing
+
+// Half (epoch & 1) of rank r's buffer: `world` slots of slot_bytes, then the gather region.
+__device__ __forceinline__ char* half_base(const P2PParams& p, int r, unsigned epoch) {
+  return static_cast<char*>(p.peers[r]) +
+         static_cast<unsigned long long>(epoch & 1u) * static_cast<unsigned long long>(p.world + 1) * p.slot_bytes;
+}
+
+__device__ __forceinline__ uint4* slot(const P2PParams& p, int r, int s, unsigned epoch) {
+  return reinterpret_cast<uint4*>(half_base(p, r, epoch) + static_cast<unsigned long long>(s) * p.slot_bytes);
+}
+
+__device__ __forceinline__ uint4* gather(const P2PParams& p, int r, unsigned epoch) {
+  return slot(p, r, p.world, epoch);
+}
+
+// flags[phase][block][sender] of rank r's buffer.
+__device__ __forceinline__ unsigned* flag(const P2PParams& p, int r, int phase, int block, int sender) {
+  unsigned* flags = reinterpret_cast<unsigned*>(static_cast<char*>(p.peers[r]) + p.flags_offset);
+  return flags + (static_cast<size_t>(phase) * gridDim.x + block) * p.world + sender;
+}
+
+// ------------------------------------------------------------------ barrier
+
+// Records a timeout: the first cause on this rank wins the device word, and only its winner
+// writes the host word (so no atomic is needed on host memory).
+__device__ __noinline__ void report_timeout(const P2PParams& p, int phase, int missing) {
+  const int code = kTimeoutCode | (phase << 8) | missing;
+  if (atomicCAS(p.dev_error, 0, code) == 0) {
+    *p.host_error = code;
+    __threadfence_system();
+  }
+}
+
+// Cross-rank barrier of this CTA for `phase` of call `epoch`; every thread calls it. Returns false
+// (the same in every thread) when a peer did not arrive within the timeout.
+__device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned epoch, int* s_fail) {
+  __syncthreads();  // every store of this CTA for this phase is issued before the release below
+  const int q = threadIdx.x;
+  if (q < p.world && q != p.rank) {
+    st_release_sys(flag(p, q, phase, blockIdx.x, p.rank), epoch);
+    const unsigned* mine = flag(p, p.rank, phase, blockIdx.x, q);
+    const unsigned long long start = global_timer_ns();
+    // ">=" as a signed difference: robust should a peer ever be ahead, and correct when the 32-bit
+    // epoch wraps around after 2^32 calls. (A peer cannot be ahead here: it would first have to
+    // pass this very barrier, which needs this CTA's flag.)
+    while (static_cast<int>(ld_acquire_sys(mine) - epoch) < 0) {
+      if (global_timer_ns() - start > p.timeout_ns) {
+        report_timeout(p, phase, q);
+        *s_fail = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return *s_fail == 0;
+}
+
+// ------------------------------------------------------------------ row helpers
+
+// First row r >= lo with r % n == b.
+__device__ __forceinline__ int first_row(int lo, int b, int n) { return lo + (b + n - lo % n) % n; }
+
+// First row of rank q's two-shot segment: rows are split into `world` contiguous segments.
+__device__ __forceinline__ int segment_begin(const P2PParams& p, int q) {
+  return static_cast<int>(static_cast<long long>(p.rows) * q / p.world);
+}
+
+__device__ __forceinline__ int segment_owner(const P2PParams& p, int r) {
+  int q = 0;
+  while (q + 1 < p.world && segment_begin(p, q + 1) <= r) ++q;
+  return q;
+}
+
+// The d-th destination of a push to every rank: the peers starting after this rank, this rank
+// last, so that the ranks do not all write to the same peer at once.
+__device__ __forceinline__ int peer_order(const P2PParams& p, int d) {
+  const int q = p.rank + 1 + d;
+  return q < p.world ? q : q - p.world;
+}
+
+__device__ __forceinline__ long long row_first_vec(const P2PParams& p, int r) {
+  return static_cast<long long>(r) * p.row_vecs;
+}
+
+// Vectors in row r (only a plain all-reduce's last row can be short).
+__device__ __forceinline__ int row_len(const P2PParams& p, int r) {
+  const long long left = p.total_vecs - row_first_vec(p, r);
+  return left < p.row_vecs ? static_cast<int>(left) : p.row_vecs;
+}
+
+// Sum of vector i of the `world` sources in rank order, in fp32, rounded to T once: the
+// semantics of reference.all_reduce_sum (starting from source 0's value keeps a -0.0 there).
+template <typename T>
+__device__ __forceinline__ uint4 sum_ranks(const uint4* const (&src)[kMaxWorld], int world, int i) {
+  uint4 raw[kMaxWorld];
+#pragma unroll
+  for (int s = 0; s < kMaxWorld; ++s) {
+    if (s < world) raw[s] = __ldcg(src[s] + i);  // all loads first: they are in flight together
+  }
+  float acc[8];
+  unpack8<T>(raw[0], acc);
+#pragma unroll
+  for (int s = 1; s < kMaxWorld; ++s) {
+    if (s < world) {
+      float f[8];
+      unpack8<T>(raw[s], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], f[j]);
+    }
+  }
+  return make_uint4(Pack<T>::pack(acc[0], acc[1]), Pack<T>::pack(acc[2], acc[3]), Pack<T>::pack(acc[4], acc[5]),
+                    Pack<T>::pack(acc[6], acc[7]));
+}
+
+// dst(d)[i] = src(i) for i in [0, n) and d in [0, ndst): kCopyUnroll loads per thread in flight,
+// then the stores (remote stores are posted: they do not stall the thread). The loop over
+// destinations is not unrolled: it keeps the code small, and stores need no latency hiding.
+template <typename Src, typename Dst>
+__device__ __forceinline__ void copy_row(int n, Src src, Dst dst, int ndst) {
+  for (int base = threadIdx.x; base < n; base += kCopyUnroll * blockDim.x) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < n) v[u] = src(i);
+    }
+#pragma unroll 1
+    for (int d = 0; d < ndst; ++d) {
+      uint4* const row = dst(d);
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < n) row[i] = v[u];
+      }
+    }
+  }
+}
+
+// The row's all-reduced values `load_a(v)` -> outputs: the plain sum, or the tail of epilogue.cuh.
+template <typename T, int QUANT, int VPT, typename LoadA>
+__device__ __forceinline__ void emit_row(const P2PParams& p, int r, LoadA load_a, float* red) {
+  const long long first = row_first_vec(p, r);
+  if constexpr (QUANT == kQuantPlain) {
+    uint4* const out = static_cast<uint4*>(p.out) + first;
+    copy_row(row_len(p, r), load_a, [out](int) { return out; }, 1);
+  } else if constexpr (VPT > 0) {
+    const int nv = p.row_vecs;
+    uint4 a[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      a[i] = v < nv ? load_a(v) : make_uint4(0, 0, 0, 0);
+    }
+    tail_row<T, QUANT, VPT>(p.tail, r, a, red);
+  } else {
+    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, r, load_a, red);
+  }
+}
+
+// NVFP4, swizzled layout: this CTA's share of the padding rows [rows, row_slots), whose scale
+// factors must read 0. Every rank writes its own outputs, so every rank does this.
+template <int QUANT>
+__device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
+  if constexpr (QUANT == kQuantNvfp4) {
+    for (int r = first_row(p.rows, blockIdx.x, gridDim.x); r < p.row_slots; r += gridDim.x) tail_sf_zero(p.tail, r, 0);
+  }
+}
+
+// ------------------------------------------------------------------ the kernel
+
+// T: __half or __nv_bfloat16. QUANT: kQuantPlain, or epilogue.cuh's kQuantNone/Fp8/Nvfp4.
+// VPT: vectors per thread of the register tail (blockDim.x * VPT * 8 >= h), or 0 for the looped
+// tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. Grid: the workspace's NBLOCKS CTAs.
+template <typename T, int QUANT, int VPT, int ALGO>
+__global__ void __launch_bounds__(kP2PThreads, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
+  static_assert(ALGO == kAlgoOneshot || ALGO == kAlgoTwoshot, "unknown algorithm");
+  static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT >= 0, "the plain all-reduce has no register tail");
+  __shared__ float red[kTailMaxWarps];
+  __shared__ unsigned s_epoch;
+  __shared__ int s_fail;
+  const int b = blockIdx.x;
+  const int nb = gridDim.x;
+  if (threadIdx.x == 0) {
+    s_fail = *static_cast<volatile int*>(p.dev_error) != 0;
+    s_epoch = p.epochs[b] + 1u;
+  }
+  __syncthreads();
+  if (s_fail) return;  // an earlier timeout broke the workspace: do nothing, the host raises
+  const unsigned epoch = s_epoch;
+  const uint4* x = static_cast<const uint4*>(p.x);
+  const auto load_x = [x](long long first) { return [x, first](int i) { return __ldg(x + first + i); }; };
+
+  if constexpr (ALGO == kAlgoOneshot) {
+    // Phase 0: this rank's rows into slot[rank] of every rank, its own last.
+    for (int r = b; r < p.rows; r += nb) {
+      const long long first = row_first_vec(p, r);
+      copy_row(row_len(p, r), load_x(first),
+               [&p, epoch, first](int d) { return slot(p, peer_order(p, d), p.rank, epoch) + first; }, p.world);
+    }
+    if (!barrier(p, 0, epoch, &s_fail)) return;
+    // Every rank's rows are here now: sum in rank order and emit.
+    for (int r = b; r < p.rows; r += nb) {
+      const long long first = row_first_vec(p, r);
+      const uint4* src[kMaxWorld];
+#pragma unroll
+      for (int s = 0; s < kMaxWorld; ++s) src[s] = s < p.world ? slot(p, p.rank, s, epoch) + first : nullptr;
+      const int world = p.world;
+      emit_row<T, QUANT, VPT>(p, r, [src, world](int i) { return sum_ranks<T>(src, world, i); }, red);
+    }
+  } else {
+    // Phase 0 (reduce-scatter, push): each row to its segment owner's slot[rank].
+    for (int r = b; r < p.rows; r += nb) {
+      const long long first = row_first_vec(p, r);
+      uint4* const dst = slot(p, segment_owner(p, r), p.rank, epoch) + first;
+      copy_row(row_len(p, r), load_x(first), [dst](int) { return dst; }, 1);
+    }
+    if (!barrier(p, 0, epoch, &s_fail)) return;
+    // Phase 1: reduce the own segment's rows and push the T sums into every rank's gather region.
+    const int own_end = segment_begin(p, p.rank + 1);
+    for (int r = first_row(segment_begin(p, p.rank), b, nb); r < own_end; r += nb) {
+      const long long first = row_first_vec(p, r);
+      const uint4* src[kMaxWorld];
+#pragma unroll
+      for (int s = 0; s < kMaxWorld; ++s) src[s] = s < p.world ? slot(p, p.rank, s, epoch) + first : nullptr;
+      const int world = p.world;
+      copy_row(row_len(p, r), [src, world](int i) { return sum_ranks<T>(src, world, i); },
+               [&p, epoch, first](int d) { return gather(p, peer_order(p, d), epoch) + first; }, world);
+    }
+    if (!barrier(p, 1, epoch, &s_fail)) return;
+    // Phase 2: every rank's sums are in the local gather region: emit all rows.
+    const uint4* g = gather(p, p.rank, epoch);
+    for (int r = b; r < p.rows; r += nb) {
+      const long long first = row_first_vec(p, r);
+      emit_row<T, QUANT, VPT>(p, r, [g, first](int i) { return __ldcg(g + first + i); }, red);
+    }
+  }
+  if constexpr (QUANT != kQuantPlain) {
+    if (p.tail.sf_swizzled) zero_padding_rows<QUANT>(p);
+  }
+  if (threadIdx.x == 0) p.epochs[b] = epoch;
+}
+
+// Spins for `ns` nanoseconds (one thread): holds a stream while the host enqueues the calls the
+// calibration times, so the measurement is GPU time, not Python launch overhead.
+__global__ void p2p_delay(unsigned long long ns) {
+  const unsigned long long start = global_timer_ns();
+  while (global_timer_ns() - start < ns) {
+  }
+}
+
+}  // namespace commfuse

@@ -1,0 +1,555 @@
+"""The P2P all-reduce (commfuse.p2p, csrc/p2p_allreduce.cu).
+
+CPU part (no GPU; runs on rank 0): every kernel variant builds with NVRTC, the launcher's shapes,
+parameter layout, calibration decision, plan registration and error message.
+
+GPU part (`mpirun -n N pytest --with-mpi` on one node with P2P; skipped with a reason elsewhere,
+the same decision on every rank): both algorithms x every pattern x fp16/bf16 x shapes against
+commfuse.reference fed reference.all_reduce_sum of every rank's input (the exact fp32 rank-order
+sum, so the sum and the residual must be bit-exact, the rest within DESIGN.md's tolerances);
+outputs allocated poisoned twice with different poisons and equal byte for byte (nothing left
+unwritten, and repeated calls identical), also once over an allocator pre-filled with NaN;
+bit-identical on every rank; CUDA-graph capture and replay with new inputs; back-to-back calls of
+changing shapes and algorithms (the double buffering); a rank that skips a call makes the others
+raise P2PTimeoutError within the timeout; messages at and over the workspace size; the NCCL row
+forced on the same machine; calibration and its disk cache.
+
+Every multi-rank test runs all its collectives before its first assertion, so a failing rank
+cannot leave the others waiting.
+"""
+import hashlib
+import os
+import struct
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse import Communicator, jit, p2p, reference
+from commfuse.plan import KernelSpec, P2PLimits, Request, TensorMeta, make_plan, registered_kernels
+
+from compare import assert_tail_close
+
+mpi = pytest.mark.mpi(min_size=2)
+DTYPES = [torch.bfloat16, torch.float16]
+ALGOS = list(p2p.ALGORITHMS)
+PATTERNS = [  # (quant, return_norm, sf_layout)
+    (None, False, "swizzled"),
+    ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
+    ("nvfp4", False, "swizzled"), ("nvfp4", True, "swizzled"),
+    ("nvfp4", False, "linear"), ("nvfp4", True, "linear"),
+]
+# Every t of (1, 7, 64, 256, 1000) and h of (128, 2880, 4096, 8192) at least once, plus a row
+# longer than the register tail takes (the looped variant).
+SHAPES = [(1, 4096), (7, 2880), (64, 8192), (256, 128), (1000, 4096), (3, 16384)]
+EPS = 1e-5
+POISONS = (0xA5, 0x5A)
+
+
+# =========================================================================== CPU
+
+
+def _nvrtc_archs():
+    try:
+        jit.nvrtc_version()
+        _, archs = jit._nvrtc().nvrtcGetSupportedArchs()
+    except jit.JitError as exc:
+        pytest.skip(f"NVRTC not available: {exc}")
+    return set(archs)
+
+
+def _subset():
+    """For the other archs, one variant per pattern with dtypes, algorithms and both tail shapes
+    mixed: the arch-specific code is epilogue.cuh's conversions, which every quant exercises."""
+    bf, hf, v = torch.bfloat16, torch.float16, p2p.VPT
+    return [p2p.name_expression(bf, "plain", 0, "oneshot"), p2p.name_expression(hf, "plain", 0, "twoshot"),
+            p2p.name_expression(hf, None, v, "oneshot"), p2p.name_expression(bf, None, 0, "twoshot"),
+            p2p.name_expression(bf, "fp8", v, "twoshot"), p2p.name_expression(hf, "fp8", 0, "oneshot"),
+            p2p.name_expression(bf, "nvfp4", v, "oneshot"), p2p.name_expression(hf, "nvfp4", 0, "twoshot"),
+            p2p.DELAY_KERNEL]
+
+
+# sm_90 (the machine the P2P row targets) builds every variant; sm_80 and sm_100a a subset, which
+# keeps this test near 40 s on a CI core (each variant costs ~0.8 s of NVRTC time).
+@pytest.mark.parametrize("arch, names", [("sm_90", None), ("sm_80", "subset"), ("sm_100a", "subset")])
+def test_variants_build(arch, names, tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("COMMFUSE_JIT_DEBUG", raising=False)
+    if int(arch[3:].rstrip("a")) not in _nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
+    names = p2p.variants() if names is None else _subset()
+    assert set(names) <= set(p2p.variants())
+    built = jit.build(p2p.SOURCE, names, arch)
+    assert built.cubin[:4] == b"\x7fELF"
+    for name in names:
+        assert built.lowered[name].encode() in built.cubin, f"{name} missing from the {arch} cubin"
+
+
+def test_launch_configs_have_variants():
+    names = set(p2p.variants())
+    assert len(names) == 2 * 2 * (1 + 3 * 2) + 1
+    for h in (16, 128, 1000, 2880, 4096, 7168, 8192, 8200, 16384, 65536):
+        vpt, threads = p2p.launch_config(h)
+        assert threads % 32 == 0 and 32 <= threads <= p2p.THREADS
+        if vpt:
+            assert vpt * threads * 8 >= h and (threads == 32 or vpt * (threads - 32) * 8 < h), h
+        else:
+            assert h > p2p.VPT * p2p.THREADS * 8
+        for dtype in DTYPES:
+            for quant in (None, "fp8", "nvfp4"):
+                for algo in ALGOS:
+                    assert p2p.name_expression(dtype, quant, vpt, algo) in names
+    for dtype in DTYPES:
+        for algo in ALGOS:
+            assert p2p.name_expression(dtype, "plain", 0, algo) in names
+
+
+@pytest.mark.parametrize("total", [1, 255, 256, 257, 4096, 32768, 1 << 22, (64 << 20) // 16])
+@pytest.mark.parametrize("nblocks", [1, 132])
+def test_plain_rows_cover_the_message(total, nblocks):
+    row_vecs, rows = p2p.plain_rows(total, nblocks)
+    assert row_vecs % p2p.THREADS == 0 and p2p.THREADS <= row_vecs <= p2p.PLAIN_MAX_ROW_VECS
+    assert (rows - 1) * row_vecs < total <= rows * row_vecs
+    if total <= nblocks * p2p.PLAIN_MAX_ROW_VECS:
+        assert rows <= nblocks  # no CTA has two rows while another has none
+    if total >= nblocks * p2p.THREADS:
+        assert 2 * rows >= nblocks  # at least half of the CTAs have work
+
+
+def test_params_layout_matches_the_kernel():
+    # Offsets asserted in csrc/p2p_allreduce.cu: x 72, peers 88, epochs 152, timeout_ns 176,
+    # total_vecs 200, rows 208, rank 224; size 232.
+    fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [21, 22] + list(range(31, 39)) + [41, 42, 43] + \
+        [51, 52, 53] + [61] + [71, 72, 73, 74, 75, 0]
+    raw = p2p._PARAMS.pack(*fields)
+    assert len(raw) == 232
+    assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
+    assert struct.unpack_from("<2Q", raw, 72) == (21, 22)
+    assert struct.unpack_from("<8Q", raw, 88) == tuple(range(31, 39))
+    assert struct.unpack_from("<3Q", raw, 152) == (41, 42, 43)
+    assert struct.unpack_from("<Q", raw, 176) == (51,)
+    assert struct.unpack_from("<q5i", raw, 200) == (61, 71, 72, 73, 74, 75)
+
+
+def test_workspace_sizes():
+    assert p2p.default_max_bytes(2) == 64 << 20
+    for world in range(2, 9):
+        m = p2p.default_max_bytes(world)
+        slot, flags_offset, total = p2p.layout(m, world, 132)
+        assert m % (1 << 20) == 0 and slot == m and flags_offset == 2 * (world + 1) * m
+        assert total - flags_offset >= 2 * 132 * world * 4 and total % p2p.ALIGN == 0
+        assert total < 400 << 20
+    assert p2p.layout(1000, 2, 132)[0] == p2p.ALIGN
+    assert p2p.calibration_sizes(64 << 20) == [4096 << k for k in range(15)]
+    assert p2p.calibration_sizes(3 << 20)[-2:] == [2 << 20, 3 << 20]
+
+
+def test_derive_limits():
+    sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+    # (one-shot, two-shot, NCCL) microseconds
+    times = [(5, 7, 12), (6, 8, 13), (9, 8, 14), (20, 15, 14), (40, 30, 20)]
+    assert p2p.derive_limits(sizes, times, 1 << 20) == P2PLimits(1 << 20, 16 << 10, 64 << 10)
+    # A win past the first loss does not count (monotone prefix), and one-shot never exceeds two-shot's range.
+    times = [(5, 7, 12), (15, 16, 14), (5, 7, 12), (5, 7, 12), (5, 7, 12)]
+    assert p2p.derive_limits(sizes, times, 1 << 20) == P2PLimits(1 << 20, 4 << 10, 4 << 10)
+    assert p2p.derive_limits(sizes, [(20, 20, 10)] * 5, 1 << 20) == P2PLimits(1 << 20, 0, 0)
+    assert p2p.derive_limits(sizes, [(1, 2, 10)] * 5, 1 << 20) == P2PLimits(1 << 20, 1 << 20, 1 << 20)
+
+
+def _meta(shape, dtype=torch.bfloat16):
+    return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0), True, 1)
+
+
+def test_registered_with_plan():
+    spec = registered_kernels()["p2p_allreduce"]
+    assert spec.kind == "p2p" and spec.plain and set(spec.algorithms) == {"oneshot", "twoshot"}
+    limits = P2PLimits(64 << 20, 512 << 10, 32 << 20)
+    kernels = {k.name: k for k in (spec, registered_kernels()["fused_tail"])}
+
+    def plan(req, world=2, **kw):
+        return make_plan(req, mode="p2p", backend="nccl", sm=(9, 0), world_size=world, kernels=kernels,
+                         p2p=limits, **kw)
+
+    fused = Request(_meta((64, 4096)), _meta((64, 4096)), _meta((4096,)), _meta((1,), torch.float32), "nvfp4")
+    p = plan(fused)
+    assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce")
+    assert plan(Request(_meta((1024, 8192)))).collective == "p2p_twoshot"
+    over = plan(Request(_meta((4097, 8192))))
+    assert over.collective == "nccl" and any("P2P workspace" in r for r in over.reasons)
+    odd = plan(Request(_meta((3, 5))))
+    assert odd.collective == "nccl" and any("multiple of 8 elements" in r for r in odd.reasons)
+    assert plan(Request(_meta((64, 4096), torch.float32))).collective == "nccl"
+    assert plan(fused, world=9).collective == "nccl"
+    assert plan(fused, world=8).collective == "p2p_oneshot"
+
+
+def test_timeout_error_names_the_missing_rank():
+    e = p2p.P2PTimeoutError(rank=0, missing_rank=3, phase=1, timeout_s=2.5)
+    assert isinstance(e, RuntimeError)
+    assert "rank 3 did not arrive" in str(e) and "2.5 s" in str(e) and "new one" in str(e)
+
+
+# =========================================================================== GPU, several ranks
+
+
+def _skip_unless_p2p(comm):
+    """The same decision on every rank: the device, topology and environment are the group's."""
+    if comm.device.type != "cuda":
+        pytest.skip("needs CUDA GPUs with NCCL (P2P all-reduce)")
+    if comm.topology.mode != "p2p":
+        pytest.skip(f"topology mode {comm.topology.mode!r}, no P2P: {'; '.join(comm.topology.reasons)}")
+    if os.environ.get("COMMFUSE_STRATEGY", "auto") != "auto":
+        pytest.skip(f"COMMFUSE_STRATEGY={os.environ['COMMFUSE_STRATEGY']} overrides the strategies tested here")
+    if comm._p2p is None:
+        pytest.skip(f"no P2P workspace for {comm.world_size} ranks")
+
+
+def _new_comm(comm, strategy, **env):
+    """A Communicator of its own (collective), with environment overrides while it is made."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        return Communicator(comm.group, strategy=strategy)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def comms(comm):
+    """One Communicator per forced algorithm (default workspace), closed after the module."""
+    _skip_unless_p2p(comm)
+    made = {algo: _new_comm(comm, algo) for algo in ALGOS}
+    yield made
+    for c in made.values():
+        c.close()
+
+
+def rank_inputs(comm, gen, shape, dtype):
+    """This rank's x and every rank's x (one seeded generator, so every rank knows all inputs)."""
+    xs = [torch.randn(shape, generator=gen) for _ in range(comm.world_size)]
+    for x in xs:  # one large row per rank: norms and scale factors span a wide range
+        x.view(-1, shape[-1])[0] *= 40
+    xs = [x.to(dtype).to(comm.device) for x in xs]
+    return xs[dist.get_rank(comm.group)], xs
+
+
+def tail_inputs(comm, gen, t, h, dtype, quant):
+    residual = torch.randn(t, h, generator=gen).to(dtype).to(comm.device)
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(comm.device)
+    scale = {None: None, "fp8": 0.02, "nvfp4": 0.004}[quant]
+    if scale is not None:
+        scale = torch.tensor([scale], dtype=torch.float32, device=comm.device)
+    return residual, weight, scale
+
+
+def _bytes(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(b"-" if t is None else _bytes(t).numpy().tobytes())
+    return h.hexdigest()
+
+
+def gather(comm, obj):
+    out = [None] * comm.world_size
+    dist.all_gather_object(out, obj, group=comm.group)
+    return out
+
+
+def poisoned_runs(monkeypatch, fn):
+    """fn() twice, outputs allocated filled with two different poisons: (first result, second result)."""
+    results = []
+    for poison in POISONS:
+        def empty(*shape, dtype, device, _poison=poison):
+            x = torch.empty(*shape, dtype=dtype, device=device)
+            x.view(torch.uint8).fill_(_poison)
+            return x
+
+        monkeypatch.setattr(p2p, "_empty", empty)
+        results.append(fn())
+    monkeypatch.setattr(p2p, "_empty", torch.empty)
+    return results
+
+
+def outputs(r):
+    return [r] if isinstance(r, torch.Tensor) else [r.residual, r.norm, r.quant, r.scale_factors]
+
+
+def run_pattern(c, x, residual, weight, scale, pattern):
+    quant, return_norm, sf_layout = pattern
+    return c.fused_all_reduce(x, residual, weight, eps=EPS, quant=quant, scale=scale, return_norm=return_norm,
+                              sf_layout=sf_layout)
+
+
+def check_fused(r, xs, residual, weight, scale, pattern):
+    """r against the reference (on the CPU: the exact semantics) fed the exact sum of every rank's x."""
+    quant, return_norm, sf_layout = pattern
+    cpu = [v.cpu() if v is not None else None for v in (residual, weight, scale)]
+    ref = reference.fused_tail(reference.all_reduce_sum([x.cpu() for x in xs]), *cpu[:2], EPS, quant, cpu[2],
+                               return_norm, sf_layout)
+    assert bits_equal(r.residual, ref.residual), "residual is not bit-exact"
+    assert_tail_close(r, ref, quant, sf_layout)
+
+
+@mpi
+@pytest.mark.parametrize("t, h", SHAPES)
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_fused_matches_reference(comms, gen, monkeypatch, algo, dtype, quant, return_norm, sf_layout, t, h):
+    c, pattern = comms[algo], (quant, return_norm, sf_layout)
+    x, xs = rank_inputs(c, gen, (t, h), dtype)
+    residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
+    saved = [v.clone() for v in (x, residual, weight)]
+    first, second = poisoned_runs(monkeypatch, lambda: run_pattern(c, x, residual, weight, scale, pattern))
+    digests = gather(c, digest(outputs(first)))
+    c.check()
+    assert first.plan.collective == f"p2p_{algo}" and first.plan.tail == "fused", str(first.plan)
+    for before, after in zip(saved, (x, residual, weight)):
+        assert bits_equal(before, after), "an input was modified"
+    for name, a, b in zip(("residual", "norm", "quant", "scale_factors"), outputs(first), outputs(second)):
+        assert (a is None) == (b is None), name
+        assert a is None or bits_equal(a, b), f"{name}: elements left unwritten, or repeated calls differ"
+    assert len(set(digests)) == 1, "ranks' outputs differ"
+    check_fused(first, xs, residual, weight, scale, pattern)
+
+
+@mpi
+@pytest.mark.parametrize("h", [128, 2880, 4096, 8192])
+@pytest.mark.parametrize("t", [1, 7, 64, 256, 1000])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_plain_matches_reference(comms, gen, monkeypatch, algo, t, h):
+    c = comms[algo]
+    dtype = torch.bfloat16 if (t + h) % 2 else torch.float16
+    x, xs = rank_inputs(c, gen, (t, h), dtype)
+    first, second = poisoned_runs(monkeypatch, lambda: c.all_reduce(x))
+    digests = gather(c, digest([first]))
+    c.check()
+    assert c.plan(x).collective == f"p2p_{algo}"
+    assert bits_equal(first, second), "elements left unwritten, or repeated calls differ"
+    assert len(set(digests)) == 1, "ranks' outputs differ"
+    assert bits_equal(first, reference.all_reduce_sum(xs)), "sum differs from the fp32 rank-order sum"
+
+
+@mpi
+@pytest.mark.parametrize("shape", [(8,), (3, 5, 16), (2, 64, 1000)])
+def test_plain_any_shape_with_whole_vectors(comms, gen, shape):
+    c = comms["twoshot"]
+    x, xs = rank_inputs(c, gen, shape, torch.bfloat16)
+    y = c.all_reduce(x)
+    c.check()
+    assert y.shape == x.shape and bits_equal(y, reference.all_reduce_sum(xs))
+
+
+@mpi
+def test_plain_without_whole_vectors_takes_nccl(comms, gen):
+    c = comms["oneshot"]
+    x, xs = rank_inputs(c, gen, (3, 5), torch.bfloat16)
+    y = c.all_reduce(x)
+    p = c.plan(x)
+    assert p.collective == "nccl" and any("multiple of 8 elements" in r for r in p.reasons), str(p)
+    assert y.shape == x.shape
+
+
+@mpi
+def test_outputs_written_over_nan_filled_allocator(comms, gen):
+    """Outputs from torch.empty over memory the allocator last held as NaN: anything unwritten shows."""
+    c = comms["twoshot"]
+    t, h = 7, 2880  # 7 rows: 121 swizzle padding rows
+    x, xs = rank_inputs(c, gen, (t, h), torch.bfloat16)
+    results = []
+    for pattern in (("nvfp4", True, "swizzled"), ("fp8", True, "swizzled"), (None, False, "swizzled")):
+        residual, weight, scale = tail_inputs(c, gen, t, h, torch.bfloat16, pattern[0])
+        junk = [torch.full((n,), 0xFF, dtype=torch.uint8, device=c.device)
+                for n in (512, 4096, 65536, 1 << 20, 8 << 20) for _ in range(8)]
+        del junk  # back to the caching allocator, still 0xFF (NaN in fp16/bf16/e4m3)
+        results.append((pattern, residual, weight, scale, run_pattern(c, x, residual, weight, scale, pattern)))
+    junk = [torch.full((n,), 0xFF, dtype=torch.uint8, device=c.device) for n in (512, 65536, 1 << 20)]
+    del junk
+    y = c.all_reduce(x)
+    c.check()
+    for pattern, residual, weight, scale, r in results:
+        check_fused(r, xs, residual, weight, scale, pattern)
+    assert bits_equal(y, reference.all_reduce_sum(xs))
+
+
+@mpi
+def test_back_to_back_calls_of_changing_shapes_and_algorithms(comms, gen):
+    """Many calls without synchronisation, alternating algorithms and row layouts: exercises the
+    double buffering (a fast rank writes the next call's data while a peer still reads)."""
+    ws = comms["oneshot"]._p2p
+    shapes = [(1, 128), (300, 4096), (7, 2880), (64, 8192), (1, 8), (1000, 1024), (133, 4096), (5, 16384)]
+    # Inputs first: a copy from the host would synchronise the stream between the calls.
+    inputs = [(ALGOS[(i // 2) % 2], *rank_inputs(comms["oneshot"], gen, shapes[i % len(shapes)], torch.bfloat16))
+              for i in range(24)]
+    torch.cuda.synchronize()
+    calls = [(algo, xs, ws.all_reduce(x, algo)) for algo, x, xs in inputs]
+    ws.check()
+    bad = [(i, algo) for i, (algo, xs, y) in enumerate(calls) if not bits_equal(y, reference.all_reduce_sum(xs))]
+    assert not bad, f"wrong sums at calls {bad}"
+
+
+@mpi
+@pytest.mark.parametrize("algo", ALGOS)
+def test_cuda_graph_capture_and_replay(comms, gen, monkeypatch, algo):
+    c = comms[algo]
+    monkeypatch.setattr(c, "check_calls", False)  # its all_gather_object cannot run under capture
+    t, h, dtype = 24, 4096, torch.bfloat16
+    patterns = [("nvfp4", True, "swizzled"), ("fp8", False, "swizzled"), (None, False, "swizzled")]
+    x_s, _ = rank_inputs(c, gen, (t, h), dtype)
+    res_s, weight, _ = tail_inputs(c, gen, t, h, dtype, None)
+    scales = {q: tail_inputs(c, gen, t, h, dtype, q)[2] for q in ("fp8", "nvfp4")}
+    for pattern in patterns:  # eager first: kernels loaded before capture
+        run_pattern(c, x_s, res_s, weight, scales.get(pattern[0]), pattern)
+    c.all_reduce(x_s)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [run_pattern(c, x_s, res_s, weight, scales.get(p[0]), p) for p in patterns]
+        captured_sum = c.all_reduce(x_s)
+    rounds = []
+    for _ in range(3):
+        x, xs = rank_inputs(c, gen, (t, h), dtype)
+        residual, _, _ = tail_inputs(c, gen, t, h, dtype, None)
+        x_s.copy_(x)
+        res_s.copy_(residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        rounds.append((xs, residual.clone(), [[o.clone() if o is not None else None for o in outputs(r)]
+                                              for r in captured], captured_sum.clone()))
+    eager = c.all_reduce(x_s)  # eager calls stay in step with the replays
+    c.check()
+    digests = gather(c, digest([o for _, _, outs, s in rounds for group in outs for o in group] +
+                               [s for *_, s in rounds]))
+    assert len(set(digests)) == 1, "ranks' outputs differ"
+    for xs, residual, outs, total in rounds:
+        assert bits_equal(total, reference.all_reduce_sum(xs))
+        for pattern, out in zip(patterns, outs):
+            r = reference.Tail(*out)
+            check_fused(r, xs, residual, weight, scales.get(pattern[0]), pattern)
+    assert bits_equal(eager, reference.all_reduce_sum(rounds[-1][0]))
+    del graph
+
+
+@mpi
+@pytest.mark.parametrize("algo", ALGOS)
+def test_messages_at_and_over_the_workspace(comm, gen, algo):
+    _skip_unless_p2p(comm)
+    c = _new_comm(comm, algo, COMMFUSE_P2P_WORKSPACE_MB=1)
+    try:
+        limit = c._p2p.max_bytes
+        h = 4096
+        x, xs = rank_inputs(c, gen, (limit // (2 * h), h), torch.bfloat16)  # exactly the workspace
+        residual, weight, scale = tail_inputs(c, gen, x.shape[0], h, torch.bfloat16, "nvfp4")
+        at = c.fused_all_reduce(x, residual, weight, eps=EPS, quant="nvfp4", scale=scale, return_norm=True)
+        y = c.all_reduce(x)
+        big, bigs = rank_inputs(c, gen, (limit // (2 * h) + 1, h), torch.bfloat16)
+        over = c.all_reduce(big)
+        over_plan = c.plan(big)
+        c.check()
+    finally:
+        c.close()
+    assert limit == 1 << 20 and x.numel() * 2 == limit
+    assert at.plan.collective == f"p2p_{algo}"
+    check_fused(at, xs, residual, weight, scale, ("nvfp4", True, "swizzled"))
+    assert bits_equal(y, reference.all_reduce_sum(xs))
+    assert over_plan.collective == "nccl", str(over_plan)
+    assert any("P2P workspace" in r for r in over_plan.reasons), over_plan.reasons
+    expect = reference.all_reduce_sum(bigs)
+    if c.world_size == 2:  # NCCL's one addition in T equals the fp32 sum rounded once
+        assert bits_equal(over, expect)
+    else:
+        assert torch.allclose(over.float(), expect.float(), rtol=2e-2, atol=1e-1)
+
+
+@mpi
+def test_rank_skipping_a_call_makes_the_others_raise(comm, gen):
+    _skip_unless_p2p(comm)
+    timeout = 1.0
+    c = _new_comm(comm, "oneshot", COMMFUSE_P2P_TIMEOUT_S=timeout)
+    c.check_calls = False  # the signature check is a collective: the skipping rank would not answer
+    rank, skipper = dist.get_rank(c.group), c.world_size - 1
+    x, _ = rank_inputs(c, gen, (4, 4096), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, 4, 4096, torch.bfloat16, None)
+    c.all_reduce(x)  # one good call first: the workspace works
+    c.check()
+    caught, later, elapsed = None, None, None
+    if rank != skipper:
+        start = time.monotonic()
+        c.fused_all_reduce(x, residual, weight)
+        try:
+            c.check()
+        except p2p.P2PTimeoutError as e:
+            caught = e
+        elapsed = time.monotonic() - start
+        try:
+            c.all_reduce(x)
+        except p2p.P2PTimeoutError as e:
+            later = e
+    c.close()  # collective: the skipper waits here for the others
+    if rank != skipper:
+        assert caught is not None, "no P2PTimeoutError although a rank skipped the call"
+        assert caught.missing_rank == skipper and f"rank {skipper} did not arrive" in str(caught)
+        assert timeout * 0.9 <= elapsed < timeout + 10, elapsed
+        assert later is not None, "a call after the timeout did not raise"
+
+
+@mpi
+def test_strategy_nccl_on_a_p2p_machine(comm, gen):
+    _skip_unless_p2p(comm)
+    c = Communicator(comm.group, strategy="nccl")
+    t, h = 64, 4096
+    x, xs = rank_inputs(c, gen, (t, h), torch.bfloat16)
+    residual, weight, scale = tail_inputs(c, gen, t, h, torch.bfloat16, "fp8")
+    r = c.fused_all_reduce(x, residual, weight, eps=EPS, quant="fp8", scale=scale)
+    a = c.all_reduce(x)
+    assert c._p2p is None
+    assert r.plan.collective == "nccl" and r.plan.tail == "fused"
+    assert any("strategy 'nccl'" in s for s in r.plan.reasons)
+    assert_tail_close(r, reference.fused_tail(a, residual, weight, EPS, "fp8", scale), "fp8")
+
+
+@mpi
+def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
+    _skip_unless_p2p(comm)
+    limits = gather(comm, comm._p2p.limits)
+    assert len(set(limits)) == 1, f"ranks disagree on the limits: {limits}"
+    lim = limits[0]
+    assert 0 <= lim.oneshot_max <= lim.twoshot_max <= lim.workspace_bytes == comm._p2p.max_bytes, lim
+
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))  # only rank 0 reads and writes it
+    monkeypatch.delenv("COMMFUSE_P2P_CALIBRATE", raising=False)
+    start = time.monotonic()
+    ws = p2p.Workspace(comm.group, comm.device, max_bytes=1 << 20, topology=comm.topology)
+    seconds = time.monotonic() - start
+    try:
+        measured = ws.limits
+
+        def no_measuring(*args, **kwargs):
+            raise AssertionError("calibration measured again although rank 0 has it cached")
+
+        monkeypatch.setattr(p2p.Workspace, "measure", no_measuring)
+        ws2 = p2p.Workspace(comm.group, comm.device, max_bytes=1 << 20, topology=comm.topology)
+        cached = ws2.limits
+        ws2.close()
+    finally:
+        ws.close()
+    files = list(tmp_path.glob("p2p-limits-*.json"))
+    assert 0 <= measured.oneshot_max <= measured.twoshot_max <= measured.workspace_bytes == 1 << 20
+    assert cached == measured
+    if dist.get_rank(comm.group) == 0:
+        assert len(files) == 1
+    assert seconds < 30, f"calibration took {seconds:.1f} s (first compilation included)"
