@@ -83,7 +83,8 @@ def _scale_tensor(scale: Scale, device: torch.device) -> Tensor:
         if scale.numel() != 1:
             raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
         return scale.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+    # torch.full, not torch.tensor: no host-to-device copy, so the separated path can be captured in a CUDA graph.
+    return torch.full((), float(scale), dtype=torch.float32, device=device)
 
 
 def _to_e4m3(v: Tensor) -> Tensor:
@@ -270,7 +271,7 @@ def quantize_nvfp4(x: Tensor, scale: Scale, sf_layout: str = "swizzled") -> Tupl
     vmax = blocks.abs().amax(dim=-1)  # amax propagates NaN
     # Divide by a tensor: on CUDA, torch turns division by a Python number into a multiply by its
     # reciprocal, which is not the contract's division and moves scale factors at e4m3 ties.
-    sf = _to_e4m3((S * vmax) / torch.tensor(E2M1_MAX, device=x.device))
+    sf = _to_e4m3((S * vmax) / torch.full((), E2M1_MAX, device=x.device))
     sff = sf.float()
     enc = torch.where(sff == 0, torch.zeros_like(sff), S / sff)
     codes = e2m1_encode(blocks * enc.unsqueeze(-1))

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from commfuse import reference as ref
+from commfuse.reference import Tail
+
+from compare import assert_tail_close
 
 INF = float("inf")
 NAN = float("nan")
@@ -641,8 +644,11 @@ def test_cuda_matches_cpu():
         cpu = ref.fused_tail(a, r, w, quant=quant, scale=torch.tensor([0.002]), return_norm=True)
         gpu = ref.fused_tail(a.cuda(), r.cuda(), w.cuda(), quant=quant,
                              scale=torch.tensor([0.002], device="cuda"), return_norm=True)
-        for c, d in zip(cpu, gpu):
-            if c is not None:
-                assert torch.equal(bits(c), bits(d.cpu()))
+        # The norm's mean and rsqrt round differently on the two devices (1 ulp of T at most);
+        # quantization of the same values is exact on both (true divisions).
+        assert_tail_close(Tail(*(None if d is None else d.cpu() for d in gpu)), cpu, quant)
+        quantize = ref.quantize_nvfp4 if quant == "nvfp4" else lambda n, s: (ref.quantize_fp8(n, s),)
+        for c, d in zip(quantize(gpu.norm, 0.002), quantize(gpu.norm.cpu(), 0.002)):
+            assert torch.equal(u8(c).cpu(), u8(d))
     x = torch.from_numpy(_fp8_inputs(22))
     assert torch.equal(u8(ref.quantize_fp8(x.cuda(), 1.0)).cpu(), u8(ref.quantize_fp8(x, 1.0)))
