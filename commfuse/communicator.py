@@ -16,6 +16,14 @@ from . import fused_tail, p2p, reference, topology
 from .plan import Plan, Request, TensorMeta, check_arguments, make_plan, registered_kernels
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
+_MAX_PLANS = 4096
+
+
+def _key(v) -> tuple:
+    """What the checks and guards read of an argument: a tensor's metadata, else its type."""
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.stride(), v.dtype, v.device)
+    return (type(v),)
 
 
 @dataclass
@@ -68,6 +76,7 @@ class Communicator:
         self.topology = topology.detect(self.group)
         self.fusion = os.environ.get("COMMFUSE_DISABLE_FUSION") != "1"
         self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
+        self._plans: dict = {}
         # ---- P2P workspace (commfuse/p2p.py) ----
         self._p2p: Optional[p2p.Workspace] = None
         if (self.backend == "nccl" and self.topology.mode == "p2p"
@@ -91,6 +100,18 @@ class Communicator:
              scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
              sf_layout: str = "swizzled") -> Plan:
         """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without running it."""
+        # Decode layers repeat a handful of call signatures: the checks and guards run once per
+        # signature (everything they read is in the key), not on every call of the hot path.
+        key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _make_plan(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout) -> Plan:
         check_arguments(x, residual, weight, eps, quant, scale, sf_layout, self.device)
         req = Request(
             x=TensorMeta.of(x),
@@ -156,6 +177,7 @@ class Communicator:
         """Release the P2P workspace (collective: every rank calls it); later calls take NCCL."""
         if self._p2p is not None:
             workspace, self._p2p = self._p2p, None
+            self._plans.clear()  # cached plans may route to the workspace
             workspace.close()
 
     def _check_p2p_error(self) -> None:

@@ -146,6 +146,27 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     None; quant float8_e4m3fn [t,h] (fp8) or uint8 [t,h/2] (nvfp4) or None; scale_factors
     float8_e4m3fn, flat roundup(t,128)*roundup(h/16,4) (swizzled) or [t,h/16] (linear), nvfp4 only.
     """
+    check(a, residual, weight, quant, scale, sf_layout)
+    a2, out, fields, rows = prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
+    if rows == 0:
+        return out
+    device, t, h = a.device, a2.shape[0], a2.shape[1]
+    vpt, threads = launch_config(h, t)
+    params = _PARAMS.pack(a2.data_ptr(), *fields)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    k = _kernel(a.dtype, quant, vpt, index)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if index == torch.cuda.current_device():
+        k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
+    else:
+        with torch.cuda.device(index):
+            k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
+    return out
+
+
+def check(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, quant: Optional[str],
+          scale: Optional[torch.Tensor], sf_layout: str) -> None:
+    """Raise unless (a, residual, weight, quant, scale, sf_layout) is something the tail kernels take."""
     h = a.shape[-1]
     dtype = a.dtype
     if dtype not in _CTYPE:
@@ -164,13 +185,23 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
         if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32 \
                 or scale.device != device:
             raise TypeError(f"quant={quant!r} needs scale as a float32 tensor of one element on {device}")
+    if a.numel() // h > MAX_TOKENS:
+        raise ValueError(f"{a.numel() // h} tokens > {MAX_TOKENS}")
+
+
+def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str],
+            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str) -> Tuple[torch.Tensor, Tail, tuple, int]:
+    """What every kernel with the tail (this one, the P2P ones) needs, for checked arguments.
+
+    Returns (a as an aligned contiguous [t, h], the fresh outputs as a Tail, the TailParams fields
+    in csrc/epilogue.cuh's order, the number of row slots: t, or roundup(t, 128) when the swizzled
+    NVFP4 layout has padding rows to zero).
+    """
+    h, dtype, device = a.shape[-1], a.dtype, a.device
     a2 = _aligned(a.reshape(-1, h).contiguous())
     r2 = _aligned(residual.reshape(-1, h).contiguous())
     w = _aligned(weight.contiguous())
     t = a2.shape[0]
-    if t > MAX_TOKENS:
-        raise ValueError(f"{t} tokens > {MAX_TOKENS}")
-
     res_out = _empty((t, h), dtype=dtype, device=device)
     norm = _empty((t, h), dtype=dtype, device=device) if quant is None or return_norm else None
     q = sf = None
@@ -180,26 +211,12 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
         q = _empty((t, h // 2), dtype=torch.uint8, device=device)
         shape = (sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
         sf = _empty(shape, dtype=torch.float8_e4m3fn, device=device)
-    if t == 0:
-        return Tail(res_out, norm, q, sf)
-
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
-    rows = -(-t // 128) * 128 if swizzled else t
-    vpt, threads = launch_config(h, t)
-    params = _PARAMS.pack(
-        a2.data_ptr(), r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
-        norm.data_ptr() if norm is not None else 0,
-        q.data_ptr() if q is not None else 0,
-        sf.data_ptr() if sf is not None else 0,
-        scale.data_ptr() if quant is not None else 0,
-        float(eps), h, t, int(swizzled),
-    )
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    k = _kernel(dtype, quant, vpt, index)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    if index == torch.cuda.current_device():
-        k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
-    else:
-        with torch.cuda.device(index):
-            k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
-    return Tail(res_out, norm, q, sf)
+    fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
+              norm.data_ptr() if norm is not None else 0,
+              q.data_ptr() if q is not None else 0,
+              sf.data_ptr() if sf is not None else 0,
+              scale.data_ptr() if quant is not None else 0,
+              float(eps), h, t, int(swizzled))
+    rows = 0 if t == 0 else -(-t // 128) * 128 if swizzled else t
+    return a2, Tail(res_out, norm, q, sf), fields, rows

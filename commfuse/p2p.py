@@ -558,50 +558,15 @@ class Workspace:
         quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= fused_tail.MAX_HIDDEN.
         """
         self._check_call(x, algo)
-        h, dtype = x.shape[-1], x.dtype
-        if residual.shape != x.shape or residual.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
-            raise ValueError(f"residual must match x {tuple(x.shape)} {dtype} and weight be [{h}] {dtype}, got "
-                             f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}")
-        if quant not in (None, "fp8", "nvfp4") or sf_layout not in ("swizzled", "linear"):
-            raise ValueError(f"quant must be None/'fp8'/'nvfp4' and sf_layout 'swizzled'/'linear', "
-                             f"got {quant!r}, {sf_layout!r}")
-        multiple = 16 if quant == "nvfp4" else 8
-        if h % multiple or not 0 < h <= fused_tail.MAX_HIDDEN:
-            raise ValueError(f"hidden size {h} must be a multiple of {multiple} in (0, {fused_tail.MAX_HIDDEN}]")
-        if residual.device != self.device or weight.device != self.device:
-            raise ValueError(f"residual and weight must be on {self.device}")
-        if quant is not None and not (isinstance(scale, torch.Tensor) and scale.numel() == 1
-                                      and scale.dtype == torch.float32 and scale.device == self.device):
-            raise TypeError(f"quant={quant!r} needs scale as a float32 tensor of one element on {self.device}")
-        x2 = fused_tail._aligned(x.reshape(-1, h).contiguous())
-        r2 = fused_tail._aligned(residual.reshape(-1, h).contiguous())
-        w = fused_tail._aligned(weight.contiguous())
-        t = x2.shape[0]
-
-        res_out = _empty((t, h), dtype=dtype, device=self.device)
-        norm = _empty((t, h), dtype=dtype, device=self.device) if quant is None or return_norm else None
-        q = sf = None
-        if quant == "fp8":
-            q = _empty((t, h), dtype=torch.float8_e4m3fn, device=self.device)
-        elif quant == "nvfp4":
-            q = _empty((t, h // 2), dtype=torch.uint8, device=self.device)
-            shape = (fused_tail.sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
-            sf = _empty(shape, dtype=torch.float8_e4m3fn, device=self.device)
-        if t == 0:
-            return Tail(res_out, norm, q, sf)
-
-        swizzled = quant == "nvfp4" and sf_layout == "swizzled"
-        row_slots = -(-t // 128) * 128 if swizzled else t
-        vpt, threads = launch_config(h)
-        tail = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
-                norm.data_ptr() if norm is not None else 0,
-                q.data_ptr() if q is not None else 0,
-                sf.data_ptr() if sf is not None else 0,
-                scale.data_ptr() if quant is not None else 0,
-                float(eps), h, t, int(swizzled))
-        self._launch(name_expression(dtype, quant, vpt, algo), threads, tail, x2.data_ptr(), 0,
-                     t * h // 8, t, h // 8, row_slots)
-        return Tail(res_out, norm, q, sf)
+        fused_tail.check(x, residual, weight, quant, scale, sf_layout)
+        x2, out, fields, row_slots = fused_tail.prepare(x, residual, weight, eps, quant, scale, return_norm,
+                                                        sf_layout)
+        if row_slots:
+            t, h = x2.shape
+            vpt, threads = launch_config(h)
+            self._launch(name_expression(x.dtype, quant, vpt, algo), threads, fields, x2.data_ptr(), 0,
+                         t * h // 8, t, h // 8, row_slots)
+        return out
 
     # ---------------------------------------------------------------- calibration
 

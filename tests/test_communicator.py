@@ -162,3 +162,19 @@ def test_unknown_strategy_raises(comm, monkeypatch):
 def test_env_strategy_overrides_argument(comm, monkeypatch):
     monkeypatch.setenv("COMMFUSE_STRATEGY", "nccl")
     assert Communicator(comm.group, strategy="auto").strategy == "nccl"
+
+
+@mpi
+def test_cached_plans_still_check_every_call(comm, gen):
+    x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
+    residual, weight, scale = tail_inputs(comm, gen, 4, 64, torch.bfloat16, "fp8")
+    good = comm.plan(x, residual, weight, quant="fp8", scale=scale)
+    assert comm.plan(x, residual, weight, quant="fp8", scale=scale) is good  # one signature, one plan
+    with pytest.raises(TypeError, match="weight dtype"):
+        comm.plan(x, residual, weight.half(), quant="fp8", scale=scale)
+    with pytest.raises(ValueError, match="eps"):
+        comm.plan(x, residual, weight, eps=-1.0, quant="fp8", scale=scale)
+    strided = torch.empty(4, 128, dtype=x.dtype, device=x.device)[:, ::2]
+    p = comm.plan(strided, residual, weight, quant="fp8", scale=scale)
+    why = "stride 2" if comm.device.type == "cuda" else "on cpu"  # the first guard that fails
+    assert p.tail == "separated" and any(why in r for r in p.reasons), p.reasons

@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfuse import Communicator, jit, p2p, reference
-from commfuse.plan import KernelSpec, P2PLimits, Request, TensorMeta, make_plan, registered_kernels
+from commfuse import Communicator, fused_tail, jit, p2p, reference
+from commfuse.plan import P2PLimits, Request, TensorMeta, make_plan, registered_kernels
 
 from compare import assert_tail_close
 
@@ -277,9 +277,11 @@ def poisoned_runs(monkeypatch, fn):
             x.view(torch.uint8).fill_(_poison)
             return x
 
-        monkeypatch.setattr(p2p, "_empty", empty)
+        monkeypatch.setattr(p2p, "_empty", empty)  # plain all-reduce outputs
+        monkeypatch.setattr(fused_tail, "_empty", empty)  # outputs of the fused patterns
         results.append(fn())
     monkeypatch.setattr(p2p, "_empty", torch.empty)
+    monkeypatch.setattr(fused_tail, "_empty", torch.empty)
     return results
 
 
