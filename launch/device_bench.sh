@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The benchmark runs whose results are committed under bench/results/ (2 x H200): the PEERS.md shapes
+# with every implementation, then the torch.compile rows, kept to the patterns it gets right (its
+# FP8 tail quantizes differently, see README) because each compile costs tens of seconds.
+# Usage: launch/device_bench.sh OUTDIR [N]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$1; n=${2:-2}; mkdir -p "$out"
+shapes=1x4096,16x7168,64x8192,256x7168,1024x8192,8192x7168
+machine=${COMMFUSE_MACHINE:-nvidia-h200-x2}
+launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 \
+  --patterns allreduce,residual_rmsnorm,residual_rmsnorm_fp8,residual_rmsnorm_nvfp4 \
+  --impls nccl+eager,commfuse-fallback,commfuse-p2p,commfuse-p2p-twoshot,commfuse-auto,flashinfer,tail-eager,tail-commfuse \
+  --out "$out/main" > "$out/main.log" 2>&1
+launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 --patterns residual_rmsnorm \
+  --impls nccl+compile,tail-compile --out "$out/compile" > "$out/compile.log" 2>&1
+launch/bench.sh "$n" --machine "$machine" --shapes 64x8192 --dtypes fp16 \
+  --patterns residual_rmsnorm,residual_rmsnorm_nvfp4 --impls tail-eager,tail-compile,tail-commfuse \
+  --out "$out/fp16" > "$out/fp16.log" 2>&1
+tail -n 60 "$out/main.log"; tail -n 25 "$out/compile.log"; tail -n 25 "$out/fp16.log"
