@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 out=$1; n=${2:-2}; mkdir -p "$out"
 shapes=1x4096,16x7168,64x8192,256x7168,1024x8192,8192x7168
 machine=${COMMFUSE_MACHINE:-nvidia-h200-x2}
-launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 \
+launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 --repeats 5 \
   --patterns allreduce,residual_rmsnorm,residual_rmsnorm_fp8,residual_rmsnorm_nvfp4 \
   --impls nccl+eager,commfuse-fallback,commfuse-p2p,commfuse-p2p-twoshot,commfuse-auto,flashinfer,tail-eager,tail-commfuse \
   --out "$out/main" > "$out/main.log" 2>&1
