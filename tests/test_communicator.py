@@ -12,6 +12,7 @@ import torch.distributed as dist
 from commfuse import Communicator, reference
 
 from compare import assert_tail_close, assert_within_ulp
+from inputs import rank_inputs, tail_inputs
 
 mpi = pytest.mark.mpi(min_size=2)
 DTYPES = [torch.bfloat16, torch.float16]
@@ -22,29 +23,10 @@ PATTERNS = [  # (quant, return_norm, sf_layout)
 ]
 
 
-def rank_inputs(comm, gen, shape, dtype, outlier=True):
-    """This rank's x and the list of every rank's x (what a gather would give), on the comm's device."""
-    xs = [torch.randn(shape, generator=gen) for _ in range(comm.world_size)]
-    if outlier:  # one large row per rank, so norms and scale factors span a wide range
-        for x in xs:
-            x.view(-1, shape[-1])[0] *= 40
-    xs = [x.to(dtype).to(comm.device) for x in xs]
-    return xs[dist.get_rank(comm.group)], xs
-
-
 def exact_sum(comm) -> bool:
     """Off NCCL the communicator sums in fp32 in rank order (exact semantics); NCCL sums in T, which
     equals the fp32 sum rounded once only for two ranks (a single addition)."""
     return comm.backend != "nccl" or comm.world_size == 2
-
-
-def tail_inputs(comm, gen, t, h, dtype, quant):
-    residual = torch.randn(t, h, generator=gen).to(dtype).to(comm.device)
-    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(comm.device)
-    scale = {None: None, "fp8": 0.02, "nvfp4": 0.004}[quant]
-    if scale is not None:
-        scale = torch.tensor([scale], dtype=torch.float32, device=comm.device)
-    return residual, weight, scale
 
 
 @mpi

@@ -30,6 +30,7 @@ from commfuse import Communicator, fused_tail, jit, p2p, reference
 from commfuse.plan import P2PLimits, Request, TensorMeta, make_plan, registered_kernels
 
 from compare import assert_tail_close
+from inputs import rank_inputs, tail_inputs
 
 mpi = pytest.mark.mpi(min_size=2)
 DTYPES = [torch.bfloat16, torch.float16]
@@ -227,24 +228,6 @@ def comms(comm):
     yield made
     for c in made.values():
         c.close()
-
-
-def rank_inputs(comm, gen, shape, dtype):
-    """This rank's x and every rank's x (one seeded generator, so every rank knows all inputs)."""
-    xs = [torch.randn(shape, generator=gen) for _ in range(comm.world_size)]
-    for x in xs:  # one large row per rank: norms and scale factors span a wide range
-        x.view(-1, shape[-1])[0] *= 40
-    xs = [x.to(dtype).to(comm.device) for x in xs]
-    return xs[dist.get_rank(comm.group)], xs
-
-
-def tail_inputs(comm, gen, t, h, dtype, quant):
-    residual = torch.randn(t, h, generator=gen).to(dtype).to(comm.device)
-    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(comm.device)
-    scale = {None: None, "fp8": 0.02, "nvfp4": 0.004}[quant]
-    if scale is not None:
-        scale = torch.tensor([scale], dtype=torch.float32, device=comm.device)
-    return residual, weight, scale
 
 
 def _bytes(t):
