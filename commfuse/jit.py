@@ -228,18 +228,24 @@ def _read_cache(path: Path, names: Tuple[str, ...]):
 
 
 def _write_cache(path: Path, cubin: bytes, lowered: dict) -> None:
-    blob = _CACHE_MAGIC + json.dumps(lowered).encode() + b"\n" + cubin
+    write_atomic(path, _CACHE_MAGIC + json.dumps(lowered).encode() + b"\n" + cubin, "the kernel cache")
+
+
+def write_atomic(path: Path, data: bytes, what: str) -> None:
+    """Write a cache entry (the cubin cache, p2p.py's calibration cache) through a temporary file
+    and a rename, so ranks writing at once never leave a torn file: a reader sees the old entry or
+    the whole new one. A failure only warns: the entry is recomputed next time."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(data)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the entry from others sharing the dir
-        os.replace(tmp, path)  # atomic: a reader sees the old entry or the whole new one
+        os.replace(tmp, path)
         tmp = None
     except OSError as exc:
-        warnings.warn(f"commfuse: could not write the kernel cache {path}: {exc}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"commfuse: could not write {what} {path}: {exc}", RuntimeWarning, stacklevel=4)
     finally:
         if tmp is not None:
             try:

@@ -87,8 +87,6 @@ import json
 import math
 import os
 import struct
-import tempfile
-import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -318,24 +316,7 @@ def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
 
 
 def _write_limits(path: Path, entry: dict) -> None:
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entry, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
-        tmp = None
-    except OSError as exc:
-        warnings.warn(f"commfuse: could not write the P2P calibration cache {path}: {exc}", RuntimeWarning,
-                      stacklevel=3)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    jit.write_atomic(path, json.dumps(entry, indent=1, sort_keys=True).encode(), "the P2P calibration cache")
 
 
 # --------------------------------------------------------------------------- workspace
