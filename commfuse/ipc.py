@@ -51,14 +51,19 @@ def call(fn, *args):
     except Exception as e:  # the binding raises its own types when the driver cannot be loaded
         raise CudaError(name, None, f"{type(e).__name__}: {e}") from e
     if err != driver.CUresult.CUDA_SUCCESS:
-        code = getattr(err, "name", str(err))
-        try:
-            ok, text = driver.cuGetErrorString(err)
-            detail = text.decode() if ok == driver.CUresult.CUDA_SUCCESS and text else "no description"
-        except Exception:  # describing the error must not hide it
-            detail = "no description"
-        raise CudaError(name, code, detail)
+        raise CudaError(name, *describe(err))
     return None if not out else out[0] if len(out) == 1 else tuple(out)
+
+
+def describe(err) -> tuple:
+    """(name, description) of a failed CUresult, e.g. ("CUDA_ERROR_INVALID_VALUE", "invalid argument")."""
+    code = getattr(err, "name", str(err))
+    try:
+        ok, text = driver.cuGetErrorString(err)
+        detail = text.decode() if ok == driver.CUresult.CUDA_SUCCESS and text else "no description"
+    except Exception:  # describing the error must not hide it
+        detail = "no description"
+    return code, detail
 
 
 def device(ordinal: int):

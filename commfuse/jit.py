@@ -324,18 +324,19 @@ def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str) 
 
 
 def _driver():
-    from cuda.bindings import driver
+    from .ipc import driver
 
     return driver
 
 
 def _cu_check(result, what: str):
-    driver = _driver()
+    """The outputs of a cuda.bindings.driver call's result tuple; JitError saying `what` on failure."""
     err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        _, desc = driver.cuGetErrorString(err)
-        raise JitError(f"{what}: {name.decode() if name else err}: {desc.decode() if desc else ''}")
+    if err != _driver().CUresult.CUDA_SUCCESS:
+        from .ipc import describe
+
+        code, detail = describe(err)
+        raise JitError(f"{what}: {code}: {detail}")
     return result[1] if len(result) == 2 else result[1:]
 
 
