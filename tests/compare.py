@@ -96,3 +96,25 @@ def assert_tail_close(tail, ref, quant, sf_layout="swizzled", exact=False) -> No
     elif quant == "nvfp4":
         t, h = ref.residual.shape
         assert_nvfp4_close(tail.quant, tail.scale_factors, ref.quant, ref.scale_factors, t, h, sf_layout)
+
+
+POISONS = (0xA5, 0x5A)
+
+
+def poisoned_runs(monkeypatch, modules, fn) -> list:
+    """[fn() for each of POISONS], with the `_empty` output allocator of every module in `modules`
+    (commfuse.fused_tail, commfuse.p2p) swapped for one that fills the new tensor with that poison
+    byte: an output element a kernel never writes then differs between the two results."""
+    results = []
+    for poison in POISONS:
+        def empty(*shape, dtype, device, _poison=poison):
+            x = torch.empty(*shape, dtype=dtype, device=device)
+            x.view(torch.uint8).fill_(_poison)
+            return x
+
+        for module in modules:
+            monkeypatch.setattr(module, "_empty", empty)
+        results.append(fn())
+    for module in modules:
+        monkeypatch.setattr(module, "_empty", torch.empty)
+    return results

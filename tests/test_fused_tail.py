@@ -18,6 +18,8 @@ from commfuse import fused_tail as ft
 from commfuse import jit
 from commfuse import reference as ref
 
+from compare import poisoned_runs
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fused tail kernel)"),
@@ -37,7 +39,6 @@ PATTERNS = (
     ("nvfp4", True, "linear"),
 )
 EPS = 1e-6
-POISONS = (0xA5, 0x5A)
 NAN_ROW, INF_ROW = 2, 3
 
 
@@ -94,17 +95,7 @@ def scale_for(quant, norm, special, big_col):
 
 def run_kernel(monkeypatch, *args, **kwargs):
     """ft.run with outputs poisoned, twice with different poisons; the runs must agree bytewise."""
-    outs = []
-    for poison in POISONS:
-        def empty(*shape, dtype, device, _poison=poison):
-            x = torch.empty(*shape, dtype=dtype, device=device)
-            x.view(torch.uint8).fill_(_poison)
-            return x
-
-        monkeypatch.setattr(ft, "_empty", empty)
-        outs.append(ft.run(*args, **kwargs))
-    monkeypatch.setattr(ft, "_empty", torch.empty)
-    first, second = outs
+    first, second = poisoned_runs(monkeypatch, [ft], lambda: ft.run(*args, **kwargs))
     for name, x, y in zip(first._fields, first, second):
         assert (x is None) == (y is None), name
         if x is not None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from commfuse import Communicator, fused_tail, jit, p2p, reference
 from commfuse.plan import P2PLimits, Request, TensorMeta, make_plan, registered_kernels
 
-from compare import assert_tail_close
+from compare import assert_tail_close, poisoned_runs
 from inputs import rank_inputs, tail_inputs
 
 mpi = pytest.mark.mpi(min_size=2)
@@ -45,7 +45,6 @@ PATTERNS = [  # (quant, return_norm, sf_layout)
 # longer than the register tail takes (the looped variant).
 SHAPES = [(1, 4096), (7, 2880), (64, 8192), (256, 128), (1000, 4096), (3, 16384)]
 EPS = 1e-5
-POISONS = (0xA5, 0x5A)
 
 
 # =========================================================================== CPU
@@ -251,23 +250,6 @@ def gather(comm, obj):
     return out
 
 
-def poisoned_runs(monkeypatch, fn):
-    """fn() twice, outputs allocated filled with two different poisons: (first result, second result)."""
-    results = []
-    for poison in POISONS:
-        def empty(*shape, dtype, device, _poison=poison):
-            x = torch.empty(*shape, dtype=dtype, device=device)
-            x.view(torch.uint8).fill_(_poison)
-            return x
-
-        monkeypatch.setattr(p2p, "_empty", empty)  # plain all-reduce outputs
-        monkeypatch.setattr(fused_tail, "_empty", empty)  # outputs of the fused patterns
-        results.append(fn())
-    monkeypatch.setattr(p2p, "_empty", torch.empty)
-    monkeypatch.setattr(fused_tail, "_empty", torch.empty)
-    return results
-
-
 def outputs(r):
     return [r] if isinstance(r, torch.Tensor) else [r.residual, r.norm, r.quant, r.scale_factors]
 
@@ -298,7 +280,7 @@ def test_fused_matches_reference(comms, gen, monkeypatch, algo, dtype, quant, re
     x, xs = rank_inputs(c, gen, (t, h), dtype)
     residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
     saved = [v.clone() for v in (x, residual, weight)]
-    first, second = poisoned_runs(monkeypatch, lambda: run_pattern(c, x, residual, weight, scale, pattern))
+    first, second = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: run_pattern(c, x, residual, weight, scale, pattern))
     digests = gather(c, digest(outputs(first)))
     c.check()
     assert first.plan.collective == f"p2p_{algo}" and first.plan.tail == "fused", str(first.plan)
@@ -319,7 +301,7 @@ def test_plain_matches_reference(comms, gen, monkeypatch, algo, t, h):
     c = comms[algo]
     dtype = torch.bfloat16 if (t + h) % 2 else torch.float16
     x, xs = rank_inputs(c, gen, (t, h), dtype)
-    first, second = poisoned_runs(monkeypatch, lambda: c.all_reduce(x))
+    first, second = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: c.all_reduce(x))
     digests = gather(c, digest([first]))
     c.check()
     assert c.plan(x).collective == f"p2p_{algo}"
