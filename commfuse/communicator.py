@@ -157,12 +157,12 @@ class Communicator:
         h = x.shape[-1]
         if plan.collective.startswith("p2p_") and plan.tail == "fused":  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                              plan.collective[len("p2p_"):])
+                                              plan.collective[len("p2p_"):], checked=True)
             return FusedResult(*tail, plan=plan)
         a = self._collective(x, plan).view(-1, h)
         residual = residual.reshape(-1, h)
         if plan.tail == "fused":
-            tail = fused_tail.run(a, residual.contiguous(), weight, eps, quant, scale, return_norm, sf_layout)
+            tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, checked=True)
         else:
             tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
         return FusedResult(*tail, plan=plan)
@@ -187,7 +187,7 @@ class Communicator:
 
     def _collective(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         if plan.collective.startswith("p2p_"):
-            return self._p2p.all_reduce(x, plan.collective[len("p2p_"):])
+            return self._p2p.all_reduce(x, plan.collective[len("p2p_"):], checked=True)
         if self.backend == "nccl":
             # NCCL reduces in T, in its own order (accepted by DESIGN.md on this path).
             out = x.contiguous().clone()

@@ -518,13 +518,16 @@ class Workspace:
         self._launch(name_expression(x_flat.dtype, "plain", 0, algo), THREADS, _NO_TAIL, x_flat.data_ptr(),
                      out.data_ptr(), total_vecs, rows, row_vecs, rows)
 
-    def all_reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, algo: str, *, checked: bool = False) -> torch.Tensor:
         """Sum of x over the group (fp32 in rank order, rounded to T once), in a new tensor of x's
-        shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0, at most max_bytes."""
-        self._check_call(x, algo)
+        shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0, at most max_bytes.
+        checked: the caller has validated x and algo and called check_error (the Communicator's
+        cached plan has): skip those checks on this hot path."""
         n = x.numel()
-        if n % 8:
-            raise ValueError(f"P2P plain all-reduce needs a multiple of 8 elements, got {n}")
+        if not checked:
+            self._check_call(x, algo)
+            if n % 8:
+                raise ValueError(f"P2P plain all-reduce needs a multiple of 8 elements, got {n}")
         out = _empty(tuple(x.shape), dtype=x.dtype, device=x.device)
         if n:
             self._launch_plain(fused_tail._aligned(x.contiguous().view(-1)), out.view(-1), algo)
@@ -532,14 +535,16 @@ class Workspace:
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                          quant: Optional[str], scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
-                         algo: str) -> Tail:
+                         algo: str, *, checked: bool = False) -> Tail:
         """All-reduce of x with the tail fused (reference.fused_tail's semantics and outputs).
 
         x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
         quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= fused_tail.MAX_HIDDEN.
+        Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for `all_reduce`.
         """
-        self._check_call(x, algo)
-        fused_tail.check(x, residual, weight, quant, scale, sf_layout)
+        if not checked:
+            self._check_call(x, algo)
+            fused_tail.check(x, residual, weight, quant, scale, sf_layout)
         x2, out, fields, row_slots = fused_tail.prepare(x, residual, weight, eps, quant, scale, return_norm,
                                                         sf_layout)
         if row_slots:
