@@ -360,7 +360,7 @@ class Workspace:
 
         self._ptr = self._host_ptr = None
         self._peers: list = [None] * self.world
-        self._state = None
+        self._state = self._fixed_params = None
         self._closed = False
         # Every rank lays its buffer out alike and launches the same grid: agree first.
         sms = torch.cuda.get_device_properties(self._index).multi_processor_count
@@ -407,6 +407,11 @@ class Workspace:
 
         # epochs[nblocks] then the device error word; zeroed like the flags.
         self._state = torch.zeros(self.nblocks + 1, dtype=torch.int32, device=self.device)
+        # P2PParams from peers[8] to flags_offset: the same for every launch of this workspace.
+        state = self._state.data_ptr()
+        self._fixed_params = (*[int(p) for p in self._peers], *[0] * (MAX_WORLD - self.world),
+                              state, state + 4 * self.nblocks, self._host_dev_ptr,
+                              int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset)
         self._barrier()  # every buffer is zeroed and mapped everywhere before any kernel runs
 
     def _raise_if_any(self, gathered: list, error_of, what: str) -> None:
@@ -444,7 +449,7 @@ class Workspace:
                     except ipc.CudaError as e:
                         errors.append(f"freeing the workspace: {e}")
         self._ptr = self._host_ptr = None
-        self._state = None
+        self._state = self._fixed_params = None
         if errors:
             raise RuntimeError(f"rank {self.rank}: P2P workspace teardown: " + "; ".join(errors))
 
@@ -497,13 +502,8 @@ class Workspace:
 
     def _launch(self, name: str, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
                 rows: int, row_vecs: int, row_slots: int) -> None:
-        peers = [int(p) for p in self._peers] + [0] * (MAX_WORLD - self.world)
-        state = self._state.data_ptr()
-        params = _PARAMS.pack(
-            *tail, x_ptr, out_ptr, *peers,
-            state, state + 4 * self.nblocks, self._host_dev_ptr,
-            int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset,
-            total_vecs, rows, row_vecs, row_slots, self.world, self.rank, 0)
+        params = _PARAMS.pack(*tail, x_ptr, out_ptr, *self._fixed_params,
+                              total_vecs, rows, row_vecs, row_slots, self.world, self.rank, 0)
         kernel = _kernel(name, self._index)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self._index == torch.cuda.current_device():
