@@ -59,7 +59,7 @@ class Communicator:
     (commfuse.p2p.Workspace: IPC buffers, about 384 MiB per rank by default) and, for "auto",
     calibrates the one-shot/two-shot/NCCL crossovers (cached on disk); so construct the
     Communicator before any CUDA graph capture. `check()` surfaces a P2P timeout (also one inside a
-    graph replay) as commfuse.p2p.P2PTimeoutError; `close()` releases the workspace (collective).
+    graph replay) as commfuse.P2PTimeoutError; `close()` releases the workspace (collective).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
@@ -168,7 +168,7 @@ class Communicator:
         return FusedResult(*tail, plan=plan)
 
     def check(self) -> None:
-        """Wait for this rank's queued GPU work, then raise commfuse.p2p.P2PTimeoutError if a P2P
+        """Wait for this rank's queued GPU work, then raise commfuse.P2PTimeoutError if a P2P
         kernel timed out waiting for a peer (eager or replayed in a CUDA graph). Not collective."""
         if self._p2p is not None:
             self._p2p.check()

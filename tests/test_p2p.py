@@ -190,6 +190,12 @@ def test_timeout_error_names_the_missing_rank():
     assert "rank 3 did not arrive" in str(e) and "2.5 s" in str(e) and "new one" in str(e)
 
 
+def test_timeout_error_is_exported():
+    import commfuse
+
+    assert commfuse.P2PTimeoutError is p2p.P2PTimeoutError and "P2PTimeoutError" in commfuse.__all__
+
+
 # =========================================================================== GPU, several ranks
 
 
