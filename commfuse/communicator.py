@@ -190,7 +190,7 @@ class Communicator:
             return self._p2p.all_reduce(x, plan.collective[len("p2p_"):], checked=True)
         if self.backend == "nccl":
             # NCCL reduces in T, in its own order (accepted by DESIGN.md on this path).
-            out = x.contiguous().clone()
+            out = x.clone(memory_format=torch.contiguous_format)  # one copy, also for a strided x
             dist.all_reduce(out, group=self.group)
             return out
         # Elsewhere (gloo on CPU) we can afford the exact semantics: every rank's x, summed in
