@@ -205,9 +205,11 @@ def _key(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]
 def cache_path(source_file: str, name_expressions: Sequence[str], arch: str) -> Path:
     """Where the cubin of these name expressions of `source_file` for `arch` is (or would be) cached."""
     path = _source_path(source_file)
-    names = tuple(name_expressions)
-    key = _key(path, names, arch, compile_options(arch, path.parent))
-    return _cache_dir() / f"{path.stem}-{arch}-{key}.cubin"
+    return _entry(path, tuple(name_expressions), arch, compile_options(arch, path.parent))
+
+
+def _entry(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]) -> Path:
+    return _cache_dir() / f"{path.stem}-{arch}-{_key(path, names, arch, options)}.cubin"
 
 
 def _read_cache(path: Path, names: Tuple[str, ...]):
@@ -306,7 +308,7 @@ def build(source_file: str, name_expressions: Sequence[str], arch: str) -> Build
         raise ValueError("build needs at least one name expression")
     path = _source_path(source_file)
     options = compile_options(arch, path.parent)
-    entry = _cache_dir() / f"{path.stem}-{arch}-{_key(path, names, arch, options)}.cubin"
+    entry = _entry(path, names, arch, options)
     hit = _read_cache(entry, names)
     if hit is not None:
         return Build(*hit)
