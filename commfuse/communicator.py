@@ -77,7 +77,6 @@ class Communicator:
         self.fusion = os.environ.get("COMMFUSE_DISABLE_FUSION") != "1"
         self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
         self._plans: dict = {}
-        # ---- P2P workspace (commfuse/p2p.py) ----
         self._p2p: Optional[p2p.Workspace] = None
         if (self.backend == "nccl" and self.topology.mode == "p2p"
                 and self.world_size in p2p.SPEC.world_sizes):
@@ -89,7 +88,6 @@ class Communicator:
             if self.strategy != "nccl":
                 self._p2p = p2p.Workspace(self.group, self.device, calibrate=self.strategy == "auto",
                                           topology=self.topology)
-        # ---- end P2P workspace ----
 
     @property
     def world_size(self) -> int:
