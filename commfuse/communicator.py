@@ -97,7 +97,9 @@ class Communicator:
              weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6, quant: Optional[str] = None,
              scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
              sf_layout: str = "swizzled") -> Plan:
-        """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without running it."""
+        """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without
+        running it. Arguments as for those (x, residual: T[..., h], weight: T[h], scale: float32[1],
+        on the communicator's device); raises on the same argument errors. Not collective."""
         # Decode layers repeat a handful of call signatures: the checks and guards run once per
         # signature (everything they read is in the key), not on every call of the hot path.
         key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout)
