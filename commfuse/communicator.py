@@ -103,7 +103,10 @@ class Communicator:
         # Decode layers repeat a handful of call signatures: the checks and guards run once per
         # signature (everything they read is in the key), not on every call of the hot path.
         key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout)
-        plan = self._plans.get(key)
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
         if plan is None:
             plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
             if len(self._plans) >= _MAX_PLANS:

@@ -156,6 +156,8 @@ def test_cached_plans_still_check_every_call(comm, gen):
         comm.plan(x, residual, weight.half(), quant="fp8", scale=scale)
     with pytest.raises(ValueError, match="eps"):
         comm.plan(x, residual, weight, eps=-1.0, quant="fp8", scale=scale)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        comm.plan(x, residual, weight, quant=["fp8"], scale=scale)
     strided = torch.empty(4, 128, dtype=x.dtype, device=x.device)[:, ::2]
     p = comm.plan(strided, residual, weight, quant="fp8", scale=scale)
     why = "stride 2" if comm.device.type == "cuda" else "on cpu"  # the first guard that fails
