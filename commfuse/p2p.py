@@ -21,7 +21,8 @@ Workspace (class Workspace, one per Communicator, created collectively by every 
 - Per rank, not shared: epochs[NBLOCKS] and a device error word (one small torch tensor), and one
   host-mapped pinned error word (cuMemHostAlloc) that a timed-out kernel writes and the host polls.
 - NBLOCKS: the grid of every launch, min(SM count over the ranks, MAX_BLOCKS), so each CTA b has the
-  same sequence of calls on every rank and all CTAs are co-resident (one 256-thread CTA per SM).
+  same sequence of calls on every rank and all CTAs are co-resident (one CTA per SM: 256 threads,
+  or up to 1024 threads at <= 64 registers for the 1- and 2-vector register tails).
 - Flags, epochs and error words are zeroed at creation, followed by a barrier before first use.
 - close() is collective: synchronise, barrier, unmap the peers' buffers, barrier, free. A workspace
   that is never closed is released by the driver when the process exits (nothing here runs at
@@ -70,13 +71,17 @@ rank 0 reads and writes it, every rank takes rank 0's answer. It takes well unde
 first compilation of the plain kernels). COMMFUSE_P2P_CALIBRATE=0 skips it and uses
 oneshot_max = 512 KiB, twoshot_max = max_bytes.
 
-Kernel variants: T (fp16, bf16) x QUANT (plain, none, fp8, nvfp4) x algorithm, and for the tails two
-row shapes only: VPT = 4 (rows of up to 8192 elements in registers, 32..256 threads) and the looped
-tail (longer rows). Deviation from the one-bucket-per-VPT scheme of fused_tail.launch_config, and
-the world size is a run-time argument (loops over ranks unrolled to 8 with uniform predicates)
-rather than a template argument: 29 variants instead of several hundred, so that the CPU build of
-every variant for every arch stays quick. The tail's numerics do not depend on these choices beyond
-the order of the row's sum of squares (1 ulp of the norm at most, which the tolerances allow).
+Kernel variants: T (fp16, bf16) x QUANT (plain, none, fp8, nvfp4) x algorithm, and for the tails three
+row shapes (launch_config): VPT = 1 (rows of up to 8192 elements, 32..1024 threads), VPT = 2 (up to
+16384, 1024 threads at most) and the looped tail (longer rows, 256 threads). This is
+fused_tail.launch_config's few-rows rule, taken for every row count: the P2P grid is one CTA per SM
+whatever t is, so the reason the local tail takes fewer threads for many rows (several CTAs per SM
+overlapping each other) does not apply, and 4 x 256 (its throughput shape) is not built. The world
+size is a run-time argument (loops over ranks unrolled to 8 with uniform predicates) rather than a
+template argument: 41 variants instead of several hundred, so that the CPU build of every variant
+for every arch stays quick. The tail's numerics do not depend on these choices beyond the order of
+the row's sum of squares (1 ulp of the norm at most, which the tolerances allow); for t < 256 the
+P2P tail runs the local tail kernel's configuration, so the two give the same bits.
 """
 from __future__ import annotations
 
@@ -103,8 +108,10 @@ __all__ = ["Workspace", "P2PTimeoutError", "SPEC", "ALGORITHMS", "variants", "wa
 SOURCE = "p2p_allreduce.cu"
 ALGORITHMS = ("oneshot", "twoshot")
 MAX_WORLD = 8          # kMaxWorld in p2p_allreduce.cu
-THREADS = 256          # kP2PThreads
-VPT = 4                # the register tail's vectors per thread
+THREADS = 256          # threads of the plain all-reduce and of the looped tail
+VPT_BUCKETS = (1, 2)   # the register tails' vectors of 8 elements per thread
+# kP2PThreads<QUANT, VPT> in p2p_allreduce.cu (each variant's __launch_bounds__); 0 is the looped tail.
+MAX_THREADS = {1: 1024, 2: 1024, 0: THREADS}
 PLAIN_MAX_ROW_VECS = THREADS * 8
 MAX_BLOCKS = 160       # grid cap (H100/H200: 132 SMs, B200: 148)
 ALIGN = 4096
@@ -184,18 +191,23 @@ def variants() -> List[str]:
     for dtype in _CTYPE:
         for algo in ALGORITHMS:
             names.append(name_expression(dtype, "plain", 0, algo))
-            names += [name_expression(dtype, q, v, algo) for q in (None, "fp8", "nvfp4") for v in (VPT, 0)]
+            names += [name_expression(dtype, q, v, algo) for q in (None, "fp8", "nvfp4")
+                      for v in VPT_BUCKETS + (0,)]
     return names + [DELAY_KERNEL]
 
 
 @functools.lru_cache(maxsize=None)
 def launch_config(hidden: int) -> Tuple[int, int]:
-    """(vpt, threads) of the tail for rows of `hidden` elements: VPT vectors per thread in registers
-    with the fewest whole warps that cover the row, else the looped tail (vpt 0) with THREADS."""
+    """(vpt, threads) of the tail for rows of `hidden` elements, any number of rows: the smallest
+    VPT of VPT_BUCKETS whose whole warps covering the row fit its variant (up to 1024 threads), so
+    each row's dependent chain is spread over as many threads as possible; else the looped tail
+    (vpt 0) with THREADS."""
     vectors = hidden // 8
-    if vectors <= VPT * THREADS:
-        return VPT, max(32, -(-vectors // (VPT * 32)) * 32)
-    return 0, THREADS
+    for vpt in VPT_BUCKETS:
+        threads = max(32, -(-vectors // (vpt * 32)) * 32)
+        if threads <= MAX_THREADS[vpt]:
+            return vpt, threads
+    return 0, MAX_THREADS[0]
 
 
 def plain_rows(total_vecs: int, nblocks: int) -> Tuple[int, int]:

@@ -342,41 +342,70 @@ __device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) {
 
 // ------------------------------------------------------------------ whole rows
 
-// Tail of row `row` whose all-reduced values sit in registers: a[i] is vector
-// threadIdx.x + i * blockDim.x (zero past the row's end). Needs VPT * blockDim.x * 8 >= h.
-template <typename T, int QUANT, int VPT>
-__device__ __forceinline__ void tail_row(const TailParams& p, int row, const uint4 (&a)[VPT], float* red) {
-  const int nv = p.h / kVecElems;
-  const size_t row_base = static_cast<size_t>(row) * p.h;
-  const uint4* res_in = reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual_in) + row_base);
-  uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
-  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+// The row tail comes in two steps, so that a caller can issue the loads that do not depend on
+// the all-reduced values early (the P2P kernels issue them before their cross-rank wait, where
+// their HBM latency hides behind the NVLink round trip):
+//   tail_load (or tail_load_residual + tail_load_weight) and quant_scalar: loads only;
+//   tail_row: the arithmetic and the stores, given the all-reduced values as well.
+// Thread threadIdx.x holds vectors v = threadIdx.x + i * blockDim.x, i < VPT, of the row (zero
+// past the row's end) in every array. Needs VPT * blockDim.x * 8 >= h.
 
-  // All loads first, so they are in flight together; the weight is shared by every row (__ldg).
-  uint4 x[VPT], w[VPT];
+// Residual vectors of row `row`.
+template <typename T, int VPT>
+__device__ __forceinline__ void tail_load_residual(const TailParams& p, int row, uint4 (&x)[VPT]) {
+  const int nv = p.h / kVecElems;
+  const uint4* res_in =
+      reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual_in) + static_cast<size_t>(row) * p.h);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    x[i] = v < nv ? res_in[v] : zero;
-    w[i] = v < nv ? __ldg(weight + v) : zero;
+    x[i] = v < nv ? res_in[v] : make_uint4(0, 0, 0, 0);
   }
-  const float qs = quant_scalar<QUANT>(p);
+}
+
+// Weight vectors (the same for every row; read through the read-only path).
+template <typename T, int VPT>
+__device__ __forceinline__ void tail_load_weight(const TailParams& p, uint4 (&w)[VPT]) {
+  const int nv = p.h / kVecElems;
+  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    w[i] = v < nv ? __ldg(weight + v) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Residual and weight of row `row`, all loads in flight together.
+template <typename T, int VPT>
+__device__ __forceinline__ void tail_load(const TailParams& p, int row, uint4 (&x)[VPT], uint4 (&w)[VPT]) {
+  tail_load_residual<T, VPT>(p, row, x);
+  tail_load_weight<T, VPT>(p, w);
+}
+
+// Tail of row `row`: a[i] are the all-reduced values, x[i] the residual (tail_load_residual of
+// this row), w[i] the weight (tail_load_weight), qs = quant_scalar<QUANT>(p).
+template <typename T, int QUANT, int VPT>
+__device__ __forceinline__ void tail_row(const TailParams& p, int row, const uint4 (&a)[VPT], const uint4 (&x)[VPT],
+                                         const uint4 (&w)[VPT], float qs, float* red) {
+  const int nv = p.h / kVecElems;
+  const size_t row_base = static_cast<size_t>(row) * p.h;
+  uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
   const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
 
+  uint4 y[VPT];  // round_T(a + residual): residual_out, and the norm's input
   float sumsq = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    x[i] = add_round<T>(a[i], x[i], sumsq);
-    if (v < nv) res_out[v] = x[i];
+    y[i] = add_round<T>(a[i], x[i], sumsq);
+    if (v < nv) res_out[v] = y[i];
   }
   const float inv = inv_rms(block_sum(sumsq, red), p);
 
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, x[i], w[i], inv, qs);
+    emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, y[i], w[i], inv, qs);
   }
   if constexpr (QUANT == kQuantNvfp4) {
     if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
@@ -386,9 +415,9 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
 // Tail of a row too long for registers: LV vectors per thread at a time, in two passes. Pass 1
 // writes residual_out and sums squares; pass 2 reads residual_out back (each thread only its own
 // writes, so no fence is needed) for the norm and quantization. load_a(v) returns vector v of
-// the all-reduced row.
+// the all-reduced row; qs = quant_scalar<QUANT>(p).
 template <typename T, int QUANT, int LV, typename LoadA>
-__device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, LoadA load_a, float* red) {
+__device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, LoadA load_a, float qs, float* red) {
   const int nv = p.h / kVecElems;
   const int step = LV * blockDim.x;
   const size_t row_base = static_cast<size_t>(row) * p.h;
@@ -396,7 +425,6 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
   uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  const float qs = quant_scalar<QUANT>(p);
   const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
 
   float sumsq = 0.f;

@@ -47,9 +47,12 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>) fused_tail(const __grid_cons
       const int v = threadIdx.x + i * blockDim.x;
       av[i] = v < nv ? a[v] : make_uint4(0, 0, 0, 0);
     }
-    tail_row<T, QUANT, VPT>(p.tail, row, av, red);
+    uint4 x[VPT], w[VPT];
+    tail_load<T, VPT>(p.tail, row, x, w);
+    tail_row<T, QUANT, VPT>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
-    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, row, [a](int v) { return a[v]; }, red);
+    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, row, [a](int v) { return a[v]; }, quant_scalar<QUANT>(p.tail),
+                                            red);
   }
 }
 

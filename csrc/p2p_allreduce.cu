@@ -49,19 +49,41 @@
 // error word already set returns at once: after a timeout the flags and epochs are no longer in
 // step, so later launches (e.g. CUDA graph replays) must not run.
 //
-// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads, 1) make every CTA fit at
-// once (CTA b waits for CTA b of the peers only, never for another CTA of its own rank; the bounded
-// wait turns any remaining scheduling surprise into an error instead of a hang).
+// Loads before a barrier: the tail's residual, weight and scale (RowTail::prefetch) are loaded
+// before the barrier that precedes the rows' sums, so their latency hides behind the cross-rank
+// wait. They are inputs of this rank's own call (stream-ordered before the kernel, never written by
+// a peer or by this kernel), so no ordering with the flags is needed and the argument above is
+// untouched: the workspace is still read only after the barrier's acquire.
+//
+// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) make every
+// CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails up to
+// 1024 threads, for which the bound caps registers at 64 per thread (65536 / 1024: a whole SM's
+// register file; the build is checked for no spills with nvcc -Xptxas -v), and shared memory is
+// < 200 B. CTA b waits for CTA b of the peers only, never for another CTA of its own rank; the
+// bounded wait turns any remaining scheduling surprise (e.g. another stream's kernel holding SMs)
+// into an error instead of a hang.
 #include "epilogue.cuh"
 
 namespace commfuse {
 
 constexpr int kMaxWorld = 8;
-constexpr int kP2PThreads = 256;
 constexpr int kQuantPlain = -1;  // plain all-reduce: no tail, output T
+constexpr int kCopyUnroll = 4;   // vectors per thread in flight in the copy loops (plain, looped tail)
+// Threads per CTA at most (the __launch_bounds__) per variant: the register tails of 1 and 2
+// vectors per thread run up to 1024 threads (decode rows spread over 32 warps), which caps them
+// at 64 registers; the plain all-reduce and the looped tail run 256 threads.
+template <int QUANT, int VPT>
+constexpr int kP2PThreads = QUANT != kQuantPlain && (VPT == 1 || VPT == 2) ? 1024 : 256;
+// Ranks whose loads sum_ranks issues at once (see there): fewer in the 64-register variants.
+template <int QUANT, int VPT>
+constexpr int kSumBatch = kP2PThreads<QUANT, VPT> > 256 ? (VPT == 1 ? 4 : 2) : kMaxWorld;
+// Vectors per thread per step of the copy loops: a register tail's rows have at most
+// VPT * blockDim.x vectors, so VPT covers them in one step (and keeps the 64-register variants
+// from spilling); the others take kCopyUnroll.
+template <int VPT>
+constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
 constexpr int kAlgoOneshot = 0;
 constexpr int kAlgoTwoshot = 1;
-constexpr int kCopyUnroll = 4;   // vectors per thread in flight in the copy loops
 constexpr int kLoopVectors = 4;  // tail_row_looped's vectors per thread per step (as fused_tail.cu)
 constexpr int kTimeoutCode = 1 << 16;
 
@@ -201,39 +223,62 @@ __device__ __forceinline__ int row_len(const P2PParams& p, int r) {
   return left < p.row_vecs ? static_cast<int>(left) : p.row_vecs;
 }
 
+// The `world` sources of a row: slot s of this rank's half, from vector `first` on. One base
+// pointer and the slot stride (not kMaxWorld pointers): fewer registers for the 1024-thread tails.
+struct RankRows {
+  const char* base;         // slot 0's vector `first`
+  unsigned long long step;  // slot_bytes
+  int world;
+};
+
+__device__ __forceinline__ RankRows rank_rows(const P2PParams& p, unsigned epoch, long long first) {
+  return RankRows{reinterpret_cast<const char*>(slot(p, p.rank, 0, epoch) + first), p.slot_bytes, p.world};
+}
+
 // Sum of vector i of the `world` sources in rank order, in fp32, rounded to T once: the
 // semantics of reference.all_reduce_sum (starting from source 0's value keeps a -0.0 there).
-template <typename T>
-__device__ __forceinline__ uint4 sum_ranks(const uint4* const (&src)[kMaxWorld], int world, int i) {
-  uint4 raw[kMaxWorld];
-#pragma unroll
-  for (int s = 0; s < kMaxWorld; ++s) {
-    if (s < world) raw[s] = __ldcg(src[s] + i);  // all loads first: they are in flight together
-  }
+// The loads go out BATCH ranks at a time, all of a batch in flight together: BATCH = kMaxWorld
+// (one round trip for any world) where registers allow, 4 in the 64-register 1024-thread
+// variants (still one round trip up to 4 ranks). The additions are in rank order either way.
+template <typename T, int BATCH = kMaxWorld>
+__device__ __forceinline__ uint4 sum_ranks(const RankRows& src, int i) {
+  static_assert(BATCH > 0 && kMaxWorld % BATCH == 0, "whole batches");
+  const int world = src.world;
   float acc[8];
-  unpack8<T>(raw[0], acc);
 #pragma unroll
-  for (int s = 1; s < kMaxWorld; ++s) {
-    if (s < world) {
-      float f[8];
-      unpack8<T>(raw[s], f);
+  for (int s0 = 0; s0 < kMaxWorld; s0 += BATCH) {
+    if (s0 < world) {  // uniform: world is a kernel parameter
+      uint4 raw[BATCH];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], f[j]);
+      for (int j = 0; j < BATCH; ++j) {
+        if (s0 + j < world) raw[j] = __ldcg(reinterpret_cast<const uint4*>(src.base + (s0 + j) * src.step) + i);
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        if (s0 + j == 0) {
+          unpack8<T>(raw[0], acc);
+        } else if (s0 + j < world) {
+          float f[8];
+          unpack8<T>(raw[j], f);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], f[k]);
+        }
+      }
     }
   }
   return make_uint4(Pack<T>::pack(acc[0], acc[1]), Pack<T>::pack(acc[2], acc[3]), Pack<T>::pack(acc[4], acc[5]),
                     Pack<T>::pack(acc[6], acc[7]));
 }
 
-// dst(d)[i] = src(i) for i in [0, n) and d in [0, ndst): kCopyUnroll loads per thread in flight,
+// dst(d)[i] = src(i) for i in [0, n) and d in [0, ndst): UNROLL loads per thread in flight,
 // then the stores (remote stores are posted: they do not stall the thread). The loop over
 // destinations is not unrolled: it keeps the code small, and stores need no latency hiding.
-template <typename Src, typename Dst>
+template <int UNROLL, typename Src, typename Dst>
 __device__ __forceinline__ void copy_row(int n, Src src, Dst dst, int ndst) {
-  for (int base = threadIdx.x; base < n; base += kCopyUnroll * blockDim.x) {
-    uint4 v[kCopyUnroll];
+  for (int base = threadIdx.x; base < n; base += UNROLL * blockDim.x) {
+    uint4 v[UNROLL];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int i = base + u * blockDim.x;
       if (i < n) v[u] = src(i);
     }
@@ -241,7 +286,7 @@ __device__ __forceinline__ void copy_row(int n, Src src, Dst dst, int ndst) {
     for (int d = 0; d < ndst; ++d) {
       uint4* const row = dst(d);
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
+      for (int u = 0; u < UNROLL; ++u) {
         const int i = base + u * blockDim.x;
         if (i < n) row[i] = v[u];
       }
@@ -249,26 +294,54 @@ __device__ __forceinline__ void copy_row(int n, Src src, Dst dst, int ndst) {
   }
 }
 
-// The row's all-reduced values `load_a(v)` -> outputs: the plain sum, or the tail of epilogue.cuh.
-template <typename T, int QUANT, int VPT, typename LoadA>
-__device__ __forceinline__ void emit_row(const P2PParams& p, int r, LoadA load_a, float* red) {
-  const long long first = row_first_vec(p, r);
-  if constexpr (QUANT == kQuantPlain) {
-    uint4* const out = static_cast<uint4*>(p.out) + first;
-    copy_row(row_len(p, r), load_a, [out](int) { return out; }, 1);
-  } else if constexpr (VPT > 0) {
-    const int nv = p.row_vecs;
-    uint4 a[VPT];
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      a[i] = v < nv ? load_a(v) : make_uint4(0, 0, 0, 0);
+// The tail's inputs that do not depend on the peers: the weight and the residual of the CTA's
+// first row (register tails) and the quantizer's scalar. prefetch() is called before a cross-rank
+// wait, so that the loads' HBM latency overlaps the NVLink round trip; emit() uses them for the
+// row prefetched, and loads residual and weight itself for the CTA's later rows.
+template <typename T, int QUANT, int VPT>
+struct RowTail {
+  static constexpr int kRegs = VPT > 0 ? VPT : 1;
+  uint4 x[kRegs];  // residual of row `row` (VPT > 0)
+  uint4 w[kRegs];  // weight (VPT > 0)
+  float qs = 0.f;  // quant_scalar
+  int row = -1;
+
+  __device__ __forceinline__ void prefetch(const P2PParams& p, int r) {
+    if constexpr (QUANT != kQuantPlain) {
+      if (r >= p.rows) return;  // no rows for this CTA (the same in every thread)
+      qs = quant_scalar<QUANT>(p.tail);
+      if constexpr (VPT > 0) {
+        tail_load_weight<T, VPT>(p.tail, w);
+        tail_load_residual<T, VPT>(p.tail, r, x);
+        row = r;
+      }
     }
-    tail_row<T, QUANT, VPT>(p.tail, r, a, red);
-  } else {
-    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, r, load_a, red);
   }
-}
+
+  // Row r's all-reduced values `load_a(v)` -> outputs: the plain sum, or the tail of epilogue.cuh.
+  template <typename LoadA>
+  __device__ __forceinline__ void emit(const P2PParams& p, int r, LoadA load_a, float* red) {
+    const long long first = row_first_vec(p, r);
+    if constexpr (QUANT == kQuantPlain) {
+      uint4* const out = static_cast<uint4*>(p.out) + first;
+      copy_row<kCopyUnroll>(row_len(p, r), load_a, [out](int) { return out; }, 1);
+    } else if constexpr (VPT > 0) {
+      // Later rows: loads issued before the sums' (the weight again, from L1/L2: holding it across
+      // the loop spills in the 64-register variants).
+      if (r != row) tail_load<T, VPT>(p.tail, r, x, w);
+      const int nv = p.row_vecs;
+      uint4 a[VPT];
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int v = threadIdx.x + i * blockDim.x;
+        a[i] = v < nv ? load_a(v) : make_uint4(0, 0, 0, 0);
+      }
+      tail_row<T, QUANT, VPT>(p.tail, r, a, x, w, qs, red);
+    } else {
+      tail_row_looped<T, QUANT, kLoopVectors>(p.tail, r, load_a, qs, red);
+    }
+  }
+};
 
 // NVFP4, swizzled layout: this CTA's share of the padding rows [rows, row_slots), whose scale
 // factors must read 0. Every rank writes its own outputs, so every rank does this.
@@ -285,9 +358,11 @@ __device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
 // VPT: vectors per thread of the register tail (blockDim.x * VPT * 8 >= h), or 0 for the looped
 // tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. Grid: the workspace's NBLOCKS CTAs.
 template <typename T, int QUANT, int VPT, int ALGO>
-__global__ void __launch_bounds__(kP2PThreads, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
+__global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
   static_assert(ALGO == kAlgoOneshot || ALGO == kAlgoTwoshot, "unknown algorithm");
-  static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT >= 0, "the plain all-reduce has no register tail");
+  static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT == 0 || VPT == 1 || VPT == 2 || VPT == 4,
+                "the plain all-reduce has no register tail");
+  static_assert(kP2PThreads<QUANT, VPT> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
   __shared__ float red[kTailMaxWarps];
   __shared__ unsigned s_epoch;
   __shared__ int s_fail;
@@ -307,44 +382,41 @@ __global__ void __launch_bounds__(kP2PThreads, 1) p2p_allreduce(const __grid_con
     // Phase 0: this rank's rows into slot[rank] of every rank, its own last.
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
-      copy_row(row_len(p, r), load_x(first),
+      copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(first),
                [&p, epoch, first](int d) { return slot(p, peer_order(p, d), p.rank, epoch) + first; }, p.world);
     }
+    RowTail<T, QUANT, VPT> tail;
+    tail.prefetch(p, b);  // this CTA's first row: in flight during the barrier
     if (!barrier(p, 0, epoch, &s_fail)) return;
     // Every rank's rows are here now: sum in rank order and emit.
     for (int r = b; r < p.rows; r += nb) {
-      const long long first = row_first_vec(p, r);
-      const uint4* src[kMaxWorld];
-#pragma unroll
-      for (int s = 0; s < kMaxWorld; ++s) src[s] = s < p.world ? slot(p, p.rank, s, epoch) + first : nullptr;
-      const int world = p.world;
-      emit_row<T, QUANT, VPT>(p, r, [src, world](int i) { return sum_ranks<T>(src, world, i); }, red);
+      const RankRows src = rank_rows(p, epoch, row_first_vec(p, r));
+      tail.emit(p, r, [src](int i) { return sum_ranks<T, kSumBatch<QUANT, VPT>>(src, i); }, red);
     }
   } else {
     // Phase 0 (reduce-scatter, push): each row to its segment owner's slot[rank].
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
       uint4* const dst = slot(p, segment_owner(p, r), p.rank, epoch) + first;
-      copy_row(row_len(p, r), load_x(first), [dst](int) { return dst; }, 1);
+      copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(first), [dst](int) { return dst; }, 1);
     }
     if (!barrier(p, 0, epoch, &s_fail)) return;
     // Phase 1: reduce the own segment's rows and push the T sums into every rank's gather region.
     const int own_end = segment_begin(p, p.rank + 1);
     for (int r = first_row(segment_begin(p, p.rank), b, nb); r < own_end; r += nb) {
       const long long first = row_first_vec(p, r);
-      const uint4* src[kMaxWorld];
-#pragma unroll
-      for (int s = 0; s < kMaxWorld; ++s) src[s] = s < p.world ? slot(p, p.rank, s, epoch) + first : nullptr;
-      const int world = p.world;
-      copy_row(row_len(p, r), [src, world](int i) { return sum_ranks<T>(src, world, i); },
-               [&p, epoch, first](int d) { return gather(p, peer_order(p, d), epoch) + first; }, world);
+      const RankRows src = rank_rows(p, epoch, first);
+      copy_row<kCopyStep<VPT>>(row_len(p, r), [src](int i) { return sum_ranks<T, kSumBatch<QUANT, VPT>>(src, i); },
+               [&p, epoch, first](int d) { return gather(p, peer_order(p, d), epoch) + first; }, p.world);
     }
+    RowTail<T, QUANT, VPT> tail;
+    tail.prefetch(p, b);  // phase 2's first row: in flight during barrier 1
     if (!barrier(p, 1, epoch, &s_fail)) return;
     // Phase 2: every rank's sums are in the local gather region: emit all rows.
     const uint4* g = gather(p, p.rank, epoch);
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
-      emit_row<T, QUANT, VPT>(p, r, [g, first](int i) { return __ldcg(g + first + i); }, red);
+      tail.emit(p, r, [g, first](int i) { return __ldcg(g + first + i); }, red);
     }
   }
   if constexpr (QUANT != kQuantPlain) {

@@ -19,6 +19,7 @@ cannot leave the others waiting.
 """
 import hashlib
 import os
+import re
 import struct
 import time
 
@@ -41,9 +42,11 @@ PATTERNS = [  # (quant, return_norm, sf_layout)
     ("nvfp4", False, "swizzled"), ("nvfp4", True, "swizzled"),
     ("nvfp4", False, "linear"), ("nvfp4", True, "linear"),
 ]
-# Every t of (1, 7, 64, 256, 1000) and h of (128, 2880, 4096, 8192) at least once, plus a row
-# longer than the register tail takes (the looped variant).
-SHAPES = [(1, 4096), (7, 2880), (64, 8192), (256, 128), (1000, 4096), (3, 16384)]
+# Every t of (1, 7, 64, 256, 1000) and h of (128, 2880, 4096, 8192) at least once; every tail
+# variant: VPT 1 (h <= 8192; 1024 threads at 8192), VPT 2 (a partly covered row: 1542 vectors on
+# 800 threads, and 771 NVFP4 blocks, not a multiple of 4) and a row longer than the register tails
+# take (the looped variant); several rows per CTA (1000 rows on one CTA per SM).
+SHAPES = [(1, 4096), (7, 2880), (64, 8192), (256, 128), (1000, 4096), (3, 12336), (2, 20480)]
 EPS = 1e-5
 
 
@@ -62,11 +65,11 @@ def _nvrtc_archs():
 def _subset():
     """For the other archs, one variant per pattern with dtypes, algorithms and both tail shapes
     mixed: the arch-specific code is epilogue.cuh's conversions, which every quant exercises."""
-    bf, hf, v = torch.bfloat16, torch.float16, p2p.VPT
+    bf, hf, (v1, v2) = torch.bfloat16, torch.float16, p2p.VPT_BUCKETS
     return [p2p.name_expression(bf, "plain", 0, "oneshot"), p2p.name_expression(hf, "plain", 0, "twoshot"),
-            p2p.name_expression(hf, None, v, "oneshot"), p2p.name_expression(bf, None, 0, "twoshot"),
-            p2p.name_expression(bf, "fp8", v, "twoshot"), p2p.name_expression(hf, "fp8", 0, "oneshot"),
-            p2p.name_expression(bf, "nvfp4", v, "oneshot"), p2p.name_expression(hf, "nvfp4", 0, "twoshot"),
+            p2p.name_expression(hf, None, v1, "oneshot"), p2p.name_expression(bf, None, 0, "twoshot"),
+            p2p.name_expression(bf, "fp8", v2, "twoshot"), p2p.name_expression(hf, "fp8", 0, "oneshot"),
+            p2p.name_expression(bf, "nvfp4", v1, "oneshot"), p2p.name_expression(hf, "nvfp4", v2, "twoshot"),
             p2p.DELAY_KERNEL]
 
 
@@ -86,16 +89,74 @@ def test_variants_build(arch, names, tmp_path, monkeypatch):
         assert built.lowered[name].encode() in built.cubin, f"{name} missing from the {arch} cubin"
 
 
+def _ptxas_resources(log):
+    """{mangled kernel: (registers, stack frame bytes, spill store bytes, spill load bytes)} from
+    the ptxas -v part of an NVRTC log."""
+    out, entry, frame = {}, None, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            entry, frame = m.group(1), None
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and entry and frame is None:
+            frame = tuple(int(g) for g in m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and entry:
+            out[entry] = (int(m.group(1)),) + (frame or (0, 0, 0))
+            entry = None
+    return out
+
+
+def test_1024_thread_variants_fit_without_spills():
+    """The register tails launched with up to 1024 threads (one CTA per SM, __launch_bounds__(1024, 1))
+    get <= 64 registers; ptxas must fit them without local memory (sm_90: the P2P machine)."""
+    if 90 not in _nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
+    names = [n for n in p2p.variants() if n != p2p.DELAY_KERNEL and
+             p2p.MAX_THREADS.get(int(n.split(",")[2]), 0) > p2p.THREADS]
+    assert len(names) == 2 * 2 * 3 * len(p2p.VPT_BUCKETS)
+    nvrtc = jit._nvrtc()
+    path = jit._source_path(p2p.SOURCE)
+    opts = [o.encode() for o in jit.compile_options("sm_90", path.parent) + ("--ptxas-options=-v",)]
+    err, prog = nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        for name in names:
+            assert nvrtc.nvrtcAddNameExpression(prog, name.encode())[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.rstrip(b"\0 ").decode(errors="replace")
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log
+        lowered = {n: nvrtc.nvrtcGetLoweredName(prog, n.encode())[1] for n in names}
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    found = _ptxas_resources(log)
+    for name in names:
+        symbol = lowered[name].decode() if isinstance(lowered[name], bytes) else str(lowered[name])
+        assert symbol in found, f"no ptxas resource line for {name}:\n{log}"
+        regs, frame, spill_st, spill_ld = found[symbol]
+        assert regs <= 64 and frame == spill_st == spill_ld == 0, (name, found[symbol])
+
+
 def test_launch_configs_have_variants():
     names = set(p2p.variants())
-    assert len(names) == 2 * 2 * (1 + 3 * 2) + 1
-    for h in (16, 128, 1000, 2880, 4096, 7168, 8192, 8200, 16384, 65536):
+    assert len(names) == 2 * 2 * (1 + 3 * (len(p2p.VPT_BUCKETS) + 1)) + 1 == 41
+    assert p2p.VPT_BUCKETS == (1, 2) and p2p.MAX_THREADS == {1: 1024, 2: 1024, 0: p2p.THREADS}
+    most = 8 * max(v * p2p.MAX_THREADS[v] for v in p2p.VPT_BUCKETS)  # 16384
+    for h in (16, 128, 1000, 2880, 4096, 7168, 8192, 8200, 12336, 16384, 16392, 20480, 65536):
         vpt, threads = p2p.launch_config(h)
-        assert threads % 32 == 0 and 32 <= threads <= p2p.THREADS
+        assert threads % 32 == 0 and 32 <= threads <= p2p.MAX_THREADS[vpt]
         if vpt:
             assert vpt * threads * 8 >= h and (threads == 32 or vpt * (threads - 32) * 8 < h), h
+            # the smallest VPT that fits: as fused_tail's few-rows configuration
+            assert vpt == min(v for v in p2p.VPT_BUCKETS if 8 * v * p2p.MAX_THREADS[v] >= h), h
+            assert (vpt, threads) == fused_tail.launch_config(h, 1), h
         else:
-            assert h > p2p.VPT * p2p.THREADS * 8
+            assert h > most and threads == p2p.THREADS
         for dtype in DTYPES:
             for quant in (None, "fp8", "nvfp4"):
                 for algo in ALGOS:
