@@ -49,11 +49,13 @@
 // error word already set returns at once: after a timeout the flags and epochs are no longer in
 // step, so later launches (e.g. CUDA graph replays) must not run.
 //
-// Loads before a barrier: the tail's residual, weight and scale (RowTail::prefetch) are loaded
-// before the barrier that precedes the rows' sums, so their latency hides behind the cross-rank
-// wait. They are inputs of this rank's own call (stream-ordered before the kernel, never written by
-// a peer or by this kernel), so no ordering with the flags is needed and the argument above is
-// untouched: the workspace is still read only after the barrier's acquire.
+// Early loads: the tail's residual, weight and scale (RowTail::prefetch) are loaded before the
+// barrier that precedes the rows' sums, so their latency hides behind the cross-rank wait, and the
+// one-shot register tails load their first row of x before the start-up sync (overlapping the
+// epoch's load). All are inputs of this rank's own call (stream-ordered before the kernel, never
+// written by a peer or by this kernel), so no ordering with the flags is needed and the argument
+// above is untouched: the workspace is still read only after the barrier's acquire, and written
+// only after the start-up sync has fixed the epoch.
 //
 // Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) make every
 // CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails up to
@@ -294,6 +296,21 @@ __device__ __forceinline__ void copy_row(int n, Src src, Dst dst, int ndst) {
   }
 }
 
+// dst(d)[i] = v[u] for i = threadIdx.x + u * blockDim.x < n and d in [0, ndst): copy_row's store
+// half, for a row already in registers.
+template <int N, typename Dst>
+__device__ __forceinline__ void store_row(int n, const uint4 (&v)[N], Dst dst, int ndst) {
+#pragma unroll 1
+  for (int d = 0; d < ndst; ++d) {
+    uint4* const row = dst(d);
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      const int i = threadIdx.x + u * blockDim.x;
+      if (i < n) row[i] = v[u];
+    }
+  }
+}
+
 // The tail's inputs that do not depend on the peers: the weight and the residual of the CTA's
 // first row (register tails) and the quantizer's scalar. prefetch() is called before a cross-rank
 // wait, so that the loads' HBM latency overlaps the NVLink round trip; emit() uses them for the
@@ -368,6 +385,22 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(cons
   __shared__ int s_fail;
   const int b = blockIdx.x;
   const int nb = gridDim.x;
+  const uint4* x = static_cast<const uint4*>(p.x);
+  // One-shot register tails: the CTA's first row of x (this call's input: nothing orders it with
+  // the flags) is loaded before the start-up sync, so its latency overlaps the epoch's load.
+  constexpr bool kEarlyX = ALGO == kAlgoOneshot && VPT > 0;
+  uint4 x0[kEarlyX ? VPT : 1];
+  if constexpr (kEarlyX) {
+    if (b < p.rows) {
+      const uint4* const xr = x + row_first_vec(p, b);
+      const int n = row_len(p, b);
+#pragma unroll
+      for (int u = 0; u < VPT; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        x0[u] = i < n ? __ldg(xr + i) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
   if (threadIdx.x == 0) {
     s_fail = *static_cast<volatile int*>(p.dev_error) != 0;
     s_epoch = p.epochs[b] + 1u;
@@ -375,15 +408,21 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(cons
   __syncthreads();
   if (s_fail) return;  // an earlier timeout broke the workspace: do nothing, the host raises
   const unsigned epoch = s_epoch;
-  const uint4* x = static_cast<const uint4*>(p.x);
   const auto load_x = [x](long long first) { return [x, first](int i) { return __ldg(x + first + i); }; };
 
   if constexpr (ALGO == kAlgoOneshot) {
     // Phase 0: this rank's rows into slot[rank] of every rank, its own last.
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
-      copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(first),
-               [&p, epoch, first](int d) { return slot(p, peer_order(p, d), p.rank, epoch) + first; }, p.world);
+      const int n = row_len(p, r);
+      const auto dst = [&p, epoch, first](int d) { return slot(p, peer_order(p, d), p.rank, epoch) + first; };
+      if constexpr (kEarlyX) {
+        if (r == b && n <= VPT * static_cast<int>(blockDim.x)) {  // x0 holds the whole row
+          store_row(n, x0, dst, p.world);
+          continue;
+        }
+      }
+      copy_row<kCopyStep<VPT>>(n, load_x(first), dst, p.world);
     }
     RowTail<T, QUANT, VPT> tail;
     tail.prefetch(p, b);  // this CTA's first row: in flight during the barrier
