@@ -18,10 +18,10 @@ A failing driver, NVML or IPC call never raises here: it becomes False/None plus
 """
 from __future__ import annotations
 
-import functools
 import os
 import random
 import socket
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -407,11 +407,14 @@ def probe(group=None) -> Topology:
                     nvlink_matrix(infos), tuple(notes))
 
 
-@functools.lru_cache(maxsize=None)
-def _detect_cached(group) -> Topology:
-    return probe(group)
+# Weak keys: a destroyed process group takes its topology with it, and a new group is probed anew.
+_DETECTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def detect(group=None) -> Topology:
     """The topology of `group` (None: WORLD). Collective on first call per group; cached after."""
-    return _detect_cached(group if group is not None else dist.group.WORLD)
+    group = group if group is not None else dist.group.WORLD
+    topo = _DETECTED.get(group)
+    if topo is None:
+        topo = _DETECTED[group] = probe(group)
+    return topo

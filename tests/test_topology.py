@@ -4,6 +4,7 @@ CPU: decide_mode, fusion_capability and nvlink_matrix on simulated facts, NVML c
 NVML, failures reported not raised, the probe command. GPU (2+ GPUs): driver P2P and NVLink between
 GPU 0 and 1; under `mpirun -n 2 ... --with-mpi`, the IPC-confirmed "p2p" mode and the pretend override.
 """
+import gc
 import json
 import os
 import re
@@ -332,6 +333,18 @@ def world():
 def gloo_group(world):
     """WORLD when it is gloo, else a gloo group over the same ranks (so this runs on GPU machines too)."""
     return world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_detection_is_dropped_with_its_group(world):
+    group = dist.new_group(backend="gloo")
+    topo = topology.detect(group)
+    assert topology.detect(group) is topo
+    entries = len(topology._DETECTED)
+    dist.destroy_process_group(group)
+    del group, topo
+    gc.collect()
+    assert len(topology._DETECTED) == entries - 1
 
 
 @pytest.mark.mpi(min_size=2)
