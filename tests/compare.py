@@ -31,7 +31,7 @@ def assert_within_ulp(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 
                            f"first actual {a[~inf][bad][:4].tolist()} expected {e[~inf][bad][:4].tolist()}")
 
 
-def _signed_rank(codes: torch.Tensor, sign_bit: int) -> torch.Tensor:
+def signed_rank(codes: torch.Tensor, sign_bit: int) -> torch.Tensor:
     """Codes of a sign-magnitude format as integers ordered like their values (+0 and -0 both 0)."""
     c = codes.to(torch.int32)
     mag = c & (sign_bit - 1)
@@ -46,7 +46,7 @@ def _assert_neighbours(actual: torch.Tensor, expected: torch.Tensor, sign_bit: i
     if nan_code is not None:
         assert torch.equal((a & 0x7F) == nan_code, (e & 0x7F) == nan_code), f"{what}: NaN codes differ"
     same = a == e
-    ra, re_ = _signed_rank(a, sign_bit), _signed_rank(e, sign_bit)
+    ra, re_ = signed_rank(a, sign_bit), signed_rank(e, sign_bit)
     assert ((ra - re_).abs() <= 1).all(), f"{what}: codes more than one step apart"
     frac = 1.0 - same.float().mean().item() if same.numel() else 0.0
     assert frac <= max_frac, f"{what}: {frac:.2e} of codes differ (max {max_frac})"

@@ -18,7 +18,7 @@ from commfuse import fused_tail as ft
 from commfuse import jit
 from commfuse import reference as ref
 
-from compare import poisoned_runs
+from compare import poisoned_runs, signed_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,13 +121,6 @@ def ulp_key(x):
     return torch.where(bits < 0, -mag, mag)
 
 
-def fp8_key(codes):
-    """e4m3 byte codes -> int32 counting steps (+-0 both 0)."""
-    c = codes.int()
-    mag = c & 0x7F
-    return torch.where((c & 0x80) != 0, -mag, mag)
-
-
 def assert_residual(k, r):
     assert k.shape == r.shape and k.dtype == r.dtype
     assert same(k, r).all(), f"residual differs at {(~same(k, r)).nonzero()[:5].tolist()}"
@@ -168,7 +161,7 @@ def check_fp8(k, e, kn, en):
     explained = ~same(kn, en)
     assert not (mism & ~explained).any(), "fp8 codes differ where the norms agree"
     if mism.any():
-        assert (fp8_key(kq) - fp8_key(eq)).abs()[mism].max() <= 1
+        assert (signed_rank(kq, 0x80) - signed_rank(eq, 0x80)).abs()[mism].max() <= 1
     assert mism.sum().item() <= budget(mism.numel())
 
 
@@ -184,7 +177,7 @@ def check_nvfp4(k, e, kn, en, scale, t, h, layout):
     norm_diff = (~same(kn, en)).view(t, K, 16).any(-1)
     sf_mism = ksf != esf
     if sf_mism.any():
-        assert (fp8_key(ksf) - fp8_key(esf)).abs()[sf_mism].max() <= 1
+        assert (signed_rank(ksf, 0x80) - signed_rank(esf, 0x80)).abs()[sf_mism].max() <= 1
     assert not (sf_mism & ~norm_diff).any(), "scale factors differ where the norms agree"
     assert sf_mism.sum().item() <= budget(sf_mism.numel())
     code_mism = kc != ec
