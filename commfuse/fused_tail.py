@@ -101,7 +101,7 @@ def _launch_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(dtype: torch.dtype, quant: Optional[str], vpt: int, device_index: int) -> jit.Kernel:
-    return jit.kernel(SOURCE, name_expression(dtype, quant, vpt), device=device_index)
+    return jit.kernel(SOURCE, name_expression(dtype, quant, vpt), device=device_index, pdl=True)
 
 
 def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:

@@ -361,13 +361,18 @@ _SLOT = _ParamSlot()
 class Kernel:
     """A compiled kernel loaded into one device's primary context (torch's context)."""
 
-    __slots__ = ("name", "lowered_name", "arch", "device_index", "_module", "_function", "_ok", "_launch")
+    __slots__ = ("name", "lowered_name", "arch", "device_index", "pdl", "_module", "_function", "_ok", "_launch",
+                 "_launch_ex", "_configs")
 
-    def __init__(self, name: str, lowered_name: str, arch: str, cubin: bytes, device_index: int):
+    def __init__(self, name: str, lowered_name: str, arch: str, cubin: bytes, device_index: int, pdl: bool = False):
         self.name = name
         self.lowered_name = lowered_name
         self.arch = arch
         self.device_index = device_index
+        # Programmatic dependent launch needs SM 9.0+ and a kernel that calls pdl_wait() first;
+        # COMMFUSE_PDL=0 turns it off (to measure what it gives, or to rule it out).
+        self.pdl = (bool(pdl) and os.environ.get("COMMFUSE_PDL", "1") != "0"
+                    and torch.cuda.get_device_capability(device_index) >= (9, 0))
         driver = _driver()
         where = f"loading {name} ({arch}) on cuda:{device_index}"
         _cu_check(driver.cuInit(0), where)
@@ -383,12 +388,32 @@ class Kernel:
             _cu_check(driver.cuCtxPopCurrent(), where)
         self._ok = driver.CUresult.CUDA_SUCCESS
         self._launch = driver.cuLaunchKernel
+        self._launch_ex = driver.cuLaunchKernelEx
+        self._configs = {}  # (grid, block, shared_mem) -> (CUlaunchConfig, its attributes) for PDL
+
+    def _pdl_config(self, grid, block, shared_mem: int):
+        key = (tuple(grid), tuple(block), shared_mem)
+        entry = self._configs.get(key)
+        if entry is None:
+            driver = _driver()
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = key[0]
+            config.blockDimX, config.blockDimY, config.blockDimZ = key[1]
+            config.sharedMemBytes = shared_mem
+            config.attrs = [attr]
+            config.numAttrs = 1
+            entry = self._configs[key] = (config, attr)
+        return entry[0]
 
     def launch(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], params: bytes = b"",
                shared_mem: int = 0, stream: Optional[int] = None) -> None:
         """Launch on `stream` (a raw cudaStream_t as int; default: torch's current stream of the
         kernel's device). params: the bytes of the kernel's by-value parameter struct. The
-        caller makes the kernel's device current (torch.cuda.device) when it is not already."""
+        caller makes the kernel's device current (torch.cuda.device) when it is not already.
+        With `pdl`, as a programmatic dependent launch (csrc/pdl.cuh says what the kernel must do)."""
         if stream is None:
             stream = torch.cuda.current_stream(self.device_index).cuda_stream
         slot = _SLOT
@@ -396,8 +421,13 @@ class Kernel:
         if n > _ParamSlot.MAX_BYTES:
             raise JitError(f"{self.name}: {n} bytes of parameters > {_ParamSlot.MAX_BYTES}")
         ctypes.memmove(slot.buf_addr, params, n)
-        (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                              shared_mem, stream, slot.argv_addr, 0)
+        if self.pdl:
+            config = self._pdl_config(grid, block, shared_mem)
+            config.hStream = stream
+            (err,) = self._launch_ex(config, self._function, slot.argv_addr, 0)
+        else:
+            (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                  shared_mem, stream, slot.argv_addr, 0)
         if err != self._ok:
             _cu_check((err,), f"launch of {self.name} grid={tuple(grid)} block={tuple(block)} on cuda:{self.device_index}")
 
@@ -414,16 +444,19 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def kernel(source_file: str, name_expression: str, arch: Optional[str] = None, device=None) -> Kernel:
+def kernel(source_file: str, name_expression: str, arch: Optional[str] = None, device=None,
+           pdl: bool = False) -> Kernel:
     """The kernel `name_expression` of `source_file`, compiled for `arch` (default: the device's)
     and loaded on `device` (default: the current CUDA device). Cached: compiled once per process
-    and arch (and once per machine through the disk cache), loaded once per device."""
+    and arch (and once per machine through the disk cache), loaded once per device.
+    pdl: the kernel calls pdl_wait() (csrc/pdl.cuh) before touching memory, so it is launched as a
+    programmatic dependent launch where the device has it (SM 9.0+)."""
     index = _device_index(device)
-    return _kernel(source_file, name_expression, arch or device_arch(index), index)
+    return _kernel(source_file, name_expression, arch or device_arch(index), index, pdl)
 
 
 @functools.cache
-def _kernel(source_file: str, name_expression: str, arch: str, device_index: int) -> Kernel:
+def _kernel(source_file: str, name_expression: str, arch: str, device_index: int, pdl: bool) -> Kernel:
     if torch.cuda.is_current_stream_capturing():
         raise JitError(
             f"{name_expression} is not compiled/loaded yet and the current CUDA stream is capturing a "
@@ -431,4 +464,4 @@ def _kernel(source_file: str, name_expression: str, arch: str, device_index: int
             "helper, e.g. commfuse.fused_tail.warmup) before capture"
         )
     cubin, lowered = build(source_file, (name_expression,), arch)
-    return Kernel(name_expression, lowered[name_expression], arch, cubin, device_index)
+    return Kernel(name_expression, lowered[name_expression], arch, cubin, device_index, pdl)

@@ -8,16 +8,20 @@ algorithm wins (calibration) and turns a kernel's timeout into a Python exceptio
 Workspace (class Workspace, one per Communicator, created collectively by every rank)
 - Per rank ONE device buffer (cuMemAlloc, exported as a CUDA IPC handle; handles all-gathered over
   the group; every peer's buffer mapped once with cuIpcOpenMemHandle):
-      half 0 | half 1 | flags
+      half 0 | half 1 | Lamport half 0 | Lamport half 1 | flags
   where each half is `world` slots of `slot_bytes` (slot s receives rank s's data) followed by a
-  gather region of `slot_bytes` (two-shot's reduced rows), and flags is uint32[2 phases][NBLOCKS]
-  [world] (flags[k][b][s]: the last call in which rank s's CTA b finished phase k). Calls alternate
-  halves by the parity of their epoch (double buffering), so one barrier per phase suffices (the
-  argument is in csrc/p2p_allreduce.cu).
-  Size: 2 * (world + 1) * max_bytes + flags. max_bytes (the largest message the P2P row takes) is
-  the constructor's argument, else COMMFUSE_P2P_WORKSPACE_MB, else 192 MiB / (world + 1) rounded
-  down to whole MiB: 64 MiB for 2 ranks, 38 MiB for 4, 21 MiB for 8, i.e. about 384 MiB of device
-  memory per rank whatever the world size. Always rounded up to a multiple of 4 KiB.
+  gather region of `slot_bytes` (two-shot's reduced rows); each Lamport half is `world` slots of
+  `lamport_bytes` (the one-shot's; all ones when unused); flags is uint32[2 phases][NBLOCKS][world]
+  (flags[k][b][s]: the last call in which rank s's CTA b finished two-shot phase k). Calls alternate
+  halves by the parity of their epoch (double buffering), so one barrier per phase suffices and a
+  Lamport half is reset before it is reused (the argument is in csrc/p2p_allreduce.cu).
+  Size: 2 * (world + 1) * max_bytes + 2 * world * lamport_bytes + flags. max_bytes (the largest
+  message the P2P row takes) is the constructor's argument, else COMMFUSE_P2P_WORKSPACE_MB, else
+  192 MiB / (world + 1) rounded down to whole MiB: 64 MiB for 2 ranks, 38 MiB for 4, 21 MiB for 8,
+  i.e. about 384 MiB of device memory per rank whatever the world size. lamport_bytes (the largest
+  one-shot message) is min(max_bytes, ONESHOT_BUDGET / (2 * world)): 8 MiB for 2 ranks, 4 MiB for
+  4, 2 MiB for 8 (32 MiB more per rank); one-shot is a latency algorithm, and calibration found
+  two-shot ahead from 16 MiB at 2 ranks. Both rounded up to a multiple of 4 KiB.
 - Per rank, not shared: epochs[NBLOCKS] and a device error word (one small torch tensor), and one
   host-mapped pinned error word (cuMemHostAlloc) that a timed-out kernel writes and the host polls.
 - NBLOCKS: the grid of every launch, min(SM count over the ranks, MAX_BLOCKS), so each CTA b has the
@@ -30,8 +34,11 @@ Workspace (class Workspace, one per Communicator, created collectively by every 
 
 Algorithms (both for the plain all-reduce and for every fused pattern; every rank computes every
 output, and the sum is fp32 in rank order, rounded to T once: bit-identical on every rank)
-- one-shot: each rank pushes its whole message into slot[rank] of every rank, one barrier, then
-  sums the slots locally and runs the tail (csrc/epilogue.cuh) on its rows.
+- one-shot (Lamport): each rank pushes its whole message into slot[rank] of every peer's Lamport
+  half; each rank reads its slots as they fill (an empty word marks data not yet arrived, so there
+  is no flag and no barrier), sums them with its own input, resets them to empty and runs the tail
+  (csrc/epilogue.cuh) on its rows. Messages up to lamport_bytes (plan.py sends larger ones
+  two-shot, also when one-shot is forced).
 - two-shot: rows split into `world` contiguous segments. Phase 0 pushes each row to its segment
   owner; barrier; each rank reduces its own segment and pushes the T-rounded sums into every rank's
   gather region; barrier; every rank runs the tail on all rows from its gather region.
@@ -52,6 +59,9 @@ sticky: after a timeout the flags and epochs are out of step, so every later ker
 workspace returns at once (it reads the device error word) and every later call raises. This also
 surfaces a timeout that happened inside a CUDA graph replay.
 
+Launches use programmatic dependent launch on SM 9.0 and newer (see jit.Kernel.launch): the kernel
+is scheduled while the previous kernel of the stream finishes, and waits for it on the GPU.
+
 CUDA graphs: the workspace is created (and calibrated) before any capture; a launch bakes in only
 pointers that stay valid for the workspace's life, and the epochs live in device memory, so replays
 advance them like eager calls. Kernels must be loaded before capture (call once eagerly, or
@@ -59,7 +69,8 @@ advance them like eager calls. Kernels must be loaded before capture (call once 
 NCCL: the double-buffering argument relies on a rank's call E finishing before its call E + 1 starts.
 
 Calibration (strategy "auto", at creation, i.e. before any capture): times one-shot, two-shot and
-NCCL plain bf16 all-reduces for messages of 4 KiB, 8 KiB, ... up to max_bytes. Each timing is
+NCCL plain bf16 all-reduces for messages of 4 KiB, 8 KiB, ... up to max_bytes (one-shot up to
+lamport_bytes). Each timing is
 GPU time of back-to-back eager calls held behind a short delay kernel (so Python launch overhead
 does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is taken so every rank
 decides the same. twoshot_max is the largest size up to which P2P (the better algorithm) beats NCCL
@@ -93,7 +104,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -116,9 +127,10 @@ PLAIN_MAX_ROW_VECS = THREADS * 8
 MAX_BLOCKS = 160       # grid cap (H100/H200: 132 SMs, B200: 148)
 ALIGN = 4096
 DEFAULT_BUDGET = 192 << 20        # default max_bytes = DEFAULT_BUDGET / (world + 1)
+ONESHOT_BUDGET = 32 << 20         # lamport_bytes = ONESHOT_BUDGET / (2 * world) at most
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 _CAL_REPS = 3
 _CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
 _TIMEOUT_CODE = 1 << 16           # kTimeoutCode
@@ -129,10 +141,10 @@ _QUANT_ID = {None: 0, "fp8": 1, "nvfp4": 2, "plain": -1}
 _ALGO_ID = {"oneshot": 0, "twoshot": 1}
 
 # P2PParams in csrc/p2p_allreduce.cu: TailParams (7 pointers, eps, h, t, sf_swizzled), then x, out,
-# peers[8], epochs, dev_error, host_error, timeout_ns, slot_bytes, flags_offset, total_vecs, rows,
-# row_vecs, row_slots, world, rank, padding.
-_PARAMS = struct.Struct("<7Qf3i" "2Q8Q3Q3Qq6i")
-assert _PARAMS.size == 232
+# peers[8], epochs, dev_error, host_error, timeout_ns, slot_bytes, flags_offset, lamport_offset,
+# lamport_bytes, total_vecs, rows, row_vecs, row_slots, world, rank, padding.
+_PARAMS = struct.Struct("<7Qf3i" "2Q8Q3Q5Qq6i")
+assert _PARAMS.size == 248
 _NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
 
 
@@ -223,12 +235,23 @@ def default_max_bytes(world: int) -> int:
     return max(ALIGN, DEFAULT_BUDGET // (world + 1) >> 20 << 20)
 
 
-def layout(max_bytes: int, world: int, nblocks: int) -> Tuple[int, int, int]:
-    """(slot_bytes, flags_offset, total_bytes) of one rank's buffer (see the module docstring)."""
+class Layout(NamedTuple):
+    """Byte sizes and offsets of one rank's buffer (see the module docstring)."""
+
+    slot_bytes: int
+    lamport_offset: int
+    lamport_bytes: int
+    flags_offset: int
+    total_bytes: int
+
+
+def layout(max_bytes: int, world: int, nblocks: int) -> Layout:
     slot = -(-max_bytes // ALIGN) * ALIGN
-    flags_offset = 2 * (world + 1) * slot
+    lamport = min(slot, max(ALIGN, ONESHOT_BUDGET // (2 * world) // ALIGN * ALIGN))
+    lamport_offset = 2 * (world + 1) * slot
+    flags_offset = lamport_offset + 2 * world * lamport
     flags_bytes = 2 * nblocks * world * 4
-    return slot, flags_offset, flags_offset + -(-flags_bytes // ALIGN) * ALIGN
+    return Layout(slot, lamport_offset, lamport, flags_offset, flags_offset + -(-flags_bytes // ALIGN) * ALIGN)
 
 
 def calibration_sizes(max_bytes: int) -> List[int]:
@@ -240,8 +263,10 @@ def calibration_sizes(max_bytes: int) -> List[int]:
     return sizes + [max_bytes]
 
 
-def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], workspace_bytes: int) -> P2PLimits:
-    """P2PLimits from times[i] = (one-shot, two-shot, NCCL) at sizes[i] (ascending, any unit).
+def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], workspace_bytes: int,
+                  oneshot_bytes: Optional[int] = None) -> P2PLimits:
+    """P2PLimits from times[i] = (one-shot, two-shot, NCCL) at sizes[i] (ascending, any unit; inf
+    where an algorithm cannot take the size).
 
     twoshot_max: the largest size up to which min(one-shot, two-shot) < NCCL at every size (0: P2P
     never); oneshot_max: the largest size <= twoshot_max up to which one-shot <= two-shot at every size.
@@ -255,11 +280,11 @@ def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], worksp
         if size > twoshot_max or not one <= two:
             break
         oneshot_max = size
-    return P2PLimits(workspace_bytes, oneshot_max, twoshot_max)
+    return P2PLimits(workspace_bytes, oneshot_max, twoshot_max, oneshot_bytes)
 
 
-def default_limits(max_bytes: int) -> P2PLimits:
-    return P2PLimits(max_bytes, min(DEFAULT_ONESHOT_MAX, max_bytes), max_bytes)
+def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
+    return P2PLimits(max_bytes, min(DEFAULT_ONESHOT_MAX, oneshot_bytes), max_bytes, oneshot_bytes)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -267,7 +292,8 @@ def default_limits(max_bytes: int) -> P2PLimits:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, device_index: int) -> jit.Kernel:
-    return jit.kernel(SOURCE, name, device=device_index)
+    # Every kernel of SOURCE but the delay kernel starts with pdl_wait().
+    return jit.kernel(SOURCE, name, device=device_index, pdl=name != DELAY_KERNEL)
 
 
 def warmup(dtype: torch.dtype, quant: Optional[str] = None, hidden: Optional[int] = None, device=None) -> None:
@@ -311,7 +337,7 @@ def _all_gather(group, obj) -> list:
 
 def _source_digest() -> str:
     h = hashlib.sha256()
-    for name in (SOURCE, "epilogue.cuh"):
+    for name in (SOURCE, "epilogue.cuh", "pdl.cuh"):
         h.update((jit.CSRC_DIR / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -322,7 +348,8 @@ def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
         if json.dumps(entry["key"], sort_keys=True) != json.dumps(key, sort_keys=True):
             return None
         lim = entry["limits"]
-        return P2PLimits(int(lim["workspace_bytes"]), int(lim["oneshot_max"]), int(lim["twoshot_max"]))
+        return P2PLimits(int(lim["workspace_bytes"]), int(lim["oneshot_max"]), int(lim["twoshot_max"]),
+                         int(lim["oneshot_bytes"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or damaged: measure again
 
@@ -344,7 +371,8 @@ class Workspace:
     measure the crossovers (else default_limits; COMMFUSE_P2P_CALIBRATE=0 also turns it off);
     topology: the group's Topology, for the calibration cache key (default: topology.detect(group)).
     Every rank must use the same max_bytes and calibrate setting (checked: all ranks raise).
-    Attributes: limits (P2PLimits for plan.py), max_bytes, nblocks, world, rank, device.
+    Attributes: limits (P2PLimits for plan.py), max_bytes, lamport_bytes (the largest one-shot
+    message), nblocks, world, rank, device.
     """
 
     def __init__(self, group, device, *, max_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
@@ -381,9 +409,11 @@ class Workspace:
             detail = "; ".join(f"rank {i}: max_bytes={g[0][0]}, calibrate={g[0][1]}" for i, g in enumerate(gathered))
             raise ValueError(f"ranks disagree on the P2P workspace ({detail})")
         self.nblocks = min(MAX_BLOCKS, min(g[1] for g in gathered))
-        self.slot_bytes, self.flags_offset, self.total_bytes = layout(self.max_bytes, self.world, self.nblocks)
+        (self.slot_bytes, self.lamport_offset, self.lamport_bytes, self.flags_offset,
+         self.total_bytes) = layout(self.max_bytes, self.world, self.nblocks)
         self._create()
-        self.limits = self._calibrate(topology) if calibrate else default_limits(self.max_bytes)
+        self.limits = (self._calibrate(topology) if calibrate
+                       else default_limits(self.max_bytes, self.lamport_bytes))
 
     # ---------------------------------------------------------------- creation and teardown
 
@@ -395,11 +425,13 @@ class Workspace:
                 self._ptr = ipc.alloc(self.total_bytes)
                 flags_words = (self.total_bytes - self.flags_offset) // 4
                 ipc.call(driver.cuMemsetD32, self._ptr + self.flags_offset, 0, flags_words)
+                lamport_words = (self.flags_offset - self.lamport_offset) // 4
+                ipc.call(driver.cuMemsetD32, self._ptr + self.lamport_offset, 0xFFFFFFFF, lamport_words)
                 flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
                 self._host_ptr = int(ipc.call(driver.cuMemHostAlloc, 4, flags))
                 ctypes.c_int32.from_address(self._host_ptr).value = 0
                 self._host_dev_ptr = int(ipc.call(driver.cuMemHostGetDevicePointer, self._host_ptr, 0))
-                ipc.call(driver.cuCtxSynchronize)  # the memset is done before any peer can write
+                ipc.call(driver.cuCtxSynchronize)  # the memsets are done before any peer can write
                 handle = ipc.export_handle(self._ptr)
         except ipc.CudaError as e:
             err = f"workspace of {self.total_bytes} B: {e}"
@@ -419,12 +451,13 @@ class Workspace:
 
         # epochs[nblocks] then the device error word; zeroed like the flags.
         self._state = torch.zeros(self.nblocks + 1, dtype=torch.int32, device=self.device)
-        # P2PParams from peers[8] to flags_offset: the same for every launch of this workspace.
+        # P2PParams from peers[8] to lamport_bytes: the same for every launch of this workspace.
         state = self._state.data_ptr()
         self._fixed_params = (*[int(p) for p in self._peers], *[0] * (MAX_WORLD - self.world),
                               state, state + 4 * self.nblocks, self._host_dev_ptr,
-                              int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset)
-        self._barrier()  # every buffer is zeroed and mapped everywhere before any kernel runs
+                              int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset,
+                              self.lamport_offset, self.lamport_bytes)
+        self._barrier()  # every buffer is initialised and mapped everywhere before any kernel runs
 
     def _raise_if_any(self, gathered: list, error_of, what: str) -> None:
         """Raise on every rank (after releasing what this rank holds) if any rank reported an error."""
@@ -511,6 +544,8 @@ class Workspace:
         size = x.numel() * x.element_size()
         if size > self.max_bytes:
             raise ValueError(f"message of {size} B > P2P workspace of {self.max_bytes} B")
+        if algo == "oneshot" and size > self.lamport_bytes:
+            raise ValueError(f"message of {size} B > the one-shot buffers of {self.lamport_bytes} B: use twoshot")
 
     def _launch(self, name: str, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
                 rows: int, row_vecs: int, row_slots: int) -> None:
@@ -594,13 +629,14 @@ class Workspace:
         if cached is not None:
             return cached
         sizes, times = self.measure()
-        limits = derive_limits(sizes, times, self.max_bytes)
+        limits = derive_limits(sizes, times, self.max_bytes, self.lamport_bytes)
         if self.rank == 0:
             _write_limits(path, {"key": key, "sizes": sizes, "times_us": times,
                                  "columns": ["oneshot", "twoshot", "nccl"],
                                  "limits": {"workspace_bytes": limits.workspace_bytes,
                                             "oneshot_max": limits.oneshot_max,
-                                            "twoshot_max": limits.twoshot_max}})
+                                            "twoshot_max": limits.twoshot_max,
+                                            "oneshot_bytes": limits.oneshot_bytes}})
         return limits
 
     def measure(self, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[List[float]]]:
@@ -627,7 +663,7 @@ class Workspace:
                     lambda: dist.all_reduce(buf[:n], group=self.group))
             calls = 8 if size <= 16 << 20 else 3
             row = []
-            for run in runs:
+            for run in runs[size > self.lamport_bytes:]:
                 run()  # first use: loads kernels, sets NCCL up
                 best = math.inf
                 for _ in range(_CAL_REPS):
@@ -642,7 +678,7 @@ class Workspace:
                     end.synchronize()
                     best = min(best, start.elapsed_time(end) * 1e3 / calls)
                 row.append(best)
-            times.append(row)
+            times.append([math.inf] * (3 - len(row)) + row)
         # A timeout during calibration must not pass silently, and must raise on every rank together.
         torch.cuda.synchronize(self.device)
         codes = _all_gather(self.group, self._error_code())

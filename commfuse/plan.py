@@ -132,12 +132,14 @@ class P2PLimits:
     """Message-size crossovers of the P2P algorithms (bytes), measured per machine by calibration.
 
     A message of at most `oneshot_max` goes one-shot, at most `twoshot_max` two-shot, else NCCL;
-    nothing larger than the workspace goes P2P.
+    nothing larger than the workspace goes P2P, nor larger than `oneshot_bytes` (the one-shot's own
+    buffers; None: the workspace) one-shot, even when forced.
     """
 
     workspace_bytes: int
     oneshot_max: int
     twoshot_max: int
+    oneshot_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,9 @@ def _p2p_algorithm(req: Request, mode: str, strategy: str, p2p: Optional[P2PLimi
     if size > p2p.workspace_bytes:
         reasons.append(f"message {size} B > P2P workspace {p2p.workspace_bytes} B: NCCL")
         return None
+    if strategy == "oneshot" and p2p.oneshot_bytes is not None and size > p2p.oneshot_bytes:
+        reasons.append(f"message {size} B > one-shot buffers {p2p.oneshot_bytes} B: two-shot")
+        return "twoshot"
     if strategy in ("oneshot", "twoshot"):
         return strategy
     if size <= p2p.oneshot_max:

@@ -10,6 +10,7 @@
 // One row per CTA even for small h: a row of a real model (h >= 2048) already fills 2 to 32
 // warps, and smaller rows are too cheap for packing several per CTA to matter.
 #include "epilogue.cuh"
+#include "pdl.cuh"
 
 namespace commfuse {
 
@@ -33,6 +34,8 @@ static_assert(sizeof(FusedTailParams) == 80, "layout shared with commfuse/fused_
 template <typename T, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>) fused_tail(const __grid_constant__ FusedTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
+  pdl_wait();  // the input is the previous kernel's (NCCL's) output
+  pdl_launch_dependents();
   const int row = blockIdx.x;
   if (row >= p.tail.t) {
     if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p.tail, row, 0);

@@ -6,9 +6,12 @@
 //
 // Algorithms (ALGO), per CTA b of a fixed grid of NBLOCKS CTAs (the same on every rank), which owns
 // the rows r with r % NBLOCKS == b:
-// - one-shot: phase 0 pushes this rank's rows into slot[rank] of every rank; barrier 0; then every
-//   rank sums slot[0..world) in rank order in fp32, rounds to T once, and runs the tail (or stores
-//   the plain sum).
+// - one-shot (Lamport): the Lamport region of every buffer is all ones (kEmptyWord) when no call
+//   is using it. Each rank pushes its rows, encoded so that no word is empty, into slot[rank] of
+//   every peer's Lamport half; then it reads its own slots vector by vector, re-reading a vector
+//   until none of its words is empty (the data itself says it has arrived: no flag, no fence, no
+//   barrier), sums them with its own x in rank order in fp32, rounds to T once, resets what it
+//   read to empty, and runs the tail (or stores the plain sum). Messages up to lamport_bytes.
 // - two-shot: rows are split into `world` contiguous segments, segment q owned by rank q. Phase 0
 //   pushes each row to its owner's slot[rank]; barrier 0; phase 1 sums the own segment's rows in
 //   rank order, rounds to T and pushes the T row into every rank's gather region; barrier 1;
@@ -16,46 +19,55 @@
 // Both sum in rank order in fp32 and round once, so every rank gets bit-identical results, equal to
 // reference.all_reduce_sum.
 //
-// Barriers are per CTA and cross-rank: CTA b signals phase k of call `epoch` by writing `epoch` into
-// flags[k][b][rank] of every peer, and waits until its own flags[k][b][q] reach `epoch` for every q.
-// Epochs live in device memory (epochs[b], bumped by the kernel), so a CUDA graph replays correctly:
-// nothing per call is baked into the launch.
+// Two-shot barriers are per CTA and cross-rank: CTA b signals phase k of call `epoch` by writing
+// `epoch` into flags[k][b][rank] of every peer, and waits until its own flags[k][b][q] reach
+// `epoch` for every q. Epochs live in device memory (epochs[b], bumped by the kernel, by both
+// algorithms), so a CUDA graph replays correctly: nothing per call is baked into the launch.
 //
-// Why one barrier per phase is enough with two data halves (half = epoch & 1):
-// Only the owner of a buffer ever READS it (pushes are remote writes, reads are local). Rank r's CTA b
-// writes half (E & 1) of rank q's buffer in call E only after it passed CTA b's last barrier of call
-// E - 1, which needs rank q's CTA b to have reached that barrier, i.e. rank q's kernel of call E - 1
-// was running. Calls on one communicator are stream-ordered on every rank, so rank q's kernel of call
-// E - 2 - the last one that read half (E & 1), by ANY of its CTAs - had completed by then. Its reads
-// of that half are therefore finished before any write of call E lands there. Within a call, the
-// rows a CTA reads after barrier k are exactly the rows the same-numbered CTAs of all ranks wrote
-// before it (rows are assigned by r % NBLOCKS on every rank), and distinct CTAs touch disjoint
-// rows. Every CTA takes part in every call (even with no rows), so all CTAs of a rank agree on the
-// epoch, hence on the half. Two-shot's gather region is written in phase 1 of call E, only after
-// barrier 0 of call E, and read in phase 2 of call E (after barrier 1); the previous reader of that
-// half's gather region was phase 2 of call E - 2: covered by the argument above.
+// Why two halves (half = epoch & 1) make a buffer safe to reuse, for both algorithms and any mix
+// of them: only the owner of a buffer ever READS it (pushes are remote writes, reads are local),
+// and a rank's kernel of call E cannot complete before it has received something every peer's
+// kernel of call E sent (one-shot: CTA 0's row 0 holds data of every rank; two-shot: every CTA's
+// barriers wait for every peer). So when rank r's kernel of call E writes half (E & 1) of rank q's
+// buffer, r's kernel E - 1 has completed (calls on one communicator are stream-ordered on every
+// rank), hence q's kernel E - 1 had started, hence q's kernel E - 2 - the last one that read or
+// reset that half, by ANY of its CTAs - had completed. Within a call, the rows a CTA reads are
+// exactly the rows the same-numbered CTAs of all ranks wrote (rows are assigned by r % NBLOCKS on
+// every rank), and distinct CTAs touch disjoint rows. Every CTA takes part in every call (even with
+// no rows), so all CTAs of a rank agree on the epoch, hence on the half. Two-shot's gather region
+// is written in phase 1 of call E, only after barrier 0 of call E, and read in phase 2 of call E
+// (after barrier 1); its previous reader was call E - 2: covered by the argument above. A Lamport
+// half is back to empty when the kernel that read it completes (it resets every word it read, and
+// nobody else writes there until call E + 2), so the next user finds it empty.
 //
-// Memory ordering (PTX memory model): data stores, then __syncthreads() (bar.sync: CTA-scope
-// synchronisation), then thread q does st.release.sys of the flag to peer q. Release is cumulative,
-// so the other threads' stores ordered before it by the barrier are visible to whoever acquires the
-// flag. The waiting thread reads its flag with ld.acquire.sys, then __syncthreads() orders the
-// CTA's subsequent reads after the acquire. Workspace reads use ld.global.cg (L2, which is where
-// NVLink writes to this GPU land) so no stale L1 line can be read even across calls.
+// Memory ordering (PTX memory model). Two-shot: data stores, then __syncthreads() (bar.sync:
+// CTA-scope synchronisation), then thread q does st.release.sys of the flag to peer q. Release is
+// cumulative, so the other threads' stores ordered before it by the barrier are visible to whoever
+// acquires the flag. The waiting thread reads its flag with ld.acquire.sys, then __syncthreads()
+// orders the CTA's subsequent reads after the acquire. Two-shot workspace reads use ld.global.cg
+// (L2, which is where NVLink writes to this GPU land) so no stale L1 line can be read even across
+// calls. One-shot: a Lamport vector is read only by the thread that waits for it, with volatile
+// loads (never cached in L1, never hoisted out of the loop); it is valid once its four 32-bit words
+// are non-empty, since each word is written by one store of one peer (a 16-byte store may arrive
+// in pieces, a word does not). The reset is a volatile store after the volatile loads of the same
+// address in the same thread, so it lands after them.
 //
 // Bounded waits: a waiting thread gives up after p.timeout_ns (read from %globaltimer), records
 // (1 << 16) | (phase << 8) | missing_rank in the device error word (atomicCAS from 0: the first
-// cause wins) and, if it won, in the host-mapped error word the host polls. The CTA then returns
-// without writing its outputs (the host raises P2PTimeoutError). A kernel that finds the device
-// error word already set returns at once: after a timeout the flags and epochs are no longer in
-// step, so later launches (e.g. CUDA graph replays) must not run.
+// cause wins) and, if it won, in the host-mapped error word the host polls. A two-shot CTA then
+// returns without writing its outputs; a one-shot thread stops waiting (for the rest of the call)
+// and finishes with undefined outputs. Either way the host raises P2PTimeoutError. A kernel that
+// finds the device error word already set returns at once: after a timeout the flags, epochs and
+// Lamport slots are no longer in step, so later launches (e.g. CUDA graph replays) must not run.
 //
 // Early loads: the tail's residual, weight and scale (RowTail::prefetch) are loaded before the
-// barrier that precedes the rows' sums, so their latency hides behind the cross-rank wait, and the
-// one-shot register tails load their first row of x before the start-up sync (overlapping the
-// epoch's load). All are inputs of this rank's own call (stream-ordered before the kernel, never
-// written by a peer or by this kernel), so no ordering with the flags is needed and the argument
-// above is untouched: the workspace is still read only after the barrier's acquire, and written
-// only after the start-up sync has fixed the epoch.
+// wait for the peers' data (one-shot) or before the barrier that precedes the rows' sums
+// (two-shot), so their latency hides behind the NVLink round trip, and the one-shot loads its
+// first row of x before the start-up sync (overlapping the epoch's load). All are inputs of this
+// rank's own call (ordered before the kernel by the stream, or by pdl_wait under programmatic
+// dependent launch; never written by a peer or by this kernel), so no ordering with the peers is
+// needed and the argument above is untouched: the workspace is still written only after the
+// start-up sync has fixed the epoch.
 //
 // Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) make every
 // CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails up to
@@ -65,12 +77,14 @@
 // bounded wait turns any remaining scheduling surprise (e.g. another stream's kernel holding SMs)
 // into an error instead of a hang.
 #include "epilogue.cuh"
+#include "pdl.cuh"
 
 namespace commfuse {
 
 constexpr int kMaxWorld = 8;
 constexpr int kQuantPlain = -1;  // plain all-reduce: no tail, output T
 constexpr int kCopyUnroll = 4;   // vectors per thread in flight in the copy loops (plain, looped tail)
+constexpr int kPlainSumVectors = 2;  // vectors per thread per step of the plain one-shot's sum
 // Threads per CTA at most (the __launch_bounds__) per variant: the register tails of 1 and 2
 // vectors per thread run up to 1024 threads (decode rows spread over 32 warps), which caps them
 // at 64 registers; the plain all-reduce and the looped tail run 256 threads.
@@ -101,6 +115,8 @@ struct P2PParams {
   unsigned long long timeout_ns; // how long one wait may take
   unsigned long long slot_bytes; // bytes of one slot (and of the gather region), 4 KiB multiple
   unsigned long long flags_offset;  // bytes from a workspace base to its flags
+  unsigned long long lamport_offset;  // bytes from a workspace base to its one-shot (Lamport) slots
+  unsigned long long lamport_bytes;   // bytes of one Lamport slot, 4 KiB multiple
   long long total_vecs;          // vectors of 8 elements in the message
   int rows;                      // rows holding data (t; plain: ceil(total_vecs / row_vecs))
   int row_vecs;                  // vectors per row (h / 8; plain: chosen by the launcher)
@@ -109,12 +125,12 @@ struct P2PParams {
   int rank;
   int pad_;
 };
-// commfuse/p2p.py packs it as struct "<7Qf3i" (TailParams) + "<2Q8Q3Q3Qq6i": naturally aligned
+// commfuse/p2p.py packs it as struct "<7Qf3i" (TailParams) + "<2Q8Q3Q5Qq6i": naturally aligned
 // fields, no padding (eps at 56, x at 72, peers at 88, epochs at 152, timeout_ns at 176, total_vecs
-// at 200, rows at 208, rank at 224). Only the sizes are asserted: NVRTC 13.0 rejects
+// at 216, rows at 224, rank at 240). Only the sizes are asserted: NVRTC 13.0 rejects
 // __builtin_offsetof in a static_assert.
 static_assert(sizeof(TailParams) == 72, "layout shared with commfuse/p2p.py");
-static_assert(sizeof(P2PParams) == 232, "layout shared with commfuse/p2p.py");
+static_assert(sizeof(P2PParams) == 248, "layout shared with commfuse/p2p.py");
 
 // ------------------------------------------------------------------ memory-model primitives
 
@@ -126,6 +142,22 @@ __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* addr) {
   unsigned v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
   return v;
+}
+
+// Weak loads could be served from a stale L1 line while a peer's store is on its way, and the
+// compiler could merge or hoist them out of a polling loop: the Lamport slots are read volatile.
+// The stores that reset a slot are volatile too, so they stay after the loads of the same address.
+__device__ __forceinline__ uint4 ld_volatile(const uint4* addr) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void st_volatile(uint4* addr, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w));
 }
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {
@@ -148,6 +180,12 @@ __device__ __forceinline__ uint4* slot(const P2PParams& p, int r, int s, unsigne
 
 __device__ __forceinline__ uint4* gather(const P2PParams& p, int r, unsigned epoch) {
   return slot(p, r, p.world, epoch);
+}
+
+// Lamport slot s (rank s's data) of half (epoch & 1) of rank r's one-shot region.
+__device__ __forceinline__ uint4* lamport_slot(const P2PParams& p, int r, int s, unsigned epoch) {
+  return reinterpret_cast<uint4*>(static_cast<char*>(p.peers[r]) + p.lamport_offset +
+                                  (static_cast<unsigned long long>(epoch & 1u) * p.world + s) * p.lamport_bytes);
 }
 
 // flags[phase][block][sender] of rank r's buffer.
@@ -272,6 +310,118 @@ __device__ __forceinline__ uint4 sum_ranks(const RankRows& src, int i) {
                     Pack<T>::pack(acc[6], acc[7]));
 }
 
+// ------------------------------------------------------------------ Lamport one-shot
+
+// An empty Lamport word. Pushed data never holds it: it is a pair of NaNs (0xFFFF is NaN in fp16
+// and bf16), which lamport_encode replaces by another NaN pair. The sum of a NaN is NaN whatever
+// its bits, and every rank sums the same encoded values, so the results keep their semantics and
+// stay bit-identical across ranks.
+constexpr unsigned kEmptyWord = 0xFFFFFFFFu;
+constexpr unsigned kNaNPair = 0x7FFF7FFFu;
+
+__device__ __forceinline__ unsigned lamport_word(unsigned w) { return w == kEmptyWord ? kNaNPair : w; }
+
+__device__ __forceinline__ uint4 lamport_encode(const uint4& v) {
+  return make_uint4(lamport_word(v.x), lamport_word(v.y), lamport_word(v.z), lamport_word(v.w));
+}
+
+// Whether any word of v is still empty: 32-bit words are the unit a remote store is seen in, so
+// a vector whose four words are all non-empty has fully arrived.
+__device__ __forceinline__ bool lamport_empty(const uint4& v) {
+  return (v.x == kEmptyWord) | (v.y == kEmptyWord) | (v.z == kEmptyWord) | (v.w == kEmptyWord);
+}
+
+// One thread's bounded wait for Lamport data, over all the vectors it waits for in a call: the
+// clock starts at its first unfinished vector, and once it gave up it waits no more (so a dead
+// peer costs one timeout, not one per vector).
+struct LamportWait {
+  unsigned long long start = 0;
+  bool failed = false;
+
+  // v: a first load of *src (a vector of rank s's data). Re-reads until it has arrived; on timeout
+  // records rank s as missing and returns what it read (the host raises; outputs are undefined).
+  __device__ __forceinline__ uint4 until_full(const P2PParams& p, const uint4* src, uint4 v, int s) {
+    while (lamport_empty(v) && !failed) {
+      const unsigned long long now = global_timer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > p.timeout_ns) {
+        report_timeout(p, 0, s);
+        failed = true;
+        break;
+      }
+      v = ld_volatile(src);
+    }
+    return v;
+  }
+};
+
+// The one-shot sum of N vectors per thread, i = i0 + u * blockDim.x (u < N) of a row of n vectors:
+// v[u] holds this rank's encoded value on entry and the sum of every rank's, in rank order in
+// fp32 rounded to T once, on return (unchanged where i >= n). The peers' values are read from
+// inbox (slot 0 of this rank's Lamport half at the row's first vector), BATCH ranks at a time with
+// all of a batch's loads in flight together, each awaited until it arrived and then reset to
+// empty for the call that uses this half next.
+template <typename T, int N, int BATCH>
+__device__ __forceinline__ void lamport_sum(const P2PParams& p, const uint4* inbox, int i0, int n, uint4 (&v)[N],
+                                            LamportWait& wait) {
+  static_assert(BATCH > 0 && kMaxWorld % BATCH == 0, "whole batches");
+  const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
+  const auto src = [&p, inbox](int s, int i) {
+    return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(inbox) + s * p.lamport_bytes) + i;
+  };
+  float acc[N][8];
+#pragma unroll 1  // batches one after the other: unrolled, their addresses would be hoisted into registers
+  for (int s0 = 0; s0 < kMaxWorld; s0 += BATCH) {
+    if (s0 < p.world) {  // uniform: world is a kernel parameter
+      uint4 raw[N][BATCH];
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const int i = i0 + u * static_cast<int>(blockDim.x);
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int s = s0 + j;
+          raw[u][j] = s < p.world && s != p.rank && i < n ? ld_volatile(src(s, i)) : v[u];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const int i = i0 + u * static_cast<int>(blockDim.x);
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int s = s0 + j;
+          if (s < p.world && s != p.rank && i < n) {
+            raw[u][j] = wait.until_full(p, src(s, i), raw[u][j], s);
+            st_volatile(const_cast<uint4*>(src(s, i)), empty);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int s = s0 + j;
+        if (s == 0) {
+#pragma unroll
+          for (int u = 0; u < N; ++u) unpack8<T>(raw[u][0], acc[u]);
+        } else if (s < p.world) {
+#pragma unroll
+          for (int u = 0; u < N; ++u) {
+            float f[8];
+            unpack8<T>(raw[u][j], f);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], f[k]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    if (i0 + u * static_cast<int>(blockDim.x) < n)
+      v[u] = make_uint4(Pack<T>::pack(acc[u][0], acc[u][1]), Pack<T>::pack(acc[u][2], acc[u][3]),
+                        Pack<T>::pack(acc[u][4], acc[u][5]), Pack<T>::pack(acc[u][6], acc[u][7]));
+  }
+}
+
 // dst(d)[i] = src(i) for i in [0, n) and d in [0, ndst): UNROLL loads per thread in flight,
 // then the stores (remote stores are posted: they do not stall the thread). The loop over
 // destinations is not unrolled: it keeps the code small, and stores need no latency hiding.
@@ -335,6 +485,23 @@ struct RowTail {
     }
   }
 
+  // Register tails: residual and weight of row r, unless prefetched. For a CTA's later rows they
+  // are issued before the sums' loads (the weight again, from L1/L2: holding it across the loop
+  // spills in the 64-register variants).
+  __device__ __forceinline__ void load(const P2PParams& p, int r) {
+    if constexpr (VPT > 0 && QUANT != kQuantPlain) {
+      if (r != row) {
+        tail_load<T, VPT>(p.tail, r, x, w);
+        row = r;
+      }
+    }
+  }
+
+  // Register tails: row r's tail, given its all-reduced values (zero past the row's end); load(r) first.
+  __device__ __forceinline__ void emit_row(const P2PParams& p, int r, const uint4 (&a)[kRegs], float* red) {
+    tail_row<T, QUANT, VPT>(p.tail, r, a, x, w, qs, red);
+  }
+
   // Row r's all-reduced values `load_a(v)` -> outputs: the plain sum, or the tail of epilogue.cuh.
   template <typename LoadA>
   __device__ __forceinline__ void emit(const P2PParams& p, int r, LoadA load_a, float* red) {
@@ -343,9 +510,7 @@ struct RowTail {
       uint4* const out = static_cast<uint4*>(p.out) + first;
       copy_row<kCopyUnroll>(row_len(p, r), load_a, [out](int) { return out; }, 1);
     } else if constexpr (VPT > 0) {
-      // Later rows: loads issued before the sums' (the weight again, from L1/L2: holding it across
-      // the loop spills in the 64-register variants).
-      if (r != row) tail_load<T, VPT>(p.tail, r, x, w);
+      load(p, r);
       const int nv = p.row_vecs;
       uint4 a[VPT];
 #pragma unroll
@@ -353,7 +518,7 @@ struct RowTail {
         const int v = threadIdx.x + i * blockDim.x;
         a[i] = v < nv ? load_a(v) : make_uint4(0, 0, 0, 0);
       }
-      tail_row<T, QUANT, VPT>(p.tail, r, a, x, w, qs, red);
+      emit_row(p, r, a, red);
     } else {
       tail_row_looped<T, QUANT, kLoopVectors>(p.tail, r, load_a, qs, red);
     }
@@ -386,18 +551,24 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(cons
   const int b = blockIdx.x;
   const int nb = gridDim.x;
   const uint4* x = static_cast<const uint4*>(p.x);
-  // One-shot register tails: the CTA's first row of x (this call's input: nothing orders it with
-  // the flags) is loaded before the start-up sync, so its latency overlaps the epoch's load.
-  constexpr bool kEarlyX = ALGO == kAlgoOneshot && VPT > 0;
-  uint4 x0[kEarlyX ? VPT : 1];
+  pdl_wait();  // x, the epochs and the workspace may be the previous kernel's work
+  pdl_launch_dependents();
+  // One-shot: the CTA's first row of x (this call's input: nothing orders it with the peers) is
+  // loaded before the start-up sync, so its latency overlaps the epoch's load. kEarly vectors per
+  // thread: the 1-vector register tail's, or one of the plain all-reduce's (whose rows are then
+  // blockDim.x vectors, i.e. messages of up to blockDim.x * 8 * 2 B per CTA, where latency matters).
+  // Not for VPT 2: its 64 registers do not hold x0 next to the rest.
+  constexpr bool kEarlyX = ALGO == kAlgoOneshot && (VPT == 1 || QUANT == kQuantPlain);
+  constexpr int kEarly = 1;
+  uint4 x0[kEarly];
   if constexpr (kEarlyX) {
     if (b < p.rows) {
       const uint4* const xr = x + row_first_vec(p, b);
       const int n = row_len(p, b);
 #pragma unroll
-      for (int u = 0; u < VPT; ++u) {
+      for (int u = 0; u < kEarly; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
-        x0[u] = i < n ? __ldg(xr + i) : make_uint4(0, 0, 0, 0);
+        x0[u] = i < n ? lamport_encode(__ldg(xr + i)) : make_uint4(0, 0, 0, 0);
       }
     }
   }
@@ -411,26 +582,76 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(cons
   const auto load_x = [x](long long first) { return [x, first](int i) { return __ldg(x + first + i); }; };
 
   if constexpr (ALGO == kAlgoOneshot) {
-    // Phase 0: this rank's rows into slot[rank] of every rank, its own last.
+    // Push: this rank's rows, encoded, into slot[rank] of every peer's Lamport half (not its own:
+    // its own values come from x).
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
       const int n = row_len(p, r);
-      const auto dst = [&p, epoch, first](int d) { return slot(p, peer_order(p, d), p.rank, epoch) + first; };
+      const auto dst = [&p, epoch, first](int d) { return lamport_slot(p, peer_order(p, d), p.rank, epoch) + first; };
       if constexpr (kEarlyX) {
-        if (r == b && n <= VPT * static_cast<int>(blockDim.x)) {  // x0 holds the whole row
-          store_row(n, x0, dst, p.world);
+        if (r == b && n <= kEarly * static_cast<int>(blockDim.x)) {  // x0 holds the whole row
+          store_row(n, x0, dst, p.world - 1);
           continue;
         }
       }
-      copy_row<kCopyStep<VPT>>(n, load_x(first), dst, p.world);
+      copy_row<kCopyStep<VPT>>(n, [x, first](int i) { return lamport_encode(__ldg(x + first + i)); }, dst,
+                               p.world - 1);
     }
     RowTail<T, QUANT, VPT> tail;
-    tail.prefetch(p, b);  // this CTA's first row: in flight during the barrier
-    if (!barrier(p, 0, epoch, &s_fail)) return;
-    // Every rank's rows are here now: sum in rank order and emit.
+    tail.prefetch(p, b);  // this CTA's first row: in flight while the peers' data travels
+    // Sum every rank's rows as their vectors arrive, and emit.
+    LamportWait wait;
     for (int r = b; r < p.rows; r += nb) {
-      const RankRows src = rank_rows(p, epoch, row_first_vec(p, r));
-      tail.emit(p, r, [src](int i) { return sum_ranks<T, kSumBatch<QUANT, VPT>>(src, i); }, red);
+      const long long first = row_first_vec(p, r);
+      const int n = row_len(p, r);
+      const uint4* const inbox = lamport_slot(p, p.rank, 0, epoch) + first;
+      const auto own = [x, first](int i) { return lamport_encode(__ldg(x + first + i)); };
+      if constexpr (QUANT == kQuantPlain) {
+        constexpr int kN = kPlainSumVectors;
+        uint4* const out = static_cast<uint4*>(p.out) + first;
+        for (int base = threadIdx.x; base < n; base += kN * blockDim.x) {
+          uint4 a[kN];
+#pragma unroll
+          for (int u = 0; u < kN; ++u) {
+            const int i = base + u * blockDim.x;
+            a[u] = i >= n ? make_uint4(0, 0, 0, 0) : r == b && u == 0 && base == threadIdx.x ? x0[0] : own(i);
+          }
+          lamport_sum<T, kN, kMaxWorld>(p, inbox, base, n, a, wait);
+#pragma unroll
+          for (int u = 0; u < kN; ++u) {
+            const int i = base + u * blockDim.x;
+            if (i < n) out[i] = a[u];
+          }
+        }
+      } else if constexpr (VPT > 0) {
+        tail.load(p, r);
+        uint4 a[VPT];
+#pragma unroll
+        for (int u = 0; u < VPT; ++u) {
+          const int i = threadIdx.x + u * blockDim.x;
+          a[u] = i < n ? own(i) : make_uint4(0, 0, 0, 0);  // the first row's: an L1 hit (x0's lines)
+        }
+        // 64 registers (1024 threads) hold the prefetched tail inputs and the loads of 2 ranks'
+        // vectors in flight (a load holds its registers until the vector arrived and was added in
+        // rank order): VPT 1 takes its vector 2 ranks at a time, VPT 2 each vector 1 rank at a time.
+        if constexpr (VPT == 1) {
+          lamport_sum<T, 1, 2>(p, inbox, threadIdx.x, n, a, wait);
+        } else {
+#pragma unroll
+          for (int u = 0; u < VPT; ++u) {
+            uint4 au[1] = {a[u]};
+            lamport_sum<T, 1, 1>(p, inbox, threadIdx.x + u * blockDim.x, n, au, wait);
+            a[u] = au[0];
+          }
+        }
+        tail.emit_row(p, r, a, red);
+      } else {
+        tail.emit(p, r, [&p, inbox, n, own, &wait](int i) {
+          uint4 a[1] = {own(i)};
+          lamport_sum<T, 1, kMaxWorld>(p, inbox, i, n, a, wait);
+          return a[0];
+        }, red);
+      }
     }
   } else {
     // Phase 0 (reduce-scatter, push): each row to its segment owner's slot[rank].

@@ -180,28 +180,32 @@ def test_plain_rows_cover_the_message(total, nblocks):
 
 def test_params_layout_matches_the_kernel():
     # Offsets asserted in csrc/p2p_allreduce.cu: x 72, peers 88, epochs 152, timeout_ns 176,
-    # total_vecs 200, rows 208, rank 224; size 232.
+    # total_vecs 216, rows 224, rank 240; size 248.
     fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [21, 22] + list(range(31, 39)) + [41, 42, 43] + \
-        [51, 52, 53] + [61] + [71, 72, 73, 74, 75, 0]
+        [51, 52, 53, 54, 55] + [61] + [71, 72, 73, 74, 75, 0]
     raw = p2p._PARAMS.pack(*fields)
-    assert len(raw) == 232
+    assert len(raw) == 248
     assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
     assert struct.unpack_from("<2Q", raw, 72) == (21, 22)
     assert struct.unpack_from("<8Q", raw, 88) == tuple(range(31, 39))
     assert struct.unpack_from("<3Q", raw, 152) == (41, 42, 43)
-    assert struct.unpack_from("<Q", raw, 176) == (51,)
-    assert struct.unpack_from("<q5i", raw, 200) == (61, 71, 72, 73, 74, 75)
+    assert struct.unpack_from("<5Q", raw, 176) == (51, 52, 53, 54, 55)
+    assert struct.unpack_from("<q5i", raw, 216) == (61, 71, 72, 73, 74, 75)
 
 
 def test_workspace_sizes():
     assert p2p.default_max_bytes(2) == 64 << 20
     for world in range(2, 9):
         m = p2p.default_max_bytes(world)
-        slot, flags_offset, total = p2p.layout(m, world, 132)
-        assert m % (1 << 20) == 0 and slot == m and flags_offset == 2 * (world + 1) * m
-        assert total - flags_offset >= 2 * 132 * world * 4 and total % p2p.ALIGN == 0
-        assert total < 400 << 20
-    assert p2p.layout(1000, 2, 132)[0] == p2p.ALIGN
+        lay = p2p.layout(m, world, 132)
+        assert m % (1 << 20) == 0 and lay.slot_bytes == m and lay.lamport_offset == 2 * (world + 1) * m
+        # The one-shot's slots: about 32 MiB in all, whatever the world size.
+        assert lay.lamport_bytes == (16 << 20) // world // p2p.ALIGN * p2p.ALIGN
+        assert lay.flags_offset == lay.lamport_offset + 2 * world * lay.lamport_bytes
+        assert lay.total_bytes - lay.flags_offset >= 2 * 132 * world * 4 and lay.total_bytes % p2p.ALIGN == 0
+        assert lay.total_bytes < 420 << 20
+    small = p2p.layout(1000, 2, 132)
+    assert small.slot_bytes == small.lamport_bytes == p2p.ALIGN
     assert p2p.calibration_sizes(64 << 20) == [4096 << k for k in range(15)]
     assert p2p.calibration_sizes(3 << 20)[-2:] == [2 << 20, 3 << 20]
 
@@ -216,6 +220,10 @@ def test_derive_limits():
     assert p2p.derive_limits(sizes, times, 1 << 20) == P2PLimits(1 << 20, 4 << 10, 4 << 10)
     assert p2p.derive_limits(sizes, [(20, 20, 10)] * 5, 1 << 20) == P2PLimits(1 << 20, 0, 0)
     assert p2p.derive_limits(sizes, [(1, 2, 10)] * 5, 1 << 20) == P2PLimits(1 << 20, 1 << 20, 1 << 20)
+    # One-shot cannot take the sizes above its buffers (inf): two-shot from there.
+    inf = float("inf")
+    times = [(1, 2, 10)] * 3 + [(inf, 2, 10)] * 2
+    assert p2p.derive_limits(sizes, times, 1 << 20, 64 << 10) == P2PLimits(1 << 20, 64 << 10, 1 << 20, 64 << 10)
 
 
 def _meta(shape, dtype=torch.bfloat16):
@@ -243,6 +251,13 @@ def test_registered_with_plan():
     assert plan(Request(_meta((64, 4096), torch.float32))).collective == "nccl"
     assert plan(fused, world=9).collective == "nccl"
     assert plan(fused, world=8).collective == "p2p_oneshot"
+    # A forced one-shot above the one-shot's buffers goes two-shot, and says why.
+    small = P2PLimits(64 << 20, 512 << 10, 32 << 20, 1 << 20)
+    forced = make_plan(Request(_meta((128, 8192))), mode="p2p", backend="nccl", sm=(9, 0), world_size=2,
+                       kernels=kernels, p2p=small, strategy="oneshot")
+    assert forced.collective == "p2p_twoshot" and any("one-shot buffers" in r for r in forced.reasons), forced
+    assert make_plan(Request(_meta((64, 8192))), mode="p2p", backend="nccl", sm=(9, 0), world_size=2,
+                     kernels=kernels, p2p=small, strategy="oneshot").collective == "p2p_oneshot"
 
 
 def test_timeout_error_names_the_missing_rank():
@@ -395,6 +410,41 @@ def test_plain_without_whole_vectors_takes_nccl(comms, gen):
     p = c.plan(x)
     assert p.collective == "nccl" and any("multiple of 8 elements" in r for r in p.reasons), str(p)
     assert y.shape == x.shape
+
+
+@mpi
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_oneshot_inputs_holding_the_empty_word(comms, gen, dtype):
+    """Two 0xFFFF elements (NaNs) in one 32-bit word are the one-shot's "not arrived" marker: inputs
+    holding it must neither hang the wait nor leave the slots dirty for later calls, and the sums
+    there must be NaN, bit-identical on every rank; every other element exact."""
+    c = comms["oneshot"]
+    t, h = 16, 4096
+    _, xs = rank_inputs(c, gen, (t, h), dtype)
+    for q, xq in enumerate(xs):
+        bits = xq.view(torch.int16).view(-1)
+        bits[64 * q: 64 * q + 2] = -1       # one empty word, at a different place on each rank
+        bits[3 * h + 10 + 2 * q] = -1       # a lone 0xFFFF (half a word)
+        bits[-8:] = -1                      # the last vector: empty on every rank
+    x = xs[dist.get_rank(c.group)]
+    residual, weight, scale = tail_inputs(c, gen, t, h, dtype, "fp8")
+    y = c.all_reduce(x)
+    fused = run_pattern(c, x, residual, weight, scale, ("fp8", True, "linear"))
+    x2, xs2 = rank_inputs(c, gen, (t, h), dtype)
+    later = [c.all_reduce(x2) for _ in range(3)]  # both halves of the slots again
+    c.check()
+    assert c.plan(x).collective == "p2p_oneshot"
+    assert len(set(gather(c, digest([y, *outputs(fused)])))) == 1, "ranks' outputs differ"
+    expect = reference.all_reduce_sum([v.cpu() for v in xs])
+    nan = expect.isnan()
+    assert int(nan.sum()) == 3 * c.world_size + 8
+    assert torch.equal(y.cpu().isnan(), nan)
+    assert bits_equal(y.cpu()[~nan], expect[~nan])
+    ref = reference.fused_tail(expect, residual.cpu(), weight.cpu(), EPS, "fp8", scale.cpu(), True, "linear")
+    assert_tail_close(fused, ref, "fp8", "linear")
+    assert bits_equal(fused.residual.cpu()[~nan], ref.residual[~nan])
+    for z in later:
+        assert bits_equal(z, reference.all_reduce_sum(xs2))
 
 
 @mpi
@@ -563,6 +613,7 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     assert len(set(limits)) == 1, f"ranks disagree on the limits: {limits}"
     lim = limits[0]
     assert 0 <= lim.oneshot_max <= lim.twoshot_max <= lim.workspace_bytes == comm._p2p.max_bytes, lim
+    assert lim.oneshot_max <= lim.oneshot_bytes == comm._p2p.lamport_bytes, lim
 
     monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))  # only rank 0 reads and writes it
     monkeypatch.delenv("COMMFUSE_P2P_CALIBRATE", raising=False)
