@@ -119,11 +119,14 @@ __all__ = ["Workspace", "P2PTimeoutError", "SPEC", "ALGORITHMS", "variants", "wa
 SOURCE = "p2p_allreduce.cu"
 ALGORITHMS = ("oneshot", "twoshot")
 MAX_WORLD = 8          # kMaxWorld in p2p_allreduce.cu
-THREADS = 256          # threads of the plain all-reduce and of the looped tail
+THREADS = 256          # threads of the plain two-shot and of the looped tail
 VPT_BUCKETS = (1, 2)   # the register tails' vectors of 8 elements per thread
-# kP2PThreads<QUANT, VPT> in p2p_allreduce.cu (each variant's __launch_bounds__); 0 is the looped tail.
+# kP2PThreads<QUANT, VPT, ALGO> in p2p_allreduce.cu (each variant's __launch_bounds__) of the tails,
+# by VPT; 0 is the looped tail. The plain one-shot's is PLAIN_ONESHOT_THREADS.
 MAX_THREADS = {1: 1024, 2: 1024, 0: THREADS}
-PLAIN_MAX_ROW_VECS = THREADS * 8
+PLAIN_ONESHOT_THREADS = 1024
+PLAIN_MIN_ROW_VECS = 256
+PLAIN_MAX_ROW_VECS = {"oneshot": 4 * PLAIN_ONESHOT_THREADS, "twoshot": 8 * THREADS}
 MAX_BLOCKS = 160       # grid cap (H100/H200: 132 SMs, B200: 148)
 ALIGN = 4096
 DEFAULT_BUDGET = 192 << 20        # default max_bytes = DEFAULT_BUDGET / (world + 1)
@@ -222,12 +225,16 @@ def launch_config(hidden: int) -> Tuple[int, int]:
     return 0, MAX_THREADS[0]
 
 
-def plain_rows(total_vecs: int, nblocks: int) -> Tuple[int, int]:
-    """(row_vecs, rows) cutting a plain all-reduce of `total_vecs` vectors into rows: whole multiples
-    of THREADS vectors, at most PLAIN_MAX_ROW_VECS, small enough that every CTA gets a row."""
+def plain_rows(total_vecs: int, nblocks: int, algo: str) -> Tuple[int, int, int]:
+    """(row_vecs, rows, threads) cutting a plain all-reduce of `total_vecs` vectors into rows for
+    `algo`: small enough that every CTA gets a row, PLAIN_MIN_ROW_VECS to PLAIN_MAX_ROW_VECS[algo]
+    vectors. One-shot: whole warps of vectors, up to PLAIN_ONESHOT_THREADS threads (one vector each
+    up to rows of that many: the latency case); two-shot: whole multiples of THREADS vectors."""
     per_block = -(-total_vecs // nblocks)
-    row_vecs = min(PLAIN_MAX_ROW_VECS, max(THREADS, -(-per_block // THREADS) * THREADS))
-    return row_vecs, -(-total_vecs // row_vecs)
+    unit = 32 if algo == "oneshot" else THREADS
+    row_vecs = min(PLAIN_MAX_ROW_VECS[algo], max(PLAIN_MIN_ROW_VECS, -(-per_block // unit) * unit))
+    threads = min(PLAIN_ONESHOT_THREADS, row_vecs) if algo == "oneshot" else THREADS
+    return row_vecs, -(-total_vecs // row_vecs), threads
 
 
 def default_max_bytes(world: int) -> int:
@@ -561,8 +568,8 @@ class Workspace:
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
         total_vecs = x_flat.numel() // 8
-        row_vecs, rows = plain_rows(total_vecs, self.nblocks)
-        self._launch(name_expression(x_flat.dtype, "plain", 0, algo), THREADS, _NO_TAIL, x_flat.data_ptr(),
+        row_vecs, rows, threads = plain_rows(total_vecs, self.nblocks, algo)
+        self._launch(name_expression(x_flat.dtype, "plain", 0, algo), threads, _NO_TAIL, x_flat.data_ptr(),
                      out.data_ptr(), total_vecs, rows, row_vecs, rows)
 
     def all_reduce(self, x: torch.Tensor, algo: str, *, checked: bool = False) -> torch.Tensor:

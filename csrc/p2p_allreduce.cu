@@ -69,9 +69,9 @@
 // needed and the argument above is untouched: the workspace is still written only after the
 // start-up sync has fixed the epoch.
 //
-// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) make every
-// CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails up to
-// 1024 threads, for which the bound caps registers at 64 per thread (65536 / 1024: a whole SM's
+// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) make
+// every CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails and
+// the plain one-shot up to 1024 threads, for which the bound caps registers at 64 per thread (65536 / 1024: a whole SM's
 // register file; the build is checked for no spills with nvcc -Xptxas -v), and shared memory is
 // < 200 B. CTA b waits for CTA b of the peers only, never for another CTA of its own rank; the
 // bounded wait turns any remaining scheduling surprise (e.g. another stream's kernel holding SMs)
@@ -84,22 +84,28 @@ namespace commfuse {
 constexpr int kMaxWorld = 8;
 constexpr int kQuantPlain = -1;  // plain all-reduce: no tail, output T
 constexpr int kCopyUnroll = 4;   // vectors per thread in flight in the copy loops (plain, looped tail)
-constexpr int kPlainSumVectors = 2;  // vectors per thread per step of the plain one-shot's sum
+constexpr int kAlgoOneshot = 0;
+constexpr int kAlgoTwoshot = 1;
 // Threads per CTA at most (the __launch_bounds__) per variant: the register tails of 1 and 2
-// vectors per thread run up to 1024 threads (decode rows spread over 32 warps), which caps them
-// at 64 registers; the plain all-reduce and the looped tail run 256 threads.
+// vectors per thread and the plain one-shot run up to 1024 threads (decode rows spread over 32
+// warps; the plain one-shot's vectors each awaited by their own thread), which caps them at 64
+// registers; the plain two-shot and the looped tail run 256 threads.
+template <int QUANT, int VPT, int ALGO>
+constexpr int kP2PThreads = (QUANT != kQuantPlain && (VPT == 1 || VPT == 2)) ||
+                                    (QUANT == kQuantPlain && ALGO == kAlgoOneshot) ? 1024 : 256;
+// Ranks whose loads the two-shot's sum_ranks issues at once (see there): fewer in the 64-register
+// variants.
 template <int QUANT, int VPT>
-constexpr int kP2PThreads = QUANT != kQuantPlain && (VPT == 1 || VPT == 2) ? 1024 : 256;
-// Ranks whose loads sum_ranks issues at once (see there): fewer in the 64-register variants.
-template <int QUANT, int VPT>
-constexpr int kSumBatch = kP2PThreads<QUANT, VPT> > 256 ? (VPT == 1 ? 4 : 2) : kMaxWorld;
+constexpr int kSumBatch = kP2PThreads<QUANT, VPT, kAlgoTwoshot> > 256 ? (VPT == 1 ? 4 : 2) : kMaxWorld;
+// The plain one-shot's sum: vectors per thread per step, and ranks whose loads are in flight
+// together (1 x 4 vectors: what 64 registers hold next to the push's 4 vectors in flight).
+constexpr int kPlainSumVectors = 1;
+constexpr int kPlainSumBatch = 4;
 // Vectors per thread per step of the copy loops: a register tail's rows have at most
 // VPT * blockDim.x vectors, so VPT covers them in one step (and keeps the 64-register variants
 // from spilling); the others take kCopyUnroll.
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
-constexpr int kAlgoOneshot = 0;
-constexpr int kAlgoTwoshot = 1;
 constexpr int kLoopVectors = 4;  // tail_row_looped's vectors per thread per step (as fused_tail.cu)
 constexpr int kTimeoutCode = 1 << 16;
 
@@ -540,11 +546,11 @@ __device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
 // VPT: vectors per thread of the register tail (blockDim.x * VPT * 8 >= h), or 0 for the looped
 // tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. Grid: the workspace's NBLOCKS CTAs.
 template <typename T, int QUANT, int VPT, int ALGO>
-__global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
+__global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
   static_assert(ALGO == kAlgoOneshot || ALGO == kAlgoTwoshot, "unknown algorithm");
   static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT == 0 || VPT == 1 || VPT == 2 || VPT == 4,
                 "the plain all-reduce has no register tail");
-  static_assert(kP2PThreads<QUANT, VPT> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
+  static_assert(kP2PThreads<QUANT, VPT, ALGO> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
   __shared__ float red[kTailMaxWarps];
   __shared__ unsigned s_epoch;
   __shared__ int s_fail;
@@ -616,7 +622,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT>, 1) p2p_allreduce(cons
             const int i = base + u * blockDim.x;
             a[u] = i >= n ? make_uint4(0, 0, 0, 0) : r == b && u == 0 && base == threadIdx.x ? x0[0] : own(i);
           }
-          lamport_sum<T, kN, kMaxWorld>(p, inbox, base, n, a, wait);
+          lamport_sum<T, kN, kPlainSumBatch>(p, inbox, base, n, a, wait);
 #pragma unroll
           for (int u = 0; u < kN; ++u) {
             const int i = base + u * blockDim.x;

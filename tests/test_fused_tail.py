@@ -11,6 +11,8 @@ Every output is allocated poisoned, twice with two different poisons, and the tw
 byte for byte: an element the kernel never writes (swizzle padding included) fails.
 Every test skips with a reason without a CUDA GPU.
 """
+import os
+
 import pytest
 import torch
 
@@ -362,3 +364,26 @@ def test_first_use_inside_capture_raises():
     # Eager use afterwards works, and then capture does.
     k = ft.run(a, residual, weight, EPS, "fp8", scale)
     assert_residual(k.residual, ref.fused_tail(a, residual, weight, EPS, "fp8", scale).residual)
+
+
+def test_chained_launches_see_the_previous_kernels_outputs():
+    """Each call's input is the previous call's residual output, launched back to back: with
+    programmatic dependent launch (SM 9.0+) a kernel starts while its producer still runs, so a
+    missing pdl_wait() would read rows the producer has not written yet."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t, h, calls = 256, 8192, 24
+    weight = (1 + 0.1 * torch.randn(h, generator=g, device="cuda")).to(torch.bfloat16)
+    residuals = [torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16) for _ in range(calls)]
+    a = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    ft.warmup(torch.bfloat16, None, h)
+    kernel = ft._kernel(torch.bfloat16, None, ft.launch_config(h, t)[0], torch.cuda.current_device())
+    assert kernel.pdl == (torch.cuda.get_device_capability() >= (9, 0) and os.environ.get("COMMFUSE_PDL") != "0")
+    outs, x = [], a
+    for r in residuals:
+        x = ft.run(x, r, weight, EPS).residual
+        outs.append(x)
+    torch.cuda.synchronize()
+    x = a
+    for r, out in zip(residuals, outs):
+        x = ref.fused_tail(x, r, weight, EPS).residual
+        assert_residual(out, x)

@@ -114,9 +114,10 @@ def test_1024_thread_variants_fit_without_spills():
     get <= 64 registers; ptxas must fit them without local memory (sm_90: the P2P machine)."""
     if 90 not in _nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
+    plain_oneshot = [p2p.name_expression(d, "plain", 0, "oneshot") for d in DTYPES]
     names = [n for n in p2p.variants() if n != p2p.DELAY_KERNEL and
-             p2p.MAX_THREADS.get(int(n.split(",")[2]), 0) > p2p.THREADS]
-    assert len(names) == 2 * 2 * 3 * len(p2p.VPT_BUCKETS)
+             p2p.MAX_THREADS.get(int(n.split(",")[2]), 0) > p2p.THREADS] + plain_oneshot
+    assert len(names) == 2 * 2 * 3 * len(p2p.VPT_BUCKETS) + 2
     nvrtc = jit._nvrtc()
     path = jit._source_path(p2p.SOURCE)
     opts = [o.encode() for o in jit.compile_options("sm_90", path.parent) + ("--ptxas-options=-v",)]
@@ -166,15 +167,21 @@ def test_launch_configs_have_variants():
             assert p2p.name_expression(dtype, "plain", 0, algo) in names
 
 
-@pytest.mark.parametrize("total", [1, 255, 256, 257, 4096, 32768, 1 << 22, (64 << 20) // 16])
+@pytest.mark.parametrize("total", [1, 255, 256, 257, 4096, 32768, 140000, 1 << 22, (64 << 20) // 16])
 @pytest.mark.parametrize("nblocks", [1, 132])
-def test_plain_rows_cover_the_message(total, nblocks):
-    row_vecs, rows = p2p.plain_rows(total, nblocks)
-    assert row_vecs % p2p.THREADS == 0 and p2p.THREADS <= row_vecs <= p2p.PLAIN_MAX_ROW_VECS
+@pytest.mark.parametrize("algo", ALGOS)
+def test_plain_rows_cover_the_message(total, nblocks, algo):
+    row_vecs, rows, threads = p2p.plain_rows(total, nblocks, algo)
+    most = p2p.PLAIN_MAX_ROW_VECS[algo]
+    assert p2p.PLAIN_MIN_ROW_VECS <= row_vecs <= most
     assert (rows - 1) * row_vecs < total <= rows * row_vecs
-    if total <= nblocks * p2p.PLAIN_MAX_ROW_VECS:
+    if algo == "oneshot":  # whole warps; one vector per thread while rows fit the CTA
+        assert row_vecs % 32 == 0 and threads == min(row_vecs, p2p.PLAIN_ONESHOT_THREADS)
+    else:
+        assert row_vecs % p2p.THREADS == 0 and threads == p2p.THREADS
+    if total <= nblocks * most:
         assert rows <= nblocks  # no CTA has two rows while another has none
-    if total >= nblocks * p2p.THREADS:
+    if total >= nblocks * p2p.PLAIN_MIN_ROW_VECS:
         assert 2 * rows >= nblocks  # at least half of the CTAs have work
 
 
