@@ -111,6 +111,8 @@ def prepare(ctx, case):
     return step
 
 bench.register(bench.Impl("broken", "collective", prepare, "test only: nccl+eager, off by one"))
+bench.register(bench.Impl("broken-baseline", "collective", prepare, "test only: the same, timed anyway",
+                          timed_if_wrong=True))
 sys.exit(bench.main(sys.argv[1:]))
 '''
 
@@ -118,14 +120,20 @@ sys.exit(bench.main(sys.argv[1:]))
 @cpu_smoke
 def test_gate_rejects_a_wrong_implementation(tmp_path):
     """A registered implementation that returns residual + 1 (or sum + 1) gets no time, only a
-    rejected row; a correct one next to it is timed. One process, world size 1, gloo."""
+    rejected row, unless it is marked timed_if_wrong (then its records say "wrong"); a correct one
+    next to it is timed. One process, world size 1, gloo."""
     out = tmp_path / "out"
     patterns = "allreduce,residual_rmsnorm,residual_rmsnorm_fp8"
-    _run([sys.executable, "-c", BROKEN, "--quick", "--impls", "broken,nccl+eager", "--patterns", patterns,
-          "--shapes", "4x256", "--repeats", "1", "--calls-per-graph", "2", "--out", str(out)], tmp_path)
+    _run([sys.executable, "-c", BROKEN, "--quick", "--impls", "broken,broken-baseline,nccl+eager", "--patterns",
+          patterns, "--shapes", "4x256", "--repeats", "1", "--calls-per-graph", "2", "--out", str(out)], tmp_path)
     doc = _load(out)
     assert doc["world_size"] == 1
     assert not [r for r in doc["records"] if r["impl"] == "broken"]
+    assert all(r.get("wrong") is None for r in doc["records"] if r["impl"] == "nccl+eager")
+    # A baseline marked timed_if_wrong (the torch.compile rows) is timed, its records say why it is wrong.
+    marked = [r for r in doc["records"] if r["impl"] == "broken-baseline"]
+    assert {r["pattern"] for r in marked} == set(patterns.split(","))
+    assert all(isinstance(r["wrong"], str) and r["wrong"] for r in marked), marked
     assert {r["pattern"] for r in doc["records"] if r["impl"] == "nccl+eager"} == set(patterns.split(","))
     rejected = {s["pattern"]: s["reason"] for s in doc["skipped"] if s["impl"] == "broken"}
     assert set(rejected) == set(patterns.split(","))

@@ -14,7 +14,8 @@ The data path, top-down (nccl-tests style: one small timing core, implementation
 3. Every implementation in IMPLS is *prepared* for the case (a `step(i)` function running one call on
    input set i, or Skip with the reason), then *gated*: one call on the checked inputs is compared to
    the oracle with DESIGN.md's tolerances. A wrong implementation gets no time, only a row
-   "rejected: <why>" ("failed: <why>" when it raised). Ranks agree on every skip, rejection and
+   "rejected: <why>" ("failed: <why>" when it raised); the exception is the torch.compile baselines
+   (Impl.timed_if_wrong), timed anyway and marked as wrong, because the issues' targets name them. Ranks agree on every skip, rejection and
    failure before going on, so no rank is left waiting in a collective alone.
 4. The survivors are timed (`time_step`): "graph" = K calls captured in one CUDA graph, replayed R
    times, GPU time per call from CUDA events; "eager" = K back-to-back calls, events around the loop
@@ -392,12 +393,17 @@ def gate(ctx: Ctx, impl: "Impl", case: Case, step: Callable) -> Tuple[Optional[s
 class Impl:
     """One row of the comparison. prepare(ctx, case) returns step(i) -> Result, one call on input set
     i (capturable in a CUDA graph: no host synchronisation), or raises Skip with the reason.
-    section: "collective" (all-reduce + tail) or "tail" (the tail alone, no collective)."""
+    section: "collective" (all-reduce + tail) or "tail" (the tail alone, no collective).
+    timed_if_wrong: a baseline that the issues' speed targets name, timed even when the gate rejects
+    its result (the record says "wrong", the table marks it *): torch.compile's quantizing tails
+    multiply by a reciprocal, so they miss the exact semantics by one code step in a few places.
+    Never set for commfuse's own rows."""
 
     name: str
     section: str
     prepare: Callable[[Ctx, Case], Callable[[int], Result]]
     about: str = ""
+    timed_if_wrong: bool = False
 
 
 IMPLS: Dict[str, Impl] = {}
@@ -679,7 +685,7 @@ for _impl in (
     Impl("nccl+eager", "collective", _prep_nccl_eager,
          "torch.distributed all_reduce (NCCL), then the tail as plain torch ops (commfuse.reference)"),
     Impl("nccl+compile", "collective", _prep_nccl_compile,
-         "torch.distributed all_reduce (NCCL), then the tail through torch.compile"),
+         "torch.distributed all_reduce (NCCL), then the tail through torch.compile", timed_if_wrong=True),
     Impl("commfuse-fallback", "collective", _commfuse("nccl", False),
          "Communicator(strategy='nccl'): NCCL + the fused local tail kernel"),
     Impl("commfuse-p2p", "collective", _commfuse("oneshot", True),
@@ -691,7 +697,8 @@ for _impl in (
     Impl("flashinfer", "collective", _prep_flashinfer,
          "flashinfer.comm.trtllm_allreduce_fusion (one-shot/two-shot by its heuristic, PDL, fp32 acc.)"),
     Impl("tail-eager", "tail", _prep_tail_eager, "the tail alone: commfuse.reference in plain torch"),
-    Impl("tail-compile", "tail", _prep_tail_compile, "the tail alone through torch.compile"),
+    Impl("tail-compile", "tail", _prep_tail_compile, "the tail alone through torch.compile",
+         timed_if_wrong=True),
     Impl("tail-commfuse", "tail", _prep_tail_commfuse, "the tail alone: commfuse.fused_tail.run"),
 ):
     register(_impl)
@@ -942,15 +949,19 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
                 kept.append(res)
                 why = agree(ctx, why)
                 if why is None:
-                    runnable.append((impl, step))
+                    runnable.append((impl, step, None))
                     continue
             if why.startswith("skip: "):
                 skip(impl, case, why[6:], "skip")
-            else:  # an exception is a failure to run; a wrong result is a rejection
-                skip(impl, case, why, "failed" if re.match(r"(prepare )?raised ", why) else "rejected")
+            elif re.match(r"(prepare )?raised ", why):  # an exception is a failure to run
+                skip(impl, case, why, "failed")
+            else:  # a wrong result is a rejection
+                skip(impl, case, why, "rejected")
+                if impl.timed_if_wrong:
+                    runnable.append((impl, step, why))
         del kept
         line = []
-        for impl, step in runnable:
+        for impl, step, wrong in runnable:
             for mode in args.mode_list:
                 times, why = time_step(ctx, step, mode)
                 if why:
@@ -963,9 +974,10 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
                 records.append({"impl": impl.name, "pattern": pname, "dtype": dname, "tokens": t, "hidden": h,
                                 "mode": mode, "us": round(us, 3), "us_min": round(min(times), 3),
                                 "us_max": round(max(times), 3),
-                                "frac_hbm": None if frac is None else round(frac, 4)})
+                                "frac_hbm": None if frac is None else round(frac, 4),
+                                **({"wrong": wrong} if wrong else {})})
                 if mode == args.mode_list[0]:
-                    line.append(f"{impl.name} {us:.1f}")
+                    line.append(f"{impl.name} {us:.1f}{'*' if wrong else ''}")
         if ctx.rank == 0:
             print(f"[{n}/{len(cases)}] {pname} {dname} {t}x{h} ({args.mode_list[0]} us): "
                   + (", ".join(line) or "nothing ran"), file=sys.stderr, flush=True)
@@ -1006,7 +1018,7 @@ def _cell(rec: Optional[dict], state: Optional[str], with_frac: bool) -> str:
     s = f"{us:.1f}" if us < 1000 else f"{us:.0f}"
     if with_frac and rec["frac_hbm"] is not None:
         s += f" ({100 * rec['frac_hbm']:.0f}%)"
-    return s
+    return s + ("*" if rec.get("wrong") else "")
 
 
 def format_table(doc: dict, status: dict, args) -> str:
@@ -1022,7 +1034,8 @@ def format_table(doc: dict, status: dict, args) -> str:
                f"(one direction), NCCL all-reduce bus bw {fmt(c.get('nccl_busbw_GBps'))}")
     out.append(f"us per call; graph = CUDA graph of {args.calls_per_graph} calls, eager = {args.calls_per_graph} "
                f"back-to-back calls; median of {args.repeats} repeats, slowest rank. REJ = wrong result "
-               "(no time), FAIL = did not run, - = not applicable (see the list below)")
+               "(no time), * = a torch.compile baseline's wrong result, timed for reference, FAIL = did not run, "
+               "- = not applicable (see the list below)")
     by_key = {(r["impl"], r["pattern"], r["dtype"], r["tokens"], r["hidden"], r["mode"]): r for r in doc["records"]}
     shapes = sorted(args.shape_list, key=lambda s: (s[1], s[0]))
     for section in ("collective", "tail"):
