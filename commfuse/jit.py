@@ -18,6 +18,9 @@ Environment:
     temporary file and renamed, so ranks compiling the same kernel at once do not collide.
 ``COMMFUSE_JIT_DEBUG=1``
     Compile with ``-lineinfo`` (source lines in compute-sanitizer and Nsight reports).
+``COMMFUSE_PDL=0``
+    Launch without programmatic dependent launch (csrc/pdl.cuh), which is on by default on SM 9.0+
+    for kernels loaded with ``pdl=True``.
 
 CUDA graphs: compiling and loading a kernel cannot happen while a stream is capturing (loading a
 module is not a capturable operation), so the first call of each variant must happen eagerly,
