@@ -154,13 +154,14 @@ _NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
 class P2PTimeoutError(RuntimeError):
     """A P2P all-reduce kernel waited longer than the timeout for a peer (named in the message).
 
-    rank: this rank; missing_rank: the peer that did not arrive; phase: the barrier (0 or 1);
+    rank: this rank; missing_rank: the peer that did not arrive; phase: the two-shot barrier (0 or 1),
+    0 for the one-shot's wait for the peer's data;
     timeout_s: the limit. The workspace is unusable afterwards: create a new Communicator.
     """
 
     def __init__(self, rank: int, missing_rank: int, phase: int, timeout_s: float):
         super().__init__(
-            f"P2P all-reduce on rank {rank}: rank {missing_rank} did not arrive at barrier {phase} within "
+            f"P2P all-reduce on rank {rank}: rank {missing_rank} did not arrive (its data or barrier {phase}) within "
             f"{timeout_s:g} s (it skipped a call, is stuck or died, or the ranks' calls differ). The P2P "
             "workspace is out of step now and every later call on it raises: close this Communicator and "
             "create a new one.")

@@ -15,8 +15,9 @@ The data path, top-down (nccl-tests style: one small timing core, implementation
    input set i, or Skip with the reason), then *gated*: one call on the checked inputs is compared to
    the oracle with DESIGN.md's tolerances. A wrong implementation gets no time, only a row
    "rejected: <why>" ("failed: <why>" when it raised); the exception is the torch.compile baselines
-   (Impl.timed_if_wrong), timed anyway and marked as wrong, because the issues' targets name them. Ranks agree on every skip, rejection and
-   failure before going on, so no rank is left waiting in a collective alone.
+   (Impl.timed_if_wrong), timed anyway and marked as wrong, because the issues' targets name them.
+   Ranks agree on every skip, rejection and failure before going on, so no rank is left waiting in a
+   collective alone.
 4. The survivors are timed (`time_step`): "graph" = K calls captured in one CUDA graph, replayed R
    times, GPU time per call from CUDA events; "eager" = K back-to-back calls, events around the loop
    (what an eager user sees, mostly host overhead). Ranks are aligned before every repeat, each
