@@ -71,9 +71,9 @@
 //
 // Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) make
 // every CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails and
-// the plain one-shot up to 1024 threads, for which the bound caps registers at 64 per thread (65536 / 1024: a whole SM's
-// register file; the build is checked for no spills with nvcc -Xptxas -v), and shared memory is
-// < 200 B. CTA b waits for CTA b of the peers only, never for another CTA of its own rank; the
+// the plain one-shot up to 1024 threads, for which the bound caps registers at 64 per thread
+// (65536 / 1024: a whole SM's register file; the build is checked for no spills with ptxas -v),
+// and shared memory is < 200 B. CTA b waits for CTA b of the peers only, never for another CTA of its own rank; the
 // bounded wait turns any remaining scheduling surprise (e.g. another stream's kernel holding SMs)
 // into an error instead of a hang.
 #include "epilogue.cuh"
@@ -97,9 +97,14 @@ constexpr int kP2PThreads = (QUANT != kQuantPlain && (VPT == 1 || VPT == 2)) ||
 // variants.
 template <int QUANT, int VPT>
 constexpr int kSumBatch = kP2PThreads<QUANT, VPT, kAlgoTwoshot> > 256 ? (VPT == 1 ? 4 : 2) : kMaxWorld;
-// The plain one-shot's sum: vectors per thread per step, and ranks whose loads are in flight
-// together (1 x 4 vectors: what 64 registers hold next to the push's 4 vectors in flight).
-constexpr int kPlainSumVectors = 1;
+// Ranks whose Lamport loads a one-shot register tail has in flight together: 64 registers (1024
+// threads) hold the prefetched tail inputs and 2 vectors' loads (a load holds its registers until the
+// vector arrived and was added in rank order), so VPT 1 waits 2 ranks at a time, VPT 2 one rank
+// at a time for each of its vectors in turn.
+template <int VPT>
+constexpr int kLamportBatch = VPT == 1 ? 2 : 1;
+// Ranks whose loads the plain one-shot's sum has in flight together (what 64 registers hold next
+// to the push's 4 vectors in flight).
 constexpr int kPlainSumBatch = 4;
 // Vectors per thread per step of the copy loops: a register tail's rows have at most
 // VPT * blockDim.x vectors, so VPT covers them in one step (and keeps the 64-register variants
@@ -281,8 +286,28 @@ __device__ __forceinline__ RankRows rank_rows(const P2PParams& p, unsigned epoch
   return RankRows{reinterpret_cast<const char*>(slot(p, p.rank, 0, epoch) + first), p.slot_bytes, p.world};
 }
 
-// Sum of vector i of the `world` sources in rank order, in fp32, rounded to T once: the
-// semantics of reference.all_reduce_sum (starting from source 0's value keeps a -0.0 there).
+// The rank-order fp32 sum of reference.all_reduce_sum, one rank's vector at a time (s = 0, 1, ...;
+// s >= world adds nothing): rank 0's starts it (which keeps a -0.0 there), the others are added in
+// rank order; round_sum rounds to T once.
+template <typename T>
+__device__ __forceinline__ void add_rank(float (&acc)[8], const uint4& v, int s, int world) {
+  if (s == 0) {
+    unpack8<T>(v, acc);
+  } else if (s < world) {
+    float f[8];
+    unpack8<T>(v, f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], f[k]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 round_sum(const float (&acc)[8]) {
+  return make_uint4(Pack<T>::pack(acc[0], acc[1]), Pack<T>::pack(acc[2], acc[3]), Pack<T>::pack(acc[4], acc[5]),
+                    Pack<T>::pack(acc[6], acc[7]));
+}
+
+// Sum of vector i of the `world` sources in rank order, in fp32, rounded to T once (add_rank).
 // The loads go out BATCH ranks at a time, all of a batch in flight together: BATCH = kMaxWorld
 // (one round trip for any world) where registers allow, 4 in the 64-register 1024-thread
 // variants (still one round trip up to 4 ranks). The additions are in rank order either way.
@@ -301,19 +326,11 @@ __device__ __forceinline__ uint4 sum_ranks(const RankRows& src, int i) {
       }
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
-        if (s0 + j == 0) {
-          unpack8<T>(raw[0], acc);
-        } else if (s0 + j < world) {
-          float f[8];
-          unpack8<T>(raw[j], f);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], f[k]);
-        }
+        add_rank<T>(acc, raw[j], s0 + j, world);
       }
     }
   }
-  return make_uint4(Pack<T>::pack(acc[0], acc[1]), Pack<T>::pack(acc[2], acc[3]), Pack<T>::pack(acc[4], acc[5]),
-                    Pack<T>::pack(acc[6], acc[7]));
+  return round_sum<T>(acc);
 }
 
 // ------------------------------------------------------------------ Lamport one-shot
@@ -362,70 +379,43 @@ struct LamportWait {
   }
 };
 
-// The one-shot sum of N vectors per thread, i = i0 + u * blockDim.x (u < N) of a row of n vectors:
-// v[u] holds this rank's encoded value on entry and the sum of every rank's, in rank order in
-// fp32 rounded to T once, on return (unchanged where i >= n). The peers' values are read from
-// inbox (slot 0 of this rank's Lamport half at the row's first vector), BATCH ranks at a time with
-// all of a batch's loads in flight together, each awaited until it arrived and then reset to
-// empty for the call that uses this half next.
-template <typename T, int N, int BATCH>
-__device__ __forceinline__ void lamport_sum(const P2PParams& p, const uint4* inbox, int i0, int n, uint4 (&v)[N],
-                                            LamportWait& wait) {
+// The one-shot sum of vector i of a row: `own` is this rank's (encoded) value, the peers' are read
+// from inbox (slot 0 of this rank's Lamport half at the row's first vector), BATCH ranks at a time
+// with all of a batch's loads in flight together, each awaited until it arrived and then reset to
+// empty for the call that uses this half next. Returns the rank-order sum (add_rank), rounded to T.
+template <typename T, int BATCH>
+__device__ __forceinline__ uint4 lamport_sum(const P2PParams& p, uint4* inbox, int i, const uint4& own,
+                                             LamportWait& wait) {
   static_assert(BATCH > 0 && kMaxWorld % BATCH == 0, "whole batches");
   const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
-  const auto src = [&p, inbox](int s, int i) {
-    return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(inbox) + s * p.lamport_bytes) + i;
+  const auto src = [&p, inbox, i](int s) {
+    return reinterpret_cast<uint4*>(reinterpret_cast<char*>(inbox) + s * p.lamport_bytes) + i;
   };
-  float acc[N][8];
+  float acc[8];
 #pragma unroll 1  // batches one after the other: unrolled, their addresses would be hoisted into registers
   for (int s0 = 0; s0 < kMaxWorld; s0 += BATCH) {
     if (s0 < p.world) {  // uniform: world is a kernel parameter
-      uint4 raw[N][BATCH];
+      uint4 raw[BATCH];
 #pragma unroll
-      for (int u = 0; u < N; ++u) {
-        const int i = i0 + u * static_cast<int>(blockDim.x);
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int s = s0 + j;
-          raw[u][j] = s < p.world && s != p.rank && i < n ? ld_volatile(src(s, i)) : v[u];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < N; ++u) {
-        const int i = i0 + u * static_cast<int>(blockDim.x);
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int s = s0 + j;
-          if (s < p.world && s != p.rank && i < n) {
-            raw[u][j] = wait.until_full(p, src(s, i), raw[u][j], s);
-            st_volatile(const_cast<uint4*>(src(s, i)), empty);
-          }
-        }
+      for (int j = 0; j < BATCH; ++j) {
+        const int s = s0 + j;
+        raw[j] = s < p.world && s != p.rank ? ld_volatile(src(s)) : own;
       }
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
         const int s = s0 + j;
-        if (s == 0) {
-#pragma unroll
-          for (int u = 0; u < N; ++u) unpack8<T>(raw[u][0], acc[u]);
-        } else if (s < p.world) {
-#pragma unroll
-          for (int u = 0; u < N; ++u) {
-            float f[8];
-            unpack8<T>(raw[u][j], f);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], f[k]);
-          }
+        if (s < p.world && s != p.rank) {
+          raw[j] = wait.until_full(p, src(s), raw[j], s);
+          st_volatile(src(s), empty);
         }
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        add_rank<T>(acc, raw[j], s0 + j, p.world);
       }
     }
   }
-#pragma unroll
-  for (int u = 0; u < N; ++u) {
-    if (i0 + u * static_cast<int>(blockDim.x) < n)
-      v[u] = make_uint4(Pack<T>::pack(acc[u][0], acc[u][1]), Pack<T>::pack(acc[u][2], acc[u][3]),
-                        Pack<T>::pack(acc[u][4], acc[u][5]), Pack<T>::pack(acc[u][6], acc[u][7]));
-  }
+  return round_sum<T>(acc);
 }
 
 // dst(d)[i] = src(i) for i in [0, n) and d in [0, ndst): UNROLL loads per thread in flight,
@@ -559,23 +549,17 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
   const uint4* x = static_cast<const uint4*>(p.x);
   pdl_wait();  // x, the epochs and the workspace may be the previous kernel's work
   pdl_launch_dependents();
-  // One-shot: the CTA's first row of x (this call's input: nothing orders it with the peers) is
-  // loaded before the start-up sync, so its latency overlaps the epoch's load. kEarly vectors per
-  // thread: the 1-vector register tail's, or one of the plain all-reduce's (whose rows are then
-  // blockDim.x vectors, i.e. messages of up to blockDim.x * 8 * 2 B per CTA, where latency matters).
-  // Not for VPT 2: its 64 registers do not hold x0 next to the rest.
+  // One-shot: the first vector per thread of the CTA's first row of x (this call's input: nothing
+  // orders it with the peers) is loaded before the start-up sync, so its latency overlaps the
+  // epoch's load. That is the whole row for the 1-vector register tail, and for the plain
+  // all-reduce's rows of up to blockDim.x vectors (messages of up to blockDim.x * 8 * 2 B per CTA,
+  // where latency matters). Not for VPT 2: its 64 registers do not hold x0 next to the rest.
   constexpr bool kEarlyX = ALGO == kAlgoOneshot && (VPT == 1 || QUANT == kQuantPlain);
-  constexpr int kEarly = 1;
-  uint4 x0[kEarly];
+  uint4 x0[1];
   if constexpr (kEarlyX) {
     if (b < p.rows) {
-      const uint4* const xr = x + row_first_vec(p, b);
-      const int n = row_len(p, b);
-#pragma unroll
-      for (int u = 0; u < kEarly; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
-        x0[u] = i < n ? lamport_encode(__ldg(xr + i)) : make_uint4(0, 0, 0, 0);
-      }
+      const int i = threadIdx.x;
+      x0[0] = i < row_len(p, b) ? lamport_encode(__ldg(x + row_first_vec(p, b) + i)) : make_uint4(0, 0, 0, 0);
     }
   }
   if (threadIdx.x == 0) {
@@ -595,7 +579,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
       const int n = row_len(p, r);
       const auto dst = [&p, epoch, first](int d) { return lamport_slot(p, peer_order(p, d), p.rank, epoch) + first; };
       if constexpr (kEarlyX) {
-        if (r == b && n <= kEarly * static_cast<int>(blockDim.x)) {  // x0 holds the whole row
+        if (r == b && n <= static_cast<int>(blockDim.x)) {  // x0 holds the whole row
           store_row(n, x0, dst, p.world - 1);
           continue;
         }
@@ -610,53 +594,28 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
       const int n = row_len(p, r);
-      const uint4* const inbox = lamport_slot(p, p.rank, 0, epoch) + first;
+      uint4* const inbox = lamport_slot(p, p.rank, 0, epoch) + first;
       const auto own = [x, first](int i) { return lamport_encode(__ldg(x + first + i)); };
       if constexpr (QUANT == kQuantPlain) {
-        constexpr int kN = kPlainSumVectors;
         uint4* const out = static_cast<uint4*>(p.out) + first;
-        for (int base = threadIdx.x; base < n; base += kN * blockDim.x) {
-          uint4 a[kN];
-#pragma unroll
-          for (int u = 0; u < kN; ++u) {
-            const int i = base + u * blockDim.x;
-            a[u] = i >= n ? make_uint4(0, 0, 0, 0) : r == b && u == 0 && base == threadIdx.x ? x0[0] : own(i);
-          }
-          lamport_sum<T, kN, kPlainSumBatch>(p, inbox, base, n, a, wait);
-#pragma unroll
-          for (int u = 0; u < kN; ++u) {
-            const int i = base + u * blockDim.x;
-            if (i < n) out[i] = a[u];
-          }
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+          const uint4 a = r == b && i == static_cast<int>(threadIdx.x) ? x0[0] : own(i);
+          out[i] = lamport_sum<T, kPlainSumBatch>(p, inbox, i, a, wait);
         }
       } else if constexpr (VPT > 0) {
         tail.load(p, r);
         uint4 a[VPT];
 #pragma unroll
-        for (int u = 0; u < VPT; ++u) {
+        for (int u = 0; u < VPT; ++u) {  // own(i) of the first row is an L1 hit (x0's lines)
           const int i = threadIdx.x + u * blockDim.x;
-          a[u] = i < n ? own(i) : make_uint4(0, 0, 0, 0);  // the first row's: an L1 hit (x0's lines)
-        }
-        // 64 registers (1024 threads) hold the prefetched tail inputs and the loads of 2 ranks'
-        // vectors in flight (a load holds its registers until the vector arrived and was added in
-        // rank order): VPT 1 takes its vector 2 ranks at a time, VPT 2 each vector 1 rank at a time.
-        if constexpr (VPT == 1) {
-          lamport_sum<T, 1, 2>(p, inbox, threadIdx.x, n, a, wait);
-        } else {
-#pragma unroll
-          for (int u = 0; u < VPT; ++u) {
-            uint4 au[1] = {a[u]};
-            lamport_sum<T, 1, 1>(p, inbox, threadIdx.x + u * blockDim.x, n, au, wait);
-            a[u] = au[0];
-          }
+          a[u] = i < n ? lamport_sum<T, kLamportBatch<VPT>>(p, inbox, i, own(i), wait) : make_uint4(0, 0, 0, 0);
         }
         tail.emit_row(p, r, a, red);
       } else {
-        tail.emit(p, r, [&p, inbox, n, own, &wait](int i) {
-          uint4 a[1] = {own(i)};
-          lamport_sum<T, 1, kMaxWorld>(p, inbox, i, n, a, wait);
-          return a[0];
-        }, red);
+        const auto sum = [&p, inbox, own, &wait](int i) {
+          return lamport_sum<T, kMaxWorld>(p, inbox, i, own(i), wait);
+        };
+        tail.emit(p, r, sum, red);
       }
     }
   } else {
