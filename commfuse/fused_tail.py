@@ -157,13 +157,7 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     vpt, threads = launch_config(h, t)
     params = _PARAMS.pack(a2.data_ptr(), *fields)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    k = _kernel(a.dtype, quant, vpt, index)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    if index == torch.cuda.current_device():
-        k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
-    else:
-        with torch.cuda.device(index):
-            k.launch((rows, 1, 1), (threads, 1, 1), params, 0, stream)
+    _kernel(a.dtype, quant, vpt, index).launch((rows, 1, 1), (threads, 1, 1), params)
     return out
 
 

@@ -346,16 +346,40 @@ def _cu_check(result, what: str):
 
 
 class _ParamSlot(threading.local):
-    """Per-thread staging for kernel parameters: cuLaunchKernel copies them before it returns,
-    so one buffer per thread serves every launch without allocating."""
+    """Per-thread launch state: the staging buffer for kernel parameters (cuLaunchKernel copies
+    them before it returns, so one buffer per thread serves every launch without allocating), and
+    the thread's PDL launch configurations (each launch sets its stream in one: per thread, so
+    that threads launching on different streams cannot overwrite each other's)."""
 
-    MAX_BYTES = 4096  # CUDA's classic kernel-parameter limit
+    MAX_BYTES = 4096   # CUDA's classic kernel-parameter limit
+    MAX_CONFIGS = 256  # launch shapes kept per thread (the tail's grid follows the token count)
 
     def __init__(self):
         self.buf = ctypes.create_string_buffer(self.MAX_BYTES)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.buf_addr = ctypes.addressof(self.buf)
         self.argv_addr = ctypes.addressof(self.argv)
+        self.configs = {}
+
+    def pdl_config(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], shared_mem: int):
+        """A CUlaunchConfig of this shape with the programmatic-stream-serialization attribute."""
+        key = (grid, block, shared_mem)
+        entry = self.configs.get(key)
+        if entry is None:
+            if len(self.configs) >= self.MAX_CONFIGS:
+                self.configs.clear()
+            driver = _driver()
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block
+            config.sharedMemBytes = shared_mem
+            config.attrs = [attr]
+            config.numAttrs = 1
+            entry = self.configs[key] = (config, attr)  # the attribute lives as long as its config
+        return entry[0]
 
 
 _SLOT = _ParamSlot()
@@ -365,7 +389,7 @@ class Kernel:
     """A compiled kernel loaded into one device's primary context (torch's context)."""
 
     __slots__ = ("name", "lowered_name", "arch", "device_index", "pdl", "_module", "_function", "_ok", "_launch",
-                 "_launch_ex", "_configs")
+                 "_launch_ex")
 
     def __init__(self, name: str, lowered_name: str, arch: str, cubin: bytes, device_index: int, pdl: bool = False):
         self.name = name
@@ -392,31 +416,16 @@ class Kernel:
         self._ok = driver.CUresult.CUDA_SUCCESS
         self._launch = driver.cuLaunchKernel
         self._launch_ex = driver.cuLaunchKernelEx
-        self._configs = {}  # (grid, block, shared_mem) -> (CUlaunchConfig, its attributes) for PDL
-
-    def _pdl_config(self, grid, block, shared_mem: int):
-        key = (tuple(grid), tuple(block), shared_mem)
-        entry = self._configs.get(key)
-        if entry is None:
-            driver = _driver()
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config = driver.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = key[0]
-            config.blockDimX, config.blockDimY, config.blockDimZ = key[1]
-            config.sharedMemBytes = shared_mem
-            config.attrs = [attr]
-            config.numAttrs = 1
-            entry = self._configs[key] = (config, attr)
-        return entry[0]
 
     def launch(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], params: bytes = b"",
                shared_mem: int = 0, stream: Optional[int] = None) -> None:
         """Launch on `stream` (a raw cudaStream_t as int; default: torch's current stream of the
-        kernel's device). params: the bytes of the kernel's by-value parameter struct. The
-        caller makes the kernel's device current (torch.cuda.device) when it is not already.
+        kernel's device), with the kernel's device made current for the launch if it is not.
+        grid, block: tuples of 3 ints. params: the bytes of the kernel's by-value parameter struct.
         With `pdl`, as a programmatic dependent launch (csrc/pdl.cuh says what the kernel must do)."""
+        if self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):
+                return self.launch(grid, block, params, shared_mem, stream)
         if stream is None:
             stream = torch.cuda.current_stream(self.device_index).cuda_stream
         slot = _SLOT
@@ -425,7 +434,7 @@ class Kernel:
             raise JitError(f"{self.name}: {n} bytes of parameters > {_ParamSlot.MAX_BYTES}")
         ctypes.memmove(slot.buf_addr, params, n)
         if self.pdl:
-            config = self._pdl_config(grid, block, shared_mem)
+            config = slot.pdl_config(grid, block, shared_mem)
             config.hStream = stream
             (err,) = self._launch_ex(config, self._function, slot.argv_addr, 0)
         else:

@@ -212,18 +212,12 @@ def variants() -> List[str]:
     return names + [DELAY_KERNEL]
 
 
-@functools.lru_cache(maxsize=None)
 def launch_config(hidden: int) -> Tuple[int, int]:
-    """(vpt, threads) of the tail for rows of `hidden` elements, any number of rows: the smallest
-    VPT of VPT_BUCKETS whose whole warps covering the row fit its variant (up to 1024 threads), so
-    each row's dependent chain is spread over as many threads as possible; else the looped tail
-    (vpt 0) with THREADS."""
-    vectors = hidden // 8
-    for vpt in VPT_BUCKETS:
-        threads = max(32, -(-vectors // (vpt * 32)) * 32)
-        if threads <= MAX_THREADS[vpt]:
-            return vpt, threads
-    return 0, MAX_THREADS[0]
+    """(vpt, threads) of the tail for rows of `hidden` elements, any number of rows: the local tail
+    kernel's few-rows rule (fused_tail), whose VPT 1 and 2 up to 1024 threads and looped tail on
+    THREADS are the variants built here: each row's dependent chain spread over as many threads as
+    possible."""
+    return fused_tail._launch_config(hidden, True)
 
 
 def plain_rows(total_vecs: int, nblocks: int, algo: str) -> Tuple[int, int, int]:
@@ -299,9 +293,9 @@ def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, device_index: int) -> jit.Kernel:
-    # Every kernel of SOURCE but the delay kernel starts with pdl_wait().
-    return jit.kernel(SOURCE, name, device=device_index, pdl=name != DELAY_KERNEL)
+def _kernel(dtype: torch.dtype, quant: Optional[str], vpt: int, algo: str, device_index: int) -> jit.Kernel:
+    """The all-reduce kernel (quant "plain" for none), loaded on the device; it starts with pdl_wait()."""
+    return jit.kernel(SOURCE, name_expression(dtype, quant, vpt, algo), device=device_index, pdl=True)
 
 
 def warmup(dtype: torch.dtype, quant: Optional[str] = None, hidden: Optional[int] = None, device=None) -> None:
@@ -312,9 +306,9 @@ def warmup(dtype: torch.dtype, quant: Optional[str] = None, hidden: Optional[int
         raise ValueError(f"no P2P kernel for dtype={dtype}, quant={quant!r}")
     index = jit._device_index(device)
     for algo in ALGORITHMS:
-        _kernel(name_expression(dtype, "plain", 0, algo), index)
+        _kernel(dtype, "plain", 0, algo, index)
         if hidden is not None:
-            _kernel(name_expression(dtype, quant, launch_config(hidden)[0], algo), index)
+            _kernel(dtype, quant, launch_config(hidden)[0], algo, index)
 
 
 # Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
@@ -518,11 +512,6 @@ class Workspace:
     def _error_code(self) -> int:
         return 0 if self._host_ptr is None else ctypes.c_int32.from_address(self._host_ptr).value
 
-    @property
-    def broken(self) -> bool:
-        """True once a kernel of this workspace timed out (as far as the host sees now)."""
-        return self._error_code() != 0
-
     def check_error(self) -> None:
         """Raise P2PTimeoutError if a kernel timed out; a read of pinned host memory, no synchronisation
         (a timeout of a kernel still running shows on a later check)."""
@@ -555,22 +544,16 @@ class Workspace:
         if algo == "oneshot" and size > self.lamport_bytes:
             raise ValueError(f"message of {size} B > the one-shot buffers of {self.lamport_bytes} B: use twoshot")
 
-    def _launch(self, name: str, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
+    def _launch(self, kernel: jit.Kernel, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
                 rows: int, row_vecs: int, row_slots: int) -> None:
         params = _PARAMS.pack(*tail, x_ptr, out_ptr, *self._fixed_params,
                               total_vecs, rows, row_vecs, row_slots, self.world, self.rank, 0)
-        kernel = _kernel(name, self._index)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        if self._index == torch.cuda.current_device():
-            kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params, 0, stream)
-        else:
-            with torch.cuda.device(self._index):
-                kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params, 0, stream)
+        kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params)
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
         total_vecs = x_flat.numel() // 8
         row_vecs, rows, threads = plain_rows(total_vecs, self.nblocks, algo)
-        self._launch(name_expression(x_flat.dtype, "plain", 0, algo), threads, _NO_TAIL, x_flat.data_ptr(),
+        self._launch(_kernel(x_flat.dtype, "plain", 0, algo, self._index), threads, _NO_TAIL, x_flat.data_ptr(),
                      out.data_ptr(), total_vecs, rows, row_vecs, rows)
 
     def all_reduce(self, x: torch.Tensor, algo: str, *, checked: bool = False) -> torch.Tensor:
@@ -605,7 +588,7 @@ class Workspace:
         if row_slots:
             t, h = x2.shape
             vpt, threads = launch_config(h)
-            self._launch(name_expression(x.dtype, quant, vpt, algo), threads, fields, x2.data_ptr(), 0,
+            self._launch(_kernel(x.dtype, quant, vpt, algo, self._index), threads, fields, x2.data_ptr(), 0,
                          t * h // 8, t, h // 8, row_slots)
         return out
 
@@ -659,7 +642,7 @@ class Workspace:
         out = torch.empty_like(x)
         buf = torch.zeros_like(x)
         stream = torch.cuda.current_stream(self.device)
-        delay = _kernel(DELAY_KERNEL, self._index)
+        delay = jit.kernel(SOURCE, DELAY_KERNEL, device=self._index)
         delay_params = struct.pack("<Q", _CAL_DELAY_NS)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
