@@ -26,7 +26,7 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 def _child_env() -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_")) and k not in _LAUNCHER_VARS}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable, COMMFUSE_CHECK="0",
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable,
                PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     return env
@@ -147,6 +147,20 @@ def _tail(quant, t=32, h=256, return_norm=False):
     weight = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16()
     scale = torch.tensor([bench.SCALES[quant]]) if quant else None
     return bench.Result.of_tail(reference.fused_tail(a, residual, weight, 1e-6, quant, scale, return_norm))
+
+
+def test_verdict_kind_of_agreed_verdicts():
+    """Ranks' verdicts joined by agree() keep their kind: any rank raising is a failure (not a wrong
+    result), all objecting ranks skipping is a skip; a gate's message is a rejection."""
+    assert bench.verdict_kind("skip: no GPU") == "skip"
+    assert bench.verdict_kind("rank 0: skip: plan is nccl; rank 1: skip: plan is nccl + fused") == "skip"
+    assert bench.verdict_kind("prepare raised RuntimeError: boom") == "failed"
+    assert bench.verdict_kind("raised P2PTimeoutError: rank 1 did not arrive") == "failed"
+    oom = "rank 0: raised OutOfMemoryError: 1 GiB; rank 1: raised OutOfMemoryError: 2 GiB"
+    assert bench.verdict_kind(oom) == "failed"
+    assert bench.verdict_kind("rank 0: skip: x; rank 1: prepare raised ValueError: y") == "failed"
+    assert bench.verdict_kind("rank 0: skip: x; rank 1: fp8 codes: 2e-2 of codes differ") == "rejected"
+    assert bench.verdict_kind("residual: 3 of 8 elements beyond 1 ulp") == "rejected"
 
 
 def test_check_follows_design_tolerances():
