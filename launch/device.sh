@@ -5,7 +5,8 @@
 # Logs go to $OUT (or ./logs) as one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-n=${1:-2}; shift $(( $# > 0 ? 1 : 0 ))
+n=2
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
 stages=${*:-probe test fallback bench}
 out=${OUT:-$PWD/logs}; mkdir -p "$out"
 logs=$(mktemp -d -t commfuse-device.XXXX)

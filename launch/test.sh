@@ -4,8 +4,8 @@
 # Each rank logs to $COMMFUSE_TEST_LOGS/rank<i>.log (a temporary folder by default); rank 0's log is
 # printed whole, the other ranks' summaries after it. Fails if any rank fails or no test passed.
 set -uo pipefail
-n=${1:-4}
-shift $(( $# > 0 ? 1 : 0 ))
+n=4
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
 cd "$(dirname "$0")/.."
 logs=${COMMFUSE_TEST_LOGS:-$(mktemp -d -t commfuse-tests.XXXX)}
 mkdir -p "$logs" && rm -f "$logs"/rank*.log "$logs"/rank*.rc

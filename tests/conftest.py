@@ -4,6 +4,7 @@ Under MPI every rank collects the same tests, but only tests marked `mpi` need a
 others run on rank 0 alone (after the MPI tests, so the other ranks can exit rather than wait).
 """
 import os
+import zlib
 
 import pytest
 import torch
@@ -43,5 +44,5 @@ def comm():
 @pytest.fixture
 def gen(request):
     """A generator seeded from the test's name: fresh random data per test, reproducible, same on every rank."""
-    seed = sum(request.node.nodeid.encode()) * 7919 % (1 << 31)
+    seed = zlib.crc32(request.node.nodeid.encode())
     return torch.Generator().manual_seed(seed)

@@ -68,11 +68,11 @@ def _rank(i: int, node: int, info: topology.RankInfo) -> dict:
     return {"rank": i, "host": info.host, "node": node, **_gpu(info), "versions": versions}
 
 
-def _common(me: topology.RankInfo) -> dict:
+def _common(me: topology.RankInfo, gpus) -> dict:
     env = {k: os.environ.get(k) for k in OVERRIDES}
     return {"host": socket.gethostname(), "cuda": torch.cuda.is_available(),
             "versions": dataclasses.asdict(me.versions),
-            "gpus": [_gpu(g) for g in topology.local_gpus(me.versions)],
+            "gpus": [_gpu(g) for g in gpus],
             "strategy": env["COMMFUSE_STRATEGY"] or "auto", "overrides": env}
 
 
@@ -90,7 +90,7 @@ def single_report() -> dict:
         local = {"mode": m, "reasons": list(r) + ["P2P from the driver only: the IPC check needs two "
                                                   f"processes (launch/probe.sh {len(gpus)})"]}
     notes = list(dict.fromkeys([*me.notes, *(n for g in gpus for n in g.notes), *driver_notes]))
-    return {"launcher": None, "world_size": 1, **_common(me), "ranks": [_rank(0, 0, me)],
+    return {"launcher": None, "world_size": 1, **_common(me, gpus), "ranks": [_rank(0, 0, me)],
             "matrix_of": "gpus", "p2p_driver": driver, "p2p_ipc": None, "p2p": p2p,
             "nvlink": topology.nvlink_matrix(gpus), "mode": mode, "reasons": list(reasons),
             "local_group": local, "notes": notes}
@@ -100,7 +100,7 @@ def group_report(topo: topology.Topology, launcher: str) -> dict:
     """The report of a group (built on any rank; printed by rank 0)."""
     me = topo.ranks[topo.rank]
     nodes = topo.nodes
-    return {"launcher": launcher, "world_size": topo.world_size, **_common(me),
+    return {"launcher": launcher, "world_size": topo.world_size, **_common(me, topology.local_gpus(me.versions)),
             "ranks": [_rank(i, nodes[i], r) for i, r in enumerate(topo.ranks)],
             "matrix_of": "ranks", "p2p_driver": topo.p2p_driver, "p2p_ipc": topo.p2p_ipc,
             "p2p": topo.p2p, "nvlink": topo.nvlink, "mode": topo.mode, "reasons": list(topo.reasons),
