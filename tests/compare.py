@@ -10,6 +10,15 @@ import torch
 from commfuse import reference
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t (any dtype, NaN payloads included), flat, on the CPU."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
+
+
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Spacing of `dtype` at the magnitude of x (fp32 tensor), subnormals included."""
     info = torch.finfo(dtype)
@@ -84,8 +93,7 @@ def assert_tail_close(tail, ref, quant, sf_layout="swizzled", exact=False) -> No
         for name in ("residual", "norm", "quant", "scale_factors"):
             a, e = getattr(tail, name), getattr(ref, name)
             assert (a is None) == (e is None), name
-            if a is not None:
-                assert torch.equal(a.cpu().view(torch.uint8), e.cpu().view(torch.uint8)), f"{name} differs"
+            assert a is None or bits_equal(a, e), f"{name} differs"
         return
     assert_within_ulp(tail.residual, ref.residual, 1, "residual")
     assert (tail.norm is None) == (ref.norm is None), "norm presence"

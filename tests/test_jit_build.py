@@ -12,7 +12,8 @@ from commfuse.plan import Request, TensorMeta, make_plan, registered_kernels
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100a", "sm_120a")
 
 
-def _nvrtc_archs():
+def nvrtc_archs():
+    """The archs this NVRTC targets (test_p2p.py uses it too); skips the test without NVRTC."""
     try:
         return set(jit.supported_archs())
     except jit.JitError as exc:
@@ -29,7 +30,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_variant_builds(arch, cache_dir):
-    if int(arch[3:].rstrip("a")) not in _nvrtc_archs():
+    if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = fused_tail.variants()
     # One NVRTC program per arch with every variant: one front-end pass instead of thirty.
@@ -59,7 +60,7 @@ def test_variants_cover_every_launch_config():
 
 
 def test_broken_source_raises_jit_error_with_log(tmp_path, cache_dir):
-    _nvrtc_archs()
+    nvrtc_archs()
     src = tmp_path / "broken.cu"
     src.write_text('#include "epilogue.cuh"\n'
                    "template <int N> __global__ void broken(int* x) { x[0] = N + undefined_symbol; }\n")
@@ -77,7 +78,7 @@ def test_missing_source_raises_jit_error(cache_dir):
 
 
 def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
-    _nvrtc_archs()
+    nvrtc_archs()
     src = tmp_path / "tiny.cu"
     src.write_text("template <int N> __global__ void tiny(int* x) { x[threadIdx.x] = N; }\n")
     names = ["tiny<1>"]

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from commfuse import Communicator, fused_tail, jit, p2p, reference
 from commfuse.plan import P2PLimits, Request, TensorMeta, make_plan, registered_kernels
 
-from compare import assert_tail_close, poisoned_runs
+from compare import as_bytes, assert_tail_close, bits_equal, poisoned_runs
 from inputs import rank_inputs, tail_inputs
+from test_jit_build import nvrtc_archs
 
 mpi = pytest.mark.mpi(min_size=2)
 DTYPES = [torch.bfloat16, torch.float16]
@@ -53,15 +54,6 @@ EPS = 1e-5
 # =========================================================================== CPU
 
 
-def _nvrtc_archs():
-    try:
-        jit.nvrtc_version()
-        _, archs = jit._nvrtc().nvrtcGetSupportedArchs()
-    except jit.JitError as exc:
-        pytest.skip(f"NVRTC not available: {exc}")
-    return set(archs)
-
-
 def _subset():
     """For the other archs, one variant per pattern with dtypes, algorithms and both tail shapes
     mixed: the arch-specific code is epilogue.cuh's conversions, which every quant exercises."""
@@ -79,7 +71,7 @@ def _subset():
 def test_variants_build(arch, names, tmp_path, monkeypatch):
     monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("COMMFUSE_JIT_DEBUG", raising=False)
-    if int(arch[3:].rstrip("a")) not in _nvrtc_archs():
+    if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = p2p.variants() if names is None else _subset()
     assert set(names) <= set(p2p.variants())
@@ -112,7 +104,7 @@ def _ptxas_resources(log):
 def test_1024_thread_variants_fit_without_spills():
     """The register tails launched with up to 1024 threads (one CTA per SM, __launch_bounds__(1024, 1))
     get <= 64 registers; ptxas must fit them without local memory (sm_90: the P2P machine)."""
-    if 90 not in _nvrtc_archs():
+    if 90 not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
     plain_oneshot = [p2p.name_expression(d, "plain", 0, "oneshot") for d in DTYPES]
     names = [n for n in p2p.variants() if n != p2p.DELAY_KERNEL and
@@ -318,18 +310,10 @@ def comms(comm):
         c.close()
 
 
-def _bytes(t):
-    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
-
-
-def bits_equal(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
-
-
 def digest(tensors):
     h = hashlib.sha256()
     for t in tensors:
-        h.update(b"-" if t is None else _bytes(t).numpy().tobytes())
+        h.update(b"-" if t is None else as_bytes(t).numpy().tobytes())
     return h.hexdigest()
 
 
