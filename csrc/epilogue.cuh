@@ -227,15 +227,51 @@ __device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, floa
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// e4m3(norm / scale) with a true division, as the contract says (x * (1/scale) can differ).
+// The contract quantizes e4m3(x / scale) with a true division; x * (1/scale) alone can round
+// differently, and __fdiv_rn per element (a reciprocal on the SFU, its refinement and a range
+// check) made the FP8 tail the slowest pattern. Instead one correctly rounded reciprocal
+// r = RN(1/scale) per vector, and per element q = RN(x r), the remainder x - q scale (exact in an
+// FMA) and RN(q + remainder r), which is RN(x / scale) (Markstein's correction: q is within an
+// ulp of the quotient, r within half an ulp of 1/scale). That holds while nothing under- or
+// overflows: |scale| in [2^-64, 2^64] (else fp8_reciprocal returns 0 and every element divides)
+// and |q| in [2^-20, 2^20]. Outside that band q is used as it is: e4m3 saturates above 448 and
+// rounds below 2^-10 to a signed zero, so q and the true quotient give the same code there (NaN
+// and Inf too). tests/test_fp8_division.py compares it with __fdiv_rn over every fp32 input.
+__device__ __forceinline__ float fp8_reciprocal(float scale) {
+  const float a = fabsf(scale);
+  return a >= 0x1p-64f && a <= 0x1p64f ? __frcp_rn(scale) : 0.f;
+}
+
+// x / scale as e4m3 sees it; r = fp8_reciprocal(scale), not 0.
+__device__ __forceinline__ float fp8_divide(float x, float scale, float r) {
+  const float q = __fmul_rn(x, r);
+  const float exact = __fmaf_rn(__fmaf_rn(-q, scale, x), r, q);
+  const float a = fabsf(q);
+  return a >= 0x1p-20f && a <= 0x1p20f ? exact : q;
+}
+
+// e4m3(norm / scale) as the contract divides (see fp8_divide).
 template <typename T>
 __device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
-  float f[8];
-  unpack8<T>(n, f);
-  unsigned q[4];
+  unsigned w[4];
+  words(n, w);
+  const float r = fp8_reciprocal(scale);
+  // A pair at a time, and the rare true division in a branch of its own: the 1024-thread P2P
+  // tails have 64 registers.
+  if (r != 0.f) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) q[j] = e4m3x2(__fdiv_rn(f[2 * j], scale), __fdiv_rn(f[2 * j + 1], scale));
-  return make_uint2(q[0] | (q[1] << 16), q[2] | (q[3] << 16));
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = Pack<T>::unpack(w[j]);
+      w[j] = e4m3x2(fp8_divide(f.x, scale, r), fp8_divide(f.y, scale, r));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = Pack<T>::unpack(w[j]);
+      w[j] = e4m3x2(__fdiv_rn(f.x, scale), __fdiv_rn(f.y, scale));
+    }
+  }
+  return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
 // Largest |x| of 8 T values, as the bit pattern of a T. Without the sign bit, the integer order

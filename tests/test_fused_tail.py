@@ -310,6 +310,20 @@ def test_saturation_and_signed_zero(monkeypatch):
     assert (unpack_codes(k.quant, 4, 64)[:, 16:] == 0x8).all()
 
 
+@pytest.mark.parametrize("scale", (2.0 ** -70, 2.0 ** -64, 1.5e-3, 3.0, -0.05, 2.0 ** 64, 2.0 ** 70))
+def test_fp8_scales_of_every_magnitude(scale, monkeypatch):
+    """FP8 codes equal the true division's at scales inside and outside the kernel's reciprocal range
+    (csrc/epilogue.cuh, fp8_divide); the weight is scaled along, so the quotients span the e4m3 codes."""
+    t, h = 64, 4096
+    a, residual, weight, _, _ = make_inputs(t, h, torch.bfloat16, 31)
+    weight = (weight.float() * abs(scale) * 100).to(torch.bfloat16)
+    s = torch.tensor([scale], dtype=torch.float32, device="cuda")
+    k = run_kernel(monkeypatch, a, residual, weight, EPS, "fp8", s, True, "swizzled")
+    check_exact_quant(k, k.norm, "fp8", s, "swizzled", torch.arange(t), t, h)
+    codes = k.quant.view(torch.uint8) & 0x7F
+    assert (codes == 0x7E).any() and ((codes > 0) & (codes < 0x7E)).float().mean() > 0.5
+
+
 def test_batched_shape_and_misaligned_views(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(11)
     h = 512
