@@ -7,12 +7,12 @@
 
 See README.md and DESIGN.md for the semantics; `commfuse.reference` is the oracle.
 """
-from . import reference
+from . import ops, reference
 from .communicator import Communicator, FusedResult
 from .distributed import init_distributed
 from .p2p import P2PTimeoutError
 from .plan import Plan
 from .topology import Topology
 
-__all__ = ["Communicator", "FusedResult", "P2PTimeoutError", "Plan", "Topology", "init_distributed", "reference"]
+__all__ = ["Communicator", "FusedResult", "P2PTimeoutError", "Plan", "Topology", "init_distributed", "ops", "reference"]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import fused_tail, p2p, reference, topology
+from . import fused_tail, ops, p2p, reference, topology
 from .plan import Plan, Request, TensorMeta, check_arguments, make_plan, registered_kernels
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
@@ -78,6 +78,7 @@ class Communicator:
         self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
         self._plans: dict = {}
         self._p2p: Optional[p2p.Workspace] = None
+        self.name = ops.register(self)  # how commfuse.ops (torch.compile'd models) reach it
         if (self.backend == "nccl" and self.topology.mode == "p2p"
                 and self.world_size in p2p.SPEC.world_sizes):
             # Creating the workspace is collective: every rank must take the same decision.

@@ -1,0 +1,112 @@
+"""The Communicator's calls as torch.library custom ops, for models run through torch.compile.
+
+Dynamo cannot trace into a Communicator call (it launches kernels through the CUDA driver and
+decides its route in Python), so a compiled model would break its graph at every all-reduce. These
+ops are opaque to the compiler: fake implementations give the output shapes, including for a
+dynamic number of tokens, and the real ones call the Communicator, so CUDA graphs (also those of
+`mode="reduce-overhead"`) capture the same kernels as an eager call.
+
+    comm = commfuse.Communicator()
+    y = commfuse.ops.all_reduce(comm, x)
+    r = commfuse.ops.fused_all_reduce(comm, x, residual, weight, eps=1e-6, quant="fp8", scale=scale)
+    r.residual, r.norm, r.quant, r.scale_factors    # a commfuse.reference.Tail; absent fields are None
+
+The ops themselves are `torch.ops.commfuse.all_reduce(x, comm)` and
+`torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
+comm)`, where `comm` is `Communicator.name` (communicators register themselves by name, per
+process), quant "" means none, and absent outputs are empty tensors. Like every collective, a call
+must be made by every rank of the group, in the same order.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional, Tuple
+
+import torch
+
+from .fused_tail import sf_numel
+from .reference import Tail
+
+__all__ = ["all_reduce", "fused_all_reduce", "register"]
+
+_COMMUNICATORS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
+
+
+def register(comm) -> str:
+    """Make `comm` reachable from the ops by a name unique in this process; returns the name."""
+    name = f"commfuse-{next(_NUMBERS)}"
+    _COMMUNICATORS[name] = comm
+    return name
+
+
+def _communicator(name: str):
+    comm = _COMMUNICATORS.get(name)
+    if comm is None:
+        raise LookupError(f"no live commfuse.Communicator named {name!r} in this process")
+    return comm
+
+
+def all_reduce(comm, x: torch.Tensor) -> torch.Tensor:
+    """`comm.all_reduce(x)` as a custom op: the sum of x over comm's group, in a new tensor.
+
+    x: any shape, on comm's device (CUDA for NCCL, CPU for gloo); not modified."""
+    return torch.ops.commfuse.all_reduce(x, comm.name)
+
+
+def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                     quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
+                     return_norm: bool = False, sf_layout: str = "swizzled") -> Tail:
+    """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; DESIGN.md semantics).
+
+    x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, required with quant),
+    all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant float8_e4m3fn
+    [t, h] or uint8 [t, h/2] or None; scale_factors float8_e4m3fn or None), without the plan:
+    `comm.plan(...)` gives that."""
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    if quant is not None and not isinstance(quant, str):
+        raise TypeError(f"quant must be None, 'fp8' or 'nvfp4', got {quant!r}")
+    res, norm, q, sf = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "",
+                                                           bool(return_norm), sf_layout, comm.name)
+    return Tail(res, norm if quant is None or return_norm else None, q if quant else None,
+                sf if quant == "nvfp4" else None)
+
+
+@torch.library.custom_op("commfuse::all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
+    return _communicator(comm).all_reduce(x)
+
+
+@_all_reduce.register_fake
+def _(x, comm):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("commfuse::fused_all_reduce", mutates_args=())
+def _fused_all_reduce(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
+                      eps: float, quant: str, return_norm: bool, sf_layout: str,
+                      comm: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = _communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout)
+    # An op returns tensors, never None: absent outputs are empty (fused_all_reduce maps them back),
+    # each its own (outputs may not alias).
+    return (r.residual, *(x.new_empty(0) if v is None else v for v in (r.norm, r.quant, r.scale_factors)))
+
+
+@_fused_all_reduce.register_fake
+def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm):
+    # The real call checks its arguments; here they must only be well-formed enough for shapes.
+    if quant not in ("", "fp8", "nvfp4") or sf_layout not in ("swizzled", "linear"):
+        raise ValueError(f"quant must be '', 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
+                         f"got {quant!r}, {sf_layout!r}")
+    h = x.shape[-1]
+    t = x.numel() // h
+    res = x.new_empty((t, h))
+    norm = x.new_empty((t, h) if not quant or return_norm else 0)
+    if quant == "fp8":
+        return res, norm, x.new_empty((t, h), dtype=torch.float8_e4m3fn), x.new_empty(0)
+    if quant == "nvfp4":
+        shape = (sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
+        return res, norm, x.new_empty((t, h // 2), dtype=torch.uint8), x.new_empty(shape, dtype=torch.float8_e4m3fn)
+    return res, norm, x.new_empty(0), x.new_empty(0)

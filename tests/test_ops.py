@@ -1,0 +1,103 @@
+"""commfuse.ops: the Communicator's calls as custom ops, compiled with torch.compile(fullgraph=True).
+
+A compiled function calling the ops must give the bits of the eager Communicator call (same inputs,
+same route), with a dynamic number of tokens and, on a GPU, inside CUDA graphs (mode
+"reduce-overhead"). Runs on every rank (the ops are collectives): gloo on CPU with the aot_eager
+backend, NCCL on GPUs with inductor.
+"""
+import pytest
+import torch
+
+import commfuse
+from commfuse import ops
+
+from inputs import rank_inputs, tail_inputs
+
+mpi = pytest.mark.mpi(min_size=2)
+PATTERNS = [  # (quant, return_norm, sf_layout)
+    (None, False, "swizzled"), ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
+    ("nvfp4", False, "swizzled"), ("nvfp4", True, "linear"),
+]
+
+
+@pytest.fixture(scope="module")
+def quiet_comm(comm):
+    """A Communicator without the per-call cross-rank check (an object gather cannot be captured)."""
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    return c
+
+
+def backend(comm) -> str:
+    return "inductor" if comm.device.type == "cuda" else "aot_eager"
+
+
+def same_bits(x, y):
+    if x is None or y is None:
+        return x is None and y is None
+    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@mpi
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+def test_compiled_ops_match_eager_calls(quiet_comm, gen, quant, return_norm, sf_layout):
+    c = quiet_comm
+    torch._dynamo.reset()
+
+    def layer(x, residual, weight, scale):
+        y = ops.all_reduce(c, x)
+        r = ops.fused_all_reduce(c, x, residual, weight, eps=1e-5, quant=quant, scale=scale,
+                                 return_norm=return_norm, sf_layout=sf_layout)
+        return y, r
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=backend(c))
+    for t in (3, 130, 17):  # one compile for every token count (padding rows of the swizzled layout at 130)
+        x, _ = rank_inputs(c, gen, (t, 256), torch.bfloat16)
+        residual, weight, scale = tail_inputs(c, gen, t, 256, torch.bfloat16, quant)
+        y, r = compiled(x, residual, weight, scale)
+        want_y = c.all_reduce(x)
+        want = c.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
+        assert same_bits(y, want_y), f"t={t}: all_reduce"
+        for name in ("residual", "norm", "quant", "scale_factors"):
+            assert same_bits(getattr(r, name), getattr(want, name)), f"t={t}: {name}"
+
+
+@mpi
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_ops_in_cuda_graphs_of_reduce_overhead(quiet_comm, gen):
+    c = quiet_comm
+    torch._dynamo.reset()
+
+    def layer(x, residual, weight, scale):
+        r = ops.fused_all_reduce(c, x, residual, weight, quant="fp8", scale=scale, return_norm=True)
+        return r.residual, r.norm, r.quant
+
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    for step in range(4):  # warm-up, recording, then replays with new values
+        x, _ = rank_inputs(c, gen, (8, 1024), torch.bfloat16)
+        residual, weight, scale = tail_inputs(c, gen, 8, 1024, torch.bfloat16, "fp8")
+        got = [v.clone() for v in compiled(x, residual, weight, scale)]
+        want = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale, return_norm=True)
+        for g, w, name in zip(got, (want.residual, want.norm, want.quant), ("residual", "norm", "quant")):
+            assert same_bits(g, w), f"step {step}: {name}"
+
+
+@mpi
+def test_opcheck(quiet_comm, gen):
+    """torch.library's own checks of the schema, the fake implementation and dynamic shapes."""
+    c = quiet_comm
+    x, _ = rank_inputs(c, gen, (5, 128), torch.bfloat16)
+    residual, weight, scale = tail_inputs(c, gen, 5, 128, torch.bfloat16, "nvfp4")
+    torch.library.opcheck(torch.ops.commfuse.all_reduce.default, (x, c.name))
+    torch.library.opcheck(torch.ops.commfuse.fused_all_reduce.default,
+                          (x, residual, weight, scale, 1e-6, "nvfp4", True, "swizzled", c.name))
+
+
+def test_bad_arguments_name_themselves(comm):
+    x = torch.ones(2, 16, dtype=torch.bfloat16, device=comm.device)
+    with pytest.raises(TypeError, match="scale"):
+        ops.fused_all_reduce(comm, x, x, x[0], quant="fp8", scale=0.5)
+    with pytest.raises(LookupError, match="no-such"):
+        torch.ops.commfuse.all_reduce(x, "no-such")
+    with pytest.raises(ValueError, match="quant"):
+        torch.ops.commfuse.fused_all_reduce(x, x, x[0], None, 1e-6, "int4", False, "swizzled", comm.name)
