@@ -384,6 +384,12 @@ class _ParamSlot(threading.local):
 
 _SLOT = _ParamSlot()
 
+# torch's own C entry points for the current device and stream (what its compiled code calls):
+# the public torch.cuda.current_stream() builds a Stream object, ~4 us of an eager call's host time.
+# A CPU-only torch build has neither, and launches nothing.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 class Kernel:
     """A compiled kernel loaded into one device's primary context (torch's context)."""
@@ -423,11 +429,11 @@ class Kernel:
         kernel's device), with the kernel's device made current for the launch if it is not.
         grid, block: tuples of 3 ints. params: the bytes of the kernel's by-value parameter struct.
         With `pdl`, as a programmatic dependent launch (csrc/pdl.cuh says what the kernel must do)."""
-        if self.device_index != torch.cuda.current_device():
+        if self.device_index != _current_device():
             with torch.cuda.device(self.device_index):
                 return self.launch(grid, block, params, shared_mem, stream)
         if stream is None:
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+            stream = _current_raw_stream(self.device_index)
         slot = _SLOT
         n = len(params)
         if n > _ParamSlot.MAX_BYTES:
