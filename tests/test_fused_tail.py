@@ -19,8 +19,9 @@ import torch
 from commfuse import fused_tail as ft
 from commfuse import jit
 from commfuse import reference as ref
+from commfuse.tolerance import signed_rank
 
-from compare import poisoned_runs, signed_rank
+from compare import poisoned_runs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse import Communicator, init_distributed, reference
+from commfuse import Communicator, init_distributed, reference, tolerance
+from commfuse.reference import Tail
 
 # ----------------------------------------------------------------------------------- patterns, shapes
 
@@ -287,101 +288,13 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
 
 # ------------------------------------------------------------------- correctness gate (DESIGN.md)
 
-def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spacing of `dtype` at the magnitude of x (fp32), subnormals included."""
-    info = torch.finfo(dtype)
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(info.smallest_normal)))) * info.eps
-
-
-def _shape_dtype(actual, expected, what: str) -> Optional[str]:
-    if actual is None or expected is None:
-        return None if actual is expected else f"{what}: {'missing' if actual is None else 'unexpected'} output"
-    if tuple(actual.shape) != tuple(expected.shape) or actual.dtype != expected.dtype:
-        return (f"{what}: got {actual.dtype}{list(actual.shape)}, "
-                f"expected {expected.dtype}{list(expected.shape)}")
-    return None
-
-
-def _within_ulp(actual, expected, ulps: int, what: str) -> Optional[str]:
-    why = _shape_dtype(actual, expected, what)
-    if why or actual is None:
-        return why
-    a, e = actual.float(), expected.float()
-    nan_a, nan_e = a.isnan(), e.isnan()
-    if not torch.equal(nan_a, nan_e):
-        return f"{what}: NaN at {int((nan_a ^ nan_e).sum())} places where the oracle differs (unwritten?)"
-    fin = ~nan_e
-    a, e = a[fin], e[fin]
-    inf = e.isinf()
-    if not torch.equal(a[inf], e[inf]):
-        return f"{what}: Inf differs"
-    diff = (a - e).abs()
-    bad = (diff > ulps * _ulp(e, actual.dtype)) & ~inf
-    if bad.any():
-        i = int(bad.nonzero()[0, 0])
-        return (f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond {ulps} ulp "
-                f"(e.g. {a[i].item():.6g} vs {e[i].item():.6g})")
-    return None
-
-
-def _codes_close(actual: torch.Tensor, expected: torch.Tensor, sign_bit: int, max_frac: float,
-                 what: str, nan_code: Optional[int] = None) -> Tuple[Optional[str], torch.Tensor]:
-    """Sign-magnitude codes equal, or a neighbouring code in at most max_frac of them (a value within
-    rounding of a code boundary). Returns (why not, mask of exact matches)."""
-    a, e = actual.to(torch.int32), expected.to(torch.int32)
-    same = a == e
-    if nan_code is not None:
-        nan_a, nan_e = (a & (sign_bit - 1)) == nan_code, (e & (sign_bit - 1)) == nan_code
-        if not torch.equal(nan_a, nan_e):
-            return f"{what}: NaN codes at {int((nan_a ^ nan_e).sum())} places differ", same
-        same = same | (nan_a & nan_e)
-    rank_a = torch.where(a & sign_bit != 0, -(a & (sign_bit - 1)), a & (sign_bit - 1))
-    rank_e = torch.where(e & sign_bit != 0, -(e & (sign_bit - 1)), e & (sign_bit - 1))
-    far = ((rank_a - rank_e).abs() > 1) & ~same
-    if far.any():
-        return f"{what}: {int(far.sum())} codes more than one step from the oracle", same
-    frac = 1.0 - same.float().mean().item() if same.numel() else 0.0
-    if frac > max_frac:
-        return f"{what}: {frac:.2e} of codes differ (at most {max_frac} may be neighbours)", same
-    return None, same
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-
-
-def check(res: Result, exp: Result, pattern: Pattern, t: int, h: int, sum_ulps: int = 0,
-          max_frac: float = 1e-3) -> Optional[str]:
-    """Why `res` violates DESIGN.md's tolerances against the oracle `exp` (None when it does not).
-
-    residual / norm within 1 ulp of T; FP8 and NVFP4 codes and scale factors equal except neighbours
-    in at most max_frac of them; NVFP4 codes compared in the blocks whose scale factors agree (a
-    neighbouring scale factor legitimately changes the whole block). Swizzle padding must be 0.
-    """
+def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0) -> Optional[str]:
+    """Why `res` violates DESIGN.md's tolerances (commfuse.tolerance) against the oracle `exp`, None
+    when it does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch."""
     if not pattern.tail:
-        return _within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
-    for name in ("residual", "norm"):
-        why = _within_ulp(getattr(res, name), getattr(exp, name), 1, name)
-        if why:
-            return why
-    if pattern.quant == "fp8":
-        why = _shape_dtype(res.quant, exp.quant, "fp8 codes")
-        return why or _codes_close(res.quant.view(torch.uint8), exp.quant.view(torch.uint8),
-                                   0x80, max_frac, "fp8 codes", 0x7F)[0]
-    if pattern.quant == "nvfp4":
-        why = _shape_dtype(res.quant, exp.quant, "nvfp4 codes") or _shape_dtype(res.sf, exp.sf, "nvfp4 scale factors")
-        if why:
-            return why
-        why, same_sf = _codes_close(res.sf.view(torch.uint8).reshape(-1), exp.sf.view(torch.uint8).reshape(-1),
-                                    0x80, max_frac, "nvfp4 scale factors", 0x7F)
-        if why:
-            return why
-        k = h // reference.NVFP4_BLOCK
-        same_sf = reference.unswizzle_scale_factors(same_sf.to(torch.uint8), t, k).bool().reshape(t, k)
-        codes = _nibbles(res.quant).reshape(t, k, reference.NVFP4_BLOCK)[same_sf]
-        codes_ref = _nibbles(exp.quant).reshape(t, k, reference.NVFP4_BLOCK)[same_sf]
-        return _codes_close(codes, codes_ref, 0x8, max_frac, "nvfp4 codes")[0]
-    return None
+        return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
+    return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf),
+                                   Tail(exp.residual, exp.norm, exp.quant, exp.sf), pattern.quant)
 
 
 def gate(ctx: Ctx, impl: "Impl", case: Case, step: Callable) -> Tuple[Optional[str], Optional[Result]]:
@@ -392,10 +305,9 @@ def gate(ctx: Ctx, impl: "Impl", case: Case, step: Callable) -> Tuple[Optional[s
             torch.cuda.synchronize()
     except Exception as e:
         return f"raised {type(e).__name__}: {_short(e)}", None
-    p, t, h = case.pattern, case.tokens, case.hidden
     expected = [case.expected_tail] if impl.section == "tail" else case.expected
     try:
-        reasons = [check(res, exp, p, t, h, case.sum_ulps) for exp in expected]
+        reasons = [check(res, exp, case.pattern, case.sum_ulps) for exp in expected]
     except Exception as e:  # e.g. not a Result, or tensors on the wrong device
         return f"output not comparable with the oracle ({type(e).__name__}: {_short(e)})", res
     return (None if None in reasons else reasons[0]), res
