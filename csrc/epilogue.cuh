@@ -237,13 +237,9 @@ __device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, floa
 // and |q| in [2^-20, 2^20]. Outside that band q is used as it is: e4m3 saturates above 448 and
 // rounds below 2^-10 to a signed zero, so q and the true quotient give the same code there (NaN
 // and Inf too). tests/test_fp8_division.py compares it with __fdiv_rn over every fp32 input.
-__device__ __forceinline__ bool exact_divisor_range(float scale) {
-  const float a = fabsf(scale);
-  return a >= 0x1p-64f && a <= 0x1p64f;
-}
-
 __device__ __forceinline__ float fp8_reciprocal(float scale) {
-  return exact_divisor_range(scale) ? __frcp_rn(scale) : 0.f;
+  const float a = fabsf(scale);
+  return a >= 0x1p-64f && a <= 0x1p64f ? __frcp_rn(scale) : 0.f;
 }
 
 // x / scale as e4m3 sees it; r = fp8_reciprocal(scale), not 0.
@@ -259,9 +255,9 @@ template <typename T>
 __device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
   unsigned w[4];
   words(n, w);
-  // The reciprocal per vector, a pair at a time, and the rare true division in a branch of its
-  // own: the 1024-thread P2P tails have 64 registers, and holding r across the row spills there.
   const float r = fp8_reciprocal(scale);
+  // A pair at a time, and the rare true division in a branch of its own: the 1024-thread P2P
+  // tails have 64 registers.
   if (r != 0.f) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -276,37 +272,6 @@ __device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
     }
   }
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
-}
-
-// An NVFP4 block's scale factor, e4m3(S * vmax / 6): the division as fp8_divide does it.
-__device__ __forceinline__ unsigned char nvfp4_scale_factor(float S, float vmax) {
-  constexpr float kRcp6 = 0.16666667163372040f;  // RN(1/6)
-  return static_cast<unsigned char>(e4m3x2(fp8_divide(__fmul_rn(S, vmax), 6.0f, kRcp6), 0.f));
-}
-
-// RN(1/m) for an integer m in [1, 15]: the SFU's approximate reciprocal and one Newton step. For
-// these m it is correctly rounded (1/m is far from every midpoint of fp32; the test checks all 15).
-__device__ __forceinline__ float small_int_reciprocal(int m) {
-  const float fm = static_cast<float>(m);
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fm));
-  return __fmaf_rn(__fmaf_rn(-fm, y, 1.0f), y, y);
-}
-
-// The codes' factor S / sf for a scale factor sf (an e4m3 byte, > 0 or NaN; sf_value its value),
-// rounded like __fdiv_rn. sf = M 2^E with an integer M in [1, 15], so 1/sf = RN(1/M) 2^-E exactly,
-// and Markstein's correction as in fp8_divide gives RN(S / sf) while |S| is in [2^-64, 2^64] (the
-// quotient then stays normal, the remainder exact); a NaN sf makes the remainder NaN, so the
-// result too. Outside that range, a true division. tests/test_fp8_division.py checks it against
-// __fdiv_rn for every fp32 S and every sf.
-__device__ __forceinline__ float nvfp4_encode_scale(float S, unsigned sf, float sf_value) {
-  if (!exact_divisor_range(S)) return __fdiv_rn(S, sf_value);
-  const unsigned e = (sf >> 3) & 0xfu, m = sf & 0x7u;
-  const int M = e ? 8 + static_cast<int>(m) : static_cast<int>(m);
-  const int E = e ? static_cast<int>(e) - 10 : -9;
-  const float r = __int_as_float(__float_as_int(small_int_reciprocal(M)) - E * (1 << 23));
-  const float q = __fmul_rn(S, r);
-  return __fmaf_rn(__fmaf_rn(-q, sf_value, S), r, q);
 }
 
 // Largest |x| of 8 T values, as the bit pattern of a T. Without the sign bit, the integer order
@@ -372,10 +337,10 @@ __device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t
     unsigned m = abs_max_bits(n);
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the block's other half, on lane ^ 1
     const float vmax = Pack<T>::from_bits(m);
-    const unsigned char sf = nvfp4_scale_factor(qs, vmax);
+    const unsigned char sf = static_cast<unsigned char>(e4m3x2(__fdiv_rn(__fmul_rn(qs, vmax), 6.0f), 0.f));
     const float sf_value = e4m3_to_float(sf);
     // A NaN scale factor gives enc = NaN, so every code of the block is 0 (e2m1 of NaN).
-    const float enc = sf_value == 0.f ? 0.f : nvfp4_encode_scale(qs, sf, sf_value);
+    const float enc = sf_value == 0.f ? 0.f : __fdiv_rn(qs, sf_value);
     float f[8];
     unpack8<T>(n, f);
 #pragma unroll
