@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One full GPU session on a machine without package registries (the device machine): install the
 # carried wheels, probe, run the suite on N GPUs (P2P/auto, then the forced fallback row), benchmark.
-# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback bench (default: all)
+# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback sanitize bench (default: all)
 # Logs go to $OUT (or ./logs) as one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=2
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
-stages=${*:-probe test fallback bench}
+stages=${*:-probe test fallback sanitize bench}
 out=${OUT:-$PWD/logs}; mkdir -p "$out"
 logs=$(mktemp -d -t commfuse-device.XXXX)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,6 +33,7 @@ for s in $stages; do
     probe) run probe launch/probe.sh "$n" ;;
     test) COMMFUSE_TEST_LOGS=$logs/test run test launch/test.sh "$n" ;;
     fallback) COMMFUSE_STRATEGY=nccl COMMFUSE_TEST_LOGS=$logs/fallback run fallback launch/test.sh "$n" tests/test_communicator.py ;;
+    sanitize) COMMFUSE_SANITIZE_LOGS=$logs/sanitize run sanitize launch/sanitize.sh "$n" ;;
     bench) run bench launch/bench.sh "$n" --out "$logs/bench" ${COMMFUSE_BENCH_ARGS:-} ;;
   esac
 done

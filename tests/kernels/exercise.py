@@ -1,0 +1,82 @@
+"""Launch every commfuse kernel variant a few times, for compute-sanitizer (launch/sanitize.sh).
+
+One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
+1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale-factor
+layout, token counts with and without swizzle padding rows. Under mpirun with 2+ GPUs, also the
+P2P kernels (one-shot and two-shot, plain and fused) through a Communicator. The outputs are checked
+against commfuse.reference as in the tests (tolerance.tail_mismatch), so a run that the sanitizer
+passes but that computes garbage still fails. Prints "exercised N launches" at the end.
+"""
+import os
+import sys
+
+import torch
+
+from commfuse import fused_tail, reference, tolerance
+
+SHAPES = [(1, 16), (3, 40), (1, 4096), (130, 7168), (600, 4096), (7, 16384), (2, 32000)]
+PATTERNS = [(None, None), ("fp8", 0.02), ("nvfp4", 0.004)]
+
+
+def inputs(g, t, h, dtype):
+    return [torch.randn(*s, generator=g, device="cuda").to(dtype) for s in ((t, h), (t, h), (h,))]
+
+
+def check(got, a, residual, weight, quant, scale, layout, what):
+    want = reference.fused_tail(a, residual, weight, 1e-6, quant, scale, True, layout)
+    why = tolerance.tail_mismatch(got, want, quant, layout)
+    if why:
+        sys.exit(f"{what}: {why}")
+
+
+def fused_tails(g) -> int:
+    n = 0
+    for t, h in SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            a, residual, weight = inputs(g, t, h, dtype)
+            for quant, s in PATTERNS:
+                if quant == "nvfp4" and h % 16:
+                    continue
+                scale = None if s is None else torch.tensor([s], device="cuda")
+                for layout in ("swizzled", "linear"):
+                    got = fused_tail.run(a, residual, weight, 1e-6, quant, scale, True, layout)
+                    check(got, a, residual, weight, quant, scale, layout, f"fused_tail {t}x{h} {dtype} {quant} {layout}")
+                    n += 1
+    return n
+
+
+def p2p_kernels(g) -> int:
+    import commfuse
+
+    n = 0
+    for strategy in ("oneshot", "twoshot"):
+        comm = commfuse.Communicator(strategy=strategy)
+        for t, h in ((1, 4096), (130, 7168), (7, 16384), (2, 32000)):
+            a, residual, weight = inputs(g, t, h, torch.bfloat16)  # the same on every rank (same seed)
+            total = comm.all_reduce(a)
+            for quant, s in PATTERNS:
+                scale = None if s is None else torch.tensor([s], device="cuda")
+                r = comm.fused_all_reduce(a, residual, weight, 1e-6, quant, scale, True, "swizzled")
+                if not r.plan.collective.startswith("p2p"):
+                    sys.exit(f"{strategy} {t}x{h} {quant}: took {r.plan}, not the P2P kernels")
+                check(r, total, residual, weight, quant, scale, "swizzled", f"{strategy} {t}x{h} {quant}")
+                n += 2
+        comm.check()
+        comm.close()
+    return n
+
+
+def main():
+    import commfuse
+
+    commfuse.init_distributed()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = fused_tails(g)
+    if torch.distributed.get_world_size() > 1:
+        n += p2p_kernels(g)
+    torch.cuda.synchronize()
+    print(f"rank {torch.distributed.get_rank()}: exercised {n} launches", flush=True)
+
+
+if __name__ == "__main__":
+    main()
