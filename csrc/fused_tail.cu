@@ -15,9 +15,16 @@
 namespace commfuse {
 
 // 1 or 2 vectors per thread fit 1024 threads (<= 64 registers); 4, and the looped variant,
-// are built for 256 (up to ~80 registers).
+// are built for 256.
 template <int VPT>
 constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
+// CTAs of up to 256 threads that must fit on an SM at once: for VPT 4 (many rows), 4, i.e. <= 64
+// registers (bf16 took 74-80 and fitted 3). At 256 rows (2 CTAs per SM) the fourth slot made the
+// tail 20-23% faster on the H200, probably because with programmatic dependent launch the next
+// kernel's CTAs wait on the SMs while this one's run; the bf16 FP8 variant then spills 4 bytes,
+// which costs it 1-6% at h = 4096 (bench/tail_notes.md).
+template <int VPT>
+constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 // Vectors per thread per step of the looped path (rows longer than the register path takes).
 constexpr int kLoopVectors = 4;
 
@@ -32,7 +39,7 @@ static_assert(sizeof(FusedTailParams) == 80, "layout shared with commfuse/fused_
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).
 template <typename T, int QUANT, int VPT>
-__global__ void __launch_bounds__(kMaxThreads<VPT>) fused_tail(const __grid_constant__ FusedTailParams p) {
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(const __grid_constant__ FusedTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
   pdl_wait();  // the input is the previous kernel's (NCCL's) output
   pdl_launch_dependents();
