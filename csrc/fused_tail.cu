@@ -19,10 +19,11 @@ namespace commfuse {
 template <int VPT>
 constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 // CTAs of up to 256 threads that must fit on an SM at once: for VPT 4 (many rows), 4, i.e. <= 64
-// registers (bf16 took 74-80 and fitted 3). At 256 rows (2 CTAs per SM) the fourth slot made the
-// tail 20-23% faster on the H200, probably because with programmatic dependent launch the next
-// kernel's CTAs wait on the SMs while this one's run; the bf16 FP8 variant then spills 4 bytes,
-// which costs it 1-6% at h = 4096 (bench/tail_notes.md).
+// registers (bf16 took 74-80 and fitted 3). With programmatic dependent launch the next kernel's
+// CTAs become resident (and wait) while this one's run; with 3 slots per SM they crowded this
+// kernel out: at 256 rows the bf16 tail took 6.0 us with PDL against 4.8 us without, and 4.8 us
+// with PDL and 4 slots (H200). The bf16 FP8 variant then spills 4 bytes, which costs it 1-6% at
+// h = 4096 (bench/tail_notes.md).
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 // Vectors per thread per step of the looped path (rows longer than the register path takes).
