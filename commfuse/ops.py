@@ -15,7 +15,8 @@ The ops themselves are `torch.ops.commfuse.all_reduce(x, comm)` and
 `torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
 comm)`, where `comm` is `Communicator.name` (communicators register themselves by name, per
 process), quant "" means none, and absent outputs are empty tensors. Like every collective, a call
-must be made by every rank of the group, in the same order.
+must be made by every rank of the group, in the same order. The ops are declared pure (they modify
+nothing), so a compiler may drop a call whose outputs are unused: the same on every rank.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 from .fused_tail import sf_numel
 from .reference import Tail
 
-__all__ = ["all_reduce", "fused_all_reduce", "register"]
+__all__ = ["all_reduce", "fused_all_reduce"]
 
 _COMMUNICATORS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count()
@@ -70,7 +71,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
         raise TypeError(f"quant must be None, 'fp8' or 'nvfp4', got {quant!r}")
     res, norm, q, sf = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "",
                                                            bool(return_norm), sf_layout, comm.name)
-    return Tail(res, norm if quant is None or return_norm else None, q if quant else None,
+    return Tail(res, norm if not quant or return_norm else None, q if quant else None,
                 sf if quant == "nvfp4" else None)
 
 
@@ -101,6 +102,8 @@ def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm):
         raise ValueError(f"quant must be '', 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
                          f"got {quant!r}, {sf_layout!r}")
     h = x.shape[-1]
+    if h == 0:
+        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     t = x.numel() // h
     res = x.new_empty((t, h))
     norm = x.new_empty((t, h) if not quant or return_norm else 0)

@@ -41,7 +41,7 @@ def within_ulp(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor],
     why = _shape_dtype(actual, expected, what)
     if why or actual is None:
         return why
-    a, e = actual.float(), expected.float()
+    a, e = actual.float(), expected.to(actual.device).float()
     nan_a, nan_e = a.isnan(), e.isnan()
     if not torch.equal(nan_a, nan_e):
         return f"{what}: NaN at {int((nan_a ^ nan_e).sum())} places where the reference differs (unwritten?)"
@@ -67,7 +67,8 @@ def signed_rank(codes: torch.Tensor, sign_bit: int) -> torch.Tensor:
 def codes_close(actual: torch.Tensor, expected: torch.Tensor, sign_bit: int, max_frac: float, what: str,
                 nan_code: Optional[int] = None) -> Tuple[Optional[str], torch.Tensor]:
     """Sign-magnitude codes (uint8 tensors of one shape) equal, or a neighbouring code in at most
-    max_frac of them. Returns (why not, mask of exact matches)."""
+    max_frac of them. Returns (why not, mask of exact matches, on actual's device)."""
+    expected = expected.to(actual.device)
     same = actual == expected
     if nan_code is not None:
         nan_a, nan_e = (actual & (sign_bit - 1)) == nan_code, (expected & (sign_bit - 1)) == nan_code
@@ -89,7 +90,9 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 def tail_mismatch(got: reference.Tail, want: reference.Tail, quant: Optional[str], sf_layout: str = "swizzled",
                   max_frac: float = 1e-3) -> Optional[str]:
     """Why a tail's outputs `got` differ from reference.fused_tail's `want` (fed the same all-reduced
-    input) beyond the tolerances; None when within. Swizzle padding is compared too (it must be 0)."""
+    input) beyond the tolerances; None when within. Swizzle padding is compared too (it must be 0).
+    The comparison runs on got's device (the reference may come from the CPU)."""
+    want = reference.Tail(*(None if v is None else v.to(got.residual.device) for v in want))
     for name in ("residual", "norm"):
         why = within_ulp(getattr(got, name), getattr(want, name), 1, name)
         if why:

@@ -230,24 +230,35 @@ __device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, floa
 // The contract quantizes e4m3(x / scale) with a true division; x * (1/scale) alone can round
 // differently, and __fdiv_rn per element (a reciprocal on the SFU, its refinement and a range
 // check) made the FP8 tail the slowest pattern. Instead one correctly rounded reciprocal
-// r = RN(1/scale) per vector, and per element q = RN(x r), the remainder x - q scale (exact in an
-// FMA) and RN(q + remainder r), which is RN(x / scale) (Markstein's correction: q is within an
-// ulp of the quotient, r within half an ulp of 1/scale). That holds while nothing under- or
-// overflows: |scale| in [2^-64, 2^64] (else fp8_reciprocal returns 0 and every element divides)
-// and |q| in [2^-20, 2^20]. Outside that band q is used as it is: e4m3 saturates above 448 and
-// rounds below 2^-10 to a signed zero, so q and the true quotient give the same code there (NaN
-// and Inf too). tests/test_fp8_division.py compares it with __fdiv_rn over every fp32 input.
+// r = RN(1/scale) per vector, and per element q = RN(x r) and RN(q + (x - q scale) r), two FMAs:
+// Markstein's correction. His theorem needs q within an ulp of x / scale, which q = RN(x r) can
+// miss (by up to ~1.4 ulp), so the proof is a check instead: with |scale| in [2^-64, 2^64] and
+// |q| in the band [2^-20, 2^20], every operation is an IEEE-rounded fmul/fma on normal numbers
+// (inexact remainders are >= 2^-106, exact ones lie on a 2^-130 grid), so the result for
+// (x 2^i, scale 2^j) is the result for (x, scale) times 2^(i-j), and tests/test_fp8_division.py
+// compares it with __fdiv_rn for every pair of mantissas (COMMFUSE_TEST_EXHAUSTIVE=1; done on an
+// H200: the same on any GPU, as only correctly rounded operations are involved): identical.
+// Outside the band q is used as it is: e4m3 saturates above 448 and rounds below 2^-10 to a
+// signed zero, so q and the true quotient give the same code there (NaN and Inf too). Outside
+// that scale range fp8_reciprocal returns 0 and every element divides truly.
+constexpr float kFp8BandLow = 0x1p-20f, kFp8BandHigh = 0x1p20f;
+
 __device__ __forceinline__ float fp8_reciprocal(float scale) {
   const float a = fabsf(scale);
   return a >= 0x1p-64f && a <= 0x1p64f ? __frcp_rn(scale) : 0.f;
+}
+
+// Whether fp8_divide corrects q = RN(x r) (inside the band) or keeps it.
+__device__ __forceinline__ bool fp8_in_band(float q) {
+  const float a = fabsf(q);
+  return a >= kFp8BandLow && a <= kFp8BandHigh;
 }
 
 // x / scale as e4m3 sees it; r = fp8_reciprocal(scale), not 0.
 __device__ __forceinline__ float fp8_divide(float x, float scale, float r) {
   const float q = __fmul_rn(x, r);
   const float exact = __fmaf_rn(__fmaf_rn(-q, scale, x), r, q);
-  const float a = fabsf(q);
-  return a >= 0x1p-20f && a <= 0x1p20f ? exact : q;
+  return fp8_in_band(q) ? exact : q;
 }
 
 // e4m3(norm / scale) as the contract divides (see fp8_divide).

@@ -51,10 +51,11 @@ def test_compiled_ops_match_eager_calls(quiet_comm, gen, quant, return_norm, sf_
         return y, r
 
     compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=backend(c))
-    for t in (3, 130, 17):  # one compile for every token count (padding rows of the swizzled layout at 130)
+    for i, t in enumerate((3, 130, 17)):  # padding rows of the swizzled layout at 130
         x, _ = rank_inputs(c, gen, (t, 256), torch.bfloat16)
         residual, weight, scale = tail_inputs(c, gen, t, 256, torch.bfloat16, quant)
-        y, r = compiled(x, residual, weight, scale)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):  # one graph for every token count
+            y, r = compiled(x, residual, weight, scale)
         want_y = c.all_reduce(x)
         want = c.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
         assert same_bits(y, want_y), f"t={t}: all_reduce"
@@ -72,6 +73,9 @@ def test_ops_in_cuda_graphs_of_reduce_overhead(quiet_comm, gen):
         r = ops.fused_all_reduce(c, x, residual, weight, quant="fp8", scale=scale, return_norm=True)
         return r.residual, r.norm, r.quant
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
     for step in range(4):  # warm-up, recording, then replays with new values
         x, _ = rank_inputs(c, gen, (8, 1024), torch.bfloat16)
@@ -80,17 +84,33 @@ def test_ops_in_cuda_graphs_of_reduce_overhead(quiet_comm, gen):
         want = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale, return_norm=True)
         for g, w, name in zip(got, (want.residual, want.norm, want.quant), ("residual", "norm", "quant")):
             assert same_bits(g, w), f"step {step}: {name}"
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
 @mpi
-def test_opcheck(quiet_comm, gen):
+def test_opcheck_all_reduce(quiet_comm, gen):
     """torch.library's own checks of the schema, the fake implementation and dynamic shapes."""
+    x, _ = rank_inputs(quiet_comm, gen, (5, 128), torch.bfloat16)
+    torch.library.opcheck(torch.ops.commfuse.all_reduce.default, (x, quiet_comm.name))
+
+
+@mpi
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+def test_opcheck_fused_all_reduce(quiet_comm, gen, quant, return_norm, sf_layout):
     c = quiet_comm
     x, _ = rank_inputs(c, gen, (5, 128), torch.bfloat16)
-    residual, weight, scale = tail_inputs(c, gen, 5, 128, torch.bfloat16, "nvfp4")
-    torch.library.opcheck(torch.ops.commfuse.all_reduce.default, (x, c.name))
+    residual, weight, scale = tail_inputs(c, gen, 5, 128, torch.bfloat16, quant)
     torch.library.opcheck(torch.ops.commfuse.fused_all_reduce.default,
-                          (x, residual, weight, scale, 1e-6, "nvfp4", True, "swizzled", c.name))
+                          (x, residual, weight, scale, 1e-6, quant or "", return_norm, sf_layout, c.name))
+
+
+@mpi
+def test_empty_quant_string_means_none(quiet_comm, gen):
+    x, _ = rank_inputs(quiet_comm, gen, (3, 64), torch.bfloat16)
+    residual, weight, _ = tail_inputs(quiet_comm, gen, 3, 64, torch.bfloat16, None)
+    r = ops.fused_all_reduce(quiet_comm, x, residual, weight, quant="")
+    want = quiet_comm.fused_all_reduce(x, residual, weight)
+    assert r.quant is None and same_bits(r.norm, want.norm) and same_bits(r.residual, want.residual)
 
 
 def test_bad_arguments_name_themselves(comm):
