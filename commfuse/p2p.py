@@ -16,12 +16,15 @@ Workspace (class Workspace, one per Communicator, created collectively by every 
   halves by the parity of their epoch (double buffering), so one barrier per phase suffices and a
   Lamport half is reset before it is reused (the argument is in csrc/p2p_allreduce.cu).
   Size: 2 * (world + 1) * max_bytes + 2 * world * lamport_bytes + flags. max_bytes (the largest
-  message the P2P row takes) is the constructor's argument, else COMMFUSE_P2P_WORKSPACE_MB, else
+  message one launch takes) is the constructor's argument, else COMMFUSE_P2P_WORKSPACE_MB, else
   192 MiB / (world + 1) rounded down to whole MiB: 64 MiB for 2 ranks, 38 MiB for 4, 21 MiB for 8,
   i.e. about 384 MiB of device memory per rank whatever the world size. lamport_bytes (the largest
   one-shot message) is min(max_bytes, ONESHOT_BUDGET / (2 * world)): 8 MiB for 2 ranks, 4 MiB for
   4, 2 MiB for 8 (32 MiB more per rank); one-shot is a latency algorithm, and calibration found
   two-shot ahead from 16 MiB at 2 ranks. Both rounded up to a multiple of 4 KiB.
+  A larger message runs two-shot in pieces of whole rows that fit max_bytes, one launch per piece
+  (plan.chunk_rows; 128-row multiples for swizzled NVFP4 scale factors): rows are independent, so
+  each piece is a complete call of its own, and every launch keeps the protocol below unchanged.
 - Per rank, not shared: epochs[NBLOCKS] and a device error word (one small torch tensor), and one
   host-mapped pinned error word (cuMemHostAlloc) that a timed-out kernel writes and the host polls.
 - NBLOCKS: the grid of every launch, min(SM count over the ranks, MAX_BLOCKS), so each CTA b has the
@@ -69,13 +72,14 @@ advance them like eager calls. Kernels must be loaded before capture (call once 
 NCCL: the double-buffering argument relies on a rank's call E finishing before its call E + 1 starts.
 
 Calibration (strategy "auto", at creation, i.e. before any capture): times one-shot, two-shot and
-NCCL plain bf16 all-reduces for messages of 4 KiB, 8 KiB, ... up to max_bytes (one-shot up to
-lamport_bytes). Each timing is
+NCCL plain bf16 all-reduces for messages of 4 KiB, 8 KiB, ... up to max_bytes and at 2 x max_bytes
+(two-shot in two pieces there; one-shot up to lamport_bytes). Each timing is
 GPU time of back-to-back eager calls held behind a short delay kernel (so Python launch overhead
 does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is taken so every rank
 decides the same. twoshot_max is the largest size up to which P2P (the better algorithm) beats NCCL
 at every measured size; oneshot_max the largest size up to which one-shot also beats two-shot.
-Between measured sizes the smaller one's decision applies (conservative). Results are cached as
+Between measured sizes the smaller one's decision applies (conservative), and above the largest
+measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
 JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size,
 NVLink/P2P matrices, torch/CUDA/NCCL/driver versions, workspace size, grid and kernel source;
 rank 0 reads and writes it, every rank takes rank 0's answer. It takes well under 2 s (plus the
@@ -110,7 +114,7 @@ import torch
 import torch.distributed as dist
 
 from . import fused_tail, ipc, jit
-from .plan import FUSED_DTYPES, KernelSpec, P2PLimits, register_kernel
+from .plan import FUSED_DTYPES, KernelSpec, P2PLimits, chunk_rows, register_kernel
 from .reference import Tail
 
 __all__ = ["Workspace", "P2PTimeoutError", "SPEC", "ALGORITHMS", "variants", "warmup", "launch_config",
@@ -133,7 +137,7 @@ DEFAULT_BUDGET = 192 << 20        # default max_bytes = DEFAULT_BUDGET / (world 
 ONESHOT_BUDGET = 32 << 20         # lamport_bytes = ONESHOT_BUDGET / (2 * world) at most
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 _CAL_REPS = 3
 _CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
 _TIMEOUT_CODE = 1 << 16           # kTimeoutCode
@@ -257,12 +261,13 @@ def layout(max_bytes: int, world: int, nblocks: int) -> Layout:
 
 
 def calibration_sizes(max_bytes: int) -> List[int]:
-    """Message sizes calibration measures: 4 KiB, 8 KiB, ... below max_bytes, then max_bytes."""
+    """Message sizes calibration measures: 4 KiB, 8 KiB, ... below max_bytes, then max_bytes and
+    2 x max_bytes (two pieces)."""
     sizes, s = [], 4096
     while s < max_bytes:
         sizes.append(s)
         s *= 2
-    return sizes + [max_bytes]
+    return sizes + [max_bytes, 2 * max_bytes]
 
 
 def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], workspace_bytes: int,
@@ -287,6 +292,21 @@ def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], worksp
 
 def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
     return P2PLimits(max_bytes, min(DEFAULT_ONESHOT_MAX, oneshot_bytes), max_bytes, oneshot_bytes)
+
+
+def _tail_rows(fields: tuple, begin: int, end: int, elt: int, quant: Optional[str]) -> tuple:
+    """fused_tail.prepare's TailParams fields for all rows -> those of rows [begin, end). `begin` is a
+    multiple of 128 with swizzled scale factors (chunk_rows), whose 128-row tiles are contiguous."""
+    residual, res_out, weight, norm, q, sf, scale, eps, h, _, swizzled = fields
+    k = h // 16
+    q_row = h if quant == "fp8" else h // 2
+    sf_row = -(-k // 4) * 4 if swizzled else k
+
+    def at(ptr: int, row_bytes: int) -> int:
+        return ptr + begin * row_bytes if ptr else 0
+
+    return (at(residual, h * elt), at(res_out, h * elt), weight, at(norm, h * elt), at(q, q_row), at(sf, sf_row),
+            scale, eps, h, end - begin, swizzled)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -539,8 +559,6 @@ class Workspace:
         if x.dtype not in _CTYPE:
             raise TypeError(f"P2P all-reduce takes float16/bfloat16, got {x.dtype}")
         size = x.numel() * x.element_size()
-        if size > self.max_bytes:
-            raise ValueError(f"message of {size} B > P2P workspace of {self.max_bytes} B")
         if algo == "oneshot" and size > self.lamport_bytes:
             raise ValueError(f"message of {size} B > the one-shot buffers of {self.lamport_bytes} B: use twoshot")
 
@@ -551,14 +569,19 @@ class Workspace:
         kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params)
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
-        total_vecs = x_flat.numel() // 8
-        row_vecs, rows, threads = plain_rows(total_vecs, self.nblocks, algo)
-        self._launch(_kernel(x_flat.dtype, "plain", 0, algo, self._index), threads, _NO_TAIL, x_flat.data_ptr(),
-                     out.data_ptr(), total_vecs, rows, row_vecs, rows)
+        """out = the sum of x_flat (numel % 8 == 0), in pieces of the workspace's size if larger."""
+        kernel = _kernel(x_flat.dtype, "plain", 0, algo, self._index)
+        piece = chunk_rows(16, None, "", self.max_bytes) * 8
+        for begin in range(0, x_flat.numel(), piece):
+            n = min(piece, x_flat.numel() - begin)
+            row_vecs, rows, threads = plain_rows(n // 8, self.nblocks, algo)
+            self._launch(kernel, threads, _NO_TAIL, x_flat[begin:].data_ptr(), out[begin:].data_ptr(), n // 8, rows,
+                         row_vecs, rows)
 
     def all_reduce(self, x: torch.Tensor, algo: str, *, checked: bool = False) -> torch.Tensor:
         """Sum of x over the group (fp32 in rank order, rounded to T once), in a new tensor of x's
-        shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0, at most max_bytes.
+        shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0; messages larger than max_bytes
+        run two-shot in pieces of max_bytes (one launch each), one-shot ones take at most lamport_bytes.
         checked: the caller has validated x and algo and called check_error (the Communicator's
         cached plan has): skip those checks on this hot path."""
         n = x.numel()
@@ -578,18 +601,33 @@ class Workspace:
 
         x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
         quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= fused_tail.MAX_HIDDEN.
-        Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for `all_reduce`.
+        A message larger than max_bytes runs two-shot in pieces of whole rows (plan.chunk_rows), one
+        launch each. Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for
+        `all_reduce`.
         """
+        h, elt = x.shape[-1], x.element_size()
+        piece = chunk_rows(h * elt, quant, sf_layout, self.max_bytes)
         if not checked:
             self._check_call(x, algo)
             fused_tail.check(x, residual, weight, quant, scale, sf_layout)
+            if x.numel() * elt > self.max_bytes and not piece:
+                raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
+                                 f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
         x2, out, fields, row_slots = fused_tail.prepare(x, residual, weight, eps, quant, scale, return_norm,
                                                         sf_layout)
-        if row_slots:
-            t, h = x2.shape
-            vpt, threads = launch_config(h)
-            self._launch(_kernel(x.dtype, quant, vpt, algo, self._index), threads, fields, x2.data_ptr(), 0,
-                         t * h // 8, t, h // 8, row_slots)
+        if not row_slots:
+            return out
+        t = x2.shape[0]
+        vpt, threads = launch_config(h)
+        kernel = _kernel(x.dtype, quant, vpt, algo, self._index)
+        if t * h * elt <= self.max_bytes:
+            self._launch(kernel, threads, fields, x2.data_ptr(), 0, t * h // 8, t, h // 8, row_slots)
+            return out
+        for begin in range(0, t, piece):
+            end = min(t, begin + piece)
+            slots = end - begin if end < t else row_slots - begin  # the last piece zeroes the padding
+            self._launch(kernel, threads, _tail_rows(fields, begin, end, elt, quant), x2[begin].data_ptr(), 0,
+                         (end - begin) * h // 8, end - begin, h // 8, slots)
         return out
 
     # ---------------------------------------------------------------- calibration
@@ -635,8 +673,8 @@ class Workspace:
         calibration_sizes(max_bytes)) for (one-shot, two-shot, NCCL), the max over ranks.
         Collective; not allowed during CUDA graph capture."""
         sizes = list(sizes) if sizes is not None else calibration_sizes(self.max_bytes)
-        if any(s % 16 or not 0 < s <= self.max_bytes for s in sizes):
-            raise ValueError(f"sizes must be multiples of 16 B in (0, {self.max_bytes}], got {sizes}")
+        if any(s % 16 or s <= 0 for s in sizes):
+            raise ValueError(f"sizes must be positive multiples of 16 B, got {sizes}")
         n_max = max(sizes) // 2
         x = torch.zeros(n_max, dtype=torch.bfloat16, device=self.device)
         out = torch.empty_like(x)

@@ -132,14 +132,24 @@ class P2PLimits:
     """Message-size crossovers of the P2P algorithms (bytes), measured per machine by calibration.
 
     A message of at most `oneshot_max` goes one-shot, at most `twoshot_max` two-shot, else NCCL;
-    nothing larger than the workspace goes P2P, nor larger than `oneshot_bytes` (the one-shot's own
-    buffers; None: the workspace) one-shot, even when forced.
+    nothing larger than `oneshot_bytes` (the one-shot's own buffers; None: the workspace) goes
+    one-shot, even when forced. A message larger than `workspace_bytes` runs two-shot in pieces of
+    whole rows that fit it (`chunk_rows`), or takes NCCL when not even one piece fits.
     """
 
     workspace_bytes: int
     oneshot_max: int
     twoshot_max: int
     oneshot_bytes: Optional[int] = None
+
+
+def chunk_rows(row_bytes: int, quant: Optional[str], sf_layout: str, workspace_bytes: int) -> int:
+    """Rows per two-shot launch for a message larger than the workspace: as many whole rows of
+    `row_bytes` as fit (a plain all-reduce is cut into rows of one 16-byte vector), in multiples of
+    128 for swizzled NVFP4 (whose scale factors are stored in tiles of 128 rows); 0 when not one
+    such piece fits."""
+    multiple = 128 if quant == "nvfp4" and sf_layout == "swizzled" else 1
+    return workspace_bytes // row_bytes // multiple * multiple
 
 
 @dataclass(frozen=True)
@@ -292,11 +302,14 @@ def _p2p_algorithm(req: Request, mode: str, strategy: str, p2p: Optional[P2PLimi
     if req.x.device.type != "cuda":
         return None
     size = req.message_bytes
-    if size > p2p.workspace_bytes:
-        reasons.append(f"message {size} B > P2P workspace {p2p.workspace_bytes} B: NCCL")
+    row_bytes = 16 if req.residual is None else req.hidden * req.x.dtype.itemsize
+    if size > p2p.workspace_bytes and not chunk_rows(row_bytes, req.quant, req.sf_layout, p2p.workspace_bytes):
+        reasons.append(f"message {size} B > P2P workspace {p2p.workspace_bytes} B, which holds no piece of it "
+                       "(a row, or 128 rows for swizzled NVFP4): NCCL")
         return None
-    if strategy == "oneshot" and p2p.oneshot_bytes is not None and size > p2p.oneshot_bytes:
-        reasons.append(f"message {size} B > one-shot buffers {p2p.oneshot_bytes} B: two-shot")
+    oneshot_bytes = p2p.oneshot_bytes if p2p.oneshot_bytes is not None else p2p.workspace_bytes
+    if strategy == "oneshot" and size > oneshot_bytes:
+        reasons.append(f"message {size} B > one-shot buffers {oneshot_bytes} B: two-shot")
         return "twoshot"
     if strategy in ("oneshot", "twoshot"):
         return strategy

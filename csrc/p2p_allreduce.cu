@@ -67,7 +67,8 @@
 // rank's own call (ordered before the kernel by the stream, or by pdl_wait under programmatic
 // dependent launch; never written by a peer or by this kernel), so no ordering with the peers is
 // needed and the argument above is untouched: the workspace is still written only after the
-// start-up sync has fixed the epoch.
+// start-up sync has fixed the epoch. A CTA's later rows are brought into L2 one row ahead
+// (RowTail::prefetch_next: the residual, and the two-shot's gathered sums after barrier 1).
 //
 // Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) make
 // every CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails and
@@ -457,6 +458,16 @@ __device__ __forceinline__ void store_row(int n, const uint4 (&v)[N], Dst dst, i
   }
 }
 
+// Brings [p, p + bytes) into L2 without holding registers (prefetch.global.L2, one per 128-byte line,
+// spread over the CTA's threads).
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+  const unsigned long long begin = reinterpret_cast<unsigned long long>(p) & ~127ull;
+  const unsigned long long end = reinterpret_cast<unsigned long long>(p) + bytes;
+  for (unsigned long long a = begin + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
+}
+
 // The tail's inputs that do not depend on the peers: the weight and the residual of the CTA's
 // first row (register tails) and the quantizer's scalar. prefetch() is called before a cross-rank
 // wait, so that the loads' HBM latency overlaps the NVLink round trip; emit() uses them for the
@@ -478,6 +489,18 @@ struct RowTail {
         tail_load_residual<T, VPT>(p.tail, r, x);
         row = r;
       }
+    }
+  }
+
+  // A CTA's rows follow each other: its next row's residual (and `next_a`, the two-shot's sums of it)
+  // goes to L2 while this row waits and runs its tail, instead of an HBM round trip on the critical
+  // path after it.
+  __device__ __forceinline__ void prefetch_next(const P2PParams& p, int next, const uint4* next_a = nullptr) {
+    if constexpr (QUANT != kQuantPlain) {
+      if (next >= p.rows) return;
+      const long long bytes = static_cast<long long>(p.tail.h) * sizeof(T);
+      prefetch_l2(static_cast<const T*>(p.tail.residual_in) + static_cast<size_t>(next) * p.tail.h, bytes);
+      if (next_a != nullptr) prefetch_l2(next_a, bytes);
     }
   }
 
@@ -603,6 +626,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
           out[i] = lamport_sum<T, kPlainSumBatch>(p, inbox, i, a, wait);
         }
       } else if constexpr (VPT > 0) {
+        if constexpr (VPT == 1) tail.prefetch_next(p, r + nb);  // VPT 2: its 64 registers are full
         tail.load(p, r);
         uint4 a[VPT];
 #pragma unroll
@@ -615,6 +639,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
         const auto sum = [&p, inbox, own, &wait](int i) {
           return lamport_sum<T, kMaxWorld>(p, inbox, i, own(i), wait);
         };
+        tail.prefetch_next(p, r + nb);
         tail.emit(p, r, sum, red);
       }
     }
@@ -641,6 +666,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
     const uint4* g = gather(p, p.rank, epoch);
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
+      tail.prefetch_next(p, r + nb, g + row_first_vec(p, r + nb));
       tail.emit(p, r, [g, first](int i) { return __ldcg(g + first + i); }, red);
     }
   }

@@ -15,6 +15,11 @@ export PYTHONUNBUFFERED=1 COMMFUSE_CACHE_DIR=${COMMFUSE_CACHE_DIR:-$logs/cache}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # The benchmark's peer: FlashInfer's all-reduce fusion module, built off the machine (README), goes
+  # where FlashInfer looks for ahead-of-time modules, so the machine does not spend minutes compiling it.
+  if [[ -f .whl/flashinfer-aot/trtllm_comm.so && -d /tmp/site/flashinfer ]]; then
+    mkdir -p /tmp/site/flashinfer/data/aot/trtllm_comm && cp .whl/flashinfer-aot/trtllm_comm.so /tmp/site/flashinfer/data/aot/trtllm_comm/
+  fi
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -37,6 +42,7 @@ for s in $stages; do
     bench) run bench launch/bench.sh "$n" --out "$logs/bench" ${COMMFUSE_BENCH_ARGS:-} ;;
   esac
 done
+cp "$logs"/cache/p2p-limits-*.json "$logs"/ 2>/dev/null  # the calibration's measured times
 rm -rf "$logs/cache"
 tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
 cp "$logs"/bench/*.json "$logs"/bench/*.png "$out"/ 2>/dev/null

@@ -11,7 +11,8 @@ outputs allocated poisoned twice with different poisons and equal byte for byte 
 unwritten, and repeated calls identical), also once over an allocator pre-filled with NaN;
 bit-identical on every rank; CUDA-graph capture and replay with new inputs; back-to-back calls of
 changing shapes and algorithms (the double buffering); a rank that skips a call makes the others
-raise P2PTimeoutError within the timeout; messages at and over the workspace size; the NCCL row
+raise P2PTimeoutError within the timeout; messages at and over the workspace size (two-shot in
+pieces, or NCCL when no piece fits); the NCCL row
 forced on the same machine; calibration and its disk cache.
 
 Every multi-rank test runs all its collectives before its first assertion, so a failing rank
@@ -205,8 +206,8 @@ def test_workspace_sizes():
         assert lay.total_bytes < 420 << 20
     small = p2p.layout(1000, 2, 132)
     assert small.slot_bytes == small.lamport_bytes == p2p.ALIGN
-    assert p2p.calibration_sizes(64 << 20) == [4096 << k for k in range(15)]
-    assert p2p.calibration_sizes(3 << 20)[-2:] == [2 << 20, 3 << 20]
+    assert p2p.calibration_sizes(64 << 20) == [4096 << k for k in range(16)]
+    assert p2p.calibration_sizes(3 << 20)[-3:] == [2 << 20, 3 << 20, 6 << 20]
 
 
 def test_derive_limits():
@@ -243,8 +244,9 @@ def test_registered_with_plan():
     p = plan(fused)
     assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce")
     assert plan(Request(_meta((1024, 8192)))).collective == "p2p_twoshot"
-    over = plan(Request(_meta((4097, 8192))))
-    assert over.collective == "nccl" and any("P2P workspace" in r for r in over.reasons)
+    over = plan(Request(_meta((4097, 8192))))  # over the workspace and the measured crossover
+    assert over.collective == "nccl" and any("crossover" in r for r in over.reasons)
+    assert plan(Request(_meta((4097, 8192))), strategy="twoshot").collective == "p2p_twoshot"  # in pieces
     odd = plan(Request(_meta((3, 5))))
     assert odd.collective == "nccl" and any("multiple of 8 elements" in r for r in odd.reasons)
     assert plan(Request(_meta((64, 4096), torch.float32))).collective == "nccl"
@@ -521,6 +523,13 @@ def test_cuda_graph_capture_and_replay(comms, gen, monkeypatch, algo):
     del graph
 
 
+# Over a 1 MiB workspace, h = 4096 bf16: 128 rows a piece (8 KiB rows), also for swizzled NVFP4.
+# 300 rows: pieces of 128, 128, 44 (the last with padding rows to zero). h = 8192 with swizzled NVFP4:
+# 128 rows are 2 MiB, no piece fits: NCCL.
+OVER_PATTERNS = [(None, False, "swizzled"), ("fp8", True, "swizzled"), ("nvfp4", True, "swizzled"),
+                 ("nvfp4", False, "linear")]
+
+
 @mpi
 @pytest.mark.parametrize("algo", ALGOS)
 def test_messages_at_and_over_the_workspace(comm, gen, algo):
@@ -533,9 +542,16 @@ def test_messages_at_and_over_the_workspace(comm, gen, algo):
         residual, weight, scale = tail_inputs(c, gen, x.shape[0], h, torch.bfloat16, "nvfp4")
         at = c.fused_all_reduce(x, residual, weight, eps=EPS, quant="nvfp4", scale=scale, return_norm=True)
         y = c.all_reduce(x)
-        big, bigs = rank_inputs(c, gen, (limit // (2 * h) + 1, h), torch.bfloat16)
+        big, bigs = rank_inputs(c, gen, (300, h), torch.bfloat16)
+        big_res, big_w, _ = tail_inputs(c, gen, 300, h, torch.bfloat16, None)
+        big_scales = {q: tail_inputs(c, gen, 1, h, torch.bfloat16, q)[2] for q in ("fp8", "nvfp4")}
         over = c.all_reduce(big)
         over_plan = c.plan(big)
+        over_fused = [c.fused_all_reduce(big, big_res, big_w, eps=EPS, quant=q, scale=big_scales.get(q),
+                                         return_norm=n, sf_layout=lay) for q, n, lay in OVER_PATTERNS]
+        wide, wides = rank_inputs(c, gen, (200, 8192), torch.bfloat16)
+        wide_res, wide_w, wide_scale = tail_inputs(c, gen, 200, 8192, torch.bfloat16, "nvfp4")
+        nccl = c.fused_all_reduce(wide, wide_res, wide_w, eps=EPS, quant="nvfp4", scale=wide_scale)
         c.check()
     finally:
         c.close()
@@ -543,13 +559,19 @@ def test_messages_at_and_over_the_workspace(comm, gen, algo):
     assert at.plan.collective == f"p2p_{algo}"
     check_fused(at, xs, residual, weight, scale, ("nvfp4", True, "swizzled"))
     assert bits_equal(y, reference.all_reduce_sum(xs))
-    assert over_plan.collective == "nccl", str(over_plan)
-    assert any("P2P workspace" in r for r in over_plan.reasons), over_plan.reasons
-    expect = reference.all_reduce_sum(bigs)
+    # Over the workspace: two-shot (the one-shot's buffers are smaller still), in pieces.
+    assert over_plan.collective == "p2p_twoshot", str(over_plan)
+    assert bits_equal(over, reference.all_reduce_sum(bigs))
+    for r, pattern in zip(over_fused, OVER_PATTERNS):
+        assert (r.plan.collective, r.plan.tail) == ("p2p_twoshot", "fused"), str(r.plan)
+        check_fused(r, bigs, big_res, big_w, big_scales.get(pattern[0]), pattern)
+    assert nccl.plan.collective == "nccl" and nccl.plan.tail == "fused", str(nccl.plan)
+    assert any("holds no piece" in r for r in nccl.plan.reasons), nccl.plan.reasons
     if c.world_size == 2:  # NCCL's one addition in T equals the fp32 sum rounded once
-        assert bits_equal(over, expect)
+        check_fused(nccl, wides, wide_res, wide_w, wide_scale, ("nvfp4", False, "swizzled"))
     else:
-        assert torch.allclose(over.float(), expect.float(), rtol=2e-2, atol=1e-1)
+        expect = reference.all_reduce_sum(wides).float().cpu() + wide_res.float().cpu()
+        assert torch.allclose(nccl.residual.float().cpu(), expect, rtol=2e-2, atol=1e-1)
 
 
 @mpi
@@ -605,7 +627,7 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     limits = gather(comm, comm._p2p.limits)
     assert len(set(limits)) == 1, f"ranks disagree on the limits: {limits}"
     lim = limits[0]
-    assert 0 <= lim.oneshot_max <= lim.twoshot_max <= lim.workspace_bytes == comm._p2p.max_bytes, lim
+    assert 0 <= lim.oneshot_max <= lim.twoshot_max <= 2 * lim.workspace_bytes == 2 * comm._p2p.max_bytes, lim
     assert lim.oneshot_max <= lim.oneshot_bytes == comm._p2p.lamport_bytes, lim
 
     monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))  # only rank 0 reads and writes it
@@ -626,7 +648,7 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     finally:
         ws.close()
     files = list(tmp_path.glob("p2p-limits-*.json"))
-    assert 0 <= measured.oneshot_max <= measured.twoshot_max <= measured.workspace_bytes == 1 << 20
+    assert 0 <= measured.oneshot_max <= measured.twoshot_max <= 2 * measured.workspace_bytes == 2 << 20
     assert cached == measured
     if dist.get_rank(comm.group) == 0:
         assert len(files) == 1

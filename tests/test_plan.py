@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from commfuse.plan import (KernelSpec, P2PLimits, Request, TensorMeta, check_arguments, make_plan,
+from commfuse.plan import (KernelSpec, P2PLimits, Request, TensorMeta, check_arguments, chunk_rows, make_plan,
                            registered_kernels)
 
 CUDA = torch.device("cuda", 0)
@@ -85,10 +85,35 @@ def test_p2p_algorithm_follows_measured_crossovers(t, expect):
     assert p.tail == "fused" and p.kernel == ("tail" if expect == "nccl" else "p2p")
 
 
-def test_message_over_workspace_goes_to_nccl():
-    limits = P2PLimits(workspace_bytes=1 << 20, oneshot_max=1 << 20, twoshot_max=1 << 20)
-    p = plan(request(t=129), mode="p2p", kernels=(TAIL, P2P), p2p=limits)
-    assert p.collective == "nccl" and "workspace" in " ".join(p.reasons)
+# A 1 MiB workspace measured ahead of NCCL up to 2 MiB (two pieces); bf16 rows of 4096 are 8 KiB.
+OVER = P2PLimits(workspace_bytes=1 << 20, oneshot_max=256 << 10, twoshot_max=2 << 20, oneshot_bytes=512 << 10)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "oneshot", "twoshot"])
+@pytest.mark.parametrize("req", [request(t=129), request(t=256, quant="nvfp4"), request(t=129, plain=True),
+                                 request(t=200, quant="nvfp4", sf_layout="linear")],
+                         ids=["fused", "nvfp4-swizzled", "plain", "nvfp4-linear"])
+def test_message_over_workspace_goes_twoshot_in_pieces(strategy, req):
+    p = plan(req, mode="p2p", kernels=(TAIL, P2P), p2p=OVER, strategy=strategy)
+    assert p.collective == "p2p_twoshot", str(p)
+
+
+def test_message_over_the_measured_crossover_goes_to_nccl():
+    p = plan(request(t=257), mode="p2p", kernels=(TAIL, P2P), p2p=OVER)
+    assert p.collective == "nccl" and "crossover" in " ".join(p.reasons)
+
+
+@pytest.mark.parametrize("t, h, quant, sf_layout, pieces", [
+    (129, 4096, None, "swizzled", 128), (129, 4096, "nvfp4", "swizzled", 128), (129, 4096, "nvfp4", "linear", 128),
+    (129, 6144, None, "swizzled", 85), (129, 6144, "nvfp4", "swizzled", 0), (100, 8192, "nvfp4", "swizzled", 0)])
+def test_chunk_rows(t, h, quant, sf_layout, pieces):
+    assert chunk_rows(h * 2, quant, sf_layout, 1 << 20) == pieces
+    p = plan(request(t=t, h=h, quant=quant, sf_layout=sf_layout), mode="p2p", kernels=(TAIL, P2P),
+             p2p=OVER, strategy="twoshot")
+    if pieces:
+        assert p.collective == "p2p_twoshot", str(p)
+    else:  # 128 rows of swizzled NVFP4 scale factors do not fit: no piece, NCCL
+        assert p.collective == "nccl" and "holds no piece" in " ".join(p.reasons), str(p)
 
 
 def test_strategy_nccl_forces_fallback_row_on_p2p_machine():
