@@ -29,7 +29,7 @@ run() {  # name, command...
   local t0=$SECONDS
   "$@" > "$logs/$name.log" 2>&1; local rc=$?
   printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - t0)) \
-    "$(grep -E '[0-9]+ (passed|failed)' "$logs/$name.log" | tail -n 1)" | tee -a "$summary"
+    "$(grep -aE '[0-9]+ (passed|failed)' "$logs/$name.log" | tail -n 1)" | tee -a "$summary"
   tail -n 25 "$logs/$name.log" | sed "s/^/[$name] /"
 }
 nvidia-smi -L | tee -a "$summary"
