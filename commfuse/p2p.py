@@ -237,7 +237,8 @@ def plain_rows(total_vecs: int, nblocks: int, algo: str) -> Tuple[int, int, int]
 
 
 def default_max_bytes(world: int) -> int:
-    """Default largest P2P message: DEFAULT_BUDGET / (world + 1), whole MiB (64 MiB for 2 ranks)."""
+    """Default largest message of one P2P launch: DEFAULT_BUDGET / (world + 1), whole MiB (64 MiB for 2
+    ranks)."""
     return max(ALIGN, DEFAULT_BUDGET // (world + 1) >> 20 << 20)
 
 
@@ -388,7 +389,8 @@ class Workspace:
 
     Collective: every rank of `group` (a NCCL group, 2..8 ranks, one node, P2P between every pair)
     constructs it at the same point, with this process's CUDA device `device` current.
-    max_bytes: largest message (default: COMMFUSE_P2P_WORKSPACE_MB, else default_max_bytes(world));
+    max_bytes: largest message of one launch (default: COMMFUSE_P2P_WORKSPACE_MB, else
+    default_max_bytes(world)); larger ones run two-shot in pieces;
     timeout_s: longest wait for a peer (default: COMMFUSE_P2P_TIMEOUT_S, else 10 s); calibrate:
     measure the crossovers (else default_limits; COMMFUSE_P2P_CALIBRATE=0 also turns it off);
     topology: the group's Topology, for the calibration cache key (default: topology.detect(group)).
@@ -605,11 +607,12 @@ class Workspace:
         launch each. Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for
         `all_reduce`.
         """
-        h, elt = x.shape[-1], x.element_size()
-        piece = chunk_rows(h * elt, quant, sf_layout, self.max_bytes)
         if not checked:
             self._check_call(x, algo)
             fused_tail.check(x, residual, weight, quant, scale, sf_layout)
+        h, elt = x.shape[-1], x.element_size()
+        piece = chunk_rows(h * elt, quant, sf_layout, self.max_bytes)
+        if not checked:
             if x.numel() * elt > self.max_bytes and not piece:
                 raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
                                  f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
@@ -677,8 +680,7 @@ class Workspace:
             raise ValueError(f"sizes must be positive multiples of 16 B, got {sizes}")
         n_max = max(sizes) // 2
         x = torch.zeros(n_max, dtype=torch.bfloat16, device=self.device)
-        out = torch.empty_like(x)
-        buf = torch.zeros_like(x)
+        out = torch.empty_like(x)  # also NCCL's buffer: only the time is kept
         stream = torch.cuda.current_stream(self.device)
         delay = jit.kernel(SOURCE, DELAY_KERNEL, device=self._index)
         delay_params = struct.pack("<Q", _CAL_DELAY_NS)
@@ -691,7 +693,7 @@ class Workspace:
             # route copies x first (x is the caller's): 2 x 112 MiB of HBM traffic at 112 MiB, ~55 us.
             runs = (lambda: self._launch_plain(x[:n], out[:n], "oneshot"),
                     lambda: self._launch_plain(x[:n], out[:n], "twoshot"),
-                    lambda: dist.all_reduce(buf[:n].copy_(x[:n]), group=self.group))
+                    lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=self.group))
             calls = 8 if size <= 16 << 20 else 3
             row = []
             for run in runs[size > self.lamport_bytes:]:

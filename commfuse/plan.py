@@ -244,7 +244,7 @@ def make_plan(req: Request, *, mode: str, backend: str, sm: Optional[tuple], wor
         reasons.append(tail_guard)
 
     collective, kernel = backend, None
-    algo = _p2p_algorithm(req, mode, strategy, p2p, reasons, mode_reasons)
+    algo = _p2p_algorithm(req, mode, strategy, p2p, reasons, mode_reasons, tail_in_p2p=not tail_guard)
     if algo:
         spec = _pick(kernels, "p2p", req, sm, world_size, algo, reasons)
         if spec:
@@ -289,7 +289,7 @@ def _tail_guard(req: Request, sm: Optional[tuple], fusion: bool) -> Optional[str
 
 
 def _p2p_algorithm(req: Request, mode: str, strategy: str, p2p: Optional[P2PLimits],
-                   reasons: list, mode_reasons: Sequence[str]) -> Optional[str]:
+                   reasons: list, mode_reasons: Sequence[str], tail_in_p2p: bool) -> Optional[str]:
     if strategy == "nccl":
         reasons.append("strategy 'nccl': P2P all-reduce not used")
         return None
@@ -302,8 +302,11 @@ def _p2p_algorithm(req: Request, mode: str, strategy: str, p2p: Optional[P2PLimi
     if req.x.device.type != "cuda":
         return None
     size = req.message_bytes
-    row_bytes = 16 if req.residual is None else req.hidden * req.x.dtype.itemsize
-    if size > p2p.workspace_bytes and not chunk_rows(row_bytes, req.quant, req.sf_layout, p2p.workspace_bytes):
+    # A separated tail leaves the P2P kernel a plain all-reduce, cut into pieces of any 16 bytes.
+    fused = req.residual is not None and tail_in_p2p
+    row_bytes = req.hidden * req.x.dtype.itemsize if fused else 16
+    quant = req.quant if fused else None
+    if size > p2p.workspace_bytes and not chunk_rows(row_bytes, quant, req.sf_layout, p2p.workspace_bytes):
         reasons.append(f"message {size} B > P2P workspace {p2p.workspace_bytes} B, which holds no piece of it "
                        "(a row, or 128 rows for swizzled NVFP4): NCCL")
         return None

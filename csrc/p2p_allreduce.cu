@@ -68,7 +68,9 @@
 // dependent launch; never written by a peer or by this kernel), so no ordering with the peers is
 // needed and the argument above is untouched: the workspace is still written only after the
 // start-up sync has fixed the epoch. A CTA's later rows are brought into L2 one row ahead
-// (RowTail::prefetch_next: the residual, and the two-shot's gathered sums after barrier 1).
+// (RowTail::prefetch_next): the residual, and in the two-shot's phase 2 the gathered sums, which
+// peers wrote; that prefetch is issued after barrier 1's acquire, and it is only a hint that moves
+// lines into L2, where the peers' NVLink writes land, so it cannot make a read see older data.
 //
 // Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) make
 // every CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails and

@@ -523,48 +523,78 @@ def test_cuda_graph_capture_and_replay(comms, gen, monkeypatch, algo):
     del graph
 
 
-# Over a 1 MiB workspace, h = 4096 bf16: 128 rows a piece (8 KiB rows), also for swizzled NVFP4.
-# 300 rows: pieces of 128, 128, 44 (the last with padding rows to zero). h = 8192 with swizzled NVFP4:
-# 128 rows are 2 MiB, no piece fits: NCCL.
-OVER_PATTERNS = [(None, False, "swizzled"), ("fp8", True, "swizzled"), ("nvfp4", True, "swizzled"),
-                 ("nvfp4", False, "linear")]
+# Over a 1 MiB workspace (2-byte elements), 300 rows in pieces of whole rows: h = 4096 gives pieces
+# of 128 rows (the last, 44, with swizzled padding rows to zero); h = 3088 (193 NVFP4 blocks, not a
+# multiple of 4) 169 rows, or 128 with swizzled scale factors; h = 4104 127 rows (odd: FP8 codes of
+# a piece start 8-byte aligned). h = 8192 with swizzled NVFP4: 128 rows are 2 MiB, no piece fits: NCCL.
+OVER_CASES = [(4096, (None, False, "swizzled")), (4096, ("fp8", True, "swizzled")),
+              (3088, ("nvfp4", True, "swizzled")), (3088, ("nvfp4", False, "linear")),
+              (4104, ("fp8", False, "swizzled")), (4104, (None, False, "swizzled"))]
 
 
 @mpi
 @pytest.mark.parametrize("algo", ALGOS)
-def test_messages_at_and_over_the_workspace(comm, gen, algo):
+def test_messages_at_and_over_the_workspace(comm, gen, monkeypatch, algo):
     _skip_unless_p2p(comm)
     c = _new_comm(comm, algo, COMMFUSE_P2P_WORKSPACE_MB=1)
+    bf = torch.bfloat16
     try:
         limit = c._p2p.max_bytes
         h = 4096
-        x, xs = rank_inputs(c, gen, (limit // (2 * h), h), torch.bfloat16)  # exactly the workspace
-        residual, weight, scale = tail_inputs(c, gen, x.shape[0], h, torch.bfloat16, "nvfp4")
+        x, xs = rank_inputs(c, gen, (limit // (2 * h), h), bf)  # exactly the workspace
+        residual, weight, scale = tail_inputs(c, gen, x.shape[0], h, bf, "nvfp4")
         at = c.fused_all_reduce(x, residual, weight, eps=EPS, quant="nvfp4", scale=scale, return_norm=True)
         y = c.all_reduce(x)
-        big, bigs = rank_inputs(c, gen, (300, h), torch.bfloat16)
-        big_res, big_w, _ = tail_inputs(c, gen, 300, h, torch.bfloat16, None)
-        big_scales = {q: tail_inputs(c, gen, 1, h, torch.bfloat16, q)[2] for q in ("fp8", "nvfp4")}
-        over = c.all_reduce(big)
+        big, bigs = rank_inputs(c, gen, (300, h), bf)
         over_plan = c.plan(big)
-        over_fused = [c.fused_all_reduce(big, big_res, big_w, eps=EPS, quant=q, scale=big_scales.get(q),
-                                         return_norm=n, sf_layout=lay) for q, n, lay in OVER_PATTERNS]
-        wide, wides = rank_inputs(c, gen, (200, 8192), torch.bfloat16)
-        wide_res, wide_w, wide_scale = tail_inputs(c, gen, 200, 8192, torch.bfloat16, "nvfp4")
+        over = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: c.all_reduce(big))
+        cases = []
+        for hh, pattern in OVER_CASES:
+            xo, xos = rank_inputs(c, gen, (300, hh), bf)
+            res, w, sc = tail_inputs(c, gen, 300, hh, bf, pattern[0])
+            runs = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: run_pattern(c, xo, res, w, sc, pattern))
+            cases.append((pattern, xos, res, w, sc, runs, gather(c, digest(outputs(runs[0])))))
+        # Pieces inside a CUDA graph: captured once, replayed with new inputs.
+        res_g, w_g, sc_g = tail_inputs(c, gen, 300, 3088, bf, "nvfp4")
+        x_g, _ = rank_inputs(c, gen, (300, 3088), bf)
+        graph_pattern = ("nvfp4", True, "swizzled")
+        run_pattern(c, x_g, res_g, w_g, sc_g, graph_pattern)  # kernels loaded before capture
+        torch.cuda.synchronize()
+        check_calls, c.check_calls = c.check_calls, False  # its all_gather_object cannot run under capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run_pattern(c, x_g, res_g, w_g, sc_g, graph_pattern)
+        c.check_calls = check_calls
+        replays = []
+        for _ in range(2):
+            fresh, freshs = rank_inputs(c, gen, (300, 3088), bf)
+            x_g.copy_(fresh)
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append((freshs, [o.clone() if o is not None else None for o in outputs(captured)]))
+        wide, wides = rank_inputs(c, gen, (200, 8192), bf)
+        wide_res, wide_w, wide_scale = tail_inputs(c, gen, 200, 8192, bf, "nvfp4")
         nccl = c.fused_all_reduce(wide, wide_res, wide_w, eps=EPS, quant="nvfp4", scale=wide_scale)
         c.check()
+        del graph
     finally:
         c.close()
     assert limit == 1 << 20 and x.numel() * 2 == limit
     assert at.plan.collective == f"p2p_{algo}"
     check_fused(at, xs, residual, weight, scale, ("nvfp4", True, "swizzled"))
     assert bits_equal(y, reference.all_reduce_sum(xs))
-    # Over the workspace: two-shot (the one-shot's buffers are smaller still), in pieces.
+    # Over the workspace: two-shot (the one-shot's buffers are smaller still), in pieces; every
+    # output element written (two poisons agree), the same on every rank.
     assert over_plan.collective == "p2p_twoshot", str(over_plan)
-    assert bits_equal(over, reference.all_reduce_sum(bigs))
-    for r, pattern in zip(over_fused, OVER_PATTERNS):
-        assert (r.plan.collective, r.plan.tail) == ("p2p_twoshot", "fused"), str(r.plan)
-        check_fused(r, bigs, big_res, big_w, big_scales.get(pattern[0]), pattern)
+    assert bits_equal(over[0], over[1]) and bits_equal(over[0], reference.all_reduce_sum(bigs))
+    for pattern, xos, res, w, sc, (first, second), digests in cases:
+        assert (first.plan.collective, first.plan.tail) == ("p2p_twoshot", "fused"), str(first.plan)
+        for name, a, b in zip(("residual", "norm", "quant", "scale_factors"), outputs(first), outputs(second)):
+            assert a is None or bits_equal(a, b), f"{pattern}: {name}: elements left unwritten"
+        assert len(set(digests)) == 1, f"{pattern}: ranks' outputs differ"
+        check_fused(first, xos, res, w, sc, pattern)
+    for freshs, outs in replays:
+        check_fused(reference.Tail(*outs), freshs, res_g, w_g, sc_g, graph_pattern)
     assert nccl.plan.collective == "nccl" and nccl.plan.tail == "fused", str(nccl.plan)
     assert any("holds no piece" in r for r in nccl.plan.reasons), nccl.plan.reasons
     if c.world_size == 2:  # NCCL's one addition in T equals the fp32 sum rounded once

@@ -114,6 +114,10 @@ def test_chunk_rows(t, h, quant, sf_layout, pieces):
         assert p.collective == "p2p_twoshot", str(p)
     else:  # 128 rows of swizzled NVFP4 scale factors do not fit: no piece, NCCL
         assert p.collective == "nccl" and "holds no piece" in " ".join(p.reasons), str(p)
+    # With the tail separated the P2P kernel is a plain all-reduce: pieces of any 16 bytes fit.
+    p = plan(request(t=t, h=h, quant=quant, sf_layout=sf_layout), mode="p2p", kernels=(TAIL, P2P),
+             p2p=OVER, strategy="twoshot", fusion=False)
+    assert (p.collective, p.tail) == ("p2p_twoshot", "separated"), str(p)
 
 
 def test_strategy_nccl_forces_fallback_row_on_p2p_machine():

@@ -3,15 +3,17 @@
 One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
 1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale-factor
 layout, token counts with and without swizzle padding rows. Under mpirun with 2+ GPUs, also the
-P2P kernels (one-shot and two-shot, plain and fused) through a Communicator. The outputs are checked
+P2P kernels (one-shot and two-shot, plain and fused; and two-shot in pieces over a 1 MiB workspace)
+through a Communicator. The outputs are checked
 against commfuse.reference as in the tests (tolerance.tail_mismatch), so a run that the sanitizer
 passes but that computes garbage still fails. Prints "exercised N launches" at the end.
 """
+import os
 import sys
 
 import torch
 
-from commfuse import fused_tail, reference, tolerance
+from commfuse import fused_tail, plan, reference, tolerance
 
 SHAPES = [(1, 16), (3, 40), (1, 4096), (130, 7168), (600, 4096), (7, 16384), (2, 32000)]
 PATTERNS = [(None, None), ("fp8", 0.02), ("nvfp4", 0.004)]
@@ -50,22 +52,32 @@ def p2p_kernels(g) -> int:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     n = 0
-    for strategy in ("oneshot", "twoshot"):
+    for strategy, workspace_mb, shapes in (("oneshot", None, ((1, 4096), (130, 7168), (7, 16384), (2, 32000))),
+                                           ("twoshot", None, ((1, 4096), (130, 7168), (7, 16384), (2, 32000))),
+                                           ("twoshot", 1, ((300, 3088),))):  # pieces of 169 / 128 rows
+        if workspace_mb:
+            os.environ["COMMFUSE_P2P_WORKSPACE_MB"] = str(workspace_mb)
         comm = commfuse.Communicator(strategy=strategy)
-        for t, h in ((1, 4096), (130, 7168), (7, 16384), (2, 32000)):
+        os.environ.pop("COMMFUSE_P2P_WORKSPACE_MB", None)
+        limit = comm._p2p.max_bytes
+
+        def launches(row_bytes, quant, t):
+            return 1 if t * row_bytes <= limit else -(-t // plan.chunk_rows(row_bytes, quant, "swizzled", limit))
+
+        for t, h in shapes:
             # Every rank makes every rank's x (same generator state) and keeps its own, so the sum
             # can be checked; a kernel that read the wrong peer would fail here.
             xs = [torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16) for _ in range(world)]
             _, residual, weight = inputs(g, t, h, torch.bfloat16)
             total = comm.all_reduce(xs[rank])
-            n += 1
+            n += launches(16, None, t * h // 8)
             why = tolerance.within_ulp(total, reference.all_reduce_sum(xs), 0, f"{strategy} sum {t}x{h}")
             if why:
                 sys.exit(why)
             for quant, s in PATTERNS:
                 scale = None if s is None else torch.tensor([s], device="cuda")
                 r = comm.fused_all_reduce(xs[rank], residual, weight, 1e-6, quant, scale, True, "swizzled")
-                n += 1
+                n += launches(2 * h, quant, t)
                 if not r.plan.collective.startswith("p2p") or r.plan.tail != "fused":
                     sys.exit(f"{strategy} {t}x{h} {quant}: took {r.plan}, not a fused P2P kernel")
                 check(r, total, residual, weight, quant, scale, "swizzled", f"{strategy} {t}x{h} {quant}")
