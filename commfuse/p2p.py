@@ -101,6 +101,7 @@ P2P tail runs the local tail kernel's configuration, so the two give the same bi
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import json
@@ -371,8 +372,7 @@ def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
         if json.dumps(entry["key"], sort_keys=True) != json.dumps(key, sort_keys=True):
             return None
         lim = entry["limits"]
-        return P2PLimits(int(lim["workspace_bytes"]), int(lim["oneshot_max"]), int(lim["twoshot_max"]),
-                         int(lim["oneshot_bytes"]))
+        return P2PLimits(int(lim["workspace_bytes"]), int(lim["oneshot_max"]), int(lim["twoshot_max"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or damaged: measure again
 
@@ -642,7 +642,7 @@ class Workspace:
             "gpus": [r.gpu_name for r in topo.ranks], "p2p": topo.p2p, "nvlink": topo.nvlink,
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": vers.nccl if vers else None, "driver": vers.driver if vers else None,
-            "workspace_bytes": self.max_bytes, "nblocks": self.nblocks,
+            "workspace_bytes": self.max_bytes, "lamport_bytes": self.lamport_bytes, "nblocks": self.nblocks,
         }
 
     def _calibrate(self, topo) -> P2PLimits:
@@ -658,8 +658,8 @@ class Workspace:
         path = jit._cache_dir() / f"p2p-limits-{digest}.json"
         cached = _read_limits(path, key) if self.rank == 0 else None
         cached = _all_gather(self.group, cached)[0]
-        if cached is not None:
-            return cached
+        if cached is not None:  # the buffers' size is this workspace's, never the file's
+            return dataclasses.replace(cached, oneshot_bytes=self.lamport_bytes)
         sizes, times = self.measure()
         limits = derive_limits(sizes, times, self.max_bytes, self.lamport_bytes)
         if self.rank == 0:
@@ -667,8 +667,7 @@ class Workspace:
                                  "columns": ["oneshot", "twoshot", "nccl"],
                                  "limits": {"workspace_bytes": limits.workspace_bytes,
                                             "oneshot_max": limits.oneshot_max,
-                                            "twoshot_max": limits.twoshot_max,
-                                            "oneshot_bytes": limits.oneshot_bytes}})
+                                            "twoshot_max": limits.twoshot_max}})
         return limits
 
     def measure(self, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[List[float]]]:

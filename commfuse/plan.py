@@ -310,13 +310,14 @@ def _p2p_algorithm(req: Request, mode: str, strategy: str, p2p: Optional[P2PLimi
         reasons.append(f"message {size} B > P2P workspace {p2p.workspace_bytes} B, which holds no piece of it "
                        "(a row, or 128 rows for swizzled NVFP4): NCCL")
         return None
+    # The one-shot's buffers bound it whatever the crossovers say: a larger message would overrun them.
     oneshot_bytes = p2p.oneshot_bytes if p2p.oneshot_bytes is not None else p2p.workspace_bytes
     if strategy == "oneshot" and size > oneshot_bytes:
         reasons.append(f"message {size} B > one-shot buffers {oneshot_bytes} B: two-shot")
         return "twoshot"
     if strategy in ("oneshot", "twoshot"):
         return strategy
-    if size <= p2p.oneshot_max:
+    if size <= min(p2p.oneshot_max, oneshot_bytes):
         return "oneshot"
     if size <= p2p.twoshot_max:
         return "twoshot"

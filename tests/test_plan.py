@@ -98,6 +98,13 @@ def test_message_over_workspace_goes_twoshot_in_pieces(strategy, req):
     assert p.collective == "p2p_twoshot", str(p)
 
 
+def test_oneshot_never_exceeds_its_buffers():
+    # Crossovers that claim more than the buffers hold (a stale or edited calibration file): two-shot.
+    stale = P2PLimits(workspace_bytes=64 << 20, oneshot_max=16 << 20, twoshot_max=32 << 20, oneshot_bytes=8 << 20)
+    assert plan(request(t=1024), mode="p2p", kernels=(TAIL, P2P), p2p=stale).collective == "p2p_oneshot"  # 8 MiB
+    assert plan(request(t=1025), mode="p2p", kernels=(TAIL, P2P), p2p=stale).collective == "p2p_twoshot"
+
+
 def test_message_over_the_measured_crossover_goes_to_nccl():
     p = plan(request(t=257), mode="p2p", kernels=(TAIL, P2P), p2p=OVER)
     assert p.collective == "nccl" and "crossover" in " ".join(p.reasons)
