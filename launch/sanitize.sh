@@ -25,6 +25,7 @@ mpirun -n "$n" --oversubscribe --bind-to none python3 tests/kernels/exercise.py 
   || { cat "$logs/compile.log"; exit 1; }
 status=0
 for tool in $tools; do
+  rm -f "$logs/$tool".rank*.rc "$logs/$tool".rank*.log  # a reused log folder must not pass on old results
   timeout --kill-after=30 "${COMMFUSE_SANITIZE_TIMEOUT:-900}" mpirun -n "$n" --oversubscribe --bind-to none bash -c '
     r=${OMPI_COMM_WORLD_RANK:-0}
     compute-sanitizer --tool "$0" --error-exitcode 86 --report-api-errors no --print-limit 20 \
