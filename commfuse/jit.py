@@ -263,7 +263,7 @@ def write_atomic(path: Path, data: bytes, what: str) -> None:
 
 
 def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...]):
-    """Compile `path` with NVRTC: (cubin bytes, {name expression: lowered name})."""
+    """Compile `path` with NVRTC: (cubin bytes, {name expression: lowered name}, the compile log)."""
     nvrtc = _nvrtc()
     what = f"NVRTC compile of {path.name} [{', '.join(names)}]"
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], []), what)
@@ -272,15 +272,13 @@ def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...])
             _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), f"{what}: adding {name}")
         opts = [o.encode() for o in options]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), what)
+        log = b" " * size
+        _nvrtc_check(nvrtc.nvrtcGetProgramLog(prog, log), what)
+        log = log.rstrip(b"\0 ").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), what)
-            log = b" " * size
-            _nvrtc_check(nvrtc.nvrtcGetProgramLog(prog, log), what)
             _, msg = nvrtc.nvrtcGetErrorString(err)
-            raise JitError(
-                f"{what} for {_arch_of(options)} failed ({msg.decode(errors='replace')}):\n"
-                + log.rstrip(b"\0 ").decode(errors="replace")
-            )
+            raise JitError(f"{what} for {_arch_of(options)} failed ({msg.decode(errors='replace')}):\n" + log)
         size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), what)
         cubin = b" " * size
         _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), what)
@@ -288,7 +286,7 @@ def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...])
         for name in names:
             low = _nvrtc_check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), f"{what}: lowered name of {name}")
             lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
-        return cubin, lowered
+        return cubin, lowered, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -315,7 +313,7 @@ def build(source_file: str, name_expressions: Sequence[str], arch: str) -> Build
     hit = _read_cache(entry, names)
     if hit is not None:
         return Build(*hit)
-    cubin, lowered = _nvrtc_compile(path, names, options)
+    cubin, lowered, _ = _nvrtc_compile(path, names, options)
     _write_cache(entry, cubin, lowered)
     return Build(cubin, lowered)
 
