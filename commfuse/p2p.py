@@ -296,18 +296,18 @@ def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
     return P2PLimits(max_bytes, min(DEFAULT_ONESHOT_MAX, oneshot_bytes), max_bytes, oneshot_bytes)
 
 
-def _tail_rows(fields: tuple, begin: int, end: int, elt: int, quant: Optional[str]) -> tuple:
-    """fused_tail.prepare's TailParams fields for all rows -> those of rows [begin, end). `begin` is a
-    multiple of 128 with swizzled scale factors (chunk_rows), whose 128-row tiles are contiguous."""
-    residual, res_out, weight, norm, q, sf, scale, eps, h, _, swizzled = fields
-    k = h // 16
-    q_row = h if quant == "fp8" else h // 2
-    sf_row = -(-k // 4) * 4 if swizzled else k
+def _tail_rows(fields: tuple, out: Tail, row_slots: int, begin: int, end: int) -> tuple:
+    """fused_tail.prepare's TailParams fields and outputs for all rows -> the fields of rows
+    [begin, end). Each output advances by its own bytes per row (its size over its rows: row_slots
+    for swizzled scale factors, whose 128-row tiles are contiguous; `begin` is then a multiple of
+    128, see chunk_rows)."""
+    residual, res_out, weight, norm, q, sf, scale, eps, h, t, swizzled = fields
 
-    def at(ptr: int, row_bytes: int) -> int:
-        return ptr + begin * row_bytes if ptr else 0
+    def at(ptr: int, tensor: Optional[torch.Tensor], rows: int) -> int:
+        return ptr + begin * (tensor.nbytes // rows) if ptr else 0
 
-    return (at(residual, h * elt), at(res_out, h * elt), weight, at(norm, h * elt), at(q, q_row), at(sf, sf_row),
+    return (at(residual, out.residual, t), at(res_out, out.residual, t), weight, at(norm, out.norm, t),
+            at(q, out.quant, t), at(sf, out.scale_factors, row_slots if swizzled else t),
             scale, eps, h, end - begin, swizzled)
 
 
@@ -571,14 +571,16 @@ class Workspace:
         kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params)
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
-        """out = the sum of x_flat (numel % 8 == 0), in pieces of the workspace's size if larger."""
+        """out = the sum of x_flat (numel % 8 == 0), in pieces of max_bytes (a multiple of 4 KiB, so
+        whole vectors) if larger."""
         kernel = _kernel(x_flat.dtype, "plain", 0, algo, self._index)
-        piece = chunk_rows(16, None, "", self.max_bytes) * 8
-        for begin in range(0, x_flat.numel(), piece):
-            n = min(piece, x_flat.numel() - begin)
-            row_vecs, rows, threads = plain_rows(n // 8, self.nblocks, algo)
-            self._launch(kernel, threads, _NO_TAIL, x_flat[begin:].data_ptr(), out[begin:].data_ptr(), n // 8, rows,
-                         row_vecs, rows)
+        n, elt = x_flat.numel(), x_flat.element_size()
+        x_ptr, out_ptr, piece = x_flat.data_ptr(), out.data_ptr(), self.max_bytes // elt
+        for begin in range(0, n, piece):
+            vecs = min(piece, n - begin) // 8
+            row_vecs, rows, threads = plain_rows(vecs, self.nblocks, algo)
+            self._launch(kernel, threads, _NO_TAIL, x_ptr + begin * elt, out_ptr + begin * elt, vecs, rows, row_vecs,
+                         rows)
 
     def all_reduce(self, x: torch.Tensor, algo: str, *, checked: bool = False) -> torch.Tensor:
         """Sum of x over the group (fp32 in rank order, rounded to T once), in a new tensor of x's
@@ -607,13 +609,11 @@ class Workspace:
         launch each. Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for
         `all_reduce`.
         """
+        h, elt = x.shape[-1], x.element_size()
         if not checked:
             self._check_call(x, algo)
             fused_tail.check(x, residual, weight, quant, scale, sf_layout)
-        h, elt = x.shape[-1], x.element_size()
-        piece = chunk_rows(h * elt, quant, sf_layout, self.max_bytes)
-        if not checked:
-            if x.numel() * elt > self.max_bytes and not piece:
+            if x.numel() * elt > self.max_bytes and not chunk_rows(h * elt, quant, sf_layout, self.max_bytes):
                 raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
                                  f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
         x2, out, fields, row_slots = fused_tail.prepare(x, residual, weight, eps, quant, scale, return_norm,
@@ -626,11 +626,12 @@ class Workspace:
         if t * h * elt <= self.max_bytes:
             self._launch(kernel, threads, fields, x2.data_ptr(), 0, t * h // 8, t, h // 8, row_slots)
             return out
+        piece = chunk_rows(h * elt, quant, sf_layout, self.max_bytes)
         for begin in range(0, t, piece):
             end = min(t, begin + piece)
             slots = end - begin if end < t else row_slots - begin  # the last piece zeroes the padding
-            self._launch(kernel, threads, _tail_rows(fields, begin, end, elt, quant), x2[begin].data_ptr(), 0,
-                         (end - begin) * h // 8, end - begin, h // 8, slots)
+            self._launch(kernel, threads, _tail_rows(fields, out, row_slots, begin, end),
+                         x2.data_ptr() + begin * h * elt, 0, (end - begin) * h // 8, end - begin, h // 8, slots)
         return out
 
     # ---------------------------------------------------------------- calibration

@@ -213,6 +213,65 @@ def test_workspace_sizes():
     assert p2p.calibration_sizes(3 << 20)[-3:] == [2 << 20, 3 << 20, 6 << 20]
 
 
+class _Recorder:
+    """A Workspace without buffers or GPU (CPU tensors): records what each launch would pass."""
+
+    def __init__(self, max_bytes):
+        self.launches = []
+        ws = object.__new__(p2p.Workspace)
+        ws.max_bytes, ws.nblocks, ws._index, ws.world, ws.rank = max_bytes, 132, 0, 2, 0
+        ws._fixed_params = (0,) * 16
+        ws._closed, ws._host_ptr = False, None
+        self.ws = ws
+
+    def launch(self, grid, block, params):
+        f = p2p._PARAMS.unpack(params)
+        self.launches.append(dict(tail=f[:11], x=f[11], out=f[12], total_vecs=f[29], rows=f[30], row_vecs=f[31],
+                                  row_slots=f[32]))
+
+
+@pytest.mark.parametrize("t, h, quant, sf_layout", [
+    (300, 4096, "nvfp4", "swizzled"), (300, 3088, "nvfp4", "swizzled"), (300, 3088, "nvfp4", "linear"),
+    (300, 4104, "fp8", "swizzled"), (300, 4104, None, "swizzled"), (64, 4096, "fp8", "swizzled")])
+def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
+    """The launches of a message over a 1 MiB workspace (CPU tensors, no kernel runs): consecutive row
+    ranges of whole pieces, each output pointer at the piece's first row (computed independently of
+    the launcher: row slices, and the swizzled layout's index of (row, block 0)), the last piece
+    zeroing the padding rows."""
+    rec = _Recorder(1 << 20)
+    monkeypatch.setattr(p2p, "_kernel", lambda *args: rec)
+    g = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
+    weight = torch.randn(h, generator=g).to(torch.bfloat16)
+    scale = torch.tensor([0.02]) if quant else None
+    out = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, True, sf_layout, "twoshot", checked=True)
+    piece = p2p.chunk_rows(2 * h, quant, sf_layout, 1 << 20)
+    begins = list(range(0, t, piece))
+    assert len(rec.launches) == len(begins) == (1 if t * h * 2 <= 1 << 20 else -(-t // piece))
+    k = h // 16
+    for begin, launch in zip(begins, rec.launches):
+        end = min(t, begin + piece)
+        tail = launch["tail"]
+        assert launch["x"] == x[begin].data_ptr() and launch["rows"] == end - begin == tail[9]
+        assert launch["total_vecs"] == (end - begin) * h // 8 and launch["row_vecs"] == h // 8
+        assert tail[0] == residual[begin].data_ptr() and tail[1] == out.residual[begin].data_ptr()
+        assert tail[3] == out.norm[begin].data_ptr() and tail[2] == weight.data_ptr()
+        if quant:
+            assert tail[4] == out.quant[begin].data_ptr()
+        if quant == "nvfp4" and sf_layout == "swizzled":
+            first = int(reference.swizzled_sf_index(torch.tensor(begin), torch.tensor(0), k))
+            assert tail[5] == out.scale_factors.data_ptr() + first
+            assert launch["row_slots"] == (end - begin if end < t else -(-(t - begin) // 128) * 128)
+        elif quant == "nvfp4":
+            assert tail[5] == out.scale_factors[begin].data_ptr() and launch["row_slots"] == end - begin
+    rec.launches.clear()
+    y = rec.ws.all_reduce(x, "twoshot", checked=True)
+    n, elt = x.numel(), 2
+    assert [(l["x"], l["out"], l["total_vecs"]) for l in rec.launches] == [
+        (x.data_ptr() + b * elt, y.data_ptr() + b * elt, min(n - b, (1 << 20) // elt) // 8)
+        for b in range(0, n, (1 << 20) // elt)]
+
+
 def test_derive_limits():
     sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
     # (one-shot, two-shot, NCCL) microseconds
