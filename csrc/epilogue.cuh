@@ -462,7 +462,8 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
 // Tail of a row too long for registers: LV vectors per thread at a time, in two passes. Pass 1
 // writes residual_out and sums squares; pass 2 reads residual_out back (each thread only its own
 // writes, so no fence is needed) for the norm and quantization. load_a(v) returns vector v of
-// the all-reduced row; qs = quant_scalar<QUANT>(p).
+// the all-reduced row; qs = quant_scalar<QUANT>(p). Both kernels use LV = kLoopVectors.
+constexpr int kLoopVectors = 4;
 template <typename T, int QUANT, int LV, typename LoadA>
 __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, LoadA load_a, float qs, float* red) {
   const int nv = p.h / kVecElems;

@@ -26,8 +26,6 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 // h = 4096 (bench/tail_notes.md).
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
-// Vectors per thread per step of the looped path (rows longer than the register path takes).
-constexpr int kLoopVectors = 4;
 
 // The kernel's only parameter; packed by commfuse/fused_tail.py (_PARAMS) in this order.
 struct FusedTailParams {

@@ -114,7 +114,6 @@ constexpr int kPlainSumBatch = 4;
 // from spilling); the others take kCopyUnroll.
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
-constexpr int kLoopVectors = 4;  // tail_row_looped's vectors per thread per step (as fused_tail.cu)
 constexpr int kTimeoutCode = 1 << 16;
 
 // The kernel's only parameter; packed by commfuse/p2p.py (_PARAMS) in this order.
@@ -312,8 +311,9 @@ __device__ __forceinline__ uint4 round_sum(const float (&acc)[8]) {
 
 // Sum of vector i of the `world` sources in rank order, in fp32, rounded to T once (add_rank).
 // The loads go out BATCH ranks at a time, all of a batch in flight together: BATCH = kMaxWorld
-// (one round trip for any world) where registers allow, 4 in the 64-register 1024-thread
-// variants (still one round trip up to 4 ranks). The additions are in rank order either way.
+// (one round trip for any world) where registers allow; in the 64-register 1024-thread variants
+// 4 for VPT 1 and 2 for VPT 2 (kSumBatch: one round trip up to 4 or 2 ranks). The additions are in
+// rank order either way.
 template <typename T, int BATCH = kMaxWorld>
 __device__ __forceinline__ uint4 sum_ranks(const RankRows& src, int i) {
   static_assert(BATCH > 0 && kMaxWorld % BATCH == 0, "whole batches");
@@ -563,8 +563,8 @@ __device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
 template <typename T, int QUANT, int VPT, int ALGO>
 __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
   static_assert(ALGO == kAlgoOneshot || ALGO == kAlgoTwoshot, "unknown algorithm");
-  static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT == 0 || VPT == 1 || VPT == 2 || VPT == 4,
-                "the plain all-reduce has no register tail");
+  static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT == 0 || VPT == 1 || VPT == 2,
+                "VPT: 0 for the plain all-reduce and the looped tail, 1 or 2 for the register tails");
   static_assert(kP2PThreads<QUANT, VPT, ALGO> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
   __shared__ float red[kTailMaxWarps];
   __shared__ unsigned s_epoch;
