@@ -131,6 +131,22 @@ def sf_numel(tokens: int, hidden: int, sf_layout: str) -> int:
     return tokens * k
 
 
+@functools.lru_cache(maxsize=4096)  # a decode loop asks for a handful of shapes, on its hot path
+def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[str], return_norm: bool,
+                 sf_layout: str) -> tuple:
+    """(shape, dtype) of each output (residual, norm, quant, scale_factors), None where absent: what
+    `run` returns (see there), and what commfuse.ops' fake implementation promises."""
+    t, h = tokens, hidden
+    norm = ((t, h), dtype) if quant is None or return_norm else None
+    q = sf = None
+    if quant == "fp8":
+        q = ((t, h), torch.float8_e4m3fn)
+    elif quant == "nvfp4":
+        q = ((t, h // 2), torch.uint8)
+        sf = ((sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16), torch.float8_e4m3fn)
+    return ((t, h), dtype), norm, q, sf
+
+
 def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         quant: Optional[str] = None, scale: Optional[torch.Tensor] = None, return_norm: bool = False,
         sf_layout: str = "swizzled", *, checked: bool = False) -> Tail:
@@ -199,15 +215,11 @@ def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
     r2 = _aligned(residual.reshape(-1, h).contiguous())
     w = _aligned(weight.contiguous())
     t = a2.shape[0]
-    res_out = _empty((t, h), dtype=dtype, device=device)
-    norm = _empty((t, h), dtype=dtype, device=device) if quant is None or return_norm else None
-    q = sf = None
-    if quant == "fp8":
-        q = _empty((t, h), dtype=torch.float8_e4m3fn, device=device)
-    elif quant == "nvfp4":
-        q = _empty((t, h // 2), dtype=torch.uint8, device=device)
-        shape = (sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
-        sf = _empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    rs, ns, qs, ss = output_specs(t, h, dtype, quant, return_norm, sf_layout)
+    res_out = _empty(rs[0], dtype=dtype, device=device)
+    norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
+    q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
+    sf = _empty(ss[0], dtype=ss[1], device=device) if ss else None
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
     fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
               norm.data_ptr() if norm is not None else 0,

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .fused_tail import sf_numel
+from .fused_tail import output_specs
 from .reference import Tail
 
 __all__ = ["all_reduce", "fused_all_reduce"]
@@ -104,12 +104,5 @@ def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm):
     h = x.shape[-1]
     if h == 0:
         raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
-    t = x.numel() // h
-    res = x.new_empty((t, h))
-    norm = x.new_empty((t, h) if not quant or return_norm else 0)
-    if quant == "fp8":
-        return res, norm, x.new_empty((t, h), dtype=torch.float8_e4m3fn), x.new_empty(0)
-    if quant == "nvfp4":
-        shape = (sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16)
-        return res, norm, x.new_empty((t, h // 2), dtype=torch.uint8), x.new_empty(shape, dtype=torch.float8_e4m3fn)
-    return res, norm, x.new_empty(0), x.new_empty(0)
+    specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
+    return tuple(x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs)
