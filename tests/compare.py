@@ -1,6 +1,8 @@
 """Comparisons shared by the tests: bytes, DESIGN.md's tolerances (commfuse.tolerance) as assertions,
 and outputs poisoned before a kernel writes them.
 """
+from typing import Optional
+
 import torch
 
 from commfuse import tolerance
@@ -11,7 +13,10 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
 
 
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bits_equal(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Same shape, dtype and bytes; two absent outputs (None) are equal too."""
+    if a is None or b is None:
+        return a is None and b is None
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
 
 

@@ -11,6 +11,7 @@ import torch
 import commfuse
 from commfuse import ops
 
+from compare import bits_equal
 from inputs import rank_inputs, tail_inputs
 
 mpi = pytest.mark.mpi  # any world size, one process too (under mpirun)
@@ -30,12 +31,6 @@ def quiet_comm(comm):
 
 def backend(comm) -> str:
     return "inductor" if comm.device.type == "cuda" else "aot_eager"
-
-
-def same_bits(x, y):
-    if x is None or y is None:
-        return x is None and y is None
-    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
 @mpi
@@ -58,9 +53,9 @@ def test_compiled_ops_match_eager_calls(quiet_comm, gen, quant, return_norm, sf_
             y, r = compiled(x, residual, weight, scale)
         want_y = c.all_reduce(x)
         want = c.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
-        assert same_bits(y, want_y), f"t={t}: all_reduce"
+        assert bits_equal(y, want_y), f"t={t}: all_reduce"
         for name in ("residual", "norm", "quant", "scale_factors"):
-            assert same_bits(getattr(r, name), getattr(want, name)), f"t={t}: {name}"
+            assert bits_equal(getattr(r, name), getattr(want, name)), f"t={t}: {name}"
 
 
 @mpi
@@ -83,7 +78,7 @@ def test_ops_in_cuda_graphs_of_reduce_overhead(quiet_comm, gen):
         got = [v.clone() for v in compiled(x, residual, weight, scale)]
         want = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale, return_norm=True)
         for g, w, name in zip(got, (want.residual, want.norm, want.quant), ("residual", "norm", "quant")):
-            assert same_bits(g, w), f"step {step}: {name}"
+            assert bits_equal(g, w), f"step {step}: {name}"
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
@@ -110,7 +105,7 @@ def test_empty_quant_string_means_none(quiet_comm, gen):
     residual, weight, _ = tail_inputs(quiet_comm, gen, 3, 64, torch.bfloat16, None)
     r = ops.fused_all_reduce(quiet_comm, x, residual, weight, quant="")
     want = quiet_comm.fused_all_reduce(x, residual, weight)
-    assert r.quant is None and same_bits(r.norm, want.norm) and same_bits(r.residual, want.residual)
+    assert r.quant is None and bits_equal(r.norm, want.norm) and bits_equal(r.residual, want.residual)
 
 
 def test_bad_arguments_name_themselves(comm):
