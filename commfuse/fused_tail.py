@@ -131,7 +131,6 @@ def sf_numel(tokens: int, hidden: int, sf_layout: str) -> int:
     return tokens * k
 
 
-@functools.lru_cache(maxsize=4096)  # a decode loop asks for a handful of shapes, on its hot path
 def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[str], return_norm: bool,
                  sf_layout: str) -> tuple:
     """(shape, dtype) of each output (residual, norm, quant, scale_factors), None where absent: what
@@ -145,6 +144,11 @@ def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[s
         q = ((t, h // 2), torch.uint8)
         sf = ((sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16), torch.float8_e4m3fn)
     return ((t, h), dtype), norm, q, sf
+
+
+# prepare's: a decode loop asks for a handful of shapes, on its hot path. (Not for the fake
+# implementation: its sizes are symbolic, and unhashable.)
+_output_specs_cached = functools.lru_cache(maxsize=4096)(output_specs)
 
 
 def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -215,7 +219,7 @@ def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
     r2 = _aligned(residual.reshape(-1, h).contiguous())
     w = _aligned(weight.contiguous())
     t = a2.shape[0]
-    rs, ns, qs, ss = output_specs(t, h, dtype, quant, return_norm, sf_layout)
+    rs, ns, qs, ss = _output_specs_cached(t, h, dtype, quant, return_norm, sf_layout)
     res_out = _empty(rs[0], dtype=dtype, device=device)
     norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
     q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
