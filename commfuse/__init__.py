@@ -10,9 +10,10 @@ See README.md and DESIGN.md for the semantics; `commfuse.reference` is the oracl
 from . import ops, reference
 from .communicator import Communicator, FusedResult
 from .distributed import init_distributed
-from .p2p import P2PTimeoutError
+from .p2p import P2PError, P2PMismatchError, P2PTimeoutError
 from .plan import Plan
 from .topology import Topology
 
-__all__ = ["Communicator", "FusedResult", "P2PTimeoutError", "Plan", "Topology", "init_distributed", "ops", "reference"]
+__all__ = ["Communicator", "FusedResult", "P2PError", "P2PMismatchError", "P2PTimeoutError", "Plan", "Topology",
+           "init_distributed", "ops", "reference"]
 __version__ = "0.1.0"

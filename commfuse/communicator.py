@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import fused_tail, ops, p2p, reference, topology
+from . import fused_tail, jit, ops, p2p, reference, topology
 from .plan import Plan, Request, TensorMeta, check_arguments, make_plan, registered_kernels
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
@@ -71,15 +71,20 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.strategy = strategy
         self.backend = str(dist.get_backend(self.group))
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                       else torch.device("cpu"))
         self.topology = topology.detect(self.group)
+        # Ranks sharing a GPU exchange over gloo but compute on their GPU (topology.py).
+        on_gpu = self.backend == "nccl" or (self.topology.shared_gpu and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        if self.topology.shared_gpu:
+            # A launch's successor would wait resident on the GPU under programmatic dependent launch,
+            # and under MPS could take the SMs a peer's P2P kernel needs: off while ranks share GPUs.
+            jit.disable_pdl("ranks share a GPU")
         self.fusion = os.environ.get("COMMFUSE_DISABLE_FUSION") != "1"
         self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
         self._plans: dict = {}
         self._p2p: Optional[p2p.Workspace] = None
         self.name = ops.register(self)  # how commfuse.ops (torch.compile'd models) reach it
-        if (self.backend == "nccl" and self.topology.mode == "p2p"
+        if (self.device.type == "cuda" and self.topology.mode == "p2p"
                 and self.world_size in p2p.SPEC.world_sizes):
             # Creating the workspace is collective: every rank must take the same decision.
             strategies: list = [None] * self.world_size
@@ -87,7 +92,9 @@ class Communicator:
             if len(set(strategies)) > 1:
                 raise ValueError(f"ranks disagree on the strategy: {strategies}")
             if self.strategy != "nccl":
-                self._p2p = p2p.Workspace(self.group, self.device, calibrate=self.strategy == "auto",
+                # Crossovers timed on a shared GPU would say nothing about real machines: defaults.
+                self._p2p = p2p.Workspace(self.group, self.device,
+                                          calibrate=self.strategy == "auto" and not self.topology.shared_gpu,
                                           topology=self.topology)
 
     @property
@@ -144,7 +151,7 @@ class Communicator:
                          eps: float = 1e-6, quant: Optional[str] = None,
                          scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
                          sf_layout: str = "swizzled") -> FusedResult:
-        """All-reduce `x`, then residual add, RMSNorm and optional quantization (DESIGN.md semantics).
+        """All-reduce `x`, then residual add, RMSNorm and optional quantization (docs/semantics.md).
 
         x, residual: T[..., h] (T = fp16 or bf16 for the fused rows; others go separated), same shape;
         weight: T[h]; all on the communicator's device. scale: the dequant scale (value = code *
@@ -193,12 +200,13 @@ class Communicator:
         if plan.collective.startswith("p2p_"):
             return self._p2p.all_reduce(x, plan.collective[len("p2p_"):], checked=True)
         if self.backend == "nccl":
-            # NCCL reduces in T, in its own order (accepted by DESIGN.md on this path).
+            # NCCL reduces in T, in its own order (the semantics accept it on this path).
             out = x.clone(memory_format=torch.contiguous_format)  # one copy, also for a strided x
             dist.all_reduce(out, group=self.group)
             return out
-        # Elsewhere (gloo on CPU) we can afford the exact semantics: every rank's x, summed in
-        # fp32 in rank order and rounded once, so all ranks agree bit for bit with the reference.
+        # Elsewhere (gloo: CPU tensors, or CUDA tensors of ranks sharing a GPU) we can afford the exact
+        # semantics: every rank's x, summed in fp32 in rank order and rounded once, so all ranks agree
+        # bit for bit with the reference. Not capturable in a CUDA graph (gloo works on the host).
         xs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world_size)]
         dist.all_gather(xs, x.contiguous(), group=self.group)
         return reference.all_reduce_sum(xs)

@@ -6,6 +6,12 @@ Launchers and what they leave in the environment:
   MPI_LOCALRANKID. MPI gives no rendezvous address, so rank 0 picks a free port and broadcasts its
   host and port with mpi4py (imported only under MPI: importing it starts MPI).
 - nothing: a single process (world size 1).
+
+More ranks on a node than GPUs (e.g. `launch/test.sh 4` on a workstation with one GPU): the ranks
+share GPUs, rank r on GPU local_rank % device_count, and the default backend is gloo, because NCCL
+refuses two ranks on one GPU. commfuse then still runs its real kernels on those GPUs (the P2P
+row over same-device IPC, the fallback row as gloo's exact sum and the fused tail kernel): a mode
+for testing and debugging tensor-parallel code, not for speed (see commfuse.topology).
 """
 from __future__ import annotations
 
@@ -16,20 +22,31 @@ import socket
 import torch
 import torch.distributed as dist
 
-_ENV_LAYOUTS = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+_ENV_LAYOUTS = (  # rank, world size, local rank, ranks on this node
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
 
 
 def launch_env() -> tuple:
     """(rank, world_size, local_rank, launcher) from the environment; launcher is "torchrun", "mpi" or None."""
-    for i, (r, w, l) in enumerate(_ENV_LAYOUTS):
+    rank, world, local_rank, _, launcher = _launch_env()
+    return rank, world, local_rank, launcher
+
+
+def local_world_size() -> int:
+    """Ranks of this job on this node, as the launcher says (the world size when it does not)."""
+    return _launch_env()[3]
+
+
+def _launch_env() -> tuple:
+    for i, (r, w, l, n) in enumerate(_ENV_LAYOUTS):
         if r in os.environ and w in os.environ:
             rank, world = int(os.environ[r]), int(os.environ[w])
-            return rank, world, int(os.environ.get(l, rank)), "torchrun" if i == 0 else "mpi"
-    return 0, 1, 0, None
+            return (rank, world, int(os.environ.get(l, rank)), int(os.environ.get(n, world)),
+                    "torchrun" if i == 0 else "mpi")
+    return 0, 1, 0, 1, None
 
 
 def _free_port() -> int:
@@ -48,19 +65,27 @@ def _mpi_rendezvous(rank: int) -> tuple:
     return MPI.COMM_WORLD.bcast(addr, root=0)
 
 
+def default_backend(cuda: bool, local_world: int, gpus: int) -> str:
+    """NCCL when every rank of the node has a GPU of its own; gloo without CUDA, and when ranks share
+    GPUs (NCCL refuses two ranks on one GPU)."""
+    return "nccl" if cuda and 0 < local_world <= gpus else "gloo"
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple:
     """Initialise the default process group once; return (rank, world_size).
 
-    backend: None picks "nccl" when CUDA is present, else "gloo". With CUDA, each process is bound
-    to GPU `local_rank % device_count` before the group is made. Safe to call again: an existing
-    group is kept.
+    backend: None picks "nccl" when every rank of the node has a GPU of its own, "gloo" without
+    CUDA and when ranks share GPUs (more ranks on the node than GPUs: see the module docstring).
+    With CUDA, each process is bound to GPU `local_rank % device_count` before the group is made.
+    Safe to call again: an existing group is kept.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    rank, world, local_rank, launcher = launch_env()
-    if torch.cuda.is_available():
+    rank, world, local_rank, local_world, launcher = _launch_env()
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or default_backend(cuda, local_world, torch.cuda.device_count() if cuda else 0)
     if launcher == "mpi":
         addr, port = _mpi_rendezvous(rank)
     else:

@@ -389,6 +389,15 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+_PDL_OFF: Optional[str] = None  # why programmatic dependent launch is off in this process, if it is
+
+
+def disable_pdl(reason: str) -> None:
+    """Launch every kernel of this process without programmatic dependent launch from now on."""
+    global _PDL_OFF
+    _PDL_OFF = reason
+
+
 class Kernel:
     """A compiled kernel loaded into one device's primary context (torch's context)."""
 
@@ -437,7 +446,7 @@ class Kernel:
         if n > _ParamSlot.MAX_BYTES:
             raise JitError(f"{self.name}: {n} bytes of parameters > {_ParamSlot.MAX_BYTES}")
         ctypes.memmove(slot.buf_addr, params, n)
-        if self.pdl:
+        if self.pdl and _PDL_OFF is None:
             config = slot.pdl_config(grid, block, shared_mem)
             config.hStream = stream
             (err,) = self._launch_ex(config, self._function, slot.argv_addr, 0)

@@ -1,6 +1,6 @@
 """P2P all-reduce over CUDA IPC buffers, with the all-reduce tail fused into the same kernel.
 
-This is the "one node, P2P between every pair" row of DESIGN.md. The kernels are in
+This is the "one node, P2P between every pair" row of docs/design.md. The kernels are in
 csrc/p2p_allreduce.cu (its header comment has the device-side details and the memory-ordering
 argument); this module owns the workspace they work in, launches them, measures where each
 algorithm wins (calibration) and turns a kernel's timeout into a Python exception.
@@ -8,7 +8,7 @@ algorithm wins (calibration) and turns a kernel's timeout into a Python exceptio
 Workspace (class Workspace, one per Communicator, created collectively by every rank)
 - Per rank ONE device buffer (cuMemAlloc, exported as a CUDA IPC handle; handles all-gathered over
   the group; every peer's buffer mapped once with cuIpcOpenMemHandle):
-      half 0 | half 1 | Lamport half 0 | Lamport half 1 | flags
+      half 0 | half 1 | Lamport half 0 | Lamport half 1 | signature slots | flags
   where each half is `world` slots of `slot_bytes` (slot s receives rank s's data) followed by a
   gather region of `slot_bytes` (two-shot's reduced rows); each Lamport half is `world` slots of
   `lamport_bytes` (the one-shot's; all ones when unused); flags is uint32[2 phases][NBLOCKS][world]
@@ -27,9 +27,14 @@ Workspace (class Workspace, one per Communicator, created collectively by every 
   each piece is a complete call of its own, and every launch keeps the protocol below unchanged.
 - Per rank, not shared: epochs[NBLOCKS] and a device error word (one small torch tensor), and one
   host-mapped pinned error word (cuMemHostAlloc) that a timed-out kernel writes and the host polls.
-- NBLOCKS: the grid of every launch, min(SM count over the ranks, MAX_BLOCKS), so each CTA b has the
-  same sequence of calls on every rank and all CTAs are co-resident (one CTA per SM: 256 threads,
-  or up to 1024 threads at <= 64 registers for the 1- and 2-vector register tails).
+- NBLOCKS: the grid of every launch, the same on every rank: min over the ranks of the CTAs it can
+  keep resident (resident_ctas: the SMs this process may use, divided among the ranks sharing its
+  GPU), at most MAX_BLOCKS, so each CTA b has the same sequence of calls on every rank and all CTAs
+  of all ranks are co-resident (one CTA per SM: 256 threads, or up to 1024 threads at <= 64
+  registers for the 1- and 2-vector register tails).
+- Signature slots: per half, sender and CTA, 16 bytes (Lamport style: all ones when unused): each
+  launch's CTA b pushes its call's signature to every peer and checks theirs, so ranks making
+  different calls raise P2PMismatchError instead of summing unrelated data (csrc/p2p_allreduce.cu).
 - Flags, epochs and error words are zeroed at creation, followed by a barrier before first use.
 - close() is collective: synchronise, barrier, unmap the peers' buffers, barrier, free. A workspace
   that is never closed is released by the driver when the process exits (nothing here runs at
@@ -45,7 +50,7 @@ output, and the sum is fp32 in rank order, rounded to T once: bit-identical on e
 - two-shot: rows split into `world` contiguous segments. Phase 0 pushes each row to its segment
   owner; barrier; each rank reduces its own segment and pushes the T-rounded sums into every rank's
   gather region; barrier; every rank runs the tail on all rows from its gather region.
-  This differs from DESIGN.md's "epilogue on own rows, all-gather the outputs" on purpose:
+  This differs from the textbook "epilogue on own rows, all-gather the outputs" on purpose:
   gathering the one T row of sums moves fewer bytes over NVLink than gathering the 2-4 outputs
   (residual, norm, quant, scale factors), and the outputs stay ordinary torch tensors (no IPC output
   buffers, nothing registered per call). Each rank then runs the tail on every row, which costs HBM
@@ -118,7 +123,7 @@ from . import fused_tail, ipc, jit
 from .plan import FUSED_DTYPES, KernelSpec, P2PLimits, chunk_rows, register_kernel
 from .reference import Tail
 
-__all__ = ["Workspace", "P2PTimeoutError", "SPEC", "ALGORITHMS", "variants", "warmup", "launch_config",
+__all__ = ["Workspace", "P2PError", "P2PTimeoutError", "P2PMismatchError", "describe_signature", "SPEC", "ALGORITHMS", "variants", "warmup", "launch_config",
            "derive_limits", "default_max_bytes", "name_expression"]
 
 SOURCE = "p2p_allreduce.cu"
@@ -142,6 +147,8 @@ CALIBRATION_VERSION = 3
 _CAL_REPS = 3
 _CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
 _TIMEOUT_CODE = 1 << 16           # kTimeoutCode
+_MISMATCH_CODE = 2 << 16          # kMismatchCode
+_HOST_WORDS = 12                  # the host error word, padding, then two call signatures (4 words each)
 DELAY_KERNEL = "commfuse::p2p_delay"
 
 _CTYPE = fused_tail._CTYPE
@@ -150,13 +157,18 @@ _ALGO_ID = {"oneshot": 0, "twoshot": 1}
 
 # P2PParams in csrc/p2p_allreduce.cu: TailParams (7 pointers, eps, h, t, sf_swizzled), then x, out,
 # peers[8], epochs, dev_error, host_error, timeout_ns, slot_bytes, flags_offset, lamport_offset,
-# lamport_bytes, total_vecs, rows, row_vecs, row_slots, world, rank, padding.
-_PARAMS = struct.Struct("<7Qf3i" "2Q8Q3Q5Qq6i")
-assert _PARAMS.size == 248
+# lamport_bytes, sig_offset, total_vecs, rows, row_vecs, row_slots, world, rank, padding.
+_PARAMS = struct.Struct("<7Qf3i" "2Q8Q3Q6Qq6i")
+assert _PARAMS.size == 256
 _NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
 
 
-class P2PTimeoutError(RuntimeError):
+class P2PError(RuntimeError):
+    """A P2P all-reduce kernel stopped a call: a peer did not arrive, or its call differed. The
+    workspace is unusable afterwards: every later call on it raises the same error."""
+
+
+class P2PTimeoutError(P2PError):
     """A P2P all-reduce kernel waited longer than the timeout for a peer (named in the message).
 
     rank: this rank; missing_rank: the peer that did not arrive; phase: the two-shot barrier (0 or 1),
@@ -171,6 +183,37 @@ class P2PTimeoutError(RuntimeError):
             "workspace is out of step now and every later call on it raises: close this Communicator and "
             "create a new one.")
         self.rank, self.missing_rank, self.phase, self.timeout_s = rank, missing_rank, phase, timeout_s
+
+
+_SIG_QUANTS = {0: "plain all-reduce", 1: "tail", 2: "tail + fp8", 3: "tail + nvfp4"}
+
+
+def describe_signature(words: Sequence[int]) -> str:
+    """A call signature as the kernels write it (call_signature in csrc/p2p_allreduce.cu), in words."""
+    kind, rows, row_vecs, total_vecs = (int(w) & 0xFFFFFFFF for w in words)
+    dtype = "bf16" if kind & 1 else "fp16"
+    what = _SIG_QUANTS.get((kind >> 1) & 0xF, f"pattern {(kind >> 1) & 0xF}")
+    algo = ALGORITHMS[(kind >> 5) & 1]
+    if what == "plain all-reduce":
+        return f"{dtype} {what} of {8 * total_vecs} elements, {algo}"
+    extras = [e for bit, e in ((7, "norm out"), (6, "swizzled scale factors")) if kind >> bit & 1]
+    return f"{dtype} {what}{' (' + ', '.join(extras) + ')' if extras else ''}, [{rows}, {8 * row_vecs}], {algo}"
+
+
+class P2PMismatchError(P2PError):
+    """Ranks made different P2P calls (dtype, shape, pattern or algorithm): the kernels compare a
+    signature of each call that they send with the data, so the difference is found on the GPU,
+    at no host cost, instead of a wrong sum or a wait for data that never comes.
+
+    rank: this rank; peer: the rank whose call differs; mine, theirs: the two calls, in words.
+    """
+
+    def __init__(self, rank: int, peer: int, mine: str, theirs: str):
+        super().__init__(
+            f"P2P all-reduce on rank {rank}: rank {peer} made a different call: rank {peer}: {theirs}; "
+            f"rank {rank}: {mine}. Every rank must make the same calls in the same order. The P2P workspace "
+            "is out of step now and every later call on it raises: close this Communicator and create a new one.")
+        self.rank, self.peer, self.mine, self.theirs = rank, peer, mine, theirs
 
 
 class _P2PSpec(KernelSpec):
@@ -237,6 +280,45 @@ def plain_rows(total_vecs: int, nblocks: int, algo: str) -> Tuple[int, int, int]
     return row_vecs, -(-total_vecs // row_vecs), threads
 
 
+def resident_ctas(index: int, sharers: int = 1) -> Tuple[int, str]:
+    """(CTAs of a whole SM each, the P2P kernels' largest shape, that this process can keep resident on
+    GPU `index` while `sharers` ranks, itself included, keep as many, and how that was found).
+
+    Every CTA of a launch waits for the same CTA of the peers, so all of them must be resident at once,
+    on every rank: a larger grid deadlocks until the bounded wait gives up. See grid_limit.
+    """
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    affinity = None
+    try:
+        with ipc.device_context(index):
+            kind = ipc.driver.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT
+            affinity = int(ipc.call(ipc.driver.cuCtxGetExecAffinity, kind).param.smCount.val)
+    except Exception:  # no execution affinity here: the device's SM count stands
+        pass
+    return grid_limit(sms, affinity, os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), sharers)
+
+
+def grid_limit(sms: int, affinity_sms: Optional[int], mps_percentage: Optional[str], sharers: int) -> Tuple[int, str]:
+    """resident_ctas from its facts: the SM count the process sees (an MPS client's device properties
+    and its context's execution affinity, `affinity_sms`, count only what MPS lets it use), lowered by
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in case they do not, and divided among the `sharers` ranks on the
+    GPU (under MPS their kernels run at the same time)."""
+    limits = [(sms, f"{sms} SMs")]
+    if affinity_sms is not None and 0 < affinity_sms < sms:
+        limits.append((affinity_sms, f"{affinity_sms} SMs (execution affinity)"))
+    try:
+        pct = float(mps_percentage) if mps_percentage else 100.0
+    except ValueError:
+        pct = 100.0
+    if 0 < pct < 100:
+        n = int(sms * pct / 100)
+        limits.append((n, f"{n} SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={mps_percentage})"))
+    n, how = min(limits)
+    if sharers > 1:
+        return min(n, sms // sharers), f"{how} / {sharers} ranks sharing the GPU"
+    return n, how
+
+
 def default_max_bytes(world: int) -> int:
     """Default largest message of one P2P launch: DEFAULT_BUDGET / (world + 1), whole MiB (64 MiB for 2
     ranks)."""
@@ -249,6 +331,7 @@ class Layout(NamedTuple):
     slot_bytes: int
     lamport_offset: int
     lamport_bytes: int
+    sig_offset: int
     flags_offset: int
     total_bytes: int
 
@@ -257,9 +340,12 @@ def layout(max_bytes: int, world: int, nblocks: int) -> Layout:
     slot = -(-max_bytes // ALIGN) * ALIGN
     lamport = min(slot, max(ALIGN, ONESHOT_BUDGET // (2 * world) // ALIGN * ALIGN))
     lamport_offset = 2 * (world + 1) * slot
-    flags_offset = lamport_offset + 2 * world * lamport
+    # Signature slots (16 bytes per half, sender and CTA) follow the Lamport halves: both start empty.
+    sig_offset = lamport_offset + 2 * world * lamport
+    flags_offset = sig_offset + -(-(2 * world * nblocks * 16) // ALIGN) * ALIGN
     flags_bytes = 2 * nblocks * world * 4
-    return Layout(slot, lamport_offset, lamport, flags_offset, flags_offset + -(-flags_bytes // ALIGN) * ALIGN)
+    return Layout(slot, lamport_offset, lamport, sig_offset, flags_offset,
+                  flags_offset + -(-flags_bytes // ALIGN) * ALIGN)
 
 
 def calibration_sizes(max_bytes: int) -> List[int]:
@@ -426,14 +512,22 @@ class Workspace:
         self._peers: list = [None] * self.world
         self._state = self._fixed_params = None
         self._closed = False
+        if topology is None:
+            from . import topology as topology_module
+
+            topology = topology_module.detect(group)
         # Every rank lays its buffer out alike and launches the same grid: agree first.
-        sms = torch.cuda.get_device_properties(self._index).multi_processor_count
-        gathered = _all_gather(group, ((self.max_bytes, calibrate), sms))
+        resident, how = resident_ctas(self._index, topology.gpu_sharers[self.rank])
+        gathered = _all_gather(group, ((self.max_bytes, calibrate), resident, how))
         if len({g[0] for g in gathered}) > 1:
             detail = "; ".join(f"rank {i}: max_bytes={g[0][0]}, calibrate={g[0][1]}" for i, g in enumerate(gathered))
             raise ValueError(f"ranks disagree on the P2P workspace ({detail})")
+        if min(g[1] for g in gathered) < 1:
+            raise RuntimeError("P2P workspace: a rank cannot have one CTA per SM resident next to the ranks "
+                               "sharing its GPU (" + "; ".join(f"rank {i}: {g[2]}" for i, g in enumerate(gathered)) + ")")
         self.nblocks = min(MAX_BLOCKS, min(g[1] for g in gathered))
-        (self.slot_bytes, self.lamport_offset, self.lamport_bytes, self.flags_offset,
+        self.grid_reason = "; ".join(dict.fromkeys(g[2] for g in gathered))
+        (self.slot_bytes, self.lamport_offset, self.lamport_bytes, self.sig_offset, self.flags_offset,
          self.total_bytes) = layout(self.max_bytes, self.world, self.nblocks)
         self._create()
         self.limits = (self._calibrate(topology) if calibrate
@@ -449,11 +543,11 @@ class Workspace:
                 self._ptr = ipc.alloc(self.total_bytes)
                 flags_words = (self.total_bytes - self.flags_offset) // 4
                 ipc.call(driver.cuMemsetD32, self._ptr + self.flags_offset, 0, flags_words)
-                lamport_words = (self.flags_offset - self.lamport_offset) // 4
+                lamport_words = (self.flags_offset - self.lamport_offset) // 4  # the signature slots too
                 ipc.call(driver.cuMemsetD32, self._ptr + self.lamport_offset, 0xFFFFFFFF, lamport_words)
                 flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
-                self._host_ptr = int(ipc.call(driver.cuMemHostAlloc, 4, flags))
-                ctypes.c_int32.from_address(self._host_ptr).value = 0
+                self._host_ptr = int(ipc.call(driver.cuMemHostAlloc, 4 * _HOST_WORDS, flags))
+                ctypes.memset(self._host_ptr, 0, 4 * _HOST_WORDS)
                 self._host_dev_ptr = int(ipc.call(driver.cuMemHostGetDevicePointer, self._host_ptr, 0))
                 ipc.call(driver.cuCtxSynchronize)  # the memsets are done before any peer can write
                 handle = ipc.export_handle(self._ptr)
@@ -480,7 +574,7 @@ class Workspace:
         self._fixed_params = (*[int(p) for p in self._peers], *[0] * (MAX_WORLD - self.world),
                               state, state + 4 * self.nblocks, self._host_dev_ptr,
                               int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset,
-                              self.lamport_offset, self.lamport_bytes)
+                              self.lamport_offset, self.lamport_bytes, self.sig_offset)
         self._barrier()  # every buffer is initialised and mapped everywhere before any kernel runs
 
     def _raise_if_any(self, gathered: list, error_of, what: str) -> None:
@@ -535,15 +629,20 @@ class Workspace:
         return 0 if self._host_ptr is None else ctypes.c_int32.from_address(self._host_ptr).value
 
     def check_error(self) -> None:
-        """Raise P2PTimeoutError if a kernel timed out; a read of pinned host memory, no synchronisation
-        (a timeout of a kernel still running shows on a later check)."""
+        """Raise P2PTimeoutError if a kernel timed out, P2PMismatchError if a peer's call differed; a
+        read of pinned host memory, no synchronisation (an error of a kernel still running shows on a
+        later check)."""
         if self._closed:
             raise RuntimeError("this P2P workspace is closed")
         code = self._error_code()
         if code:
-            if code >> 16 != _TIMEOUT_CODE >> 16:
-                raise RuntimeError(f"P2P workspace on rank {self.rank}: unknown error code {code:#x}")
-            raise P2PTimeoutError(self.rank, code & 0xFF, (code >> 8) & 0xFF, self.timeout_s)
+            if code >> 16 == _TIMEOUT_CODE >> 16:
+                raise P2PTimeoutError(self.rank, code & 0xFF, (code >> 8) & 0xFF, self.timeout_s)
+            if code >> 16 == _MISMATCH_CODE >> 16:
+                words = (ctypes.c_uint32 * _HOST_WORDS).from_address(self._host_ptr)
+                raise P2PMismatchError(self.rank, code & 0xFF, describe_signature(words[8:12]),
+                                       describe_signature(words[4:8]))
+            raise RuntimeError(f"P2P workspace on rank {self.rank}: unknown error code {code:#x}")
 
     def check(self) -> None:
         """Wait for this device's work, then raise P2PTimeoutError if any P2P kernel timed out."""
@@ -648,10 +747,6 @@ class Workspace:
 
     def _calibrate(self, topo) -> P2PLimits:
         """Measured limits, from the disk cache when this machine and software were measured before."""
-        if topo is None:
-            from . import topology
-
-            topo = topology.detect(self.group)
         key = self._cache_key(topo)
         # JSON round trip: tuples become lists, so the cached key compares equal.
         key = json.loads(json.dumps(key))

@@ -1,4 +1,4 @@
-"""Guards: which row of DESIGN.md's table a call takes, and why.
+"""Guards: which row of the routing table (docs/design.md) a call takes, and why.
 
 Everything here is a pure function of tensor metadata, the group's topology and the registry
 of kernels, so every decision can be tested on a machine without a GPU by simulating them.
@@ -20,6 +20,9 @@ import torch
 QUANTS = (None, "fp8", "nvfp4")
 SF_LAYOUTS = ("swizzled", "linear")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
+# What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
+# or a float64 tensor.
+DTYPES = FUSED_DTYPES + (torch.float32,)
 MIN_FUSED_SM = (8, 0)
 
 
@@ -181,6 +184,8 @@ def check_arguments(x: torch.Tensor, residual: Optional[torch.Tensor], weight: O
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     _check_device("x", x, device)
     if residual is None:
         if weight is not None or quant is not None:

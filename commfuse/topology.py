@@ -12,6 +12,13 @@ PCI bus id, NVLink, versions); they are all-gathered, then for ranks that share 
 `decide_mode` is the pure decision from those facts, `fusion_capability(sm)` the pure per-SM answer of
 how each fused pattern runs, so both are tested on simulated hardware.
 
+Ranks sharing a GPU (more ranks on a node than GPUs: commfuse.init_distributed then picks gloo,
+since NCCL refuses two ranks on one GPU): `gpu_sharers` counts, per rank, the ranks of the group on
+its GPU; the IPC check runs over gloo too, so such a group takes the P2P row over same-device IPC
+(every rank's kernels are real, the GPU time-slices the processes unless MPS runs), and the
+fallback row is gloo's exact sum followed by the fused tail kernel. A correctness mode, not a
+speed mode: the reasons say so.
+
 Overrides: COMMFUSE_PRETEND_NO_P2P=1 makes the mode "fallback" on a P2P machine (to exercise that row).
 strategy="nccl" / COMMFUSE_STRATEGY act in the Communicator and plan.py, after the mode.
 A failing driver, NVML or IPC call never raises here: it becomes False/None plus a line in `notes`.
@@ -113,6 +120,16 @@ class Topology:
     def versions(self) -> Optional[Versions]:
         return self.ranks[self.rank].versions
 
+    @property
+    def gpu_sharers(self) -> tuple:
+        """Per rank, how many ranks of the group use its GPU (1 without sharing)."""
+        return gpu_sharers(self.ranks)
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Whether some GPU serves several ranks of the group (the correctness mode of one-GPU machines)."""
+        return max(self.gpu_sharers, default=1) > 1
+
 
 def fusion_capability(sm: Optional[tuple]) -> dict:
     """How a GPU of this SM runs each pattern of PATTERNS (None: no GPU).
@@ -128,13 +145,47 @@ def fusion_capability(sm: Optional[tuple]) -> dict:
             "residual_rmsnorm_nvfp4": "fused-hw" if sm >= E2M1_HW_SM else "fused-sw"}
 
 
+def gpu_sharers(ranks: Sequence[RankInfo]) -> tuple:
+    """For each rank, the number of ranks on its GPU (same host and GPU uuid, else PCI bus id)."""
+    def key(r: RankInfo):
+        gpu = r.uuid or r.pci_bus_id
+        return None if r.device is None or gpu is None else (r.host, gpu)
+
+    keys = [key(r) for r in ranks]
+    return tuple(1 if k is None else keys.count(k) for k in keys)
+
+
+def sharing_reason(ranks: Sequence[RankInfo]) -> Optional[str]:
+    """Which ranks share which GPU, and what that means, in words; None without sharing."""
+    counts = gpu_sharers(ranks)
+    groups: dict = {}
+    for i, (r, n) in enumerate(zip(ranks, counts)):
+        if n > 1:
+            groups.setdefault((r.host, r.uuid or r.pci_bus_id), []).append(i)
+    if not groups:
+        return None
+    parts = []
+    for members in groups.values():
+        r = ranks[members[0]]
+        parts.append(f"ranks {','.join(map(str, members))} share GPU {r.device} ({r.gpu_name})")
+    return ("; ".join(parts) + ": gloo for host exchanges (NCCL refuses two ranks on one GPU), P2P over "
+            "same-device IPC; the GPU time-slices the ranks unless MPS runs (a correctness mode, not a speed mode)")
+
+
 def decide_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]],
                 pretend_no_p2p: bool = False, backend: Optional[str] = None) -> tuple:
-    """(mode, reasons) from the gathered facts. backend: the group's torch.distributed backend, if known."""
+    """(mode, reasons) from the gathered facts. backend: the group's torch.distributed backend, if known.
+    A gloo group whose ranks share GPUs works on CUDA tensors, so it is decided like a NCCL group."""
     if any(r.device is None for r in ranks):
         return "cpu", ("a rank has no GPU: gloo and separated ops",)
-    if backend is not None and backend != "nccl":
+    sharing = sharing_reason(ranks)
+    if backend is not None and backend != "nccl" and sharing is None:
         return "cpu", (f"group backend {backend}: CPU tensors, separated ops",)
+    mode, reasons = _decide_gpu_mode(ranks, p2p, pretend_no_p2p)
+    return mode, reasons + ((sharing,) if sharing else ())
+
+
+def _decide_gpu_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]], pretend_no_p2p: bool) -> tuple:
     hosts = {r.host for r in ranks}
     if len(hosts) > 1:
         return "fallback", (f"ranks span {len(hosts)} nodes: NCCL between nodes",)
@@ -395,7 +446,7 @@ def probe(group=None) -> Topology:
     dist.all_gather_object(infos, own_info(), group=group)
     notes = [f"rank {i}: {n}" for i, r in enumerate(infos) for n in r.notes]
     shared = any(a.host == b.host for i, a in enumerate(infos) for b in infos[i + 1:])
-    if backend == "nccl" and shared:
+    if (backend == "nccl" or sharing_reason(infos)) and shared:
         p2p_driver, p2p_ipc, p2p_notes = _p2p_rows(group, rank, infos)
         notes += p2p_notes
     else:

@@ -56,9 +56,12 @@
 // (1 << 16) | (phase << 8) | missing_rank in the device error word (atomicCAS from 0: the first
 // cause wins) and, if it won, in the host-mapped error word the host polls. A two-shot CTA then
 // returns without writing its outputs; a one-shot thread stops waiting (for the rest of the call)
-// and finishes with undefined outputs. Either way the host raises P2PTimeoutError. A kernel that
-// finds the device error word already set returns at once: after a timeout the flags, epochs and
-// Lamport slots are no longer in step, so later launches (e.g. CUDA graph replays) must not run.
+// and finishes with undefined outputs. Either way the host raises P2PTimeoutError. A peer whose
+// call signature differs (see "call signatures") is recorded the same way with code
+// (2 << 16) | rank and both signatures, and the host raises P2PMismatchError. A kernel that finds
+// the device error word already set returns at once: after a timeout or a mismatch the flags,
+// epochs and Lamport slots are no longer in step, so later launches (e.g. CUDA graph replays) must
+// not run.
 //
 // Early loads: the tail's residual, weight and scale (RowTail::prefetch) are loaded before the
 // wait for the peers' data (one-shot) or before the barrier that precedes the rows' sums
@@ -114,7 +117,8 @@ constexpr int kPlainSumBatch = 4;
 // from spilling); the others take kCopyUnroll.
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
-constexpr int kTimeoutCode = 1 << 16;
+constexpr int kTimeoutCode = 1 << 16;   // | phase << 8 | missing rank
+constexpr int kMismatchCode = 2 << 16;  // | rank whose call signature differs
 
 // The kernel's only parameter; packed by commfuse/p2p.py (_PARAMS) in this order.
 struct P2PParams {
@@ -130,6 +134,7 @@ struct P2PParams {
   unsigned long long flags_offset;  // bytes from a workspace base to its flags
   unsigned long long lamport_offset;  // bytes from a workspace base to its one-shot (Lamport) slots
   unsigned long long lamport_bytes;   // bytes of one Lamport slot, 4 KiB multiple
+  unsigned long long sig_offset;      // bytes from a workspace base to its call-signature slots
   long long total_vecs;          // vectors of 8 elements in the message
   int rows;                      // rows holding data (t; plain: ceil(total_vecs / row_vecs))
   int row_vecs;                  // vectors per row (h / 8; plain: chosen by the launcher)
@@ -138,12 +143,12 @@ struct P2PParams {
   int rank;
   int pad_;
 };
-// commfuse/p2p.py packs it as struct "<7Qf3i" (TailParams) + "<2Q8Q3Q5Qq6i": naturally aligned
-// fields, no padding (eps at 56, x at 72, peers at 88, epochs at 152, timeout_ns at 176, total_vecs
-// at 216, rows at 224, rank at 240). Only the sizes are asserted: NVRTC 13.0 rejects
-// __builtin_offsetof in a static_assert.
+// commfuse/p2p.py packs it as struct "<7Qf3i" (TailParams) + "<2Q8Q3Q6Qq6i": naturally aligned
+// fields, no padding (eps at 56, x at 72, peers at 88, epochs at 152, timeout_ns at 176, sig_offset
+// at 216, total_vecs at 224, rows at 232, rank at 248). Only the sizes are asserted: NVRTC 13.0
+// rejects __builtin_offsetof in a static_assert.
 static_assert(sizeof(TailParams) == 72, "layout shared with commfuse/p2p.py");
-static_assert(sizeof(P2PParams) == 248, "layout shared with commfuse/p2p.py");
+static_assert(sizeof(P2PParams) == 256, "layout shared with commfuse/p2p.py");
 
 // ------------------------------------------------------------------ memory-model primitives
 
@@ -207,7 +212,7 @@ __device__ __forceinline__ unsigned* flag(const P2PParams& p, int r, int phase, 
   return flags + (static_cast<size_t>(phase) * gridDim.x + block) * p.world + sender;
 }
 
-// ------------------------------------------------------------------ barrier
+// ------------------------------------------------------------------ errors
 
 // Records a timeout: the first cause on this rank wins the device word, and only its winner
 // writes the host word (so no atomic is needed on host memory).
@@ -219,8 +224,125 @@ __device__ __noinline__ void report_timeout(const P2PParams& p, int phase, int m
   }
 }
 
+
+// ------------------------------------------------------------------ call signatures
+//
+// Ranks that disagree on a call (dtype, shape, pattern, algorithm) would sum unrelated data, or
+// wait for rows a peer never sends. So every CTA pushes a signature of its call to the same CTA of
+// every peer at the start of each launch, beside the data, and checks the peers' ones while it
+// waits for their data (one-shot) or for barrier 0 (two-shot): the signature travels with what the
+// kernel sends anyway, so a matching call costs one 16-byte store per peer and one local load.
+// Signature slots are Lamport slots (empty when unused, reset by their reader, halves alternating
+// by epoch parity), so the double-buffering argument above covers them, and a mismatch is found
+// even when the peer runs the other algorithm (it never releases the barrier flags).
+
+// A Lamport word that holds no data yet (every signature word has bit 31 clear, so never this).
+constexpr unsigned kEmptyWord = 0xFFFFFFFFu;
+
+// Whether any word of v is still empty: 32-bit words are the unit a remote store is seen in, so
+// a vector whose four words are all non-empty has fully arrived.
+__device__ __forceinline__ bool lamport_empty(const uint4& v) {
+  return (v.x == kEmptyWord) | (v.y == kEmptyWord) | (v.z == kEmptyWord) | (v.w == kEmptyWord);
+}
+
+template <typename T>
+struct DtypeCode;
+template <>
+struct DtypeCode<__half> {
+  static constexpr unsigned value = 0;
+};
+template <>
+struct DtypeCode<__nv_bfloat16> {
+  static constexpr unsigned value = 1;
+};
+
+// Word 0: 1 << 30 | dtype | (QUANT + 1) << 1 | ALGO << 5 | swizzled scale factors << 6 | norm
+// output << 7 | world << 8; words 1-3: rows, row_vecs, total_vecs (low 31 bits). Decoded by
+// commfuse/p2p.py (describe_signature).
+template <typename T, int QUANT, int ALGO>
+__device__ __forceinline__ uint4 call_signature(const P2PParams& p) {
+  constexpr bool kTail = QUANT != kQuantPlain;
+  const unsigned kind = (1u << 30) | DtypeCode<T>::value | static_cast<unsigned>(QUANT + 1) << 1 |
+                        static_cast<unsigned>(ALGO) << 5 | (kTail && p.tail.sf_swizzled ? 1u << 6 : 0u) |
+                        (kTail && p.tail.norm_out != nullptr ? 1u << 7 : 0u) | static_cast<unsigned>(p.world) << 8;
+  return make_uint4(kind, static_cast<unsigned>(p.rows), static_cast<unsigned>(p.row_vecs),
+                    static_cast<unsigned>(p.total_vecs & 0x7fffffffLL));
+}
+
+// This CTA's signature slot for `sender` in half (epoch & 1) of rank r's buffer.
+__device__ __forceinline__ uint4* sig_slot(const P2PParams& p, int r, int sender, unsigned epoch) {
+  return reinterpret_cast<uint4*>(static_cast<char*>(p.peers[r]) + p.sig_offset) +
+         (static_cast<size_t>(epoch & 1u) * p.world + sender) * gridDim.x + blockIdx.x;
+}
+
+// Threads 0 .. world-2 each push the signature to one peer.
+template <typename T, int QUANT, int ALGO>
+__device__ __forceinline__ void push_signature(const P2PParams& p, unsigned epoch) {
+  if (static_cast<int>(threadIdx.x) < p.world - 1) {
+    int q = p.rank + 1 + threadIdx.x;
+    if (q >= p.world) q -= p.world;
+    *sig_slot(p, q, p.rank, epoch) = call_signature<T, QUANT, ALGO>(p);
+  }
+}
+
+// The check of peer q's signature of call `epoch` by thread q (q < world, q != rank) of the CTA,
+// whose registers must not come out of the 64-register variants' budget: while the thread waits
+// anyway (for Lamport data, or a barrier flag) it looks at one word, the signature's total_vecs,
+// which settles the case that can stall (a peer sending fewer vectors than this rank waits for);
+// at the end of the launch sig_settle compares the whole signature, out of line, and resets the slot.
+__device__ __forceinline__ bool sig_owner(const P2PParams& p) {
+  return static_cast<int>(threadIdx.x) < p.world && static_cast<int>(threadIdx.x) != p.rank;
+}
+
+__device__ __forceinline__ unsigned sig_size_word(const P2PParams& p, unsigned epoch) {
+  return *reinterpret_cast<const volatile unsigned*>(&sig_slot(p, p.rank, threadIdx.x, epoch)->w);
+}
+
+// Records a mismatch with both signatures (host_error[4..7] the peer's, [8..11] this rank's,
+// written before the code the host polls). It takes the error word from a timeout, which a
+// mismatch can cause (a wait for data the peer never sends): the host then names the cause.
+__device__ __noinline__ void report_mismatch(const P2PParams& p, const uint4 own, const uint4 theirs) {
+  const int code = kMismatchCode | static_cast<int>(threadIdx.x);
+  int seen = 0;
+  int prev;
+  while ((prev = atomicCAS(p.dev_error, seen, code)) != seen && (prev >> 16) == (kTimeoutCode >> 16)) seen = prev;
+  if (prev == seen) {
+    const unsigned words[8] = {theirs.x, theirs.y, theirs.z, theirs.w, own.x, own.y, own.z, own.w};
+    for (int i = 0; i < 8; ++i) p.host_error[4 + i] = static_cast<int>(words[i]);
+    __threadfence_system();
+    *p.host_error = code;
+    __threadfence_system();
+  }
+}
+
+// Thread q's end of the check: waits (bounded) for the signature, compares all of it, and resets
+// the slot for the next user of the half. False on a mismatch (reported) or a timeout.
+template <typename T, int QUANT, int ALGO>
+__device__ __noinline__ bool sig_settle(const P2PParams& p, unsigned epoch) {
+  uint4* const src = sig_slot(p, p.rank, threadIdx.x, epoch);
+  const unsigned long long start = global_timer_ns();
+  uint4 v = ld_volatile(src);
+  while (lamport_empty(v)) {
+    if (global_timer_ns() - start > p.timeout_ns) {
+      report_timeout(p, 0, threadIdx.x);
+      return false;
+    }
+    v = ld_volatile(src);
+  }
+  st_volatile(src, make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord));
+  const uint4 own = call_signature<T, QUANT, ALGO>(p);
+  if (v.x == own.x && v.y == own.y && v.z == own.z && v.w == own.w) return true;
+  report_mismatch(p, own, v);
+  return false;
+}
+
+// ------------------------------------------------------------------ barrier
+
 // Cross-rank barrier of this CTA for `phase` of call `epoch`; every thread calls it. Returns false
-// (the same in every thread) when a peer did not arrive within the timeout.
+// (the same in every thread) when a peer did not arrive within the timeout or, in phase 0, when a
+// peer's call signature differs (checked while waiting, so a peer running the other algorithm,
+// which never releases this flag, is named at once).
+template <typename T, int QUANT, int ALGO>
 __device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned epoch, int* s_fail) {
   __syncthreads();  // every store of this CTA for this phase is issued before the release below
   const int q = threadIdx.x;
@@ -231,13 +353,18 @@ __device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned 
     // ">=" as a signed difference: robust should a peer ever be ahead, and correct when the 32-bit
     // epoch wraps around after 2^32 calls. (A peer cannot be ahead here: it would first have to
     // pass this very barrier, which needs this CTA's flag.)
+    bool arrived = true;
     while (static_cast<int>(ld_acquire_sys(mine) - epoch) < 0) {
+      // A peer of the other algorithm never releases this flag, but its signature comes.
+      if (phase == 0 && sig_size_word(p, epoch) != kEmptyWord) break;
       if (global_timer_ns() - start > p.timeout_ns) {
         report_timeout(p, phase, q);
-        *s_fail = 1;
+        arrived = false;
         break;
       }
     }
+    // The flag's acquire made the peer's signature visible: it was stored before the release.
+    if (!arrived || (phase == 0 && !sig_settle<T, QUANT, ALGO>(p, epoch))) *s_fail = 1;
   }
   __syncthreads();
   return *s_fail == 0;
@@ -338,11 +465,10 @@ __device__ __forceinline__ uint4 sum_ranks(const RankRows& src, int i) {
 
 // ------------------------------------------------------------------ Lamport one-shot
 
-// An empty Lamport word. Pushed data never holds it: it is a pair of NaNs (0xFFFF is NaN in fp16
-// and bf16), which lamport_encode replaces by another NaN pair. The sum of a NaN is NaN whatever
-// its bits, and every rank sums the same encoded values, so the results keep their semantics and
-// stay bit-identical across ranks.
-constexpr unsigned kEmptyWord = 0xFFFFFFFFu;
+// kEmptyWord (defined above, with the call signatures) marks Lamport data not yet arrived. Pushed
+// data never holds it: it is a pair of NaNs (0xFFFF is NaN in fp16 and bf16), which lamport_encode
+// replaces by another NaN pair. The sum of a NaN is NaN whatever its bits, and every rank sums the
+// same encoded values, so the results keep their semantics and stay bit-identical across ranks.
 constexpr unsigned kNaNPair = 0x7FFF7FFFu;
 
 __device__ __forceinline__ unsigned lamport_word(unsigned w) { return w == kEmptyWord ? kNaNPair : w; }
@@ -351,28 +477,49 @@ __device__ __forceinline__ uint4 lamport_encode(const uint4& v) {
   return make_uint4(lamport_word(v.x), lamport_word(v.y), lamport_word(v.z), lamport_word(v.w));
 }
 
-// Whether any word of v is still empty: 32-bit words are the unit a remote store is seen in, so
-// a vector whose four words are all non-empty has fully arrived.
-__device__ __forceinline__ bool lamport_empty(const uint4& v) {
-  return (v.x == kEmptyWord) | (v.y == kEmptyWord) | (v.z == kEmptyWord) | (v.w == kEmptyWord);
-}
-
 // One thread's bounded wait for Lamport data, over all the vectors it waits for in a call: the
 // clock starts at its first unfinished vector, and once it gave up it waits no more (so a dead
-// peer costs one timeout, not one per vector).
+// peer costs one timeout, not one per vector). While it spins it also watches the CTA's failure
+// flag and, in the thread owning a peer's signature check, that signature's size word, so a
+// mismatched call whose data never comes ends the wait at once instead of at the timeout.
+// kWatch = false: the size word is not watched (the 2-vector register tails and the plain one-shot
+// have no registers for it): there a peer sending fewer vectors shows as a timeout first, which sig_settle at the end of
+// the launch then turns into the mismatch it was.
+template <bool kWatch>
 struct LamportWait {
+  int* s_fail;
+  unsigned epoch;
+  bool size_open;  // this thread's peer signature's size not yet seen
   unsigned long long start = 0;
   bool failed = false;
+
+  __device__ __forceinline__ LamportWait(const P2PParams& p, unsigned e, int* fail)
+      : s_fail(fail), epoch(e), size_open(sig_owner(p)) {}
+
+  // Whether the peer's size word (once it came) disagrees with this call's; raises s_fail then.
+  __device__ __forceinline__ bool size_differs(const P2PParams& p) {
+    const unsigned w = sig_size_word(p, epoch);
+    if (w == kEmptyWord) return false;
+    size_open = false;
+    if (w == static_cast<unsigned>(p.total_vecs & 0x7fffffffLL)) return false;
+    *static_cast<volatile int*>(s_fail) = 1;
+    return true;
+  }
 
   // v: a first load of *src (a vector of rank s's data). Re-reads until it has arrived; on timeout
   // records rank s as missing and returns what it read (the host raises; outputs are undefined).
   __device__ __forceinline__ uint4 until_full(const P2PParams& p, const uint4* src, uint4 v, int s) {
     while (lamport_empty(v) && !failed) {
+      if (*static_cast<volatile int*>(s_fail) || (kWatch && size_open && size_differs(p))) {
+        failed = true;
+        break;
+      }
       const unsigned long long now = global_timer_ns();
       if (start == 0) {
         start = now;
       } else if (now - start > p.timeout_ns) {
         report_timeout(p, 0, s);
+        *static_cast<volatile int*>(s_fail) = 1;
         failed = true;
         break;
       }
@@ -380,15 +527,23 @@ struct LamportWait {
     }
     return v;
   }
+
+  // Before a __syncthreads: the size check must not wait behind threads stuck on data that a
+  // mismatched peer never sends. Usually done already, while this thread waited for its data.
+  __device__ __forceinline__ void settle_size(const P2PParams& p) {
+    const unsigned long long t0 = global_timer_ns();
+    while (size_open && !failed && !size_differs(p) && size_open) {
+      if (*static_cast<volatile int*>(s_fail) || global_timer_ns() - t0 > p.timeout_ns) break;
+    }
+  }
 };
 
 // The one-shot sum of vector i of a row: `own` is this rank's (encoded) value, the peers' are read
 // from inbox (slot 0 of this rank's Lamport half at the row's first vector), BATCH ranks at a time
 // with all of a batch's loads in flight together, each awaited until it arrived and then reset to
 // empty for the call that uses this half next. Returns the rank-order sum (add_rank), rounded to T.
-template <typename T, int BATCH>
-__device__ __forceinline__ uint4 lamport_sum(const P2PParams& p, uint4* inbox, int i, const uint4& own,
-                                             LamportWait& wait) {
+template <typename T, int BATCH, typename Wait>
+__device__ __forceinline__ uint4 lamport_sum(const P2PParams& p, uint4* inbox, int i, const uint4& own, Wait& wait) {
   static_assert(BATCH > 0 && kMaxWorld % BATCH == 0, "whole batches");
   const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
   const auto src = [&p, inbox, i](int s) {
@@ -592,8 +747,9 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
     s_epoch = p.epochs[b] + 1u;
   }
   __syncthreads();
-  if (s_fail) return;  // an earlier timeout broke the workspace: do nothing, the host raises
+  if (s_fail) return;  // an earlier timeout or mismatch broke the workspace: do nothing, the host raises
   const unsigned epoch = s_epoch;
+  push_signature<T, QUANT, ALGO>(p, epoch);
   const auto load_x = [x](long long first) { return [x, first](int i) { return __ldg(x + first + i); }; };
 
   if constexpr (ALGO == kAlgoOneshot) {
@@ -615,7 +771,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
     RowTail<T, QUANT, VPT> tail;
     tail.prefetch(p, b);  // this CTA's first row: in flight while the peers' data travels
     // Sum every rank's rows as their vectors arrive, and emit.
-    LamportWait wait;
+    LamportWait<VPT == 1 || (VPT == 0 && QUANT != kQuantPlain)> wait(p, epoch, &s_fail);
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
       const int n = row_len(p, r);
@@ -636,15 +792,21 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
           const int i = threadIdx.x + u * blockDim.x;
           a[u] = i < n ? lamport_sum<T, kLamportBatch<VPT>>(p, inbox, i, own(i), wait) : make_uint4(0, 0, 0, 0);
         }
+        // Before the tail's first __syncthreads: a thread still waiting for a mismatched peer's
+        // data that never comes is released by this check, not by the timeout.
+        if constexpr (VPT == 1) wait.settle_size(p);  // VPT 2: see LamportWait
         tail.emit_row(p, r, a, red);
       } else {
         const auto sum = [&p, inbox, own, &wait](int i) {
           return lamport_sum<T, kMaxWorld>(p, inbox, i, own(i), wait);
         };
         tail.prefetch_next(p, r + nb);
+        wait.settle_size(p);  // the looped tail waits for data between __syncthreads
         tail.emit(p, r, sum, red);
       }
     }
+    // Every CTA (those without rows too) reads and resets every slot pushed to it.
+    if (sig_owner(p) && !sig_settle<T, QUANT, ALGO>(p, epoch)) s_fail = 1;
   } else {
     // Phase 0 (reduce-scatter, push): each row to its segment owner's slot[rank].
     for (int r = b; r < p.rows; r += nb) {
@@ -652,7 +814,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
       uint4* const dst = slot(p, segment_owner(p, r), p.rank, epoch) + first;
       copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(first), [dst](int) { return dst; }, 1);
     }
-    if (!barrier(p, 0, epoch, &s_fail)) return;
+    if (!barrier<T, QUANT, ALGO>(p, 0, epoch, &s_fail)) return;
     // Phase 1: reduce the own segment's rows and push the T sums into every rank's gather region.
     const int own_end = segment_begin(p, p.rank + 1);
     for (int r = first_row(segment_begin(p, p.rank), b, nb); r < own_end; r += nb) {
@@ -663,7 +825,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
     }
     RowTail<T, QUANT, VPT> tail;
     tail.prefetch(p, b);  // phase 2's first row: in flight during barrier 1
-    if (!barrier(p, 1, epoch, &s_fail)) return;
+    if (!barrier<T, QUANT, ALGO>(p, 1, epoch, &s_fail)) return;
     // Phase 2: every rank's sums are in the local gather region: emit all rows.
     const uint4* g = gather(p, p.rank, epoch);
     for (int r = b; r < p.rows; r += nb) {

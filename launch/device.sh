@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One full GPU session on a machine without package registries (the device machine): install the
 # carried wheels, probe, run the suite on N GPUs (P2P/auto, then the forced fallback row), benchmark.
-# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback sanitize bench (default: all)
-# Logs go to $OUT (or ./logs) as one tarball plus a summary.
+# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback sanitize bench (default: all),
+# and two switches: `mps` starts the MPS daemon for the stages after it, `nomps` stops it.
+# N may exceed the GPUs: the ranks then share them (commfuse.init_distributed picks gloo; a correctness
+# mode), time-sliced by the GPU, or run at once under MPS. Logs go to $OUT (or ./logs) as one tarball
+# plus a summary; several calls in one command (world sizes 2, 4, 8) share $OUT: set COMMFUSE_RUN_TAG.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=2
@@ -23,7 +26,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-summary=$out/summary.txt; : > "$summary"
+tag=${COMMFUSE_RUN_TAG:-ws$n}
+summary=$out/summary-$tag.txt; : > "$summary"
+mps_stop() {
+  if [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} ]]; then
+    echo quit | nvidia-cuda-mps-control; sleep 1
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+}
+trap mps_stop EXIT
+# Every rank would compile the same kernels at once on first use: compile them once, in parallel.
+python3 launch/prewarm.py | tee -a "$summary"
 run() {  # name, command...
   local name=$1; shift
   local t0=$SECONDS
@@ -35,8 +48,13 @@ run() {  # name, command...
 nvidia-smi -L | tee -a "$summary"
 for s in $stages; do
   case $s in
+    mps)
+      export CUDA_MPS_PIPE_DIRECTORY=$logs/mps-pipe CUDA_MPS_LOG_DIRECTORY=$logs/mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$summary" ;;
+    nomps) mps_stop; echo "MPS daemon stopped" | tee -a "$summary" ;;
     probe) run probe launch/probe.sh "$n" ;;
-    test) COMMFUSE_TEST_LOGS=$logs/test run test launch/test.sh "$n" ;;
+    test) COMMFUSE_TEST_LOGS=$logs/test run test launch/test.sh "$n" ${COMMFUSE_TEST_FILES:-} ;;
     fallback) COMMFUSE_STRATEGY=nccl COMMFUSE_TEST_LOGS=$logs/fallback run fallback launch/test.sh "$n" tests/test_communicator.py ;;
     sanitize) COMMFUSE_SANITIZE_LOGS=$logs/sanitize run sanitize launch/sanitize.sh "$n" ;;
     bench) run bench launch/bench.sh "$n" --out "$logs/bench" ${COMMFUSE_BENCH_ARGS:-} ;;
@@ -44,6 +62,8 @@ for s in $stages; do
 done
 cp "$logs"/cache/p2p-limits-*.json "$logs"/ 2>/dev/null  # the calibration's measured times
 rm -rf "$logs/cache"
-tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+mps_stop
+rm -rf "$logs/mps-pipe"
+tar -czf "$out/logs-$tag.tgz" -C "$logs" . 2>/dev/null
 cp "$logs"/bench/*.json "$logs"/bench/*.png "$out"/ 2>/dev/null
 echo "== summary"; cat "$summary"

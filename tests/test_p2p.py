@@ -6,7 +6,7 @@ parameter layout, calibration decision, plan registration and error message.
 GPU part (`mpirun -n N pytest --with-mpi` on one node with P2P; skipped with a reason elsewhere,
 the same decision on every rank): both algorithms x every pattern x fp16/bf16 x shapes against
 commfuse.reference fed reference.all_reduce_sum of every rank's input (the exact fp32 rank-order
-sum, so the sum and the residual must be bit-exact, the rest within DESIGN.md's tolerances);
+sum, so the sum and the residual must be bit-exact, the rest within the tolerances of commfuse.tolerance);
 outputs allocated poisoned twice with different poisons and equal byte for byte (nothing left
 unwritten, and repeated calls identical), also once over an allocator pre-filled with NaN;
 bit-identical on every rank; CUDA-graph capture and replay with new inputs; back-to-back calls of
@@ -182,18 +182,18 @@ def test_plain_rows_cover_the_message(total, nblocks, algo):
 
 
 def test_params_layout_matches_the_kernel():
-    # Offsets asserted in csrc/p2p_allreduce.cu: x 72, peers 88, epochs 152, timeout_ns 176,
-    # total_vecs 216, rows 224, rank 240; size 248.
+    # Offsets stated in csrc/p2p_allreduce.cu: x 72, peers 88, epochs 152, timeout_ns 176,
+    # sig_offset 216, total_vecs 224, rows 232, rank 248; size 256.
     fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [21, 22] + list(range(31, 39)) + [41, 42, 43] + \
-        [51, 52, 53, 54, 55] + [61] + [71, 72, 73, 74, 75, 0]
+        [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0]
     raw = p2p._PARAMS.pack(*fields)
-    assert len(raw) == 248
+    assert len(raw) == 256
     assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
     assert struct.unpack_from("<2Q", raw, 72) == (21, 22)
     assert struct.unpack_from("<8Q", raw, 88) == tuple(range(31, 39))
     assert struct.unpack_from("<3Q", raw, 152) == (41, 42, 43)
-    assert struct.unpack_from("<5Q", raw, 176) == (51, 52, 53, 54, 55)
-    assert struct.unpack_from("<q5i", raw, 216) == (61, 71, 72, 73, 74, 75)
+    assert struct.unpack_from("<6Q", raw, 176) == (51, 52, 53, 54, 55, 56)
+    assert struct.unpack_from("<q5i", raw, 224) == (61, 71, 72, 73, 74, 75)
 
 
 def test_workspace_sizes():
@@ -204,7 +204,9 @@ def test_workspace_sizes():
         assert m % (1 << 20) == 0 and lay.slot_bytes == m and lay.lamport_offset == 2 * (world + 1) * m
         # The one-shot's slots: about 32 MiB in all, whatever the world size.
         assert lay.lamport_bytes == (16 << 20) // world // p2p.ALIGN * p2p.ALIGN
-        assert lay.flags_offset == lay.lamport_offset + 2 * world * lay.lamport_bytes
+        # Signature slots (16 bytes per half, sender and CTA) between the Lamport halves and the flags.
+        assert lay.sig_offset == lay.lamport_offset + 2 * world * lay.lamport_bytes
+        assert lay.flags_offset - lay.sig_offset >= 2 * world * 132 * 16 and lay.flags_offset % p2p.ALIGN == 0
         assert lay.total_bytes - lay.flags_offset >= 2 * 132 * world * 4 and lay.total_bytes % p2p.ALIGN == 0
         assert lay.total_bytes < 420 << 20
     small = p2p.layout(1000, 2, 132)
@@ -220,14 +222,14 @@ class _Recorder:
         self.launches = []
         ws = object.__new__(p2p.Workspace)
         ws.max_bytes, ws.nblocks, ws._index, ws.world, ws.rank = max_bytes, 132, 0, 2, 0
-        ws._fixed_params = (0,) * 16
+        ws._fixed_params = (0,) * 17
         ws._closed, ws._host_ptr = False, None
         self.ws = ws
 
     def launch(self, grid, block, params):
         f = p2p._PARAMS.unpack(params)
-        self.launches.append(dict(tail=f[:11], x=f[11], out=f[12], total_vecs=f[29], rows=f[30], row_vecs=f[31],
-                                  row_slots=f[32]))
+        self.launches.append(dict(tail=f[:11], x=f[11], out=f[12], total_vecs=f[30], rows=f[31], row_vecs=f[32],
+                                  row_slots=f[33]))
 
 
 @pytest.mark.parametrize("t, h, quant, sf_layout", [
@@ -333,6 +335,51 @@ def test_timeout_error_is_exported():
     import commfuse
 
     assert commfuse.P2PTimeoutError is p2p.P2PTimeoutError and "P2PTimeoutError" in commfuse.__all__
+    assert commfuse.P2PMismatchError is p2p.P2PMismatchError and issubclass(p2p.P2PMismatchError, p2p.P2PError)
+    assert issubclass(p2p.P2PTimeoutError, p2p.P2PError)
+
+
+def _signature(bf16, quant_id, algo, swizzled, norm, world, rows, row_vecs, total_vecs):
+    """The words call_signature (csrc/p2p_allreduce.cu) writes, written out independently."""
+    kind = 1 << 30 | int(bf16) | (quant_id + 1) << 1 | algo << 5 | int(swizzled) << 6 | int(norm) << 7 | world << 8
+    return (kind, rows, row_vecs, total_vecs)
+
+
+def test_describe_signature_names_every_field():
+    fused = p2p.describe_signature(_signature(True, 1, 1, False, True, 4, 16, 512, 16 * 512))
+    assert fused == "bf16 tail + fp8 (norm out), [16, 4096], twoshot"
+    nv = p2p.describe_signature(_signature(False, 2, 0, True, False, 2, 7, 360, 7 * 360))
+    assert nv == "fp16 tail + nvfp4 (swizzled scale factors), [7, 2880], oneshot"
+    plain = p2p.describe_signature(_signature(True, -1, 0, False, False, 8, 3, 256, 700))
+    assert plain == "bf16 plain all-reduce of 5600 elements, oneshot"
+    assert p2p.describe_signature(_signature(True, 0, 1, False, True, 2, 1, 1, 1)) == "bf16 tail (norm out), [1, 8], twoshot"
+    # No signature word is ever the empty Lamport word (bit 31 clear in each).
+    assert all(w < 1 << 31 for w in _signature(True, 2, 1, True, True, 8, (1 << 31) - 1, 1 << 30, (1 << 31) - 1))
+
+
+def test_mismatch_error_names_both_calls():
+    e = p2p.P2PMismatchError(rank=0, peer=3, mine="bf16 tail, [16, 4096], oneshot", theirs="bf16 tail, [8, 4096], oneshot")
+    assert isinstance(e, p2p.P2PError) and e.peer == 3
+    assert "rank 3 made a different call" in str(e) and "[8, 4096]" in str(e) and "[16, 4096]" in str(e)
+
+
+@pytest.mark.parametrize("sms, affinity, pct, sharers, expect", [
+    (132, None, None, 1, 132),   # a GPU of its own
+    (132, None, None, 4, 33),    # 4 ranks share it: each grid a quarter, all resident at once
+    (132, None, None, 8, 16),
+    (132, 33, None, 1, 33),      # MPS limits the context (its execution affinity)
+    (132, None, "25", 1, 33),    # ... or says so only in the environment
+    (132, None, "50", 4, 33),    # the smaller of the limit and the share
+    (132, None, "100", 2, 66),
+    (132, None, "junk", 2, 66),
+    (4, None, None, 8, 0),       # cannot fit: the workspace refuses (RuntimeError)
+])
+def test_grid_fits_every_sharing_rank(sms, affinity, pct, sharers, expect):
+    n, how = p2p.grid_limit(sms, affinity, pct, sharers)
+    assert n == expect, how
+    assert n * sharers <= sms
+    if sharers > 1:
+        assert f"{sharers} ranks sharing" in how
 
 
 # =========================================================================== GPU, several ranks
@@ -341,7 +388,7 @@ def test_timeout_error_is_exported():
 def _skip_unless_p2p(comm):
     """The same decision on every rank: the device, topology and environment are the group's."""
     if comm.device.type != "cuda":
-        pytest.skip("needs CUDA GPUs with NCCL (P2P all-reduce)")
+        pytest.skip("needs CUDA GPUs (P2P all-reduce)")
     if comm.topology.mode != "p2p":
         pytest.skip(f"topology mode {comm.topology.mode!r}, no P2P: {'; '.join(comm.topology.reasons)}")
     if os.environ.get("COMMFUSE_STRATEGY", "auto") != "auto":
@@ -657,9 +704,9 @@ def test_messages_at_and_over_the_workspace(comm, gen, monkeypatch, algo):
         check_fused(first, xos, res, w, sc, pattern)
     for freshs, outs in replays:
         check_fused(reference.Tail(*outs), freshs, res_g, w_g, sc_g, graph_pattern)
-    assert nccl.plan.collective == "nccl" and nccl.plan.tail == "fused", str(nccl.plan)
+    assert nccl.plan.collective == c.backend and nccl.plan.tail == "fused", str(nccl.plan)
     assert any("holds no piece" in r for r in nccl.plan.reasons), nccl.plan.reasons
-    if c.world_size == 2:  # NCCL's one addition in T equals the fp32 sum rounded once
+    if c.backend != "nccl" or c.world_size == 2:  # gloo's exact sum; NCCL's one addition in T, the same
         check_fused(nccl, wides, wide_res, wide_w, wide_scale, ("nvfp4", False, "swizzled"))
     else:
         expect = reference.all_reduce_sum(wides).float().cpu() + wide_res.float().cpu()
@@ -698,6 +745,55 @@ def test_rank_skipping_a_call_makes_the_others_raise(comm, gen):
         assert later is not None, "a call after the timeout did not raise"
 
 
+# (ranks' calls, as (shape, dtype, algo, fused)): the last rank's call differs from the others'.
+MISMATCHES = {
+    "rows": (((16, 4096), torch.bfloat16, "oneshot", True), ((8, 4096), torch.bfloat16, "oneshot", True)),
+    "hidden": (((4, 4096), torch.bfloat16, "oneshot", True), ((4, 2048), torch.bfloat16, "oneshot", True)),
+    "dtype": (((64, 1024), torch.bfloat16, "twoshot", False), ((64, 1024), torch.float16, "twoshot", False)),
+    "algorithm": (((32, 1024), torch.bfloat16, "oneshot", False), ((32, 1024), torch.bfloat16, "twoshot", False)),
+    "pattern": (((8, 1024), torch.bfloat16, "twoshot", True), ((8, 1024), torch.bfloat16, "twoshot", False)),
+}
+
+
+@mpi
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_mismatched_calls_raise_naming_the_difference(comm, gen, case):
+    """Ranks making different P2P calls (no COMMFUSE_CHECK: the kernels compare call signatures):
+    every rank raises P2PMismatchError naming a rank whose call differs and both calls, well before
+    the timeout; the workspace stays broken (the next call raises too)."""
+    _skip_unless_p2p(comm)
+    timeout = 20.0
+    c = _new_comm(comm, "auto", COMMFUSE_P2P_TIMEOUT_S=timeout)
+    c.check_calls = False
+    rank, odd = dist.get_rank(c.group), c.world_size - 1
+    shape, dtype, algo, fused = MISMATCHES[case][rank == odd]
+    x = torch.randn(shape, generator=gen).to(dtype).to(c.device)
+    c.all_reduce(x.new_ones(8))  # one good call first: the workspace works
+    c.check()
+    ws, start, caught, later = c._p2p, time.monotonic(), None, None
+    try:
+        if fused:
+            residual, weight, _ = tail_inputs(c, gen, shape[0], shape[1], dtype, None)
+            ws.fused_all_reduce(x, residual, weight, EPS, None, None, False, "swizzled", algo)
+        else:
+            ws.all_reduce(x, algo)
+        c.check()
+    except p2p.P2PMismatchError as e:
+        caught = e
+    elapsed = time.monotonic() - start
+    try:
+        c.all_reduce(x)
+    except p2p.P2PError as e:
+        later = e
+    c.close()
+    assert caught is not None, f"{case}: no P2PMismatchError"
+    assert caught.peer != rank and (rank == odd or caught.peer == odd), (case, caught.peer)
+    assert f"rank {caught.peer} made a different call" in str(caught)
+    assert caught.mine != caught.theirs, str(caught)
+    assert elapsed < timeout / 2, f"{case}: {elapsed:.1f} s, the mismatch was not found before the timeout"
+    assert later is not None, "a call after the mismatch did not raise"
+
+
 @mpi
 def test_strategy_nccl_on_a_p2p_machine(comm, gen):
     _skip_unless_p2p(comm)
@@ -708,7 +804,7 @@ def test_strategy_nccl_on_a_p2p_machine(comm, gen):
     r = c.fused_all_reduce(x, residual, weight, eps=EPS, quant="fp8", scale=scale)
     a = c.all_reduce(x)
     assert c._p2p is None
-    assert r.plan.collective == "nccl" and r.plan.tail == "fused"
+    assert r.plan.collective == c.backend and r.plan.tail == "fused"  # gloo where ranks share a GPU
     assert any("strategy 'nccl'" in s for s in r.plan.reasons)
     assert_tail_close(r, reference.fused_tail(a, residual, weight, EPS, "fp8", scale), "fp8")
 
@@ -716,6 +812,8 @@ def test_strategy_nccl_on_a_p2p_machine(comm, gen):
 @mpi
 def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     _skip_unless_p2p(comm)
+    if comm.topology.shared_gpu:
+        pytest.skip("ranks share a GPU: no calibration (crossovers need a GPU per rank)")
     limits = gather(comm, comm._p2p.limits)
     assert len(set(limits)) == 1, f"ranks disagree on the limits: {limits}"
     lim = limits[0]

@@ -214,3 +214,27 @@ def test_registry_lists_the_real_kernels():
 
     kinds = {k.kind for k in registered_kernels().values()}
     assert "tail" in kinds
+
+
+def test_ranks_sharing_a_gpu_plan_p2p_over_gloo_and_gloo_fallback():
+    """Ranks sharing a GPU: the group's backend is gloo, the topology mode p2p (same-device IPC):
+    the P2P kernels run, and the forced fallback row is gloo's sum + the fused tail kernel."""
+    from commfuse import p2p  # noqa: F401 (registers the P2P kernel)
+
+    limits = P2PLimits(64 << 20, 512 << 10, 64 << 20)
+    req = Request(meta((16, 4096)), meta((16, 4096)), meta((4096,)), meta((1,), torch.float32), "fp8")
+    kw = dict(mode="p2p", backend="gloo", sm=(9, 0), world_size=4, kernels=registered_kernels(), p2p=limits)
+    p = make_plan(req, **kw)
+    assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce"), str(p)
+    p = make_plan(req, **{**kw, "p2p": None}, strategy="nccl")
+    assert (p.collective, p.tail, p.kernel) == ("gloo", "fused", "fused_tail"), str(p)
+    assert make_plan(Request(meta((16, 4096))), **kw).collective == "p2p_oneshot"
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float64, torch.bool])
+def test_non_float_inputs_raise_type_error_naming_x(dtype):
+    x = torch.zeros(4, 64, dtype=dtype)
+    with pytest.raises(TypeError, match=r"x must be float16, bfloat16 or float32"):
+        check_arguments(x, None, None, 1e-6, None, None, "swizzled", torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"x must be"):
+        check_arguments(x, x, x[0], 1e-6, None, None, "swizzled", torch.device("cpu"))

@@ -87,6 +87,37 @@ def test_cpu_backend_with_gpus_is_cpu():
     assert decide_mode([gpu(device=0), gpu(device=1)], full(2), backend="nccl")[0] == "p2p"
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ranks_sharing_one_gpu_take_p2p_over_gloo_and_say_so(world):
+    """A one-GPU machine with `world` ranks (gloo: NCCL refuses two ranks on one GPU)."""
+    ranks = [gpu(device=0) for _ in range(world)]
+    assert topology.gpu_sharers(ranks) == (world,) * world
+    mode, reasons = decide_mode(ranks, full(world), backend="gloo")
+    assert mode == "p2p", reasons
+    assert f"{world} ranks on one node" in reasons[0]
+    assert f"ranks {','.join(map(str, range(world)))} share GPU 0" in reasons[-1]
+    assert "time-slices" in reasons[-1] and "MPS" in reasons[-1] and "not a speed mode" in reasons[-1]
+    mode, reasons = decide_mode(ranks, full(world), pretend_no_p2p=True, backend="gloo")
+    assert mode == "fallback" and "PRETEND" in reasons[0] and "share GPU 0" in reasons[-1]
+    broken = full(world)
+    broken[world - 1][0] = False  # the same-device IPC check failed one way
+    mode, reasons = decide_mode(ranks, broken, backend="gloo")
+    assert mode == "fallback" and f"{world - 1}->0" in reasons[0]
+
+
+def test_ranks_sharing_some_gpus():
+    """4 ranks on 2 GPUs: two per GPU; each GPU named with its ranks."""
+    ranks = [gpu(device=0), gpu(device=1), gpu(device=0), gpu(device=1)]
+    assert topology.gpu_sharers(ranks) == (2, 2, 2, 2)
+    mode, reasons = decide_mode(ranks, full(4), backend="gloo")
+    assert mode == "p2p" and "ranks 0,2 share GPU 0" in reasons[-1] and "ranks 1,3 share GPU 1" in reasons[-1]
+    # One GPU per rank over gloo stays a CPU group, as before; without uuids nothing is taken as shared.
+    assert topology.gpu_sharers([gpu(device=0), gpu(device=1)]) == (1, 1)
+    nameless = [RankInfo("a", 0, None, (9, 0), "sim"), RankInfo("a", 0, None, (9, 0), "sim")]
+    assert topology.gpu_sharers(nameless) == (1, 1)
+    assert decide_mode(nameless, full(2), backend="gloo")[0] == "cpu"
+
+
 def test_pretend_no_p2p_turns_p2p_into_fallback():
     ranks = [gpu(device=0), gpu(device=1)]
     assert decide_mode(ranks, full(2))[0] == "p2p"
@@ -353,12 +384,17 @@ def test_gloo_group_is_cpu_mode(gloo_group):
     assert topology.detect(gloo_group) is topo  # cached per group
     world, rank = dist.get_world_size(), dist.get_rank()
     assert (topo.world_size, topo.rank, len(topo.ranks)) == (world, rank, world)
-    assert topo.mode == "cpu"
+    if topo.shared_gpu:  # ranks sharing one GPU (a one-GPU machine): the P2P row over same-device IPC
+        assert topo.mode == "p2p" and "share GPU" in topo.reasons[-1], topo.reasons
+        assert all(all(row) for row in topo.p2p_ipc), topo.notes
+    else:
+        assert topo.mode == "cpu"
     assert topo.ranks[rank].host == socket.gethostname()
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname(), group=gloo_group)
     assert [r.host for r in topo.ranks] == hosts
-    assert topo.p2p == tuple(tuple(i == j for j in range(world)) for i in range(world))
+    if not topo.shared_gpu:
+        assert topo.p2p == tuple(tuple(i == j for j in range(world)) for i in range(world))
 
 
 def _gpu_world(world):
@@ -395,3 +431,12 @@ def test_pretend_no_p2p_gives_fallback_without_touching_the_cache(world, monkeyp
     assert all(all(row) for row in fresh.p2p)  # the hardware still has P2P: only the override changed
     monkeypatch.delenv("COMMFUSE_PRETEND_NO_P2P")
     assert topology.detect(world).mode == "p2p"
+
+
+@pytest.mark.parametrize("cuda, local_world, gpus, expect", [
+    (True, 2, 2, "nccl"), (True, 1, 8, "nccl"), (True, 4, 1, "gloo"), (True, 8, 2, "gloo"), (False, 2, 0, "gloo")])
+def test_default_backend_is_gloo_when_ranks_share_gpus(cuda, local_world, gpus, expect):
+    from commfuse.distributed import default_backend, local_world_size
+
+    assert default_backend(cuda, local_world, gpus) == expect
+    assert local_world_size() >= 1

@@ -1,0 +1,31 @@
+"""Compile every kernel variant for this machine's GPU into the kernel cache, in parallel.
+
+Ranks that start together would each compile the same variants on first use (N times the NVRTC
+work); launch/device.sh runs this once before its multi-rank stages. Usage: python3 launch/prewarm.py
+"""
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from commfuse import fused_tail, jit, p2p  # noqa: E402
+
+
+def build(job):
+    source, name, arch = job
+    jit.build(source, (name,), arch)
+    return name
+
+
+def main():
+    arch = jit.device_arch(0)
+    jobs = [(fused_tail.SOURCE, n, arch) for n in fused_tail.variants()]
+    jobs += [(p2p.SOURCE, n, arch) for n in p2p.variants()]
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        done = list(pool.map(build, jobs))
+    print(f"prewarm: {len(done)} kernel variants for {arch} in {jit._cache_dir()}")
+
+
+if __name__ == "__main__":
+    main()
