@@ -353,18 +353,25 @@ __device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned 
     // ">=" as a signed difference: robust should a peer ever be ahead, and correct when the 32-bit
     // epoch wraps around after 2^32 calls. (A peer cannot be ahead here: it would first have to
     // pass this very barrier, which needs this CTA's flag.)
-    bool arrived = true;
+    bool ok = true, sig_done = phase != 0;
     while (static_cast<int>(ld_acquire_sys(mine) - epoch) < 0) {
-      // A peer of the other algorithm never releases this flag, but its signature comes.
-      if (phase == 0 && sig_size_word(p, epoch) != kEmptyWord) break;
+      // A peer of the other algorithm never releases this flag, but its signature comes: check it
+      // as soon as it is there, and go on waiting for the flag when it matches.
+      if (!sig_done && sig_size_word(p, epoch) != kEmptyWord) {
+        sig_done = true;
+        if (!sig_settle<T, QUANT, ALGO>(p, epoch)) {
+          ok = false;
+          break;
+        }
+      }
       if (global_timer_ns() - start > p.timeout_ns) {
         report_timeout(p, phase, q);
-        arrived = false;
+        ok = false;
         break;
       }
     }
     // The flag's acquire made the peer's signature visible: it was stored before the release.
-    if (!arrived || (phase == 0 && !sig_settle<T, QUANT, ALGO>(p, epoch))) *s_fail = 1;
+    if (!ok || (!sig_done && !sig_settle<T, QUANT, ALGO>(p, epoch))) *s_fail = 1;
   }
   __syncthreads();
   return *s_fail == 0;

@@ -467,7 +467,10 @@ def test_fused_matches_reference(comms, gen, monkeypatch, algo, dtype, quant, re
     first, second = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: run_pattern(c, x, residual, weight, scale, pattern))
     digests = gather(c, digest(outputs(first)))
     c.check()
-    assert first.plan.collective == f"p2p_{algo}" and first.plan.tail == "fused", str(first.plan)
+    # A forced one-shot above the one-shot's buffers (a world-size-dependent size) runs two-shot.
+    over = algo == "oneshot" and x.numel() * x.element_size() > c._p2p.lamport_bytes
+    assert first.plan.collective == ("p2p_twoshot" if over else f"p2p_{algo}"), str(first.plan)
+    assert first.plan.tail == "fused", str(first.plan)
     for before, after in zip(saved, (x, residual, weight)):
         assert bits_equal(before, after), "an input was modified"
     for name, a, b in zip(("residual", "norm", "quant", "scale_factors"), outputs(first), outputs(second)):
@@ -512,7 +515,7 @@ def test_plain_without_whole_vectors_takes_nccl(comms, gen):
     x, xs = rank_inputs(c, gen, (3, 5), torch.bfloat16)
     y = c.all_reduce(x)
     p = c.plan(x)
-    assert p.collective == "nccl" and any("multiple of 8 elements" in r for r in p.reasons), str(p)
+    assert p.collective == c.backend and any("multiple of 8 elements" in r for r in p.reasons), str(p)
     assert y.shape == x.shape
 
 
@@ -759,16 +762,19 @@ MISMATCHES = {
 @pytest.mark.parametrize("case", sorted(MISMATCHES))
 def test_mismatched_calls_raise_naming_the_difference(comm, gen, case):
     """Ranks making different P2P calls (no COMMFUSE_CHECK: the kernels compare call signatures):
-    every rank raises P2PMismatchError naming a rank whose call differs and both calls, well before
-    the timeout; the workspace stays broken (the next call raises too)."""
+    every rank raises P2PMismatchError naming a rank whose call differs and both calls; the
+    workspace stays broken (the next call raises too). Where a rank waits for data the other call
+    never sends, the mismatch ends the wait long before the timeout, except in the plain one-shot
+    (and the 2-vector tails), whose registers hold no signature watch: there the wait times out
+    first and the error still names the mismatch (the "algorithm" case's one-shot ranks)."""
     _skip_unless_p2p(comm)
-    timeout = 20.0
+    timeout = 20.0 if case != "algorithm" else 3.0
     c = _new_comm(comm, "auto", COMMFUSE_P2P_TIMEOUT_S=timeout)
     c.check_calls = False
     rank, odd = dist.get_rank(c.group), c.world_size - 1
     shape, dtype, algo, fused = MISMATCHES[case][rank == odd]
     x = torch.randn(shape, generator=gen).to(dtype).to(c.device)
-    c.all_reduce(x.new_ones(8))  # one good call first: the workspace works
+    c.all_reduce(torch.ones(8, dtype=torch.bfloat16, device=c.device))  # one good call: the workspace works
     c.check()
     ws, start, caught, later = c._p2p, time.monotonic(), None, None
     try:
@@ -790,7 +796,8 @@ def test_mismatched_calls_raise_naming_the_difference(comm, gen, case):
     assert caught.peer != rank and (rank == odd or caught.peer == odd), (case, caught.peer)
     assert f"rank {caught.peer} made a different call" in str(caught)
     assert caught.mine != caught.theirs, str(caught)
-    assert elapsed < timeout / 2, f"{case}: {elapsed:.1f} s, the mismatch was not found before the timeout"
+    if case != "algorithm":
+        assert elapsed < timeout / 2, f"{case}: {elapsed:.1f} s, the mismatch was not found before the timeout"
     assert later is not None, "a call after the mismatch did not raise"
 
 
