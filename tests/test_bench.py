@@ -118,7 +118,7 @@ from commfuse.bench import cli, impls
 def prepare(ctx, case):
     good = impls.IMPLS["nccl+eager"].prepare(ctx, case)
     def step(i):
-        r = good(i)
+        r = good.call(i)
         if case.pattern.tail:
             r.residual = r.residual + 1
         else:
@@ -207,23 +207,23 @@ def test_torch_add_is_gated_against_its_own_definition():
     add = impls.IMPLS["torch-add"]
     step = add.prepare(ctx, case)
     assert step.no_graph is None
-    verdict, res = cases.gate(ctx, step, lambda r: add.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step.call, lambda r: add.mismatch(case, r))
     assert verdict is OK
     x, residual = case.sets[0]
     assert torch.equal(res.a, (x.float() + residual.float()).bfloat16())
-    step(0)
-    assert torch.equal(step(0).a, res.a)  # no state between calls
+    step.call(0)
+    assert torch.equal(step.call(0).a, (x.float() + residual.float()).bfloat16())  # no state between calls
 
     def off(i):
-        r = step(i)
+        r = step.call(i)
         r.a.view(-1)[3] = torch.nextafter(r.a.view(-1)[3], torch.tensor(float("inf")).bfloat16())
         return r
-    verdict, _ = cases.gate(ctx, impls.Step(off), lambda r: add.mismatch(case, r))
+    verdict, _ = cases.gate(ctx, off, lambda r: add.mismatch(case, r))
     assert verdict.kind is Kind.REJECTED and "x + residual" in verdict.reason
-    verdict, _ = cases.gate(ctx, impls.Step(lambda i: 1 / 0), lambda r: add.mismatch(case, r))
+    verdict, _ = cases.gate(ctx, lambda i: 1 / 0, lambda r: add.mismatch(case, r))
     assert verdict == Verdict(Kind.FAILED, "the checked call raised ZeroDivisionError: division by zero")
     # Judged by the oracle instead, its output (no tail) is not even comparable: a rejection.
-    verdict, _ = cases.gate(ctx, step, lambda r: impls.IMPLS["tail-eager"].mismatch(case, r))
+    verdict, _ = cases.gate(ctx, step.call, lambda r: impls.IMPLS["tail-eager"].mismatch(case, r))
     assert verdict.kind is Kind.REJECTED and "not comparable with the oracle" in verdict.reason
 
 

@@ -30,14 +30,12 @@ GLOO_NO_GRAPH = "gloo collectives cannot be captured in a CUDA graph"
 
 @dataclass
 class Step:
-    """One call on input set i, returning its Result, with no host synchronisation so that a CUDA
-    graph can capture it; no_graph: why graph mode cannot time it (None: it can)."""
+    """call(i): one call on input set i, returning its Result, with no host synchronisation so that
+    a CUDA graph can capture it; no_graph: why graph mode cannot time it (None: it can). The timing
+    loops call `call` itself, so a row's host time holds no wrapper of ours."""
 
     call: Callable[[int], Result]
     no_graph: Optional[str] = None
-
-    def __call__(self, i: int) -> Result:
-        return self.call(i)
 
 
 @dataclass
@@ -245,14 +243,15 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
 def _prep_torch_add(ctx: Ctx, case: Case) -> Step:
     # torch.add(x, residual, out=...): of the one-op candidates the cheapest on the host that keeps
     # no state between calls (x.add_(1) wraps its Python scalar in a tensor on every call). One
-    # output per input set, so its bytes rotate through memory like the inputs'.
-    outs = [torch.empty_like(x) for x, _ in case.sets]
+    # output per input set, so its bytes rotate through memory like the inputs'. Arguments and
+    # results are made here: a floor must not carry harness work the other rows' calls may not.
+    calls = [(x, residual, Result(a=torch.empty_like(x))) for x, residual in case.sets]
+    n = len(calls)
 
     def step(i):
-        x, residual = case.input_set(i)
-        out = outs[i % len(outs)]
-        torch.add(x, residual, out=out)
-        return Result(a=out)
+        x, residual, res = calls[i % n]
+        torch.add(x, residual, out=res.a)
+        return res
     return Step(step)
 
 

@@ -24,7 +24,7 @@ MODES = ("graph", "eager", "host")
 SLEEP_CYCLES = 200_000  # ~0.1 ms GPU spin before a timed graph replay, so the host is ahead
 
 
-def align(ctx: Ctx, sleep: bool = False) -> None:
+def _align(ctx: Ctx, sleep: bool = False) -> None:
     """Start a timed region on every rank together: an all-reduce the host waits for (gloo's on the
     CPU blocks; on a GPU the synchronize waits for it), then (sleep, graph mode) a GPU spin so the
     host has queued the whole region before the GPU reaches it, then an all-reduce on the GPU right
@@ -45,20 +45,20 @@ def _sync(ctx: Ctx) -> None:
         torch.cuda.synchronize()
 
 
-def _capture(ctx: Ctx, step: Step) -> "torch.cuda.CUDAGraph":
+def _capture(ctx: Ctx, call: Callable[[int], object]) -> "torch.cuda.CUDAGraph":
     """Warm up, then capture K calls in one CUDA graph (rotating over the input sets)."""
     side = torch.cuda.Stream()  # warm-up before capture on a side stream, as torch.cuda.graphs advises
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(ctx.args.warmup):
-            step(i)
+            call(i)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     # thread_local: CUDA calls of other threads (NCCL's watchdog) must not invalidate our capture.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(ctx.args.calls_per_graph):
-            step(i)
+            call(i)
     torch.cuda.synchronize()
     return graph
 
@@ -70,7 +70,7 @@ def _time_graph(ctx: Ctx, graph: "torch.cuda.CUDAGraph") -> List[float]:
     times = []
     for _ in range(ctx.args.repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        align(ctx, sleep=True)
+        _align(ctx, sleep=True)
         start.record()
         graph.replay()
         end.record()
@@ -79,22 +79,22 @@ def _time_graph(ctx: Ctx, graph: "torch.cuda.CUDAGraph") -> List[float]:
     return times
 
 
-def _time_loop(ctx: Ctx, step: Step, events: bool) -> List[float]:
+def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool) -> List[float]:
     """Time per call (us) of K back-to-back calls from Python, each repeat started on all ranks
     together. events: CUDA events around the loop (eager on a GPU). Otherwise the host clock around
     the loop alone: the GPU is idle when the clock starts, and the stop time is read before the
     synchronize that keeps this repeat's queued work out of the next one."""
     k = ctx.args.calls_per_graph
     for i in range(ctx.args.warmup):
-        step(i)
+        call(i)
     times = []
     for _ in range(ctx.args.repeats):
-        align(ctx)
+        _align(ctx)
         if events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(k):
-                step(i)
+                call(i)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3 / k)
@@ -102,14 +102,14 @@ def _time_loop(ctx: Ctx, step: Step, events: bool) -> List[float]:
             _sync(ctx)
             t0 = time.perf_counter()
             for i in range(k):
-                step(i)
+                call(i)
             t1 = time.perf_counter()
             _sync(ctx)
             times.append((t1 - t0) * 1e6 / k)
     return times
 
 
-def max_over_ranks(ctx: Ctx, times: Sequence[float]) -> List[float]:
+def _max_over_ranks(ctx: Ctx, times: Sequence[float]) -> List[float]:
     """Each repeat's time as the slowest rank saw it."""
     t = torch.tensor(list(times), dtype=torch.float64, device=ctx.device)
     if ctx.world > 1:
@@ -127,7 +127,7 @@ def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], V
             verdict = Verdict(Kind.SKIP, f"graph mode: {step.no_graph}")
         else:
             try:
-                graph = _capture(ctx, step)
+                graph = _capture(ctx, step.call)
             except Exception as e:
                 verdict = failed("graph capture", e)
         verdict = agree(ctx.world, verdict)
@@ -135,21 +135,21 @@ def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], V
             return None, verdict
         run = lambda: _time_graph(ctx, graph)
     else:
-        run = lambda: _time_loop(ctx, step, events=ctx.cuda and mode == "eager")
+        run = lambda: _time_loop(ctx, step.call, events=ctx.cuda and mode == "eager")
     times, verdict = None, OK
     try:
         times = run()
     except Exception as e:
         verdict = failed(f"{mode} timing", e)
     verdict = agree(ctx.world, verdict)
-    return (max_over_ranks(ctx, times), OK) if verdict.ok else (None, verdict)
+    return (_max_over_ranks(ctx, times), OK) if verdict.ok else (None, verdict)
 
 
 # ------------------------------------------------------------------------------------- ceilings
 
 def _median_time(ctx: Ctx, fn: Callable, reps: int, collective: bool = False) -> float:
     """Median seconds of fn() on this rank (device events on a GPU). collective: fn is a collective,
-    start it on all GPUs together (align); otherwise no rank waits for another."""
+    start it on all GPUs together (_align); otherwise no rank waits for another."""
     fn()
     fn()
     times = []
@@ -157,7 +157,7 @@ def _median_time(ctx: Ctx, fn: Callable, reps: int, collective: bool = False) ->
         if ctx.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if collective:
-                align(ctx, sleep=True)
+                _align(ctx, sleep=True)
             else:
                 torch.cuda.synchronize()
             start.record()
@@ -182,7 +182,7 @@ def _copy_GBps(ctx: Ctx, nbytes: int, to: torch.device, reps: int = 10) -> float
 def _nccl_busbw_GBps(ctx: Ctx, nbytes: int, reps: int = 5) -> float:
     """NCCL all-reduce bus bandwidth, nccl-tests convention: 2 (n-1)/n x bytes / time."""
     buf = torch.randn(nbytes // 2, device=ctx.device).to(torch.bfloat16)
-    t = max_over_ranks(ctx, [_median_time(ctx, lambda: dist.all_reduce(buf), reps, collective=True)])[0]
+    t = _max_over_ranks(ctx, [_median_time(ctx, lambda: dist.all_reduce(buf), reps, collective=True)])[0]
     return 2 * (ctx.world - 1) / ctx.world * nbytes / t / 1e9
 
 
@@ -197,7 +197,7 @@ def measure_ceilings(ctx: Ctx) -> Tuple[dict, dict]:
     methods = {}
     nbytes = (256 << 20) if ctx.args.quick or not ctx.cuda else (1 << 30)
     # 2x: every byte is read and written; min over ranks = -max(-x): the slowest rank's bandwidth.
-    hbm = -max_over_ranks(ctx, [-2 * _copy_GBps(ctx, nbytes, ctx.device)])[0]
+    hbm = -_max_over_ranks(ctx, [-2 * _copy_GBps(ctx, nbytes, ctx.device)])[0]
     methods["hbm_copy_GBps"] = (f"{'device-to-device' if ctx.cuda else 'host memory'} copy of "
                                 f"{nbytes >> 20} MiB, bytes read + written / median time, slowest rank")
     busbw = None
