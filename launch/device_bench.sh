@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The benchmark runs whose results are committed under bench/results/ (2 x H200): the PEERS.md shapes
-# with every implementation, then the torch.compile rows in a run of their own (each compile costs
-# tens of seconds; its FP8/NVFP4 tails fail the gate and are timed marked *, see README).
+# The benchmark runs whose results are committed under bench/results/ (2 x H200): six shapes from
+# decode (1 token) to prefill (8192 tokens) over hidden 4096, 7168 and 8192 with every implementation,
+# then the torch.compile rows in a run of their own (each compile costs tens of seconds; its FP8/NVFP4
+# tails fail the gate and are timed marked *, see README).
 # Usage: launch/device_bench.sh OUTDIR [N]
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,22 +1,28 @@
 """commfuse-bench on the CPU: the harness runs end to end over gloo, writes the documented JSON and a
-PNG, and its correctness gate rejects a wrong implementation (no time for it, a "rejected" row).
+PNG per mode (eager and host), and its correctness gate rejects a wrong implementation (no time for
+it, a "rejected" row); the pieces (verdicts, gate, host timing, the table) are checked in-process.
 
 Not marked mpi: these tests start their own processes (launch/bench.sh runs mpirun), so under
 `launch/test.sh N` they run once, on rank 0. The environment of the launching MPI job is removed
 from the children (a nested mpirun would otherwise try to join it), and CUDA is hidden so that the
 run is the CPU smoke run even on a GPU machine (the GPU numbers come from launch/bench.sh itself).
 """
+import argparse
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 import torch
 
 from commfuse import reference
-from commfuse.cli import bench
+from commfuse.bench import cases, cli, impls, report, timing
+from commfuse.bench.context import Ctx
+from commfuse.bench.verdict import OK, Kind, Skip, Verdict, combine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORD_FIELDS = {"impl", "pattern", "dtype", "tokens", "hidden", "mode", "us", "us_min", "us_max", "frac_hbm"}
@@ -54,34 +60,44 @@ def _load(out: pathlib.Path) -> dict:
 @cpu_smoke
 def test_bench_sh_quick_on_cpu_writes_json_and_png(tmp_path):
     out = tmp_path / "out"
-    p = _run([str(ROOT / "launch" / "bench.sh"), "2", "--quick", "--out", str(out), "--machine", "ci box"], tmp_path)
+    # Host mode only (the CPU drops graph): on the CPU eager mode runs the same loop, and the
+    # default modes run in test_gate_rejects_a_wrong_implementation.
+    p = _run([str(ROOT / "launch" / "bench.sh"), "2", "--quick", "--modes", "graph,host", "--out", str(out),
+              "--machine", "ci box"], tmp_path)
     assert "NOT GPU numbers" in p.stderr and "CPU/gloo: not GPU numbers" in p.stdout
     doc = _load(out)
     assert doc["machine"] == "ci box" and isinstance(doc["gpu"], str) and doc["gpu"]
-    assert doc["world_size"] == 2 and doc["note"] == "CPU/gloo: not GPU numbers"
+    assert doc["world_size"] == 2 and doc["note"] == "CPU/gloo: not GPU numbers" and doc["shared_gpu"] is False
     assert isinstance(doc["versions"], dict) and doc["versions"]["torch"] == torch.__version__
     assert set(doc["ceilings"]) >= {"hbm_copy_GBps", "p2p_GBps"}
     assert doc["ceilings"]["hbm_copy_GBps"] > 0 and doc["ceilings"]["p2p_GBps"] is None
+    assert doc["config"]["modes"] == ["host"]  # no CUDA graphs on the CPU
 
     records = doc["records"]
     assert records
     for r in records:
         assert set(r) == RECORD_FIELDS, r
-        assert r["impl"] in bench.IMPLS and r["pattern"] in bench.PATTERNS and r["dtype"] in bench.DTYPES
-        assert r["mode"] == "eager"  # no CUDA graphs on the CPU
+        assert r["impl"] in impls.IMPLS and r["pattern"] in cases.PATTERNS and r["dtype"] in cases.DTYPES
+        assert r["mode"] == "host"
         assert isinstance(r["tokens"], int) and isinstance(r["hidden"], int) and r["tokens"] > 0 < r["hidden"]
         assert all(isinstance(r[k], float) for k in ("us", "us_min", "us_max"))
         assert 0 < r["us_min"] <= r["us"] <= r["us_max"]
-        if bench.IMPLS[r["impl"]].section == "tail":
+        if impls.IMPLS[r["impl"]].section == "tail":
             assert isinstance(r["frac_hbm"], float) and r["frac_hbm"] > 0
         else:
             assert r["frac_hbm"] is None
     ran = {(r["impl"], r["pattern"]) for r in records}
-    for pattern in bench.QUICK_PATTERNS:
-        for impl in ("nccl+eager", "commfuse-fallback", "commfuse-auto"):
+    for pattern in cases.QUICK_PATTERNS:
+        for impl in ("nccl+eager", "commfuse-fallback", "commfuse-auto", "torch-add"):
             assert (impl, pattern) in ran, (impl, pattern)
         if pattern != "allreduce":
             assert ("tail-eager", pattern) in ran
+    # One elementwise op costs the host far less than a gloo collective and a tail.
+    us = {(r["impl"], r["pattern"], r["tokens"]): r["us"] for r in records}
+    auto = [(k, v) for k, v in us.items() if k[0] == "commfuse-auto"]
+    assert len(auto) == 2 * len(cases.QUICK_PATTERNS)
+    assert all(us[("torch-add",) + k[1:]] < v for k, v in auto), us
+    assert "== host: residual_rmsnorm bf16\n" in p.stdout and " x add " in p.stdout
 
     for s in doc["skipped"]:
         assert set(s) == {"impl", "pattern", "reason"} and s["reason"]
@@ -90,30 +106,30 @@ def test_bench_sh_quick_on_cpu_writes_json_and_png(tmp_path):
     assert ("flashinfer", "residual_rmsnorm_fp8") in skipped and ("tail-commfuse", "residual_rmsnorm") in skipped
     assert not skipped & ran
 
-    pngs = list(out.glob("bench-*-eager.png"))
-    assert len(pngs) == 1 and pngs[0].stat().st_size > 1000
+    pngs = list(out.glob("bench-*.png"))
+    assert [p.name for p in pngs] == ["bench-ci_box-host.png"] and pngs[0].stat().st_size > 1000
     assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 BROKEN = r'''
 import sys
-from commfuse.cli import bench
+from commfuse.bench import cli, impls
 
 def prepare(ctx, case):
-    good = bench.IMPLS["nccl+eager"].prepare(ctx, case)
+    good = impls.IMPLS["nccl+eager"].prepare(ctx, case)
     def step(i):
-        r = good(i)
+        r = good.call(i)
         if case.pattern.tail:
             r.residual = r.residual + 1
         else:
             r.a = r.a + 1
         return r
-    return step
+    return impls.Step(step)
 
-bench.register(bench.Impl("broken", "collective", prepare, "test only: nccl+eager, off by one"))
-bench.register(bench.Impl("broken-baseline", "collective", prepare, "test only: the same, timed anyway",
+impls.register(impls.Impl("broken", "collective", prepare, "test only: nccl+eager, off by one"))
+impls.register(impls.Impl("broken-baseline", "collective", prepare, "test only: the same, timed anyway",
                           timed_if_wrong=True))
-sys.exit(bench.main(sys.argv[1:]))
+sys.exit(cli.main(sys.argv[1:]))
 '''
 
 
@@ -127,7 +143,7 @@ def test_gate_rejects_a_wrong_implementation(tmp_path):
     _run([sys.executable, "-c", BROKEN, "--quick", "--impls", "broken,broken-baseline,nccl+eager", "--patterns",
           patterns, "--shapes", "4x256", "--repeats", "1", "--calls-per-graph", "2", "--out", str(out)], tmp_path)
     doc = _load(out)
-    assert doc["world_size"] == 1
+    assert doc["world_size"] == 1 and doc["config"]["modes"] == ["eager"]  # the default graph,eager on the CPU
     assert not [r for r in doc["records"] if r["impl"] == "broken"]
     assert all(r.get("wrong") is None for r in doc["records"] if r["impl"] == "nccl+eager")
     # A baseline marked timed_if_wrong (the torch.compile rows) is timed, its records say why it is wrong.
@@ -137,7 +153,7 @@ def test_gate_rejects_a_wrong_implementation(tmp_path):
     assert {r["pattern"] for r in doc["records"] if r["impl"] == "nccl+eager"} == set(patterns.split(","))
     rejected = {s["pattern"]: s["reason"] for s in doc["skipped"] if s["impl"] == "broken"}
     assert set(rejected) == set(patterns.split(","))
-    assert all(r.startswith("rejected") for r in rejected.values()), rejected
+    assert all(r.startswith("rejected (bf16 4x256): ") for r in rejected.values()), rejected
     assert "residual" in rejected["residual_rmsnorm"] and "all-reduce" in rejected["allreduce"]
 
 
@@ -145,77 +161,208 @@ def _tail(quant, t=32, h=256, return_norm=False):
     g = torch.Generator().manual_seed(7)
     a, residual = (torch.randn(t, h, generator=g).bfloat16() for _ in range(2))
     weight = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16()
-    scale = torch.tensor([bench.SCALES[quant]]) if quant else None
-    return bench.Result.of_tail(reference.fused_tail(a, residual, weight, 1e-6, quant, scale, return_norm))
+    scale = torch.tensor([cases.SCALES[quant]]) if quant else None
+    return cases.Result.of_tail(reference.fused_tail(a, residual, weight, 1e-6, quant, scale, return_norm))
 
 
-def test_verdict_kind_of_agreed_verdicts():
-    """Ranks' verdicts joined by agree() keep their kind: any rank raising is a failure (not a wrong
-    result), all objecting ranks skipping is a skip; a gate's message is a rejection."""
-    assert bench.verdict_kind("skip: no GPU") == "skip"
-    assert bench.verdict_kind("rank 0: skip: plan is nccl; rank 1: skip: plan is nccl + fused") == "skip"
-    assert bench.verdict_kind("prepare raised RuntimeError: boom") == "failed"
-    assert bench.verdict_kind("raised P2PTimeoutError: rank 1 did not arrive") == "failed"
-    oom = "rank 0: raised OutOfMemoryError: 1 GiB; rank 1: raised OutOfMemoryError: 2 GiB"
-    assert bench.verdict_kind(oom) == "failed"
-    assert bench.verdict_kind("rank 0: skip: x; rank 1: prepare raised ValueError: y") == "failed"
-    assert bench.verdict_kind("rank 0: skip: x; rank 1: fp8 codes: 2e-2 of codes differ") == "rejected"
-    assert bench.verdict_kind("residual: 3 of 8 elements beyond 1 ulp") == "rejected"
+def test_combine_keeps_the_worst_kind_of_the_ranks_verdicts():
+    """Ranks' verdicts combined into one: OK only when every rank is OK; any rank failing (raising)
+    is a failure, not a wrong result; a wrong result on one rank is a rejection even if the others
+    skipped; all objecting ranks skipping is a skip. The reason names the objecting ranks unless
+    every rank said the same."""
+    skip_x, skip_y = Verdict(Kind.SKIP, "x"), Verdict(Kind.SKIP, "y")
+    wrong = Verdict(Kind.REJECTED, "fp8 codes: 2e-2 of codes differ")
+    boom = Verdict(Kind.FAILED, "prepare raised ValueError: boom")
+    assert combine([OK, OK]) is OK and combine([]) is OK
+    assert combine([skip_x]) == skip_x and combine([skip_x, skip_x, skip_x]) == skip_x
+    assert combine([skip_x, skip_y]) == Verdict(Kind.SKIP, "rank 0: x; rank 1: y")
+    assert combine([OK, skip_x]) == Verdict(Kind.SKIP, "rank 1: x")
+    assert combine([skip_x, wrong]) == Verdict(Kind.REJECTED, f"rank 0: skip: x; rank 1: {wrong.reason}")
+    assert combine([wrong, OK, boom]) == Verdict(Kind.FAILED, f"rank 0: rejected: {wrong.reason}; rank 2: {boom.reason}")
+    oom = [Verdict(Kind.FAILED, "raised OutOfMemoryError: 1 GiB"), Verdict(Kind.FAILED, "raised OutOfMemoryError: 2 GiB")]
+    assert combine(oom) == Verdict(Kind.FAILED, "rank 0: raised OutOfMemoryError: 1 GiB; rank 1: raised OutOfMemoryError: 2 GiB")
 
 
-def test_check_follows_design_tolerances():
+def _args(**kw):
+    base = dict(seed=0, eps=1e-6, quick=True, compile_all=False, warmup=1, repeats=3, calls_per_graph=4,
+                shape_list=[(4, 256)])
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _ctx(world=1, backend="gloo", **kw):
+    return Ctx(_args(**kw), rank=0, world=world, backend=backend, device=torch.device("cpu"))
+
+
+class _GpuCtx(Ctx):
+    """A Ctx that takes the GPU code paths while its tensors stay on the CPU."""
+    cuda = True
+
+
+def test_torch_add_is_gated_against_its_own_definition():
+    """torch-add's one call is x + residual rounded once (exact), and the gate says so; the same
+    step off by one ulp somewhere, or raising, is rejected or failed. Its outputs rotate with the
+    input sets and do not accumulate between calls."""
+    ctx = _ctx()
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 4, 256)
+    add = impls.IMPLS["torch-add"]
+    step = add.prepare(ctx, case)
+    assert step.no_graph is None
+    verdict, res = cases.gate(ctx, step.call, lambda r: add.mismatch(case, r))
+    assert verdict is OK
+    x, residual = case.sets[0]
+    assert torch.equal(res.a, (x.float() + residual.float()).bfloat16())
+    step.call(0)
+    assert torch.equal(step.call(0).a, (x.float() + residual.float()).bfloat16())  # no state between calls
+
+    def off(i):
+        r = step.call(i)
+        r.a.view(-1)[3] = torch.nextafter(r.a.view(-1)[3], torch.tensor(float("inf")).bfloat16())
+        return r
+    verdict, _ = cases.gate(ctx, off, lambda r: add.mismatch(case, r))
+    assert verdict.kind is Kind.REJECTED and "x + residual" in verdict.reason
+    verdict, _ = cases.gate(ctx, lambda i: 1 / 0, lambda r: add.mismatch(case, r))
+    assert verdict == Verdict(Kind.FAILED, "the checked call raised ZeroDivisionError: division by zero")
+    # Judged by the oracle instead, its output (no tail) is not even comparable: a rejection.
+    verdict, _ = cases.gate(ctx, step.call, lambda r: impls.IMPLS["tail-eager"].mismatch(case, r))
+    assert verdict.kind is Kind.REJECTED and "not comparable with the oracle" in verdict.reason
+
+
+def test_host_mode_times_the_loop_alone(monkeypatch):
+    """Host mode: per call, K calls' wall time with the GPU synchronised before the clock starts and
+    after it stops, outside the timed region: a 20 ms synchronize shows in no repeat. A row that
+    cannot be captured skips graph mode without running."""
+    log = []
+
+    def slow_sync():
+        log.append("S")
+        time.sleep(0.02)
+    monkeypatch.setattr(torch.cuda, "synchronize", slow_sync)
+    ctx = _GpuCtx(_args(warmup=2, repeats=2, calls_per_graph=3), 0, 1, "nccl", torch.device("cpu"))
+    step = impls.Step(lambda i: log.append(i))
+    times, verdict = timing.time_step(ctx, step, "host")
+    assert verdict is OK and len(times) == 2
+    assert all(0 < t < 2000 for t in times), times  # 20 ms / 3 calls would be 6667 us per call
+    # warm-up, then per repeat: align's synchronize, the one before the clock, 3 calls, the one after.
+    assert log == [0, 1] + ["S", "S", 0, 1, 2, "S"] * 2
+
+    log.clear()
+    step = impls.Step(lambda i: time.sleep(0.004), no_graph=impls.GLOO_NO_GRAPH)
+    times, verdict = timing.time_step(ctx, step, "host")
+    assert verdict is OK and all(t >= 4000 for t in times)  # per call, not per loop
+    times, verdict = timing.time_step(ctx, step, "graph")
+    assert times is None and verdict == Verdict(Kind.SKIP, "graph mode: gloo collectives cannot be captured in a CUDA graph")
+
+
+def test_host_mode_on_the_cpu():
+    ctx = _ctx(warmup=0, repeats=3, calls_per_graph=5)
+    calls = []
+    times, verdict = timing.time_step(ctx, impls.Step(calls.append), "host")
+    assert verdict is OK and len(times) == 3 and calls == list(range(5)) * 3
+
+
+def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
+    """gloo with CUDA inputs: the nccl+* rows skip graph mode (gloo cannot be captured), FlashInfer
+    skips, and a commfuse whose Communicator takes another device's tensors skips (remembered)."""
+    ctx = _ctx()
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 4, 256)
+    assert impls.IMPLS["nccl+eager"].prepare(ctx, case).no_graph == impls.GLOO_NO_GRAPH
+    assert impls.IMPLS["nccl+eager"].prepare(_ctx(backend="nccl"), case).no_graph is None
+
+    shared = _GpuCtx(_args(), 0, 2, "gloo", torch.device("cpu"))
+    assert shared.shared_gpu and not _GpuCtx(_args(), 0, 2, "nccl", torch.device("cpu")).shared_gpu
+    with pytest.raises(Skip, match="^needs NCCL: ranks share a GPU$"):
+        impls.IMPLS["flashinfer"].prepare(shared, case)
+
+    made = []
+    monkeypatch.setattr(impls, "Communicator", lambda strategy: made.append(strategy) or types.SimpleNamespace(
+        device=torch.device("cuda", 0), backend="gloo", check_calls=True))
+    for _ in range(2):
+        with pytest.raises(Skip, match=r"over gloo works on cuda:0 tensors, the inputs are on cpu"):
+            impls.IMPLS["commfuse-auto"].prepare(ctx, case)
+    assert made == ["auto"]
+
+
+def _rec(impl, us, mode, t=4, pattern="residual_rmsnorm"):
+    return {"impl": impl, "pattern": pattern, "dtype": "bf16", "tokens": t, "hidden": 256, "mode": mode,
+            "us": us, "us_min": us, "us_max": us, "frac_hbm": None}
+
+
+def test_host_table_gives_commfuse_rows_their_ratio_to_torch_add():
+    args = cli.parse_args(["--modes", "eager,host", "--shapes", "4x256,8x256", "--dtypes", "bf16", "--patterns",
+                           "residual_rmsnorm", "--impls", "nccl+eager,commfuse-auto,commfuse-p2p,torch-add"])
+    records = [_rec("torch-add", 2.0, "host"), _rec("commfuse-auto", 5.0, "host"), _rec("nccl+eager", 7.0, "host"),
+               _rec("torch-add", 4.0, "host", t=8), _rec("commfuse-auto", 6.0, "host", t=8),
+               _rec("torch-add", 1.0, "eager"), _rec("commfuse-auto", 3.0, "eager")]
+    doc = {"machine": "m", "gpu": "g", "world_size": 2, "backend": "gloo", "date": "d", "versions": {},
+           "ceilings": {"hbm_copy_GBps": None, "p2p_GBps": None}, "records": records, "skipped": [], "plans": [],
+           "shared_gpu": True}
+    status = {("commfuse-p2p", "residual_rmsnorm", "bf16", t, 256, m): Kind.SKIP for t in (4, 8) for m in ("eager", "host")}
+    text = report.format_table(doc, status, args)
+    blocks = {b.split("\n")[0]: b.split("\n")[1:] for b in text.split("\n== ")[1:]}
+    eager = blocks["eager: residual_rmsnorm bf16 -- ranks share GPUs: correctness mode, not speed numbers"]
+    host = blocks["host: residual_rmsnorm bf16"]
+    assert eager[0].split() == ["tokens", "x", "hidden", "torch-add", "nccl+eager", "commfuse-auto", "commfuse-p2p"]
+    # commfuse-p2p has no time anywhere: no ratio column for it.
+    assert host[0].split() == ["tokens", "x", "hidden", "torch-add", "nccl+eager", "commfuse-auto", "x", "add",
+                               "commfuse-p2p"]
+    assert host[1].split() == ["4", "x", "256", "2.0", "7.0", "5.0", "2.50", "-"]
+    assert host[2].split() == ["8", "x", "256", "4.0", "6.0", "1.50", "-"]
+
+
+def test_check_follows_the_tolerances():
     """The gate's tolerances, without processes: 1 ulp passes, more does not; a rare neighbouring
     FP8 code passes, a code two steps off does not; all-zero NVFP4 output (what a peer's kernel
     writes on a GPU without e2m1 conversion) and unwritten scale factors are rejected."""
-    P = bench.PATTERNS
+    P, check, Result = cases.PATTERNS, cases.check, cases.Result
     exp = _tail(None)
-    ok = bench.Result(residual=exp.residual.clone(), norm=exp.norm.clone())
-    assert bench.check(ok, exp, P["residual_rmsnorm"]) is None
+    ok = Result(residual=exp.residual.clone(), norm=exp.norm.clone())
+    assert check(ok, exp, P["residual_rmsnorm"]) is None
     i = exp.residual.float().abs().argmax()  # a large element: one ulp there is > 0.5
     up = exp.residual.float().flatten()
     up[i] = torch.nextafter(up[i].bfloat16(), torch.tensor(float("inf")).bfloat16()).float()
     ok.residual = up.view(32, 256).bfloat16()
-    assert bench.check(ok, exp, P["residual_rmsnorm"]) is None
+    assert check(ok, exp, P["residual_rmsnorm"]) is None
     ok.residual = (exp.residual.float() + 1).bfloat16()
-    assert "residual" in bench.check(ok, exp, P["residual_rmsnorm"])
-    ok = bench.Result(residual=exp.residual, norm=None)
-    assert "norm" in bench.check(ok, exp, P["residual_rmsnorm"])
+    assert "residual" in check(ok, exp, P["residual_rmsnorm"])
+    ok = Result(residual=exp.residual, norm=None)
+    assert "norm" in check(ok, exp, P["residual_rmsnorm"])
 
     exp = _tail("fp8", t=64)
     codes = exp.quant.view(torch.uint8).clone()
     codes.view(-1)[5] += 1  # one neighbour among 16384 codes: within 1e-3
-    res = bench.Result(residual=exp.residual, quant=codes.view(torch.float8_e4m3fn))
-    assert bench.check(res, exp, P["residual_rmsnorm_fp8"]) is None
+    res = Result(residual=exp.residual, quant=codes.view(torch.float8_e4m3fn))
+    assert check(res, exp, P["residual_rmsnorm_fp8"]) is None
     codes.view(-1)[5] += 1
-    assert "more than one step" in bench.check(res, exp, P["residual_rmsnorm_fp8"])
+    assert "more than one step" in check(res, exp, P["residual_rmsnorm_fp8"])
     # The FP8 NaN code is 0x7F: a negative NaN (0xFF) where the oracle has one is wrong.
     codes.view(-1)[5] -= 2
     exp.quant.view(torch.uint8).view(-1)[9] = 0x7F
     codes.view(-1)[9] = 0x7F
-    assert bench.check(res, exp, P["residual_rmsnorm_fp8"]) is None
+    assert check(res, exp, P["residual_rmsnorm_fp8"]) is None
     codes.view(-1)[9] = 0xFF
-    assert "more than one step" in bench.check(res, exp, P["residual_rmsnorm_fp8"])
+    assert "more than one step" in check(res, exp, P["residual_rmsnorm_fp8"])
 
     exp = _tail("nvfp4")
-    res = bench.Result(residual=exp.residual, quant=torch.zeros_like(exp.quant), sf=exp.sf.clone())
-    assert "nvfp4 codes" in bench.check(res, exp, P["residual_rmsnorm_nvfp4"])
-    res = bench.Result(residual=exp.residual, quant=exp.quant, sf=torch.zeros_like(exp.sf))
-    assert "scale factors" in bench.check(res, exp, P["residual_rmsnorm_nvfp4"])
-    res = bench.Result(residual=exp.residual, quant=exp.quant, sf=exp.sf)
-    assert bench.check(res, exp, P["residual_rmsnorm_nvfp4"]) is None
+    res = Result(residual=exp.residual, quant=torch.zeros_like(exp.quant), sf=exp.sf.clone())
+    assert "nvfp4 codes" in check(res, exp, P["residual_rmsnorm_nvfp4"])
+    res = Result(residual=exp.residual, quant=exp.quant, sf=torch.zeros_like(exp.sf))
+    assert "scale factors" in check(res, exp, P["residual_rmsnorm_nvfp4"])
+    res = Result(residual=exp.residual, quant=exp.quant, sf=exp.sf)
+    assert check(res, exp, P["residual_rmsnorm_nvfp4"]) is None
 
 
 def test_tail_bytes_counts_each_tensor_once():
-    P = bench.PATTERNS
+    P = cases.PATTERNS
     t, h = 128, 4096
     base = 3 * t * h * 2 + h * 2  # read a, residual, weight; write residual (bf16)
-    assert bench.tail_bytes(P["residual_rmsnorm"], t, h, 2) == base + t * h * 2
-    assert bench.tail_bytes(P["residual_rmsnorm_fp8"], t, h, 2) == base + t * h
-    assert bench.tail_bytes(P["residual_rmsnorm_nvfp4_out"], t, h, 2) == base + t * h * 2 + t * h // 2 + t * h // 16
+    assert cases.tail_bytes(P["residual_rmsnorm"], t, h, 2) == base + t * h * 2
+    assert cases.tail_bytes(P["residual_rmsnorm_fp8"], t, h, 2) == base + t * h
+    assert cases.tail_bytes(P["residual_rmsnorm_nvfp4_out"], t, h, 2) == base + t * h * 2 + t * h // 2 + t * h // 16
 
 
-@pytest.mark.parametrize("argv, error", [(["--shapes", "64"], "TOKENSxHIDDEN"), (["--impls", "nope"], "unknown impl")])
+@pytest.mark.parametrize("argv, error", [(["--shapes", "64"], "TOKENSxHIDDEN"), (["--impls", "nope"], "unknown impl"),
+                                         (["--modes", "host,wall"], "unknown mode")])
 def test_bad_options_are_named(argv, error, capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(argv)
+        cli.parse_args(argv)
     assert error in capsys.readouterr().err

@@ -1,1 +1,1 @@
-"""Console scripts: commfuse-probe (topology report) and commfuse-bench (side-by-side benchmark)."""
+"""Console script commfuse-probe (topology report); commfuse-bench lives in commfuse.bench."""

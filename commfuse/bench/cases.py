@@ -1,0 +1,226 @@
+"""The cases: patterns and shapes, every rank's seeded inputs, the oracle, and the correctness gate.
+
+A case is (pattern, dtype, tokens, hidden). `make_case` draws every rank's inputs from one seeded
+generator on each rank, so each rank knows the gather of all inputs, and applies commfuse.reference
+to it: the oracle. `gate` runs one call on the checked inputs and compares it with the oracle, with
+the tolerances of the tests (commfuse.tolerance; docs/semantics.md).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from commfuse import reference, tolerance
+from commfuse.reference import Tail
+
+from .context import Ctx
+from .verdict import OK, Kind, Verdict, failed, short
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SF_LAYOUT = "swizzled"  # the NVFP4 GEMMs' layout; the linear one is covered by the tests
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One benchmark pattern. tail=False: the plain sum all-reduce."""
+
+    name: str
+    quant: Optional[str] = None
+    return_norm: bool = False
+    tail: bool = True
+
+    @property
+    def has_norm(self) -> bool:
+        return self.tail and (self.quant is None or self.return_norm)
+
+
+PATTERNS: Dict[str, Pattern] = {p.name: p for p in (
+    Pattern("allreduce", tail=False),
+    Pattern("residual_rmsnorm"),
+    Pattern("residual_rmsnorm_fp8", "fp8"),
+    Pattern("residual_rmsnorm_nvfp4", "nvfp4"),
+    Pattern("residual_rmsnorm_fp8_out", "fp8", return_norm=True),
+    Pattern("residual_rmsnorm_nvfp4_out", "nvfp4", return_norm=True),
+)}
+# The dequant scales of the checked inputs (value = code * scale); they keep every code of the
+# random rows in range, like the tests' inputs.
+SCALES = {"fp8": 0.02, "nvfp4": 0.004}
+
+DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 8192)
+DEFAULT_HIDDEN = (4096, 7168, 8192)
+# --quick: one hidden size (torch.compile specialises on it), decode / small prefill / prefill.
+QUICK_SHAPES = ((1, 8192), (64, 8192), (1024, 8192))
+QUICK_SHAPES_CPU = ((1, 512), (64, 512))  # the CPU smoke run: the harness, not the numbers
+QUICK_PATTERNS = ("allreduce", "residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_nvfp4")
+QUICK_COMPILE_PATTERN = "residual_rmsnorm_fp8"  # --quick compiles only this one (compile time)
+
+MAX_INPUT_SETS = 8  # rotate among up to this many input sets (cache effects, see _input_sets)
+
+
+@dataclass
+class Result:
+    """What one call produced: `a` for the plain all-reduce (or a floor row's output), else the
+    tail's outputs (as commfuse.FusedResult)."""
+
+    a: Optional[torch.Tensor] = None
+    residual: Optional[torch.Tensor] = None
+    norm: Optional[torch.Tensor] = None
+    quant: Optional[torch.Tensor] = None
+    sf: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of_tail(cls, tail) -> "Result":
+        return cls(residual=tail[0], norm=tail[1], quant=tail[2], sf=tail[3])
+
+
+@dataclass
+class Case:
+    """One (pattern, dtype, tokens, hidden) with this rank's inputs and the oracle's outputs.
+
+    sets[i] = (x, residual) of input set i; set 0 is the checked one: x = xs[rank].
+    expected: the oracle for collective rows (tail of the exact sum of all ranks' x); candidates,
+    any of which passes (on > 2 ranks also the tail of the backend's own sum, see make_case).
+    expected_tail: the oracle for tail-only rows (tail of this rank's x, no collective).
+    """
+
+    pattern: Pattern
+    dname: str
+    dtype: torch.dtype
+    tokens: int
+    hidden: int
+    sets: list
+    weight: torch.Tensor
+    scale: Optional[torch.Tensor]
+    eps: float
+    expected: list
+    expected_tail: Optional[Result]
+    sum_ulps: int
+
+    def tail_args(self) -> tuple:
+        p = self.pattern
+        return (self.weight, self.eps, p.quant, self.scale, p.return_norm, SF_LAYOUT)
+
+    def input_set(self, i: int) -> tuple:
+        return self.sets[i % len(self.sets)]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def _input_sets(ctx: Ctx, t: int, h: int, dtype: torch.dtype) -> int:
+    """How many input sets to rotate among so that the inputs of consecutive calls are not all in
+    the last-level cache (2 x its size, docs/benchmarking.md), capped at MAX_INPUT_SETS. Decode sizes
+    stay cache resident even so; in a model they are too (the GEMM that made x has just written it)."""
+    if ctx.cuda:
+        l2 = getattr(torch.cuda.get_device_properties(ctx.device), "L2_cache_size", 50 << 20)
+    else:
+        l2 = 32 << 20
+    per_set = 2 * t * h * dtype.itemsize
+    return max(1, min(MAX_INPUT_SETS, math.ceil(2 * l2 / per_set)))
+
+
+def same_draws(ctx: Ctx) -> torch.device:
+    """Where to draw inputs: on the GPU (fast) when a seeded generator gives every rank the same
+    numbers there (identical GPUs), else on the CPU. Checked once, bit for bit."""
+    if not ctx.cuda:
+        return ctx.device
+    g = torch.Generator(device=ctx.device).manual_seed(12345)
+    bits = torch.randn(1 << 20, generator=g, device=ctx.device).view(torch.int32).sum(dtype=torch.int64).view(1)
+    lo, hi = bits.clone(), bits.clone()
+    if ctx.world > 1:
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return ctx.device if torch.equal(lo, hi) else torch.device("cpu")
+
+
+def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
+    """Fresh seeded inputs of every rank (the same draws on each rank) and the oracle's outputs."""
+    dtype, dev = DTYPES[dname], ctx.device
+    gen_dev = ctx.gen_device or dev
+    gen = torch.Generator(device=gen_dev).manual_seed(_seed(ctx.args.seed, pattern.name, dname, t, h))
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device=gen_dev, dtype=torch.float32).to(dev)
+
+    xs = []
+    for _ in range(ctx.world):
+        x = randn(t, h)
+        x[0] *= 40  # one large row per rank: norms and NVFP4 scale factors span a wide range
+        xs.append(x.to(dtype))
+    residual = randn(t, h).to(dtype)
+    weight = (1 + 0.1 * randn(h)).to(dtype)
+    scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
+             if pattern.quant else None)
+    sets = [(xs[ctx.rank], residual)]
+    for _ in range(_input_sets(ctx, t, h, dtype) - 1):
+        sets.append((randn(t, h).to(dtype), randn(t, h).to(dtype)))
+    eps = ctx.args.eps
+    tail = (weight, eps, pattern.quant, scale, pattern.return_norm, SF_LAYOUT)
+
+    # The exact semantics: fp32 sum in rank order, rounded once. NCCL (and gloo) sum in T in their
+    # own order; for 2 ranks that is one addition (the same bits), beyond that the semantics accept
+    # the backend's order on its path (docs/semantics.md): the tail is then also judged against the
+    # oracle fed the backend's own sum (computed here, on every rank, because it is a collective),
+    # and the plain sum within world-size ulps.
+    exact = reference.all_reduce_sum(xs)
+    sums = [exact]
+    own_order = ctx.world > 2
+    if own_order:
+        a = xs[ctx.rank].clone()
+        dist.all_reduce(a)
+        sums.append(a)
+    if pattern.tail:
+        expected = [Result.of_tail(reference.fused_tail(s, residual, *tail)) for s in sums]
+        expected_tail = Result.of_tail(reference.fused_tail(xs[ctx.rank], residual, *tail))
+    else:
+        expected, expected_tail = [Result(a=exact)], None
+    return Case(pattern, dname, dtype, t, h, sets, weight, scale, eps, expected, expected_tail,
+                sum_ulps=ctx.world if own_order else 0)
+
+
+def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
+    """The fewest bytes the tail moves: read a, residual, weight; write residual, norm (if an output),
+    FP8 codes, or NVFP4 codes + swizzled scale factors."""
+    n = t * h
+    b = 2 * n * itemsize + h * itemsize + n * itemsize
+    if pattern.has_norm:
+        b += n * itemsize
+    if pattern.quant == "fp8":
+        b += n
+    elif pattern.quant == "nvfp4":
+        b += n // 2 + (-(-t // 128) * 128) * (-(-(h // 16) // 4) * 4)
+    return b
+
+
+# ------------------------------------------------------------------------------- correctness gate
+
+def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0) -> Optional[str]:
+    """Why `res` violates the tolerances (commfuse.tolerance) against the oracle `exp`, None when it
+    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch."""
+    if not pattern.tail:
+        return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
+    return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf),
+                                   Tail(exp.residual, exp.norm, exp.quant, exp.sf), pattern.quant)
+
+
+def gate(ctx: Ctx, step: Callable[[int], Result],
+         mismatch: Callable[[Result], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:
+    """One call on the checked inputs (set 0); mismatch(result) says why it is wrong (None: right).
+    Returns (verdict, result); the caller keeps the result alive until every row is gated."""
+    try:
+        res = step(0)
+        if ctx.cuda:
+            torch.cuda.synchronize()
+    except Exception as e:
+        return failed("the checked call", e), None
+    try:
+        why = mismatch(res)
+    except Exception as e:  # e.g. not a Result, or tensors on the wrong device
+        why = f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"
+    return (OK if why is None else Verdict(Kind.REJECTED, why)), res

@@ -1,0 +1,232 @@
+"""commfuse-bench's entry point: options, the run (`main`), and the driver over cases and rows
+(`run_cases`). What is measured and how: the docstring of commfuse.bench."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from commfuse import init_distributed
+
+from . import report
+from .cases import (DEFAULT_HIDDEN, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, PATTERNS, QUICK_COMPILE_PATTERN,
+                    QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, make_case, same_draws, tail_bytes)
+from .context import Ctx
+from .impls import DEFAULT_IMPLS, IMPLS
+from .timing import MODES, measure_ceilings, time_step
+from .verdict import OK, Kind, Skip, Verdict, agree, failed
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    rank, world = init_distributed(timeout_s=float(os.environ.get("COMMFUSE_BENCH_TIMEOUT", 600)))
+    backend = str(dist.get_backend())
+    # CUDA whenever there is a GPU, whatever the backend: ranks sharing a GPU run gloo on CUDA tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    note = None
+    if device.type != "cuda":
+        note = "CPU/gloo: not GPU numbers"
+        args.mode_list = [m for m in args.mode_list if m != "graph"] or ["eager"]  # no CUDA graphs without CUDA
+        if args.quick and not args.shapes:
+            args.shape_list = list(QUICK_SHAPES_CPU)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    ctx = Ctx(args, rank, world, backend, device, flag=torch.zeros(1, device=device))
+    if rank == 0:
+        print(f"commfuse-bench: {world} ranks over {backend}" + (f" - {note}" if note else "")
+              + (f" - {report.SHARED_GPU} (host mode excepted)" if ctx.shared_gpu else ""),
+              file=sys.stderr, flush=True)
+
+    ctx.gen_device = same_draws(ctx)
+    ceilings, methods = measure_ceilings(ctx)
+    records, skipped, status = run_cases(ctx, ceilings)
+
+    if rank == 0:
+        gpu = (f"{torch.cuda.get_device_name(device)} (SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+               if ctx.cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
+        k, r = args.calls_per_graph, args.repeats
+        doc = {"machine": args.machine, "gpu": gpu, "world_size": world, "versions": report.versions(ctx),
+               "ceilings": ceilings, "records": records, "skipped": skipped,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "backend": backend, "shared_gpu": ctx.shared_gpu, "methods": {
+                   **methods,
+                   "graph": f"{k} calls captured in one CUDA graph, GPU time per call from CUDA events around a "
+                            f"replay, median (min, max) of {r} replays; each replay's time is the slowest rank's",
+                   "eager": f"{k} back-to-back calls, time per call from "
+                            f"{'CUDA events' if ctx.cuda else 'the host clock'} around the loop, median (min, max) "
+                            f"of {r} repeats, slowest rank",
+                   "host": f"{k} back-to-back calls, host wall time per call (time.perf_counter around the loop "
+                           "alone, no GPU wait inside it; synchronised before the start and after the stop), "
+                           f"median (min, max) of {r} repeats, slowest rank",
+                   "frac_hbm": "tail rows: fewest bytes the tail moves / time / hbm_copy_GBps",
+                   "inputs": f"rotating among up to {MAX_INPUT_SETS} input sets (2x the last-level cache)"},
+               "plans": ctx.plans,
+               "config": {"shapes": [f"{t}x{h}" for t, h in args.shape_list], "dtypes": args.dtype_list,
+                          "patterns": args.pattern_list, "modes": args.mode_list, "impls": args.impl_list,
+                          "repeats": args.repeats, "calls_per_graph": args.calls_per_graph,
+                          "warmup": args.warmup, "quick": args.quick, "eps": args.eps, "seed": args.seed}}
+        if note:
+            doc["note"] = note
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, "bench-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", args.machine))
+        report.write_json(stem + ".json", doc)
+        pngs = []
+        for mode in args.mode_list:
+            pngs.append(f"{stem}-{mode}.png")
+            report.plot(doc, pngs[-1], mode, args.dtype_list[0])
+        print(report.format_table(doc, status, args), flush=True)
+        print(f"\nwrote {stem}.json, " + ", ".join(pngs), flush=True)
+    if world > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
+    """Every case, every implementation: prepare, gate, time. Returns (records, skipped, status);
+    status[(impl, pattern, dtype, tokens, hidden, mode)] is the Kind of every row left without a
+    record there."""
+    args = ctx.args
+    records, skipped, status = [], [], {}
+    impls = [IMPLS[n] for n in args.impl_list]
+    hiddens = sorted({h for _, h in args.shape_list})
+    cases = [(d, h, p, t) for d in args.dtype_list for h in hiddens for p in args.pattern_list
+             for t in sorted({t for t, hh in args.shape_list if hh == h})]
+
+    def not_run(impl, case, verdict: Verdict, modes) -> None:
+        for mode in modes:
+            status[(impl.name, case.pattern.name, case.dname, case.tokens, case.hidden, mode)] = verdict.kind
+        why = verdict.reason
+        if verdict.kind is not Kind.SKIP:
+            why = f"{verdict.kind.value} ({case.dname} {case.tokens}x{case.hidden}): {why}"
+        entry = {"impl": impl.name, "pattern": case.pattern.name, "reason": why}
+        if entry not in skipped:
+            skipped.append(entry)
+
+    for n, (dname, h, pname, t) in enumerate(cases, 1):
+        pattern = PATTERNS[pname]
+        case = make_case(ctx, pattern, dname, t, h)
+        # Prepare and gate every row first, keeping each gate's outputs alive until all are
+        # checked: a row that leaves an output unwritten cannot pick up a correct one from memory
+        # another row just freed.
+        runnable, kept = [], []
+        for impl in impls:
+            if impl.section == "tail" and not pattern.tail:
+                continue  # the plain all-reduce has no tail
+            try:
+                step, verdict = impl.prepare(ctx, case), OK
+            except Skip as e:
+                step, verdict = None, Verdict(Kind.SKIP, str(e))
+            except Exception as e:
+                step, verdict = None, failed("prepare", e)
+            verdict = agree(ctx.world, verdict)
+            if verdict.ok:
+                verdict, res = gate(ctx, step.call, functools.partial(impl.mismatch, case))
+                kept.append(res)
+                verdict = agree(ctx.world, verdict)
+            if verdict.ok:
+                runnable.append((impl, step, None))
+                continue
+            not_run(impl, case, verdict, args.mode_list)
+            if verdict.kind is Kind.REJECTED and impl.timed_if_wrong:
+                runnable.append((impl, step, verdict.reason))
+        del kept
+        line = []
+        for impl, step, wrong in runnable:
+            for mode in args.mode_list:
+                times, verdict = time_step(ctx, step, mode)
+                if not verdict.ok:
+                    not_run(impl, case, verdict, [mode])
+                    continue
+                us = statistics.median(times)
+                frac = None
+                if impl.section == "tail" and ceilings.get("hbm_copy_GBps") and us > 0:
+                    frac = tail_bytes(pattern, t, h, case.dtype.itemsize) / (us * 1e-6) / (ceilings["hbm_copy_GBps"] * 1e9)
+                records.append({"impl": impl.name, "pattern": pname, "dtype": dname, "tokens": t, "hidden": h,
+                                "mode": mode, "us": round(us, 3), "us_min": round(min(times), 3),
+                                "us_max": round(max(times), 3),
+                                "frac_hbm": None if frac is None else round(frac, 4),
+                                **({"wrong": wrong} if wrong else {})})
+                if mode == args.mode_list[0]:
+                    line.append(f"{impl.name} {us:.1f}{'*' if wrong else ''}")
+        if ctx.rank == 0:
+            print(f"[{n}/{len(cases)}] {pname} {dname} {t}x{h} ({args.mode_list[0]} us): "
+                  + (", ".join(line) or "nothing ran"), file=sys.stderr, flush=True)
+        del case, runnable
+        if ctx.cuda and (n == len(cases) or cases[n][1] != h):
+            torch.cuda.empty_cache()
+    return records, skipped, status
+
+
+# ------------------------------------------------------------------------------------------ options
+
+def _csv(s: str) -> List[str]:
+    return [v.strip() for v in s.split(",") if v.strip()]
+
+
+def _shapes(s: str) -> List[Tuple[int, int]]:
+    out = []
+    for v in _csv(s):
+        m = re.fullmatch(r"(\d+)[xX](\d+)", v)
+        if not m:
+            raise argparse.ArgumentTypeError(f"shape {v!r} is not TOKENSxHIDDEN, e.g. 64x8192")
+        out.append((int(m[1]), int(m[2])))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="commfuse-bench",
+        description="Side-by-side benchmark of the all-reduce tail: commfuse, NCCL + torch tails, FlashInfer. "
+                    "Run one process per GPU under mpirun or torchrun (launch/bench.sh N).")
+    ap.add_argument("--shapes", type=_shapes, default=None,
+                    help="TOKENSxHIDDEN list, e.g. 1x4096,64x8192 (default: tokens "
+                         f"{','.join(map(str, DEFAULT_TOKENS))} x hidden {','.join(map(str, DEFAULT_HIDDEN))})")
+    ap.add_argument("--dtypes", type=_csv, default=None, help="bf16,fp16 (default both)")
+    ap.add_argument("--patterns", type=_csv, default=None, help=f"default all: {','.join(PATTERNS)}")
+    ap.add_argument("--modes", type=_csv, default=None,
+                    help=f"of {','.join(MODES)} (default graph,eager; no graph on the CPU)")
+    ap.add_argument("--impls", type=_csv, default=None, help=f"default all: {','.join(DEFAULT_IMPLS)}")
+    ap.add_argument("--out", default="commfuse-bench-out", help="folder for the JSON and PNG files")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: shapes " + ",".join(f"{t}x{h}" for t, h in QUICK_SHAPES) + ", bf16, patterns "
+                         + ",".join(QUICK_PATTERNS) + f", torch.compile only for {QUICK_COMPILE_PATTERN}, "
+                         "5 repeats of 10 calls (explicit options override)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default 10, --quick 5)")
+    ap.add_argument("--calls-per-graph", type=int, default=None,
+                    help="calls captured in one graph, and back-to-back calls per eager or host repeat "
+                         "(default 20, --quick 10)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 3, --quick 2)")
+    ap.add_argument("--compile-all", action="store_true",
+                    help="with --quick, still run the torch.compile rows for every pattern (on the CPU too)")
+    ap.add_argument("--eps", type=float, default=1e-6, help="RMSNorm epsilon")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    ap.add_argument("--machine", default=os.environ.get("COMMFUSE_MACHINE") or socket.gethostname(),
+                    help="machine name in the results (default $COMMFUSE_MACHINE or the host name)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.shape_list = args.shapes or (list(QUICK_SHAPES) if q else [(t, h) for h in DEFAULT_HIDDEN for t in DEFAULT_TOKENS])
+    args.dtype_list = args.dtypes or (["bf16"] if q else list(DTYPES))
+    args.pattern_list = args.patterns or (list(QUICK_PATTERNS) if q else list(PATTERNS))
+    args.mode_list = args.modes or ["graph", "eager"]
+    args.impl_list = args.impls or list(DEFAULT_IMPLS)
+    args.repeats = args.repeats or (5 if q else 10)
+    args.calls_per_graph = args.calls_per_graph or (10 if q else 20)
+    args.warmup = args.warmup if args.warmup is not None else (2 if q else 3)
+    for what, got, known in (("dtype", args.dtype_list, DTYPES), ("pattern", args.pattern_list, PATTERNS),
+                             ("mode", args.mode_list, MODES), ("impl", args.impl_list, IMPLS)):
+        bad = [v for v in got if v not in known]
+        if bad:
+            ap.error(f"unknown {what} {bad}; known: {', '.join(known)}")
+    if min(args.repeats, args.calls_per_graph) < 1 or args.warmup < 0:
+        ap.error("--repeats and --calls-per-graph must be >= 1, --warmup >= 0")
+    return args

@@ -1,0 +1,420 @@
+"""The implementation table: every row the benchmark compares, as nccl-tests keeps its collectives.
+
+An Impl's prepare(ctx, case) returns a Step (step(i): one call on input set i) or raises Skip with
+the reason. Sections: "collective" (all-reduce + tail), "tail" (the tail alone, no collective) and
+"floor" (torch-add: one torch elementwise op, the yardstick of host cost per call).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from commfuse import Communicator, reference, tolerance
+
+from .cases import QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, Result, check
+from .context import Ctx
+from .verdict import Skip, short
+
+SECTIONS = ("collective", "tail", "floor")
+# gloo runs its collectives on the host (CUDA tensors are staged through host memory).
+GLOO_NO_GRAPH = "gloo collectives cannot be captured in a CUDA graph"
+
+
+@dataclass
+class Step:
+    """call(i): one call on input set i, returning its Result, with no host synchronisation so that
+    a CUDA graph can capture it; no_graph: why graph mode cannot time it (None: it can). The timing
+    loops call `call` itself, so a row's host time holds no wrapper of ours."""
+
+    call: Callable[[int], Result]
+    no_graph: Optional[str] = None
+
+
+@dataclass
+class Impl:
+    """One row of the comparison.
+
+    timed_if_wrong: a baseline that the issues' speed targets name, timed even when the gate rejects
+    its result (the record says "wrong", the table marks it *): torch.compile's quantizing tails
+    multiply by a reciprocal, so they miss the exact semantics by one code step in a few places.
+    Never set for commfuse's own rows.
+    own_check(case, result): why the result is wrong, for rows that are not an all-reduce tail (the
+    floor): they are gated against their own definition instead of the oracle."""
+
+    name: str
+    section: str
+    prepare: Callable[[Ctx, Case], Step]
+    about: str = ""
+    timed_if_wrong: bool = False
+    own_check: Optional[Callable[[Case, Result], Optional[str]]] = None
+
+    def mismatch(self, case: Case, res: Result) -> Optional[str]:
+        """Why one call's result on the checked inputs is wrong; None when it is right."""
+        if self.own_check is not None:
+            return self.own_check(case, res)
+        expected = [case.expected_tail] if self.section == "tail" else case.expected
+        reasons = [check(res, exp, case.pattern, case.sum_ulps) for exp in expected]
+        return None if None in reasons else reasons[0]
+
+
+IMPLS: Dict[str, Impl] = {}
+
+
+def register(impl: Impl) -> Impl:
+    """Add an implementation to the table (the default --impls list holds the built-in ones only)."""
+    if impl.section not in SECTIONS:
+        raise ValueError(f"section must be one of {SECTIONS}, got {impl.section!r}")
+    IMPLS[impl.name] = impl
+    return impl
+
+
+def is_commfuse(name: str) -> bool:
+    """commfuse's own rows (the host-mode table gives their ratio to torch-add)."""
+    return "commfuse" in name
+
+
+def _torch_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    # torch.distributed's all_reduce is in place; a functional all-reduce (Communicator.all_reduce,
+    # torch's functional collectives) clones first, so the baselines pay the same copy.
+    a = x.clone()
+    dist.all_reduce(a)
+    return a
+
+
+def _dist_no_graph(ctx: Ctx) -> Optional[str]:
+    return GLOO_NO_GRAPH if ctx.backend == "gloo" else None
+
+
+def _prep_nccl_eager(ctx: Ctx, case: Case) -> Step:
+    p, tail = case.pattern, case.tail_args()
+
+    def step(i):
+        x, residual = case.input_set(i)
+        a = _torch_all_reduce(x)
+        return Result.of_tail(reference.fused_tail(a, residual, *tail)) if p.tail else Result(a=a)
+    return Step(step, _dist_no_graph(ctx))
+
+
+def _fresh_function(fn, tag: str):
+    """A copy of fn with its own code object: torch.compile (dynamo) keeps its compiled variants and
+    the recompile limit per code object, and checks every variant's guards on each call. One code
+    object per (pattern, dtype, hidden) keeps each cache small, so eager calls pay the guards of
+    their own variants only and the limit is never reached across cases."""
+    code = fn.__code__.replace(co_name=re.sub(r"\W", "_", f"{fn.__name__}_{tag}"))
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_tail(ctx: Ctx, case: Case):
+    """reference.fused_tail through torch.compile, once per (pattern, dtype, hidden).
+
+    Mode: the default (inductor, no CUDA graphs of its own: we capture our own graphs; "max-autotune"
+    only tunes matmuls and costs minutes). Shapes: dynamo's automatic dynamic shapes; cases run in
+    increasing tokens, so the first call compiles for its size and the second size recompiles once
+    with tokens dynamic (hidden stays static, as in vLLM): two compiles per key, in the gate call,
+    outside every timed region. emulate_precision_casts keeps the rounding of the norm to T before
+    quantising, as the semantics say (without it inductor quantises the fp32 norm).
+    """
+    if not ctx.args.compile_all:
+        if not ctx.cuda and ctx.args.quick:
+            raise Skip("CPU --quick: torch.compile skipped (its C++ build takes minutes on a CPU)")
+        if ctx.args.quick and case.pattern.name != QUICK_COMPILE_PATTERN:
+            raise Skip(f"--quick: torch.compile rows only for {QUICK_COMPILE_PATTERN} (compile time)")
+    p = case.pattern
+    key = ("compiled", p.name, case.dname, case.hidden)
+    if key not in ctx.cache:
+        quant, return_norm, eps = p.quant, p.return_norm, case.eps
+
+        def tail(a, residual, weight, scale):
+            return reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, SF_LAYOUT)
+
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+        if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+            dynamo_config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
+        options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
+        ctx.cache[key] = torch.compile(_fresh_function(tail, f"{p.name}_{case.dname}_{case.hidden}"),
+                                       fullgraph=True, options=options)
+    return ctx.cache[key]
+
+
+def _prep_nccl_compile(ctx: Ctx, case: Case) -> Step:
+    if not case.pattern.tail:
+        raise Skip("no tail to compile (the plain all-reduce is nccl+eager)")
+    fn = _compiled_tail(ctx, case)
+
+    def step(i):
+        x, residual = case.input_set(i)
+        return Result.of_tail(fn(_torch_all_reduce(x), residual, case.weight, case.scale))
+    return Step(step, _dist_no_graph(ctx))
+
+
+def _communicator(ctx: Ctx, strategy: str) -> Communicator:
+    """The Communicator of `strategy`, made once (collectively: every rank prepares the same rows)."""
+    key = ("comm", strategy)
+    if key not in ctx.cache:
+        try:
+            c = Communicator(strategy=strategy)
+            # The cross-rank call check (COMMFUSE_CHECK=1, on in the test suite) is a host
+            # collective per call: it cannot be captured and would be timed.
+            c.check_calls = False
+            if c.device != ctx.device:  # a commfuse whose gloo path takes CPU tensors only
+                c = (f"Communicator(strategy={strategy!r}) over {c.backend} works on {c.device} tensors, "
+                     f"the inputs are on {ctx.device}")
+        except Exception as e:
+            c = f"Communicator(strategy={strategy!r}) raised {type(e).__name__}: {e}"
+        ctx.cache[key] = c  # a reason is remembered too, so every later case skips with it
+    c = ctx.cache[key]
+    if isinstance(c, str):
+        raise Skip(c)
+    return c
+
+
+def _commfuse(strategy: str):
+    def prepare(ctx: Ctx, case: Case) -> Step:
+        comm = _communicator(ctx, strategy)
+        p = case.pattern
+        x, residual = case.input_set(0)
+        kw = dict(eps=case.eps, quant=p.quant, scale=case.scale, return_norm=p.return_norm, sf_layout=SF_LAYOUT)
+        plan = comm.plan(x, residual, case.weight, **kw) if p.tail else comm.plan(x)
+        # A forced P2P algorithm is timed only where it runs (one-shot above its buffers runs two-shot).
+        if strategy in ("oneshot", "twoshot") and plan.collective != f"p2p_{strategy}":
+            raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
+        ctx.plans.append({"impl": IMPL_OF_STRATEGY[strategy], "pattern": p.name, "dtype": case.dname,
+                          "tokens": case.tokens, "hidden": case.hidden, "collective": plan.collective,
+                          "tail": plan.tail, "kernel": plan.kernel, "reasons": list(plan.reasons)})
+
+        def step(i):
+            x, residual = case.input_set(i)
+            if not p.tail:
+                return Result(a=comm.all_reduce(x))
+            r = comm.fused_all_reduce(x, residual, case.weight, **kw)
+            return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors)
+        return Step(step, GLOO_NO_GRAPH if plan.collective == "gloo" else None)
+    return prepare
+
+
+IMPL_OF_STRATEGY = {"nccl": "commfuse-fallback", "oneshot": "commfuse-p2p",
+                    "twoshot": "commfuse-p2p-twoshot", "auto": "commfuse-auto"}
+
+
+def _prep_tail_eager(ctx: Ctx, case: Case) -> Step:
+    tail = case.tail_args()
+
+    def step(i):
+        x, residual = case.input_set(i)
+        return Result.of_tail(reference.fused_tail(x, residual, *tail))
+    return Step(step)
+
+
+def _prep_tail_compile(ctx: Ctx, case: Case) -> Step:
+    fn = _compiled_tail(ctx, case)
+
+    def step(i):
+        x, residual = case.input_set(i)
+        return Result.of_tail(fn(x, residual, case.weight, case.scale))
+    return Step(step)
+
+
+def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
+    if not ctx.cuda:
+        raise Skip("fused_tail.run needs CUDA tensors (no GPU)")
+    try:
+        from commfuse import fused_tail
+    except Exception as e:
+        raise Skip(f"commfuse.fused_tail not importable: {short(e)}")
+    p, tail = case.pattern, case.tail_args()
+    if hasattr(fused_tail, "warmup"):  # NVRTC compile and module load now, not in the gate call
+        fused_tail.warmup(case.dtype, p.quant, case.hidden, ctx.device)
+
+    def step(i):
+        x, residual = case.input_set(i)
+        return Result.of_tail(fused_tail.run(x, residual, *tail))
+    return Step(step)
+
+
+def _prep_torch_add(ctx: Ctx, case: Case) -> Step:
+    # torch.add(x, residual, out=...): of the one-op candidates the cheapest on the host that keeps
+    # no state between calls (x.add_(1) wraps its Python scalar in a tensor on every call). One
+    # output per input set, so its bytes rotate through memory like the inputs'. Arguments and
+    # results are made here: a floor must not carry harness work the other rows' calls may not.
+    calls = [(x, residual, Result(a=torch.empty_like(x))) for x, residual in case.sets]
+    n = len(calls)
+
+    def step(i):
+        x, residual, res = calls[i % n]
+        torch.add(x, residual, out=res.a)
+        return res
+    return Step(step)
+
+
+def _check_torch_add(case: Case, res: Result) -> Optional[str]:
+    x, residual = case.sets[0]
+    return tolerance.within_ulp(res.a, (x.float() + residual.float()).to(case.dtype), 0, "x + residual")
+
+
+# FlashInfer (TensorRT-LLM's kernels): flashinfer.comm.trtllm_allreduce_fusion with an IPC workspace
+# from trtllm_create_ipc_workspace_for_all_reduce_fusion. Its conventions, read from its source:
+# FP8 scale_factor is the dequant scale (the kernel multiplies by 1/scale_factor), as ours; the NVFP4
+# scale_factor is the inverse global scale (448*6/amax): we pass 1/scale. Accumulation fp32, PDL on,
+# one-shot vs two-shot by its own heuristic (use_oneshot=None), swizzled 128x4 scale factors.
+_FI_PATTERN = {
+    "allreduce": "kAllReduce",
+    "residual_rmsnorm": "kARResidualRMSNorm",
+    "residual_rmsnorm_fp8": "kARResidualRMSNormFP8Quant",
+    "residual_rmsnorm_nvfp4": "kARResidualRMSNormFP4Quant",
+    "residual_rmsnorm_fp8_out": "kARResidualRMSNormOutFP8Quant",
+    "residual_rmsnorm_nvfp4_out": "kARResidualRMSNormOutFP4Quant",
+}
+_FI_ARGS = ("allreduce_in", "world_size", "world_rank", "token_num", "hidden_dim", "workspace_ptrs",
+            "launch_with_pdl", "trigger_completion_at_end", "fp32_acc", "pattern_code", "allreduce_out",
+            "residual_in", "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma", "rms_eps",
+            "scale_factor", "layout_code")
+
+
+def _load_flashinfer(ctx: Ctx):
+    """FlashInfer's API as a dict, or the reason it cannot run here (a string)."""
+    if not ctx.cuda:
+        return "needs CUDA GPUs (no GPU)"
+    if ctx.world < 2:
+        return "needs 2 or more ranks"
+    if ctx.backend != "nccl":
+        return "needs NCCL: ranks share a GPU"
+    try:
+        import flashinfer
+        import flashinfer.comm as fic
+    except Exception as e:
+        return f"not importable ({short(e)}); install with: pip install flashinfer-python"
+    version = getattr(flashinfer, "__version__", "?")
+    fuse = getattr(fic, "trtllm_allreduce_fusion", None)
+    make_ws = getattr(fic, "trtllm_create_ipc_workspace_for_all_reduce_fusion", None)
+    patterns = getattr(fic, "AllReduceFusionPattern", None)
+    if fuse is None or make_ws is None or patterns is None:
+        return (f"API mismatch: flashinfer {version} lacks trtllm_allreduce_fusion, "
+                "trtllm_create_ipc_workspace_for_all_reduce_fusion or AllReduceFusionPattern")
+    params = inspect.signature(fuse).parameters
+    missing = [n for n in _FI_ARGS if n not in params]
+    required = [n for n, v in params.items() if v.default is inspect.Parameter.empty
+                and n not in _FI_ARGS and n != "use_oneshot"]
+    if missing or required:
+        return f"API mismatch: flashinfer {version} trtllm_allreduce_fusion lacks {missing} / needs {required}"
+    sm = torch.cuda.get_device_capability(ctx.device)
+    if sm[0] not in (9, 10, 12):
+        return f"its all-reduce fusion kernels need SM 9.x, 10.x or 12.x; this GPU is SM {sm[0]}.{sm[1]}"
+    layout = getattr(fic, "QuantizationSFLayout", None) or getattr(fic, "FP4QuantizationSFLayout", None)
+    warnings.filterwarnings("ignore", message=".*unified API.*")  # its @deprecated notice, per call
+    return {"fuse": fuse, "make_ws": make_ws, "patterns": patterns, "params": params, "version": version,
+            "swizzled": getattr(layout, "SWIZZLED_128x4", getattr(layout, "SWIZZLED", None))}
+
+
+def _flashinfer_workspace(ctx: Ctx, api: dict) -> torch.Tensor:
+    """One IPC workspace for the whole run, sized for the largest tokens x hidden (collective)."""
+    if "flashinfer_ws" not in ctx.cache:
+        h = max(h for _, h in ctx.args.shape_list)
+        tokens = math.ceil(max(t * h for t, h in ctx.args.shape_list) / h)
+        kw = {}
+        sig = inspect.signature(api["make_ws"]).parameters
+        if "group" in sig:
+            kw["group"] = dist.group.WORLD
+        if "use_fp32_lamport" in sig:
+            kw["use_fp32_lamport"] = False
+        try:
+            out = api["make_ws"](ctx.rank, ctx.world, tokens, h, **kw)
+            ws = next(o for o in out if isinstance(o, torch.Tensor))
+            ctx.cache["flashinfer_ws"] = (out, ws)  # `out` keeps the IPC buffers alive
+        except Exception as e:
+            ctx.cache["flashinfer_ws"] = f"workspace creation raised {type(e).__name__}: {short(e)}"
+    ws = ctx.cache["flashinfer_ws"]
+    if isinstance(ws, str):
+        raise Skip(ws)
+    return ws[1]
+
+
+def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
+    if "flashinfer" not in ctx.cache:
+        ctx.cache["flashinfer"] = _load_flashinfer(ctx)
+    api = ctx.cache["flashinfer"]
+    if isinstance(api, str):
+        raise Skip(api)
+    p, t, h, dt, dev = case.pattern, case.tokens, case.hidden, case.dtype, ctx.device
+    code = getattr(api["patterns"], _FI_PATTERN[p.name], None)
+    if code is None:
+        raise Skip(f"API mismatch: flashinfer {api['version']} has no pattern {_FI_PATTERN[p.name]}")
+    if p.quant == "nvfp4" and api["swizzled"] is None:
+        raise Skip(f"API mismatch: flashinfer {api['version']} has no swizzled 128x4 scale-factor layout")
+    ws = _flashinfer_workspace(ctx, api)
+
+    # Outputs are preallocated (its API writes into buffers) and poisoned, so an output the kernel
+    # does not write fails the gate. Every buffer is passed, as FlashInfer's own tests do; the
+    # pattern decides which ones the kernel writes. Scale-factor padding stays 0 (never written).
+    k = h // reference.NVFP4_BLOCK
+    sf_rows, sf_cols = -(-t // 128) * 128, -(-k // 4) * 4
+    bufs = dict(allreduce_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
+                residual_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
+                norm_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
+                quant_out=torch.full((t, h), 0xFF, dtype=torch.uint8, device=dev),
+                scale_out=torch.zeros(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
+    if p.quant == "nvfp4":
+        m = torch.arange(t, device=dev).unsqueeze(1)
+        bufs["scale_out"][reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)] = 0x7F
+    if p.quant == "fp8":
+        scale = case.scale
+    elif p.quant == "nvfp4":
+        scale = torch.reciprocal(case.scale)  # FlashInfer's NVFP4 global scale is the inverse of ours
+    else:
+        scale = torch.ones(1, dtype=torch.float32, device=dev)
+    if not p.tail:
+        out = Result(a=bufs["allreduce_out"])
+    else:
+        out = Result(residual=bufs["residual_out"], norm=bufs["norm_out"] if p.has_norm else None)
+        if p.quant == "fp8":
+            out.quant = bufs["quant_out"].view(torch.float8_e4m3fn)
+        elif p.quant == "nvfp4":
+            out.quant = bufs["quant_out"].view(-1)[: t * h // 2].view(t, h // 2)  # packed, contiguous
+            out.sf = bufs["scale_out"].view(torch.float8_e4m3fn)
+    static = dict(world_size=ctx.world, world_rank=ctx.rank, token_num=t, hidden_dim=h, workspace_ptrs=ws,
+                  launch_with_pdl=True, trigger_completion_at_end=True, fp32_acc=True, pattern_code=code,
+                  use_oneshot=None, rms_gamma=case.weight, rms_eps=case.eps, scale_factor=scale,
+                  layout_code=api["swizzled"], **bufs)
+    static = {n: v for n, v in static.items() if n in api["params"]}
+    fuse = api["fuse"]
+
+    def step(i):
+        x, residual = case.input_set(i)
+        fuse(allreduce_in=x, residual_in=residual, **static)
+        return out
+    return Step(step)
+
+
+for _impl in (
+    Impl("nccl+eager", "collective", _prep_nccl_eager,
+         "torch.distributed all_reduce (NCCL), then the tail as plain torch ops (commfuse.reference)"),
+    Impl("nccl+compile", "collective", _prep_nccl_compile,
+         "torch.distributed all_reduce (NCCL), then the tail through torch.compile", timed_if_wrong=True),
+    Impl("commfuse-fallback", "collective", _commfuse("nccl"),
+         "Communicator(strategy='nccl'): NCCL + the fused local tail kernel"),
+    Impl("commfuse-p2p", "collective", _commfuse("oneshot"),
+         "Communicator(strategy='oneshot'): P2P one-shot all-reduce with the tail fused"),
+    Impl("commfuse-p2p-twoshot", "collective", _commfuse("twoshot"),
+         "Communicator(strategy='twoshot'): P2P two-shot all-reduce with the tail fused"),
+    Impl("commfuse-auto", "collective", _commfuse("auto"),
+         "Communicator(strategy='auto'): whatever the plan picks"),
+    Impl("flashinfer", "collective", _prep_flashinfer,
+         "flashinfer.comm.trtllm_allreduce_fusion (one-shot/two-shot by its heuristic, PDL, fp32 acc.)"),
+    Impl("tail-eager", "tail", _prep_tail_eager, "the tail alone: commfuse.reference in plain torch"),
+    Impl("tail-compile", "tail", _prep_tail_compile, "the tail alone through torch.compile",
+         timed_if_wrong=True),
+    Impl("tail-commfuse", "tail", _prep_tail_commfuse, "the tail alone: commfuse.fused_tail.run"),
+    Impl("torch-add", "floor", _prep_torch_add,
+         "torch.add(x, residual, out=buf): one torch elementwise op, the floor of host cost per call",
+         own_check=_check_torch_add),
+):
+    register(_impl)
+DEFAULT_IMPLS = tuple(IMPLS)
