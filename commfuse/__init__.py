@@ -5,7 +5,7 @@
     comm = commfuse.Communicator()
     r = comm.fused_all_reduce(x, residual, weight, eps=1e-6, quant="nvfp4", scale=scale)
 
-See README.md and DESIGN.md for the semantics; `commfuse.reference` is the oracle.
+See README.md and docs/semantics.md for the semantics; `commfuse.reference` is the oracle.
 """
 from . import ops, reference
 from .communicator import Communicator, FusedResult

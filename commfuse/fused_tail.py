@@ -1,7 +1,7 @@
 """The local fused tail (csrc/fused_tail.cu): residual add + RMSNorm + optional FP8/NVFP4
 quantization in one kernel, run after NCCL's all-reduce on the no-P2P path.
 
-Semantics are those of :func:`commfuse.reference.fused_tail` (the oracle); see DESIGN.md.
+Semantics are those of :func:`commfuse.reference.fused_tail` (the oracle); see docs/semantics.md.
 
 Launch configuration: one CTA per row (plus, for NVFP4 in the swizzled layout, one per padding
 row of the last 128-row tile, which zeroes that row's scale factors). A row is split into

@@ -59,7 +59,7 @@ def all_reduce(comm, x: torch.Tensor) -> torch.Tensor:
 def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                      quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
                      return_norm: bool = False, sf_layout: str = "swizzled") -> Tail:
-    """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; DESIGN.md semantics).
+    """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; docs/semantics.md).
 
     x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, required with quant),
     all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant float8_e4m3fn

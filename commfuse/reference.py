@@ -5,7 +5,7 @@ This module is the oracle the GPU kernels are tested against and the library's
 semantics pin the bits) and works on CPU and CUDA tensors alike. Nothing the
 caller passes is modified; outputs are fresh tensors on the inputs' device.
 
-Conventions (see DESIGN.md, "Semantics"):
+Conventions (docs/semantics.md has every formula in order):
 
 * ``T`` is the dtype of the activations (fp16, bf16, or fp32). All arithmetic is
   done in fp32 and rounded to ``T`` once, round-to-nearest-even.

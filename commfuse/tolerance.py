@@ -1,4 +1,4 @@
-"""DESIGN.md's tolerances: why a result differs from commfuse.reference beyond them (None when it does not).
+"""Tolerances (docs/semantics.md): why a result differs from commfuse.reference beyond them (None when it does not).
 
 - residual / norm: within `ulps` units in the last place of T of the reference (NaN and Inf where it
   has them, and only there).

@@ -3,7 +3,7 @@
 //
 // One implementation serves the local tail kernel (fused_tail.cu, after NCCL) and the P2P
 // all-reduce kernels, which reduce a row across ranks and hand it over here. The semantics are
-// DESIGN.md's "Semantics", bit for bit where they pin the bits; commfuse/reference.py is the
+// docs/semantics.md, bit for bit where they pin the bits; commfuse/reference.py is the
 // oracle the kernels are tested against.
 //
 // Contract with callers

@@ -1,5 +1,5 @@
-"""Comparisons shared by the tests: bytes, DESIGN.md's tolerances (commfuse.tolerance) as assertions,
-and outputs poisoned before a kernel writes them.
+"""Comparisons shared by the tests: bytes, the tolerances of commfuse.tolerance (docs/semantics.md) as
+assertions, and outputs poisoned before a kernel writes them.
 """
 from typing import Optional
 

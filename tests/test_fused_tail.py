@@ -1,5 +1,5 @@
 """GPU: the fused tail kernel (commfuse.fused_tail.run) against commfuse.reference.fused_tail fed
-the same all-reduced input, to DESIGN.md's tolerances:
+the same all-reduced input, to the tolerances of commfuse.tolerance (docs/semantics.md):
 
 - residual: bit-identical (one fp32 add rounded to T, as the reference does);
 - norm: within 1 ulp of T (the row's sum of squares is added in another order);
