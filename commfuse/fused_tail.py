@@ -22,12 +22,12 @@ h = 16384 (252 us against 406 us for [8192, 16384] -> NVFP4; one 130-register CT
 from __future__ import annotations
 
 import functools
-import struct
 from typing import List, Optional, Tuple
 
 import torch
 
-from . import jit
+from . import epilogue, jit, params
+from .epilogue import CTYPE, MAX_HIDDEN, MAX_TOKENS, QUANTS
 from .plan import FUSED_DTYPES, KernelSpec, register_kernel
 from .reference import Tail
 
@@ -39,22 +39,12 @@ VPT_BUCKETS = (1, 2, 4)  # vectors of 8 elements per thread on the register path
 MAX_THREADS = {1: 1024, 2: 1024, 4: 256, 0: 256}
 THROUGHPUT_THREADS = 256  # per CTA at most, when there are enough rows to fill the GPU
 LATENCY_TOKENS = 256      # below this many rows, a row gets as many threads as its variant allows
-MAX_HIDDEN = 1 << 16       # what the tests cover; the looped variant has no hard limit below 2^31
-# Rows are blockIdx.x (< 2^31) and include up to 127 padding rows of the swizzled layout.
-MAX_TOKENS = (1 << 31) - 128
-
-_CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-_QUANT_ID = {None: 0, "fp8": 1, "nvfp4": 2}
-
-# FusedTailParams in csrc/fused_tail.cu: a, then TailParams (7 pointers, eps, h, t, sf_swizzled).
-_PARAMS = struct.Struct("<8Qf3i")
-assert _PARAMS.size == 80
 
 SPEC = register_kernel(KernelSpec(
     name="fused_tail",
     kind="tail",
     dtypes=frozenset(FUSED_DTYPES),
-    quants=frozenset(_QUANT_ID),
+    quants=frozenset(QUANTS),
     min_sm=(8, 0),
     hidden_multiple=8,
     max_hidden=MAX_HIDDEN,
@@ -64,12 +54,12 @@ SPEC = register_kernel(KernelSpec(
 
 def name_expression(dtype: torch.dtype, quant: Optional[str], vpt: int) -> str:
     """The template instantiation for (dtype, quant, vpt); vpt 0 is the looped variant."""
-    return f"commfuse::fused_tail<{_CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}>"
+    return f"commfuse::fused_tail<{CTYPE[dtype]}, {int(QUANTS[quant])}, {vpt}>"
 
 
 def variants() -> List[str]:
     """Every name expression the library may launch (the CPU build test compiles them all)."""
-    return [name_expression(d, q, v) for d in _CTYPE for q in _QUANT_ID for v in VPT_BUCKETS + (0,)]
+    return [name_expression(d, q, v) for d in CTYPE for q in QUANTS for v in VPT_BUCKETS + (0,)]
 
 
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
@@ -107,48 +97,11 @@ def _kernel(dtype: torch.dtype, quant: Optional[str], vpt: int, device_index: in
 def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
     """Compile and load the variants `run` uses for (dtype, quant, hidden), any number of tokens,
     on `device` (default: current), so later calls can be captured in a CUDA graph."""
-    if dtype not in _CTYPE or quant not in _QUANT_ID:
+    if dtype not in CTYPE or quant not in QUANTS:
         raise ValueError(f"no fused tail for dtype={dtype}, quant={quant!r}")
     index = jit._device_index(device)
     for few_rows in (True, False):
         _kernel(dtype, quant, _launch_config(hidden, few_rows)[0], index)
-
-
-# Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
-_empty = torch.empty
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # The kernel moves 16-byte vectors; a view at an odd offset gets an aligned copy.
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def sf_numel(tokens: int, hidden: int, sf_layout: str) -> int:
-    """Entries of the NVFP4 scale-factor tensor: roundup(t,128) * roundup(h/16,4) when swizzled."""
-    k = hidden // 16
-    if sf_layout == "swizzled":
-        return -(-tokens // 128) * 128 * (-(-k // 4) * 4)
-    return tokens * k
-
-
-def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[str], return_norm: bool,
-                 sf_layout: str) -> tuple:
-    """(shape, dtype) of each output (residual, norm, quant, scale_factors), None where absent: what
-    `run` returns (see there), and what commfuse.ops' fake implementation promises."""
-    t, h = tokens, hidden
-    norm = ((t, h), dtype) if quant is None or return_norm else None
-    q = sf = None
-    if quant == "fp8":
-        q = ((t, h), torch.float8_e4m3fn)
-    elif quant == "nvfp4":
-        q = ((t, h // 2), torch.uint8)
-        sf = ((sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16), torch.float8_e4m3fn)
-    return ((t, h), dtype), norm, q, sf
-
-
-# prepare's: a decode loop asks for a handful of shapes, on its hot path. (Not for the fake
-# implementation: its sizes are symbolic, and unhashable.)
-_output_specs_cached = functools.lru_cache(maxsize=4096)(output_specs)
 
 
 def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -169,67 +122,12 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     per call signature), so `check` is skipped on this hot path.
     """
     if not checked:
-        check(a, residual, weight, quant, scale, sf_layout)
-    a2, out, fields, rows = prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
+        epilogue.check(a, residual, weight, quant, scale, sf_layout)
+    a2, out, fields, rows = epilogue.prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
     if rows == 0:
         return out
     device, t, h = a.device, a2.shape[0], a2.shape[1]
     vpt, threads = launch_config(h, t)
-    params = _PARAMS.pack(a2.data_ptr(), *fields)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    _kernel(a.dtype, quant, vpt, index).launch((rows, 1, 1), (threads, 1, 1), params)
+    _kernel(a.dtype, quant, vpt, index).launch((rows, 1, 1), (threads, 1, 1), params.FUSED_TAIL.pack(a2.data_ptr(), *fields))
     return out
-
-
-def check(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, quant: Optional[str],
-          scale: Optional[torch.Tensor], sf_layout: str) -> None:
-    """Raise unless (a, residual, weight, quant, scale, sf_layout) is something the tail kernels take."""
-    h = a.shape[-1]
-    dtype = a.dtype
-    if dtype not in _CTYPE:
-        raise TypeError(f"fused tail takes float16/bfloat16, got {dtype}")
-    if residual.shape != a.shape or residual.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
-        raise ValueError(f"residual must match a {tuple(a.shape)} {dtype} and weight be [{h}] {dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}")
-    if quant not in _QUANT_ID or sf_layout not in ("swizzled", "linear"):
-        raise ValueError(f"quant must be None/'fp8'/'nvfp4' and sf_layout 'swizzled'/'linear', got {quant!r}, {sf_layout!r}")
-    if h % (16 if quant == "nvfp4" else 8) or not 0 < h <= MAX_HIDDEN:
-        raise ValueError(f"hidden size {h} must be a multiple of {16 if quant == 'nvfp4' else 8} in (0, {MAX_HIDDEN}]")
-    device = a.device
-    if device.type != "cuda" or residual.device != device or weight.device != device:
-        raise ValueError(f"a, residual and weight must be on one CUDA device, got {a.device}, {residual.device}, {weight.device}")
-    if quant is not None:
-        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32 \
-                or scale.device != device:
-            raise TypeError(f"quant={quant!r} needs scale as a float32 tensor of one element on {device}")
-    if a.numel() // h > MAX_TOKENS:
-        raise ValueError(f"{a.numel() // h} tokens > {MAX_TOKENS}")
-
-
-def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str],
-            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str) -> Tuple[torch.Tensor, Tail, tuple, int]:
-    """What every kernel with the tail (this one, the P2P ones) needs, for checked arguments.
-
-    Returns (a as an aligned contiguous [t, h], the fresh outputs as a Tail, the TailParams fields
-    in csrc/epilogue.cuh's order, the number of row slots: t, or roundup(t, 128) when the swizzled
-    NVFP4 layout has padding rows to zero).
-    """
-    h, dtype, device = a.shape[-1], a.dtype, a.device
-    a2 = _aligned(a.reshape(-1, h).contiguous())
-    r2 = _aligned(residual.reshape(-1, h).contiguous())
-    w = _aligned(weight.contiguous())
-    t = a2.shape[0]
-    rs, ns, qs, ss = _output_specs_cached(t, h, dtype, quant, return_norm, sf_layout)
-    res_out = _empty(rs[0], dtype=dtype, device=device)
-    norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
-    q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
-    sf = _empty(ss[0], dtype=ss[1], device=device) if ss else None
-    swizzled = quant == "nvfp4" and sf_layout == "swizzled"
-    fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
-              norm.data_ptr() if norm is not None else 0,
-              q.data_ptr() if q is not None else 0,
-              sf.data_ptr() if sf is not None else 0,
-              scale.data_ptr() if quant is not None else 0,
-              float(eps), h, t, int(swizzled))
-    rows = 0 if t == 0 else -(-t // 128) * 128 if swizzled else t
-    return a2, Tail(res_out, norm, q, sf), fields, rows

@@ -42,6 +42,8 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from . import params
+
 __all__ = [
     "JitError",
     "Kernel",
@@ -197,6 +199,7 @@ def _key(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]
             header = Path(d, name)
             if header.is_file():
                 add(f"hdr:{name}", header.read_bytes())
+    add(f"gen:{params.HEADER_NAME}", params.header().encode())
     add("file", str(path.name).encode())
     add("names", "\n".join(names).encode())
     add("arch", arch.encode())
@@ -266,7 +269,9 @@ def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...])
     """Compile `path` with NVRTC: (cubin bytes, {name expression: lowered name}, the compile log)."""
     nvrtc = _nvrtc()
     what = f"NVRTC compile of {path.name} [{', '.join(names)}]"
-    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], []), what)
+    # The parameter structs' header is generated (commfuse/params.py), handed to NVRTC from memory.
+    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 1, [params.header().encode()],
+                                                 [params.HEADER_NAME.encode()]), what)
     try:
         for name in names:
             _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), f"{what}: adding {name}")

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .fused_tail import output_specs
+from .epilogue import output_specs
 from .reference import Tail
 
 __all__ = ["all_reduce", "fused_all_reduce"]

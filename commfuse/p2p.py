@@ -119,7 +119,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import fused_tail, ipc, jit
+from . import epilogue, fused_tail, ipc, jit, params
+from .epilogue import CTYPE, QUANTS
 from .plan import FUSED_DTYPES, KernelSpec, P2PLimits, chunk_rows, register_kernel
 from .reference import Tail
 
@@ -128,7 +129,7 @@ __all__ = ["Workspace", "P2PError", "P2PTimeoutError", "P2PMismatchError", "desc
 
 SOURCE = "p2p_allreduce.cu"
 ALGORITHMS = ("oneshot", "twoshot")
-MAX_WORLD = 8          # kMaxWorld in p2p_allreduce.cu
+MAX_WORLD = params.MAX_WORLD  # kMaxWorld in p2p_allreduce.cu
 THREADS = 256          # threads of the plain two-shot and of the looped tail
 VPT_BUCKETS = (1, 2)   # the register tails' vectors of 8 elements per thread
 # kP2PThreads<QUANT, VPT, ALGO> in p2p_allreduce.cu (each variant's __launch_bounds__) of the tails,
@@ -151,15 +152,9 @@ _MISMATCH_CODE = 2 << 16          # kMismatchCode
 _HOST_WORDS = 12                  # the host error word, padding, then two call signatures (4 words each)
 DELAY_KERNEL = "commfuse::p2p_delay"
 
-_CTYPE = fused_tail._CTYPE
-_QUANT_ID = {None: 0, "fp8": 1, "nvfp4": 2, "plain": -1}
+_QUANT_ID = {**{q: int(k) for q, k in QUANTS.items()}, "plain": -1}  # kQuantPlain: no tail
 _ALGO_ID = {"oneshot": 0, "twoshot": 1}
 
-# P2PParams in csrc/p2p_allreduce.cu: TailParams (7 pointers, eps, h, t, sf_swizzled), then x, out,
-# peers[8], epochs, dev_error, host_error, timeout_ns, slot_bytes, flags_offset, lamport_offset,
-# lamport_bytes, sig_offset, total_vecs, rows, row_vecs, row_slots, world, rank, padding.
-_PARAMS = struct.Struct("<7Qf3i" "2Q8Q3Q6Qq6i")
-assert _PARAMS.size == 256
 _NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
 
 
@@ -233,8 +228,8 @@ SPEC = register_kernel(_P2PSpec(
     quants=frozenset((None, "fp8", "nvfp4")),
     min_sm=(8, 0),
     hidden_multiple=8,
-    max_hidden=fused_tail.MAX_HIDDEN,
-    max_tokens=fused_tail.MAX_TOKENS,
+    max_hidden=epilogue.MAX_HIDDEN,
+    max_tokens=epilogue.MAX_TOKENS,
     plain=True,
     algorithms=ALGORITHMS,
     world_sizes=frozenset(range(2, MAX_WORLD + 1)),
@@ -246,13 +241,13 @@ SPEC = register_kernel(_P2PSpec(
 
 def name_expression(dtype: torch.dtype, quant: Optional[str], vpt: int, algo: str) -> str:
     """The kernel instantiation; quant None/"fp8"/"nvfp4", or "plain" (no tail, vpt 0)."""
-    return f"commfuse::p2p_allreduce<{_CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}, {_ALGO_ID[algo]}>"
+    return f"commfuse::p2p_allreduce<{CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}, {_ALGO_ID[algo]}>"
 
 
 def variants() -> List[str]:
     """Every name expression the library may launch (the CPU build test compiles them all)."""
     names = []
-    for dtype in _CTYPE:
+    for dtype in CTYPE:
         for algo in ALGORITHMS:
             names.append(name_expression(dtype, "plain", 0, algo))
             names += [name_expression(dtype, q, v, algo) for q in (None, "fp8", "nvfp4")
@@ -383,7 +378,7 @@ def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
 
 
 def _tail_rows(fields: tuple, out: Tail, row_slots: int, begin: int, end: int) -> tuple:
-    """fused_tail.prepare's TailParams fields and outputs for all rows -> the fields of rows
+    """epilogue.prepare's TailParams fields and outputs for all rows -> the fields of rows
     [begin, end). Each output advances by its own bytes per row (its size over its rows: row_slots
     for swizzled scale factors, whose 128-row tiles are contiguous; `begin` is then a multiple of
     128, see chunk_rows)."""
@@ -410,17 +405,13 @@ def warmup(dtype: torch.dtype, quant: Optional[str] = None, hidden: Optional[int
     """Compile and load, on `device` (default: current), both algorithms' plain all-reduce of
     `dtype`, and with `hidden` given also the fused (quant, hidden) variants, so that later calls
     can be captured in a CUDA graph."""
-    if dtype not in _CTYPE or quant not in (None, "fp8", "nvfp4"):
+    if dtype not in CTYPE or quant not in QUANTS:
         raise ValueError(f"no P2P kernel for dtype={dtype}, quant={quant!r}")
     index = jit._device_index(device)
     for algo in ALGORITHMS:
         _kernel(dtype, "plain", 0, algo, index)
         if hidden is not None:
             _kernel(dtype, quant, launch_config(hidden)[0], algo, index)
-
-
-# Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
-_empty = torch.empty
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -657,7 +648,7 @@ class Workspace:
             raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the P2P workspace on {self.device}")
-        if x.dtype not in _CTYPE:
+        if x.dtype not in CTYPE:
             raise TypeError(f"P2P all-reduce takes float16/bfloat16, got {x.dtype}")
         size = x.numel() * x.element_size()
         if algo == "oneshot" and size > self.lamport_bytes:
@@ -665,9 +656,9 @@ class Workspace:
 
     def _launch(self, kernel: jit.Kernel, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
                 rows: int, row_vecs: int, row_slots: int) -> None:
-        params = _PARAMS.pack(*tail, x_ptr, out_ptr, *self._fixed_params,
-                              total_vecs, rows, row_vecs, row_slots, self.world, self.rank, 0)
-        kernel.launch((self.nblocks, 1, 1), (threads, 1, 1), params)
+        kernel.launch((self.nblocks, 1, 1), (threads, 1, 1),
+                      params.P2P.pack(*tail, x_ptr, out_ptr, *self._fixed_params, total_vecs, rows, row_vecs,
+                                      row_slots, self.world, self.rank, 0))
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
         """out = the sum of x_flat (numel % 8 == 0), in pieces of max_bytes (a multiple of 4 KiB, so
@@ -692,9 +683,9 @@ class Workspace:
             self._check_call(x, algo)
             if n % 8:
                 raise ValueError(f"P2P plain all-reduce needs a multiple of 8 elements, got {n}")
-        out = _empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+        out = epilogue._empty(tuple(x.shape), dtype=x.dtype, device=x.device)
         if n:
-            self._launch_plain(fused_tail._aligned(x.contiguous().view(-1)), out.view(-1), algo)
+            self._launch_plain(epilogue.aligned(x.contiguous().view(-1)), out.view(-1), algo)
         return out
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -703,7 +694,7 @@ class Workspace:
         """All-reduce of x with the tail fused (reference.fused_tail's semantics and outputs).
 
         x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
-        quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= fused_tail.MAX_HIDDEN.
+        quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= epilogue.MAX_HIDDEN.
         A message larger than max_bytes runs two-shot in pieces of whole rows (plan.chunk_rows), one
         launch each. Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for
         `all_reduce`.
@@ -711,12 +702,11 @@ class Workspace:
         h, elt = x.shape[-1], x.element_size()
         if not checked:
             self._check_call(x, algo)
-            fused_tail.check(x, residual, weight, quant, scale, sf_layout)
+            epilogue.check(x, residual, weight, quant, scale, sf_layout)
             if x.numel() * elt > self.max_bytes and not chunk_rows(h * elt, quant, sf_layout, self.max_bytes):
                 raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
                                  f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
-        x2, out, fields, row_slots = fused_tail.prepare(x, residual, weight, eps, quant, scale, return_norm,
-                                                        sf_layout)
+        x2, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
         if not row_slots:
             return out
         t = x2.shape[0]

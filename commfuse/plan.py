@@ -17,8 +17,10 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-QUANTS = (None, "fp8", "nvfp4")
-SF_LAYOUTS = ("swizzled", "linear")
+from . import epilogue
+
+QUANTS = tuple(epilogue.QUANTS)
+SF_LAYOUTS = epilogue.SF_LAYOUTS
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
 # or a float64 tensor.
@@ -109,7 +111,7 @@ class KernelSpec:
             return None if self.plain else f"{self.name}: no plain all-reduce"
         if req.quant not in self.quants:
             return f"{self.name}: quant {req.quant!r} not supported"
-        multiple = 16 if req.quant == "nvfp4" else self.hidden_multiple
+        multiple = max(epilogue.hidden_multiple(req.quant), self.hidden_multiple)
         if req.hidden % multiple or not 0 < req.hidden <= self.max_hidden:
             return (f"{self.name}: hidden size {req.hidden} must be a multiple of {multiple} "
                     f"in [{multiple}, {self.max_hidden}]")
@@ -287,7 +289,7 @@ def _tail_guard(req: Request, sm: Optional[tuple], fusion: bool) -> Optional[str
         return "scale given as a Python float: fused kernels take a float32 CUDA tensor"
     if req.scale is not None and not req.scale.contiguous:
         return "scale is not contiguous"
-    multiple = 16 if req.quant == "nvfp4" else 8
+    multiple = epilogue.hidden_multiple(req.quant)
     if req.hidden % multiple:
         return f"hidden size {req.hidden} is not a multiple of {multiple}"
     return None

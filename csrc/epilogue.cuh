@@ -24,6 +24,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "commfuse_params.cuh"
+
 namespace commfuse {
 
 constexpr int kQuantNone = 0;
@@ -34,21 +36,8 @@ constexpr int kVecElems = 8;       // elements of T in one 16-byte vector
 constexpr int kSfBlock = 16;       // NVFP4 block size: two vectors
 constexpr int kTailMaxWarps = 32;  // size of the reduction scratch callers provide
 
-// Everything the tail needs besides the all-reduced values. Layout mirrored in
-// commfuse/fused_tail.py (_PARAMS); keep the two in step.
-struct TailParams {
-  const void* residual_in;  // T [t, h]
-  void* residual_out;       // T [t, h]
-  const void* weight;       // T [h]
-  void* norm_out;           // T [t, h], or nullptr when the norm is not returned
-  void* quant_out;          // fp8 [t, h] or uint8 [t, h/2] (NVFP4); unused without quant
-  void* sf_out;             // NVFP4 scale factors (e4m3), swizzled or [t, h/16]
-  const float* scale;       // dequant scale, 1 element; unused without quant
-  float eps;
-  int h;
-  int t;
-  int sf_swizzled;  // 1: 128x4 swizzled layout, 0: linear [t, h/16]
-};
+// TailParams, everything the tail needs besides the all-reduced values, is declared in
+// commfuse/params.py, which generates the header below and packs the struct on the host.
 
 // ------------------------------------------------------------------ T <-> fp32, two at a time
 

@@ -27,13 +27,8 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 
-// The kernel's only parameter; packed by commfuse/fused_tail.py (_PARAMS) in this order.
-struct FusedTailParams {
-  const void* a;  // T [t, h]: the all-reduced input
-  TailParams tail;
-};
-// commfuse/fused_tail.py packs it as struct "<8Qf3i": 8 pointers, eps, h, t, sf_swizzled.
-static_assert(sizeof(FusedTailParams) == 80, "layout shared with commfuse/fused_tail.py");
+// The kernel's only parameter is FusedTailParams (the all-reduced input a, then TailParams),
+// declared in commfuse/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
 
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).

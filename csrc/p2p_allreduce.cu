@@ -120,35 +120,10 @@ constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
 constexpr int kTimeoutCode = 1 << 16;   // | phase << 8 | missing rank
 constexpr int kMismatchCode = 2 << 16;  // | rank whose call signature differs
 
-// The kernel's only parameter; packed by commfuse/p2p.py (_PARAMS) in this order.
-struct P2PParams {
-  TailParams tail;  // unused for the plain all-reduce (QUANT == kQuantPlain)
-  const void* x;    // T: this rank's input, total_vecs vectors of 8 elements
-  void* out;        // T: plain all-reduce output (same size as x); unused with a tail
-  void* peers[kMaxWorld];        // workspace base of every rank, as mapped here; own at [rank]
-  unsigned* epochs;              // [gridDim.x], this rank's device memory, not shared
-  int* dev_error;                // this rank's device memory: 0, or the first timeout's code
-  volatile int* host_error;      // host-mapped pinned memory, polled by the host
-  unsigned long long timeout_ns; // how long one wait may take
-  unsigned long long slot_bytes; // bytes of one slot (and of the gather region), 4 KiB multiple
-  unsigned long long flags_offset;  // bytes from a workspace base to its flags
-  unsigned long long lamport_offset;  // bytes from a workspace base to its one-shot (Lamport) slots
-  unsigned long long lamport_bytes;   // bytes of one Lamport slot, 4 KiB multiple
-  unsigned long long sig_offset;      // bytes from a workspace base to its call-signature slots
-  long long total_vecs;          // vectors of 8 elements in the message
-  int rows;                      // rows holding data (t; plain: ceil(total_vecs / row_vecs))
-  int row_vecs;                  // vectors per row (h / 8; plain: chosen by the launcher)
-  int row_slots;                 // rows incl. NVFP4 swizzle padding rows (zeroed scale factors)
-  int world;                     // 2..kMaxWorld
-  int rank;
-  int pad_;
-};
-// commfuse/p2p.py packs it as struct "<7Qf3i" (TailParams) + "<2Q8Q3Q6Qq6i": naturally aligned
-// fields, no padding (eps at 56, x at 72, peers at 88, epochs at 152, timeout_ns at 176, sig_offset
-// at 216, total_vecs at 224, rows at 232, rank at 248). Only the sizes are asserted: NVRTC 13.0
-// rejects __builtin_offsetof in a static_assert.
-static_assert(sizeof(TailParams) == 72, "layout shared with commfuse/p2p.py");
-static_assert(sizeof(P2PParams) == 256, "layout shared with commfuse/p2p.py");
+// The kernel's only parameter is P2PParams (TailParams, then the all-reduce's own fields), declared
+// in commfuse/params.py, which generates its C declaration (commfuse_params.cuh, via epilogue.cuh)
+// and packs it on the host.
+static_assert(sizeof(P2PParams::peers) / sizeof(void*) == kMaxWorld, "peers[] holds kMaxWorld ranks");
 
 // ------------------------------------------------------------------ memory-model primitives
 

@@ -43,7 +43,7 @@ POISONS = (0xA5, 0x5A)
 
 def poisoned_runs(monkeypatch, modules, fn) -> list:
     """[fn() for each of POISONS], with the `_empty` output allocator of every module in `modules`
-    (commfuse.fused_tail, commfuse.p2p) swapped for one that fills the new tensor with that poison
+    (commfuse.epilogue: every kernel's outputs) swapped for one that fills the new tensor with that poison
     byte: an output element a kernel never writes then differs between the two results."""
     results = []
     for poison in POISONS:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from commfuse import fused_tail as ft
-from commfuse import jit
+from commfuse import epilogue, jit
 from commfuse import reference as ref
 from commfuse.tolerance import signed_rank
 
@@ -98,7 +98,7 @@ def scale_for(quant, norm, special, big_col):
 
 def run_kernel(monkeypatch, *args, **kwargs):
     """ft.run with outputs poisoned, twice with different poisons; the runs must agree bytewise."""
-    first, second = poisoned_runs(monkeypatch, [ft], lambda: ft.run(*args, **kwargs))
+    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: ft.run(*args, **kwargs))
     for name, x, y in zip(first._fields, first, second):
         assert (x is None) == (y is None), name
         if x is not None:
@@ -189,7 +189,7 @@ def check_nvfp4(k, e, kn, en, scale, t, h, layout):
     assert code_mism.sum().item() <= max(16, int(1e-3 * code_mism.numel()))
     if layout == "swizzled":
         flat = k.scale_factors.view(torch.uint8)
-        assert flat.numel() == ft.sf_numel(t, h, "swizzled")
+        assert flat.numel() == epilogue.sf_numel(t, h, "swizzled")
         pad = torch.ones_like(flat, dtype=torch.bool)
         m = torch.arange(t, device=flat.device).unsqueeze(1)
         kk = torch.arange(K, device=flat.device).unsqueeze(0)

@@ -140,3 +140,30 @@ def test_registered_with_plan():
     assert plan(8200, "nvfp4").tail == "separated"          # h % 16 != 0
     assert plan(1 << 17, None).tail == "separated"          # beyond max_hidden
     assert plan(8192, "nvfp4", sm=(7, 5)).tail == "separated"
+
+
+def test_parameter_structs_are_declared_once():
+    """The C structs come from commfuse/params.py: every field at its natural alignment (so C lays them
+    out as the Python packing does), the header declares each field in order and asserts each size,
+    and the kernels' sources hold no struct of their own."""
+    from commfuse import params
+
+    for s in (params.TAIL, params.FUSED_TAIL, params.P2P):
+        offset = 0
+        for f in s.fields:
+            assert s.offsets[f.name] == offset and offset % f.align == 0, (s.name, f.name)
+            offset += f.size
+        assert s.size == offset == len(s.pack(*[0] * len(s.unpack(bytes(s.size)))))
+    assert (params.TAIL.size, params.FUSED_TAIL.size, params.P2P.size) == (72, 80, 256)
+    assert params.P2P.offsets["x"] == 72 and params.P2P.offsets["sig_offset"] == 216 and params.P2P.offsets["rank"] == 248
+    header = params.header()
+    for s in (params.TAIL, params.FUSED_TAIL, params.P2P):
+        body = header.split(f"struct {s.name} {{", 1)[1].split("};", 1)[0]
+        names = [line.split(";")[0].split()[-1].split("[")[0] for line in body.strip().splitlines()]
+        assert names == [f.name for f in s.fields], s.name
+        assert f"static_assert(sizeof({s.name}) == {s.size}" in header
+    for source in ("epilogue.cuh", "fused_tail.cu", "p2p_allreduce.cu"):
+        text = (jit.CSRC_DIR / source).read_text()
+        assert not any(f"struct {s.name} {{" in text for s in (params.TAIL, params.FUSED_TAIL, params.P2P)), source
+    with pytest.raises(ValueError, match="aligned"):
+        params.Struct("Bad", [params.Field("a", "int", "i32"), params.Field("p", "void*", "ptr")])

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfuse import Communicator, fused_tail, jit, p2p, reference
+from commfuse import Communicator, epilogue, fused_tail, jit, p2p, params, reference
 from commfuse.plan import P2PLimits, Request, TensorMeta, make_plan, registered_kernels
 
 from compare import as_bytes, assert_tail_close, bits_equal, poisoned_runs
@@ -186,7 +186,7 @@ def test_params_layout_matches_the_kernel():
     # sig_offset 216, total_vecs 224, rows 232, rank 248; size 256.
     fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [21, 22] + list(range(31, 39)) + [41, 42, 43] + \
         [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0]
-    raw = p2p._PARAMS.pack(*fields)
+    raw = params.P2P.pack(*fields)
     assert len(raw) == 256
     assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
     assert struct.unpack_from("<2Q", raw, 72) == (21, 22)
@@ -226,8 +226,8 @@ class _Recorder:
         ws._closed, ws._host_ptr = False, None
         self.ws = ws
 
-    def launch(self, grid, block, params):
-        f = p2p._PARAMS.unpack(params)
+    def launch(self, grid, block, raw):
+        f = params.P2P.unpack(raw)
         self.launches.append(dict(tail=f[:11], x=f[11], out=f[12], total_vecs=f[30], rows=f[31], row_vecs=f[32],
                                   row_slots=f[33]))
 
@@ -464,7 +464,7 @@ def test_fused_matches_reference(comms, gen, monkeypatch, algo, dtype, quant, re
     x, xs = rank_inputs(c, gen, (t, h), dtype)
     residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
     saved = [v.clone() for v in (x, residual, weight)]
-    first, second = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: run_pattern(c, x, residual, weight, scale, pattern))
+    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: run_pattern(c, x, residual, weight, scale, pattern))
     digests = gather(c, digest(outputs(first)))
     c.check()
     # A forced one-shot above the one-shot's buffers (a world-size-dependent size) runs two-shot.
@@ -488,7 +488,7 @@ def test_plain_matches_reference(comms, gen, monkeypatch, algo, t, h):
     c = comms[algo]
     dtype = torch.bfloat16 if (t + h) % 2 else torch.float16
     x, xs = rank_inputs(c, gen, (t, h), dtype)
-    first, second = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: c.all_reduce(x))
+    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: c.all_reduce(x))
     digests = gather(c, digest([first]))
     c.check()
     # A forced one-shot above the one-shot's buffers runs two-shot (plan.py).
@@ -661,12 +661,12 @@ def test_messages_at_and_over_the_workspace(comm, gen, monkeypatch, algo):
         y = c.all_reduce(x)
         big, bigs = rank_inputs(c, gen, (300, h), bf)
         over_plan = c.plan(big)
-        over = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: c.all_reduce(big))
+        over = poisoned_runs(monkeypatch, [epilogue], lambda: c.all_reduce(big))
         cases = []
         for hh, pattern in OVER_CASES:
             xo, xos = rank_inputs(c, gen, (300, hh), bf)
             res, w, sc = tail_inputs(c, gen, 300, hh, bf, pattern[0])
-            runs = poisoned_runs(monkeypatch, [p2p, fused_tail], lambda: run_pattern(c, xo, res, w, sc, pattern))
+            runs = poisoned_runs(monkeypatch, [epilogue], lambda: run_pattern(c, xo, res, w, sc, pattern))
             cases.append((pattern, xos, res, w, sc, runs, gather(c, digest(outputs(runs[0])))))
         # Pieces inside a CUDA graph: captured once, replayed with new inputs.
         res_g, w_g, sc_g = tail_inputs(c, gen, 300, 3088, bf, "nvfp4")

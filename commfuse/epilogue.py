@@ -1,0 +1,138 @@
+"""The host half of csrc/epilogue.cuh: what every kernel with the tail (the local fused tail, the P2P
+all-reduce) needs on the host, in one place.
+
+- the quantization kinds, by their public names, and their C++ ids (kQuantNone/Fp8/Nvfp4);
+- the element types the kernels are built for (their C++ names);
+- the outputs' shapes and dtypes (`output_specs`), which commfuse.ops' fake implementations use too;
+- the argument checks the tail kernels need (`check`), and `prepare`: aligned inputs, fresh outputs
+  and the TailParams fields (commfuse/params.py declares the struct; its C side is generated).
+
+Semantics: commfuse.reference.fused_tail (the oracle); docs/semantics.md.
+"""
+from __future__ import annotations
+
+import functools
+from enum import IntEnum
+from typing import Optional, Tuple
+
+import torch
+
+from .reference import Tail
+
+__all__ = ["Quant", "QUANTS", "CTYPE", "SF_LAYOUTS", "hidden_multiple", "sf_numel", "output_specs", "check",
+           "prepare", "aligned", "MAX_HIDDEN", "MAX_TOKENS"]
+
+
+class Quant(IntEnum):
+    """The quantization of the tail's norm: the template argument QUANT of the kernels."""
+
+    NONE = 0   # kQuantNone
+    FP8 = 1    # kQuantFp8
+    NVFP4 = 2  # kQuantNvfp4
+
+
+# Public names (the `quant=` argument) of the kinds the kernels fuse.
+QUANTS = {None: Quant.NONE, "fp8": Quant.FP8, "nvfp4": Quant.NVFP4}
+SF_LAYOUTS = ("swizzled", "linear")
+CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+MAX_HIDDEN = 1 << 16       # what the tests cover; the looped variants have no hard limit below 2^31
+# Rows are blockIdx.x (< 2^31) in the local tail, and include up to 127 padding rows of the swizzled layout.
+MAX_TOKENS = (1 << 31) - 128
+
+
+def hidden_multiple(quant: Optional[str]) -> int:
+    """What h must be a multiple of: 16-byte vectors of 8 elements, NVFP4 blocks of 16."""
+    return 16 if quant == "nvfp4" else 8
+
+
+# Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
+_empty = torch.empty
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    # The kernels move 16-byte vectors; a view at an odd offset gets an aligned copy.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def sf_numel(tokens: int, hidden: int, sf_layout: str) -> int:
+    """Entries of the NVFP4 scale-factor tensor: roundup(t,128) * roundup(h/16,4) when swizzled."""
+    k = hidden // 16
+    if sf_layout == "swizzled":
+        return -(-tokens // 128) * 128 * (-(-k // 4) * 4)
+    return tokens * k
+
+
+def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[str], return_norm: bool,
+                 sf_layout: str) -> tuple:
+    """(shape, dtype) of each output (residual, norm, quant, scale_factors), None where absent: what
+    the tail kernels return (see fused_tail.run), and what commfuse.ops' fake implementations promise."""
+    t, h = tokens, hidden
+    norm = ((t, h), dtype) if quant is None or return_norm else None
+    q = sf = None
+    if quant == "fp8":
+        q = ((t, h), torch.float8_e4m3fn)
+    elif quant == "nvfp4":
+        q = ((t, h // 2), torch.uint8)
+        sf = ((sf_numel(t, h, sf_layout),) if sf_layout == "swizzled" else (t, h // 16), torch.float8_e4m3fn)
+    return ((t, h), dtype), norm, q, sf
+
+
+# prepare's: a decode loop asks for a handful of shapes, on its hot path. (Not for the fake
+# implementations: their sizes are symbolic, and unhashable.)
+_output_specs_cached = functools.lru_cache(maxsize=4096)(output_specs)
+
+
+def check(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, quant: Optional[str],
+          scale: Optional[torch.Tensor], sf_layout: str) -> None:
+    """Raise unless (a, residual, weight, quant, scale, sf_layout) is something the tail kernels take."""
+    h = a.shape[-1]
+    dtype = a.dtype
+    if dtype not in CTYPE:
+        raise TypeError(f"fused tail takes float16/bfloat16, got {dtype}")
+    if residual.shape != a.shape or residual.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
+        raise ValueError(f"residual must match a {tuple(a.shape)} {dtype} and weight be [{h}] {dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    if quant not in QUANTS or sf_layout not in SF_LAYOUTS:
+        raise ValueError(f"quant must be one of {tuple(QUANTS)} and sf_layout one of {SF_LAYOUTS}, got "
+                         f"{quant!r}, {sf_layout!r}")
+    multiple = hidden_multiple(quant)
+    if h % multiple or not 0 < h <= MAX_HIDDEN:
+        raise ValueError(f"hidden size {h} must be a multiple of {multiple} in (0, {MAX_HIDDEN}]")
+    device = a.device
+    if device.type != "cuda" or residual.device != device or weight.device != device:
+        raise ValueError(f"a, residual and weight must be on one CUDA device, got {a.device}, {residual.device}, {weight.device}")
+    if quant is not None:
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32 \
+                or scale.device != device:
+            raise TypeError(f"quant={quant!r} needs scale as a float32 tensor of one element on {device}")
+    if a.numel() // h > MAX_TOKENS:
+        raise ValueError(f"{a.numel() // h} tokens > {MAX_TOKENS}")
+
+
+def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str],
+            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str) -> Tuple[torch.Tensor, Tail, tuple, int]:
+    """What every kernel with the tail (fused_tail's, the P2P ones) needs, for checked arguments.
+
+    Returns (a as an aligned contiguous [t, h], the fresh outputs as a Tail, the TailParams fields
+    in declaration order (params.TAIL), the number of row slots: t, or roundup(t, 128) when the
+    swizzled NVFP4 layout has padding rows to zero).
+    """
+    h, dtype, device = a.shape[-1], a.dtype, a.device
+    a2 = aligned(a.reshape(-1, h).contiguous())
+    r2 = aligned(residual.reshape(-1, h).contiguous())
+    w = aligned(weight.contiguous())
+    t = a2.shape[0]
+    rs, ns, qs, ss = _output_specs_cached(t, h, dtype, quant, return_norm, sf_layout)
+    res_out = _empty(rs[0], dtype=dtype, device=device)
+    norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
+    q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
+    sf = _empty(ss[0], dtype=ss[1], device=device) if ss else None
+    swizzled = quant == "nvfp4" and sf_layout == "swizzled"
+    fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
+              norm.data_ptr() if norm is not None else 0,
+              q.data_ptr() if q is not None else 0,
+              sf.data_ptr() if sf is not None else 0,
+              scale.data_ptr() if quant is not None else 0,
+              float(eps), h, t, int(swizzled))
+    rows = 0 if t == 0 else -(-t // 128) * 128 if swizzled else t
+    return a2, Tail(res_out, norm, q, sf), fields, rows

@@ -1,0 +1,132 @@
+"""The kernels' parameter structs, declared once.
+
+Every commfuse kernel takes one by-value struct. Its C declaration (a header NVRTC is given as
+``commfuse_params.cuh``, see jit.py) and the Python packing (`Struct.pack`) both come from the
+declarations below, so the two cannot drift apart: `Struct` lays the fields out as C does and
+refuses a field C would pad before (each field starts at a multiple of its own alignment), and the
+header asserts each struct's size.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple, Union
+
+__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "P2P", "MAX_WORLD", "HEADER_NAME", "header"]
+
+HEADER_NAME = "commfuse_params.cuh"
+MAX_WORLD = 8  # kMaxWorld in csrc/p2p_allreduce.cu: the size of P2PParams::peers
+
+# Scalar kinds: struct format character and size (= alignment) in bytes.
+_SCALARS = {"ptr": ("Q", 8), "f32": ("f", 4), "i32": ("i", 4), "u64": ("Q", 8), "i64": ("q", 8)}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One member: `ctype` is its C type, `kind` a scalar kind of _SCALARS or a nested Struct."""
+
+    name: str
+    ctype: str
+    kind: Union[str, "Struct"]
+    count: int = 1
+    comment: str = ""
+
+    @property
+    def align(self) -> int:
+        return 8 if isinstance(self.kind, Struct) else _SCALARS[self.kind][1]
+
+    @property
+    def size(self) -> int:
+        return self.count * (self.kind.size if isinstance(self.kind, Struct) else _SCALARS[self.kind][1])
+
+    @property
+    def format(self) -> str:
+        inner = self.kind.format if isinstance(self.kind, Struct) else _SCALARS[self.kind][0]
+        return inner * self.count
+
+
+class Struct:
+    """A C struct of naturally aligned fields and its little-endian packing (no implicit padding)."""
+
+    def __init__(self, name: str, fields: Sequence[Field]):
+        self.name, self.fields = name, tuple(fields)
+        offset, offsets = 0, {}
+        for f in self.fields:
+            if offset % f.align:
+                raise ValueError(f"{name}.{f.name} at offset {offset} is not {f.align}-byte aligned: C would pad")
+            offsets[f.name] = offset
+            offset += f.size
+        if offset % 8:
+            raise ValueError(f"{name} is {offset} bytes: C would pad it to a multiple of 8")
+        self.offsets: Dict[str, int] = offsets
+        self.size = offset
+        self.format = "".join(f.format for f in self.fields)
+        self._packer = struct.Struct("<" + self.format)
+        assert self._packer.size == self.size
+
+    def pack(self, *values) -> bytes:
+        """The struct's bytes from its scalar values in declaration order (nested structs flattened)."""
+        return self._packer.pack(*values)
+
+    def unpack(self, raw: bytes) -> Tuple:
+        return self._packer.unpack(raw)
+
+    def c_declaration(self) -> str:
+        lines = [f"struct {self.name} {{"]
+        for f in self.fields:
+            array = f"[{f.count}]" if f.count > 1 else ""
+            comment = f"  // {f.comment}" if f.comment else ""
+            lines.append(f"  {f.ctype} {f.name}{array};{comment}")
+        lines.append("};")
+        lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name}: layout of commfuse/params.py");')
+        return "\n".join(lines)
+
+
+TAIL = Struct("TailParams", [
+    Field("residual_in", "const void*", "ptr", comment="T [t, h]"),
+    Field("residual_out", "void*", "ptr", comment="T [t, h]"),
+    Field("weight", "const void*", "ptr", comment="T [h]"),
+    Field("norm_out", "void*", "ptr", comment="T [t, h], or nullptr when the norm is not returned"),
+    Field("quant_out", "void*", "ptr", comment="fp8 [t, h] or uint8 [t, h/2] (NVFP4); unused without quant"),
+    Field("sf_out", "void*", "ptr", comment="NVFP4 scale factors (e4m3), swizzled or [t, h/16]"),
+    Field("scale", "const float*", "ptr", comment="dequant scale, 1 element; unused without quant"),
+    Field("eps", "float", "f32"),
+    Field("h", "int", "i32"),
+    Field("t", "int", "i32"),
+    Field("sf_swizzled", "int", "i32", comment="1: 128x4 swizzled layout, 0: linear [t, h/16]"),
+])
+
+FUSED_TAIL = Struct("FusedTailParams", [
+    Field("a", "const void*", "ptr", comment="T [t, h]: the all-reduced input"),
+    Field("tail", "TailParams", TAIL),
+])
+
+P2P = Struct("P2PParams", [
+    Field("tail", "TailParams", TAIL, comment="unused for the plain all-reduce (QUANT == kQuantPlain)"),
+    Field("x", "const void*", "ptr", comment="T: this rank's input, total_vecs vectors of 8 elements"),
+    Field("out", "void*", "ptr", comment="T: plain all-reduce output (same size as x); unused with a tail"),
+    Field("peers", "void*", "ptr", MAX_WORLD, comment="workspace base of every rank, as mapped here; own at [rank]"),
+    Field("epochs", "unsigned*", "ptr", comment="[gridDim.x], this rank's device memory, not shared"),
+    Field("dev_error", "int*", "ptr", comment="this rank's device memory: 0, or the first error's code"),
+    Field("host_error", "volatile int*", "ptr", comment="host-mapped pinned memory, polled by the host"),
+    Field("timeout_ns", "unsigned long long", "u64", comment="how long one wait may take"),
+    Field("slot_bytes", "unsigned long long", "u64", comment="bytes of one slot (and of the gather region)"),
+    Field("flags_offset", "unsigned long long", "u64", comment="bytes from a workspace base to its flags"),
+    Field("lamport_offset", "unsigned long long", "u64", comment="bytes from a workspace base to its Lamport slots"),
+    Field("lamport_bytes", "unsigned long long", "u64", comment="bytes of one Lamport slot"),
+    Field("sig_offset", "unsigned long long", "u64", comment="bytes from a workspace base to its signature slots"),
+    Field("total_vecs", "long long", "i64", comment="vectors of 8 elements in the message"),
+    Field("rows", "int", "i32", comment="rows holding data (t; plain: ceil(total_vecs / row_vecs))"),
+    Field("row_vecs", "int", "i32", comment="vectors per row (h / 8; plain: chosen by the launcher)"),
+    Field("row_slots", "int", "i32", comment="rows incl. NVFP4 swizzle padding rows (zeroed scale factors)"),
+    Field("world", "int", "i32", comment="2..kMaxWorld"),
+    Field("rank", "int", "i32"),
+    Field("pad_", "int", "i32"),
+])
+
+
+def header() -> str:
+    """The C header of every struct above (what NVRTC includes as HEADER_NAME)."""
+    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, P2P))
+    return ("// Generated from commfuse/params.py, the one declaration of the kernels' parameter structs.\n"
+            "#pragma once\n\nnamespace commfuse {\n\n" + body + "\n\n}  // namespace commfuse\n")
