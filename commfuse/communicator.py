@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import fused_tail, jit, ops, p2p, reference, topology
-from .plan import Plan, Request, TensorMeta, check_arguments, make_plan, registered_kernels
+from .plan import Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan, registered_kernels
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
 _MAX_PLANS = 4096
@@ -71,6 +71,7 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.strategy = strategy
         self.backend = str(dist.get_backend(self.group))
+        Collective.of_backend(self.backend)  # nccl or gloo, else a clear error now rather than at a call
         self.topology = topology.detect(self.group)
         # Ranks sharing a GPU exchange over gloo but compute on their GPU (topology.py).
         on_gpu = self.backend == "nccl" or (self.topology.shared_gpu and torch.cuda.is_available())
@@ -166,13 +167,14 @@ class Communicator:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant,
                                    return_norm, sf_layout, str(plan.collective)))
         h = x.shape[-1]
-        if plan.collective.startswith("p2p_") and plan.tail == "fused":  # the tail inside the P2P kernel
+        algo = plan.collective.algorithm
+        if algo and plan.tail is TailRoute.FUSED:  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                              plan.collective[len("p2p_"):], checked=True)
+                                              algo, checked=True)
             return FusedResult(*tail, plan=plan)
         a = self._collective(x, plan).view(-1, h)
         residual = residual.reshape(-1, h)
-        if plan.tail == "fused":
+        if plan.tail is TailRoute.FUSED:
             tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, checked=True)
         else:
             tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
@@ -197,9 +199,9 @@ class Communicator:
             self._p2p.check_error()
 
     def _collective(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
-        if plan.collective.startswith("p2p_"):
-            return self._p2p.all_reduce(x, plan.collective[len("p2p_"):], checked=True)
-        if self.backend == "nccl":
+        if plan.collective.algorithm:
+            return self._p2p.all_reduce(x, plan.collective.algorithm, checked=True)
+        if plan.collective is Collective.NCCL:
             # NCCL reduces in T, in its own order (the semantics accept it on this path).
             out = x.clone(memory_format=torch.contiguous_format)  # one copy, also for a strided x
             dist.all_reduce(out, group=self.group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -157,19 +158,52 @@ def chunk_rows(row_bytes: int, quant: Optional[str], sf_layout: str, workspace_b
     return workspace_bytes // row_bytes // multiple * multiple
 
 
+class Collective(str, Enum):
+    """Which collective a call runs (a str: compares equal to, and prints as, its value)."""
+
+    P2P_ONESHOT = "p2p_oneshot"  # the P2P kernels (p2p.py), tail fused where the tail guards hold
+    P2P_TWOSHOT = "p2p_twoshot"
+    NCCL = "nccl"                # torch.distributed's NCCL all-reduce
+    GLOO = "gloo"                # gloo: every rank's x gathered and summed exactly (CPU, or ranks sharing a GPU)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def algorithm(self) -> Optional[str]:
+        """"oneshot" / "twoshot" for the P2P collectives, else None."""
+        return self.value[len("p2p_"):] if self.value.startswith("p2p_") else None
+
+    @classmethod
+    def of_backend(cls, backend: str) -> "Collective":
+        """The collective of a torch.distributed backend; ValueError for one commfuse does not drive."""
+        if backend not in (cls.NCCL.value, cls.GLOO.value):
+            raise ValueError(f"commfuse runs over the nccl or gloo backend, not {backend!r}")
+        return cls(backend)
+
+
+class TailRoute(str, Enum):
+    """How the tail after the collective runs (a str, as Collective)."""
+
+    FUSED = "fused"          # in the P2P kernel, or one local kernel after the collective
+    SEPARATED = "separated"  # plain torch ops of commfuse.reference
+    NONE = "none"            # a plain all-reduce: no tail
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Plan:
     """The route of one call.
 
-    collective: "p2p_oneshot" | "p2p_twoshot" | "nccl" | "gloo" | ... (the torch.distributed backend)
-    tail: "fused" (in the P2P kernel, or one local kernel after the collective), "separated"
-          (plain torch ops of commfuse.reference) or "none" (plain all-reduce).
+    collective: a Collective (P2P one-shot / two-shot, NCCL, gloo); tail: a TailRoute.
     kernel: the registered kernel that runs the fused part, if any.
     reasons: why, in words: every guard that failed, and what chose the collective.
     """
 
-    collective: str
-    tail: str
+    collective: Collective
+    tail: TailRoute
     kernel: Optional[str] = None
     reasons: tuple = field(default_factory=tuple)
 
@@ -250,24 +284,24 @@ def make_plan(req: Request, *, mode: str, backend: str, sm: Optional[tuple], wor
     if tail_guard:
         reasons.append(tail_guard)
 
-    collective, kernel = backend, None
+    collective, kernel = Collective.of_backend(backend), None
     algo = _p2p_algorithm(req, mode, strategy, p2p, reasons, mode_reasons, tail_in_p2p=not tail_guard)
     if algo:
         spec = _pick(kernels, "p2p", req, sm, world_size, algo, reasons)
         if spec:
-            collective = f"p2p_{algo}"
+            collective = Collective.P2P_ONESHOT if algo == "oneshot" else Collective.P2P_TWOSHOT
             fused_here = req.residual is not None and not tail_guard
             if req.residual is None or fused_here:
-                return Plan(collective, "fused" if fused_here else "none", spec.name, tuple(reasons))
+                return Plan(collective, TailRoute.FUSED if fused_here else TailRoute.NONE, spec.name, tuple(reasons))
             kernel = spec.name  # plain P2P all-reduce, tail separated below
     if req.residual is None:
-        return Plan(collective, "none", kernel, tuple(reasons))
+        return Plan(collective, TailRoute.NONE, kernel, tuple(reasons))
     if tail_guard:
-        return Plan(collective, "separated", kernel, tuple(reasons))
+        return Plan(collective, TailRoute.SEPARATED, kernel, tuple(reasons))
     spec = _pick(kernels, "tail", req, sm, world_size, None, reasons)
     if spec is None:
-        return Plan(collective, "separated", None, tuple(reasons))
-    return Plan(collective, "fused", spec.name, tuple(reasons))
+        return Plan(collective, TailRoute.SEPARATED, None, tuple(reasons))
+    return Plan(collective, TailRoute.FUSED, spec.name, tuple(reasons))
 
 
 def _tail_guard(req: Request, sm: Optional[tuple], fusion: bool) -> Optional[str]:

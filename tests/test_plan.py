@@ -238,3 +238,15 @@ def test_non_float_inputs_raise_type_error_naming_x(dtype):
         check_arguments(x, None, None, 1e-6, None, None, "swizzled", torch.device("cpu"))
     with pytest.raises(TypeError, match=r"x must be"):
         check_arguments(x, x, x[0], 1e-6, None, None, "swizzled", torch.device("cpu"))
+
+
+def test_routes_are_typed():
+    from commfuse.plan import Collective, TailRoute
+
+    p = plan(request(quant="fp8"))
+    assert isinstance(p.collective, Collective) and isinstance(p.tail, TailRoute)
+    assert p.collective is Collective.NCCL and p.tail is TailRoute.FUSED and p.collective.algorithm is None
+    assert Collective.P2P_TWOSHOT.algorithm == "twoshot" and str(Collective.P2P_ONESHOT) == "p2p_oneshot"
+    assert str(p).startswith(f"nccl + fused tail [{p.kernel}]")
+    with pytest.raises(ValueError, match="nccl or gloo"):
+        Collective.of_backend("mpi")
