@@ -12,11 +12,24 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import fused_tail, jit, ops, p2p, reference, topology
+from . import epilogue, fused_tail, jit, ops, p2p, reference, topology
 from .plan import Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan, registered_kernels
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
 _MAX_PLANS = 4096
+
+
+def _tail_of(r) -> tuple:
+    return (r.residual, r.norm, r.quant, r.scale_factors)
+
+
+def _out_key(out) -> tuple:
+    """What the checks read of caller-owned outputs (a tensor, a Tail or a FusedResult), or ()."""
+    if out is None:
+        return ()
+    if isinstance(out, torch.Tensor):
+        return _key(out)
+    return tuple(_key(t) for t in _tail_of(out))
 
 
 def _key(v) -> tuple:
@@ -105,26 +118,33 @@ class Communicator:
     def plan(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
              weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6, quant: Optional[str] = None,
              scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
-             sf_layout: str = "swizzled") -> Plan:
+             sf_layout: str = "swizzled", out=None) -> Plan:
         """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without
         running it. Arguments as for those (x, residual: T[..., h], weight: T[h], scale: float32[1],
-        on the communicator's device); raises on the same argument errors. Not collective."""
+        on the communicator's device; out: the caller's output tensors, if any); raises on the same
+        argument errors. Not collective."""
         # Decode layers repeat a handful of call signatures: the checks and guards run once per
         # signature (everything they read is in the key), not on every call of the hot path.
-        key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout)
+        key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout,
+               _out_key(out))
         try:
             plan = self._plans.get(key)
         except TypeError:  # an unhashable argument: the checks below name it
-            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out)
         if plan is None:
-            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out)
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _make_plan(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout) -> Plan:
+    def _make_plan(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, out) -> Plan:
         check_arguments(x, residual, weight, eps, quant, scale, sf_layout, self.device)
+        if out is not None and residual is None:
+            epilogue.check_like(out, x)
+        elif out is not None:
+            h = x.shape[-1]
+            epilogue.check_out(out, x.numel() // h, h, x.dtype, self.device, quant, return_norm, sf_layout)
         req = Request(
             x=TensorMeta.of(x),
             residual=None if residual is None else TensorMeta.of(residual),
@@ -137,21 +157,23 @@ class Communicator:
                          p2p=self._p2p.limits if self._p2p is not None else None,
                          mode_reasons=self.topology.reasons)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum of `x` over the group, in a new tensor of x's shape and dtype (x is not modified).
 
-        x: any shape, on the communicator's device (CUDA for NCCL, CPU for gloo).
+        x: any shape, fp16 / bf16 / fp32, on the communicator's device (CUDA for NCCL and for ranks
+        sharing a GPU, CPU for gloo). out: a caller-owned tensor of x's shape, dtype and device
+        (contiguous) to write the sum into instead, and return: a decode loop then allocates nothing.
         """
         self._check_p2p_error()
-        plan = self.plan(x)
+        plan = self.plan(x, out=out)
         if self.check_calls:
             self._check_same_call(("all_reduce", tuple(x.shape), str(x.dtype), str(plan.collective)))
-        return self._collective(x, plan)
+        return self._collective(x, plan, out)
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                          eps: float = 1e-6, quant: Optional[str] = None,
                          scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
-                         sf_layout: str = "swizzled") -> FusedResult:
+                         sf_layout: str = "swizzled", out=None) -> FusedResult:
         """All-reduce `x`, then residual add, RMSNorm and optional quantization (docs/semantics.md).
 
         x, residual: T[..., h] (T = fp16 or bf16 for the fused rows; others go separated), same shape;
@@ -159,10 +181,15 @@ class Communicator:
         scale) as a float32 tensor of one element on the device (a Python float takes the separated
         path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).
         Outputs are flattened to [t, h]; see FusedResult.
+        out: caller-owned outputs to write instead of fresh tensors (a FusedResult of an earlier call,
+        or a commfuse.reference.Tail: residual, norm, quant, scale_factors with the shapes and dtypes
+        of this call's outputs, None where the call has none; contiguous, on the device), validated
+        once per call signature. out.residual may be `residual` itself: the residual is updated in
+        place (every route reads each residual element before it writes it).
         """
         self._check_p2p_error()
         plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale,
-                         return_norm=return_norm, sf_layout=sf_layout)
+                         return_norm=return_norm, sf_layout=sf_layout, out=out)
         if self.check_calls:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant,
                                    return_norm, sf_layout, str(plan.collective)))
@@ -170,14 +197,20 @@ class Communicator:
         algo = plan.collective.algorithm
         if algo and plan.tail is TailRoute.FUSED:  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                              algo, checked=True)
+                                              algo, out=out, checked=True)
             return FusedResult(*tail, plan=plan)
         a = self._collective(x, plan).view(-1, h)
         residual = residual.reshape(-1, h)
         if plan.tail is TailRoute.FUSED:
-            tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, checked=True)
+            tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
+                                  checked=True)
         else:
             tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
+            if out is not None:  # computed whole first: out.residual may be the residual input
+                for mine, theirs in zip(_tail_of(out), tail):
+                    if mine is not None:
+                        mine.copy_(theirs)
+                tail = reference.Tail(*_tail_of(out))
         return FusedResult(*tail, plan=plan)
 
     def check(self) -> None:
@@ -198,12 +231,13 @@ class Communicator:
         if self._p2p is not None:
             self._p2p.check_error()
 
-    def _collective(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def _collective(self, x: torch.Tensor, plan: Plan, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if plan.collective.algorithm:
-            return self._p2p.all_reduce(x, plan.collective.algorithm, checked=True)
+            return self._p2p.all_reduce(x, plan.collective.algorithm, out=out, checked=True)
         if plan.collective is Collective.NCCL:
-            # NCCL reduces in T, in its own order (the semantics accept it on this path).
-            out = x.clone(memory_format=torch.contiguous_format)  # one copy, also for a strided x
+            # NCCL reduces in T, in its own order (the semantics accept it on this path). torch's
+            # all_reduce works in place and x is the caller's: one copy (also for a strided x).
+            out = x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)
             dist.all_reduce(out, group=self.group)
             return out
         # Elsewhere (gloo: CPU tensors, or CUDA tensors of ranks sharing a GPU) we can afford the exact
@@ -211,7 +245,8 @@ class Communicator:
         # bit for bit with the reference. Not capturable in a CUDA graph (gloo works on the host).
         xs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world_size)]
         dist.all_gather(xs, x.contiguous(), group=self.group)
-        return reference.all_reduce_sum(xs)
+        total = reference.all_reduce_sum(xs)
+        return total if out is None else out.copy_(total)
 
     def _check_same_call(self, signature: tuple) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang)."""

@@ -20,7 +20,7 @@ import torch
 from .reference import Tail
 
 __all__ = ["Quant", "QUANTS", "CTYPE", "SF_LAYOUTS", "hidden_multiple", "sf_numel", "output_specs", "check",
-           "prepare", "aligned", "MAX_HIDDEN", "MAX_TOKENS"]
+           "check_out", "check_like", "prepare", "aligned", "MAX_HIDDEN", "MAX_TOKENS"]
 
 
 class Quant(IntEnum):
@@ -109,12 +109,55 @@ def check(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, quant: 
         raise ValueError(f"{a.numel() // h} tokens > {MAX_TOKENS}")
 
 
+_OUTPUTS = ("residual", "norm", "quant", "scale_factors")
+
+
+def check_out(out, tokens: int, hidden: int, dtype: torch.dtype, device: torch.device, quant: Optional[str],
+              return_norm: bool, sf_layout: str) -> None:
+    """Raise ValueError/TypeError naming the field unless `out` (a reference.Tail or commfuse.FusedResult
+    of caller-owned tensors) holds exactly the outputs of this call: output_specs' shapes and dtypes,
+    contiguous, on `device`, 16-byte aligned, and None where the call has no such output. The residual
+    output may be the residual input itself (an in-place update: every kernel reads each residual
+    element before it writes it, in the same thread); nothing else may alias an argument."""
+    specs = output_specs(tokens, hidden, dtype, quant, return_norm, sf_layout)
+    for name, spec in zip(_OUTPUTS, specs):
+        t = getattr(out, name, None)
+        if spec is None:
+            if t is not None:
+                raise ValueError(f"out.{name} must be None: this call (quant={quant!r}, return_norm={return_norm}) "
+                                 "has no such output")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"out.{name} must be a tensor of shape {list(spec[0])} and dtype {spec[1]}, "
+                            f"got {type(t).__name__}")
+        if tuple(t.shape) != tuple(spec[0]) or t.dtype != spec[1]:
+            raise ValueError(f"out.{name} must have shape {list(spec[0])} and dtype {spec[1]}, got "
+                             f"{list(t.shape)} {t.dtype}")
+        if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"out.{name} must be contiguous, 16-byte aligned and on {device}, got a tensor on "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def check_like(out: torch.Tensor, x: torch.Tensor, name: str = "out") -> None:
+    """Raise unless `out` can take a plain all-reduce of x: x's shape and dtype, on x's device,
+    contiguous, 16-byte aligned."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"{name} must have x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+
+
 def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str],
-            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str) -> Tuple[torch.Tensor, Tail, tuple, int]:
+            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
+            out=None) -> Tuple[torch.Tensor, Tail, tuple, int]:
     """What every kernel with the tail (fused_tail's, the P2P ones) needs, for checked arguments.
 
-    Returns (a as an aligned contiguous [t, h], the fresh outputs as a Tail, the TailParams fields
-    in declaration order (params.TAIL), the number of row slots: t, or roundup(t, 128) when the
+    out: None, or the caller's output tensors (checked by check_out), written instead of fresh ones.
+    Returns (a as an aligned contiguous [t, h], the outputs as a Tail, the TailParams fields in
+    declaration order (params.TAIL), the number of row slots: t, or roundup(t, 128) when the
     swizzled NVFP4 layout has padding rows to zero).
     """
     h, dtype, device = a.shape[-1], a.dtype, a.device
@@ -122,11 +165,14 @@ def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
     r2 = aligned(residual.reshape(-1, h).contiguous())
     w = aligned(weight.contiguous())
     t = a2.shape[0]
-    rs, ns, qs, ss = _output_specs_cached(t, h, dtype, quant, return_norm, sf_layout)
-    res_out = _empty(rs[0], dtype=dtype, device=device)
-    norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
-    q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
-    sf = _empty(ss[0], dtype=ss[1], device=device) if ss else None
+    if out is not None:
+        res_out, norm, q, sf = out.residual, out.norm, out.quant, out.scale_factors
+    else:
+        rs, ns, qs, ss = _output_specs_cached(t, h, dtype, quant, return_norm, sf_layout)
+        res_out = _empty(rs[0], dtype=dtype, device=device)
+        norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
+        q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
+        sf = _empty(ss[0], dtype=ss[1], device=device) if ss else None
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
     fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
               norm.data_ptr() if norm is not None else 0,

@@ -106,7 +106,7 @@ def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -
 
 def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         quant: Optional[str] = None, scale: Optional[torch.Tensor] = None, return_norm: bool = False,
-        sf_layout: str = "swizzled", *, checked: bool = False) -> Tail:
+        sf_layout: str = "swizzled", *, out: Optional[Tail] = None, checked: bool = False) -> Tail:
     """The tail after the all-reduce, as one kernel on torch's current stream.
 
     a: [..., h] all-reduced activations, fp16 or bf16, CUDA, stride 1 on the last dim.
@@ -118,12 +118,17 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     Returns reference.Tail with fresh tensors on a's device: residual [t,h] T; norm [t,h] T or
     None; quant float8_e4m3fn [t,h] (fp8) or uint8 [t,h/2] (nvfp4) or None; scale_factors
     float8_e4m3fn, flat roundup(t,128)*roundup(h/16,4) (swizzled) or [t,h/16] (linear), nvfp4 only.
+    out: the caller's output tensors instead (a Tail of those shapes, None where absent; see
+    epilogue.check_out: out.residual may be `residual` itself, an in-place update).
     checked: the caller has validated these arguments already (the Communicator's plan does, once
-    per call signature), so `check` is skipped on this hot path.
+    per call signature), so the checks are skipped on this hot path.
     """
     if not checked:
         epilogue.check(a, residual, weight, quant, scale, sf_layout)
-    a2, out, fields, rows = epilogue.prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
+        if out is not None:
+            epilogue.check_out(out, a.numel() // a.shape[-1], a.shape[-1], a.dtype, a.device, quant, return_norm,
+                               sf_layout)
+    a2, out, fields, rows = epilogue.prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out)
     if rows == 0:
         return out
     device, t, h = a.device, a2.shape[0], a2.shape[1]

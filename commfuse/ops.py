@@ -49,26 +49,37 @@ def _communicator(name: str):
     return comm
 
 
-def all_reduce(comm, x: torch.Tensor) -> torch.Tensor:
-    """`comm.all_reduce(x)` as a custom op: the sum of x over comm's group, in a new tensor.
+def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`comm.all_reduce(x)` as a custom op: the sum of x over comm's group, in a new tensor, or in
+    `out` (caller-owned, x's shape, dtype and device, contiguous: op all_reduce_out), returned.
 
     x: any shape, on comm's device (CUDA for NCCL, CPU for gloo); not modified."""
-    return torch.ops.commfuse.all_reduce(x, comm.name)
+    if out is None:
+        return torch.ops.commfuse.all_reduce(x, comm.name)
+    torch.ops.commfuse.all_reduce_out(x, comm.name, out)
+    return out
 
 
 def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                      quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
-                     return_norm: bool = False, sf_layout: str = "swizzled") -> Tail:
+                     return_norm: bool = False, sf_layout: str = "swizzled", out: Optional[Tail] = None) -> Tail:
     """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; docs/semantics.md).
 
     x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, required with quant),
     all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant float8_e4m3fn
     [t, h] or uint8 [t, h/2] or None; scale_factors float8_e4m3fn or None), without the plan:
-    `comm.plan(...)` gives that."""
+    `comm.plan(...)` gives that. out: caller-owned outputs as for Communicator.fused_all_reduce
+    (op fused_all_reduce_out, which writes them), returned as the Tail; through the op, out.residual
+    must be a tensor of its own (the in-place residual update is the Communicator call's)."""
     if scale is not None and not isinstance(scale, torch.Tensor):
         raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
     if quant is not None and not isinstance(quant, str):
         raise TypeError(f"quant must be None, 'fp8' or 'nvfp4', got {quant!r}")
+    if out is not None:
+        outs = (out.residual, out.norm, out.quant, out.scale_factors)
+        torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), quant or "",
+                                                bool(return_norm), sf_layout, comm.name, *outs)
+        return Tail(*outs)
     res, norm, q, sf = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "",
                                                            bool(return_norm), sf_layout, comm.name)
     return Tail(res, norm if not quant or return_norm else None, q if quant else None,
@@ -83,6 +94,31 @@ def _all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
 @_all_reduce.register_fake
 def _(x, comm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("commfuse::all_reduce_out", mutates_args=("out",))
+def _all_reduce_out(x: torch.Tensor, comm: str, out: torch.Tensor) -> None:
+    _communicator(comm).all_reduce(x, out=out)
+
+
+@_all_reduce_out.register_fake
+def _(x, comm, out):
+    return None
+
+
+@torch.library.custom_op("commfuse::fused_all_reduce_out",
+                         mutates_args=("residual_out", "norm_out", "quant_out", "sf_out"))
+def _fused_all_reduce_out(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          scale: Optional[torch.Tensor], eps: float, quant: str, return_norm: bool, sf_layout: str,
+                          comm: str, residual_out: torch.Tensor, norm_out: Optional[torch.Tensor],
+                          quant_out: Optional[torch.Tensor], sf_out: Optional[torch.Tensor]) -> None:
+    _communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
+                                         out=Tail(residual_out, norm_out, quant_out, sf_out))
+
+
+@_fused_all_reduce_out.register_fake
+def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out, quant_out, sf_out):
+    return None
 
 
 @torch.library.custom_op("commfuse::fused_all_reduce", mutates_args=())

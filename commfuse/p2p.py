@@ -672,7 +672,8 @@ class Workspace:
             self._launch(kernel, threads, _NO_TAIL, x_ptr + begin * elt, out_ptr + begin * elt, vecs, rows, row_vecs,
                          rows)
 
-    def all_reduce(self, x: torch.Tensor, algo: str, *, checked: bool = False) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, algo: str, *, out: Optional[torch.Tensor] = None,
+                   checked: bool = False) -> torch.Tensor:
         """Sum of x over the group (fp32 in rank order, rounded to T once), in a new tensor of x's
         shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0; messages larger than max_bytes
         run two-shot in pieces of max_bytes (one launch each), one-shot ones take at most lamport_bytes.
@@ -683,14 +684,17 @@ class Workspace:
             self._check_call(x, algo)
             if n % 8:
                 raise ValueError(f"P2P plain all-reduce needs a multiple of 8 elements, got {n}")
-        out = epilogue._empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+            if out is not None:
+                epilogue.check_like(out, x)
+        if out is None:
+            out = epilogue._empty(tuple(x.shape), dtype=x.dtype, device=x.device)
         if n:
             self._launch_plain(epilogue.aligned(x.contiguous().view(-1)), out.view(-1), algo)
         return out
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                          quant: Optional[str], scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
-                         algo: str, *, checked: bool = False) -> Tail:
+                         algo: str, *, out: Optional[Tail] = None, checked: bool = False) -> Tail:
         """All-reduce of x with the tail fused (reference.fused_tail's semantics and outputs).
 
         x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
@@ -703,10 +707,13 @@ class Workspace:
         if not checked:
             self._check_call(x, algo)
             epilogue.check(x, residual, weight, quant, scale, sf_layout)
+            if out is not None:
+                epilogue.check_out(out, x.numel() // h, h, x.dtype, x.device, quant, return_norm, sf_layout)
             if x.numel() * elt > self.max_bytes and not chunk_rows(h * elt, quant, sf_layout, self.max_bytes):
                 raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
                                  f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
-        x2, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
+        x2, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                                                      out)
         if not row_slots:
             return out
         t = x2.shape[0]

@@ -162,3 +162,55 @@ def test_cached_plans_still_check_every_call(comm, gen):
     p = comm.plan(strided, residual, weight, quant="fp8", scale=scale)
     why = "stride 2" if comm.device.type == "cuda" else "on cpu"  # the first guard that fails
     assert p.tail == "separated" and any(why in r for r in p.reasons), p.reasons
+
+
+@mpi
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+def test_caller_owned_outputs_are_written_and_returned(comm, gen, quant, return_norm, sf_layout):
+    """out=: every route writes the caller's tensors (poisoned first), returns them, and gives the bits
+    of a call with fresh outputs; a second call of the signature reuses the validated plan; out.residual
+    may be the residual input itself (updated in place)."""
+    t, h, dtype = 7, 256, torch.bfloat16
+    x, _ = rank_inputs(comm, gen, (t, h), dtype)
+    residual, weight, scale = tail_inputs(comm, gen, t, h, dtype, quant)
+    kw = dict(eps=1e-5, quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout)
+    want = comm.fused_all_reduce(x, residual, weight, **kw)
+    out = reference.Tail(*(None if w is None else torch.full_like(w.view(torch.uint8), 0xA5).view(w.dtype)
+                           for w in (want.residual, want.norm, want.quant, want.scale_factors)))
+    got = comm.fused_all_reduce(x, residual, weight, out=out, **kw)
+    again = comm.fused_all_reduce(x, residual, weight, out=got, **kw)  # a FusedResult as out
+    total = torch.full_like(x, float("nan"))
+    plain = comm.all_reduce(x, out=total)
+    in_place = residual.clone()
+    expect_residual = comm.fused_all_reduce(x, residual, weight, **kw).residual
+    updated = comm.fused_all_reduce(x, in_place, weight, out=reference.Tail(in_place, *out[1:]), **kw)
+    for name in ("residual", "norm", "quant", "scale_factors"):
+        mine, w = getattr(out, name), getattr(want, name)
+        assert (mine is None) == (w is None), name
+        if mine is not None:
+            assert getattr(got, name) is mine and getattr(again, name) is mine, name
+            assert torch.equal(mine.view(torch.uint8), w.view(torch.uint8)), f"{name} differs from a fresh call"
+    assert plain is total and torch.equal(total, comm.all_reduce(x))
+    assert updated.residual is in_place and torch.equal(in_place, expect_residual)
+
+
+@mpi
+def test_caller_owned_outputs_are_checked(comm, gen):
+    x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
+    residual, weight, scale = tail_inputs(comm, gen, 4, 64, torch.bfloat16, "fp8")
+    q = torch.empty(4, 64, dtype=torch.float8_e4m3fn, device=comm.device)
+    with pytest.raises(ValueError, match="out.norm must be None"):
+        comm.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale,
+                              out=reference.Tail(torch.empty_like(x), torch.empty_like(x), q, None))
+    with pytest.raises(ValueError, match=r"out.quant must have shape \[4, 64\] and dtype torch.float8_e4m3fn"):
+        comm.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale,
+                              out=reference.Tail(torch.empty_like(x), None, q.view(torch.uint8), None))
+    with pytest.raises(TypeError, match="out.residual must be a tensor"):
+        comm.fused_all_reduce(x, residual, weight, out=reference.Tail(None, torch.empty_like(x), None, None))
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.fused_all_reduce(x, residual, weight,
+                              out=reference.Tail(torch.empty(64, 4, dtype=x.dtype, device=x.device).t(),
+                                                 torch.empty_like(x), None, None))
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        comm.all_reduce(x, out=torch.empty(3, 64, dtype=x.dtype, device=x.device))
+    assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards

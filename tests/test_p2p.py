@@ -852,3 +852,25 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     if dist.get_rank(comm.group) == 0:
         assert len(files) == 1
     assert seconds < 30, f"calibration took {seconds:.1f} s (first compilation included)"
+
+
+def test_caller_owned_outputs_reach_the_launch(monkeypatch):
+    """out=: the P2P launches write the caller's tensors (pointers in P2PParams), nothing is allocated."""
+    rec = _Recorder(1 << 20)
+    monkeypatch.setattr(p2p, "_kernel", lambda *args: rec)
+    monkeypatch.setattr(epilogue, "_empty", lambda *a, **k: pytest.fail("allocated although out= was given"))
+    g = torch.Generator().manual_seed(11)
+    t, h = 16, 4096
+    x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
+    weight = torch.randn(h, generator=g).to(torch.bfloat16)
+    out = reference.Tail(torch.empty_like(x), torch.empty_like(x), torch.empty(t, h, dtype=torch.float8_e4m3fn), None)
+    got = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, "fp8", torch.tensor([0.02]), True, "swizzled", "oneshot",
+                                  out=out, checked=True)
+    (launch,) = rec.launches
+    assert got.residual is out.residual and got.quant is out.quant
+    assert launch["tail"][1] == out.residual.data_ptr() and launch["tail"][3] == out.norm.data_ptr()
+    assert launch["tail"][4] == out.quant.data_ptr()
+    rec.launches.clear()
+    y = torch.empty_like(x)
+    assert rec.ws.all_reduce(x, "twoshot", out=y, checked=True) is y
+    assert [l["out"] for l in rec.launches] == [y.data_ptr()]
