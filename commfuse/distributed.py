@@ -94,3 +94,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world
+
+
+def gather_objects(group, obj) -> list:
+    """Every rank's `obj` (picklable), in rank order: torch.distributed's all_gather_object."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse import Communicator, epilogue, fused_tail, jit, p2p, params, reference
-from commfuse.plan import P2PLimits, Request, TensorMeta, make_plan, registered_kernels
+from commfuse.plan import P2PLimits, Request, TensorMeta, chunk_rows, make_plan, registered_kernels
 
 from compare import as_bytes, assert_tail_close, bits_equal, poisoned_runs
 from inputs import rank_inputs, tail_inputs
@@ -241,13 +241,13 @@ def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
     the launcher: row slices, and the swizzled layout's index of (row, block 0)), the last piece
     zeroing the padding rows."""
     rec = _Recorder(1 << 20)
-    monkeypatch.setattr(p2p, "_kernel", lambda *args: rec)
+    monkeypatch.setattr(p2p.kernels, "_kernel", lambda *args: rec)
     g = torch.Generator().manual_seed(7)
     x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
     weight = torch.randn(h, generator=g).to(torch.bfloat16)
     scale = torch.tensor([0.02]) if quant else None
     out = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, True, sf_layout, "twoshot", checked=True)
-    piece = p2p.chunk_rows(2 * h, quant, sf_layout, 1 << 20)
+    piece = chunk_rows(2 * h, quant, sf_layout, 1 << 20)
     begins = list(range(0, t, piece))
     assert len(rec.launches) == len(begins) == (1 if t * h * 2 <= 1 << 20 else -(-t // piece))
     k = h // 16
@@ -840,7 +840,7 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
         def no_measuring(*args, **kwargs):
             raise AssertionError("calibration measured again although rank 0 has it cached")
 
-        monkeypatch.setattr(p2p.Workspace, "measure", no_measuring)
+        monkeypatch.setattr(p2p.calibration, "measure", no_measuring)
         ws2 = p2p.Workspace(comm.group, comm.device, max_bytes=1 << 20, topology=comm.topology)
         cached = ws2.limits
         ws2.close()
@@ -857,7 +857,7 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
 def test_caller_owned_outputs_reach_the_launch(monkeypatch):
     """out=: the P2P launches write the caller's tensors (pointers in P2PParams), nothing is allocated."""
     rec = _Recorder(1 << 20)
-    monkeypatch.setattr(p2p, "_kernel", lambda *args: rec)
+    monkeypatch.setattr(p2p.kernels, "_kernel", lambda *args: rec)
     monkeypatch.setattr(epilogue, "_empty", lambda *a, **k: pytest.fail("allocated although out= was given"))
     g = torch.Generator().manual_seed(11)
     t, h = 16, 4096
