@@ -393,6 +393,7 @@ def _fp8_groups(g: Tensor, ue8m0: bool) -> Tuple[Tensor, Tensor, Optional[Tensor
     # Divide by a tensor: on CUDA, torch turns a division by a Python number into a multiply.
     s = torch.maximum(amax / torch.full((), FP8_MAX, device=g.device),
                       torch.full((), FP8_MIN_SCALE, device=g.device))  # maximum keeps NaN
+    s = torch.where(torch.isnan(s), torch.full((), float("nan"), device=g.device), s)  # canonical 0x7FC00000
     E = None
     sq = s
     if ue8m0:
