@@ -27,6 +27,13 @@ Conventions (docs/semantics.md has every formula in order):
 * Scale-factor layouts: ``"linear"`` is ``[t, h/16]``; ``"swizzled"`` is the
   128x4 tiled layout of the NVFP4 GEMMs, flat, ``roundup(t,128)*roundup(h/16,4)``
   entries with padding written as 0 (see :func:`swizzled_sf_index`).
+* FP8 with computed scales: ``quant="fp8_per_token"`` (one float32 dequant scale
+  per row) and ``quant="fp8_block"`` (one per 128 consecutive elements of a row),
+  ``s = max(amax / 448, 2^-126)`` over the T-rounded norm, codes ``e4m3(norm / s)``;
+  optionally rounded up to a power of two and stored as UE8M0 exponent bytes.
+  Scale layouts: ``"row"`` and the MN-major ``"mn_major"`` (DeepGEMM / CUTLASS on
+  Hopper: float32; packed UE8M0 int32 for Blackwell), see :func:`mn_major_index`
+  and :func:`packed_ue8m0_byte_index`; docs/semantics.md sections 10 and 11.
 * Shapes ``[..., h]`` are accepted and flattened to ``[t, h]`` where noted.
 """
 from __future__ import annotations
@@ -52,11 +59,27 @@ __all__ = [
     "nvfp4_scale_from_amax",
     "fp8_scale_from_amax",
     "scale_from_inverse",
+    "quantize_fp8_per_token",
+    "dequantize_fp8_per_token",
+    "quantize_fp8_block",
+    "dequantize_fp8_block",
+    "ue8m0_from_scale",
+    "ue8m0_to_scale",
+    "mn_major_index",
+    "packed_ue8m0_byte_index",
+    "mn_major_storage",
+    "scales_to_mn_major",
+    "scales_from_mn_major",
+    "pack_ue8m0_mn_major",
+    "unpack_ue8m0_mn_major",
+    "block_scales_as_float",
     "Tail",
     "fused_tail",
     "FP8_MAX",
     "E2M1_MAX",
     "NVFP4_BLOCK",
+    "FP8_BLOCK",
+    "FP8_MIN_SCALE",
 ]
 
 Scale = Union[Tensor, float]
@@ -66,7 +89,12 @@ E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
 _FP8_NAN = 0x7F
 _SF_LAYOUTS = ("swizzled", "linear")
-_QUANTS = (None, "fp8", "nvfp4")
+_QUANTS = (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block")
+FP8_BLOCK = 128
+# The smallest positive normal fp32, 2^-126: the lower bound of computed FP8 scales (zero rows).
+FP8_MIN_SCALE = torch.finfo(torch.float32).tiny
+_SCALE_LAYOUTS = ("row", "mn_major")
+_UE8M0_NAN = 0xFF
 
 # e2m1 magnitudes by code 0..7; codes 8..15 are the negatives.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -124,16 +152,28 @@ def residual_add(a: Tensor, residual: Tensor) -> Tensor:
     return (a.float() + residual.float()).to(a.dtype)
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float = 0.0) -> Tensor:
     """RMSNorm over the last dim, computed in fp32, rounded to x's dtype once.
 
-    x: [..., h] tensor of dtype T. weight: [h] tensor (any float dtype, usually T),
-    on x's device. eps: python float.
-    Returns [..., h] of dtype T: round_T(float(x) * rsqrt(mean(float(x)^2) + eps) * float(weight)).
+    x: [..., h] tensor of dtype T (any device). weight: [h] tensor (any float dtype,
+    usually T), on x's device. eps: python float. weight_offset: python float (0 by
+    default; Gemma's RMSNorm uses 1), rounded to fp32.
+    Returns [..., h] of dtype T:
+    round_T(RN(RN(float(x) * inv) * w)) with inv = rsqrt(mean(float(x)^2) + eps) and
+    w = float(weight) when weight_offset == 0 (no addition: a -0.0 weight keeps its
+    sign), else w = RN(weight_offset + float(weight)), one fp32 addition.
     """
     xf = x.float()
     inv = torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv * weight.float()).to(x.dtype)
+    wf = weight.float()
+    if _f32(weight_offset) != 0.0:
+        wf = wf + torch.full((), weight_offset, dtype=torch.float32, device=wf.device)
+    return (xf * inv * wf).to(x.dtype)
+
+
+def _f32(v: float) -> float:
+    """A python float rounded to fp32 (on the host: no device work)."""
+    return torch.tensor(float(v), dtype=torch.float32).item()
 
 
 # --------------------------------------------------------------------------- FP8
@@ -305,6 +345,214 @@ def dequantize_nvfp4(
     return (vals * _scale_tensor(scale, packed.device)).reshape(t, h)
 
 
+# --------------------------------------------------------------------------- FP8, computed scales
+
+
+def _check_scale_layout(scale_layout: str) -> None:
+    if scale_layout not in _SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {_SCALE_LAYOUTS}, got {scale_layout!r}")
+
+
+def _tp(t: int) -> int:
+    """The token count padded to 16 bytes of 4-byte elements (DeepGEMM's get_tma_aligned_size(t, 4))."""
+    return (t + 3) // 4 * 4
+
+
+def ue8m0_from_scale(s: Tensor) -> Tensor:
+    """UE8M0 exponent bytes of 2^ceil(log2 s), computed on the fp32 bits (exact).
+
+    s: float32 tensor, any shape/device; meant for what the quantizers produce (normal
+    fp32 >= 2^-126, +Inf, NaN); other values are first taken as max(|s|, 2^-126).
+    Returns uint8 of s's shape: E = e + (mantissa != 0) for the biased exponent e of s;
+    0xFF (the UE8M0 NaN) for NaN, +Inf and scales above 2^127.
+    """
+    s = torch.maximum(s.float().abs(), torch.full((), FP8_MIN_SCALE, device=s.device))  # keeps NaN
+    bits = s.contiguous().view(torch.int32)
+    e = (bits >> 23) & 0xFF
+    E = e + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    E = torch.where(torch.isnan(s), torch.full_like(E, _UE8M0_NAN), E.clamp_max(_UE8M0_NAN))
+    return E.to(torch.uint8)
+
+
+def ue8m0_to_scale(E: Tensor) -> Tensor:
+    """Value of UE8M0 exponent bytes: 2^(E - 127) as float32, 0xFF -> NaN (OCP MX E8M0).
+
+    E: uint8 tensor, any shape/device. Returns float32 of E's shape (0x00 -> 2^-127,
+    an fp32 subnormal, exact)."""
+    Ei = E.to(torch.int32)
+    bits = torch.where(Ei == 0, torch.full_like(Ei, 0x00400000), Ei << 23)
+    v = bits.view(torch.float32)
+    return torch.where(Ei == _UE8M0_NAN, torch.full_like(v, float("nan")), v)
+
+
+def _fp8_groups(g: Tensor, ue8m0: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Quantize fp32 groups g [t, G, n] with one computed scale per group.
+
+    Returns (codes float8_e4m3fn [t, G, n], s float32 [t, G], UE8M0 bytes [t, G] or None)."""
+    amax = g.abs().amax(dim=-1)  # amax propagates NaN
+    # Divide by a tensor: on CUDA, torch turns a division by a Python number into a multiply.
+    s = torch.maximum(amax / torch.full((), FP8_MAX, device=g.device),
+                      torch.full((), FP8_MIN_SCALE, device=g.device))  # maximum keeps NaN
+    s = torch.where(torch.isnan(s), torch.full((), float("nan"), device=g.device), s)  # canonical 0x7FC00000
+    E = None
+    sq = s
+    if ue8m0:
+        E = ue8m0_from_scale(s)
+        sq = (E.to(torch.int32) << 23).view(torch.float32)  # 2^(E-127); +Inf for 0xFF
+        sq = torch.where(torch.isnan(s), s, sq)
+    q = g / sq.unsqueeze(-1)  # a true division
+    # +-Inf in a group of scale +Inf: saturate as static FP8 does (not Inf / Inf = NaN).
+    q = torch.where(torch.isinf(g) & torch.isinf(sq).unsqueeze(-1), g, q)
+    return _to_e4m3(q), s, E
+
+
+def quantize_fp8_per_token(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """FP8 with one computed dequant scale per row (token).
+
+    x: [..., h] fp16/bf16/fp32 tensor (flattened to [t, h]), any device.
+    Per row: amax = max |x| (NaN if the row holds a NaN), s = max(RN(amax / 448), 2^-126),
+    codes = e4m3(RN(x / s)) (true division, RNE, saturating, NaN -> 0x7F), except that
+    +-Inf in a row of scale +Inf gives +-448. A row of zeros gets s = 2^-126.
+    Returns (codes float8_e4m3fn [t, h], scales float32 [t]) on x's device;
+    value = code * scale (:func:`dequantize_fp8_per_token`).
+    """
+    h = x.shape[-1]
+    xf = x.reshape(-1, h).float()
+    codes, s, _ = _fp8_groups(xf.unsqueeze(1), ue8m0=False)
+    return codes.reshape(-1, h), s.reshape(-1)
+
+
+def dequantize_fp8_per_token(codes: Tensor, scales: Tensor) -> Tensor:
+    """float(code) * scale of its row, in fp32.
+
+    codes: float8_e4m3fn [t, h]; scales: float32 [t]; one device. Returns fp32 [t, h]."""
+    return codes.float() * scales.float().reshape(-1, 1)
+
+
+def mn_major_index(m: Tensor, k: Tensor, t: int) -> Tensor:
+    """Element index of scale (row m, block k) in the float32 MN-major storage: k * roundup(t, 4) + m.
+
+    m, k: integer tensors (broadcastable, any device). t: rows. Returns int64 tensor."""
+    return k.long() * _tp(t) + m.long()
+
+
+def packed_ue8m0_byte_index(m: Tensor, k: Tensor, t: int) -> Tensor:
+    """Byte index of the UE8M0 byte of (row m, block k) in the packed MN-major int32 storage:
+    4 * ((k // 4) * roundup(t, 4) + m) + k % 4 (little-endian int32, block 4j in the low byte).
+
+    m, k: integer tensors (broadcastable, any device). t: rows. Returns int64 tensor."""
+    m, k = m.long(), k.long()
+    return 4 * ((k // 4) * _tp(t) + m) + k % 4
+
+
+def mn_major_storage(x: Tensor, t: int, K: int, ue8m0: bool = False) -> Tensor:
+    """The flat storage behind MN-major scales, padding included.
+
+    x: the MN-major view (or any tensor whose storage from x.storage_offset() holds the
+    layout), float32 ([t, K] view, K * roundup(t, 4) elements) or, with ue8m0, int32
+    ([t, ceil(K/4)] view, ceil(K/4) * roundup(t, 4) elements). Returns a 1-D tensor of x's
+    dtype sharing x's storage (raises if the storage is too small)."""
+    n = ((K + 3) // 4 if ue8m0 else K) * _tp(t)
+    return torch.as_strided(x, (n,), (1,), x.storage_offset())
+
+
+def scales_to_mn_major(s: Tensor) -> Tensor:
+    """Row-major scales [t, K] -> the MN-major layout (DeepGEMM's get_mn_major_tma_aligned_tensor).
+
+    s: [t, K] tensor of a 4-byte dtype (float32 normally), any device.
+    Returns a [t, K] view with strides (1, roundup(t, 4)) of a fresh storage of
+    K * roundup(t, 4) elements; (m, k) at k * roundup(t, 4) + m; padding 0."""
+    t, K = s.shape
+    buf = torch.zeros(K, _tp(t), dtype=s.dtype, device=s.device)
+    buf[:, :t] = s.t()
+    return buf.t()[:t]
+
+
+def scales_from_mn_major(x: Tensor, t: int, K: int) -> Tensor:
+    """MN-major scales (a view from :func:`scales_to_mn_major` or its flat storage) -> row-major
+    [t, K] contiguous, x's dtype and device (padding dropped)."""
+    return mn_major_storage(x, t, K).view(K, _tp(t))[:, :t].t().contiguous()
+
+
+def pack_ue8m0_mn_major(E: Tensor) -> Tensor:
+    """UE8M0 bytes [t, K] -> the packed MN-major int32 layout of the Blackwell block-scaled
+    kernels (DeepGEMM's get_mn_major_tma_aligned_packed_ue8m0_tensor).
+
+    E: uint8 [t, K], any device. Returns an int32 [t, ceil(K/4)] view with strides
+    (1, roundup(t, 4)) of a fresh storage of ceil(K/4) * roundup(t, 4) int32: the bytes of
+    blocks 4j..4j+3 of row m in int32 j * roundup(t, 4) + m, block 4j in the low byte;
+    padding bytes (blocks >= K, rows >= t) 0."""
+    t, K = E.shape
+    Kp, tp = (K + 3) // 4, _tp(t)
+    padded = torch.zeros(t, Kp * 4, dtype=torch.uint8, device=E.device)
+    padded[:, :K] = E
+    buf = torch.zeros(Kp, tp, 4, dtype=torch.uint8, device=E.device)
+    buf[:, :t] = padded.view(t, Kp, 4).transpose(0, 1)
+    return buf.view(-1).view(torch.int32).view(Kp, tp).t()[:t]
+
+
+def unpack_ue8m0_mn_major(x: Tensor, t: int, K: int) -> Tensor:
+    """Packed MN-major UE8M0 scales (the int32 view or its flat storage) -> uint8 [t, K]
+    row-major, on x's device (padding dropped)."""
+    Kp, tp = (K + 3) // 4, _tp(t)
+    b = mn_major_storage(x, t, K, ue8m0=True).view(torch.uint8).view(Kp, tp, 4)
+    return b[:, :t].transpose(0, 1).reshape(t, Kp * 4)[:, :K].contiguous()
+
+
+def quantize_fp8_block(x: Tensor, block: int = FP8_BLOCK, scale_layout: str = "row",
+                       scale_ue8m0: bool = False) -> Tuple[Tensor, Tensor]:
+    """FP8 with one computed dequant scale per block of `block` consecutive elements of a row.
+
+    x: [..., h] fp16/bf16/fp32 tensor (flattened to [t, h]), h % block == 0, any device.
+    Per block: as :func:`quantize_fp8_per_token` per row. With scale_ue8m0 the scale is
+    rounded up to a power of two (exactly, on the bits: :func:`ue8m0_from_scale`), the codes
+    are those of the rounded scale, and the scales are stored as UE8M0 exponent bytes.
+    scale_layout: "row" or "mn_major" (docs/semantics.md section 11). Returns
+    (codes float8_e4m3fn [t, h], scales), scales being, K = h / block, tp = roundup(t, 4):
+      row,      float32: float32 [t, K] contiguous;
+      mn_major, float32: float32 [t, K] view, strides (1, tp), of K * tp elements (padding 0);
+      row,      ue8m0:   uint8 [t, K] exponent bytes;
+      mn_major, ue8m0:   int32 [t, ceil(K/4)] view, strides (1, tp), 4 bytes per int32.
+    """
+    _check_scale_layout(scale_layout)
+    h = x.shape[-1]
+    if block < 1 or h % block:
+        raise ValueError(f"FP8 block quantization needs h % {block} == 0 (one scale per {block} "
+                         f"consecutive elements of a row), got h={h}")
+    xf = x.reshape(-1, h).float()
+    t, K = xf.shape[0], h // block
+    codes, s, E = _fp8_groups(xf.reshape(t, K, block), ue8m0=scale_ue8m0)
+    codes = codes.reshape(t, h)
+    if scale_ue8m0:
+        return codes, (pack_ue8m0_mn_major(E) if scale_layout == "mn_major" else E)
+    return codes, (scales_to_mn_major(s) if scale_layout == "mn_major" else s)
+
+
+def block_scales_as_float(scales: Tensor, t: int, K: int, scale_layout: str = "row",
+                          scale_ue8m0: bool = False) -> Tensor:
+    """Block scales in any layout of :func:`quantize_fp8_block` -> float32 [t, K] row-major
+    values (UE8M0 bytes as 2^(E-127), 0xFF as NaN), on scales' device."""
+    _check_scale_layout(scale_layout)
+    if scale_ue8m0:
+        E = unpack_ue8m0_mn_major(scales, t, K) if scale_layout == "mn_major" else scales.reshape(t, K)
+        return ue8m0_to_scale(E)
+    if scale_layout == "mn_major":
+        return scales_from_mn_major(scales, t, K).float()
+    return scales.reshape(t, K).float()
+
+
+def dequantize_fp8_block(codes: Tensor, scales: Tensor, block: int = FP8_BLOCK, scale_layout: str = "row",
+                         scale_ue8m0: bool = False) -> Tensor:
+    """Inverse of :func:`quantize_fp8_block`: float(code) * scale of its block, in fp32.
+
+    codes: float8_e4m3fn [t, h]; scales: as returned by quantize_fp8_block with the same
+    block, scale_layout and scale_ue8m0; one device. Returns fp32 [t, h]."""
+    t, h = codes.shape
+    K = h // block
+    s = block_scales_as_float(scales, t, K, scale_layout, scale_ue8m0)
+    return (codes.float().reshape(t, K, block) * s.unsqueeze(-1)).reshape(t, h)
+
+
 # --------------------------------------------------------------------------- scale helpers
 
 
@@ -328,12 +576,18 @@ def scale_from_inverse(inv_scale: Scale) -> Scale:
 
 
 class Tail(NamedTuple):
-    """Outputs of :func:`fused_tail`; absent ones are None."""
+    """Outputs of :func:`fused_tail`; absent ones are None.
+
+    scales (5th, default None, so 4-field construction still works): the dequant scales
+    the tail computed, for quant "fp8_per_token" (float32 [t]) and "fp8_block" (in
+    scale_layout / scale_ue8m0, see :func:`quantize_fp8_block`); None otherwise.
+    scale_factors stays the NVFP4 scale factors only."""
 
     residual: Tensor
     norm: Optional[Tensor]
     quant: Optional[Tensor]
     scale_factors: Optional[Tensor]
+    scales: Optional[Tensor] = None
 
 
 def fused_tail(
@@ -345,30 +599,53 @@ def fused_tail(
     scale: Optional[Scale] = None,
     return_norm: bool = False,
     sf_layout: str = "swizzled",
+    weight_offset: float = 0.0,
+    scale_layout: str = "row",
+    scale_ue8m0: bool = False,
 ) -> Tail:
     """The tail after the all-reduce: residual add, RMSNorm, optional quantization.
 
     a: [..., h] all-reduced activations, dtype T. residual: same shape/dtype/device.
-    weight: [h] RMSNorm weight. eps: python float. quant: None, "fp8" or "nvfp4".
-    scale: dequant scale (fp32 1-element tensor or float), needed when quant is set.
+    weight: [h] RMSNorm weight, on a's device. eps: python float.
+    quant: None, "fp8", "nvfp4", "fp8_per_token" or "fp8_block".
+    scale: dequant scale (fp32 1-element tensor or float), needed for "fp8" and "nvfp4";
+    must be None for "fp8_per_token" / "fp8_block", which compute their scales.
     sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear".
-    Returns Tail(residual [t,h] T, norm [t,h] T or None, quant, scale_factors):
-    quant is float8_e4m3fn [t,h] (fp8) or uint8 [t,h/2] (nvfp4); norm is given when
-    quant is None or return_norm; scale_factors only for nvfp4. The quantized value
-    is that of the T-rounded norm.
+    weight_offset: python float added to the weight in fp32 (Gemma: 1), see :func:`rmsnorm`.
+    scale_layout ("row" or "mn_major") and scale_ue8m0: the layout of the computed scales,
+    "fp8_block" only (see :func:`quantize_fp8_block`); "fp8_per_token" takes "row", False.
+    Returns Tail(residual [t,h] T, norm [t,h] T or None, quant, scale_factors, scales):
+    quant is float8_e4m3fn [t,h] (the FP8 kinds) or uint8 [t,h/2] (nvfp4); norm is given
+    when quant is None or return_norm; scale_factors only for nvfp4; scales only for
+    fp8_per_token (float32 [t]) and fp8_block. The quantized value is that of the T-rounded norm.
     """
     if quant not in _QUANTS:
         raise ValueError(f"quant must be one of {_QUANTS}, got {quant!r}")
     _check_sf_layout(sf_layout)
-    if quant is not None and scale is None:
+    _check_scale_layout(scale_layout)
+    if quant in ("fp8", "nvfp4") and scale is None:
         raise ValueError(f"quant={quant!r} needs a scale")
+    if quant in ("fp8_per_token", "fp8_block") and scale is not None:
+        raise ValueError(f"quant={quant!r} computes its own scales: scale must be None")
+    if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
+        raise ValueError(f"scale_layout={scale_layout!r}, scale_ue8m0={scale_ue8m0!r}: other than "
+                         f"'row', False only with quant='fp8_block', got quant={quant!r}")
     h = a.shape[-1]
+    if quant == "fp8_block" and h % FP8_BLOCK:
+        raise ValueError(f"quant='fp8_block' needs h % {FP8_BLOCK} == 0 (one scale per {FP8_BLOCK} "
+                         f"consecutive elements of a row), got h={h}")
     res = residual_add(a.reshape(-1, h), residual.reshape(-1, h))
-    norm = rmsnorm(res, weight, eps)
+    norm = rmsnorm(res, weight, eps, weight_offset)
     if quant is None:
         return Tail(res, norm, None, None)
     keep = norm if return_norm else None
     if quant == "fp8":
         return Tail(res, keep, quantize_fp8(norm, scale), None)
+    if quant == "fp8_per_token":
+        q, s = quantize_fp8_per_token(norm)
+        return Tail(res, keep, q, None, s)
+    if quant == "fp8_block":
+        q, s = quantize_fp8_block(norm, FP8_BLOCK, scale_layout, scale_ue8m0)
+        return Tail(res, keep, q, None, s)
     q, sf = quantize_nvfp4(norm, scale, sf_layout)
     return Tail(res, keep, q, sf)

@@ -520,7 +520,8 @@ def test_fused_tail_structure(quant, return_norm, layout):
     scale = torch.tensor([0.004])
     out = ref.fused_tail(a, r, w, 1e-6, quant=quant, scale=scale, return_norm=return_norm,
                          sf_layout=layout)
-    assert isinstance(out, ref.Tail) and out._fields == ("residual", "norm", "quant", "scale_factors")
+    assert isinstance(out, ref.Tail) and out._fields == ("residual", "norm", "quant", "scale_factors", "scales")
+    assert out.scales is None  # only the FP8 kinds with computed scales fill it
     res = ref.residual_add(a.reshape(6, 128), r.reshape(6, 128))
     norm = ref.rmsnorm(res, w, 1e-6)
     assert out.residual.shape == (6, 128) and torch.equal(out.residual, res)
