@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from . import epilogue, fused_tail, jit, ops, p2p, reference, topology
-from .plan import Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan, registered_kernels
+from .plan import (SCALED_FP8, Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
+                   registered_kernels)
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
 _MAX_PLANS = 4096
@@ -47,6 +48,9 @@ class FusedResult:
     norm: T[t, h], RMSNorm of `residual`; None when quant is set and return_norm is False.
     quant: float8_e4m3fn[t, h] (fp8) or uint8[t, h/2] (nvfp4, even index in the low nibble).
     scale_factors: float8_e4m3fn (nvfp4 only): swizzled 128x4 flat, or linear [t, h/16].
+    scales: the dequant scales the FP8 kinds with computed scales produce: float32[t] (fp8_per_token),
+        float32[t, h/128] row-major or MN-major, or UE8M0 bytes (fp8_block; reference.quantize_fp8_block);
+        None otherwise.
     plan: the route this call took.
     """
 
@@ -54,6 +58,7 @@ class FusedResult:
     norm: Optional[torch.Tensor]
     quant: Optional[torch.Tensor]
     scale_factors: Optional[torch.Tensor]
+    scales: Optional[torch.Tensor]
     plan: Plan
 
 
@@ -118,30 +123,36 @@ class Communicator:
     def plan(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
              weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6, quant: Optional[str] = None,
              scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
-             sf_layout: str = "swizzled", out=None) -> Plan:
+             sf_layout: str = "swizzled", weight_offset: float = 0.0, scale_layout: str = "row",
+             scale_ue8m0: bool = False, out=None) -> Plan:
         """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without
         running it. Arguments as for those (x, residual: T[..., h], weight: T[h], scale: float32[1],
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
         # Decode layers repeat a handful of call signatures: the checks and guards run once per
         # signature (everything they read is in the key), not on every call of the hot path.
-        key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout,
+        scaled = (weight_offset, scale_layout, scale_ue8m0)
+        key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout, scaled,
                _out_key(out))
         try:
             plan = self._plans.get(key)
         except TypeError:  # an unhashable argument: the checks below name it
-            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out)
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
         if plan is None:
-            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out)
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _make_plan(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, out) -> Plan:
-        check_arguments(x, residual, weight, eps, quant, scale, sf_layout, self.device)
+    def _make_plan(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out) -> Plan:
+        weight_offset, scale_layout, scale_ue8m0 = scaled
+        check_arguments(x, residual, weight, eps, quant, scale, sf_layout, self.device, weight_offset, scale_layout,
+                        scale_ue8m0)
         if out is not None and residual is None:
             epilogue.check_like(out, x)
+        elif out is not None and quant in SCALED_FP8:
+            raise ValueError(f"out= is not supported with quant={quant!r} yet")
         elif out is not None:
             h = x.shape[-1]
             epilogue.check_out(out, x.numel() // h, h, x.dtype, self.device, quant, return_norm, sf_layout)
@@ -150,7 +161,8 @@ class Communicator:
             residual=None if residual is None else TensorMeta.of(residual),
             weight=None if weight is None else TensorMeta.of(weight),
             scale=TensorMeta.of(scale) if isinstance(scale, torch.Tensor) else None,
-            quant=quant, return_norm=return_norm, sf_layout=sf_layout)
+            quant=quant, return_norm=return_norm, sf_layout=sf_layout, weight_offset=float(weight_offset),
+            scale_layout=scale_layout, scale_ue8m0=bool(scale_ue8m0))
         return make_plan(req, mode=self.topology.mode, backend=self.backend, sm=self.topology.sm,
                          world_size=self.world_size, kernels=registered_kernels(),
                          strategy=self.strategy, fusion=self.fusion,
@@ -173,14 +185,18 @@ class Communicator:
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                          eps: float = 1e-6, quant: Optional[str] = None,
                          scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
-                         sf_layout: str = "swizzled", out=None) -> FusedResult:
+                         sf_layout: str = "swizzled", weight_offset: float = 0.0, scale_layout: str = "row",
+                         scale_ue8m0: bool = False, out=None) -> FusedResult:
         """All-reduce `x`, then residual add, RMSNorm and optional quantization (docs/semantics.md).
 
         x, residual: T[..., h] (T = fp16 or bf16 for the fused rows; others go separated), same shape;
         weight: T[h]; all on the communicator's device. scale: the dequant scale (value = code *
         scale) as a float32 tensor of one element on the device (a Python float takes the separated
         path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).
-        Outputs are flattened to [t, h]; see FusedResult.
+        quant "fp8_per_token" / "fp8_block" compute their scales (scale None; docs/semantics.md), with
+        fp8_block's scale_layout ("row" or "mn_major") and scale_ue8m0; weight_offset is added to the
+        weight in fp32 (Gemma's (1 + w): 1.0). These three run as separated ops for now (the plan says
+        so). Outputs are flattened to [t, h]; see FusedResult.
         out: caller-owned outputs to write instead of fresh tensors (a FusedResult of an earlier call,
         or a commfuse.reference.Tail: residual, norm, quant, scale_factors with the shapes and dtypes
         of this call's outputs, None where the call has none; contiguous, on the device), validated
@@ -188,11 +204,12 @@ class Communicator:
         place (every route reads each residual element before it writes it).
         """
         self._check_p2p_error()
-        plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale,
-                         return_norm=return_norm, sf_layout=sf_layout, out=out)
+        plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale, return_norm=return_norm,
+                         sf_layout=sf_layout, weight_offset=weight_offset, scale_layout=scale_layout,
+                         scale_ue8m0=scale_ue8m0, out=out)
         if self.check_calls:
-            self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant,
-                                   return_norm, sf_layout, str(plan.collective)))
+            self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant, return_norm, sf_layout,
+                                   weight_offset, scale_layout, scale_ue8m0, str(plan.collective)))
         h = x.shape[-1]
         algo = plan.collective.algorithm
         if algo and plan.tail is TailRoute.FUSED:  # the tail inside the P2P kernel
@@ -205,7 +222,8 @@ class Communicator:
             tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
                                   checked=True)
         else:
-            tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout)
+            tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                                        weight_offset, scale_layout, scale_ue8m0)
             if out is not None:  # computed whole first: out.residual may be the residual input
                 for mine, theirs in zip(_tail_of(out), tail):
                     if mine is not None:

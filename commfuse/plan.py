@@ -20,7 +20,11 @@ import torch
 
 from . import epilogue
 
-QUANTS = tuple(epilogue.QUANTS)
+# FP8 with scales computed per token or per 1 x 128 block (reference.py): exact through the separated
+# ops on every route; their fused kernels are not built yet.
+SCALED_FP8 = ("fp8_per_token", "fp8_block")
+QUANTS = tuple(epilogue.QUANTS) + SCALED_FP8
+SCALE_LAYOUTS = ("row", "mn_major")
 SF_LAYOUTS = epilogue.SF_LAYOUTS
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
@@ -60,6 +64,9 @@ class Request:
     quant: Optional[str] = None
     return_norm: bool = False
     sf_layout: str = "swizzled"
+    weight_offset: float = 0.0
+    scale_layout: str = "row"
+    scale_ue8m0: bool = False
 
     @property
     def hidden(self) -> int:
@@ -214,7 +221,8 @@ class Plan:
 
 def check_arguments(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                     eps: float, quant: Optional[str], scale, sf_layout: str,
-                    device: torch.device) -> None:
+                    device: torch.device, weight_offset: float = 0.0, scale_layout: str = "row",
+                    scale_ue8m0: bool = False) -> None:
     """Raise ValueError/TypeError naming the argument when a request has no meaning."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -246,6 +254,20 @@ def check_arguments(x: torch.Tensor, residual: Optional[torch.Tensor], weight: O
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if sf_layout not in SF_LAYOUTS:
         raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
+    if not (isinstance(weight_offset, (int, float)) and math.isfinite(weight_offset)):
+        raise ValueError(f"weight_offset must be a finite number (Gemma: 1.0), got {weight_offset!r}")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
+        raise ValueError(f"scale_layout={scale_layout!r} / scale_ue8m0={scale_ue8m0!r} apply to quant='fp8_block' "
+                         f"only, got quant={quant!r}")
+    if quant in SCALED_FP8:
+        if scale is not None:
+            raise ValueError(f"quant={quant!r} computes its scales: scale must be None")
+        if quant == "fp8_block" and h % 128:
+            raise ValueError(f"quant='fp8_block' needs x's hidden size to be a multiple of 128 (blocks of 1 x 128), "
+                             f"got {h}")
+        return
     if quant is None:
         if scale is not None:
             raise ValueError("scale is only meaningful with quant='fp8' or 'nvfp4'")
@@ -319,6 +341,10 @@ def _tail_guard(req: Request, sm: Optional[tuple], fusion: bool) -> Optional[str
     for name, meta in (("x", req.x), ("residual", req.residual), ("weight", req.weight)):
         if meta.last_stride != 1:
             return f"{name} has stride {meta.last_stride} on its last dim: fused kernels need stride 1"
+    if req.quant in SCALED_FP8:
+        return f"quant={req.quant!r}: no fused kernel yet, separated ops (commfuse.reference)"
+    if req.weight_offset:
+        return f"weight_offset={req.weight_offset}: no fused kernel yet, separated ops (commfuse.reference)"
     if req.quant and req.scale is None:
         return "scale given as a Python float: fused kernels take a float32 CUDA tensor"
     if req.scale is not None and not req.scale.contiguous:

@@ -214,3 +214,52 @@ def test_caller_owned_outputs_are_checked(comm, gen):
     with pytest.raises(ValueError, match="out must have x's shape"):
         comm.all_reduce(x, out=torch.empty(3, 64, dtype=x.dtype, device=x.device))
     assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards
+
+
+SCALED = [  # (quant, scale_layout, scale_ue8m0, weight_offset)
+    ("fp8_per_token", "row", False, 0.0), ("fp8_block", "row", False, 0.0), ("fp8_block", "mn_major", False, 0.0),
+    ("fp8_block", "row", True, 0.0), ("fp8_block", "mn_major", True, 1.0), (None, "row", False, 1.0),
+    ("fp8", "row", False, 1.0),
+]
+
+
+@mpi
+@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0, weight_offset", SCALED)
+def test_computed_scale_fp8_and_weight_offset_on_every_route(comm, gen, quant, scale_layout, scale_ue8m0,
+                                                             weight_offset):
+    """Per-token and 1x128-block FP8 (computed scales, every layout) and Gemma's (1 + w): the result is
+    reference.fused_tail of the call's all-reduced values bit for bit (separated ops, said in the plan)."""
+    t, h, dtype = 5, 384, torch.bfloat16
+    x, _ = rank_inputs(comm, gen, (t, h), dtype)
+    residual, weight, scale = tail_inputs(comm, gen, t, h, dtype, quant if quant == "fp8" else None)
+    kw = dict(eps=1e-5, quant=quant, scale=scale, return_norm=True, weight_offset=weight_offset,
+              scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    a = comm.all_reduce(x)
+    r = comm.fused_all_reduce(x, residual, weight, **kw)
+    ref = reference.fused_tail(a, residual, weight, 1e-5, quant, scale, True, "swizzled", weight_offset, scale_layout,
+                               scale_ue8m0)
+    assert r.plan.tail == "separated" and any("no fused kernel yet" in s or "cpu" in s for s in r.plan.reasons), r.plan
+    for name in ("residual", "norm", "quant", "scales"):
+        got, want = getattr(r, name), getattr(ref, name)
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride(), name
+            dense = [v.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for v in (got, want)]
+            assert torch.equal(*dense), name
+    if quant in ("fp8_per_token", "fp8_block"):
+        assert r.scales is not None and r.scale_factors is None
+
+
+@mpi
+def test_computed_scale_fp8_arguments_are_checked(comm, gen):
+    x, _ = rank_inputs(comm, gen, (4, 200), torch.bfloat16)
+    residual, weight, scale = tail_inputs(comm, gen, 4, 200, torch.bfloat16, "fp8")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        comm.fused_all_reduce(x, residual, weight, quant="fp8_block")
+    with pytest.raises(ValueError, match="computes its scales"):
+        comm.fused_all_reduce(x, residual, weight, quant="fp8_per_token", scale=scale)
+    with pytest.raises(ValueError, match="apply to quant='fp8_block' only"):
+        comm.fused_all_reduce(x, residual, weight, quant="fp8_per_token", scale_layout="mn_major")
+    with pytest.raises(ValueError, match="weight_offset must be a finite number"):
+        comm.fused_all_reduce(x, residual, weight, weight_offset=float("nan"))
+    assert comm.all_reduce(x).shape == x.shape
