@@ -54,6 +54,9 @@ def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
     `out` (caller-owned, x's shape, dtype and device, contiguous: op all_reduce_out), returned.
 
     x: any shape, on comm's device (CUDA for NCCL, CPU for gloo); not modified."""
+    if not torch.compiler.is_compiling():
+        # Eager: the op's own body, without the dispatcher's host cost (tens of microseconds a call).
+        return comm.all_reduce(x, out=out)
     if out is None:
         return torch.ops.commfuse.all_reduce(x, comm.name)
     torch.ops.commfuse.all_reduce_out(x, comm.name, out)
@@ -68,13 +71,17 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, required with quant),
     all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant float8_e4m3fn
     [t, h] or uint8 [t, h/2] or None; scale_factors float8_e4m3fn or None), without the plan:
-    `comm.plan(...)` gives that. out: caller-owned outputs as for Communicator.fused_all_reduce
+    `comm.plan(...)` gives that. Outside torch.compile the call goes to the Communicator directly (the
+op's body, without the dispatcher's cost); compiled code calls the op. out: caller-owned outputs as for Communicator.fused_all_reduce
     (op fused_all_reduce_out, which writes them), returned as the Tail; through the op, out.residual
     must be a tensor of its own (the in-place residual update is the Communicator call's)."""
     if scale is not None and not isinstance(scale, torch.Tensor):
         raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
     if quant is not None and not isinstance(quant, str):
         raise TypeError(f"quant must be None, 'fp8' or 'nvfp4', got {quant!r}")
+    if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
+        r = comm.fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout, out=out)
+        return Tail(r.residual, r.norm, r.quant, r.scale_factors)
     if out is not None:
         outs = (out.residual, out.norm, out.quant, out.scale_factors)
         torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), quant or "",

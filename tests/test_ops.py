@@ -136,3 +136,16 @@ def test_out_ops_write_the_callers_tensors(quiet_comm, gen):
     torch.library.opcheck(torch.ops.commfuse.fused_all_reduce_out.default,
                           (x, residual, weight, None, 1e-6, "", False, "swizzled", c.name,
                            torch.empty_like(want.residual), torch.empty_like(want.norm), None, None))
+
+
+@mpi
+def test_eager_wrappers_give_the_ops_bits(quiet_comm, gen):
+    """Outside torch.compile the wrappers call the Communicator directly: the same bits as the op."""
+    c = quiet_comm
+    x, _ = rank_inputs(c, gen, (6, 256), torch.bfloat16)
+    residual, weight, scale = tail_inputs(c, gen, 6, 256, torch.bfloat16, "nvfp4")
+    via_op = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, 1e-6, "nvfp4", True, "swizzled", c.name)
+    direct = ops.fused_all_reduce(c, x, residual, weight, quant="nvfp4", scale=scale, return_norm=True)
+    for name, a, b in zip(("residual", "norm", "quant", "scale_factors"), direct, via_op):
+        assert bits_equal(a, b), name
+    assert bits_equal(ops.all_reduce(c, x), torch.ops.commfuse.all_reduce(x, c.name))
