@@ -177,7 +177,9 @@ def _communicator(ctx: Ctx, strategy: str) -> Communicator:
     return c
 
 
-def _commfuse(strategy: str):
+def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = False):
+    """A commfuse row: Communicator(strategy); out: with caller-owned outputs (made once, as a decode loop
+    keeps them); via_ops: through torch.ops.commfuse (what compiled code calls: the dispatcher's cost)."""
     def prepare(ctx: Ctx, case: Case) -> Step:
         comm = _communicator(ctx, strategy)
         p = case.pattern
@@ -187,16 +189,31 @@ def _commfuse(strategy: str):
         # A forced P2P algorithm is timed only where it runs (one-shot above its buffers runs two-shot).
         if strategy in ("oneshot", "twoshot") and plan.collective != f"p2p_{strategy}":
             raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
-        ctx.plans.append({"impl": IMPL_OF_STRATEGY[strategy], "pattern": p.name, "dtype": case.dname,
+        ctx.plans.append({"impl": impl or IMPL_OF_STRATEGY[strategy], "pattern": p.name, "dtype": case.dname,
                           "tokens": case.tokens, "hidden": case.hidden, "collective": plan.collective,
                           "tail": plan.tail, "kernel": plan.kernel, "reasons": list(plan.reasons)})
 
-        def step(i):
-            x, residual = case.input_set(i)
-            if not p.tail:
-                return Result(a=comm.all_reduce(x))
-            r = comm.fused_all_reduce(x, residual, case.weight, **kw)
-            return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors)
+        owned = None
+        if out:
+            owned = comm.fused_all_reduce(x, residual, case.weight, **kw) if p.tail else comm.all_reduce(x)
+        if via_ops:
+            quant, scale, weight = p.quant or "", case.scale, case.weight
+
+            def step(i):
+                x, residual = case.input_set(i)
+                if not p.tail:
+                    return Result(a=torch.ops.commfuse.all_reduce(x, comm.name))
+                r = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, case.eps, quant, p.return_norm,
+                                                        SF_LAYOUT, comm.name)
+                return Result.of_tail(reference.Tail(r[0], r[1] if p.has_norm else None, r[2] if p.quant else None,
+                                                     r[3] if p.quant == "nvfp4" else None))
+        else:
+            def step(i):
+                x, residual = case.input_set(i)
+                if not p.tail:
+                    return Result(a=comm.all_reduce(x, out=owned))
+                r = comm.fused_all_reduce(x, residual, case.weight, out=owned, **kw)
+                return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors)
         return Step(step, GLOO_NO_GRAPH if plan.collective == "gloo" else None)
     return prepare
 
@@ -406,6 +423,10 @@ for _impl in (
          "Communicator(strategy='twoshot'): P2P two-shot all-reduce with the tail fused"),
     Impl("commfuse-auto", "collective", _commfuse("auto"),
          "Communicator(strategy='auto'): whatever the plan picks"),
+    Impl("commfuse-auto-out", "collective", _commfuse("auto", "commfuse-auto-out", out=True),
+         "commfuse-auto with caller-owned outputs (out=, made once): what a decode loop pays"),
+    Impl("commfuse-ops", "collective", _commfuse("auto", "commfuse-ops", via_ops=True),
+         "torch.ops.commfuse.{all_reduce, fused_all_reduce} called as compiled code calls them (the dispatcher)"),
     Impl("flashinfer", "collective", _prep_flashinfer,
          "flashinfer.comm.trtllm_allreduce_fusion (one-shot/two-shot by its heuristic, PDL, fp32 acc.)"),
     Impl("tail-eager", "tail", _prep_tail_eager, "the tail alone: commfuse.reference in plain torch"),
