@@ -57,6 +57,16 @@ def _inner_compiler(inner: Union[str, Callable], mode: Optional[str], options: O
     return lookup_backend(inner) if isinstance(inner, str) else inner
 
 
+def _compile_id():
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return None if cid is None else str(cid)
+    except Exception:  # noqa: BLE001 - only used to recognise restarts
+        return None
+
+
 def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Optional[str] = None,
             options: Optional[dict] = None, dynamic: Optional[bool] = None,
             reports: Optional[List[FusionReport]] = None, verbose: bool = False) -> Callable:
@@ -72,7 +82,13 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
     def commfuse_fusion(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         report = fuse(gm, comm)
         report.level = "dynamo graph"
-        collected.append(report)
+        report.compile_id = _compile_id()
+        # dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a float):
+        # the graph of the restart replaces the one before it.
+        if collected and report.compile_id is not None and collected[-1].compile_id == report.compile_id:
+            collected[-1] = report
+        else:
+            collected.append(report)
         if verbose:
             print(report)
         m = kwargs.get("mode", mode)

@@ -189,6 +189,21 @@ def device(node: Any) -> Optional[torch.device]:
     return None if d is None else torch.device(d)
 
 
+def static_int(d: Any) -> Optional[int]:
+    """d as an int when it is one, or a symbolic size with a known value; None otherwise. Never
+    guards: int() of a SymInt would specialise the graph on it (no more dynamic token counts)."""
+    if isinstance(d, bool):
+        return None
+    if isinstance(d, int):
+        return d
+    try:
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+        return int(d) if is_concrete_int(d) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def last_stride_one(node: Any) -> bool:
     v = value(node)
     if v is None:
@@ -196,10 +211,8 @@ def last_stride_one(node: Any) -> bool:
     stride = v.stride() if callable(getattr(v, "stride", None)) else getattr(v, "stride", None)
     if not stride:
         return True
-    try:
-        return bool(stride[-1] == 1) or (len(v.shape) and v.shape[-1] == 1)
-    except Exception:  # noqa: BLE001 - a symbolic stride: the kernel copies anyway
-        return True
+    s = static_int(stride[-1])
+    return s is None or s == 1 or static_int(v.shape[-1]) == 1
 
 
 def same_shape(a: Any, b: Any) -> bool:
@@ -211,22 +224,24 @@ def same_shape(a: Any, b: Any) -> bool:
 def hidden(node: Any) -> Optional[int]:
     """The last dimension, when it is a concrete integer."""
     s = shape(node)
+    return static_int(s[-1]) if s else None
+
+
+def tokens(node: Any) -> Optional[int]:
+    """The product of all but the last dimension, when every one is concrete."""
+    s = shape(node)
     if not s:
         return None
-    try:
-        return int(s[-1])
-    except Exception:  # noqa: BLE001 - a symbolic hidden size is not a norm we fuse
-        return None
+    dims = [static_int(d) for d in s[:-1]]
+    return None if any(d is None for d in dims) else math.prod(dims)
 
 
 def numel_is_one(node: Any) -> bool:
     s = shape(node)
     if s is None:
         return False
-    try:
-        return math.prod(int(d) for d in s) == 1
-    except Exception:  # noqa: BLE001
-        return False
+    dims = [static_int(d) for d in s]
+    return all(d is not None for d in dims) and math.prod(dims) == 1
 
 
 def number(x: Any) -> Optional[float]:

@@ -279,11 +279,11 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     if G.kind(v) == "view":
         src = G.source(v)
         hv, hs = G.hidden(v), G.hidden(src)
-        if src is not None and hv is not None and hs is not None and hv != hs and hs % hv == 0:
+        if src is not None and hv is not None and hs is not None and hs % hv == 0 and G.dtype(src) == G.dtype(v):
             back = _single_user(p)
             if back is None or G.kind(back) != "view" or G.hidden(back) != hs:
                 return Mismatch(f"grouped RMSNorm at {r.name}: the normalised groups are not viewed back to rows")
-            base, group_size, out = src, hv, back
+            base, group_size, out = src, (hv if hv != hs else None), back
             core = [v] + core + [back]
     # Interior nodes may feed nothing outside the norm.
     inside = set(core)
@@ -327,7 +327,8 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
         m = _single_user(u)
         wn = _other(m, u) if m is not None and G.kind(m) == "mul" else None
         if not isinstance(wn, fx.Node) or G.dtype(wn) != t or G.dtype(m) != t:
-            return Mismatch(f"RMSNorm at {r.name}: after the cast back to {t} no multiply by a {t} weight")
+            return Mismatch(f"RMSNorm at {r.name}: after the cast back to {_dt(t)} no multiply by a {_dt(t)} weight "
+                            "(no weight, or one of another dtype): no fused op computes that yet", "guard")
         weight, output = wn, m
         nodes += [u, m]
         notes.append(f"weight multiply after the cast back to {_dt(t)}: the graph rounds to {_dt(t)} twice, the fused op "
@@ -429,12 +430,16 @@ def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllR
 
 def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
     k = G.kind(v)
-    if k == "cf_all_reduce":
-        return AllReduce(x=v.args[0], nodes=[v], chain=[], spelling="commfuse.ops.all_reduce", comm=v.args[1])
-    if k == "wait":
+    if k == "cf_all_reduce" or (k == "wait" and G.kind(G.operand(v, 0, "input")) == "funcol_all_reduce"):
+        others = [u.name for u in v.users if u is not before]
+        if others:
+            return Mismatch(f"the all-reduced {v.name} is also read by {', '.join(others)}: the fused op does not "
+                            "return the sum", "guard")
+        if k == "cf_all_reduce":
+            return AllReduce(x=v.args[0], nodes=[v], chain=[], spelling="commfuse.ops.all_reduce", comm=v.args[1])
         src = G.operand(v, 0, "input")
-        if G.kind(src) == "funcol_all_reduce":
-            return _funcol(src, [src, v], "functional all_reduce")
+        return _funcol(src, [src, v], "functional all_reduce")
+    if k == "wait":
         return None
     # dynamo's form of torch.distributed.all_reduce(v): all_reduce(v) -> wait_tensor -> v.copy_(wait),
     # after which the graph reads v itself as the sum.

@@ -52,6 +52,7 @@ class FusionReport:
     fused: List[Fused] = field(default_factory=list)
     skipped: List[Skipped] = field(default_factory=list)
     level: str = ""
+    compile_id: Optional[str] = None  # dynamo's frame/compile id when the report comes from the backend
 
     def count(self, op: Optional[str] = None) -> int:
         """Rewrites inserting `op` (e.g. "commfuse::fused_all_reduce"); all of them when None."""
@@ -69,9 +70,12 @@ class FusionReport:
         self.fused += other.fused
         self.skipped += other.skipped
 
+    def __repr__(self) -> str:
+        return str(self)
+
     def __str__(self) -> str:
         lines = [f"commfuse.fusion: {len(self.fused)} fused, {len(self.skipped)} skipped"
-                 + (f" ({self.level})" if self.level else "")]
+                 + (f" ({self.level}{', ' + self.compile_id if self.compile_id else ''})" if self.level else "")]
         for i, f in enumerate(self.fused, 1):
             args = [f"quant={f.quant or 'none'}"] + ([f"return_norm={f.return_norm}"] if f.quant else []) \
                 + [f"eps={f.eps}"]

@@ -481,8 +481,7 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
 
 
 def _tokens(n, h):
-    s = G.shape(n)
-    try:
-        return max(1, math.prod(int(d) for d in s[:-1])), ""
-    except Exception:  # noqa: BLE001 - symbolic
+    t = G.tokens(n)
+    if t is None:
         return 1, "\n(planned for 1 token: the graph's token count is symbolic)"
+    return max(1, t), ""
