@@ -1,0 +1,121 @@
+"""torch.compile integration: a dynamo backend that runs the pass on dynamo's graph, then compiles it.
+
+    compiled = commfuse.fusion.compile(model, comm, fullgraph=True, dynamic=True, mode="reduce-overhead")
+    out = compiled(*inputs)
+    for report in compiled.fusion_reports: print(report)
+
+or, with torch.compile itself:
+
+    reports = []
+    compiled = torch.compile(model, backend=commfuse.fusion.backend(comm, reports=reports), fullgraph=True)
+
+The pass runs at dynamo's level: the torch-level FX graph a backend receives, before AOT autograd
+and Inductor decompose it. There the patterns still read as the model wrote them (x.pow(2).mean(-1),
+torch.rms_norm, the all-reduce as `_c10d_functional.all_reduce -> wait_tensor -> copy_`), the
+inserted custom ops are then traced by AOT with their fake implementations (any token count under
+dynamic shapes), and Inductor compiles the rest around them, with CUDA graphs in mode
+"reduce-overhead". After the pass, the graph goes to `inner`: "inductor" (the default on CUDA),
+"aot_eager" (the default without CUDA: Inductor on a CPU compiles C++, slowly), or any dynamo backend
+(a name or a callable). `mode` and `options` are Inductor's (torch.compile's own handling of them
+is reproduced); another inner backend ignores a mode, with a warning.
+
+Inference only: the fused ops have no autograd formula. Run compiled models under torch.no_grad() /
+torch.inference_mode() (or with parameters that do not require grad).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, List, Optional, Union
+
+import torch
+
+from .report import FusionReport
+from .rewrite import fuse
+
+__all__ = ["backend", "compile"]
+
+
+def _default_inner(comm) -> str:
+    dev = getattr(comm, "device", None)
+    if dev is not None:
+        return "inductor" if torch.device(dev).type == "cuda" else "aot_eager"
+    return "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
+def _inner_compiler(inner: Union[str, Callable], mode: Optional[str], options: Optional[dict],
+                    dynamic: Optional[bool]) -> Callable:
+    if inner == "inductor":
+        try:
+            return torch._TorchCompileInductorWrapper(mode, options, dynamic, None)
+        except TypeError:  # torch before the name argument
+            return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    if mode not in (None, "default") or options:
+        warnings.warn(f"commfuse.fusion: mode={mode!r} / options apply to inductor; the inner backend {inner!r} "
+                      "ignores them", stacklevel=3)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner) if isinstance(inner, str) else inner
+
+
+def _compile_id():
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return None if cid is None else str(cid)
+    except Exception:  # noqa: BLE001 - only used to recognise restarts
+        return None
+
+
+def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Optional[str] = None,
+            options: Optional[dict] = None, dynamic: Optional[bool] = None,
+            reports: Optional[List[FusionReport]] = None, verbose: bool = False) -> Callable:
+    """A dynamo backend: `fuse(gm, comm)` on each graph dynamo captures, then the inner backend.
+
+    comm: the Communicator of the model's tensor-parallel group (None: only commfuse.ops all-reduces
+    and the local patterns fuse). inner: the backend that compiles the rewritten graph (default:
+    inductor on CUDA, aot_eager otherwise). mode, options, dynamic: as torch.compile's, for Inductor
+    (pass them here, or to torch.compile, which forwards mode and options to this backend).
+    reports: a list each graph's FusionReport is appended to. verbose: print each report."""
+    collected = reports if reports is not None else []
+
+    def commfuse_fusion(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        report = fuse(gm, comm)
+        report.level = "dynamo graph"
+        report.compile_id = _compile_id()
+        # dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a float):
+        # the graph of the restart replaces the one before it.
+        if collected and report.compile_id is not None and collected[-1].compile_id == report.compile_id:
+            collected[-1] = report
+        else:
+            collected.append(report)
+        if verbose:
+            print(report)
+        m = kwargs.get("mode", mode)
+        o = kwargs.get("options", options)
+        target = inner if inner is not None else _default_inner(comm)
+        return _inner_compiler(target, m, o, dynamic)(gm, example_inputs)
+
+    commfuse_fusion.reports = collected  # type: ignore[attr-defined]
+    return commfuse_fusion
+
+
+def compile(model, comm=None, *, backend: Union[str, Callable, None] = None, mode: Optional[str] = None,
+            options: Optional[dict] = None, dynamic: Optional[bool] = None, fullgraph: bool = False,
+            verbose: bool = False, **torch_compile_kwargs):
+    """torch.compile(model, ...) with commfuse's fusion pass on every graph dynamo captures.
+
+    comm: the model's Communicator (see `backend`). backend: the inner backend compiling the rewritten
+    graph ("inductor", "aot_eager", ... or a callable; default: inductor on CUDA, aot_eager without).
+    mode ("reduce-overhead", "max-autotune", ...), options, dynamic, fullgraph and any other keyword:
+    as torch.compile's. Returns the compiled model; its `fusion_reports` attribute is the list of
+    FusionReports, one per graph compiled (a recompilation adds one)."""
+    reports: List[FusionReport] = []
+    fn = globals()["backend"](comm, inner=backend, mode=mode, options=options, dynamic=dynamic, reports=reports,
+                              verbose=verbose)
+    compiled = torch.compile(model, backend=fn, dynamic=dynamic, fullgraph=fullgraph, **torch_compile_kwargs)
+    try:
+        object.__setattr__(compiled, "fusion_reports", reports)
+    except (AttributeError, TypeError):
+        pass
+    return compiled

@@ -1,0 +1,290 @@
+"""Reading an FX graph: what a node computes, whatever spelling traced it, and what it holds.
+
+The same operation reaches a graph in several spellings: `x + r` is `operator.add` in dynamo's and
+symbolic_trace's graphs, `x.add(r)` a call_method, `torch.add` a call_function, `aten.add.Tensor`
+after make_fx or AOT. `kind(node)` maps all of them to one name ("add"), and `operand(node, i,
+name)` reads the i-th operand (positional or keyword; a call_method's self is operand 0), so the
+matchers in patterns.py are written once.
+
+Metadata: dynamo stores each node's fake value in `meta["example_value"]`, make_fx / AOT / FakeTensorProp
+in `meta["val"]`, ShapeProp a `TensorMetadata` in `meta["tensor_meta"]`; `value(node)` reads whichever
+is there.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _overloads(packet, *names):
+    out = [packet]
+    for n in names:
+        try:
+            out.append(getattr(packet, n))
+        except AttributeError:  # an overload this torch does not have
+            pass
+    return out
+
+
+def _table() -> dict:
+    t: dict = {}
+
+    def put(kind, *targets):
+        for target in targets:
+            if isinstance(target, (list, tuple)):
+                for x in target:
+                    t[x] = kind
+            else:
+                t[target] = kind
+
+    put("add", operator.add, torch.add, _overloads(aten.add, "Tensor", "Scalar"))
+    put("mul", operator.mul, torch.mul, torch.multiply, _overloads(aten.mul, "Tensor", "Scalar"))
+    put("div", operator.truediv, torch.div, torch.true_divide, torch.divide,
+        _overloads(aten.div, "Tensor", "Scalar"))
+    put("pow", operator.pow, torch.pow, _overloads(aten.pow, "Tensor_Scalar"))
+    put("square", torch.square, _overloads(aten.square, "default"))
+    put("mean", torch.mean, _overloads(aten.mean, "dim"))
+    put("rsqrt", torch.rsqrt, _overloads(aten.rsqrt, "default"))
+    put("sqrt", torch.sqrt, _overloads(aten.sqrt, "default"))
+    put("reciprocal", torch.reciprocal, _overloads(aten.reciprocal, "default"))
+    put("silu", F.silu, torch._C._nn.silu, _overloads(aten.silu, "default"))
+    put("clamp", torch.clamp, torch.clip, _overloads(aten.clamp, "default"))
+    put("clamp_min", torch.clamp_min, _overloads(aten.clamp_min, "default"))
+    put("clamp_max", torch.clamp_max, _overloads(aten.clamp_max, "default"))
+    put("cast", _overloads(aten._to_copy, "default"), _overloads(prims.convert_element_type, "default"),
+        _overloads(aten.to, "dtype"))
+    put("view", torch.reshape, torch.flatten, _overloads(aten.view, "default"), _overloads(aten.reshape, "default"),
+        _overloads(aten._unsafe_view, "default"))
+    put("identity", _overloads(aten.clone, "default"), _overloads(aten.contiguous, "default"),
+        _overloads(aten.alias, "default"))
+    put("rms_norm", torch.rms_norm, F.rms_norm, _overloads(aten.rms_norm, "default"))
+    put("getitem", operator.getitem)
+    put("copy_", _overloads(aten.copy_, "default"))
+    put("funcol_all_reduce", _overloads(torch.ops._c10d_functional.all_reduce, "default"))
+    put("funcol_all_reduce_", _overloads(torch.ops._c10d_functional.all_reduce_, "default"))
+    put("wait", _overloads(torch.ops._c10d_functional.wait_tensor, "default"))
+    return t
+
+
+_FUNCTIONS = _table()
+_METHODS = {
+    "add": "add", "mul": "mul", "div": "div", "true_divide": "div", "truediv": "div", "pow": "pow",
+    "square": "square", "mean": "mean", "rsqrt": "rsqrt", "sqrt": "sqrt", "reciprocal": "reciprocal",
+    "clamp": "clamp", "clip": "clamp", "clamp_min": "clamp_min", "clamp_max": "clamp_max",
+    "to": "cast", "float": "cast", "half": "cast", "bfloat16": "cast", "type_as": "cast", "type": "cast",
+    "view": "view", "reshape": "view", "view_as": "view", "reshape_as": "view", "flatten": "view",
+    "contiguous": "identity", "clone": "identity", "copy_": "copy_",
+}
+# commfuse's own ops, resolved late (they are registered when commfuse.ops / commfuse.norm import).
+_COMMFUSE = {"all_reduce": "cf_all_reduce", "fused_add_rmsnorm": "cf_tail", "quantize": "cf_quantize",
+             "fused_all_reduce": "cf_fused_all_reduce", "gated_rmsnorm": "cf_gated"}
+
+
+def _commfuse_kind(target) -> Optional[str]:
+    name = getattr(target, "_qualified_op_name", None) or getattr(target, "name", None)
+    if callable(name):
+        name = name()
+    if not isinstance(name, str):
+        return None
+    ns, _, op = name.partition("::")
+    if ns != "commfuse":
+        return None
+    return _COMMFUSE.get(op.split(".")[0])
+
+
+def kind(node: Any) -> Optional[str]:
+    """The canonical name of what `node` computes (see the tables above), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        k = _METHODS.get(node.target)
+        if k == "view" and node.target == "view" and any(isinstance(a, torch.dtype) for a in node.args[1:]):
+            return None  # x.view(torch.uint8) reinterprets bytes
+        if k == "cast" and node.target in ("to", "type") and not _to_has_dtype(node):
+            return None  # a device move, or type() asking for the type's name
+        return k
+    if node.op == "call_function":
+        k = _FUNCTIONS.get(node.target)
+        if k is None:
+            try:
+                k = _commfuse_kind(node.target)
+            except Exception:  # noqa: BLE001 - an odd target is just not ours
+                k = None
+        return k
+    if node.op == "call_module":
+        mod = _module(node)
+        if isinstance(mod, torch.nn.RMSNorm):
+            return "rms_norm"
+        if isinstance(mod, torch.nn.SiLU):
+            return "silu"
+        return None
+    return None
+
+
+def _to_has_dtype(node: fx.Node) -> bool:
+    return any(isinstance(a, (torch.dtype, fx.Node)) for a in node.args[1:]) or "dtype" in node.kwargs
+
+
+def _module(node: fx.Node):
+    gm = node.graph.owning_module
+    if gm is None:
+        return None
+    try:
+        return gm.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def module(node: fx.Node):
+    """The submodule a call_module node calls (None otherwise)."""
+    return _module(node) if node.op == "call_module" else None
+
+
+def operand(node: fx.Node, index: int, name: Optional[str] = None, default: Any = None) -> Any:
+    """The operand at `index` (a call_method's self is 0), else the keyword `name`, else default."""
+    if index < len(node.args):
+        return node.args[index]
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    return default
+
+
+def value(node: Any) -> Any:
+    """The node's (fake) value or TensorMetadata from its meta, None if there is none."""
+    if not isinstance(node, fx.Node):
+        return None
+    for key in ("val", "example_value"):
+        if key in node.meta:
+            return node.meta[key]
+    return node.meta.get("tensor_meta")
+
+
+def is_tensor(node: Any) -> bool:
+    v = value(node)
+    return v is not None and hasattr(v, "dtype") and hasattr(v, "shape")
+
+
+def dtype(node: Any) -> Optional[torch.dtype]:
+    v = value(node)
+    return getattr(v, "dtype", None)
+
+
+def shape(node: Any) -> Optional[tuple]:
+    v = value(node)
+    s = getattr(v, "shape", None)
+    return None if s is None else tuple(s)
+
+
+def device(node: Any) -> Optional[torch.device]:
+    v = value(node)
+    d = getattr(v, "device", None)
+    return None if d is None else torch.device(d)
+
+
+def static_int(d: Any) -> Optional[int]:
+    """d as an int when it is one, or a symbolic size with a known value; None otherwise. Never
+    guards: int() of a SymInt would specialise the graph on it (no more dynamic token counts)."""
+    if isinstance(d, bool):
+        return None
+    if isinstance(d, int):
+        return d
+    try:
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+        return int(d) if is_concrete_int(d) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def last_stride_one(node: Any) -> bool:
+    v = value(node)
+    if v is None:
+        return True
+    stride = v.stride() if callable(getattr(v, "stride", None)) else getattr(v, "stride", None)
+    if not stride:
+        return True
+    s = static_int(stride[-1])
+    return s is None or s == 1 or static_int(v.shape[-1]) == 1
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Shapes equal as written (symbolic sizes compared by expression: no guard is added)."""
+    sa, sb = shape(a), shape(b)
+    return sa is not None and sb is not None and tuple(map(str, sa)) == tuple(map(str, sb))
+
+
+def hidden(node: Any) -> Optional[int]:
+    """The last dimension, when it is a concrete integer."""
+    s = shape(node)
+    return static_int(s[-1]) if s else None
+
+
+def tokens(node: Any) -> Optional[int]:
+    """The product of all but the last dimension, when every one is concrete."""
+    s = shape(node)
+    if not s:
+        return None
+    dims = [static_int(d) for d in s[:-1]]
+    return None if any(d is None for d in dims) else math.prod(dims)
+
+
+def numel_is_one(node: Any) -> bool:
+    s = shape(node)
+    if s is None:
+        return False
+    dims = [static_int(d) for d in s]
+    return all(d is not None for d in dims) and math.prod(dims) == 1
+
+
+def number(x: Any) -> Optional[float]:
+    """A Python number operand as float (bools are not numbers here), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype a cast node produces: from its metadata, else from its arguments."""
+    d = dtype(node)
+    if d is not None:
+        return d
+    if node.op == "call_method":
+        simple = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+        if node.target in simple:
+            return simple[node.target]
+        if node.target == "type_as":
+            return dtype(node.args[1])
+    for a in list(node.args[1:]) + [node.kwargs.get("dtype")]:
+        if isinstance(a, torch.dtype):
+            return a
+    return None
+
+
+def source(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor a cast/view/identity node reads."""
+    a = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    return a if isinstance(a, fx.Node) else None
+
+
+def passthrough(node: Any) -> bool:
+    """A node that only reshapes or copies (no arithmetic): a view, or a cast to the dtype it has."""
+    k = kind(node)
+    if k in ("view", "identity"):
+        return True
+    if k == "cast":
+        src = source(node)
+        return src is not None and dtype(src) is not None and cast_dtype(node) == dtype(src)
+    return False
+
+
+def order(graph: fx.Graph) -> dict:
+    """Each node's position in the graph."""
+    return {n: i for i, n in enumerate(graph.nodes)}

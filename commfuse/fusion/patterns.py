@@ -1,0 +1,579 @@
+"""Matching: find RMSNorms (plain and gated), the residual add before one, the all-reduce before
+that, and the quantizations after it, as models write them. Nothing here changes the graph.
+
+Each matcher returns a small record of the nodes it found, or a `Mismatch(reason)` saying why a
+candidate is not the pattern (or not one the fused ops compute); rewrite.py turns records into ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.fx as fx
+
+from . import graph as G
+
+FP8_MAX = 448.0
+T_DTYPES = (torch.float16, torch.bfloat16)
+_F32 = torch.float32
+
+
+@dataclass
+class Mismatch:
+    """Why a candidate is not fused. kind: "pattern" (not the pattern, or not as the fused op
+    computes it) or "guard" (the pattern, but a condition the fused ops need fails)."""
+
+    reason: str
+    kind: str = "pattern"
+
+
+@dataclass
+class Norm:
+    """An RMSNorm found in the graph.
+
+    input: the T tensor normalised (the residual sum, or the gated norm's x); output: the T norm the
+    consumers read; weight: a Node, or ("module", "path.weight") for an nn.RMSNorm call_module; eps:
+    a float, or a Node holding a SymFloat (dynamo lifts some float attributes); nodes: every node of
+    the norm after `input` up to `output` (all replaced); gate: z of a gated norm (norm_before_gate
+    says where silu(z) multiplies); group_size: elements normalised together (None: the row)."""
+
+    input: fx.Node
+    output: fx.Node
+    weight: Union[fx.Node, tuple]
+    eps: Union[float, fx.Node]
+    nodes: List[fx.Node]
+    spelling: str
+    weight_offset: float = 0.0
+    gate: Optional[fx.Node] = None
+    norm_before_gate: bool = False
+    group_size: Optional[int] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None or self.group_size is not None
+
+
+@dataclass
+class AllReduce:
+    """A sum all-reduce whose result feeds the residual add.
+
+    x: the tensor reduced (the partial sums); value: the node whose value is the sum as the add reads
+    it (after `chain`, the views and no-op casts between them); nodes: the collective's own nodes
+    (all_reduce, wait_tensor, and copy_ in dynamo's in-place form); comm: the Communicator's name in
+    commfuse's op, or None for a torch.distributed collective (the pass's comm then)."""
+
+    x: fx.Node
+    nodes: List[fx.Node]
+    chain: List[fx.Node]
+    spelling: str
+    group: Optional[str] = None
+    comm: Optional[str] = None
+
+
+@dataclass
+class Quant:
+    """A quantization of the norm: FP8 as (n / scale).clamp(-448, 448).to(float8_e4m3fn) (or a
+    multiply by 1/scale), or commfuse's quantize op. scale: the dequant scale node, or
+    ("reciprocal", node) when the graph multiplies by a quant scale `node` (1/scale is inserted);
+    nodes: the nodes replaced (views first); final: the node whose value is the codes (for
+    commfuse.quantize: the op, read through getitem); views: the views between norm and quant."""
+
+    quant: str
+    scale: Union[fx.Node, tuple]
+    sf_layout: str
+    nodes: List[fx.Node]
+    final: fx.Node
+    views: List[fx.Node]
+    spelling: str
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        return (self.quant, self.scale, self.sf_layout)
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _single_user(n: fx.Node) -> Optional[fx.Node]:
+    users = list(n.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _binary(n: fx.Node) -> Tuple:
+    return G.operand(n, 0, "input", G.operand(n, 0, "self")), G.operand(n, 1, "other")
+
+
+def _other(n: fx.Node, one) -> object:
+    """The operand of a binary node that is not `one` (None if `one` is not an operand)."""
+    a, b = _binary(n)
+    if a is one:
+        return b
+    if b is one:
+        return a
+    return None
+
+
+def _is_cast_to(n, dtype) -> bool:
+    return G.kind(n) == "cast" and G.cast_dtype(n) == dtype
+
+
+def _f32_of(n) -> Optional[fx.Node]:
+    """t when n is t cast to float32 (t of another dtype), else None."""
+    if _is_cast_to(n, _F32):
+        src = G.source(n)
+        if src is not None and G.dtype(src) != _F32:
+            return src
+    return None
+
+
+def _silu_input_f32(n) -> Optional[fx.Node]:
+    """z when n is silu(float32(z)) (or an nn.SiLU module on it), else None."""
+    if G.kind(n) != "silu":
+        return None
+    src = n.args[0] if n.args else n.kwargs.get("input")
+    return _f32_of(src) if isinstance(src, fx.Node) else None
+
+
+def _is_mean_last(n: fx.Node, rank: Optional[int]) -> bool:
+    if G.kind(n) != "mean":
+        return False
+    dim = G.operand(n, 1, "dim")
+    keepdim = G.operand(n, 2, "keepdim", False)
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    if not isinstance(dim, int) or keepdim is not True:
+        return False
+    return dim == -1 or (rank is not None and dim == rank - 1)
+
+
+def _is_square_of(n: fx.Node) -> Optional[fx.Node]:
+    """v when n is v**2 (pow, square, v*v)."""
+    k = G.kind(n)
+    if k == "pow" and G.number(G.operand(n, 1, "exponent")) == 2.0:
+        return G.operand(n, 0, "input", G.operand(n, 0, "self"))
+    if k == "square":
+        return G.operand(n, 0, "input")
+    if k == "mul":
+        a, b = _binary(n)
+        return a if a is b and isinstance(a, fx.Node) else None
+    return None
+
+
+def _eps_of(add: fx.Node, mean: fx.Node):
+    """eps when add is mean + eps (either order): a number >= 0 or a SymFloat node, else None."""
+    other = _other(add, mean)
+    eps = G.number(other)
+    if eps is not None:
+        return eps if eps >= 0 else None
+    if isinstance(other, fx.Node) and not G.is_tensor(other):
+        return other  # dynamo's item() of a lifted float attribute: a SymFloat
+    if isinstance(other, fx.Node) and G.numel_is_one(other) and other.op == "call_method" and other.target == "item":
+        return other
+    return None
+
+
+def _rank(n) -> Optional[int]:
+    s = G.shape(n)
+    return None if s is None else len(s)
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+def match_norm(node: fx.Node) -> Union[Norm, Mismatch, None]:
+    """A norm anchored at `node`: an rms_norm op / nn.RMSNorm module, or the rsqrt (1/sqrt) of a
+    hand-written one. None when node is no such anchor."""
+    k = G.kind(node)
+    if k == "rms_norm":
+        return _match_rms_op(node)
+    if k in ("rsqrt", "reciprocal", "div"):
+        return _match_manual(node)
+    return None
+
+
+def _match_rms_op(n: fx.Node) -> Union[Norm, Mismatch]:
+    mod = G.module(n)
+    if mod is not None:  # nn.RMSNorm as a leaf module (torch.fx.symbolic_trace)
+        x = n.args[0] if n.args else n.kwargs.get("x", n.kwargs.get("input"))
+        shape, eps = tuple(mod.normalized_shape), mod.eps
+        weight = ("module", f"{n.target}.weight") if mod.weight is not None else None
+        wdtype = None if mod.weight is None else mod.weight.dtype
+        spelling = "nn.RMSNorm"
+    else:
+        x = G.operand(n, 0, "input")
+        shape = G.operand(n, 1, "normalized_shape")
+        weight = G.operand(n, 2, "weight")
+        eps = G.operand(n, 3, "eps")
+        wdtype = G.dtype(weight)
+        spelling = "torch.rms_norm"
+        shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
+    if not isinstance(x, fx.Node):
+        return Mismatch(f"{spelling} of a non-tensor")
+    notes = []
+    h = G.hidden(x)
+    if len(shape) != 1 or h is None or G.number(shape[0]) != h:
+        return Mismatch(f"{spelling} over {shape}: the fused ops normalise the last dimension only")
+    if weight is None:
+        return Mismatch(f"{spelling} without a weight (elementwise_affine=False): no fused op takes that yet",
+                        "guard")
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps
+        notes.append(f"eps=None: torch uses finfo(float32).eps = {eps:.6g} (the fp32 math's), and so does the fused op")
+    elif G.number(eps) is not None:
+        eps = G.number(eps)
+    elif not isinstance(eps, fx.Node):
+        return Mismatch(f"{spelling}: eps {eps!r} is not a number")
+    norm = Norm(input=x, output=n, weight=weight, eps=eps, nodes=[n], spelling=spelling, notes=notes)
+    norm._weight_dtype = wdtype  # type: ignore[attr-defined]
+    return norm
+
+
+def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
+    notes: List[str] = []
+    k = G.kind(r)
+    if k == "rsqrt":
+        e = G.operand(r, 0, "input")
+    elif k == "reciprocal" and G.kind(G.operand(r, 0, "input")) == "sqrt":
+        sq = G.operand(r, 0, "input")
+        e = G.operand(sq, 0, "input")
+        notes.append("1/sqrt(...) in the graph rounds twice, the fused op takes rsqrt: a few fp32 ulps of the "
+                     "inverse RMS, within the norm's 1 ulp of T")
+    elif k == "div" and G.number(_binary(r)[0]) == 1.0 and G.kind(_binary(r)[1]) == "sqrt":
+        sq = _binary(r)[1]
+        e = G.operand(sq, 0, "input")
+        notes.append("1/sqrt(...) in the graph rounds twice, the fused op takes rsqrt: a few fp32 ulps of the "
+                     "inverse RMS, within the norm's 1 ulp of T")
+    else:
+        return None
+    inner = [r] if k == "rsqrt" else [G.operand(r, 0, "input") if k == "reciprocal" else _binary(r)[1], r]
+    if not isinstance(e, fx.Node) or G.kind(e) != "add":
+        return None
+    a, b = _binary(e)
+    mean = a if G.kind(a) == "mean" else b if G.kind(b) == "mean" else None
+    if mean is None:
+        return None
+    eps = _eps_of(e, mean)
+    if eps is None:
+        return None
+    sq_node = G.operand(mean, 0, "input", G.operand(mean, 0, "self"))
+    if not isinstance(sq_node, fx.Node):
+        return None
+    v = _is_square_of(sq_node)
+    if not isinstance(v, fx.Node) or not _is_mean_last(mean, _rank(v)):
+        return None
+    # The multiply by the inverse RMS: a user of r that multiplies v.
+    p = None
+    for u in r.users:
+        if G.kind(u) == "mul" and _other(u, r) is v:
+            p = u
+    if p is None:
+        return Mismatch(f"RMSNorm core at {r.name}: no multiply of the normalised tensor by the inverse RMS")
+    core = [sq_node, mean, e] + inner + [p]
+    # Grouped (Nemotron-H / Mamba2 with ngroups): v is base viewed as [..., g, group_size]; p is viewed back.
+    base, group_size, out = v, None, p
+    if G.kind(v) == "view":
+        src = G.source(v)
+        hv, hs = G.hidden(v), G.hidden(src)
+        if src is not None and hv is not None and hs is not None and hs % hv == 0 and G.dtype(src) == G.dtype(v):
+            back = _single_user(p)
+            if back is None or G.kind(back) != "view" or G.hidden(back) != hs:
+                return Mismatch(f"grouped RMSNorm at {r.name}: the normalised groups are not viewed back to rows")
+            base, group_size, out = src, (hv if hv != hs else None), back
+            core = [v] + core + [back]
+    # Interior nodes may feed nothing outside the norm.
+    inside = set(core)
+    for n in core[:-1]:
+        for u in n.users:
+            if u not in inside:
+                return Mismatch(f"RMSNorm at {r.name}: its intermediate {n.name} is also used by {u.name}")
+    # What is normalised: float32(H) (plain), or float32(x) * silu(float32(z)) (gated before the norm).
+    gate, norm_before_gate, prefix = None, False, []
+    h_in = _f32_of(base)
+    if h_in is None and G.kind(base) == "mul":
+        x_, y_ = _binary(base)
+        for xx, zz in ((x_, y_), (y_, x_)):
+            if isinstance(zz, fx.Node) and _f32_of(xx) is not None and _silu_input_f32(zz) is not None:
+                h_in, gate = _f32_of(xx), _silu_input_f32(zz)
+                prefix = [xx, zz.args[0], zz, base]
+                break
+    if h_in is None:
+        if G.dtype(base) == _F32:
+            return Mismatch(f"RMSNorm at {r.name} of float32 activations: commfuse's fused ops take float16/bfloat16",
+                            "guard")
+        return Mismatch(f"RMSNorm at {r.name}: what is normalised ({base.name}) is not a float32 cast of a "
+                        f"float16/bfloat16 tensor")
+    cast_in = [base] if gate is None else prefix
+    # The cast of the input may also feed the (plain) norm's multiply only.
+    inside |= set(cast_in)
+    for n in cast_in:
+        for u in n.users:
+            if u not in inside:
+                return Mismatch(f"RMSNorm at {r.name}: {n.name} is also used by {u.name}")
+    t = G.dtype(h_in)
+    nodes = cast_in + core
+    spelling = "RMSNorm (hand-written)" if gate is None and group_size is None else "gated RMSNorm"
+    # Weight and the cast back to T, in one of the orders models write.
+    y = out
+    u = _single_user(y)
+    if u is None:
+        return Mismatch(f"RMSNorm at {r.name}: the normalised rows {y.name} have several users")
+    weight, offset, output = None, 0.0, None
+    if _is_cast_to(u, t):  # ... .to(T), then weight * that (HF Llama / Qwen / Mistral / Mamba2)
+        m = _single_user(u)
+        wn = _other(m, u) if m is not None and G.kind(m) == "mul" else None
+        if not isinstance(wn, fx.Node) or G.dtype(wn) != t or G.dtype(m) != t:
+            return Mismatch(f"RMSNorm at {r.name}: after the cast back to {_dt(t)} no multiply by a {_dt(t)} weight "
+                            "(no weight, or one of another dtype): no fused op computes that yet", "guard")
+        weight, output = wn, m
+        nodes += [u, m]
+        notes.append(f"weight multiply after the cast back to {_dt(t)}: the graph rounds to {_dt(t)} twice, the fused op "
+                     "once (the norm within 1 ulp of T; quantized codes are those of the fused norm)")
+    elif G.kind(u) == "mul":  # (rows * weight in fp32).to(T) (exact), Gemma's rows * (1 + w.float())
+        wn = _other(u, y)
+        w_t = None
+        extra = []
+        if isinstance(wn, fx.Node) and G.dtype(wn) == t and G.kind(wn) != "add":
+            w_t = wn  # promoted: float(w) * rows in fp32
+        elif _f32_of(wn) is not None:
+            w_t, extra = _f32_of(wn), [wn]
+        elif isinstance(wn, fx.Node) and G.kind(wn) == "add" and "alpha" not in wn.kwargs:
+            a1, b1 = _binary(wn)
+            for num, cf in ((a1, b1), (b1, a1)):
+                if G.number(num) is not None and isinstance(cf, fx.Node) and _f32_of(cf) is not None:
+                    w_t, offset, extra = _f32_of(cf), G.number(num), [cf, wn]
+                    spelling = "Gemma RMSNorm (1 + w)" if gate is None else spelling
+                    break
+        if w_t is None or G.dtype(w_t) != t:
+            return Mismatch(f"RMSNorm at {r.name}: the rows are multiplied by {getattr(wn, 'name', wn)}, not a "
+                            f"{t} weight (or float32 of one, or 1 + float32 of one)")
+        for n in extra:
+            if len(n.users) != 1:
+                return Mismatch(f"RMSNorm at {r.name}: the weight's {n.name} has other users")
+        nodes += extra + [u]
+        cur = u
+        if gate is None:  # gated after the norm (mamba_ssm's norm_before_gate=True)?
+            g = _single_user(cur)
+            if g is not None and G.kind(g) == "mul":
+                zz = _other(g, cur)
+                if isinstance(zz, fx.Node) and _silu_input_f32(zz) is not None and len(zz.users) == 1:
+                    gate, norm_before_gate = _silu_input_f32(zz), True
+                    nodes += [zz.args[0], zz, g]
+                    cur = g
+                    spelling = "gated RMSNorm"
+        c = _single_user(cur)
+        if c is None or not _is_cast_to(c, t):
+            return Mismatch(f"RMSNorm at {r.name}: the weighted rows are not cast back to {t} (once, by one user)")
+        weight, output = w_t, c
+        nodes.append(c)
+    else:
+        return Mismatch(f"RMSNorm at {r.name}: no weight multiply after the normalisation "
+                        f"({u.name} is {G.kind(u) or u.target})", "guard")
+    if gate is not None and G.dtype(gate) != t:
+        return Mismatch(f"gated RMSNorm at {r.name}: z is {G.dtype(gate)}, x is {t}")
+    norm = Norm(input=h_in, output=output, weight=weight, eps=eps, nodes=_dedupe(nodes), spelling=spelling,
+                weight_offset=offset, gate=gate, norm_before_gate=norm_before_gate, group_size=group_size,
+                notes=notes)
+    norm._weight_dtype = G.dtype(weight)  # type: ignore[attr-defined]
+    return norm
+
+
+def _dedupe(nodes):
+    seen, out = set(), []
+    for n in nodes:
+        if isinstance(n, fx.Node) and n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+# --------------------------------------------------------------------------- residual add, all-reduce
+
+
+def match_residual_add(h: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
+    """(a, b) when h = a + b of two tensors of h's shape and dtype (no broadcast, no alpha)."""
+    if G.kind(h) != "add" or "alpha" in h.kwargs or len(h.args) > 2:
+        return None
+    a, b = _binary(h)
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and G.is_tensor(a) and G.is_tensor(b)):
+        return None
+    if not (G.same_shape(a, h) and G.same_shape(b, h) and G.dtype(a) == G.dtype(b) == G.dtype(h)):
+        return None
+    return a, b
+
+
+def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
+    """The all-reduce whose sum `v` is, read at node `before` (through views and no-op casts that
+    feed nothing else). None when v is no all-reduce's result."""
+    chain = []
+    cur = v
+    while True:
+        found = _all_reduce_at(cur, before, positions)
+        if found is not None:
+            if isinstance(found, AllReduce):
+                found.chain = list(reversed(chain))
+            return found
+        if not G.passthrough(cur):
+            return None
+        if len(cur.users) != 1:
+            return None
+        chain.append(cur)
+        before = cur
+        cur = G.source(cur)
+        if cur is None:
+            return None
+
+
+def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
+    k = G.kind(v)
+    if k == "cf_all_reduce" or (k == "wait" and G.kind(G.operand(v, 0, "input")) == "funcol_all_reduce"):
+        others = [u.name for u in v.users if u is not before]
+        if others:
+            return Mismatch(f"the all-reduced {v.name} is also read by {', '.join(others)}: the fused op does not "
+                            "return the sum", "guard")
+        if k == "cf_all_reduce":
+            return AllReduce(x=v.args[0], nodes=[v], chain=[], spelling="commfuse.ops.all_reduce", comm=v.args[1])
+        src = G.operand(v, 0, "input")
+        return _funcol(src, [src, v], "functional all_reduce")
+    if k == "wait":
+        return None
+    # dynamo's form of torch.distributed.all_reduce(v): all_reduce(v) -> wait_tensor -> v.copy_(wait),
+    # after which the graph reads v itself as the sum.
+    copies = [u for u in v.users if G.kind(u) == "copy_" and G.operand(u, 0, "self") is v
+              and positions.get(u, -1) < positions.get(before, -1)]
+    if not copies:
+        return None
+    copy = max(copies, key=lambda u: positions[u])
+    wait = G.operand(copy, 1, "src")
+    if G.kind(wait) != "wait" or G.kind(G.operand(wait, 0, "input")) != "funcol_all_reduce":
+        return None
+    ar = G.operand(wait, 0, "input")
+    if ar.args[0] is not v:
+        return Mismatch(f"{copy.name} copies the all-reduce of {ar.args[0].name} into {v.name}")
+    found = _funcol(ar, [ar, wait, copy], "torch.distributed.all_reduce (in place)")
+    if isinstance(found, Mismatch):
+        return found
+    if v.op == "placeholder":
+        return Mismatch(f"torch.distributed.all_reduce modifies the graph input {v.name} in place, which the caller "
+                        "sees: the fused op would leave it unreduced", "guard")
+    for u in v.users:  # readers of v after the copy read the sum: the add (through `before`) only
+        if u in (copy, ar) or positions.get(u, 0) < positions[copy]:
+            continue
+        if u is not before:
+            return Mismatch(f"the all-reduced {v.name} is also read by {u.name}: the fused op does not return the sum",
+                            "guard")
+    if len(wait.users) != 1 or len(copy.users) != 0:
+        return Mismatch(f"the all-reduce's {wait.name} / {copy.name} have other users", "guard")
+    return found
+
+
+def _funcol(ar: fx.Node, nodes: list, spelling: str) -> Union[AllReduce, Mismatch]:
+    op = G.operand(ar, 1, "reduceOp")
+    group = G.operand(ar, 2, "group_name")
+    if not isinstance(op, str) or op.lower() != "sum":
+        return Mismatch(f"all-reduce {ar.name} with reduce op {op!r}: only a sum fuses", "guard")
+    return AllReduce(x=ar.args[0], nodes=nodes, chain=[], spelling=spelling, group=group)
+
+
+# --------------------------------------------------------------------------- quantization consumers
+
+
+def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismatch, None]:
+    """A quantization of `norm_out` starting at its user `user` (None: not a quantization)."""
+    views, cur, prev = [], user, norm_out
+    while G.passthrough(cur) and len(cur.users) == 1 and not _is_cast_to(cur, _F32):
+        views.append(cur)
+        prev, cur = cur, _single_user(cur)
+    if views and G.hidden(prev) != h:
+        return None
+    k = G.kind(cur)
+    if k == "cf_quantize":
+        if G.operand(cur, 0, "x") is not prev:
+            return None
+        quant, layout = G.operand(cur, 2, "quant"), G.operand(cur, 3, "sf_layout")
+        scale = G.operand(cur, 1, "scale")
+        if any(G.kind(u) != "getitem" for u in cur.users):
+            return Mismatch(f"{cur.name}: its outputs are read other than by indexing")
+        return Quant(quant=quant, scale=scale, sf_layout=layout, nodes=views + [cur], final=cur, views=views,
+                     spelling="commfuse.quantize")
+    # FP8: [float32(n)] / scale (or * 1/scale) -> clamp(-448, 448) -> .to(float8_e4m3fn)
+    nodes = list(views)
+    f32 = None
+    if _is_cast_to(cur, _F32) and len(cur.users) == 1:
+        f32, cur_next = cur, _single_user(cur)
+        nodes.append(cur)
+        prev, cur = cur, cur_next
+    k = G.kind(cur)
+    notes: List[str] = []
+    if k == "div":
+        a, s = _binary(cur)
+        if a is not prev:
+            return None
+        if G.number(s) is not None:
+            return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} divides by the Python number {s}: the "
+                                      "fused ops take the scale as a float32 tensor", "guard")
+        if not isinstance(s, fx.Node) or G.dtype(s) != _F32 or not G.numel_is_one(s):
+            return None
+        scale = s
+    elif k == "mul":
+        r = _other(cur, prev)
+        if not isinstance(r, fx.Node) or G.dtype(r) != _F32 or not G.numel_is_one(r):
+            return None
+        if G.kind(r) == "reciprocal":
+            scale = G.operand(r, 0, "input")
+        elif G.kind(r) == "div" and G.number(_binary(r)[0]) == 1.0:
+            scale = _binary(r)[1]
+        else:
+            scale = ("reciprocal", r)
+        notes.append("the graph multiplies by 1/scale, the fused op divides by the scale (docs/semantics.md "
+                     "section 4): a neighbouring FP8 code where the two round differently")
+    else:
+        return None
+    if G.dtype(cur) not in (_F32,):
+        notes.append(f"n / scale is computed in {G.dtype(cur)} in the graph (a 0-dim scale does not promote), so it "
+                     "is rounded before e4m3; the fused op divides in float32: a neighbouring code at ties")
+    nodes.append(cur)
+    c = _single_user(cur)
+    lo = hi = None
+    clamps = []
+    while c is not None and G.kind(c) in ("clamp", "clamp_min", "clamp_max"):
+        kk = G.kind(c)
+        if kk == "clamp":
+            lo, hi = G.number(G.operand(c, 1, "min")), G.number(G.operand(c, 2, "max"))
+        elif kk == "clamp_min":
+            lo = G.number(G.operand(c, 1, "min"))
+        else:
+            hi = G.number(G.operand(c, 1, "max"))
+        clamps.append(c)
+        c = _single_user(c)
+    if c is None or not _is_cast_to(c, torch.float8_e4m3fn):
+        return None
+    if not clamps:
+        return Mismatch(f"FP8 cast at {c.name} without a clamp to +-448: torch's cast is not saturating there, the "
+                        "fused op saturates")
+    if lo != -FP8_MAX or hi != FP8_MAX:
+        return Mismatch(f"FP8 quantization at {c.name} clamps to [{lo}, {hi}], not [-448, 448]")
+    nodes += clamps + [c]
+    for n in nodes[:-1]:
+        if len(n.users) != 1:
+            return Mismatch(f"FP8 quantization at {c.name}: {n.name} has other users")
+    return Quant(quant="fp8", scale=scale, sf_layout="swizzled", nodes=nodes, final=c, views=views,
+                 spelling="(n / scale).clamp(-448, 448).to(float8_e4m3fn)", notes=notes)
+
+
+def _fp8_tail_mismatch(cur, reason, kind):
+    # Only a mismatch when what follows really is an FP8 cast; a division by a number is otherwise none of ours.
+    c = _single_user(cur)
+    while c is not None and G.kind(c) in ("clamp", "clamp_min", "clamp_max"):
+        c = _single_user(c)
+    if c is not None and _is_cast_to(c, torch.float8_e4m3fn):
+        return Mismatch(reason, kind)
+    return None
+
+
+def _dt(d) -> str:
+    return str(d).replace("torch.", "")

@@ -1,0 +1,487 @@
+"""Rewriting: `fuse(gm, comm)` replaces every match of patterns.py by one commfuse op, in place.
+
+For each RMSNorm (in graph order): the consumers that quantize it, the residual add before it and
+the all-reduce before that are collected; then one node is inserted before the add (before the
+norm where there is no add):
+
+- with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight,
+  scale, eps, quant, return_norm, sf_layout, comm)`, x being the all-reduce's input;
+- without one: `torch.ops.commfuse.fused_add_rmsnorm.default(x, residual or None, weight, scale, eps,
+  quant, return_norm, sf_layout, weight_offset)`;
+- a gated norm: `torch.ops.commfuse.gated_rmsnorm.default(x, z, weight, scale, eps, group_size,
+  norm_before_gate, quant, return_norm, sf_layout)`.
+
+The users of the add (the residual used later), of the norm (return_norm when it has users other
+than the quantization) and of the quantized codes are re-pointed at the op's outputs, viewed back to
+the graph's shapes (the ops return [t, h]); the replaced nodes are erased. A
+`commfuse::fused_add_rmsnorm` op after a fusable all-reduce becomes `commfuse::fused_all_reduce`.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import List, Optional
+
+import torch
+import torch.fx as fx
+
+from . import graph as G
+from . import patterns as P
+from .report import Fused, FusionReport, Skipped
+
+OPS = {
+    "all_reduce": "commfuse::fused_all_reduce",
+    "local": "commfuse::fused_add_rmsnorm",
+    "gated": "commfuse::gated_rmsnorm",
+}
+
+
+def _targets():
+    import commfuse.norm  # noqa: F401 - registers commfuse::fused_add_rmsnorm, gated_rmsnorm, quantize
+    import commfuse.ops  # noqa: F401 - registers commfuse::all_reduce, fused_all_reduce
+
+    return {
+        "all_reduce": torch.ops.commfuse.fused_all_reduce.default,
+        "local": torch.ops.commfuse.fused_add_rmsnorm.default,
+        "gated": torch.ops.commfuse.gated_rmsnorm.default,
+    }
+
+
+def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None) -> FusionReport:
+    """Rewrite every match in `gm` in place; return the report.
+
+    gm: a torch-level FX graph: dynamo's (what a torch.compile backend receives), torch.fx.symbolic_trace's,
+    or make_fx's (aten level) - the matchers read every spelling. Nodes need shape/dtype metadata
+    (dynamo's and make_fx's graphs have it); otherwise pass example_inputs and it is propagated with fake
+    tensors first. comm: the commfuse.Communicator whose group the model's torch.distributed /
+    functional all-reduces use (they fuse only when their group is comm's); commfuse.ops.all_reduce
+    calls name their own communicator. None: only those, and the local ops.
+    """
+    if example_inputs is not None and not _has_meta(gm):
+        _propagate(gm, example_inputs)
+    targets = _targets()
+    report = FusionReport()
+    seen_all_reduce: set = set()
+    erased: set = set()
+    for node in list(gm.graph.nodes):
+        if node in erased:
+            continue
+        if G.kind(node) == "cf_tail":
+            _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce)
+            continue
+        match = P.match_norm(node)
+        if match is None:
+            continue
+        if isinstance(match, P.Mismatch):
+            report.skipped.append(Skipped(node.name, "rmsnorm", match.reason, match.kind))
+            continue
+        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce)
+    for node in gm.graph.nodes:
+        if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
+            report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm reads its sum",
+                                          "pattern"))
+    gm.graph.lint()
+    gm.recompile()
+    return report
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _has_meta(gm: fx.GraphModule) -> bool:
+    return all(G.value(n) is not None for n in gm.graph.nodes if n.op in ("placeholder", "call_function"))
+
+
+def _propagate(gm: fx.GraphModule, example_inputs) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+# --------------------------------------------------------------------------- one norm
+
+
+class _Skip(Exception):
+    def __init__(self, where, what, reason, kind="guard"):
+        super().__init__(reason)
+        self.skipped = Skipped(where, what, reason, kind)
+
+
+def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: set, seen_all_reduce: set) -> None:
+    g = gm.graph
+    try:
+        t = G.dtype(norm.input)
+        if t == torch.float32:
+            raise _Skip(norm.output.name, "rmsnorm", "float32 activations: commfuse's fused ops take float16/bfloat16")
+        if t not in P.T_DTYPES:
+            raise _Skip(norm.output.name, "rmsnorm", f"activations of dtype {t}: the fused ops take float16/bfloat16")
+        h = G.hidden(norm.input)
+        if h is None:
+            raise _Skip(norm.output.name, "rmsnorm", "the hidden size is symbolic: the fused ops need a fixed one",
+                        "pattern")
+        wdtype = getattr(norm, "_weight_dtype", None)
+        if wdtype != t:
+            raise _Skip(norm.output.name, "rmsnorm", f"the weight is {wdtype}, the activations {t}: the fused ops "
+                                                     "take a weight of the activations' dtype")
+        if isinstance(norm.weight, fx.Node) and G.shape(norm.weight) is not None and \
+                tuple(map(str, G.shape(norm.weight))) != (str(h),):
+            raise _Skip(norm.output.name, "rmsnorm", f"the weight has shape {G.shape(norm.weight)}, not [{h}]")
+        if isinstance(norm.eps, float) and not math.isfinite(norm.eps):
+            raise _Skip(norm.output.name, "rmsnorm", f"eps {norm.eps} is not finite")
+    except _Skip as s:
+        report.skipped.append(s.skipped)
+        return
+
+    quant, others = _consumers(norm, h, report)
+    residual, x, ar = None, norm.input, None
+    positions = G.order(g)
+    if not norm.gated:
+        pair = P.match_residual_add(norm.input)
+        if pair is not None:
+            x, residual = pair
+            for xa, rb in (pair, pair[::-1]):
+                found = P.trace_all_reduce(xa, norm.input, positions)
+                if found is None:
+                    continue
+                x, residual = xa, rb
+                if isinstance(found, P.Mismatch):
+                    report.skipped.append(Skipped(norm.input.name, "all-reduce", found.reason
+                                                  + "; the add + RMSNorm become the local op", found.kind))
+                    _mark_all_reduce(xa, seen_all_reduce)
+                else:
+                    ar = found
+                break
+    comm_name = None
+    if ar is not None:
+        seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
+        why = _all_reduce_guard(ar, comm, norm)
+        if why:
+            report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why + "; the add + RMSNorm become the "
+                                          "local op", "guard"))
+            ar = None
+        else:
+            comm_name = ar.comm if ar.comm is not None else comm.name
+    kind = "gated" if norm.gated else "all_reduce" if ar is not None else "local"
+    if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
+        kind = "local"
+
+    # Where the op goes: before the add (its outputs replace it), else before the norm's first node.
+    anchor = norm.input if residual is not None else min(norm.nodes, key=lambda n: positions[n])
+    scale_src = None
+    if quant is not None:
+        scale_src = quant.scale[1] if isinstance(quant.scale, tuple) else quant.scale
+    inputs = [("x", ar.x if ar is not None else x), ("residual", residual), ("gate", norm.gate),
+              ("scale", scale_src), ("eps", norm.eps if isinstance(norm.eps, fx.Node) else None)]
+    if isinstance(norm.weight, fx.Node):
+        inputs.append(("weight", norm.weight))
+    for what, n in inputs:
+        if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
+            if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
+                                                                                            anchor)):
+                anchor.prepend(n)
+                positions = G.order(g)
+            else:
+                report.skipped.append(Skipped(norm.output.name, "rmsnorm", f"the {what} {n.name} is computed after "
+                                              f"the tail starts ({anchor.name}): nowhere to put one op", "pattern"))
+                return
+
+    # The op.
+    shape_ref = residual if residual is not None else norm.input
+    rank = len(G.shape(shape_ref))
+    return_norm = quant is None or bool(others)
+    with g.inserting_before(anchor):
+        weight = g.get_attr(norm.weight[1]) if isinstance(norm.weight, tuple) else norm.weight
+        scale = None
+        if quant is not None:
+            scale = g.call_function(torch.reciprocal, (quant.scale[1],)) if isinstance(quant.scale, tuple) \
+                else quant.scale
+        qname = quant.quant if quant is not None else ""
+        layout = quant.sf_layout if quant is not None else "swizzled"
+        rn = bool(return_norm) if quant is not None else False
+        if kind == "all_reduce":
+            xin = ar.x
+            if not G.same_shape(ar.x, residual):
+                xin = g.call_method("reshape_as", (ar.x, residual))
+            args = (xin, residual, weight, scale, norm.eps, qname, rn, layout, comm_name)
+        elif kind == "local":
+            args = (x, residual, weight, scale, norm.eps, qname, rn, layout, float(norm.weight_offset))
+        else:
+            args = (norm.input, norm.gate, weight, scale, norm.eps, norm.group_size or h, norm.norm_before_gate,
+                    qname, rn, layout)
+        fused = g.call_function(targets[kind], args)
+    base = 0 if kind != "gated" else -1  # gated_rmsnorm has no residual output
+
+    def output(index: int, replaces: fx.Node, view: bool) -> fx.Node:
+        with g.inserting_before(replaces):
+            out = g.call_function(operator.getitem, (fused, index))
+            if view and rank != 2:
+                out.meta = {}
+                out = g.call_method("view_as", (out, shape_ref))
+        out.meta = dict(replaces.meta)
+        return out
+
+    doomed: List[fx.Node] = []
+    # Quantized codes (and scale factors).
+    if quant is not None:
+        for use in quant_uses(quant, norm):
+            if use.final.op == "call_function" and G.kind(use.final) == "cf_quantize":
+                for gi in list(use.final.users):
+                    i = gi.args[1]
+                    new = output(base + 2 + i, gi, view=False)
+                    gi.replace_all_uses_with(new)
+                    doomed.append(gi)
+            else:
+                new = output(base + 2, use.final, view=True)
+                cur, mapping = new, {}
+                with g.inserting_before(use.final):
+                    src = norm.output
+                    for vw in use.views:
+                        mapping[src] = cur
+                        cur = g.node_copy(vw, lambda a: mapping.get(a, a))
+                        cur.meta = dict(use.final.meta)
+                        src = vw
+                use.final.replace_all_uses_with(cur)
+            doomed += use.nodes
+    # The norm, for its other users.
+    if others:
+        new = output(base + 1, norm.output, view=True)
+        keep = set(others)
+        norm.output.replace_all_uses_with(new, delete_user_cb=lambda u: u in keep)
+    # The residual sum, for every later reader.
+    if residual is not None:
+        new = output(0, norm.input, view=True)
+        norm.input.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and u not in set(norm.nodes))
+        doomed.append(norm.input)
+    doomed += norm.nodes
+    if ar is not None:
+        doomed += ar.chain + ar.nodes
+    _erase(g, doomed, erased)
+
+    pattern = ("all_reduce + " if kind == "all_reduce" else "") + ("add + " if residual is not None else "") \
+        + ("gated_rmsnorm" if kind == "gated" else "rmsnorm") + (f" + {quant.quant}" if quant is not None else "")
+    spelling = [norm.spelling]
+    if ar is not None:
+        spelling.insert(0, ar.spelling)
+    if quant is not None:
+        spelling.append(quant.spelling)
+    notes = list(norm.notes) + (list(quant.notes) if quant is not None else [])
+    if ar is not None and ar.comm is None:
+        notes.append("the graph's collective sums in its backend's order (NCCL: in T); commfuse sums in fp32 in rank "
+                     "order, rounded once (docs/semantics.md section 1): the same bits on 2 ranks")
+    if kind == "gated":
+        notes.append("gated RMSNorm: no kernel yet (separated ops, fp32, one rounding)")
+    report.fused.append(Fused(
+        pattern=pattern, op=OPS[kind], node=fused.name, replaced=[n.name for n in _names(doomed)],
+        spelling=" | ".join(spelling), quant=quant.quant if quant is not None else None,
+        return_norm=bool(others) if quant is not None else True,
+        eps=norm.eps.name if isinstance(norm.eps, fx.Node) else f"{norm.eps:g}", comm=comm_name,
+        route=_route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm),
+        notes=notes))
+
+
+def _early(n, positions, anchor) -> bool:
+    return not isinstance(n, fx.Node) or positions[n] < positions[anchor]
+
+
+def _mark_all_reduce(v: fx.Node, seen: set) -> None:
+    """Mark the collective behind v (a skipped candidate) so it is not reported twice."""
+    stack, hops = [v], 0
+    while stack and hops < 16:
+        n = stack.pop()
+        hops += 1
+        if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"):
+            seen.add(n)
+            continue
+        for u in list(n.users):
+            if G.kind(u) == "copy_":
+                w = G.operand(u, 1, "src")
+                if isinstance(w, fx.Node):
+                    stack.append(w)
+        for a in n.all_input_nodes:
+            stack.append(a)
+
+
+def quant_uses(quant: P.Quant, norm: P.Norm) -> list:
+    return getattr(quant, "uses", [quant])
+
+
+def _consumers(norm: P.Norm, h: int, report: FusionReport):
+    """(the quantization to fuse or None, the norm's other users)."""
+    groups: dict = {}
+    others = []
+    for u in list(norm.output.users):
+        q = P.match_quant(norm.output, u, h)
+        if isinstance(q, P.Mismatch):
+            report.skipped.append(Skipped(u.name, "quantization", q.reason + "; left unfused", q.kind))
+            others.append(u)
+        elif q is None:
+            others.append(u)
+        else:
+            groups.setdefault(q.key, []).append(q)
+    if not groups:
+        return None, others
+    if len(groups) > 1:
+        desc = "; ".join(f"{k[0]} with scale {_scale_name(k[1])}" for k in groups)
+        report.skipped.append(Skipped(norm.output.name, "quantization",
+                                      f"the norm feeds quantizations with different scales or formats ({desc}): "
+                                      "they are left unfused, the norm is returned", "guard"))
+        for uses in groups.values():
+            others += [use.nodes[0] for use in uses]
+        return None, others
+    (key, uses), = groups.items()
+    quant = uses[0]
+    bad = None
+    if quant.quant not in ("fp8", "nvfp4") or quant.sf_layout not in ("swizzled", "linear"):
+        bad = f"quant {quant.quant!r} / sf_layout {quant.sf_layout!r} not known to the fused ops"
+    elif quant.quant == "nvfp4" and h % 16:
+        bad = f"NVFP4 needs h % 16 == 0, h = {h}"
+    elif not isinstance(quant.scale, (fx.Node, tuple)):
+        bad = f"the scale {quant.scale!r} is not a tensor in the graph"
+    if bad:
+        report.skipped.append(Skipped(quant.final.name, "quantization", bad + "; left unfused, the norm is returned",
+                                      "guard"))
+        others += [use.nodes[0] for use in uses]
+        return None, others
+    quant.uses = uses  # type: ignore[attr-defined]
+    for use in uses[1:]:
+        quant.notes = list(dict.fromkeys(quant.notes + use.notes))
+    return quant, others
+
+
+def _scale_name(s) -> str:
+    if isinstance(s, tuple):
+        return f"1/{s[1].name}"
+    return getattr(s, "name", repr(s))
+
+
+def _all_reduce_guard(ar: P.AllReduce, comm, norm: P.Norm) -> Optional[str]:
+    if norm.weight_offset != 0:
+        return (f"the norm adds {norm.weight_offset:g} to its weight (Gemma's 1 + w): commfuse::fused_all_reduce "
+                "takes no weight offset")
+    if G.dtype(ar.x) != G.dtype(norm.input):
+        return f"the all-reduce sums {G.dtype(ar.x)}, the add is {G.dtype(norm.input)}"
+    return _group_guard(ar, comm)
+
+
+def _group_guard(ar: P.AllReduce, comm) -> Optional[str]:
+    """Why the all-reduce cannot run as commfuse's (None: it can)."""
+    if ar.comm is not None:
+        from commfuse import ops
+
+        if ar.comm not in ops._COMMUNICATORS:
+            return f"no live Communicator named {ar.comm!r} in this process"
+        return None
+    if comm is None:
+        return "no Communicator given to the pass (fuse(gm, comm)) for a torch.distributed all-reduce"
+    name = comm.group.group_name
+    if str(ar.group) != str(name):
+        return f"the all-reduce's group {ar.group!r} is not the Communicator's ({name!r})"
+    return None
+
+
+def _erase(g: fx.Graph, nodes: List[fx.Node], erased: set) -> None:
+    positions = G.order(g)
+    for n in sorted(set(nodes), key=lambda n: positions.get(n, -1), reverse=True):
+        if n in erased:
+            continue
+        if n.users:
+            raise AssertionError(f"commfuse.fusion: {n.name} still has users {list(n.users)} (a bug in the pass)")
+        g.erase_node(n)
+        erased.add(n)
+
+
+def _names(nodes):
+    seen = []
+    for n in nodes:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+# --------------------------------------------------------------------------- commfuse::fused_add_rmsnorm after an all-reduce
+
+
+def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce) -> None:
+    x, residual, weight, scale, eps, quant, return_norm, sf_layout, offset = node.args
+    positions = G.order(gm.graph)
+    if not isinstance(x, fx.Node):
+        return
+    ar = P.trace_all_reduce(x, node, positions)
+    if ar is None:
+        return
+    if isinstance(ar, P.Mismatch):
+        report.skipped.append(Skipped(node.name, "all-reduce", ar.reason, ar.kind))
+        _mark_all_reduce(x, seen_all_reduce)
+        return
+    seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
+    if residual is None:
+        why = "commfuse::fused_add_rmsnorm without a residual: commfuse::fused_all_reduce needs one"
+    elif offset != 0:
+        why = f"weight_offset {offset}: commfuse::fused_all_reduce takes no weight offset"
+    elif G.dtype(ar.x) != G.dtype(x):
+        why = f"the all-reduce sums {G.dtype(ar.x)}, the op reads {G.dtype(x)}"
+    else:
+        why = _group_guard(ar, comm)
+    if why:
+        report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why, "guard"))
+        return
+    comm_name = ar.comm if ar.comm is not None else comm.name
+    g = gm.graph
+    with g.inserting_before(node):
+        xin = ar.x if G.same_shape(ar.x, residual) else g.call_method("reshape_as", (ar.x, residual))
+        new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, quant, return_norm,
+                                                      sf_layout, comm_name))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    doomed = [node] + ar.chain + ar.nodes
+    _erase(g, doomed, erased)
+    report.fused.append(Fused(pattern="all_reduce + commfuse::fused_add_rmsnorm", op=OPS["all_reduce"], node=new.name,
+                              replaced=[n.name for n in doomed], spelling=f"{ar.spelling} | commfuse.fused_add_rmsnorm",
+                              quant=quant or None, return_norm=bool(return_norm), eps=str(eps), comm=comm_name))
+
+
+# --------------------------------------------------------------------------- the route, for the report
+
+
+def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> str:
+    """What the inserted op will run, from commfuse's plan for a call of the graph's shapes (one
+    token when the token count is symbolic)."""
+    try:
+        tokens, note = _tokens(norm.input, h)
+        if kind == "gated":
+            return "separated ops (no gated RMSNorm kernel yet)"
+        eps = norm.eps if isinstance(norm.eps, float) else 1e-6
+        q = quant.quant if quant is not None else None
+        if kind == "all_reduce":
+            from commfuse import ops
+
+            c = ops._COMMUNICATORS.get(comm_name)
+            if c is None:
+                return "unknown (no live Communicator)"
+            dev = c.device
+            x = torch.empty(tokens, h, dtype=t, device=dev)
+            scale = torch.ones(1, dtype=torch.float32, device=dev) if q else None
+            plan = c.plan(x, torch.empty_like(x), torch.empty(h, dtype=t, device=dev), eps=eps, quant=q, scale=scale,
+                          return_norm=bool(return_norm) and q is not None,
+                          sf_layout=quant.sf_layout if quant is not None else "swizzled")
+        else:
+            from commfuse import norm as local
+
+            dev = G.device(norm.input) or torch.device("cpu")
+            x = torch.empty(tokens, h, dtype=t, device=dev)
+            scale = torch.ones(1, dtype=torch.float32, device=dev) if q else None
+            plan = local.plan(x, torch.empty_like(x) if residual is not None else None,
+                              torch.empty(h, dtype=t, device=dev), eps, quant=q, scale=scale,
+                              weight_offset=norm.weight_offset)
+        return str(plan) + note
+    except Exception as e:  # noqa: BLE001 - the report must not break the pass
+        return f"unknown ({type(e).__name__}: {e})"
+
+
+def _tokens(n, h):
+    t = G.tokens(n)
+    if t is None:
+        return 1, "\n(planned for 1 token: the graph's token count is symbolic)"
+    return max(1, t), ""

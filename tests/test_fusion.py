@@ -1,0 +1,705 @@
+"""commfuse.fusion: every pattern found and rewritten, results against the unfused graph, every
+negative case skipped with its reason.
+
+Graphs are captured the way a torch.compile backend sees them (dynamo's torch-level graph, by a
+backend that keeps it), plus make_fx's aten-level graph and torch.fx.symbolic_trace's; the pass runs
+on them directly (no compiler: fast on a CPU), and one end-to-end test goes through
+commfuse.fusion.compile with aot_eager. Multi-rank tests (mpi, world >= 2) run over gloo on CPU:
+there the all-reduce is exact and the fused route is commfuse.reference, so a rewrite is bit-exact
+wherever the graph computes in commfuse's rounding order; where the report notes another order
+(HF's weight multiply after the cast back), the residual is exact, the norm within 1 ulp of T, and the
+codes those of the fused norm (docs/fusion.md, "Tolerances").
+"""
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+import torch.nn.functional as F
+
+import commfuse
+from commfuse import fusion, reference, tolerance
+
+from compare import assert_within_ulp, bits_equal
+from inputs import rank_inputs, tail_inputs
+
+mpi = pytest.mark.mpi(min_size=2)
+BF16 = torch.bfloat16
+FUSED_AR = torch.ops.commfuse.fused_all_reduce.default
+LOCAL = torch.ops.commfuse.fused_add_rmsnorm.default
+GATED = torch.ops.commfuse.gated_rmsnorm.default
+
+
+@pytest.fixture(scope="module")
+def quiet_comm(comm):
+    """A Communicator without the per-call cross-rank check (fewer collectives; the tests call alike)."""
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def capture(fn, *args, dynamic=False, raises=None):
+    """(dynamo's graph of fn(*args) as a torch.compile backend receives it, copies of its inputs in the
+    graph's own order: placeholders follow first use, and closed-over tensors are inputs too)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, _cloned(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=keep, fullgraph=True, dynamic=dynamic)
+    if raises is None:
+        compiled(*_cloned(args))
+    else:
+        with pytest.raises(raises):
+            compiled(*_cloned(args))
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def _cloned(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def counts(gm) -> collections.Counter:
+    return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function"
+                               and str(n.target).startswith("commfuse."))
+
+
+def fuse_and_run(fn, args, comm, **capture_kw):
+    """(graph, report, unfused outputs, fused outputs): the graph is captured, run, fused in place, run again."""
+    gm, inputs = capture(fn, *args, **capture_kw)
+    want = gm(*_cloned(inputs))
+    report = fusion.fuse(gm, comm)
+    got = gm(*_cloned(inputs))
+    return gm, report, list(want), list(got)
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert bits_equal(g, w), f"output {i} differs"
+
+
+def assert_rounding_order_close(got, want, kinds):
+    """Outputs of a rewrite whose report notes another rounding order: kinds[i] is "residual" (exact),
+    "norm" (1 ulp of T) or "fp8" (a neighbouring code at most)."""
+    for g, w, k in zip(got, want, kinds):
+        assert g.shape == w.shape and g.dtype == w.dtype, k
+        if k == "residual":
+            assert bits_equal(g, w), "residual differs"
+        elif k == "norm":
+            assert_within_ulp(g, w, 1, "norm")
+        else:
+            why, _ = tolerance.codes_close(g.view(torch.uint8), w.view(torch.uint8), 0x80, 1.0, "fp8", 0x7F)
+            assert why is None, why
+
+
+def setup(comm, gen, t=6, h=128, dtype=BF16, quant=None, shape=None):
+    x, _ = rank_inputs(comm, gen, shape or (t, h), dtype)
+    residual, weight, scale = tail_inputs(comm, gen, t, h, dtype, quant)
+    if shape is not None:
+        residual = residual.view(shape)
+    wo = (torch.randn(h, h, generator=gen) / h ** 0.5).to(dtype)
+    return x, residual, weight, scale, wo
+
+
+def hf_norm(h, w, eps=1e-6):
+    """HF LlamaRMSNorm.forward (Qwen2 and Mistral write the same)."""
+    input_dtype = h.dtype
+    hidden_states = h.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return w * hidden_states.to(input_dtype)
+
+
+def weight_before_cast_norm(h, w, eps=1e-6):
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (hf * w).to(h.dtype)
+
+
+def torch_norm(h, w, eps=1e-6):
+    return F.rms_norm(h, (h.shape[-1],), w, eps)
+
+
+def gemma_norm(h, w, eps=1e-6):
+    """HF GemmaRMSNorm.forward."""
+    x = h.float()
+    output = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    output = output * (1.0 + w.float())
+    return output.type_as(h)
+
+
+NORMS = {"hf": hf_norm, "weight_before_cast": weight_before_cast_norm, "torch": torch_norm}
+EXACT = {"hf": False, "weight_before_cast": True, "torch": True}
+
+
+def reduce(kind, comm, y):
+    if kind == "dist":
+        dist.all_reduce(y)
+        return y
+    if kind == "funcol":
+        return fc.all_reduce(y, "sum", dist.group.WORLD)
+    return commfuse.ops.all_reduce(comm, y)
+
+
+def fp8(n, scale):
+    return (n / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------- all-reduce + add + norm (+ quant)
+
+
+@mpi
+@pytest.mark.parametrize("collective", ["dist", "funcol", "commfuse"])
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_all_reduce_add_norm_is_fused(quiet_comm, gen, collective, norm):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = reduce(collective, c, F.linear(x, wo))
+        h = residual + y
+        return norm_fn(h, weight), h
+
+    norm_fn = NORMS[norm]
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert report.count("commfuse::fused_all_reduce") == 1 and not report.skipped, report
+    f = report.fused[0]
+    assert f.pattern == "all_reduce + add + rmsnorm" and f.comm == c.name
+    if EXACT[norm]:
+        assert_same(got, want)
+    else:
+        assert any("after the cast back" in n for _, n in report.numerics), report
+        assert_rounding_order_close(got, want, ["norm", "residual"])
+
+
+@mpi
+@pytest.mark.parametrize("order", ["residual + y", "y + residual"])
+def test_either_add_operand_order(quiet_comm, gen, order):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y if order == "residual + y" else y + residual
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("norm", ["hf", "torch"])
+def test_fp8_consumer_feeding_scaled_mm(quiet_comm, gen, norm):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+    wq = (torch.randn(64, 128, generator=gen) * 4).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w_scale = torch.tensor([0.01])
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        n = NORMS[norm](h, weight)
+        q = fp8(n, scale)
+        out = torch._scaled_mm(q, wq.t(), scale_a=scale, scale_b=w_scale, out_dtype=BF16)
+        return q, h, out
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    f = report.fused[0]
+    assert f.pattern == "all_reduce + add + rmsnorm + fp8" and f.quant == "fp8" and not f.return_norm, report
+    if norm == "torch":
+        assert_same(got, want)
+    else:
+        assert_rounding_order_close(got[:2], want[:2], ["fp8", "residual"])
+
+
+@mpi
+def test_fp8_norm_with_several_consumers_keeps_the_norm(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        n = hf_norm(h, weight)
+        q1, q2 = fp8(n, scale), fp8(n, scale)  # e.g. two projections sharing the input scale
+        return q1, q2, n * 2, h + 1  # the norm read elsewhere; the residual used later
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert report.fused[0].return_norm and report.fused[0].quant == "fp8", report
+    q1, q2, n2, h1 = got
+    assert bits_equal(q1, q2)
+    assert bits_equal(q1, reference.quantize_fp8(n2 / 2, scale)), "codes are not those of the fused norm"
+    assert_rounding_order_close(got, want, ["fp8", "fp8", "norm", "residual"])
+
+
+@mpi
+@pytest.mark.parametrize("sf_layout", ["swizzled", "linear"])
+def test_nvfp4_through_commfuse_quantize(quiet_comm, gen, sf_layout):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="nvfp4")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(128, eps=1e-5, dtype=BF16)
+            self.norm.weight.copy_(weight)
+
+        def forward(self, x, residual, wo, scale):
+            y = commfuse.ops.all_reduce(c, F.linear(x, wo))
+            h = y + residual
+            q, sf = commfuse.norm.quantize(self.norm(h), "nvfp4", scale, sf_layout)
+            return q, sf, h
+
+    gm, report, want, got = fuse_and_run(Block(), (x, residual, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert report.fused[0].quant == "nvfp4" and "torch.rms_norm" in report.fused[0].spelling, report
+    assert_same(got, want)
+
+
+@mpi
+def test_view_reshape_and_no_op_cast_chains(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8", shape=(2, 3, 128))
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo).reshape(-1, 128)  # [b, s, h] -> [t, h] for the collective, and back
+        y = fc.all_reduce(y, "sum", dist.group.WORLD).view(2, 3, 128).to(BF16)
+        h = residual + y
+        n = torch_norm(h, weight)
+        q = fp8(n.view(-1, 128), scale).view(2, 3, 128)
+        return q, h, n
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert [tuple(g.shape) for g in got] == [(2, 3, 128)] * 3
+    assert_same(got, want)
+
+
+@mpi
+def test_commfuse_local_op_after_all_reduce_becomes_fused_all_reduce(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+
+    def layer(x, residual, weight, wo, scale):
+        y = fc.all_reduce(F.linear(x, wo), "sum", dist.group.WORLD)
+        t = commfuse.fused_add_rmsnorm(y, residual, weight, 1e-6, quant="fp8", scale=scale, return_norm=True)
+        return t.residual, t.norm, t.quant
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert_same(got, want)
+
+
+@mpi
+def test_layers_chain_and_report_prints(quiet_comm, gen):
+    """Two decoder-like tails: the first's residual output is the second's residual input."""
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+
+    def two(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        q = fp8(torch_norm(h, weight), scale)
+        y2 = F.linear(q.to(BF16), wo)
+        dist.all_reduce(y2)
+        h2 = h + y2
+        return torch_norm(h2, weight), h2
+
+    gm, report, want, got = fuse_and_run(two, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 2}, report
+    assert_same(got, want)
+    text = str(report)
+    assert "2 fused, 0 skipped" in text and "commfuse::fused_all_reduce" in text and "route:" in text, text
+
+
+# --------------------------------------------------------------------------- negative cases (mpi)
+
+
+def _skip_reasons(report, what=None):
+    return [s.reason for s in report.skipped if what is None or s.what == what]
+
+
+@mpi
+def test_nvfp4_needs_h_multiple_of_16(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, h=40, quant="nvfp4")
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        # the op itself: commfuse.norm.quantize would raise while dynamo traces it
+        return torch.ops.commfuse.quantize(torch_norm(h, weight), scale, "nvfp4", "swizzled")
+
+    gm, _ = capture(layer, x, residual, weight, wo, scale, raises=ValueError)  # the graph itself raises: h % 16
+    report = fusion.fuse(gm, c)
+    assert any("h % 16 == 0, h = 40" in r for r in _skip_reasons(report, "quantization")), report
+    assert counts(gm)[FUSED_AR] == 1 and report.fused[0].quant is None, report  # add + norm still fused
+
+
+@mpi
+def test_fp32_activations_are_skipped(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen, dtype=torch.float32)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        return hf_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert not counts(gm) and not report.fused, report
+    assert any("float32 activations" in r for r in _skip_reasons(report)), report
+    assert_same(got, want)
+
+
+@mpi
+def test_non_sum_all_reduce_is_not_fused(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = fc.all_reduce(F.linear(x, wo), "max", dist.group.WORLD)
+        h = residual + y
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report  # the add + norm still become the local op
+    assert any("reduce op 'max'" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("collective", ["dist", "funcol"])
+def test_sum_also_read_elsewhere_keeps_the_all_reduce(quiet_comm, gen, collective):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = reduce(collective, c, F.linear(x, wo))
+        h = residual + y
+        return torch_norm(h, weight), h, y * 2  # the all-reduced sum has another reader
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("also read by" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+
+@mpi
+def test_all_reduce_of_a_graph_input_in_place_is_not_fused(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, _ = setup(c, gen)
+
+    def layer(x, residual, weight):
+        dist.all_reduce(x)  # the caller sees x modified
+        h = residual + x
+        return torch_norm(h, weight), h
+
+    gm, _ = capture(layer, x, residual, weight)
+    report = fusion.fuse(gm, c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("graph input" in r for r in _skip_reasons(report, "all-reduce")), report
+
+
+@mpi
+def test_consumers_with_different_scales(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+    scale2 = scale * 2
+
+    def layer(x, residual, weight, wo, scale, scale2):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        n = torch_norm(h, weight)
+        return fp8(n, scale), fp8(n, scale2), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale, scale2), c)
+    assert counts(gm) == {FUSED_AR: 1} and report.fused[0].quant is None, report
+    assert any("different scales" in r for r in _skip_reasons(report, "quantization")), report
+    assert_same(got, want)
+
+
+@mpi
+def test_other_group_and_no_communicator(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    other = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+
+    def layer(x, residual, weight, wo):
+        y = fc.all_reduce(F.linear(x, wo), "sum", other)
+        h = residual + y
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("is not the Communicator's" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+    gm, _ = capture(layer, x, residual, weight, wo)
+    report = fusion.fuse(gm, None)
+    assert any("no Communicator given" in r for r in _skip_reasons(report, "all-reduce")), report
+
+
+@mpi
+def test_unclamped_fp8_cast_and_python_scale_are_not_fused(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        n = torch_norm(h, weight)
+        return (n / scale).to(torch.float8_e4m3fn), (n / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1} and report.fused[0].quant is None, report
+    reasons = _skip_reasons(report, "quantization")
+    assert any("without a clamp" in r for r in reasons) and any("Python number" in r for r in reasons), report
+    assert_same(got, want)
+
+
+@mpi
+def test_gemma_norm_keeps_the_all_reduce(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        return gemma_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("Gemma" in r for r in _skip_reasons(report, "all-reduce")), report
+    node = next(n for n in gm.graph.nodes if n.target is LOCAL)
+    assert node.args[-1] == 1.0  # weight_offset
+    assert_same(got, want)
+
+
+# --------------------------------------------------------------------------- torch.compile end to end (mpi)
+
+
+@mpi
+def test_compile_end_to_end_dynamic_tokens(quiet_comm, gen):
+    c = quiet_comm
+    h = 128
+
+    class Block(torch.nn.Module):  # parameters: static shapes under dynamic=True, as in models
+        def __init__(self):
+            super().__init__()
+            self.wo = torch.nn.Parameter((torch.randn(h, h, generator=gen) / h ** 0.5).to(BF16))
+            self.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(h, generator=gen)).to(BF16))
+            self.register_buffer("scale", torch.tensor([0.02]))
+
+        def forward(self, x, residual):
+            y = F.linear(x, self.wo)
+            dist.all_reduce(y)
+            h1 = residual + y
+            q = fp8(weight_before_cast_norm(h1, self.weight), self.scale)
+            y2 = F.linear(q.to(BF16), self.wo)
+            dist.all_reduce(y2)
+            h2 = h1 + y2
+            return torch_norm(h2, self.weight), h2, q
+
+    block = Block()
+    torch._dynamo.reset()
+    compiled = fusion.compile(block, c, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, t in enumerate((5, 17, 3)):
+        x, _ = rank_inputs(c, gen, (t, h), BF16)
+        residual = torch.randn(t, h, generator=gen).to(BF16)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(x.clone(), residual)
+        want = block(x.clone(), residual)
+        for j, (g, w) in enumerate(zip(got, want)):
+            assert bits_equal(g, w), f"t={t}: output {j}"
+    assert len(compiled.fusion_reports) == 1, compiled.fusion_reports
+    (report,) = compiled.fusion_reports
+    assert report.count("commfuse::fused_all_reduce") == 2 and report.fused[0].quant == "fp8", report
+
+
+# --------------------------------------------------------------------------- local patterns (one process)
+
+
+def _local_inputs(gen, t=5, h=64, dtype=BF16):
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    residual = torch.randn(t, h, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype)
+    return x, residual, weight, torch.tensor([0.02])
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS) + ["gemma"])
+def test_local_add_norm_fp8(gen, norm):
+    x, residual, weight, scale = _local_inputs(gen)
+    norm_fn = gemma_norm if norm == "gemma" else NORMS[norm]
+
+    def f(x, residual, weight, scale):
+        h = x + residual
+        n = norm_fn(h, weight)
+        return fp8(n, scale), n, h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert report.fused[0].pattern == "add + rmsnorm + fp8" and report.fused[0].return_norm, report
+    if norm == "hf":
+        assert_rounding_order_close(got, want, ["fp8", "norm", "residual"])
+    else:
+        assert_same(got, want)
+
+
+def test_plain_norm_without_add_and_eps_none(gen):
+    x, _, weight, scale = _local_inputs(gen)
+
+    def f(x, weight, scale):
+        n = F.rms_norm(x, (64,), weight)  # eps=None
+        q, sf = commfuse.norm.quantize(n, "nvfp4", scale)
+        return q, sf
+
+    gm, report, want, got = fuse_and_run(f, (x, weight, scale), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    node = next(n for n in gm.graph.nodes if n.target is LOCAL)
+    assert node.args[1] is None and node.args[5] == "nvfp4"
+    assert any("finfo(float32).eps" in n for _, n in report.numerics), report
+    assert_same(got, want)
+
+
+def mamba2_gated_norm(x, gate, weight, group_size, eps=1e-5):
+    """HF Mamba2 / Nemotron-H MambaRMSNormGated.forward (the torch path; groups as Nemotron-H's)."""
+    input_dtype = x.dtype
+    hidden_states = x.to(torch.float32)
+    hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    shape = hidden_states.shape
+    hidden_states = hidden_states.view(*shape[:-1], shape[-1] // group_size, group_size)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    hidden_states = hidden_states.view(shape)
+    return weight * hidden_states.to(input_dtype)
+
+
+def mamba_ssm_norm_before_gate(x, z, weight, eps=1e-5):
+    """mamba_ssm's rms_norm_ref with norm_before_gate=True, group_size=None (rstd as rsqrt)."""
+    dtype = x.dtype
+    x, z = x.float(), z.float()
+    rstd = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    out = x * rstd * weight.float()
+    out = out * F.silu(z)
+    return out.to(dtype)
+
+
+@pytest.mark.parametrize("form", ["mamba2_grouped", "mamba2_one_group", "norm_before_gate"])
+def test_gated_rmsnorm_is_found(gen, form):
+    x, z, weight, _ = _local_inputs(gen, h=64)
+
+    def f(x, z, weight):
+        if form == "mamba2_grouped":
+            return (mamba2_gated_norm(x, z, weight, 16),)
+        if form == "mamba2_one_group":
+            return (mamba2_gated_norm(x, z, weight, 64),)
+        return (mamba_ssm_norm_before_gate(x, z, weight),)
+
+    gm, report, want, got = fuse_and_run(f, (x, z, weight), None)
+    assert counts(gm) == {GATED: 1}, report
+    node = next(n for n in gm.graph.nodes if n.target is GATED)
+    assert node.args[5] == {"mamba2_grouped": 16}.get(form, 64) and node.args[6] is (form == "norm_before_gate")
+    if form == "norm_before_gate":
+        assert_same(got, want)
+    else:
+        assert_rounding_order_close(got, want, ["norm"])
+
+
+def test_aten_level_graph_from_make_fx(gen):
+    """The same pattern as torch.compile decomposes it (aten ops, _to_copy to float8)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        h = x + residual
+        return fp8(weight_before_cast_norm(h, weight), scale), h
+
+    gm = make_fx(f)(x, residual, weight, scale)
+    assert any(str(n.target).startswith("aten.") for n in gm.graph.nodes)
+    want = gm(x, residual, weight, scale)
+    report = fusion.fuse(gm)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert_same(list(gm(x, residual, weight, scale)), list(want))
+
+
+def test_symbolic_trace_with_rmsnorm_module(gen):
+    x, residual, weight, scale = _local_inputs(gen)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(64, eps=1e-6, dtype=BF16)
+            self.norm.weight.copy_(weight)
+
+        def forward(self, x, residual, scale):
+            h = x + residual
+            return fp8(self.norm(h), scale), h
+
+    gm = torch.fx.symbolic_trace(M())
+    want = gm(x, residual, scale)
+    report = fusion.fuse(gm, example_inputs=(x, residual, scale))
+    assert counts(gm) == {LOCAL: 1}, report
+    assert report.fused[0].spelling.startswith("nn.RMSNorm"), report
+    assert_same(list(gm(x, residual, scale)), list(want))
+
+
+def test_local_negative_cases(gen):
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = x + residual
+        hf = h.float()
+        inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        n1 = (hf * inv).to(BF16)  # no weight
+        w32 = weight.float()
+        n2 = F.rms_norm(h, (64,), w32, 1e-6)  # a float32 weight
+        return n1, n2
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None)
+    assert not counts(gm), report
+    reasons = _skip_reasons(report, "rmsnorm")
+    assert any("no multiply by a bfloat16 weight" in r for r in reasons) and any("float32" in r for r in reasons), report
+    assert_same(got, want)
+
+
+def test_rsqrt_written_as_one_over_sqrt(gen):
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = residual + x
+        hf = h.float()
+        out = hf * (1 / torch.sqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)) * weight.float()
+        return out.to(BF16), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("1/sqrt" in n for _, n in report.numerics), report
+    assert_rounding_order_close(got, want, ["norm", "residual"])
