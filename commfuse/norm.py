@@ -406,7 +406,7 @@ def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor,
 
 @_fused_add_rmsnorm_op.register_fake
 def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset):
-    from .fused_tail import output_specs
+    from .epilogue import output_specs
 
     if quant not in ("", "fp8", "nvfp4") or sf_layout not in _SF_LAYOUTS:
         raise ValueError(f"quant must be '', 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
@@ -438,7 +438,7 @@ def _gated_rmsnorm_op(x: Tensor, z: Optional[Tensor], weight: Tensor, scale: Opt
 
 @_gated_rmsnorm_op.register_fake
 def _(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout):
-    from .fused_tail import output_specs
+    from .epilogue import output_specs
 
     h = x.shape[-1]
     specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
@@ -455,7 +455,7 @@ def _quantize_op(x: Tensor, scale: Tensor, quant: str, sf_layout: str) -> Tuple[
 
 @_quantize_op.register_fake
 def _(x, scale, quant, sf_layout):
-    from .fused_tail import output_specs
+    from .epilogue import output_specs
 
     if quant not in ("fp8", "nvfp4") or sf_layout not in _SF_LAYOUTS:
         raise ValueError(f"quant must be 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
