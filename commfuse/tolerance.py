@@ -182,13 +182,19 @@ def _computed_scales(got: reference.Tail, want: reference.Tail, quant: str, scal
     return codes_close(codes, codes_ref, 0x80, max_frac, f"{quant} codes", FP8_NAN)[0]
 
 
+def _as_tail(r) -> reference.Tail:
+    """A Tail from anything with the outputs as attributes (a Tail, a commfuse.FusedResult, a 4-field
+    tuple's Tail), scales None where it has none."""
+    return reference.Tail(r.residual, r.norm, r.quant, r.scale_factors, getattr(r, "scales", None))
+
+
 def tail_mismatch(got: reference.Tail, want: reference.Tail, quant: Optional[str], sf_layout: str = "swizzled",
                   max_frac: float = 1e-3, scale_layout: str = "row", scale_ue8m0: bool = False) -> Optional[str]:
     """Why a tail's outputs `got` differ from reference.fused_tail's `want` (fed the same all-reduced
     input) beyond the tolerances; None when within. Swizzle and MN-major padding is compared too (it
     must be 0). scale_layout / scale_ue8m0: those of the call, for quant "fp8_block".
     The comparison runs on got's device (the reference may come from the CPU)."""
-    got, want = reference.Tail(*got), reference.Tail(*want)  # 4-field tuples: scales None
+    got, want = _as_tail(got), _as_tail(want)
     want_scales = want.scales  # moved by _computed_scales: .to() would not keep an MN-major view's padding
     want = reference.Tail(*(None if v is None else v.to(got.residual.device) for v in want[:4]), want_scales)
     for name in ("residual", "norm"):

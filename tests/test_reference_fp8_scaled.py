@@ -665,3 +665,20 @@ def test_cuda_matches_cpu():
         if layout == "mn_major":
             s, sc = ref.mn_major_storage(s, 70, 8, ue), ref.mn_major_storage(sc, 70, 8, ue)
         assert torch.equal(sc.cpu().contiguous().view(torch.uint8), s.contiguous().view(torch.uint8))
+
+
+def test_tail_mismatch_takes_a_communicators_result():
+    """The tests hand tolerance.tail_mismatch a commfuse.FusedResult (a dataclass, not a tuple)."""
+    from commfuse import FusedResult, tolerance
+    from commfuse.plan import Collective, Plan, TailRoute
+
+    g = torch.Generator().manual_seed(3)
+    a, r, w = (torch.randn(4, 256, generator=g).to(torch.bfloat16) for _ in range(3))
+    from commfuse import reference
+
+    ref = reference.fused_tail(a, r, w[0], 1e-6, "fp8", 0.02, True)
+    got = FusedResult(*ref, plan=Plan(Collective.NCCL, TailRoute.FUSED))
+    assert tolerance.tail_mismatch(got, ref, "fp8") is None
+    bad = FusedResult(ref.residual, ref.norm, (ref.quant.view(torch.uint8) ^ 1).view(torch.float8_e4m3fn), None, None,
+                      plan=got.plan)
+    assert tolerance.tail_mismatch(bad, ref, "fp8") is not None
