@@ -84,7 +84,20 @@ def _check_weight(weight, x: Tensor, h: int) -> None:
         raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
 
 
+def _symbolic(v) -> bool:
+    # Under torch.compile(dynamic=True) dynamo may trace Python floats as SymFloats: the wrappers do not
+    # check their values while dynamo traces (a check would break the graph, float() would specialise
+    # it); the op's real implementation checks them when it runs.
+    return isinstance(v, (torch.SymFloat, torch.SymInt)) or torch.compiler.is_compiling()
+
+
+def _number(v):
+    return v if _symbolic(v) else float(v)
+
+
 def _check_eps(eps) -> None:
+    if _symbolic(eps):
+        return
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
@@ -123,8 +136,8 @@ def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset
             raise TypeError(f"residual dtype {residual.dtype} must match x dtype {x.dtype}")
     _check_weight(weight, x, h)
     _check_eps(eps)
-    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)) \
-            or not math.isfinite(weight_offset):
+    if not _symbolic(weight_offset) and (isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float))
+                                         or not math.isfinite(weight_offset)):
         raise ValueError(f"weight_offset must be a finite number, got {weight_offset!r}")
     _check_quant(quant, scale, sf_layout, h, x.device)
     return h
@@ -312,7 +325,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset)
     if isinstance(scale, Tensor) or scale is None:
         res, norm, q, sf = torch.ops.commfuse.fused_add_rmsnorm(
-            x, residual, weight, scale, float(eps), quant or "", bool(return_norm), sf_layout, float(weight_offset))
+            x, residual, weight, scale, _number(eps), quant or "", bool(return_norm), sf_layout, _number(weight_offset))
         result = Tail(None if residual is None else res, norm if quant is None or return_norm else None,
                       q if quant else None, sf if quant == "nvfp4" else None)
     else:  # a Python float scale: not an op argument; the separated ops take it (rounded to fp32)
@@ -350,7 +363,7 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     _check_quant(quant, scale, sf_layout, h, x.device)
     if scale is not None and not isinstance(scale, Tensor):
         scale = torch.full((1,), float(scale), dtype=torch.float32, device=x.device)
-    norm, q, sf = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, float(eps), group_size, norm_before_gate,
+    norm, q, sf = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, _number(eps), group_size, norm_before_gate,
                                                    quant or "", bool(return_norm), sf_layout)
     return Tail(None, norm if quant is None or return_norm else None, q if quant else None,
                 sf if quant == "nvfp4" else None)

@@ -227,7 +227,10 @@ class Decoder(torch.nn.Module):
             self.k_cache[i, :, :, pos:pos + t] = k
             self.v_cache[i, :, :, pos:pos + t] = v
             keys, values = self.k_cache[i, :, :, :pos + t], self.v_cache[i, :, :, :pos + t]
-            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, enable_gqa=True)
+            if t > 1:  # a Python branch: dynamo guards on it (is_causal must be a plain bool)
+                attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(b, t, self.heads * hd)
             hidden = residual + self.all_reduce(layer.o_proj(attn))
             residual = hidden

@@ -703,3 +703,26 @@ def test_rsqrt_written_as_one_over_sqrt(gen):
     assert counts(gm) == {LOCAL: 1}, report
     assert any("1/sqrt" in n for _, n in report.numerics), report
     assert_rounding_order_close(got, want, ["norm", "residual"])
+
+
+FP8_MAX = 448.0  # a float global: under dynamic=True dynamo lifts it to a graph input (a SymFloat)
+
+
+def test_dynamic_floats_eps_and_clamp_bounds(gen):
+    x, residual, weight, scale = _local_inputs(gen)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight)
+            self.eps = 1e-6
+
+        def forward(self, x, residual, scale):
+            h = x + residual
+            n = weight_before_cast_norm(h, self.weight, self.eps)
+            return (n / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), h
+
+    gm, report, want, got = fuse_and_run(M(), (x, residual, scale), None, dynamic=True)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].quant == "fp8", report
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item" and not n.users]
+    assert_same(got, want)

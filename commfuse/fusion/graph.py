@@ -251,6 +251,21 @@ def number(x: Any) -> Optional[float]:
     return float(x)
 
 
+def hinted_number(x: Any) -> tuple:
+    """(value, symbolic): a Python number's value, or the value dynamo saw for a symbolic float (a
+    node holding a SymFloat: dynamo lifts float globals and attributes to graph inputs under
+    dynamic=True), with symbolic True; (None, False) otherwise."""
+    v = number(x)
+    if v is not None:
+        return v, False
+    val = value(x)
+    if isinstance(val, (torch.SymFloat, torch.SymInt)):
+        hint = getattr(val.node, "hint", None)
+        if isinstance(hint, (int, float)) and not isinstance(hint, bool):
+            return float(hint), True
+    return None, False
+
+
 def cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
     """The dtype a cast node produces: from its metadata, else from its arguments."""
     d = dtype(node)

@@ -539,15 +539,21 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
     nodes.append(cur)
     c = _single_user(cur)
     lo = hi = None
-    clamps = []
+    clamps, symbolic = [], False
     while c is not None and G.kind(c) in ("clamp", "clamp_min", "clamp_max"):
         kk = G.kind(c)
-        if kk == "clamp":
-            lo, hi = G.number(G.operand(c, 1, "min")), G.number(G.operand(c, 2, "max"))
-        elif kk == "clamp_min":
-            lo = G.number(G.operand(c, 1, "min"))
-        else:
-            hi = G.number(G.operand(c, 1, "max"))
+        bounds = []
+        if kk in ("clamp", "clamp_min"):
+            bounds.append(("lo", G.operand(c, 1, "min")))
+        if kk in ("clamp", "clamp_max"):
+            bounds.append(("hi", G.operand(c, 2 if kk == "clamp" else 1, "max")))
+        for which, b in bounds:
+            v, sym = G.hinted_number(b)
+            symbolic |= sym
+            if which == "lo":
+                lo = v
+            else:
+                hi = v
         clamps.append(c)
         c = _single_user(c)
     if c is None or not _is_cast_to(c, torch.float8_e4m3fn):
@@ -557,6 +563,9 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
                         "fused op saturates")
     if lo != -FP8_MAX or hi != FP8_MAX:
         return Mismatch(f"FP8 quantization at {c.name} clamps to [{lo}, {hi}], not [-448, 448]")
+    if symbolic:
+        notes.append("the clamp bounds are symbolic floats (dynamo lifts float constants under dynamic=True), "
+                     "+-448 when compiled: the fused op saturates at +-448 whatever they become")
     nodes += clamps + [c]
     for n in nodes[:-1]:
         if len(n.users) != 1:

@@ -382,12 +382,23 @@ def _group_guard(ar: P.AllReduce, comm) -> Optional[str]:
 
 
 def _erase(g: fx.Graph, nodes: List[fx.Node], erased: set) -> None:
+    """Erase the replaced nodes, then whatever only they read (e.g. the item() of a lifted float), if pure."""
     positions = G.order(g)
+    inputs = set()
     for n in sorted(set(nodes), key=lambda n: positions.get(n, -1), reverse=True):
         if n in erased:
             continue
         if n.users:
             raise AssertionError(f"commfuse.fusion: {n.name} still has users {list(n.users)} (a bug in the pass)")
+        inputs.update(n.all_input_nodes)
+        g.erase_node(n)
+        erased.add(n)
+    stack = [n for n in inputs if n not in erased]
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or n.is_impure():
+            continue
+        stack.extend(n.all_input_nodes)
         g.erase_node(n)
         erased.add(n)
 

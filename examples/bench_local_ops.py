@@ -1,0 +1,186 @@
+"""Benchmark rows for the local ops (commfuse.norm) against the same computation in torch eager and
+torch.compile.
+
+    python examples/bench_local_ops.py                          # GPU: CUDA-graph and eager timings
+    python examples/bench_local_ops.py --shapes 16x7168,1024x8192 --json local.json
+
+Rows, per (pattern, tokens x hidden, dtype):
+- commfuse: commfuse.fused_add_rmsnorm / commfuse.gated_rmsnorm (its route is printed: the fused tail
+  kernel where the guards hold, else the separated ops);
+- torch eager: the same tail written in torch as models write it (residual add, HF-style RMSNorm in
+  float32 with the weight in float32, FP8 as (n / s).clamp(-448, 448).to(float8_e4m3fn); NVFP4 and the
+  gated norm as commfuse.reference / commfuse.norm.gated_reference compute them);
+- torch.compile: that torch function through torch.compile (inductor on CUDA, --compile-backend).
+
+Correct before fast: every row is first compared with commfuse.reference (commfuse.tolerance's
+tolerances); a row that misses gets no time, only the reason. Times are microseconds per call: on CUDA
+the GPU time of K calls captured in one CUDA graph ("graph") and of K back-to-back Python calls
+("eager"), median of R repeats; without CUDA the host's wall time (a test of the script, not a
+measurement worth reporting).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import commfuse  # noqa: E402
+from commfuse import norm, reference, tolerance  # noqa: E402
+
+PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "gated_rmsnorm")
+SCALES = {"fp8": 0.02, "nvfp4": 0.004}
+
+
+def torch_tail(x, residual, weight, eps, quant, scale):
+    h = (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    if quant == "fp8":
+        return h, (n.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if quant == "nvfp4":
+        q, sf = reference.quantize_nvfp4(n, scale)
+        return h, q, sf
+    return h, n
+
+
+def make_case(pattern, t, h, dtype, device, gen):
+    x = torch.randn(t, h, generator=gen).to(dtype).to(device)
+    r = torch.randn(t, h, generator=gen).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(device)
+    quant = {"add_rmsnorm_fp8": "fp8", "add_rmsnorm_nvfp4": "nvfp4"}.get(pattern)
+    scale = torch.tensor([SCALES[quant]], device=device) if quant else None
+    if pattern == "gated_rmsnorm":
+        ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, 128 if h % 128 == 0 else h, False).norm,)  # noqa: E731
+        theirs = lambda: (norm.gated_reference(x, r, w, 1e-5, 128 if h % 128 == 0 else h, False),)  # noqa: E731
+        want = theirs()
+        route = "separated ops (no gated kernel yet)"
+        return ours, theirs, want, route, None
+    ours_fn = lambda: commfuse.fused_add_rmsnorm(x, r, w, 1e-5, quant=quant, scale=scale)  # noqa: E731
+    route = "; ".join(s.strip(" -") for s in str(norm.plan(x, r, w, 1e-5, quant=quant, scale=scale)).splitlines())
+    want = reference.fused_tail(x, r, w, 1e-5, quant, scale)
+
+    def ours():
+        t_ = ours_fn()
+        return tuple(v for v in (t_.residual, t_.norm, t_.quant, t_.scale_factors) if v is not None)
+
+    theirs = lambda: torch_tail(x, r, w, 1e-5, quant, scale)  # noqa: E731
+    return ours, theirs, tuple(v for v in want if v is not None), route, quant
+
+
+def check(got, want, quant) -> str:
+    if quant is None or len(want) == 1:
+        for g, w in zip(got, want):
+            why = tolerance.within_ulp(g, w, 1, "output")
+            if why:
+                return why
+        return ""
+    t = reference.Tail(got[0], None, got[1], got[2] if quant == "nvfp4" else None)
+    w = reference.Tail(want[0], None, want[1], want[2] if quant == "nvfp4" else None)
+    return tolerance.tail_mismatch(t, w, quant) or ""
+
+
+def time_us(fn, cuda: bool, calls: int, repeats: int) -> dict:
+    for _ in range(3):
+        fn()
+    out = {}
+    if cuda:
+        torch.cuda.synchronize()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                for _ in range(calls):
+                    fn()
+            g.replay()
+            ts = []
+            for _ in range(repeats):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                ts.append(s.elapsed_time(e) * 1e3 / calls)
+            out["graph"] = statistics.median(ts)
+        except Exception as ex:  # noqa: BLE001 - a row that cannot be captured is reported so
+            out["graph_error"] = f"{type(ex).__name__}: {ex}"
+        ts = []
+        for _ in range(repeats):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(calls):
+                fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) * 1e3 / calls)
+        out["eager"] = statistics.median(ts)
+    else:
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            ts.append((time.perf_counter() - t0) * 1e6 / calls)
+        out["host"] = statistics.median(ts)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="1x4096,16x7168,64x8192,256x7168,1024x8192")
+    p.add_argument("--patterns", default=",".join(PATTERNS))
+    p.add_argument("--dtypes", default="bf16")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, aot_eager on CPU")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    backend = args.compile_backend or ("inductor" if cuda else "aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for dt in args.dtypes.split(","):
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+            for pattern in args.patterns.split(","):
+                for shape in args.shapes.split(","):
+                    t, h = map(int, shape.split("x"))
+                    ours, theirs, want, route, quant = make_case(pattern, t, h, dtype, device, gen)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(theirs, backend=backend)
+                    row = {"pattern": pattern, "shape": shape, "dtype": dt, "route": route}
+                    for name, fn in (("commfuse", ours), ("torch eager", theirs), ("torch.compile", compiled)):
+                        why = check(fn(), want, quant)
+                        row[name] = {"rejected": why} if why else time_us(fn, cuda, args.calls, args.repeats)
+                    rows.append(row)
+    key = "graph" if cuda else "host"
+    print(f"local ops, us per call ({'GPU time, CUDA graphs' if cuda else 'host wall time: not GPU numbers'}), "
+          f"torch.compile backend {backend}")
+    print("| pattern | tokens x hidden | dtype | commfuse | torch eager | torch.compile | commfuse route |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = []
+        for name in ("commfuse", "torch eager", "torch.compile"):
+            v = r[name]
+            cells.append(f"rejected: {v['rejected']}" if "rejected" in v else
+                         f"{v.get(key, float('nan')):.1f}" + (f" (eager {v['eager']:.1f})" if cuda else ""))
+        print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |")
+    out = {"device": str(device), "cuda": cuda, "backend": backend, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

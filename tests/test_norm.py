@@ -1,0 +1,252 @@
+"""commfuse.norm: the local fused ops (no collective) against commfuse.reference and independent formulas.
+
+CPU: semantics, argument errors, out=, the route's reasons, opcheck of the custom ops, torch.compile.
+GPU (skipped on a CPU machine): the fused kernel route against the reference, within the tolerances
+of docs/semantics.md section 9.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import commfuse
+from commfuse import norm, reference
+from commfuse.reference import Tail
+
+from compare import assert_tail_close, assert_within_ulp, bits_equal
+from conftest import needs_gpu
+
+BF16 = torch.bfloat16
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def inputs(gen, t, h, dtype, device="cpu", quant=None):
+    x = (torch.randn(t, h, generator=gen) * 3).to(dtype).to(device)
+    residual = torch.randn(t, h, generator=gen).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(device)
+    scale = None if quant is None else torch.tensor([{"fp8": 0.02, "nvfp4": 0.004}[quant]], device=device)
+    return x, residual, weight, scale
+
+
+PATTERNS = [(None, False, "swizzled"), ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
+            ("nvfp4", False, "swizzled"), ("nvfp4", True, "linear")]
+
+
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+def test_fused_add_rmsnorm_is_the_reference_tail(gen, quant, return_norm, sf_layout, dtype):
+    x, residual, weight, scale = inputs(gen, 7, 256, dtype, quant=quant)
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale, return_norm=return_norm,
+                                     sf_layout=sf_layout)
+    want = reference.fused_tail(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
+    assert_tail_close(got, want, quant, sf_layout, exact=True)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+def test_without_residual_is_rmsnorm_then_quant(gen, quant):
+    x, _, weight, scale = inputs(gen, 3, 64, BF16, quant=quant)
+    got = commfuse.fused_add_rmsnorm(x.view(1, 3, 64), None, weight, 1e-6, quant=quant, scale=scale, return_norm=True)
+    n = reference.rmsnorm(x, weight, 1e-6)
+    assert got.residual is None and bits_equal(got.norm, n)
+    if quant == "fp8":
+        assert bits_equal(got.quant, reference.quantize_fp8(n, scale)) and got.scale_factors is None
+    elif quant == "nvfp4":
+        q, sf = reference.quantize_nvfp4(n, scale)
+        assert bits_equal(got.quant, q) and bits_equal(got.scale_factors, sf)
+
+
+def test_weight_offset_is_gemmas_one_plus_w(gen):
+    x, residual, weight, _ = inputs(gen, 4, 128, BF16)
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-6, weight_offset=1.0)
+    h = (x.float() + residual.float()).to(BF16)  # independent: HF GemmaRMSNorm on the residual sum
+    hf = h.float()
+    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = (out * (1.0 + weight.float())).to(BF16)
+    assert bits_equal(got.residual, h) and bits_equal(got.norm, want)
+
+
+def test_python_float_scale_and_shapes(gen):
+    x, residual, weight, _ = inputs(gen, 6, 64, BF16)
+    got = commfuse.fused_add_rmsnorm(x.view(2, 3, 64), residual.view(2, 3, 64), weight, quant="fp8", scale=0.02)
+    want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", 0.02)
+    assert got.residual.shape == (6, 64) and bits_equal(got.quant, want.quant) and got.norm is None
+
+
+def test_plan_names_the_route(gen):
+    x, residual, weight, scale = inputs(gen, 2, 64, BF16, quant="fp8")
+    p = norm.plan(x, residual, weight, quant="fp8", scale=scale)
+    assert p.tail == "separated" and "cpu" in p.reasons[0]
+    assert "no residual" in norm.plan(x, None, weight).reasons[0]
+    kw = dict(dtype=BF16, device=torch.device("cuda"), hidden=64, has_residual=True, quant="fp8", scale_ok=True,
+              weight_offset=0.0, last_strides_one=True)
+    assert norm.tail_guard(**kw, sm=(9, 0)) is None
+    assert "weight_offset" in norm.tail_guard(**{**kw, "weight_offset": 1.0}, sm=(9, 0))
+    assert "SM 7.5" in norm.tail_guard(**kw, sm=(7, 5))
+    assert "stride" in norm.tail_guard(**{**kw, "last_strides_one": False}, sm=(9, 0))
+    assert "float32 CUDA tensor" in norm.tail_guard(**{**kw, "scale_ok": False}, sm=(9, 0))
+    assert "multiple of 8" in norm.tail_guard(**{**kw, "hidden": 60}, sm=(9, 0))
+    assert "float16 and bfloat16" in norm.tail_guard(**{**kw, "dtype": torch.float32}, sm=(9, 0))
+
+
+def test_bad_arguments_name_themselves(gen):
+    x, residual, weight, scale = inputs(gen, 2, 64, BF16, quant="fp8")
+    f = commfuse.fused_add_rmsnorm
+    cases = [
+        (TypeError, "x must be", lambda: f("x", residual, weight)),
+        (ValueError, "residual must have", lambda: f(x, residual[:1], weight)),
+        (TypeError, "residual dtype", lambda: f(x, residual.half(), weight)),
+        (ValueError, "weight must have shape", lambda: f(x, residual, weight[:3])),
+        (TypeError, "weight dtype", lambda: f(x, residual, weight.float())),
+        (ValueError, "eps", lambda: f(x, residual, weight, -1.0)),
+        (ValueError, "weight_offset", lambda: f(x, residual, weight, weight_offset=float("nan"))),
+        (ValueError, "quant must be", lambda: f(x, residual, weight, quant="int4", scale=scale)),
+        (ValueError, "needs scale", lambda: f(x, residual, weight, quant="fp8")),
+        (TypeError, "scale must be float32", lambda: f(x, residual, weight, quant="fp8", scale=scale.double())),
+        (ValueError, "scale is only meaningful", lambda: f(x, residual, weight, scale=scale)),
+        (ValueError, "multiple of 16", lambda: f(x[:, :40], residual[:, :40], weight[:40], quant="nvfp4",
+                                                 scale=scale)),
+        (ValueError, "sf_layout", lambda: f(x, residual, weight, sf_layout="tiled")),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_out_tensors_are_written_in_place(gen):
+    x, residual, weight, scale = inputs(gen, 5, 64, BF16, quant="fp8")
+    want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", scale, True)
+    res = residual.clone()
+    q = torch.empty(5, 64, dtype=torch.float8_e4m3fn)
+    got = commfuse.fused_add_rmsnorm(x, res, weight, quant="fp8", scale=scale, return_norm=True,
+                                     out=Tail(res, None, q, None))  # residual updated in place, norm allocated
+    assert got.residual is res and got.quant is q and bits_equal(res, want.residual) and bits_equal(q, want.quant)
+    assert bits_equal(got.norm, want.norm)
+    bad = [
+        (TypeError, "out must be", ("a", "b")),
+        (ValueError, "produces no scale_factors", Tail(None, None, None, torch.empty(4, dtype=torch.float8_e4m3fn))),
+        (TypeError, "out.quant must be torch.float8_e4m3fn", Tail(None, None, torch.empty(5, 64), None)),
+        (ValueError, "out.residual must have shape", Tail(torch.empty(4, 64, dtype=BF16), None, None, None)),
+        (ValueError, "out.norm must be contiguous", Tail(None, torch.empty(64, 5, dtype=BF16).t(), None, None)),
+    ]
+    for exc, match, out in bad:
+        with pytest.raises(exc, match=match):
+            commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=scale, return_norm=True, out=out)
+
+
+def _mamba_ssm_rms_norm_ref(x, weight, z, eps, group_size, norm_before_gate):
+    """mamba_ssm.ops.triton.layernorm_gated.rms_norm_ref (bias None, upcast), rstd as rsqrt."""
+    dtype = x.dtype
+    weight, x, z = weight.float(), x.float(), z.float() if z is not None else z
+    if z is not None and not norm_before_gate:
+        x = x * F.silu(z)
+    t, h = x.shape
+    x_group = x.view(t, h // group_size, group_size)
+    rstd = torch.rsqrt(x_group.square().mean(dim=-1, keepdim=True) + eps)
+    out = (x_group * rstd).view(t, h) * weight
+    if z is not None and norm_before_gate:
+        out = out * F.silu(z)
+    return out.to(dtype)
+
+
+@pytest.mark.parametrize("group_size", [None, 16, 64])
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gated_rmsnorm_matches_mamba_ssm_reference(gen, group_size, norm_before_gate, gated):
+    x, z, weight, _ = inputs(gen, 5, 128, BF16)
+    z = z if gated else None
+    got = commfuse.gated_rmsnorm(x, z, weight, 1e-5, group_size, norm_before_gate)
+    want = _mamba_ssm_rms_norm_ref(x, weight, z, 1e-5, group_size or 128, norm_before_gate)
+    assert got.residual is None and got.quant is None and bits_equal(got.norm, want)
+
+
+def test_gated_rmsnorm_quant_and_errors(gen):
+    x, z, weight, scale = inputs(gen, 3, 64, BF16, quant="nvfp4")
+    got = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 32, False, quant="nvfp4", scale=scale, return_norm=True)
+    q, sf = reference.quantize_nvfp4(got.norm, scale)
+    assert bits_equal(got.quant, q) and bits_equal(got.scale_factors, sf)
+    with pytest.raises(ValueError, match="group_size"):
+        commfuse.gated_rmsnorm(x, z, weight, 1e-5, 48, False)
+    with pytest.raises(ValueError, match="z must have"):
+        commfuse.gated_rmsnorm(x, z[:1], weight, 1e-5, None, False)
+    with pytest.raises(TypeError, match="norm_before_gate"):
+        commfuse.gated_rmsnorm(x, z, weight, 1e-5, None, "yes")
+
+
+def test_quantize_alone(gen):
+    x, _, _, scale = inputs(gen, 4, 64, BF16, quant="fp8")
+    q, sf = norm.quantize(x.view(2, 2, 64), "fp8", scale)
+    assert sf is None and bits_equal(q, reference.quantize_fp8(x, scale))
+    q, sf = norm.quantize(x, "nvfp4", scale, "linear")
+    want = reference.quantize_nvfp4(x, scale, "linear")
+    assert bits_equal(q, want[0]) and bits_equal(sf, want[1])
+    with pytest.raises(ValueError, match="quant must be"):
+        norm.quantize(x, None, scale)
+
+
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_opcheck_fused_add_rmsnorm(gen, quant, return_norm, sf_layout, with_residual):
+    x, residual, weight, scale = inputs(gen, 5, 128, BF16, quant=quant)
+    torch.library.opcheck(torch.ops.commfuse.fused_add_rmsnorm.default,
+                          (x, residual if with_residual else None, weight, scale, 1e-6, quant or "", return_norm,
+                           sf_layout, 0.0))
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+def test_opcheck_gated_and_quantize(gen, quant):
+    x, z, weight, scale = inputs(gen, 5, 128, BF16, quant=quant)
+    torch.library.opcheck(torch.ops.commfuse.gated_rmsnorm.default,
+                          (x, z, weight, scale, 1e-5, 32, False, quant or "", True, "swizzled"))
+    if quant:
+        torch.library.opcheck(torch.ops.commfuse.quantize.default, (x, scale, quant, "swizzled"))
+
+
+def test_compiled_ops_dynamic_tokens(gen):
+    def f(x, residual, weight, z, scale):
+        t = commfuse.fused_add_rmsnorm(x, residual, weight, quant="nvfp4", scale=scale, return_norm=True)
+        g = commfuse.gated_rmsnorm(t.norm, z, weight, 1e-5, 32, False)
+        return t.residual, t.quant, t.scale_factors, g.norm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, t in enumerate((3, 130)):
+        x, residual, weight, scale = inputs(gen, t, 64, BF16, quant="nvfp4")
+        z = torch.randn(t, 64, generator=gen).to(BF16)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(x, residual, weight, z, scale)
+        for a, b in zip(got, f(x, residual, weight, z, scale)):
+            assert bits_equal(a, b)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, h", [(1, 4096), (7, 2880), (130, 8192)])
+def test_gpu_fused_route_matches_reference(gen, quant, return_norm, sf_layout, dtype, t, h):
+    x, residual, weight, scale = inputs(gen, t, h, dtype, "cuda", quant)
+    p = norm.plan(x, residual, weight, quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout)
+    assert p.tail == "fused", p
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale, return_norm=return_norm,
+                                     sf_layout=sf_layout)
+    want = reference.fused_tail(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
+    assert_tail_close(got, want, quant, sf_layout)
+    assert bits_equal(got.residual, want.residual)
+
+
+@needs_gpu
+def test_gpu_separated_routes_and_out(gen):
+    x, residual, weight, scale = inputs(gen, 9, 1024, BF16, "cuda", "fp8")
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, weight_offset=1.0)  # separated: the offset
+    want = norm._separated_tail(x, residual, weight, 1e-6, None, None, False, "swizzled", 1.0)
+    assert bits_equal(got.norm, want.norm)
+    res = residual.clone()
+    got = commfuse.fused_add_rmsnorm(x, res, weight, quant="fp8", scale=scale, out=Tail(res, None, None, None))
+    want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", scale)
+    assert got.residual is res and bits_equal(res, want.residual)
+    assert_tail_close(got, want, "fp8")
+    g = commfuse.gated_rmsnorm(x, residual, weight, 1e-5, 128, False)
+    # silu (exp) on the GPU need not give the CPU's bits: within 1 ulp of T
+    assert_within_ulp(g.norm.cpu(), norm.gated_reference(x.cpu(), residual.cpu(), weight.cpu(), 1e-5, 128, False),
+                      1, "gated norm")
