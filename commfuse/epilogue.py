@@ -77,6 +77,20 @@ def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[s
     return ((t, h), dtype), norm, q, sf
 
 
+def fake_outputs(x: torch.Tensor, quant: str, return_norm: bool, sf_layout: str) -> list:
+    """The outputs of a tail op (residual, norm, quant, scale_factors) as empty tensors of their shapes
+    (an absent one: an empty tensor of x's dtype), for commfuse's torch.library fake implementations;
+    quant "" means none. The real calls check their arguments; here only what the shapes need."""
+    if quant not in ("", "fp8", "nvfp4") or sf_layout not in SF_LAYOUTS:
+        raise ValueError(f"quant must be '', 'fp8' or 'nvfp4' and sf_layout one of {SF_LAYOUTS}, got "
+                         f"{quant!r}, {sf_layout!r}")
+    h = x.shape[-1]
+    if h == 0:
+        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+    specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
+    return [x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs]
+
+
 # prepare's: a decode loop asks for a handful of shapes, on its hot path. (Not for the fake
 # implementations: their sizes are symbolic, and unhashable.)
 _output_specs_cached = functools.lru_cache(maxsize=4096)(output_specs)

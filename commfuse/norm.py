@@ -419,16 +419,9 @@ def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor,
 
 @_fused_add_rmsnorm_op.register_fake
 def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset):
-    from .epilogue import output_specs
+    from .epilogue import fake_outputs
 
-    if quant not in ("", "fp8", "nvfp4") or sf_layout not in _SF_LAYOUTS:
-        raise ValueError(f"quant must be '', 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
-                         f"got {quant!r}, {sf_layout!r}")
-    h = x.shape[-1]
-    if h == 0:
-        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
-    specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
-    outs = [x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs]
+    outs = fake_outputs(x, quant, return_norm, sf_layout)
     if residual is None:
         outs[0] = x.new_empty(0)
     return tuple(outs)

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .epilogue import output_specs
+from .epilogue import fake_outputs
 from .reference import Tail
 
 __all__ = ["all_reduce", "fused_all_reduce"]
@@ -140,12 +140,4 @@ def _fused_all_reduce(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 @_fused_all_reduce.register_fake
 def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm):
-    # The real call checks its arguments; here they must only be well-formed enough for shapes.
-    if quant not in ("", "fp8", "nvfp4") or sf_layout not in ("swizzled", "linear"):
-        raise ValueError(f"quant must be '', 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
-                         f"got {quant!r}, {sf_layout!r}")
-    h = x.shape[-1]
-    if h == 0:
-        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
-    specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
-    return tuple(x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs)
+    return tuple(fake_outputs(x, quant, return_norm, sf_layout))
