@@ -31,7 +31,7 @@ def test_tp_decoder_tiny(comm, args, tmp_path):
     assert res["ok"], res["checks"]
     world = torch.distributed.get_world_size()
     for name, check in res["checks"].items():
-        if res["device"] == "cpu":
+        if res["device"] == "cpu" and world <= 2:  # gloo's sum is commfuse's bits on 2 ranks only
             assert check["bit_identical"], (name, check)
         # per graph: 2 tails a layer (the first input norm has no add: a local op); prefill and decode graphs
         assert check["fused_ops"] == 2 * (2 * 2 + 1), (name, check)
