@@ -426,6 +426,36 @@ def test_all_reduce_of_a_graph_input_in_place_is_not_fused(quiet_comm, gen):
 
 
 @mpi
+def test_all_reduce_of_a_view_in_place_is_not_fused(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        v = y.view(-1)
+        dist.all_reduce(v)  # y holds the sum too
+        h = residual + v.view(6, 128)
+        return torch_norm(h, weight), h, y
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("a view of another tensor" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+    def view_before(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        flat = y.view(-1)  # taken before the collective, read after it: it holds the sum
+        dist.all_reduce(y)
+        h = residual + y
+        return torch_norm(h, weight), h, flat * 2
+
+    gm, report, want, got = fuse_and_run(view_before, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("taken before the collective" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+
+@mpi
 def test_consumers_with_different_scales(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
