@@ -672,12 +672,17 @@ def test_aten_level_graph_from_make_fx(gen):
         h = x + residual
         return fp8(weight_before_cast_norm(h, weight), scale), h
 
-    gm = make_fx(f)(x, residual, weight, scale)
-    assert any(str(n.target).startswith("aten.") for n in gm.graph.nodes)
-    want = gm(x, residual, weight, scale)
-    report = fusion.fuse(gm)
-    assert counts(gm) == {LOCAL: 1}, report
-    assert_same(list(gm(x, residual, weight, scale)), list(want))
+    def g(x, residual, weight, scale):
+        h = x + residual
+        return fp8(torch_norm(h, weight), scale), h
+
+    for fn, kw in ((f, {}), (g, {}), (g, {"pre_dispatch": True})):  # g: F.rms_norm decomposed / as aten.rms_norm
+        gm = make_fx(fn, **kw)(x, residual, weight, scale)
+        assert any(str(n.target).startswith("aten.") for n in gm.graph.nodes)
+        want = gm(x, residual, weight, scale)
+        report = fusion.fuse(gm)
+        assert counts(gm) == {LOCAL: 1}, (kw, report)
+        assert_same(list(gm(x, residual, weight, scale)), list(want))
 
 
 def test_symbolic_trace_with_rmsnorm_module(gen):

@@ -46,6 +46,7 @@ def _table() -> dict:
                 t[target] = kind
 
     put("add", operator.add, torch.add, _overloads(aten.add, "Tensor", "Scalar"))
+    put("add_", _overloads(aten.add_, "Tensor", "Scalar"))  # the aten decomposition's mean.add_(eps)
     put("mul", operator.mul, torch.mul, torch.multiply, _overloads(aten.mul, "Tensor", "Scalar"))
     put("div", operator.truediv, torch.div, torch.true_divide, torch.divide,
         _overloads(aten.div, "Tensor", "Scalar"))

@@ -251,7 +251,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     else:
         return None
     inner = [r] if k == "rsqrt" else [G.operand(r, 0, "input") if k == "reciprocal" else _binary(r)[1], r]
-    if not isinstance(e, fx.Node) or G.kind(e) != "add":
+    if not isinstance(e, fx.Node) or G.kind(e) not in ("add", "add_"):
         return None
     a, b = _binary(e)
     mean = a if G.kind(a) == "mean" else b if G.kind(b) == "mean" else None
