@@ -390,9 +390,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
         lines.append(f"| {s} | " + " | ".join(f"{results[c][i]:.3f}" for c in results) + " |")
     lines.append(f"| total | " + " | ".join(f"{sum(results[c]):.3f}" for c in results) + " |")
     say("\n".join(lines))
+    distinct: dict = {}  # the same graph fuses the same way in every column: print each report once
     for name, reps in reports.items():
         for j, r in enumerate(reps or []):
-            say(f"\nfusion report, {name}, graph {j + 1}:\n{r}")
+            body = str(r).split("\n", 1)
+            key = body[1] if len(body) > 1 else body[0]
+            distinct.setdefault(key, (body[0], []))[1].append(f"{name} graph {j + 1}")
+    for key, (head, where) in distinct.items():
+        say(f"\nfusion report ({', '.join(where)}):\n{head}\n{key}")
     say("")
     for name, c in checks.items():
         what = "bit-identical" if c["bit_identical"] else \

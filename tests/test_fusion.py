@@ -454,6 +454,36 @@ def test_all_reduce_of_a_graph_input_in_place_is_not_fused(quiet_comm, gen):
 
 
 @mpi
+def test_all_reduce_of_a_view_in_place_is_not_fused(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        v = y.view(-1)
+        dist.all_reduce(v)  # y holds the sum too
+        h = residual + v.view(6, 128)
+        return torch_norm(h, weight), h, y
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("a view of another tensor" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+    def view_before(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        flat = y.view(-1)  # taken before the collective, read after it: it holds the sum
+        dist.all_reduce(y)
+        h = residual + y
+        return torch_norm(h, weight), h, flat * 2
+
+    gm, report, want, got = fuse_and_run(view_before, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("taken before the collective" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+
+@mpi
 def test_consumers_with_different_scales(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
@@ -670,12 +700,17 @@ def test_aten_level_graph_from_make_fx(gen):
         h = x + residual
         return fp8(weight_before_cast_norm(h, weight), scale), h
 
-    gm = make_fx(f)(x, residual, weight, scale)
-    assert any(str(n.target).startswith("aten.") for n in gm.graph.nodes)
-    want = gm(x, residual, weight, scale)
-    report = fusion.fuse(gm)
-    assert counts(gm) == {LOCAL: 1}, report
-    assert_same(list(gm(x, residual, weight, scale)), list(want))
+    def g(x, residual, weight, scale):
+        h = x + residual
+        return fp8(torch_norm(h, weight), scale), h
+
+    for fn, kw in ((f, {}), (g, {}), (g, {"pre_dispatch": True})):  # g: F.rms_norm decomposed / as aten.rms_norm
+        gm = make_fx(fn, **kw)(x, residual, weight, scale)
+        assert any(str(n.target).startswith("aten.") for n in gm.graph.nodes)
+        want = gm(x, residual, weight, scale)
+        report = fusion.fuse(gm)
+        assert counts(gm) == {LOCAL: 1}, (kw, report)
+        assert_same(list(gm(x, residual, weight, scale)), list(want))
 
 
 def test_symbolic_trace_with_rmsnorm_module(gen):

@@ -46,6 +46,7 @@ def _table() -> dict:
                 t[target] = kind
 
     put("add", operator.add, torch.add, _overloads(aten.add, "Tensor", "Scalar"))
+    put("add_", _overloads(aten.add_, "Tensor", "Scalar"))  # the aten decomposition's mean.add_(eps)
     put("mul", operator.mul, torch.mul, torch.multiply, _overloads(aten.mul, "Tensor", "Scalar"))
     put("div", operator.truediv, torch.div, torch.true_divide, torch.divide,
         _overloads(aten.div, "Tensor", "Scalar"))
@@ -298,6 +299,29 @@ def passthrough(node: Any) -> bool:
         src = source(node)
         return src is not None and dtype(src) is not None and cast_dtype(node) == dtype(src)
     return False
+
+
+_ALIASING = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "transpose", "t", "permute",
+             "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind",
+             "as_strided", "diagonal", "detach", "alias", "contiguous", "movedim", "swapaxes", "unfold", "view_as_real",
+             "view_as_complex", "split_with_sizes", "tensor_split", "__getitem__"}
+
+
+def may_alias(node: Any) -> bool:
+    """Whether node's value may share memory with one of its inputs (a view, a slice, ...)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in _ALIASING
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t is operator.getitem:
+        return True
+    schema = getattr(t, "_schema", None)
+    if schema is not None:
+        return any(r.alias_info is not None for r in schema.returns)
+    return getattr(t, "__name__", None) in _ALIASING
 
 
 def order(graph: fx.Graph) -> dict:

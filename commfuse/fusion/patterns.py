@@ -251,7 +251,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     else:
         return None
     inner = [r] if k == "rsqrt" else [G.operand(r, 0, "input") if k == "reciprocal" else _binary(r)[1], r]
-    if not isinstance(e, fx.Node) or G.kind(e) != "add":
+    if not isinstance(e, fx.Node) or G.kind(e) not in ("add", "add_"):
         return None
     a, b = _binary(e)
     mean = a if G.kind(a) == "mean" else b if G.kind(b) == "mean" else None
@@ -460,12 +460,25 @@ def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllRed
     if v.op == "placeholder":
         return Mismatch(f"torch.distributed.all_reduce modifies the graph input {v.name} in place, which the caller "
                         "sees: the fused op would leave it unreduced", "guard")
+    if G.may_alias(v):
+        return Mismatch(f"torch.distributed.all_reduce modifies {v.name}, a view of another tensor, in place: readers "
+                        "of that tensor would see the sum, which the fused op does not write", "guard")
     for u in v.users:  # readers of v after the copy read the sum: the add (through `before`) only
         if u in (copy, ar) or positions.get(u, 0) < positions[copy]:
             continue
         if u is not before:
             return Mismatch(f"the all-reduced {v.name} is also read by {u.name}: the fused op does not return the sum",
                             "guard")
+    # Views of v taken before the collective see the sum too once it is copied in.
+    stack = [u for u in v.users if u not in (copy, ar) and positions.get(u, 0) < positions[copy] and G.may_alias(u)]
+    while stack:
+        a = stack.pop()
+        for u in a.users:
+            if positions.get(u, 0) > positions[copy]:
+                return Mismatch(f"{a.name}, a view of the all-reduced {v.name} taken before the collective, is read "
+                                f"by {u.name} after it: the fused op does not write the sum", "guard")
+            if G.may_alias(u):
+                stack.append(u)
     if len(wait.users) != 1 or len(copy.users) != 0:
         return Mismatch(f"the all-reduce's {wait.name} / {copy.name} have other users", "guard")
     return found
