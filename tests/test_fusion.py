@@ -97,6 +97,11 @@ def assert_close_under_sum_order(g, w, i):
     quantization carry on; values (dequantized codes for FP8) within 5% of the output's largest
     magnitude, byte outputs (packed codes, scale factors) equal in at least 90% of places."""
     assert g.shape == w.shape and g.dtype == w.dtype, f"output {i}"
+    if g.dtype == torch.float8_e4m3fn:  # values of codes: a step is 12.5% of a value
+        gf, wf = g.float(), w.float()
+        scale = wf[torch.isfinite(wf)].abs().max().clamp_min(1e-30)
+        assert ((gf - wf).abs() <= 0.13 * wf.abs() + 0.05 * scale).all(), f"output {i}: FP8 beyond the sum's order"
+        return
     if g.dtype in (torch.uint8, torch.int32):
         assert (g != w).float().mean() <= 0.1, f"output {i}: over 10% of its bytes differ"
         return
@@ -595,7 +600,10 @@ def test_compile_end_to_end_dynamic_tokens(quiet_comm, gen):
             got = compiled(x.clone(), residual)
         want = block(x.clone(), residual)
         for j, (g, w) in enumerate(zip(got, want)):
-            assert bits_equal(g, w), f"t={t}: output {j}"
+            if exact_sums():
+                assert bits_equal(g, w), f"t={t}: output {j}"
+            else:
+                assert_close_under_sum_order(g, w, j)
     assert len(compiled.fusion_reports) == 1, compiled.fusion_reports
     (report,) = compiled.fusion_reports
     assert report.count("commfuse::fused_all_reduce") == 2 and report.fused[0].quant == "fp8", report
