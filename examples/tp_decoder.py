@@ -388,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
              "| step | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
     for i, s in enumerate(step_names):
         lines.append(f"| {s} | " + " | ".join(f"{results[c][i]:.3f}" for c in results) + " |")
-    lines.append(f"| total | " + " | ".join(f"{sum(results[c]):.3f}" for c in results) + " |")
+    lines.append("| total | " + " | ".join(f"{sum(results[c]):.3f}" for c in results) + " |")
     say("\n".join(lines))
     distinct: dict = {}  # the same graph fuses the same way in every column: print each report once
     for name, reps in reports.items():

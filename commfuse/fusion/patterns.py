@@ -515,9 +515,8 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
                      spelling="commfuse.quantize")
     # FP8: [float32(n)] / scale (or * 1/scale) -> clamp(-448, 448) -> .to(float8_e4m3fn)
     nodes = list(views)
-    f32 = None
     if _is_cast_to(cur, _F32) and len(cur.users) == 1:
-        f32, cur_next = cur, _single_user(cur)
+        cur_next = _single_user(cur)
         nodes.append(cur)
         prev, cur = cur, cur_next
     k = G.kind(cur)
