@@ -211,7 +211,7 @@ class Communicator:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant, return_norm, sf_layout,
                                    weight_offset, scale_layout, scale_ue8m0, str(plan.collective)))
         h = x.shape[-1]
-        algo = plan.collective.algorithm
+        algo = plan.algorithm
         if algo and plan.tail is TailRoute.FUSED:  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                               algo, out=out, checked=True)
@@ -250,8 +250,8 @@ class Communicator:
             self._p2p.check_error()
 
     def _collective(self, x: torch.Tensor, plan: Plan, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if plan.collective.algorithm:
-            return self._p2p.all_reduce(x, plan.collective.algorithm, out=out, checked=True)
+        if plan.algorithm:
+            return self._p2p.all_reduce(x, plan.algorithm, out=out, checked=True)
         if plan.collective is Collective.NCCL:
             # NCCL reduces in T, in its own order (the semantics accept it on this path). torch's
             # all_reduce works in place and x is the caller's: one copy (also for a strided x).

@@ -207,12 +207,17 @@ class Plan:
     collective: a Collective (P2P one-shot / two-shot, NCCL, gloo); tail: a TailRoute.
     kernel: the registered kernel that runs the fused part, if any.
     reasons: why, in words: every guard that failed, and what chose the collective.
+    algorithm: collective.algorithm, kept here: the Communicator reads it on every call of the hot path.
     """
 
     collective: Collective
     tail: TailRoute
     kernel: Optional[str] = None
     reasons: tuple = field(default_factory=tuple)
+    algorithm: Optional[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "algorithm", self.collective.algorithm)
 
     def __str__(self) -> str:
         head = f"{self.collective} + {self.tail} tail" + (f" [{self.kernel}]" if self.kernel else "")

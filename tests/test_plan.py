@@ -245,7 +245,7 @@ def test_routes_are_typed():
 
     p = plan(request(quant="fp8"))
     assert isinstance(p.collective, Collective) and isinstance(p.tail, TailRoute)
-    assert p.collective is Collective.NCCL and p.tail is TailRoute.FUSED and p.collective.algorithm is None
+    assert p.collective is Collective.NCCL and p.tail is TailRoute.FUSED and p.collective.algorithm is p.algorithm is None
     assert Collective.P2P_TWOSHOT.algorithm == "twoshot" and str(Collective.P2P_ONESHOT) == "p2p_oneshot"
     assert str(p).startswith(f"nccl + fused tail [{p.kernel}]")
     with pytest.raises(ValueError, match="nccl or gloo"):
