@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .plan import FUSED_DTYPES, Plan
+from .plan import FUSED_DTYPES, Collective, Plan, TailRoute
 from .reference import Tail
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "gated_reference", "tail_guard",
@@ -193,8 +193,8 @@ def plan(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-
     h = _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset)
     why = _guard_for(x, residual, weight, quant, scale, weight_offset, h)
     if why:
-        return Plan("none", "separated", None, (why,))
-    return Plan("none", "fused", "fused_tail", ())
+        return Plan(Collective.NONE, TailRoute.SEPARATED, None, (why,))
+    return Plan(Collective.NONE, TailRoute.FUSED, "fused_tail", ())
 
 
 def _guard_for(x, residual, weight, quant, scale, weight_offset, h) -> Optional[str]:

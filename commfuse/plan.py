@@ -172,6 +172,7 @@ class Collective(str, Enum):
     P2P_TWOSHOT = "p2p_twoshot"
     NCCL = "nccl"                # torch.distributed's NCCL all-reduce
     GLOO = "gloo"                # gloo: every rank's x gathered and summed exactly (CPU, or ranks sharing a GPU)
+    NONE = "none"                # no collective: commfuse.norm's local ops
 
     def __str__(self) -> str:
         return self.value
