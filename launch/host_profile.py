@@ -1,0 +1,170 @@
+"""Where the host time of one eager commfuse call goes: each step of the data path timed alone.
+
+Usage: python launch/host_profile.py [--tokens 16] [--hidden 4096] [--json FILE] [--cprofile N]
+(one process, world 1; on a GPU the NCCL route, else gloo and CPU tensors). Every row is the median
+over repeats of K back-to-back calls timed by the host clock around the loop, no GPU wait inside
+(the benchmark's host mode), in microseconds per call, next to torch.add(out=) of the same run, the
+yardstick of one torch elementwise op. `--cprofile N` also prints cProfile's top functions over N
+fused_all_reduce calls. The breakdown of a run is written up in bench/p2p_notes.md.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import commfuse
+from commfuse import epilogue, fused_tail, jit, params, reference
+from commfuse.communicator import _key
+
+
+def per_call_us(fn, calls: int = 200, repeats: int = 9) -> float:
+    for _ in range(20):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()  # the GPU catches up between repeats, never inside one
+    return statistics.median(samples)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def rows(comm, t: int, h: int):
+    """(name, callable) of every step, cheapest first within each group."""
+    dev, dt = comm.device, torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(t, h, generator=g).to(dev, dt)
+    r = torch.randn(t, h, generator=g).to(dev, dt)
+    w = torch.randn(h, generator=g).to(dev, dt)
+    scale = torch.tensor([0.05], device=dev)
+    buf = torch.empty_like(x)
+    cuda = dev.type == "cuda"
+    yield "torch.add(x, r, out=buf)", lambda: torch.add(x, r, out=buf)
+    yield "torch.empty((t, h), dtype, device)", lambda: torch.empty((t, h), dtype=dt, device=dev)
+    yield "torch.empty_like(x)", lambda: torch.empty_like(x)
+    yield "x.clone()", lambda: x.clone()
+    yield "x.reshape(-1, h)", lambda: x.reshape(-1, h)
+    yield "x.contiguous()", lambda: x.contiguous()
+    yield "x.data_ptr()", lambda: x.data_ptr()
+    yield "x.shape / x.stride() / x.dtype / x.device", lambda: (x.shape, x.stride(), x.dtype, x.device)
+    yield "communicator._key(x)", lambda: _key(x)
+    fields = (1, 2, 3, 4, 5, 6, 7, 1e-6, h, t, 0)
+    yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(8, *fields)
+    for quant in (None, "fp8"):
+        sc = scale if quant else None
+        yield f"comm.plan (cached) quant={quant}", lambda sc=sc, q=quant: comm.plan(x, r, w, eps=1e-6, quant=q,
+                                                                                 scale=sc)
+    yield "dist.all_reduce(buf)", lambda: dist.all_reduce(buf)
+    try:
+        from commfuse import nccl
+        if cuda and nccl.available() is None:
+            nc = nccl.NcclComm(comm.group, dev)
+            yield "commfuse.nccl all_reduce(x -> buf)", lambda: nc.all_reduce(x, buf)
+    except ImportError:
+        pass
+    if cuda:
+        yield "torch._C._cuda_getCurrentRawStream", lambda: jit._current_raw_stream(0)
+        yield "torch._C._cuda_getDevice", lambda: jit._current_device()
+        k = fused_tail._kernel(dt, None, fused_tail.launch_config(h, t)[0], 0)
+        res_out, norm = torch.empty_like(x), torch.empty_like(x)
+        blob = params.FUSED_TAIL.pack(x.data_ptr(), r.data_ptr(), res_out.data_ptr(), w.data_ptr(),
+                                      norm.data_ptr(), 0, 0, 0, 1e-6, h, t, 0)
+        threads = fused_tail.launch_config(h, t)[1]
+        yield "Kernel.launch (fused tail, packed bytes)", lambda: k.launch((t, 1, 1), (threads, 1, 1), blob)
+        stream = jit._current_raw_stream(0)
+        slot = jit._SLOT
+        ctypes.memmove(slot.buf_addr, blob, len(blob))
+        yield "cuda.bindings cuLaunchKernel (bare)", lambda: k._launch(k._function, t, 1, 1, threads, 1, 1, 0,
+                                                                        stream, slot.argv_addr, 0)
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        launch = libcuda.cuLaunchKernel
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        fn = int(k._function)
+        yield "ctypes libcuda cuLaunchKernel (bare)", lambda: launch(fn, t, 1, 1, threads, 1, 1, 0, stream,
+                                                                     slot.argv_addr, None)
+        for quant in (None, "fp8", "nvfp4"):
+            sc = scale if quant else None
+            yield f"epilogue.prepare quant={quant}", lambda sc=sc, q=quant: epilogue.prepare(
+                x, r, w, 1e-6, q, sc, False, "swizzled")
+            yield f"fused_tail.run quant={quant}", lambda sc=sc, q=quant: fused_tail.run(
+                x, r, w, 1e-6, q, sc, checked=True)
+    yield "torch.compiler.is_compiling()", torch.compiler.is_compiling
+    yield "comm.all_reduce(x)", lambda: comm.all_reduce(x)
+    yield "comm.all_reduce(x, out=buf)", lambda: comm.all_reduce(x, out=buf)
+    for quant in (None, "fp8", "nvfp4"):
+        sc = scale if quant else None
+        yield f"comm.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: comm.fused_all_reduce(
+            x, r, w, quant=q, scale=sc)
+        outs = comm.fused_all_reduce(x, r, w, quant=quant, scale=sc)
+        yield f"comm.fused_all_reduce quant={quant} out=", lambda sc=sc, q=quant, o=outs: comm.fused_all_reduce(
+            x, r, w, quant=q, scale=sc, out=o)
+        yield f"commfuse.ops.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: commfuse.ops.fused_all_reduce(
+            comm, x, r, w, quant=q, scale=sc)
+        yield f"torch.ops.commfuse.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: (
+            torch.ops.commfuse.fused_all_reduce(x, r, w, sc, 1e-6, q or "", False, "swizzled", comm.name))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--cprofile", type=int, default=0, help="cProfile this many fused_all_reduce calls")
+    args = ap.parse_args()
+    commfuse.init_distributed()
+    comm = commfuse.Communicator()
+    t, h = args.tokens, args.hidden
+    out = []
+    for name, fn in rows(comm, t, h):
+        try:
+            us = per_call_us(fn)
+        except Exception as exc:  # a step that cannot run here is reported, not fatal
+            print(f"{name:50s} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        out.append({"step": name, "us": round(us, 2)})
+    floor = out[0]["us"]
+    print(f"host time per call, world {comm.world_size}, [{t}, {h}] bf16 on {comm.device} "
+          f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}):")
+    for row in out:
+        print(f"  {row['step']:50s} {row['us']:8.2f} us  {row['us'] / floor:5.2f}x")
+    if args.cprofile:
+        x = torch.randn(t, h, device=comm.device, dtype=torch.bfloat16)
+        r, w = torch.randn_like(x), torch.randn(h, device=comm.device, dtype=torch.bfloat16)
+        scale = torch.tensor([0.05], device=comm.device)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.cprofile):
+            comm.fused_all_reduce(x, r, w, quant="fp8", scale=scale)
+        prof.disable()
+        sync()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "world": comm.world_size, "tokens": t, "hidden": h, "torch": torch.__version__,
+                       "rows": out}, f, indent=1)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
