@@ -347,8 +347,8 @@ def test_unique_id_is_made_on_rank_0_and_reaches_every_rank(gloo_group):
     uid = nccl.broadcast_unique_id(gloo_group, make_id)
     ids: list = [None] * world
     dist.all_gather_object(ids, (uid, made), group=gloo_group)
-    assert made == ([0] if rank == 0 else [])
-    assert all(i == ids[0] for i in ids) and len(uid) == 128 and ids[0][1] == [0]
+    assert [m for _, m in ids] == [[0]] + [[]] * (world - 1)  # made once, on rank 0
+    assert len(uid) == 128 and all(u == uid for u, _ in ids)
 
 
 @mpi(min_size=2)
