@@ -228,9 +228,11 @@ class NcclComm:
     """An NCCL communicator over the ranks of a torch.distributed group, on one CUDA device.
 
     group: any torch.distributed group (gloo too: it only carries the unique id); device: this
-    rank's CUDA device (no index: the current one). Construction is collective over the group and
-    raises NcclUnavailable without an NCCL library. `close()` destroys the communicator (not
-    collective; destroy the CUDA graphs that captured its all-reduces first).
+    rank's CUDA device (no index: the current one). NCCL refuses two ranks of one communicator on
+    one GPU; a group of one rank is fine. Construction is collective over the group and raises
+    NcclUnavailable without an NCCL library. `close()` destroys the communicator (not collective;
+    destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
+    NCCL or CUDA may already be torn down when it runs at exit.
     """
 
     def __init__(self, group, device: torch.device):
@@ -282,6 +284,7 @@ class NcclComm:
         return f"recv has dtype {recv.dtype}, send {send.dtype}: they must match"
 
     def _layout_error(self, send, recv) -> str:
+        # get_device() is -1 on the CPU: where the tests attach a communicator over a stand-in library.
         device = torch.device("cuda", self.device_index) if self.device_index >= 0 else torch.device("cpu")
         for name, t in (("send", send), ("recv", recv)):
             if t.device != device:

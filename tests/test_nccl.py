@@ -383,10 +383,10 @@ def test_every_rank_inits_the_stub_with_rank_0s_id(gloo_group, stub, stub_nccl):
 
 @pytest.fixture(scope="module")
 def solo(comm):
-    """A one-rank NcclComm per rank (over a group of its own: every rank makes every group)."""
+    """A one-rank NcclComm per rank, over a gloo group of its own (every rank makes every group)."""
     if not torch.cuda.is_available() or NCCL_REASON is not None:
         pytest.skip(f"needs CUDA and NCCL ({NCCL_REASON or 'no CUDA GPU'})")
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    groups = [dist.new_group([r], backend="gloo") for r in range(dist.get_world_size())]
     c = NcclComm(groups[dist.get_rank()], torch.device("cuda", torch.cuda.current_device()))
     yield c
     c.close()
