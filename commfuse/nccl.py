@@ -1,0 +1,307 @@
+"""A direct binding of NCCL's all-reduce, for the Communicator's NCCL route.
+
+Why: on an H200 an eager `torch.distributed.all_reduce` (plus the clone that makes it out of place)
+costs 60-100 us of host time, against about 8 us for a torch elementwise op; a decode step of small
+all-reduces is then bound by the host. `ncclAllReduce` itself is out of place and takes a few
+microseconds to enqueue, so `NcclComm.all_reduce` calls it through ctypes with everything but the
+pointers, the count and the stream fixed when the communicator is made.
+
+    comm = NcclComm(group, torch.device("cuda", torch.cuda.current_device()))  # collective
+    comm.all_reduce(send, recv)  # recv = sum of every rank's send, on torch's current stream
+    comm.close()
+
+The library is the NCCL that torch already uses (no new dependency: ctypes only), found in this
+order: the file COMMFUSE_NCCL_LIBRARY names (then nothing else is tried); cuda.pathfinder's
+`load_nvidia_dynamic_lib("nccl")` (a copy the process has loaded already, else the nvidia-nccl
+wheel, else the system's); the NVIDIA wheels' and torch's lib folders; `libnccl.so.2` on the
+loader's path. Where none loads, `available()` says why and `NcclComm` raises NcclUnavailable (a
+RuntimeError) listing what was tried; callers then keep torch.distributed.
+
+Environment (docs/environment.md):
+- COMMFUSE_NCCL_LIBRARY: the path of the NCCL library to load instead of searching.
+- COMMFUSE_NCCL: `0` makes the Communicator keep torch.distributed for its NCCL route even where
+  this module is available (read by the Communicator, not here).
+
+Facts of NCCL's C API used here (nccl.h): every function returns ncclResult_t (0 = ncclSuccess);
+ncclUniqueId is a struct of 128 bytes passed by value to ncclCommInitRank; ncclComm_t and
+cudaStream_t are pointers; the data types are ncclFloat16 = 6, ncclFloat32 = 7, ncclBfloat16 = 9 and
+the reduction ncclSum = 0. Collectives only enqueue work on the stream, so `all_reduce` is capturable
+in a CUDA graph (it neither synchronizes nor allocates).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+NCCL_SUCCESS = 0
+NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking communicator still working, not an error
+NCCL_SUM = 0
+NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclFloat16, ncclFloat32, ncclBfloat16
+
+
+class UniqueId(ctypes.Structure):
+    """ncclUniqueId: NCCL_UNIQUE_ID_BYTES (128) opaque bytes naming a communicator being created."""
+
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+_ncclComm_t = ctypes.c_void_p
+_cudaStream_t = ctypes.c_void_p
+_result_t = ctypes.c_int  # ncclResult_t, ncclDataType_t and ncclRedOp_t are C enums: int
+
+# name -> (restype, argtypes, required). ncclGetLastError came with NCCL 2.13; without it the
+# errors carry ncclGetErrorString's text only.
+FUNCTIONS = {
+    "ncclGetVersion": (_result_t, [ctypes.POINTER(ctypes.c_int)], True),
+    "ncclGetErrorString": (ctypes.c_char_p, [_result_t], True),
+    "ncclGetLastError": (ctypes.c_char_p, [_ncclComm_t], False),
+    "ncclGetUniqueId": (_result_t, [ctypes.POINTER(UniqueId)], True),
+    "ncclCommInitRank": (_result_t, [ctypes.POINTER(_ncclComm_t), ctypes.c_int, UniqueId, ctypes.c_int], True),
+    # sendbuff, recvbuff, count, datatype, op, comm, stream
+    "ncclAllReduce": (_result_t, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                  _ncclComm_t, _cudaStream_t], True),
+    "ncclCommGetAsyncError": (_result_t, [_ncclComm_t, ctypes.POINTER(_result_t)], True),
+    "ncclCommDestroy": (_result_t, [_ncclComm_t], True),
+    "ncclCommAbort": (_result_t, [_ncclComm_t], True),
+}
+
+# torch's C entry point for the current raw stream (what its compiled code calls): the public
+# torch.cuda.current_stream() builds a Stream object, microseconds of host time. CPU builds lack it.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class NcclUnavailable(RuntimeError):
+    """No NCCL library could be loaded (the message lists what was tried)."""
+
+
+class NcclError(RuntimeError):
+    """An NCCL function returned an error: `function`, `code` (ncclResult_t) and NCCL's own words."""
+
+    def __init__(self, function: str, code: int, message: str):
+        super().__init__(f"{function} failed: {message} (ncclResult_t {code})")
+        self.function = function
+        self.code = code
+
+
+class Nccl:
+    """NCCL's functions, as attributes of `lib` (a ctypes.CDLL typed by `bind`, or a fake in tests),
+    with errors raised as NcclError. Not the hot path: NcclComm calls ncclAllReduce itself."""
+
+    def __init__(self, lib, path: str):
+        self.lib = lib
+        self.path = path
+
+    def error(self, function: str, code: int, comm=None) -> NcclError:
+        text = self.lib.ncclGetErrorString(code)
+        text = text.decode(errors="replace") if text else "unknown error"
+        last = getattr(self.lib, "ncclGetLastError", None)
+        detail = last(comm) if last is not None else None
+        if detail:  # the last failure's specifics ("Cuda failure 'out of memory'", a bad argument's name)
+            text = f"{text}: {detail.decode(errors='replace')}"
+        return NcclError(function, code, text)
+
+    def check(self, function: str, code: int, comm=None) -> None:
+        if code != NCCL_SUCCESS:
+            raise self.error(function, code, comm)
+
+    def version(self) -> str:
+        """The library's version, "2.28.9"."""
+        code = ctypes.c_int()
+        self.check("ncclGetVersion", self.lib.ncclGetVersion(ctypes.byref(code)))
+        return version_string(code.value)
+
+    def unique_id(self) -> bytes:
+        uid = UniqueId()
+        self.check("ncclGetUniqueId", self.lib.ncclGetUniqueId(ctypes.byref(uid)))
+        return bytes(uid)
+
+    def init_rank(self, world_size: int, uid: bytes, rank: int) -> int:
+        """A new communicator's handle (on the current CUDA device); blocks until every rank joins."""
+        handle = _ncclComm_t()
+        self.check("ncclCommInitRank",
+                   self.lib.ncclCommInitRank(ctypes.byref(handle), world_size, UniqueId.from_buffer_copy(uid), rank))
+        return handle.value
+
+    def async_error(self, handle: int) -> int:
+        code = _result_t()
+        self.check("ncclCommGetAsyncError", self.lib.ncclCommGetAsyncError(handle, ctypes.byref(code)), handle)
+        return code.value
+
+    def release(self, handle: int) -> None:
+        """Destroy the communicator; abort it instead when it holds an error (destroying would wait on
+        operations that may never finish)."""
+        code = _result_t()
+        failed = self.lib.ncclCommGetAsyncError(handle, ctypes.byref(code))
+        if failed or code.value not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            self.check("ncclCommAbort", self.lib.ncclCommAbort(handle))
+        else:
+            self.check("ncclCommDestroy", self.lib.ncclCommDestroy(handle))
+
+
+def version_string(code: int) -> str:
+    """NCCL_VERSION_CODE as "major.minor.patch": X*1000 + Y*100 + Z up to 2.8, X*10000 + Y*100 + Z after."""
+    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give lib's functions the types of FUNCTIONS (without them ctypes would pass 64-bit pointers
+    as C ints); raises AttributeError naming a required function the library lacks."""
+    for name, (restype, argtypes, required) in FUNCTIONS.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            if required:
+                raise AttributeError(f"the library has no {name}")
+            setattr(lib, name, None)
+            continue
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def _candidates() -> list:
+    """(how it was found, what to dlopen) for each place NCCL may be, in the order they are tried."""
+    found = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        loaded = load_nvidia_dynamic_lib("nccl")
+        found.append(("cuda.pathfinder", loaded.abs_path or "libnccl.so.2"))
+    except Exception as exc:  # an old cuda-pathfinder that does not know NCCL, or nothing found
+        found.append(("cuda.pathfinder", exc))
+    folders = []
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        folders += sorted(Path(base).glob("*/lib"))  # nvidia/nccl/lib (nvidia-nccl-cu12, -cu13)
+    folders.append(Path(torch.__file__).parent / "lib")  # wheels that bundle NCCL with torch
+    for folder in folders:
+        found += [("wheel folder", str(p)) for p in sorted(folder.glob("libnccl.so*"))]
+    found.append(("loader path", "libnccl.so.2"))
+    return found
+
+
+@functools.cache
+def _load_from(path: Optional[str]) -> Nccl:
+    tried = []
+    candidates = [("COMMFUSE_NCCL_LIBRARY", path)] if path else _candidates()
+    for how, target in candidates:
+        if isinstance(target, Exception):
+            tried.append(f"{how}: {type(target).__name__}: {str(target).strip()}")
+            continue
+        try:
+            lib = bind(ctypes.CDLL(target))
+        except (OSError, AttributeError) as exc:
+            tried.append(f"{how} {target}: {str(exc).strip()}")
+            continue
+        return Nccl(lib, target)
+    raise NcclUnavailable("no NCCL library could be loaded; tried " + "; ".join(tried))
+
+
+def library() -> Nccl:
+    """The loaded NCCL (COMMFUSE_NCCL_LIBRARY's, else the first found); raises NcclUnavailable."""
+    return _load_from(os.environ.get("COMMFUSE_NCCL_LIBRARY") or None)
+
+
+def available() -> Optional[str]:
+    """None where NCCL loads, else why not (NcclUnavailable's message)."""
+    try:
+        library()
+    except NcclUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def broadcast_unique_id(group, make_id: Callable[[], bytes]) -> bytes:
+    """make_id() on the group's rank 0, broadcast to every rank of the group (any backend)."""
+    obj = [make_id() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+    return obj[0]
+
+
+class NcclComm:
+    """An NCCL communicator over the ranks of a torch.distributed group, on one CUDA device.
+
+    group: any torch.distributed group (gloo too: it only carries the unique id); device: this
+    rank's CUDA device (no index: the current one). NCCL refuses two ranks of one communicator on
+    one GPU; a group of one rank is fine. Construction is collective over the group and raises
+    NcclUnavailable without an NCCL library. `close()` destroys the communicator (not collective;
+    destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
+    NCCL or CUDA may already be torn down when it runs at exit.
+    """
+
+    def __init__(self, group, device: torch.device):
+        nccl = library()
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"NcclComm needs a CUDA device, got {device}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        uid = broadcast_unique_id(group, nccl.unique_id)
+        with torch.cuda.device(index):
+            handle = nccl.init_rank(self.world_size, uid, self.rank)
+        self._attach(nccl, handle, index)
+
+    def _attach(self, nccl: Nccl, handle: int, index: int) -> None:
+        self.nccl = nccl
+        self.device_index = index
+        self.version = nccl.version()
+        self._handle = handle
+        self._all_reduce = nccl.lib.ncclAllReduce
+
+    def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, stream: Optional[int] = None) -> None:
+        """recv = the sum of every rank's `send`, enqueued on `stream` (a raw cudaStream_t; None:
+        torch's current stream on the device). send, recv: contiguous fp16 / bf16 / fp32 tensors of
+        one dtype and element count on the communicator's device; recv may be send (in place)."""
+        dtype = send.dtype
+        code = NCCL_DTYPES.get(dtype)
+        if code is None or recv.dtype != dtype:
+            raise TypeError(self._dtype_error(send, recv))
+        index = self.device_index
+        count = send.numel()
+        # The pointer and count are all NCCL sees: another device's, or a smaller or strided recv,
+        # would have it read or write memory outside the tensors.
+        if (recv.numel() != count or send.get_device() != index or recv.get_device() != index
+                or not send.is_contiguous() or not recv.is_contiguous()):
+            raise ValueError(self._layout_error(send, recv))
+        handle = self._handle
+        if handle is None:
+            raise RuntimeError("NcclComm.all_reduce after close()")
+        rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle,
+                              _current_raw_stream(index) if stream is None else stream)
+        if rc:
+            raise self.nccl.error("ncclAllReduce", rc, handle)
+
+    def _dtype_error(self, send, recv) -> str:
+        kinds = "float16, bfloat16 or float32"
+        if send.dtype not in NCCL_DTYPES:
+            return f"send has dtype {send.dtype}; NcclComm.all_reduce takes {kinds}"
+        return f"recv has dtype {recv.dtype}, send {send.dtype}: they must match"
+
+    def _layout_error(self, send, recv) -> str:
+        # get_device() is -1 on the CPU: where the tests attach a communicator over a stand-in library.
+        device = torch.device("cuda", self.device_index) if self.device_index >= 0 else torch.device("cpu")
+        for name, t in (("send", send), ("recv", recv)):
+            if t.device != device:
+                return f"{name} is on {t.device}, the communicator on {device}"
+            if not t.is_contiguous():
+                return f"{name} is not contiguous (strides {t.stride()})"
+        return f"recv has {recv.numel()} elements, send {send.numel()}: they must match"
+
+    def check(self) -> None:
+        """Raise NcclError if the communicator met an asynchronous error (a peer failed, a network error)."""
+        if self._handle is not None:
+            code = self.nccl.async_error(self._handle)
+            if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                raise self.nccl.error("ncclCommGetAsyncError", code, self._handle)
+
+    def close(self) -> None:
+        """Destroy the communicator (abort it if it holds an error); later calls do nothing."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self.nccl.release(handle)

@@ -1,0 +1,79 @@
+/* A stand-in for libnccl.so.2 with NCCL's C signatures, for tests/test_nccl.py on machines without
+ * NCCL: calling it through commfuse.nccl's ctypes table checks that table against a real C ABI (a
+ * 64-bit pointer passed as a C int, or the unique id passed by pointer instead of by value, shows up
+ * in what the stub records). A communicator of one rank whose all-reduce copies send to recv
+ * (memmove: recv may be send). stub_* set and read what it recorded. */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef struct { int magic; } stubComm;
+
+static stubComm the_comm = {0x5eed};
+static int next_result, async_error, destroyed, aborted, last_nranks = -1, last_rank = -1;
+static ncclUniqueId last_id;
+static const void* last_send;
+static void* last_recv;
+static size_t last_count;
+static int last_datatype = -1, last_op = -1;
+static void* last_stream;
+
+/* The next call returns this result (then ncclSuccess again). */
+void stub_fail_next(int result) { next_result = result; }
+void stub_set_async_error(int result) { async_error = result; }
+int stub_destroyed(void) { return destroyed; }
+int stub_aborted(void) { return aborted; }
+int stub_last_nranks(void) { return last_nranks; }
+int stub_last_rank(void) { return last_rank; }
+void stub_last_id(ncclUniqueId* out) { *out = last_id; }
+size_t stub_last_count(void) { return last_count; }
+int stub_last_datatype(void) { return last_datatype; }
+int stub_last_op(void) { return last_op; }
+void* stub_last_stream(void) { return last_stream; }
+const void* stub_last_send(void) { return last_send; }
+void* stub_last_recv(void) { return last_recv; }
+
+static int take_result(void) { int r = next_result; next_result = 0; return r; }
+
+int ncclGetVersion(int* version) { *version = 22809; return take_result(); }
+
+const char* ncclGetErrorString(int result) {
+  switch (result) {
+    case 0: return "no error";
+    case 4: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case 5: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    default: return "unknown result code";
+  }
+}
+
+const char* ncclGetLastError(void* comm) { (void)comm; return "stub: the last error"; }
+
+int ncclGetUniqueId(ncclUniqueId* id) {
+  for (int i = 0; i < 128; ++i) id->internal[i] = (char)(i * 7 + 3);
+  return take_result();
+}
+
+int ncclCommInitRank(stubComm** comm, int nranks, ncclUniqueId id, int rank) {
+  last_nranks = nranks; last_rank = rank; last_id = id;
+  int r = take_result();
+  if (r == 0) *comm = &the_comm;
+  return r;
+}
+
+static size_t element_size(int datatype) {
+  switch (datatype) { case 6: case 9: return 2; case 7: return 4; default: return 0; }
+}
+
+int ncclAllReduce(const void* send, void* recv, size_t count, int datatype, int op, stubComm* comm, void* stream) {
+  last_send = send; last_recv = recv; last_count = count; last_datatype = datatype; last_op = op; last_stream = stream;
+  int r = take_result();
+  if (r != 0) return r;
+  if (comm != &the_comm || element_size(datatype) == 0 || op != 0) return 4;
+  memmove(recv, send, count * element_size(datatype));
+  return 0;
+}
+
+int ncclCommGetAsyncError(stubComm* comm, int* result) { (void)comm; *result = async_error; return take_result(); }
+int ncclCommDestroy(stubComm* comm) { (void)comm; ++destroyed; return take_result(); }
+int ncclCommAbort(stubComm* comm) { (void)comm; ++aborted; return take_result(); }

@@ -1,0 +1,497 @@
+"""commfuse.nccl: the ctypes table, error translation, library loading and the unique-id broadcast on
+the CPU (a fake library object, and tests/nccl_stub.c compiled into a stand-in libnccl where a C
+compiler exists); the all-reduce itself on GPUs with NCCL.
+
+`mpirun -n N pytest --with-mpi`: the unique-id broadcast needs 2+ ranks (gloo); the GPU all-reduce
+tests need WORLD over NCCL (one GPU per rank), except the one-rank communicator, which every rank
+makes over a group of its own (NCCL refuses two ranks on one GPU, not one rank).
+"""
+import ctypes
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse import nccl
+from commfuse.nccl import NcclComm, NcclError, NcclUnavailable
+
+from compare import assert_within_ulp
+
+mpi = pytest.mark.mpi
+P = ctypes.POINTER
+c_int, c_size_t, c_void_p, c_char_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+NCCL_REASON = nccl.available()
+needs_nccl_gpu = pytest.mark.skipif(not torch.cuda.is_available() or NCCL_REASON is not None,
+                                    reason=f"needs CUDA and NCCL ({NCCL_REASON or 'no CUDA GPU'})")
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+def test_function_table_has_ncclh_signatures():
+    # From NVIDIA/nccl src/nccl.h.in; enums (ncclResult_t, ncclDataType_t, ncclRedOp_t) are C ints.
+    expect = {
+        "ncclGetVersion": (c_int, [P(c_int)]),
+        "ncclGetErrorString": (c_char_p, [c_int]),
+        "ncclGetLastError": (c_char_p, [c_void_p]),
+        "ncclGetUniqueId": (c_int, [P(nccl.UniqueId)]),
+        "ncclCommInitRank": (c_int, [P(c_void_p), c_int, nccl.UniqueId, c_int]),  # the id by value
+        "ncclAllReduce": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
+        "ncclCommGetAsyncError": (c_int, [c_void_p, P(c_int)]),
+        "ncclCommDestroy": (c_int, [c_void_p]),
+        "ncclCommAbort": (c_int, [c_void_p]),
+    }
+    assert {name: (r, a) for name, (r, a, _) in nccl.FUNCTIONS.items()} == expect
+    assert [n for n, (_, _, required) in nccl.FUNCTIONS.items() if not required] == ["ncclGetLastError"]
+    assert ctypes.sizeof(nccl.UniqueId) == 128  # NCCL_UNIQUE_ID_BYTES
+
+
+def test_dtype_table_matches_ncclh():
+    # ncclFloat16 = 6, ncclFloat32 = 7, ncclBfloat16 = 9, ncclSum = 0 (nccl.h.in)
+    assert nccl.NCCL_DTYPES == {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+    assert nccl.NCCL_SUM == 0
+
+
+@pytest.mark.parametrize("code, text", [(22809, "2.28.9"), (21903, "2.19.3"), (2708, "2.7.8")])
+def test_version_string_decodes_both_version_code_layouts(code, text):
+    assert nccl.version_string(code) == text
+
+
+class _Fn:
+    """Stands for a ctypes function: takes restype and argtypes."""
+
+
+def test_bind_types_every_function_and_tolerates_a_missing_optional_one():
+    lib = type("Lib", (), {})()
+    for name in nccl.FUNCTIONS:
+        if name != "ncclGetLastError":
+            setattr(lib, name, _Fn())
+    assert nccl.bind(lib) is lib
+    for name, (restype, argtypes, _) in nccl.FUNCTIONS.items():
+        fn = getattr(lib, name)
+        if name == "ncclGetLastError":
+            assert fn is None
+        else:
+            assert (fn.restype, fn.argtypes) == (restype, argtypes), name
+    del lib.ncclAllReduce
+    with pytest.raises(AttributeError, match="ncclAllReduce"):
+        nccl.bind(lib)
+
+
+# --------------------------------------------------------------------------- errors, with a fake library
+
+
+class FakeLib:
+    """NCCL's functions as Python methods; each returns `fail` (an ncclResult_t), 0 by default."""
+
+    def __init__(self, fail=0, last=b"detail of the failure"):
+        self.fail, self.last, self.calls = fail, last, []
+        if last is None:
+            self.ncclGetLastError = None  # what bind() leaves where the library lacks it
+
+    def ncclGetErrorString(self, code):
+        return {4: b"invalid argument", 5: b"invalid usage"}.get(code, b"unknown result")
+
+    def ncclGetLastError(self, comm):
+        return self.last
+
+    def ncclGetVersion(self, version):
+        version._obj.value = 22809
+        return self.fail
+
+    def ncclGetUniqueId(self, uid):
+        return self.fail
+
+    def ncclCommInitRank(self, handle, world, uid, rank):
+        return self.fail
+
+    def ncclCommGetAsyncError(self, handle, code):
+        self.calls.append("ncclCommGetAsyncError")
+        return 0
+
+    def ncclCommDestroy(self, handle):
+        self.calls.append("ncclCommDestroy")
+        return self.fail
+
+    def ncclCommAbort(self, handle):
+        self.calls.append("ncclCommAbort")
+        return self.fail
+
+    def ncclAllReduce(self, *args):
+        self.calls.append(args)
+        return self.fail
+
+
+@pytest.mark.parametrize("call, function", [
+    (lambda n: n.version(), "ncclGetVersion"),
+    (lambda n: n.unique_id(), "ncclGetUniqueId"),
+    (lambda n: n.init_rank(2, bytes(128), 0), "ncclCommInitRank"),
+    (lambda n: n.release(1234), "ncclCommDestroy"),
+])
+def test_errors_name_the_function_and_nccls_error_string(call, function):
+    with pytest.raises(NcclError) as info:
+        call(nccl.Nccl(FakeLib(fail=5), "fake"))
+    err = info.value
+    assert isinstance(err, RuntimeError) and err.function == function and err.code == 5
+    assert str(err) == f"{function} failed: invalid usage: detail of the failure (ncclResult_t 5)"
+    # Without ncclGetLastError (NCCL before 2.13), or when it has nothing to say: the error string alone.
+    for last in (None, b""):
+        with pytest.raises(NcclError, match=rf"^{function} failed: invalid usage \(ncclResult_t 5\)$"):
+            call(nccl.Nccl(FakeLib(fail=5, last=last), "fake"))
+
+
+def test_success_returns_values():
+    n = nccl.Nccl(FakeLib(), "fake")
+    assert n.version() == "2.28.9"
+    assert n.unique_id() == bytes(128)
+    n.init_rank(2, bytes(range(128)), 1)
+
+
+def attached(lib, handle=0xABC, path="fake") -> NcclComm:
+    """A NcclComm over `lib` without the collective set-up, on the CPU (device index -1: CPU tensors)."""
+    comm = NcclComm.__new__(NcclComm)
+    comm._attach(nccl.Nccl(lib, path), handle, -1)
+    return comm
+
+
+def test_all_reduce_passes_pointers_count_dtype_sum_handle_and_stream():
+    lib = FakeLib()
+    comm = attached(lib)
+    for dtype, code in nccl.NCCL_DTYPES.items():
+        send, recv = torch.zeros(3, 5, dtype=dtype), torch.zeros(15, dtype=dtype)
+        comm.all_reduce(send, recv, stream=77)
+        assert lib.calls[-1] == (send.data_ptr(), recv.data_ptr(), 15, code, 0, 0xABC, 77)
+    comm.all_reduce(send, send, stream=0)  # in place
+    assert lib.calls[-1][:2] == (send.data_ptr(), send.data_ptr())
+
+
+def test_all_reduce_uses_torchs_current_stream_by_default(monkeypatch):
+    lib = FakeLib()
+    monkeypatch.setattr(nccl, "_current_raw_stream", lambda index: 1000 + index)
+    x = torch.zeros(4)
+    attached(lib).all_reduce(x, x)
+    assert lib.calls[-1][-1] == 1000 - 1
+
+
+def test_all_reduce_error_is_nccl_error():
+    lib = FakeLib()
+    comm = attached(lib)
+    lib.fail = 4
+    x = torch.zeros(4)
+    with pytest.raises(NcclError, match=r"^ncclAllReduce failed: invalid argument: detail of the failure"):
+        comm.all_reduce(x, x, stream=0)
+
+
+def test_all_reduce_refuses_what_nccl_cannot_read_safely():
+    lib = FakeLib()
+    comm = attached(lib)
+    x = torch.zeros(8)
+    with pytest.raises(TypeError, match=r"^send has dtype torch.float64"):
+        comm.all_reduce(x.double(), x.double(), stream=0)
+    with pytest.raises(TypeError, match=r"^send has dtype torch.int8"):
+        comm.all_reduce(x.to(torch.int8), x.to(torch.int8), stream=0)
+    with pytest.raises(TypeError, match=r"^recv has dtype torch.bfloat16, send torch.float32"):
+        comm.all_reduce(x, x.bfloat16(), stream=0)
+    with pytest.raises(ValueError, match="recv has 7 elements, send 8"):
+        comm.all_reduce(x, x[:7], stream=0)
+    with pytest.raises(ValueError, match="recv is not contiguous"):
+        comm.all_reduce(x[:4], x[::2], stream=0)
+    with pytest.raises(ValueError, match="send is not contiguous"):
+        comm.all_reduce(torch.zeros(4, 2).t(), torch.zeros(8), stream=0)
+    other = attached(lib)
+    other.device_index = 0  # a communicator on cuda:0 given CPU tensors
+    with pytest.raises(ValueError, match="send is on cpu, the communicator on cuda:0"):
+        other.all_reduce(x, x, stream=0)
+    assert lib.calls == []
+
+
+def test_close_destroys_once_then_all_reduce_raises():
+    lib = FakeLib()
+    comm = attached(lib)
+    comm.close()
+    comm.close()
+    assert lib.calls == ["ncclCommGetAsyncError", "ncclCommDestroy"]
+    with pytest.raises(RuntimeError, match="after close"):
+        comm.all_reduce(torch.zeros(2), torch.zeros(2), stream=0)
+    comm.check()  # a closed communicator has nothing to report
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_missing_override_is_unavailable_with_the_path(monkeypatch, tmp_path):
+    missing = str(tmp_path / "libnccl.so.2")
+    monkeypatch.setenv("COMMFUSE_NCCL_LIBRARY", missing)
+    reason = nccl.available()
+    assert isinstance(reason, str) and reason.startswith("no NCCL library could be loaded")
+    assert f"COMMFUSE_NCCL_LIBRARY {missing}" in reason
+    with pytest.raises(NcclUnavailable, match="COMMFUSE_NCCL_LIBRARY") as info:
+        NcclComm(None, torch.device("cuda", 0))  # fails before it touches the group or the device
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_a_library_without_nccls_functions_is_unavailable(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_NCCL_LIBRARY", "libc.so.6")
+    assert "the library has no ncclGetVersion" in nccl.available()
+
+
+@pytest.mark.skipif(NCCL_REASON is None, reason="NCCL is installed here")
+def test_available_says_what_was_tried_without_nccl():
+    assert "cuda.pathfinder" in NCCL_REASON and "loader path libnccl.so.2" in NCCL_REASON
+    with pytest.raises(NcclUnavailable, match="libnccl.so.2"):
+        NcclComm(None, torch.device("cuda", 0))
+
+
+# --------------------------------------------------------------------------- a stub libnccl (real ctypes calls)
+
+
+@pytest.fixture(scope="session")
+def stub():
+    """(the stub libnccl's path, its ctypes handle for the stub_* functions)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler for the stub libnccl")
+    # A folder of this process's own: pytest's numbered temporary folders are shared by the MPI ranks.
+    folder = tempfile.TemporaryDirectory(prefix="commfuse-nccl-stub-")
+    path = Path(folder.name) / "libnccl_stub.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(path), str(Path(__file__).with_name("nccl_stub.c"))],
+                   check=True)
+    lib = ctypes.CDLL(str(path))
+    for name in ("stub_last_send", "stub_last_recv", "stub_last_stream"):
+        getattr(lib, name).restype = c_void_p
+    lib.stub_last_count.restype = c_size_t
+    yield str(path), lib
+    folder.cleanup()
+
+
+@pytest.fixture
+def stub_nccl(stub, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_NCCL_LIBRARY", stub[0])
+    assert nccl.available() is None
+    return nccl.library()
+
+
+def test_stub_round_trips_the_unique_id_by_value(stub, stub_nccl):
+    assert stub_nccl.path == stub[0] and stub_nccl.version() == "2.28.9"
+    uid = stub_nccl.unique_id()
+    assert uid == bytes((i * 7 + 3) & 0xFF for i in range(128))
+    handle = stub_nccl.init_rank(5, uid[::-1], 3)
+    got = nccl.UniqueId()
+    stub[1].stub_last_id(ctypes.byref(got))
+    assert bytes(got) == uid[::-1] and (stub[1].stub_last_nranks(), stub[1].stub_last_rank()) == (5, 3)
+    assert handle
+
+
+@pytest.mark.parametrize("dtype", list(nccl.NCCL_DTYPES))
+def test_stub_all_reduce_sees_64_bit_pointers_and_the_count(stub, stub_nccl, dtype):
+    s = stub[1]
+    comm = attached(stub_nccl.lib, stub_nccl.init_rank(1, stub_nccl.unique_id(), 0), stub_nccl.path)
+    send = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    before = send.clone()
+    recv = torch.full((1000,), float("nan"), dtype=dtype)
+    comm.all_reduce(send, recv, stream=0x7F0000001234)
+    assert (s.stub_last_send(), s.stub_last_recv()) == (send.data_ptr(), recv.data_ptr())
+    assert (s.stub_last_count(), s.stub_last_datatype(), s.stub_last_op()) == (1000, nccl.NCCL_DTYPES[dtype], 0)
+    assert s.stub_last_stream() == 0x7F0000001234
+    assert torch.equal(recv, send) and torch.equal(send, before)  # the stub's one-rank sum: a copy
+
+
+def test_stub_errors_carry_nccls_strings(stub, stub_nccl):
+    s = stub[1]
+    comm = attached(stub_nccl.lib, stub_nccl.init_rank(1, stub_nccl.unique_id(), 0), stub_nccl.path)
+    x = torch.zeros(4)
+    s.stub_fail_next(5)
+    with pytest.raises(NcclError, match=r"^ncclAllReduce failed: invalid usage \(run with NCCL_DEBUG=WARN for "
+                                        r"details\): stub: the last error \(ncclResult_t 5\)$"):
+        comm.all_reduce(x, x, stream=0)
+    s.stub_fail_next(4)
+    with pytest.raises(NcclError, match="ncclCommInitRank failed: invalid argument"):
+        stub_nccl.init_rank(1, bytes(128), 0)
+    s.stub_set_async_error(6)  # ncclRemoteError: a peer failed
+    with pytest.raises(NcclError, match="^ncclCommGetAsyncError failed: unknown result code"):
+        comm.check()
+    destroyed, aborted = s.stub_destroyed(), s.stub_aborted()
+    comm.close()  # an errored communicator is aborted, not destroyed (which could wait forever)
+    assert (s.stub_destroyed(), s.stub_aborted()) == (destroyed, aborted + 1)
+    s.stub_set_async_error(0)
+    comm = attached(stub_nccl.lib, stub_nccl.init_rank(1, stub_nccl.unique_id(), 0), stub_nccl.path)
+    comm.check()
+    comm.close()
+    comm.close()
+    assert (s.stub_destroyed(), s.stub_aborted()) == (destroyed + 1, aborted + 1)
+
+
+# --------------------------------------------------------------------------- the unique id over a group (MPI)
+
+
+@pytest.fixture(scope="module")
+def gloo_group(comm):
+    """WORLD when it is gloo, else a gloo group over the same ranks (so this runs on GPU machines too)."""
+    world = dist.group.WORLD
+    return world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
+
+
+@mpi(min_size=2)
+def test_unique_id_is_made_on_rank_0_and_reaches_every_rank(gloo_group):
+    rank, world = dist.get_rank(gloo_group), dist.get_world_size(gloo_group)
+    made = []
+
+    def make_id():
+        made.append(rank)
+        return bytes(torch.randint(0, 256, (128,), dtype=torch.uint8).tolist())
+
+    uid = nccl.broadcast_unique_id(gloo_group, make_id)
+    ids: list = [None] * world
+    dist.all_gather_object(ids, (uid, made), group=gloo_group)
+    assert [m for _, m in ids] == [[0]] + [[]] * (world - 1)  # made once, on rank 0
+    assert len(uid) == 128 and all(u == uid for u, _ in ids)
+
+
+@mpi(min_size=2)
+def test_unique_id_over_a_subgroup_comes_from_its_first_rank(gloo_group):
+    world = dist.get_world_size(gloo_group)
+    ranks = list(range(1, world))  # not WORLD's rank 0: the broadcast's source is a group rank
+    sub = dist.new_group(ranks, backend="gloo")
+    me = dist.get_rank()
+    uid = nccl.broadcast_unique_id(sub, lambda: bytes([me]) * 128) if me in ranks else None
+    ids: list = [None] * world
+    dist.all_gather_object(ids, uid, group=gloo_group)
+    assert ids == [None] + [bytes([1]) * 128] * (world - 1)
+
+
+@mpi(min_size=2)
+def test_every_rank_inits_the_stub_with_rank_0s_id(gloo_group, stub, stub_nccl):
+    rank, world = dist.get_rank(gloo_group), dist.get_world_size(gloo_group)
+    made = stub_nccl.unique_id() if rank == 0 else None
+    uid = nccl.broadcast_unique_id(gloo_group, stub_nccl.unique_id)
+    stub_nccl.init_rank(world, uid, rank)
+    seen = nccl.UniqueId()
+    stub[1].stub_last_id(ctypes.byref(seen))
+    ids: list = [None] * world
+    dist.all_gather_object(ids, bytes(seen), group=gloo_group)
+    assert all(i == ids[0] for i in ids)
+    assert rank != 0 or ids[0] == made
+    assert (stub[1].stub_last_nranks(), stub[1].stub_last_rank()) == (world, rank)
+
+
+# --------------------------------------------------------------------------- NCCL on GPUs
+
+
+@pytest.fixture(scope="module")
+def solo(comm):
+    """A one-rank NcclComm per rank, over a gloo group of its own (every rank makes every group)."""
+    if not torch.cuda.is_available() or NCCL_REASON is not None:
+        pytest.skip(f"needs CUDA and NCCL ({NCCL_REASON or 'no CUDA GPU'})")
+    groups = [dist.new_group([r], backend="gloo") for r in range(dist.get_world_size())]
+    c = NcclComm(groups[dist.get_rank()], torch.device("cuda", torch.cuda.current_device()))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def pair(comm):
+    """A NcclComm over WORLD, where WORLD is NCCL over 2+ ranks (one GPU each)."""
+    world = dist.group.WORLD
+    if NCCL_REASON is not None or dist.get_world_size() < 2 or dist.get_backend(world) != "nccl":
+        pytest.skip("needs NCCL over 2+ ranks, one GPU per rank (mpirun -n 2 on a GPU machine)")
+    c = NcclComm(world, torch.device("cuda"))
+    yield c
+    c.close()
+
+
+def _poisoned_like(x):
+    out = torch.empty_like(x)
+    out.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype here: an element left unwritten stays NaN
+    return out
+
+
+@mpi
+@needs_nccl_gpu
+@pytest.mark.parametrize("dtype", list(nccl.NCCL_DTYPES))
+def test_one_rank_all_reduce_is_a_copy(solo, gen, dtype):
+    assert solo.version == ".".join(map(str, torch.cuda.nccl.version()[:3]))  # the NCCL torch uses
+    x = torch.randn(4097, generator=gen).to(dtype).cuda()
+    before, recv = x.clone(), _poisoned_like(x)
+    solo.all_reduce(x, recv)
+    torch.cuda.synchronize()
+    assert torch.equal(recv, x) and torch.equal(x, before)
+
+
+@mpi
+@needs_nccl_gpu
+def test_wrong_dtype_raises_type_error_naming_the_argument(solo):
+    x = torch.zeros(16, device="cuda")
+    with pytest.raises(TypeError, match="^send has dtype torch.float64"):
+        solo.all_reduce(x.double(), x.double())
+    with pytest.raises(TypeError, match="^recv has dtype torch.float16"):
+        solo.all_reduce(x, x.half())
+
+
+def _rank_inputs(gen, world, shape, dtype, integers=0):
+    """Every rank's input (the same on every rank): integers in [-integers, integers] where given, else normal."""
+    xs = [torch.randint(-integers, integers + 1, shape, generator=gen).float() if integers
+          else torch.randn(shape, generator=gen) for _ in range(world)]
+    return [x.to(dtype).cuda() for x in xs]
+
+
+@mpi(min_size=2)
+@needs_nccl_gpu
+@pytest.mark.parametrize("shape", [(1,), (7, 4096), (3, 2880), (1 << 20,)])
+def test_all_reduce_equals_the_sum_exactly_in_fp32(pair, gen, shape):
+    xs = _rank_inputs(gen, pair.world_size, shape, torch.float32, integers=1000)
+    x = xs[pair.rank]
+    before, recv = x.clone(), _poisoned_like(x)
+    pair.all_reduce(x, recv)
+    torch.cuda.synchronize()
+    assert torch.equal(x, before), "all_reduce modified send"
+    assert torch.equal(recv, sum(xs))  # integers below 2^24: every order of summation is exact
+
+
+@mpi(min_size=2)
+@needs_nccl_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 256), (64, 4096), (3, 2880)])
+def test_all_reduce_matches_torch_distributed(pair, gen, dtype, shape):
+    x = _rank_inputs(gen, pair.world_size, shape, dtype)[pair.rank]
+    before, recv, inplace = x.clone(), _poisoned_like(x), x.clone()
+    expect = x.clone()
+    dist.all_reduce(expect)
+    pair.all_reduce(x, recv)
+    pair.all_reduce(inplace, inplace)
+    torch.cuda.synchronize()
+    assert torch.equal(x, before), "all_reduce modified send"
+    if pair.world_size == 2:  # one addition, whatever the algorithm: bit for bit
+        assert torch.equal(recv, expect) and torch.equal(inplace, expect)
+    else:
+        assert_within_ulp(recv, expect, pair.world_size, "NcclComm vs torch.distributed")
+        assert_within_ulp(inplace, expect, pair.world_size, "NcclComm in place vs torch.distributed")
+
+
+@mpi(min_size=2)
+@needs_nccl_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_all_reduce_in_a_cuda_graph_replays_the_same_sums(pair, gen, dtype):
+    # |sum| <= 8 * 16: integers that bf16's 8-bit significand holds, so every summation order is exact.
+    inputs = [_rank_inputs(gen, pair.world_size, (8, 4096), dtype, integers=16) for _ in range(2)]
+    send = inputs[0][pair.rank].clone()
+    recv = _poisoned_like(send)
+    eager = torch.empty_like(send)
+    pair.all_reduce(send, eager)  # NCCL connects its peers on the first call: not inside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captures on a side stream: torch's current stream in here
+        pair.all_reduce(send, recv)
+    results = []
+    for xs in inputs:
+        send.copy_(xs[pair.rank])
+        recv.view(torch.uint8).fill_(0xFF)
+        graph.replay()
+        results.append(recv.clone())
+    torch.cuda.synchronize()
+    for xs, got in zip(inputs, results):
+        assert torch.equal(got, sum(x.float() for x in xs).to(dtype))
+    assert torch.equal(results[0], eager)
+    del graph
