@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import epilogue, fused_tail, jit, ops, p2p, reference, topology
+from . import epilogue, fused_tail, jit, nccl, ops, p2p, reference, topology
 from .plan import (SCALED_FP8, Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
                    registered_kernels)
 
@@ -33,11 +33,29 @@ def _out_key(out) -> tuple:
     return tuple(_key(t) for t in _tail_of(out))
 
 
+def _signature(x, residual, weight, scale, out) -> tuple:
+    """What the checks and guards read of a call's tensors (the plan cache's key). The fused call's
+    three tensors are spelt out flat: building and hashing nested tuples is a microsecond of every
+    call's host time."""
+    if isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype, x.device, residual.shape, residual.stride(), residual.dtype,
+                residual.device, weight.shape, weight.stride(), weight.dtype, weight.device, _key(scale),
+                _out_key(out))
+    return (_key(x), _key(residual), _key(weight), _key(scale), _out_key(out))
+
+
 def _key(v) -> tuple:
     """What the checks and guards read of an argument: a tensor's metadata, else its type."""
     if isinstance(v, torch.Tensor):
         return (v.shape, v.stride(), v.dtype, v.device)
     return (type(v),)
+
+
+def _fresh_rows(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous [t, h] tensor of x's dtype and device (empty_like is the cheap call)."""
+    if x.dim() == 2 and x.is_contiguous():
+        return epilogue._empty_like(x)
+    return epilogue._empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=x.dtype, device=x.device)
 
 
 @dataclass
@@ -102,7 +120,11 @@ class Communicator:
         self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
         self._plans: dict = {}
         self._p2p: Optional[p2p.Workspace] = None
+        self._nccl: Optional[nccl.NcclComm] = None
+        self.nccl_binding = "none: no NCCL group"
         self.name = ops.register(self)  # how commfuse.ops (torch.compile'd models) reach it
+        if self.backend == "nccl":
+            self._open_nccl()
         if (self.device.type == "cuda" and self.topology.mode == "p2p"
                 and self.world_size in p2p.SPEC.world_sizes):
             # Creating the workspace is collective: every rank must take the same decision.
@@ -115,6 +137,20 @@ class Communicator:
                 self._p2p = p2p.Workspace(self.group, self.device,
                                           calibrate=self.strategy == "auto" and not self.topology.shared_gpu,
                                           topology=self.topology)
+
+    def _open_nccl(self) -> None:
+        """The NCCL route's own NCCL communicator (commfuse.nccl): torch.distributed's all_reduce and
+        the copy it needs cost tens of microseconds of host time a call, ncclAllReduce a few. Every
+        rank must take the same decision (creating it is collective), so the ranks agree first."""
+        why = "COMMFUSE_NCCL=0" if os.environ.get("COMMFUSE_NCCL") == "0" else nccl.available()
+        whys: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(whys, why, group=self.group)
+        why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
+        if why is None:
+            self._nccl = nccl.shared(self.group, self.device)
+            self.nccl_binding = f"commfuse.nccl (NCCL {self._nccl.version})"
+        else:
+            self.nccl_binding = f"torch.distributed ({why})"
 
     @property
     def world_size(self) -> int:
@@ -132,11 +168,10 @@ class Communicator:
         # Decode layers repeat a handful of call signatures: the checks and guards run once per
         # signature (everything they read is in the key), not on every call of the hot path.
         scaled = (weight_offset, scale_layout, scale_ue8m0)
-        key = (_key(x), _key(residual), _key(weight), _key(scale), eps, quant, return_norm, sf_layout, scaled,
-               _out_key(out))
         try:
+            key = (_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout, scaled)
             plan = self._plans.get(key)
-        except TypeError:  # an unhashable argument: the checks below name it
+        except (AttributeError, TypeError):  # not a tensor, or an unhashable argument: the checks name it
             plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
         if plan is None:
             plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
@@ -210,18 +245,31 @@ class Communicator:
         if self.check_calls:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant, return_norm, sf_layout,
                                    weight_offset, scale_layout, scale_ue8m0, str(plan.collective)))
-        h = x.shape[-1]
         algo = plan.algorithm
-        if algo and plan.tail is TailRoute.FUSED:  # the tail inside the P2P kernel
+        fused = plan.tail is TailRoute.FUSED
+        if algo and fused:  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                               algo, out=out, checked=True)
             return FusedResult(*tail, plan=plan)
-        a = self._collective(x, plan).view(-1, h)
-        residual = residual.reshape(-1, h)
-        if plan.tail is TailRoute.FUSED:
+        if fused and self._nccl is not None and plan.collective is Collective.NCCL:
+            # NCCL writes the sum into the residual output, which the tail then updates in place;
+            # a scratch tensor only where the caller's residual output is the residual input.
+            res_out = None if out is None else out.residual
+            if res_out is None or res_out.data_ptr() == residual.data_ptr():
+                a = _fresh_rows(x)
+            else:
+                a = res_out
+            self._nccl.all_reduce(x.contiguous(), a)
+            tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
+                                  residual_out=a, checked=True)
+            return FusedResult(*tail, plan=plan)
+        a = self._collective(x, plan)
+        if fused:
             tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
                                   checked=True)
         else:
+            h = x.shape[-1]
+            a, residual = a.view(-1, h), residual.reshape(-1, h)
             tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                         weight_offset, scale_layout, scale_ue8m0)
             if out is not None:  # computed whole first: out.residual may be the residual input
@@ -238,11 +286,15 @@ class Communicator:
             self._p2p.check()
 
     def close(self) -> None:
-        """Release the P2P workspace (collective: every rank calls it); later calls take NCCL."""
+        """Release the P2P workspace (collective: every rank calls it); later calls take
+        torch.distributed's NCCL."""
         if self._p2p is not None:
             workspace, self._p2p = self._p2p, None
             self._plans.clear()  # cached plans may route to the workspace
             workspace.close()
+        # The NCCL communicator is the group's, shared with its other Communicators (nccl.shared).
+        self._nccl = None
+        self.nccl_binding = "torch.distributed (closed)"
 
     def _check_p2p_error(self) -> None:
         # A read of pinned host memory, no synchronisation: raises once a P2P kernel timed out.
@@ -253,8 +305,13 @@ class Communicator:
         if plan.algorithm:
             return self._p2p.all_reduce(x, plan.algorithm, out=out, checked=True)
         if plan.collective is Collective.NCCL:
-            # NCCL reduces in T, in its own order (the semantics accept it on this path). torch's
-            # all_reduce works in place and x is the caller's: one copy (also for a strided x).
+            # NCCL reduces in T, in its own order (the semantics accept it on this path).
+            if self._nccl is not None:
+                if out is None:
+                    out = epilogue._empty_like(x, memory_format=torch.contiguous_format)
+                self._nccl.all_reduce(x.contiguous(), out)
+                return out
+            # torch's all_reduce works in place and x is the caller's: one copy (also for a strided x).
             out = x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)
             dist.all_reduce(out, group=self.group)
             return out

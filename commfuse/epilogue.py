@@ -45,8 +45,10 @@ def hidden_multiple(quant: Optional[str]) -> int:
     return 16 if quant == "nvfp4" else 8
 
 
-# Output allocator; the GPU tests swap in one that poisons, to catch elements left unwritten.
+# Output allocators (empty_like is the cheaper call where an output has the input's shape); the GPU
+# tests swap in ones that poison, to catch elements left unwritten.
 _empty = torch.empty
+_empty_like = torch.empty_like
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -165,28 +167,42 @@ def check_like(out: torch.Tensor, x: torch.Tensor, name: str = "out") -> None:
 
 
 def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str],
-            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
-            out=None) -> Tuple[torch.Tensor, Tail, tuple, int]:
+            scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str, out=None,
+            residual_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int, Tail, tuple, int]:
     """What every kernel with the tail (fused_tail's, the P2P ones) needs, for checked arguments.
 
     out: None, or the caller's output tensors (checked by check_out), written instead of fresh ones.
-    Returns (a as an aligned contiguous [t, h], the outputs as a Tail, the TailParams fields in
-    declaration order (params.TAIL), the number of row slots: t, or roundup(t, 128) when the
-    swizzled NVFP4 layout has padding rows to zero).
+    residual_out: without out, a [t, h] tensor to take the residual output instead of a fresh one
+    (the NCCL route's all-reduce result, which the tail then overwrites in place).
+    Returns (a, or its aligned contiguous copy, of a's shape; t; the outputs as a Tail; the
+    TailParams fields in declaration order (params.TAIL); the number of row slots: t, or
+    roundup(t, 128) when the swizzled NVFP4 layout has padding rows to zero).
+
+    This runs on every eager call: no reshape or view (a new tensor object costs microseconds),
+    outputs like `a` where their shape is a's. A copy made here lives until the caller's launch,
+    which comes before any other allocation, so its memory cannot be handed to an output early.
     """
-    h, dtype, device = a.shape[-1], a.dtype, a.device
-    a2 = aligned(a.reshape(-1, h).contiguous())
-    r2 = aligned(residual.reshape(-1, h).contiguous())
-    w = aligned(weight.contiguous())
-    t = a2.shape[0]
+    h = a.shape[-1]
+    t = a.numel() // h
+    a2, r2, w = _operand(a), _operand(residual), _operand(weight)
     if out is not None:
         res_out, norm, q, sf = out.residual, out.norm, out.quant, out.scale_factors
     else:
-        rs, ns, qs, ss = _output_specs_cached(t, h, dtype, quant, return_norm, sf_layout)
-        res_out = _empty(rs[0], dtype=dtype, device=device)
-        norm = _empty(ns[0], dtype=dtype, device=device) if ns else None
-        q = _empty(qs[0], dtype=qs[1], device=device) if qs else None
-        sf = _empty(ss[0], dtype=ss[1], device=device) if ss else None
+        like = a2.dim() == 2  # the decode case: outputs of a's shape are cheapest as empty_like
+        if residual_out is not None:
+            res_out = residual_out
+        elif like:
+            res_out = _empty_like(a2)
+        else:
+            res_out = _empty((t, h), dtype=a.dtype, device=a.device)
+        norm = _empty_like(res_out) if quant is None or return_norm else None
+        q = sf = None
+        if quant == "fp8":
+            q = _empty_like(res_out, dtype=torch.float8_e4m3fn)
+        elif quant is not None:
+            _, _, qs, ss = _output_specs_cached(t, h, a.dtype, quant, return_norm, sf_layout)
+            q = _empty(qs[0], dtype=qs[1], device=a.device)
+            sf = _empty(ss[0], dtype=ss[1], device=a.device) if ss else None
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
     fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
               norm.data_ptr() if norm is not None else 0,
@@ -195,4 +211,10 @@ def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
               scale.data_ptr() if quant is not None else 0,
               float(eps), h, t, int(swizzled))
     rows = 0 if t == 0 else -(-t // 128) * 128 if swizzled else t
-    return a2, Tail(res_out, norm, q, sf), fields, rows
+    return a2, t, Tail(res_out, norm, q, sf), fields, rows
+
+
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    # The kernels read dense rows of 16-byte vectors: a strided or misaligned view gets a copy.
+    c = t.contiguous()
+    return c if not c.data_ptr() % 16 else c.clone()

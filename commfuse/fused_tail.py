@@ -106,7 +106,8 @@ def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -
 
 def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         quant: Optional[str] = None, scale: Optional[torch.Tensor] = None, return_norm: bool = False,
-        sf_layout: str = "swizzled", *, out: Optional[Tail] = None, checked: bool = False) -> Tail:
+        sf_layout: str = "swizzled", *, out: Optional[Tail] = None, residual_out: Optional[torch.Tensor] = None,
+        checked: bool = False) -> Tail:
     """The tail after the all-reduce, as one kernel on torch's current stream.
 
     a: [..., h] all-reduced activations, fp16 or bf16, CUDA, stride 1 on the last dim.
@@ -120,6 +121,9 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     float8_e4m3fn, flat roundup(t,128)*roundup(h/16,4) (swizzled) or [t,h/16] (linear), nvfp4 only.
     out: the caller's output tensors instead (a Tail of those shapes, None where absent; see
     epilogue.check_out: out.residual may be `residual` itself, an in-place update).
+    residual_out: without out, a contiguous [t, h] tensor of a's dtype to take the residual output,
+    which may be `a` itself (the NCCL route writes the sum there, and the tail updates it in place:
+    every element is read before it is written, by the same thread).
     checked: the caller has validated these arguments already (the Communicator's plan does, once
     per call signature), so the checks are skipped on this hot path.
     """
@@ -128,11 +132,11 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
         if out is not None:
             epilogue.check_out(out, a.numel() // a.shape[-1], a.shape[-1], a.dtype, a.device, quant, return_norm,
                                sf_layout)
-    a2, out, fields, rows = epilogue.prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out)
+    a2, t, out, fields, rows = epilogue.prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out,
+                                                residual_out)
     if rows == 0:
         return out
-    device, t, h = a.device, a2.shape[0], a2.shape[1]
-    vpt, threads = launch_config(h, t)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _kernel(a.dtype, quant, vpt, index).launch((rows, 1, 1), (threads, 1, 1), params.FUSED_TAIL.pack(a2.data_ptr(), *fields))
+    vpt, threads = launch_config(a.shape[-1], t)
+    _kernel(a.dtype, quant, vpt, a.get_device()).launch((rows, 1, 1), (threads, 1, 1),
+                                                        params.FUSED_TAIL.pack(a2.data_ptr(), *fields))
     return out

@@ -305,3 +305,20 @@ class NcclComm:
         handle, self._handle = self._handle, None
         if handle is not None:
             self.nccl.release(handle)
+
+
+_SHARED: dict = {}
+
+
+def shared(group, device: torch.device) -> NcclComm:
+    """The process's one NcclComm over `group` on `device`, made on the first call (collective then:
+    every rank of the group calls it, in the same order as its other collectives). Communicators of
+    one group share it: each NCCL communicator holds its own buffers (tens to hundreds of MB a GPU)
+    and takes a rendezvous to create. It lives as long as the process."""
+    device = torch.device(device)
+    key = (group, device.index if device.index is not None else torch.cuda.current_device())
+    comm = _SHARED.get(key)
+    if comm is None:
+        comm = _SHARED[key] = NcclComm(group, device)
+    return comm
+

@@ -59,6 +59,8 @@ def rows(comm, t: int, h: int):
     yield "torch.add(x, r, out=buf)", lambda: torch.add(x, r, out=buf)
     yield "torch.empty((t, h), dtype, device)", lambda: torch.empty((t, h), dtype=dt, device=dev)
     yield "torch.empty_like(x)", lambda: torch.empty_like(x)
+    yield "torch.empty_like(x, dtype=fp8)", lambda: torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    yield "x.new_empty((t, h))", lambda: x.new_empty((t, h))
     yield "x.clone()", lambda: x.clone()
     yield "x.reshape(-1, h)", lambda: x.reshape(-1, h)
     yield "x.contiguous()", lambda: x.contiguous()

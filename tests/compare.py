@@ -42,7 +42,7 @@ POISONS = (0xA5, 0x5A)
 
 
 def poisoned_runs(monkeypatch, modules, fn) -> list:
-    """[fn() for each of POISONS], with the `_empty` output allocator of every module in `modules`
+    """[fn() for each of POISONS], with the `_empty` / `_empty_like` output allocators of every module in `modules`
     (commfuse.epilogue: every kernel's outputs) swapped for one that fills the new tensor with that poison
     byte: an output element a kernel never writes then differs between the two results."""
     results = []
@@ -52,9 +52,16 @@ def poisoned_runs(monkeypatch, modules, fn) -> list:
             x.view(torch.uint8).fill_(_poison)
             return x
 
+        def empty_like(x, *, dtype=None, memory_format=torch.preserve_format, _poison=poison):
+            y = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
+            y.view(torch.uint8).fill_(_poison)
+            return y
+
         for module in modules:
             monkeypatch.setattr(module, "_empty", empty)
+            monkeypatch.setattr(module, "_empty_like", empty_like)
         results.append(fn())
     for module in modules:
         monkeypatch.setattr(module, "_empty", torch.empty)
+        monkeypatch.setattr(module, "_empty_like", torch.empty_like)
     return results

@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfuse import Communicator, reference
+import commfuse.communicator
+from commfuse import Communicator, nccl, reference
 
 from compare import assert_tail_close, assert_within_ulp
 from inputs import rank_inputs, tail_inputs
 
-mpi = pytest.mark.mpi(min_size=2)
+mpi = pytest.mark.mpi(min_size=1)  # one rank too: on one GPU that is the NCCL route (the sum is a copy)
 DTYPES = [torch.bfloat16, torch.float16]
 PATTERNS = [  # (quant, return_norm, sf_layout)
     (None, False, "swizzled"),
@@ -25,8 +26,8 @@ PATTERNS = [  # (quant, return_norm, sf_layout)
 
 def exact_sum(comm) -> bool:
     """Off NCCL the communicator sums in fp32 in rank order (exact semantics); NCCL sums in T, which
-    equals the fp32 sum rounded once only for two ranks (a single addition)."""
-    return comm.backend != "nccl" or comm.world_size == 2
+    equals the fp32 sum rounded once only for one or two ranks (a copy, a single addition)."""
+    return comm.backend != "nccl" or comm.world_size <= 2
 
 
 @mpi
@@ -105,7 +106,7 @@ def test_bad_argument_raises_on_every_rank_before_any_collective(comm, gen):
     assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards
 
 
-@mpi
+@pytest.mark.mpi(min_size=2)
 def test_ranks_passing_different_shapes_raise_instead_of_hanging(comm, gen):
     rank = dist.get_rank(comm.group)
     x = torch.randn(4 + rank, 64, generator=gen).to(comm.device)
@@ -263,3 +264,43 @@ def test_computed_scale_fp8_arguments_are_checked(comm, gen):
     with pytest.raises(ValueError, match="weight_offset must be a finite number"):
         comm.fused_all_reduce(x, residual, weight, weight_offset=float("nan"))
     assert comm.all_reduce(x).shape == x.shape
+
+
+@mpi
+def test_nccl_groups_enqueue_through_commfuse_nccl(comm):
+    """On an NCCL group the NCCL route calls ncclAllReduce directly (commfuse.nccl), one communicator
+    per group shared by its Communicators."""
+    if comm.backend != "nccl":
+        assert comm.nccl_binding.startswith("none"), comm.nccl_binding
+        pytest.skip("commfuse.nccl serves NCCL groups; this group is " + comm.backend)
+    if nccl.available():
+        pytest.skip(nccl.available())
+    assert comm.nccl_binding.startswith("commfuse.nccl (NCCL "), comm.nccl_binding
+    assert Communicator(comm.group, strategy="nccl")._nccl is comm._nccl
+
+
+@mpi
+@pytest.mark.parametrize("missing_on", [None, 0, "last", "env"])
+def test_ranks_agree_on_the_nccl_binding(comm, monkeypatch, missing_on):
+    """Creating the NCCL communicator is collective: one rank without the library (or with
+    COMMFUSE_NCCL=0) keeps every rank on torch.distributed, naming that rank; else all create it."""
+    rank, world = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    me = world - 1 if missing_on == "last" else missing_on
+    made = []
+
+    class Fake:
+        version = "9.9.9"
+
+    monkeypatch.setattr(nccl, "available", lambda: "no libnccl here" if rank == me else None)
+    monkeypatch.setattr(nccl, "shared", lambda group, device: made.append(group) or Fake())
+    if missing_on == "env":
+        monkeypatch.setenv("COMMFUSE_NCCL", "0" if rank == 0 else "1")
+    c = object.__new__(Communicator)
+    c.group, c.device = comm.group, comm.device
+    commfuse.communicator.Communicator._open_nccl(c)
+    if missing_on is None:
+        assert made == [comm.group] and c.nccl_binding == "commfuse.nccl (NCCL 9.9.9)"
+    else:
+        who = 0 if missing_on == "env" else me
+        why = "COMMFUSE_NCCL=0" if missing_on == "env" else "no libnccl here"
+        assert made == [] and c.nccl_binding == f"torch.distributed (rank {who}: {why})", c.nccl_binding

@@ -858,7 +858,8 @@ def test_caller_owned_outputs_reach_the_launch(monkeypatch):
     """out=: the P2P launches write the caller's tensors (pointers in P2PParams), nothing is allocated."""
     rec = _Recorder(1 << 20)
     monkeypatch.setattr(p2p.kernels, "_kernel", lambda *args: rec)
-    monkeypatch.setattr(epilogue, "_empty", lambda *a, **k: pytest.fail("allocated although out= was given"))
+    for allocator in ("_empty", "_empty_like"):
+        monkeypatch.setattr(epilogue, allocator, lambda *a, **k: pytest.fail("allocated although out= was given"))
     g = torch.Generator().manual_seed(11)
     t, h = 16, 4096
     x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))

@@ -274,7 +274,8 @@ class Workspace:
                                       row_slots, self.world, self.rank, 0))
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
-        """out = the sum of x_flat (numel % 8 == 0), in pieces of max_bytes (a multiple of 4 KiB, so
+        """out = the sum of x_flat (contiguous, any shape, numel % 8 == 0; out: contiguous, as many
+        elements), in pieces of max_bytes (a multiple of 4 KiB, so
         whole vectors) if larger."""
         kernel = kernels._kernel(x_flat.dtype, "plain", 0, algo, self._index)
         n, elt = x_flat.numel(), x_flat.element_size()
@@ -300,9 +301,9 @@ class Workspace:
             if out is not None:
                 epilogue.check_like(out, x)
         if out is None:
-            out = epilogue._empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-        if n:
-            self._launch_plain(epilogue.aligned(x.contiguous().view(-1)), out.view(-1), algo)
+            out = epilogue._empty_like(x, memory_format=torch.contiguous_format)
+        if n:  # the launch reads pointers and sizes only: no flattened views (each costs microseconds)
+            self._launch_plain(epilogue.aligned(x.contiguous()), out, algo)
         return out
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -325,11 +326,10 @@ class Workspace:
             if x.numel() * elt > self.max_bytes and not chunk_rows(h * elt, quant, sf_layout, self.max_bytes):
                 raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
                                  f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
-        x2, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                                      out)
+        x2, t, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm,
+                                                         sf_layout, out)
         if not row_slots:
             return out
-        t = x2.shape[0]
         vpt, threads = launch_config(h)
         kernel = kernels._kernel(x.dtype, quant, vpt, algo, self._index)
         if t * h * elt <= self.max_bytes:
