@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import epilogue, fused_tail, jit, ops, p2p, reference, topology
-from .plan import (SCALED_FP8, Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
+from .plan import (Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
                    registered_kernels)
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
@@ -21,7 +21,17 @@ _MAX_PLANS = 4096
 
 
 def _tail_of(r) -> tuple:
-    return (r.residual, r.norm, r.quant, r.scale_factors)
+    return (r.residual, r.norm, r.quant, r.scale_factors, getattr(r, "scales", None))
+
+
+def _copy_out(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    """One separated-route output into the caller's tensor; an MN-major view's whole storage, as the
+    fused kernels write its padding too."""
+    if mine.is_contiguous() or mine.dim() != 2:
+        mine.copy_(theirs)
+        return
+    n = mine.shape[1] * mine.stride(1)
+    torch.as_strided(mine, (n,), (1,)).copy_(torch.as_strided(theirs, (n,), (1,)))
 
 
 def _out_key(out) -> tuple:
@@ -151,11 +161,10 @@ class Communicator:
                         scale_ue8m0)
         if out is not None and residual is None:
             epilogue.check_like(out, x)
-        elif out is not None and quant in SCALED_FP8:
-            raise ValueError(f"out= is not supported with quant={quant!r} yet")
         elif out is not None:
             h = x.shape[-1]
-            epilogue.check_out(out, x.numel() // h, h, x.dtype, self.device, quant, return_norm, sf_layout)
+            epilogue.check_out(out, x.numel() // h, h, x.dtype, self.device, quant, return_norm, sf_layout,
+                               scale_layout, scale_ue8m0)
         req = Request(
             x=TensorMeta.of(x),
             residual=None if residual is None else TensorMeta.of(residual),
@@ -195,11 +204,11 @@ class Communicator:
         path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).
         quant "fp8_per_token" / "fp8_block" compute their scales (scale None; docs/semantics.md), with
         fp8_block's scale_layout ("row" or "mn_major") and scale_ue8m0; weight_offset is added to the
-        weight in fp32 (Gemma's (1 + w): 1.0). These three run as separated ops for now (the plan says
-        so). Outputs are flattened to [t, h]; see FusedResult.
+        weight in fp32 (Gemma's (1 + w): 1.0). Outputs are flattened to [t, h]; see FusedResult.
         out: caller-owned outputs to write instead of fresh tensors (a FusedResult of an earlier call,
-        or a commfuse.reference.Tail: residual, norm, quant, scale_factors with the shapes and dtypes
-        of this call's outputs, None where the call has none; contiguous, on the device), validated
+        or a commfuse.reference.Tail: residual, norm, quant, scale_factors, scales with the shapes and
+        dtypes of this call's outputs, None where the call has none; contiguous, or for MN-major scales
+        the reference's strides over a storage holding the padding rows; on the device), validated
         once per call signature. out.residual may be `residual` itself: the residual is updated in
         place (every route reads each residual element before it writes it).
         """
@@ -214,20 +223,22 @@ class Communicator:
         algo = plan.algorithm
         if algo and plan.tail is TailRoute.FUSED:  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                              algo, out=out, checked=True)
+                                              algo, out=out, checked=True, weight_offset=weight_offset,
+                                              scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
             return FusedResult(*tail, plan=plan)
         a = self._collective(x, plan).view(-1, h)
         residual = residual.reshape(-1, h)
         if plan.tail is TailRoute.FUSED:
             tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
-                                  checked=True)
+                                  checked=True, weight_offset=weight_offset, scale_layout=scale_layout,
+                                  scale_ue8m0=scale_ue8m0)
         else:
             tail = reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                         weight_offset, scale_layout, scale_ue8m0)
             if out is not None:  # computed whole first: out.residual may be the residual input
                 for mine, theirs in zip(_tail_of(out), tail):
                     if mine is not None:
-                        mine.copy_(theirs)
+                        _copy_out(mine, theirs)
                 tail = reference.Tail(*_tail_of(out))
         return FusedResult(*tail, plan=plan)
 

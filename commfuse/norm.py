@@ -22,7 +22,7 @@ give None instead). Outputs are flattened to [t, h] (t = x.numel() // h) like ev
 
 Routes. `fused_add_rmsnorm` with a residual runs the fused tail kernel (`commfuse.fused_tail.run`,
 one launch) where its guards hold: CUDA tensors on SM 8.0+, float16/bfloat16, h % 8 == 0, stride 1
-on the last dims, weight_offset == 0, the scale a float32 tensor on x's device, fusion not disabled
+on the last dims, the scale a float32 tensor on x's device, fusion not disabled
 (`COMMFUSE_DISABLE_FUSION=1`). Everything else takes the separated ops of commfuse.reference (the
 same semantics). `plan(...)` says which route a call takes and why, without running it (a
 commfuse.Plan with collective "none"); the fusion pass shows it in its report. `gated_rmsnorm`,
@@ -168,8 +168,6 @@ def tail_guard(*, dtype: torch.dtype, device: torch.device, hidden: int, has_res
         return f"SM {sm[0]}.{sm[1]} < {fused_tail.SPEC.min_sm[0]}.{fused_tail.SPEC.min_sm[1]}: no fused kernel"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype}: the fused kernel takes float16 and bfloat16"
-    if weight_offset != 0:
-        return f"weight_offset {weight_offset}: the fused kernel has no weight offset (separated ops)"
     if not last_strides_one:
         return "x, residual or weight has a stride other than 1 on its last dim: the fused kernel needs stride 1"
     if quant is not None and not scale_ok:
@@ -308,7 +306,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     scale the dequant scale (a float32 tensor of one element on x's device; a Python float is taken
     and rounded to fp32, on the separated route). return_norm: also return the norm when quantizing.
     sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear". weight_offset: the norm multiplies
-    by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (separated route only).
+    by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
 
     out: caller-owned outputs, a commfuse.reference.Tail (or a tuple in its order: residual, norm,
     quant, scale_factors) of tensors or None. A tensor is checked (the output's exact shape, dtype,
@@ -406,7 +404,7 @@ def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor,
     if _guard_for(x, residual, weight, q, scale, weight_offset, h) is None:
         from . import fused_tail
 
-        tail = fused_tail.run(x, residual, weight, eps, q, scale, return_norm, sf_layout)
+        tail = fused_tail.run(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset=weight_offset)
     else:
         tail = _separated_tail(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset)
     res = tail.residual

@@ -34,7 +34,7 @@ DELAY_KERNEL = "commfuse::p2p_delay"
 _QUANT_ID = {**{q: int(k) for q, k in QUANTS.items()}, "plain": -1}  # kQuantPlain: no tail
 _ALGO_ID = {"oneshot": 0, "twoshot": 1}
 
-_NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
+_NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0) + (0, -0.0, 0, 0)
 
 
 
@@ -60,7 +60,8 @@ class P2PTimeoutError(P2PError):
         self.rank, self.missing_rank, self.phase, self.timeout_s = rank, missing_rank, phase, timeout_s
 
 
-_SIG_QUANTS = {0: "plain all-reduce", 1: "tail", 2: "tail + fp8", 3: "tail + nvfp4"}
+_SIG_QUANTS = {0: "plain all-reduce", 1: "tail", 2: "tail + fp8", 3: "tail + nvfp4", 4: "tail + fp8_per_token",
+               5: "tail + fp8_block"}
 
 
 def describe_signature(words: Sequence[int]) -> str:
@@ -71,7 +72,8 @@ def describe_signature(words: Sequence[int]) -> str:
     algo = ALGORITHMS[(kind >> 5) & 1]
     if what == "plain all-reduce":
         return f"{dtype} {what} of {8 * total_vecs} elements, {algo}"
-    extras = [e for bit, e in ((7, "norm out"), (6, "swizzled scale factors")) if kind >> bit & 1]
+    extras = [e for bit, e in ((7, "norm out"), (6, "swizzled scale factors"), (12, "MN-major scales"),
+                               (13, "UE8M0 scales")) if kind >> bit & 1]
     return f"{dtype} {what}{' (' + ', '.join(extras) + ')' if extras else ''}, [{rows}, {8 * row_vecs}], {algo}"
 
 
@@ -105,7 +107,7 @@ SPEC = register_kernel(_P2PSpec(
     name="p2p_allreduce",
     kind="p2p",
     dtypes=frozenset(FUSED_DTYPES),
-    quants=frozenset((None, "fp8", "nvfp4")),
+    quants=frozenset(QUANTS),
     min_sm=(8, 0),
     hidden_multiple=8,
     max_hidden=epilogue.MAX_HIDDEN,
@@ -119,7 +121,7 @@ SPEC = register_kernel(_P2PSpec(
 
 
 def name_expression(dtype: torch.dtype, quant: Optional[str], vpt: int, algo: str) -> str:
-    """The kernel instantiation; quant None/"fp8"/"nvfp4", or "plain" (no tail, vpt 0)."""
+    """The kernel instantiation; quant one of epilogue.QUANTS, or "plain" (no tail, vpt 0)."""
     return f"commfuse::p2p_allreduce<{CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}, {_ALGO_ID[algo]}>"
 
 
@@ -129,8 +131,7 @@ def variants() -> List[str]:
     for dtype in CTYPE:
         for algo in ALGORITHMS:
             names.append(name_expression(dtype, "plain", 0, algo))
-            names += [name_expression(dtype, q, v, algo) for q in (None, "fp8", "nvfp4")
-                      for v in VPT_BUCKETS + (0,)]
+            names += [name_expression(dtype, q, v, algo) for q in QUANTS for v in VPT_BUCKETS + (0,)]
     return names + [DELAY_KERNEL]
 
 
@@ -197,15 +198,20 @@ def _tail_rows(fields: tuple, out: Tail, row_slots: int, begin: int, end: int) -
     """epilogue.prepare's TailParams fields and outputs for all rows -> the fields of rows
     [begin, end). Each output advances by its own bytes per row (its size over its rows: row_slots
     for swizzled scale factors, whose 128-row tiles are contiguous; `begin` is then a multiple of
-    128, see chunk_rows)."""
-    residual, res_out, weight, norm, q, sf, scale, eps, h, t, swizzled = fields
+    128, see chunk_rows). MN-major scales advance by one element per row and keep the whole call's
+    column stride (scale_stride)."""
+    (residual, res_out, weight, norm, q, sf, scale, eps, h, t, swizzled, scales, offset, scale_layout,
+     scale_stride) = fields
 
     def at(ptr: int, tensor: Optional[torch.Tensor], rows: int) -> int:
         return ptr + begin * (tensor.nbytes // rows) if ptr else 0
 
+    mn_major = scale_layout & epilogue._SCALE_MN_MAJOR
     return (at(residual, out.residual, t), at(res_out, out.residual, t), weight, at(norm, out.norm, t),
             at(q, out.quant, t), at(sf, out.scale_factors, row_slots if swizzled else t),
-            scale, eps, h, end - begin, swizzled)
+            scale, eps, h, end - begin, swizzled,
+            scales + begin * out.scales.element_size() if mn_major else at(scales, out.scales, t),
+            offset, scale_layout, scale_stride)
 
 
 
