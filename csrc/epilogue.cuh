@@ -264,17 +264,34 @@ __device__ __forceinline__ float fp8_divide(float x, float scale, float r) {
   return fp8_in_band(q) ? exact : q;
 }
 
-// e4m3(norm / scale) as the contract divides (see fp8_divide). kComputed: a computed scale
-// (reference._fp8_groups), where +-Inf in a group of scale +Inf gives +-448 instead of Inf / Inf;
-// such a scale is outside fp8_reciprocal's range, so only the true division needs the rule.
-__device__ __forceinline__ float fp8_true_divide(float x, float scale, bool computed) {
-  return computed && isinf(x) && isinf(scale) ? x : __fdiv_rn(x, scale);
+// x / scale as e4m3 sees it for a computed scale (reference._fp8_groups: normal >= 2^-126, +Inf or
+// NaN), given k, s = scale * k and r = RN(1 / s) of fp8_computed_reciprocal. No true division: x / scale
+// is (x k) / (scale k) for a power of two k that brings s into fp8_divide's proven range; x k is exact
+// (k = 2^64 for a scale below 2^-64, so x is no smaller than a subnormal), or, for k = 2^-64 (a scale
+// above 2^64), inexact only below 2^-62, where both quotients are below e4m3's smallest half-step and
+// give the same signed zero. Scale +Inf: r = 0 and q = x * 0, a signed zero; +-Inf in such a group
+// gives +-448 (x itself, saturated), not Inf / Inf. A NaN scale gives NaN codes.
+__device__ __forceinline__ float fp8_computed_divide(float x, float k, float s, float r) {
+  return isinf(x) && isinf(s) ? x : fp8_divide(__fmul_rn(x, k), s, r);
 }
 
+// e4m3(norm / scale) as the contract divides (see fp8_divide). kComputed: a computed scale, see
+// fp8_computed_divide.
 template <typename T, bool kComputed = false>
 __device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
   unsigned w[4];
   words(n, w);
+  if constexpr (kComputed) {
+    const float k = scale < 0x1p-64f ? 0x1p64f : scale > 0x1p64f ? 0x1p-64f : 1.f;
+    const float s = __fmul_rn(scale, k);
+    const float r = __frcp_rn(s);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = Pack<T>::unpack(w[j]);
+      w[j] = e4m3x2(fp8_computed_divide(f.x, k, s, r), fp8_computed_divide(f.y, k, s, r));
+    }
+    return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+  }
   const float r = fp8_reciprocal(scale);
   // A pair at a time, and the rare true division in a branch of its own: the 1024-thread P2P
   // tails have 64 registers.
@@ -288,7 +305,7 @@ __device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 f = Pack<T>::unpack(w[j]);
-      w[j] = e4m3x2(fp8_true_divide(f.x, scale, kComputed), fp8_true_divide(f.y, scale, kComputed));
+      w[j] = e4m3x2(__fdiv_rn(f.x, scale), __fdiv_rn(f.y, scale));
     }
   }
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
