@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import epilogue, fused_tail, jit, nccl, ops, p2p, reference, topology
-from .plan import (SCALED_FP8, Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
+from .plan import (Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
                    registered_kernels)
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
@@ -21,7 +21,17 @@ _MAX_PLANS = 4096
 
 
 def _tail_of(r) -> tuple:
-    return (r.residual, r.norm, r.quant, r.scale_factors)
+    return (r.residual, r.norm, r.quant, r.scale_factors, getattr(r, "scales", None))
+
+
+def _copy_out(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    """One separated-route output into the caller's tensor; an MN-major view's whole storage, as the
+    fused kernels write its padding too."""
+    if mine.is_contiguous() or mine.dim() != 2:
+        mine.copy_(theirs)
+        return
+    n = mine.shape[1] * mine.stride(1)
+    torch.as_strided(mine, (n,), (1,)).copy_(torch.as_strided(theirs, (n,), (1,)))
 
 
 def _out_key(out) -> tuple:
@@ -186,11 +196,10 @@ class Communicator:
                         scale_ue8m0)
         if out is not None and residual is None:
             epilogue.check_like(out, x)
-        elif out is not None and quant in SCALED_FP8:
-            raise ValueError(f"out= is not supported with quant={quant!r} yet")
         elif out is not None:
             h = x.shape[-1]
-            epilogue.check_out(out, x.numel() // h, h, x.dtype, self.device, quant, return_norm, sf_layout)
+            epilogue.check_out(out, x.numel() // h, h, x.dtype, self.device, quant, return_norm, sf_layout,
+                               scale_layout, scale_ue8m0)
         req = Request(
             x=TensorMeta.of(x),
             residual=None if residual is None else TensorMeta.of(residual),
@@ -230,11 +239,11 @@ class Communicator:
         path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).
         quant "fp8_per_token" / "fp8_block" compute their scales (scale None; docs/semantics.md), with
         fp8_block's scale_layout ("row" or "mn_major") and scale_ue8m0; weight_offset is added to the
-        weight in fp32 (Gemma's (1 + w): 1.0). These three run as separated ops for now (the plan says
-        so). Outputs are flattened to [t, h]; see FusedResult.
+        weight in fp32 (Gemma's (1 + w): 1.0). Outputs are flattened to [t, h]; see FusedResult.
         out: caller-owned outputs to write instead of fresh tensors (a FusedResult of an earlier call,
-        or a commfuse.reference.Tail: residual, norm, quant, scale_factors with the shapes and dtypes
-        of this call's outputs, None where the call has none; contiguous, on the device), validated
+        or a commfuse.reference.Tail: residual, norm, quant, scale_factors, scales with the shapes and
+        dtypes of this call's outputs, None where the call has none; contiguous, or for MN-major scales
+        the reference's strides over a storage holding the padding rows; on the device), validated
         once per call signature. out.residual may be `residual` itself: the residual is updated in
         place (every route reads each residual element before it writes it).
         """
@@ -249,7 +258,8 @@ class Communicator:
         fused = plan.tail is TailRoute.FUSED
         if algo and fused:  # the tail inside the P2P kernel
             tail = self._p2p.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                              algo, out=out, checked=True)
+                                              algo, out=out, checked=True, weight_offset=weight_offset,
+                                              scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
             return FusedResult(*tail, plan=plan)
         if fused and self._nccl is not None and plan.collective is Collective.NCCL:
             # NCCL writes the sum into the residual output, which the tail then updates in place;
@@ -261,12 +271,14 @@ class Communicator:
                 a = res_out
             self._nccl.all_reduce(x.contiguous(), a)
             tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
-                                  residual_out=a, checked=True)
+                                  residual_out=a, checked=True, weight_offset=weight_offset,
+                                  scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
             return FusedResult(*tail, plan=plan)
         a = self._collective(x, plan)
         if fused:
             tail = fused_tail.run(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
-                                  checked=True)
+                                  checked=True, weight_offset=weight_offset, scale_layout=scale_layout,
+                                  scale_ue8m0=scale_ue8m0)
         else:
             h = x.shape[-1]
             a, residual = a.view(-1, h), residual.reshape(-1, h)
@@ -275,7 +287,7 @@ class Communicator:
             if out is not None:  # computed whole first: out.residual may be the residual input
                 for mine, theirs in zip(_tail_of(out), tail):
                     if mine is not None:
-                        mine.copy_(theirs)
+                        _copy_out(mine, theirs)
                 tail = reference.Tail(*_tail_of(out))
         return FusedResult(*tail, plan=plan)
 

@@ -1,10 +1,11 @@
 """The local fused tail (csrc/fused_tail.cu): residual add + RMSNorm + optional FP8/NVFP4
-quantization in one kernel, run after NCCL's all-reduce on the no-P2P path.
+quantization (static or computed FP8 scales) in one kernel, run after NCCL's all-reduce on the no-P2P path.
 
 Semantics are those of :func:`commfuse.reference.fused_tail` (the oracle); see docs/semantics.md.
 
 Launch configuration: one CTA per row (plus, for NVFP4 in the swizzled layout, one per padding
-row of the last 128-row tile, which zeroes that row's scale factors). A row is split into
+row of the last 128-row tile, which zeroes that row's scale factors; for MN-major FP8 block scales
+one per padding row up to roundup(t, 4)). A row is split into
 16-byte vectors of 8 elements and lives in registers, VPT vectors per thread (VPT in 1, 2, 4):
 - few rows (t < LATENCY_TOKENS, decode): the smallest VPT that fits the variant's thread limit
   (1024 for VPT 1 and 2), spreading each row's dependent chain over as many threads as possible
@@ -107,18 +108,23 @@ def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -
 def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         quant: Optional[str] = None, scale: Optional[torch.Tensor] = None, return_norm: bool = False,
         sf_layout: str = "swizzled", *, out: Optional[Tail] = None, residual_out: Optional[torch.Tensor] = None,
-        checked: bool = False) -> Tail:
+        checked: bool = False, weight_offset: float = 0.0, scale_layout: str = "row",
+        scale_ue8m0: bool = False) -> Tail:
     """The tail after the all-reduce, as one kernel on torch's current stream.
 
     a: [..., h] all-reduced activations, fp16 or bf16, CUDA, stride 1 on the last dim.
     residual: same shape, dtype and device as a. weight: [h], a's dtype and device.
-    eps: python float. quant: None, "fp8" or "nvfp4".
-    scale: dequant scale, float32 CUDA tensor of one element on a's device (needed with quant).
+    eps: python float. quant: None, "fp8", "nvfp4", "fp8_per_token" or "fp8_block".
+    scale: dequant scale, float32 CUDA tensor of one element on a's device (needed with "fp8" and
+    "nvfp4"; None for the kinds that compute their scales).
     return_norm: also return the T norm when quantizing. sf_layout: "swizzled" or "linear".
-    h % 8 == 0 (h % 16 == 0 for nvfp4), h <= MAX_HIDDEN.
+    weight_offset: added to the weight in fp32 (Gemma: 1.0). scale_layout ("row" / "mn_major") and
+    scale_ue8m0: the fp8_block scales' layout (reference.quantize_fp8_block).
+    h % 8 == 0 (h % 16 == 0 for nvfp4, h % 128 == 0 for fp8_block), h <= MAX_HIDDEN.
     Returns reference.Tail with fresh tensors on a's device: residual [t,h] T; norm [t,h] T or
-    None; quant float8_e4m3fn [t,h] (fp8) or uint8 [t,h/2] (nvfp4) or None; scale_factors
-    float8_e4m3fn, flat roundup(t,128)*roundup(h/16,4) (swizzled) or [t,h/16] (linear), nvfp4 only.
+    None; quant float8_e4m3fn [t,h] (the FP8 kinds) or uint8 [t,h/2] (nvfp4) or None; scale_factors
+    float8_e4m3fn, flat roundup(t,128)*roundup(h/16,4) (swizzled) or [t,h/16] (linear), nvfp4 only;
+    scales: the computed FP8 scales (reference.fused_tail's), None for the other kinds.
     out: the caller's output tensors instead (a Tail of those shapes, None where absent; see
     epilogue.check_out: out.residual may be `residual` itself, an in-place update).
     residual_out: without out, a contiguous [t, h] tensor of a's dtype to take the residual output,
@@ -128,12 +134,12 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     per call signature), so the checks are skipped on this hot path.
     """
     if not checked:
-        epilogue.check(a, residual, weight, quant, scale, sf_layout)
+        epilogue.check(a, residual, weight, quant, scale, sf_layout, scale_layout, scale_ue8m0)
         if out is not None:
             epilogue.check_out(out, a.numel() // a.shape[-1], a.shape[-1], a.dtype, a.device, quant, return_norm,
-                               sf_layout)
+                               sf_layout, scale_layout, scale_ue8m0)
     a2, t, out, fields, rows = epilogue.prepare(a, residual, weight, eps, quant, scale, return_norm, sf_layout, out,
-                                                residual_out)
+                                                residual_out, weight_offset, scale_layout, scale_ue8m0)
     if rows == 0:
         return out
     vpt, threads = launch_config(a.shape[-1], t)

@@ -22,7 +22,7 @@ give None instead). Outputs are flattened to [t, h] (t = x.numel() // h) like ev
 
 Routes. `fused_add_rmsnorm` with a residual runs the fused tail kernel (`commfuse.fused_tail.run`,
 one launch) where its guards hold: CUDA tensors on SM 8.0+, float16/bfloat16, h % 8 == 0, stride 1
-on the last dims, weight_offset == 0, the scale a float32 tensor on x's device, fusion not disabled
+on the last dims, the scale a float32 tensor on x's device, fusion not disabled
 (`COMMFUSE_DISABLE_FUSION=1`). Everything else takes the separated ops of commfuse.reference (the
 same semantics). `plan(...)` says which route a call takes and why, without running it (a
 commfuse.Plan with collective "none"); the fusion pass shows it in its report. `gated_rmsnorm`,
@@ -147,8 +147,7 @@ def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset
 
 
 def tail_guard(*, dtype: torch.dtype, device: torch.device, hidden: int, has_residual: bool,
-               quant: Optional[str], scale_ok: bool, weight_offset: float, last_strides_one: bool,
-               sm: Optional[tuple] = None) -> Optional[str]:
+               quant: Optional[str], scale_ok: bool, last_strides_one: bool, sm: Optional[tuple] = None) -> Optional[str]:
     """Why `fused_add_rmsnorm` with these properties takes the separated ops (None: the fused kernel).
 
     A pure function of metadata, so the fusion pass can ask it about a graph's fake tensors. scale_ok:
@@ -168,8 +167,6 @@ def tail_guard(*, dtype: torch.dtype, device: torch.device, hidden: int, has_res
         return f"SM {sm[0]}.{sm[1]} < {fused_tail.SPEC.min_sm[0]}.{fused_tail.SPEC.min_sm[1]}: no fused kernel"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype}: the fused kernel takes float16 and bfloat16"
-    if weight_offset != 0:
-        return f"weight_offset {weight_offset}: the fused kernel has no weight offset (separated ops)"
     if not last_strides_one:
         return "x, residual or weight has a stride other than 1 on its last dim: the fused kernel needs stride 1"
     if quant is not None and not scale_ok:
@@ -191,18 +188,17 @@ def plan(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-
     commfuse.Plan with collective "none", tail "fused" (kernel fused_tail) or "separated" and the reason.
     Raises on the same argument errors as the call."""
     h = _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset)
-    why = _guard_for(x, residual, weight, quant, scale, weight_offset, h)
+    why = _guard_for(x, residual, weight, quant, scale, h)
     if why:
         return Plan(Collective.NONE, TailRoute.SEPARATED, None, (why,))
     return Plan(Collective.NONE, TailRoute.FUSED, "fused_tail", ())
 
 
-def _guard_for(x, residual, weight, quant, scale, weight_offset, h) -> Optional[str]:
+def _guard_for(x, residual, weight, quant, scale, h) -> Optional[str]:
     scale_ok = (isinstance(scale, Tensor) and scale.dtype == torch.float32 and scale.device == x.device
                 and scale.is_contiguous())
     return tail_guard(dtype=x.dtype, device=x.device, hidden=h, has_residual=residual is not None, quant=quant,
-                      scale_ok=scale_ok, weight_offset=weight_offset,
-                      last_strides_one=_last_stride_one(x, residual, weight))
+                      scale_ok=scale_ok, last_strides_one=_last_stride_one(x, residual, weight))
 
 
 # --------------------------------------------------------------------------- semantics (separated route)
@@ -308,7 +304,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     scale the dequant scale (a float32 tensor of one element on x's device; a Python float is taken
     and rounded to fp32, on the separated route). return_norm: also return the norm when quantizing.
     sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear". weight_offset: the norm multiplies
-    by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (separated route only).
+    by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
 
     out: caller-owned outputs, a commfuse.reference.Tail (or a tuple in its order: residual, norm,
     quant, scale_factors) of tensors or None. A tensor is checked (the output's exact shape, dtype,
@@ -403,10 +399,10 @@ def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor,
                           weight_offset: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     q = quant or None
     h = _check_tail(x, residual, weight, eps, q, scale, sf_layout, weight_offset)
-    if _guard_for(x, residual, weight, q, scale, weight_offset, h) is None:
+    if _guard_for(x, residual, weight, q, scale, h) is None:
         from . import fused_tail
 
-        tail = fused_tail.run(x, residual, weight, eps, q, scale, return_norm, sf_layout)
+        tail = fused_tail.run(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset=weight_offset)
     else:
         tail = _separated_tail(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset)
     res = tail.residual
@@ -421,7 +417,7 @@ def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor,
 def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset):
     from .epilogue import fake_outputs
 
-    outs = fake_outputs(x, quant, return_norm, sf_layout)
+    outs = fake_outputs(x, quant, return_norm, sf_layout)[:4]  # no computed-scale kinds on this op yet
     if residual is None:
         outs[0] = x.new_empty(0)
     return tuple(outs)
@@ -448,7 +444,7 @@ def _(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm
 
     h = x.shape[-1]
     specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
-    return tuple(x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs[1:])
+    return tuple(x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs[1:4])
 
 
 @torch.library.custom_op("commfuse::quantize", mutates_args=())
@@ -467,5 +463,5 @@ def _(x, scale, quant, sf_layout):
         raise ValueError(f"quant must be 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
                          f"got {quant!r}, {sf_layout!r}")
     h = x.shape[-1]
-    _, _, q, sf = output_specs(x.numel() // h, h, x.dtype, quant, False, sf_layout)
+    _, _, q, sf, _ = output_specs(x.numel() // h, h, x.dtype, quant, False, sf_layout)
     return x.new_empty(q[0], dtype=q[1]), (x.new_empty(0) if sf is None else x.new_empty(sf[0], dtype=sf[1]))

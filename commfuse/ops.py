@@ -9,12 +9,13 @@ dynamic number of tokens, and the real ones call the Communicator, so CUDA graph
     comm = commfuse.Communicator()
     y = commfuse.ops.all_reduce(comm, x)
     r = commfuse.ops.fused_all_reduce(comm, x, residual, weight, eps=1e-6, quant="fp8", scale=scale)
-    r.residual, r.norm, r.quant, r.scale_factors    # a commfuse.reference.Tail; absent fields are None
+    r.residual, r.norm, r.quant, r.scale_factors, r.scales  # a commfuse.reference.Tail; absent fields are None
 
 The ops themselves are `torch.ops.commfuse.all_reduce(x, comm)` and
 `torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
-comm)`, where `comm` is `Communicator.name` (communicators register themselves by name, per
-process), quant "" means none, and absent outputs are empty tensors. Like every collective, a call
+comm, weight_offset=0.0, scale_layout="row", scale_ue8m0=False)` -> (residual, norm, quant,
+scale_factors, scales), where `comm` is `Communicator.name` (communicators register themselves by
+name, per process), quant "" means none, and absent outputs are empty tensors. Like every collective, a call
 must be made by every rank of the group, in the same order. The ops are declared pure (they modify
 nothing), so a compiler may drop a call whose outputs are unused: the same on every rank.
 """
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
-from .epilogue import fake_outputs
+from .epilogue import COMPUTED_SCALES, fake_outputs
 from .reference import Tail
 
 __all__ = ["all_reduce", "fused_all_reduce"]
@@ -65,12 +66,14 @@ def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
 
 def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                      quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
-                     return_norm: bool = False, sf_layout: str = "swizzled", out: Optional[Tail] = None) -> Tail:
+                     return_norm: bool = False, sf_layout: str = "swizzled", out: Optional[Tail] = None, *,
+                     weight_offset: float = 0.0, scale_layout: str = "row", scale_ue8m0: bool = False) -> Tail:
     """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; docs/semantics.md).
 
-    x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, required with quant),
-    all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant float8_e4m3fn
-    [t, h] or uint8 [t, h/2] or None; scale_factors float8_e4m3fn or None), without the plan:
+    x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, required with quant
+    "fp8" / "nvfp4"), all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None;
+    quant float8_e4m3fn [t, h] or uint8 [t, h/2] or None; scale_factors float8_e4m3fn or None; scales,
+    the computed FP8 scales of "fp8_per_token" / "fp8_block", or None), without the plan:
     `comm.plan(...)` gives that. Outside torch.compile the call goes to the Communicator directly (the
 op's body, without the dispatcher's cost); compiled code calls the op. out: caller-owned outputs as for Communicator.fused_all_reduce
     (op fused_all_reduce_out, which writes them), returned as the Tail; through the op, out.residual
@@ -78,66 +81,93 @@ op's body, without the dispatcher's cost); compiled code calls the op. out: call
     if scale is not None and not isinstance(scale, torch.Tensor):
         raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
     if quant is not None and not isinstance(quant, str):
-        raise TypeError(f"quant must be None, 'fp8' or 'nvfp4', got {quant!r}")
+        raise TypeError(f"quant must be None or one of 'fp8', 'nvfp4', 'fp8_per_token', 'fp8_block', got {quant!r}")
+    scaled = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
-        r = comm.fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout, out=out)
-        return Tail(r.residual, r.norm, r.quant, r.scale_factors)
+        r = comm.fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout, out=out,
+                                  **scaled)
+        return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
+    scaled = (float(weight_offset), scale_layout, bool(scale_ue8m0))
     if out is not None:
-        outs = (out.residual, out.norm, out.quant, out.scale_factors)
+        outs = (out.residual, out.norm, out.quant, out.scale_factors, out.scales)
         torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), quant or "",
-                                                bool(return_norm), sf_layout, comm.name, *outs)
+                                                bool(return_norm), sf_layout, comm.name, *outs, *scaled)
         return Tail(*outs)
-    res, norm, q, sf = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "",
-                                                           bool(return_norm), sf_layout, comm.name)
+    res, norm, q, sf, scales = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps),
+                                                                   quant or "", bool(return_norm), sf_layout,
+                                                                   comm.name, *scaled)
     return Tail(res, norm if not quant or return_norm else None, q if quant else None,
-                sf if quant == "nvfp4" else None)
+                sf if quant == "nvfp4" else None, scales if quant in COMPUTED_SCALES else None)
 
 
-@torch.library.custom_op("commfuse::all_reduce", mutates_args=())
+# The ops are declared with torch.library.Library rather than torch.library.custom_op: a custom_op call
+# goes through Python autograd and aliasing wrappers (~20 us a call on an H200 host, measured by
+# launch/host_profile.py), a CompositeExplicitAutograd kernel straight to the function (~5 us). What
+# custom_op would check at run time holds by construction: the functional ops return fresh tensors.
+_LIB = torch.library.Library("commfuse", "FRAGMENT")
+_SCALED_ARGS = 'float weight_offset=0.0, str scale_layout="row", bool scale_ue8m0=False'
+_TAIL_ARGS = "Tensor x, Tensor residual, Tensor weight, Tensor? scale, float eps, str quant, bool return_norm, " \
+             "str sf_layout, str comm"
+_LIB.define("all_reduce(Tensor x, str comm) -> Tensor")
+_LIB.define("all_reduce_out(Tensor x, str comm, Tensor(a!) out) -> ()")
+_LIB.define(f"fused_all_reduce({_TAIL_ARGS}, {_SCALED_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIB.define(f"fused_all_reduce_out({_TAIL_ARGS}, Tensor(a!) residual_out, Tensor(b!)? norm_out, "
+            f"Tensor(c!)? quant_out, Tensor(d!)? sf_out, Tensor(e!)? scales_out=None, {_SCALED_ARGS}) -> ()")
+
+
+def _impl(name: str):
+    def register(fn):
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+    return register
+
+
+@_impl("all_reduce")
 def _all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
     return _communicator(comm).all_reduce(x)
 
 
-@_all_reduce.register_fake
+@torch.library.register_fake("commfuse::all_reduce", lib=_LIB)
 def _(x, comm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("commfuse::all_reduce_out", mutates_args=("out",))
+@_impl("all_reduce_out")
 def _all_reduce_out(x: torch.Tensor, comm: str, out: torch.Tensor) -> None:
     _communicator(comm).all_reduce(x, out=out)
 
 
-@_all_reduce_out.register_fake
+@torch.library.register_fake("commfuse::all_reduce_out", lib=_LIB)
 def _(x, comm, out):
     return None
 
 
-@torch.library.custom_op("commfuse::fused_all_reduce_out",
-                         mutates_args=("residual_out", "norm_out", "quant_out", "sf_out"))
-def _fused_all_reduce_out(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          scale: Optional[torch.Tensor], eps: float, quant: str, return_norm: bool, sf_layout: str,
-                          comm: str, residual_out: torch.Tensor, norm_out: Optional[torch.Tensor],
-                          quant_out: Optional[torch.Tensor], sf_out: Optional[torch.Tensor]) -> None:
+@_impl("fused_all_reduce_out")
+def _fused_all_reduce_out(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out,
+                          quant_out, sf_out, scales_out=None, weight_offset=0.0, scale_layout="row",
+                          scale_ue8m0=False) -> None:
     _communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
-                                         out=Tail(residual_out, norm_out, quant_out, sf_out))
+                                         weight_offset, scale_layout, scale_ue8m0,
+                                         out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out))
 
 
-@_fused_all_reduce_out.register_fake
-def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out, quant_out, sf_out):
+@torch.library.register_fake("commfuse::fused_all_reduce_out", lib=_LIB)
+def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out, quant_out, sf_out,
+      scales_out=None, weight_offset=0.0, scale_layout="row", scale_ue8m0=False):
     return None
 
 
-@torch.library.custom_op("commfuse::fused_all_reduce", mutates_args=())
-def _fused_all_reduce(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
-                      eps: float, quant: str, return_norm: bool, sf_layout: str,
-                      comm: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r = _communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout)
+@_impl("fused_all_reduce")
+def _fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0,
+                      scale_layout="row", scale_ue8m0=False) -> tuple:
+    r = _communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
+                                             weight_offset, scale_layout, scale_ue8m0)
     # An op returns tensors, never None: absent outputs are empty (fused_all_reduce maps them back),
     # each its own (outputs may not alias).
-    return (r.residual, *(x.new_empty(0) if v is None else v for v in (r.norm, r.quant, r.scale_factors)))
+    return (r.residual, *(x.new_empty(0) if v is None else v for v in (r.norm, r.quant, r.scale_factors, r.scales)))
 
 
-@_fused_all_reduce.register_fake
-def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm):
-    return tuple(fake_outputs(x, quant, return_norm, sf_layout))
+@torch.library.register_fake("commfuse::fused_all_reduce", lib=_LIB)
+def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0, scale_layout="row",
+      scale_ue8m0=False):
+    return tuple(fake_outputs(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0))

@@ -94,6 +94,10 @@ TAIL = Struct("TailParams", [
     Field("h", "int", "i32"),
     Field("t", "int", "i32"),
     Field("sf_swizzled", "int", "i32", comment="1: 128x4 swizzled layout, 0: linear [t, h/16]"),
+    Field("scales_out", "void*", "ptr", comment="computed FP8 scales (fp8_per_token, fp8_block); else unused"),
+    Field("weight_offset", "float", "f32", comment="added to the weight in fp32; -0.0 for none (see norm_round)"),
+    Field("scale_layout", "int", "i32", comment="fp8_block: kScaleMnMajor | kScaleUe8m0 bits; else 0"),
+    Field("scale_stride", "long long", "i64", comment="MN-major column stride: roundup(t, 4) of the whole call"),
 ])
 
 FUSED_TAIL = Struct("FusedTailParams", [
@@ -118,7 +122,7 @@ P2P = Struct("P2PParams", [
     Field("total_vecs", "long long", "i64", comment="vectors of 8 elements in the message"),
     Field("rows", "int", "i32", comment="rows holding data (t; plain: ceil(total_vecs / row_vecs))"),
     Field("row_vecs", "int", "i32", comment="vectors per row (h / 8; plain: chosen by the launcher)"),
-    Field("row_slots", "int", "i32", comment="rows incl. NVFP4 swizzle padding rows (zeroed scale factors)"),
+    Field("row_slots", "int", "i32", comment="rows incl. padding rows of NVFP4 swizzled / MN-major FP8 scales (zeroed)"),
     Field("world", "int", "i32", comment="2..kMaxWorld"),
     Field("rank", "int", "i32"),
     Field("pad_", "int", "i32"),

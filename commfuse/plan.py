@@ -20,10 +20,9 @@ import torch
 
 from . import epilogue
 
-# FP8 with scales computed per token or per 1 x 128 block (reference.py): exact through the separated
-# ops on every route; their fused kernels are not built yet.
-SCALED_FP8 = ("fp8_per_token", "fp8_block")
-QUANTS = tuple(epilogue.QUANTS) + SCALED_FP8
+# FP8 with scales computed per token or per 1 x 128 block (reference.py): no scale argument.
+SCALED_FP8 = epilogue.COMPUTED_SCALES
+QUANTS = tuple(epilogue.QUANTS)
 SCALE_LAYOUTS = ("row", "mn_major")
 SF_LAYOUTS = epilogue.SF_LAYOUTS
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -347,15 +346,14 @@ def _tail_guard(req: Request, sm: Optional[tuple], fusion: bool) -> Optional[str
     for name, meta in (("x", req.x), ("residual", req.residual), ("weight", req.weight)):
         if meta.last_stride != 1:
             return f"{name} has stride {meta.last_stride} on its last dim: fused kernels need stride 1"
-    if req.quant in SCALED_FP8:
-        return f"quant={req.quant!r}: no fused kernel yet, separated ops (commfuse.reference)"
-    if req.weight_offset:
-        return f"weight_offset={req.weight_offset}: no fused kernel yet, separated ops (commfuse.reference)"
-    if req.quant and req.scale is None:
+    if req.quant in ("fp8", "nvfp4") and req.scale is None:
         return "scale given as a Python float: fused kernels take a float32 CUDA tensor"
     if req.scale is not None and not req.scale.contiguous:
         return "scale is not contiguous"
     multiple = epilogue.hidden_multiple(req.quant)
+    if req.quant == "fp8_block" and req.hidden % multiple:
+        return (f"hidden size {req.hidden} is not a multiple of {multiple}: quant='fp8_block' has one scale per "
+                f"{multiple} consecutive elements of a row (the separated ops raise ValueError on it too)")
     if req.hidden % multiple:
         return f"hidden size {req.hidden} is not a multiple of {multiple}"
     return None

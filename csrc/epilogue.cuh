@@ -17,7 +17,11 @@
 //   NVFP4).
 // - Swizzled scale-factor padding: the owner of row m < t writes its row's padding columns;
 //   the rows in [t, roundup(t, 128)) are written by whoever the caller assigns (fused_tail.cu
-//   launches one extra CTA per padding row, which calls tail_sf_zero(p, row, 0)).
+//   launches one extra CTA per padding row, which calls tail_sf_zero(p, row, 0)). The MN-major
+//   FP8 block scales are padded alike: row m's padding bytes (UE8M0, blocks K..roundup(K, 4)) by
+//   its owner, the rows in [t, roundup(t, 4)) by the caller's extra rows (tail_scale_zero(p, row, 0)).
+// - fp8_block: h % 128 == 0, so a block of 128 elements is 16 consecutive vectors, held by 16
+//   consecutive lanes of one warp (blockDim.x is a multiple of 32), all inside the row or all past it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +35,14 @@ namespace commfuse {
 constexpr int kQuantNone = 0;
 constexpr int kQuantFp8 = 1;
 constexpr int kQuantNvfp4 = 2;
+constexpr int kQuantFp8PerToken = 3;  // FP8, one computed scale per row
+constexpr int kQuantFp8Block = 4;     // FP8, one computed scale per 128 elements of a row
+
+// TailParams::scale_layout bits (fp8_block): MN-major storage, UE8M0 exponent bytes.
+constexpr int kScaleMnMajor = 1;
+constexpr int kScaleUe8m0 = 2;
+constexpr int kFp8Block = 128;
+constexpr int kFp8BlockVectors = kFp8Block / 8;
 
 constexpr int kVecElems = 8;       // elements of T in one 16-byte vector
 constexpr int kSfBlock = 16;       // NVFP4 block size: two vectors
@@ -200,9 +212,11 @@ __device__ __forceinline__ uint4 add_round(const uint4& a, const uint4& r, float
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// round_T((x * inv) * w), in the reference's order of operations.
+// round_T((x * inv) * (offset + w)), in the reference's order of operations. The host passes
+// offset = -0.0 for a weight offset of 0: w + (-0.0) is w for every w (-0.0 included), so the
+// reference's "no addition" needs no branch here.
 template <typename T>
-__device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, float inv) {
+__device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, float inv, float offset) {
   unsigned wx[4], ww[4], out[4];
   words(x, wx);
   words(w, ww);
@@ -210,8 +224,8 @@ __device__ __forceinline__ uint4 norm_round(const uint4& x, const uint4& w, floa
   for (int j = 0; j < 4; ++j) {
     const float2 fx = Pack<T>::unpack(wx[j]);
     const float2 fw = Pack<T>::unpack(ww[j]);
-    out[j] = Pack<T>::pack(__fmul_rn(__fmul_rn(fx.x, inv), fw.x),
-                           __fmul_rn(__fmul_rn(fx.y, inv), fw.y));
+    out[j] = Pack<T>::pack(__fmul_rn(__fmul_rn(fx.x, inv), __fadd_rn(offset, fw.x)),
+                           __fmul_rn(__fmul_rn(fx.y, inv), __fadd_rn(offset, fw.y)));
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
@@ -250,11 +264,34 @@ __device__ __forceinline__ float fp8_divide(float x, float scale, float r) {
   return fp8_in_band(q) ? exact : q;
 }
 
-// e4m3(norm / scale) as the contract divides (see fp8_divide).
-template <typename T>
+// x / scale as e4m3 sees it for a computed scale (reference._fp8_groups: normal >= 2^-126, +Inf or
+// NaN), given k, s = scale * k and r = RN(1 / s) of fp8_computed_reciprocal. No true division: x / scale
+// is (x k) / (scale k) for a power of two k that brings s into fp8_divide's proven range; x k is exact
+// (k = 2^64 for a scale below 2^-64, so x is no smaller than a subnormal), or, for k = 2^-64 (a scale
+// above 2^64), inexact only below 2^-62, where both quotients are below e4m3's smallest half-step and
+// give the same signed zero. Scale +Inf: r = 0 and q = x * 0, a signed zero; +-Inf in such a group
+// gives +-448 (x itself, saturated), not Inf / Inf. A NaN scale gives NaN codes.
+__device__ __forceinline__ float fp8_computed_divide(float x, float k, float s, float r) {
+  return isinf(x) && isinf(s) ? x : fp8_divide(__fmul_rn(x, k), s, r);
+}
+
+// e4m3(norm / scale) as the contract divides (see fp8_divide). kComputed: a computed scale, see
+// fp8_computed_divide.
+template <typename T, bool kComputed = false>
 __device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
   unsigned w[4];
   words(n, w);
+  if constexpr (kComputed) {
+    const float k = scale < 0x1p-64f ? 0x1p64f : scale > 0x1p64f ? 0x1p-64f : 1.f;
+    const float s = __fmul_rn(scale, k);
+    const float r = __frcp_rn(s);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = Pack<T>::unpack(w[j]);
+      w[j] = e4m3x2(fp8_computed_divide(f.x, k, s, r), fp8_computed_divide(f.y, k, s, r));
+    }
+    return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+  }
   const float r = fp8_reciprocal(scale);
   // A pair at a time, and the rare true division in a branch of its own: the 1024-thread P2P
   // tails have 64 registers.
@@ -305,6 +342,50 @@ __device__ __forceinline__ void tail_sf_zero(const TailParams& p, int m, int k_b
   for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) sf[sf_offset(p, base, k)] = 0;
 }
 
+// ------------------------------------------------------------------ FP8 with computed scales
+
+// reference._fp8_groups' scale of a group of largest magnitude amax: max(RN(amax / 448), 2^-126),
+// NaN as the canonical 0x7FC00000.
+__device__ __forceinline__ float fp8_group_scale(float amax) {
+  const float s = __fdiv_rn(amax, 448.f);
+  return isnan(s) ? __int_as_float(0x7fc00000) : fmaxf(s, 0x1p-126f);
+}
+
+// The scale a block's codes divide by: its group scale, or with UE8M0 that rounded up to a power
+// of two on the bits (reference.ue8m0_from_scale: E = e + (mantissa != 0), at most 0xFF, whose
+// value is +Inf; a NaN scale stays NaN). The UE8M0 byte is the result's bits >> 23 in every case.
+__device__ __forceinline__ float fp8_block_scale(const TailParams& p, float amax) {
+  const float s = fp8_group_scale(amax);
+  if (!(p.scale_layout & kScaleUe8m0)) return s;
+  const unsigned b = __float_as_uint(s);
+  const unsigned e = min((b >> 23) + ((b & 0x7fffffu) != 0u), 0xffu);
+  return isnan(s) ? s : __uint_as_float(e << 23);
+}
+
+// Block k of row m's scale (sq: what its codes divide by), in the caller's layout (docs/semantics.md
+// section 11): float32 or UE8M0 bytes, row-major [t, K] or MN-major with column stride scale_stride
+// (roundup(t, 4) of the whole call, also when the P2P launcher cuts it into pieces of rows).
+__device__ __forceinline__ void store_block_scale(const TailParams& p, int m, int k, float sq) {
+  const int K = p.h / kFp8Block;
+  const bool mn = p.scale_layout & kScaleMnMajor;
+  if (p.scale_layout & kScaleUe8m0) {
+    const size_t i = mn ? 4 * (static_cast<size_t>(k / 4) * p.scale_stride + m) + k % 4 : static_cast<size_t>(m) * K + k;
+    static_cast<unsigned char*>(p.scales_out)[i] = static_cast<unsigned char>(__float_as_uint(sq) >> 23);
+  } else {
+    const size_t i = mn ? static_cast<size_t>(k) * p.scale_stride + m : static_cast<size_t>(m) * K + k;
+    static_cast<float*>(p.scales_out)[i] = sq;
+  }
+}
+
+// MN-major padding of row m: its entries for blocks [k_begin, K) (float32) or [k_begin, roundup(K, 4))
+// (UE8M0 bytes) are zeroed; the row-major layouts have none.
+__device__ __forceinline__ void tail_scale_zero(const TailParams& p, int m, int k_begin) {
+  if (!(p.scale_layout & kScaleMnMajor)) return;
+  const int K = p.h / kFp8Block;
+  const int k_end = (p.scale_layout & kScaleUe8m0) ? (K + 3) & ~3 : K;
+  for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) store_block_scale(p, m, k, 0.f);
+}
+
 // Rows the grid must cover: padding rows of the swizzled layout need someone to zero them.
 template <int QUANT>
 __device__ __forceinline__ int tail_row_slots(const TailParams& p) {
@@ -319,20 +400,31 @@ __device__ __forceinline__ float quant_scalar(const TailParams& p) {
   return 0.f;
 }
 
-// Norm, and quantization, of vector v of row `row`, given its T-rounded residual x and weight w.
-// Every lane of the warp must call it (NVFP4 pairs lanes through a shuffle); `active` is false
-// for lanes past the row's end, whose x and w are zero.
-// sf_base: sf_row_base(p, row).
+// Stores, and quantization, of vector v of row `row`, given its T-rounded norm n. Every lane of
+// the warp must call it (NVFP4 pairs lanes through a shuffle, fp8_block reduces over 16 lanes);
+// `active` is false for lanes past the row's end, whose inputs are zero. sf_base: sf_row_base(p,
+// row). qs: quant_scalar<QUANT>, or for fp8_per_token the row's scale.
 template <typename T, int QUANT>
-__device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t sf_base, int v, bool active,
-                                            const uint4& x, const uint4& w, float inv, float qs) {
-  const uint4 n = norm_round<T>(x, w, inv);
+__device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t sf_base, int v, bool active,
+                                          const uint4& n, float qs) {
   const size_t row_base = static_cast<size_t>(row) * p.h;
   if (active && p.norm_out != nullptr)
     reinterpret_cast<uint4*>(static_cast<T*>(p.norm_out) + row_base)[v] = n;
-  if constexpr (QUANT == kQuantFp8) {
-    const uint2 q = quant_fp8<T>(n, qs);
-    if (active) reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
+  if constexpr (QUANT == kQuantFp8 || QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
+    float s = qs;
+    if constexpr (QUANT == kQuantFp8Block) {
+      unsigned m = abs_max_bits(n);
+#pragma unroll
+      for (int o = 1; o < kFp8BlockVectors; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+      s = fp8_block_scale(p, Pack<T>::from_bits(m));
+    }
+    const uint2 q = quant_fp8<T, QUANT != kQuantFp8>(n, s);
+    if (active) {
+      reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
+      if constexpr (QUANT == kQuantFp8Block) {
+        if (v % kFp8BlockVectors == 0) store_block_scale(p, row, v / kFp8BlockVectors, s);
+      }
+    }
   } else if constexpr (QUANT == kQuantNvfp4) {
     unsigned m = abs_max_bits(n);
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the block's other half, on lane ^ 1
@@ -358,18 +450,42 @@ __device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t
   }
 }
 
-// Sum of v over the CTA, the same bits in every thread (warp sums are added in warp order).
-// red: shared scratch of at least blockDim.x / 32 floats, free again on return.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+// Norm, and quantization, of vector v of row `row`, given its T-rounded residual x and weight w
+// (emit_norm's contract).
+template <typename T, int QUANT>
+__device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t sf_base, int v, bool active,
+                                            const uint4& x, const uint4& w, float inv, float qs) {
+  emit_norm<T, QUANT>(p, row, sf_base, v, active, norm_round<T>(x, w, inv, p.weight_offset), qs);
+}
+
+// op(...op(op(init, x_0), x_1)..., x_n) of v over the CTA, the same bits in every thread (warp
+// results are combined in warp order). red: shared scratch of at least blockDim.x / 32 words, free
+// again on return.
+template <typename V, typename Op>
+__device__ __forceinline__ V block_reduce(V v, V* red, V init, Op op) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   const int warps = blockDim.x / 32;
   if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
   __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < warps; ++i) total += red[i];
+  V total = init;
+  for (int i = 0; i < warps; ++i) total = op(total, red[i]);
   __syncthreads();  // lets the caller reuse red for the next row
   return total;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  return block_reduce(v, red, 0.f, [](float a, float b) { return a + b; });
+}
+
+// fp8_per_token: the row's scale from the largest |norm| bit pattern each thread saw (abs_max_bits:
+// a NaN stays above every number, so the scale is NaN), stored by thread 0 (float32 [t]).
+template <typename T>
+__device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigned m, float* red) {
+  const unsigned amax = block_reduce(m, reinterpret_cast<unsigned*>(red), 0u, [](unsigned a, unsigned b) { return max(a, b); });
+  const float s = fp8_group_scale(Pack<T>::from_bits(amax));
+  if (threadIdx.x == 0) static_cast<float*>(p.scales_out)[row] = s;
+  return s;
 }
 
 __device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) {
@@ -377,6 +493,23 @@ __device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) {
 }
 
 // ------------------------------------------------------------------ whole rows
+
+// The padding entries row `row` owns in its scale storage: swizzled NVFP4 columns, MN-major UE8M0
+// bytes past the row's last block.
+template <int QUANT>
+__device__ __forceinline__ void tail_row_padding(const TailParams& p, int row) {
+  if constexpr (QUANT == kQuantNvfp4) {
+    if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
+  }
+  if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, p.h / kFp8Block);
+}
+
+// The padding rows [t, slots) a caller assigns beyond the data rows: their scale storage is zeroed.
+template <int QUANT>
+__device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
+  if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p, row, 0);
+  if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, 0);
+}
 
 // The row tail comes in two steps, so that a caller can issue the loads that do not depend on
 // the all-reduced values early (the P2P kernels issue them before their cross-rank wait, where
@@ -438,19 +571,35 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
   }
   const float inv = inv_rms(block_sum(sumsq, red), p);
 
+  if constexpr (QUANT == kQuantFp8PerToken) {
+    // The row's scale needs every norm first: they replace the residual in registers.
+    unsigned m = 0;
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int v = threadIdx.x + i * blockDim.x;
-    emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, y[i], w[i], inv, qs);
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      y[i] = norm_round<T>(y[i], w[i], inv, p.weight_offset);
+      if (v < nv) m = max(m, abs_max_bits(y[i]));  // past the row, 0 * inv may be NaN (inv = Inf)
+    }
+    const float s = row_scale<T>(p, row, m, red);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, y[i], s);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, y[i], w[i], inv, qs);
+    }
   }
-  if constexpr (QUANT == kQuantNvfp4) {
-    if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
-  }
+  tail_row_padding<QUANT>(p, row);
 }
 
-// Tail of a row too long for registers: LV vectors per thread at a time, in two passes. Pass 1
-// writes residual_out and sums squares; pass 2 reads residual_out back (each thread only its own
-// writes, so no fence is needed) for the norm and quantization. load_a(v) returns vector v of
+// Tail of a row too long for registers: LV vectors per thread at a time, in two passes (three for
+// fp8_per_token). Pass 1 writes residual_out and sums squares; the last pass reads residual_out
+// back (each thread only its own writes, so no fence is needed) for the norm and quantization;
+// fp8_per_token's row scale comes from a pass in between that computes the norms without storing them. load_a(v) returns vector v of
 // the all-reduced row; qs = quant_scalar<QUANT>(p). Both kernels use LV = kLoopVectors.
 constexpr int kLoopVectors = 4;
 template <typename T, int QUANT, int LV, typename LoadA>
@@ -482,6 +631,25 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
   }
   const float inv = inv_rms(block_sum(sumsq, red), p);
 
+  if constexpr (QUANT == kQuantFp8PerToken) {
+    unsigned m = 0;
+    for (int c = 0; c < nv; c += step) {
+      uint4 x[LV], w[LV];
+#pragma unroll
+      for (int i = 0; i < LV; ++i) {
+        const int v = c + threadIdx.x + i * blockDim.x;
+        x[i] = v < nv ? __ldcg(res_out + v) : zero;
+        w[i] = v < nv ? __ldg(weight + v) : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < LV; ++i) {
+        const int v = c + threadIdx.x + i * blockDim.x;
+        if (v < nv) m = max(m, abs_max_bits(norm_round<T>(x[i], w[i], inv, p.weight_offset)));
+      }
+    }
+    qs = row_scale<T>(p, row, m, red);
+  }
+
   // The trip count is the same for every thread: emit_vector's shuffle needs whole warps.
   for (int c = 0; c < nv; c += step) {
     uint4 x[LV], w[LV];
@@ -497,9 +665,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
       emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, x[i], w[i], inv, qs);
     }
   }
-  if constexpr (QUANT == kQuantNvfp4) {
-    if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
-  }
+  tail_row_padding<QUANT>(p, row);
 }
 
 }  // namespace commfuse

@@ -2,7 +2,8 @@
 // optional FP8/NVFP4 quantization (the device code lives in epilogue.cuh).
 //
 // Grid: one CTA per row, plus (NVFP4, swizzled layout) one per padding row of the last 128-row
-// tile, which only zeroes that row's scale factors. Rows go on gridDim.x (up to 2^31 - 1).
+// tile, which only zeroes that row's scale factors (FP8 block scales, MN-major: the same for the
+// rows up to roundup(t, 4)). Rows go on gridDim.x (up to 2^31 - 1).
 // Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/fused_tail.py:
 // for many rows 256 at most (several CTAs per SM overlap one row's loads with another's math),
 // for few rows (decode) up to 1024, so that each row's chain of dependent work is spread thin.
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(
   pdl_launch_dependents();
   const int row = blockIdx.x;
   if (row >= p.tail.t) {
-    if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p.tail, row, 0);
+    tail_padding_row<QUANT>(p.tail, row);
     return;
   }
   const int nv = p.tail.h / kVecElems;

@@ -232,14 +232,15 @@ struct DtypeCode<__nv_bfloat16> {
 };
 
 // Word 0: 1 << 30 | dtype | (QUANT + 1) << 1 | ALGO << 5 | swizzled scale factors << 6 | norm
-// output << 7 | world << 8; words 1-3: rows, row_vecs, total_vecs (low 31 bits). Decoded by
-// commfuse/p2p.py (describe_signature).
+// output << 7 | world << 8 | fp8_block scale layout << 12; words 1-3: rows, row_vecs, total_vecs
+// (low 31 bits). Decoded by commfuse/p2p.py (describe_signature).
 template <typename T, int QUANT, int ALGO>
 __device__ __forceinline__ uint4 call_signature(const P2PParams& p) {
   constexpr bool kTail = QUANT != kQuantPlain;
-  const unsigned kind = (1u << 30) | DtypeCode<T>::value | static_cast<unsigned>(QUANT + 1) << 1 |
-                        static_cast<unsigned>(ALGO) << 5 | (kTail && p.tail.sf_swizzled ? 1u << 6 : 0u) |
-                        (kTail && p.tail.norm_out != nullptr ? 1u << 7 : 0u) | static_cast<unsigned>(p.world) << 8;
+  unsigned kind = (1u << 30) | DtypeCode<T>::value | static_cast<unsigned>(QUANT + 1) << 1 |
+                  static_cast<unsigned>(ALGO) << 5 | (kTail && p.tail.sf_swizzled ? 1u << 6 : 0u) |
+                  (kTail && p.tail.norm_out != nullptr ? 1u << 7 : 0u) | static_cast<unsigned>(p.world) << 8;
+  if constexpr (QUANT == kQuantFp8Block) kind |= static_cast<unsigned>(p.tail.scale_layout) << 12;
   return make_uint4(kind, static_cast<unsigned>(p.rows), static_cast<unsigned>(p.row_vecs),
                     static_cast<unsigned>(p.total_vecs & 0x7fffffffLL));
 }
@@ -683,18 +684,17 @@ struct RowTail {
   }
 };
 
-// NVFP4, swizzled layout: this CTA's share of the padding rows [rows, row_slots), whose scale
-// factors must read 0. Every rank writes its own outputs, so every rank does this.
+// This CTA's share of the padding rows [rows, row_slots) (NVFP4 swizzled scale factors, MN-major
+// FP8 block scales), whose scale storage must read 0. Every rank writes its own outputs, so every
+// rank does this.
 template <int QUANT>
 __device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
-  if constexpr (QUANT == kQuantNvfp4) {
-    for (int r = first_row(p.rows, blockIdx.x, gridDim.x); r < p.row_slots; r += gridDim.x) tail_sf_zero(p.tail, r, 0);
-  }
+  for (int r = first_row(p.rows, blockIdx.x, gridDim.x); r < p.row_slots; r += gridDim.x) tail_padding_row<QUANT>(p.tail, r);
 }
 
 // ------------------------------------------------------------------ the kernel
 
-// T: __half or __nv_bfloat16. QUANT: kQuantPlain, or epilogue.cuh's kQuantNone/Fp8/Nvfp4.
+// T: __half or __nv_bfloat16. QUANT: kQuantPlain, or epilogue.cuh's kQuantNone/Fp8/Nvfp4/Fp8PerToken/Fp8Block.
 // VPT: vectors per thread of the register tail (blockDim.x * VPT * 8 >= h), or 0 for the looped
 // tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. Grid: the workspace's NBLOCKS CTAs.
 template <typename T, int QUANT, int VPT, int ALGO>
@@ -816,8 +816,10 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
       tail.emit(p, r, [g, first](int i) { return __ldcg(g + first + i); }, red);
     }
   }
-  if constexpr (QUANT != kQuantPlain) {
+  if constexpr (QUANT == kQuantNvfp4) {
     if (p.tail.sf_swizzled) zero_padding_rows<QUANT>(p);
+  } else if constexpr (QUANT == kQuantFp8Block) {
+    zero_padding_rows<QUANT>(p);
   }
   if (threadIdx.x == 0) p.epochs[b] = epoch;
 }

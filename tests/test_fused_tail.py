@@ -19,6 +19,7 @@ import torch
 from commfuse import fused_tail as ft
 from commfuse import epilogue, jit
 from commfuse import reference as ref
+from commfuse import tolerance
 from commfuse.tolerance import signed_rank
 
 from compare import poisoned_runs
@@ -402,3 +403,112 @@ def test_chained_launches_see_the_previous_kernels_outputs():
     for r, out in zip(residuals, outs):
         x = ref.fused_tail(x, r, weight, EPS).residual
         assert_residual(out, x)
+
+
+# --------------------------------------------------------------------------- computed FP8 scales, weight offset
+
+# (quant, scale_layout, scale_ue8m0)
+SCALED = (("fp8_per_token", "row", False), ("fp8_block", "row", False), ("fp8_block", "mn_major", False),
+          ("fp8_block", "row", True), ("fp8_block", "mn_major", True))
+
+
+def storage_bytes(x):
+    """Every byte of x's storage from its first element on: an MN-major view's padding included."""
+    n = x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
+    return torch.as_strided(x, (n,), (1,)).view(torch.uint8)
+
+
+def run_scaled(monkeypatch, *args, **kwargs):
+    """run_kernel for outputs that may be strided views: whole storages compared across the poisons."""
+    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: ft.run(*args, **kwargs))
+    for name, x, y in zip(first._fields, first, second):
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert torch.equal(storage_bytes(x), storage_bytes(y)), \
+                f"{name}: elements left unwritten (or the kernel is not deterministic)"
+    return first
+
+
+def check_scaled(monkeypatch, a, residual, weight, quant, scale_layout, scale_ue8m0, weight_offset, return_norm):
+    """Against reference.fused_tail (within the tolerances: the norm's sum of squares runs in another
+    order), and bit for bit against the CPU reference quantizer over the kernel's own norm."""
+    t, h = a.shape
+    kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    k = run_scaled(monkeypatch, a, residual, weight, EPS, quant, None, return_norm, "swizzled", **kw)
+    e = ref.fused_tail(a, residual, weight, EPS, quant, None, return_norm, "swizzled", weight_offset, scale_layout,
+                       scale_ue8m0)
+    for name, x, y in zip(k._fields, k, e):
+        assert (x is None) == (y is None), name
+    assert_residual(k.residual, e.residual)
+    why = tolerance.tail_mismatch(k, e, quant, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    assert why is None, why
+    kn = k.norm if return_norm else ft.run(a, residual, weight, EPS, quant, None, True, "swizzled", **kw).norm
+    x = kn.cpu()
+    q, s = (ref.quantize_fp8_per_token(x) if quant == "fp8_per_token"
+            else ref.quantize_fp8_block(x, ref.FP8_BLOCK, scale_layout, scale_ue8m0))
+    got = k.quant.cpu().view(torch.uint8)
+    assert torch.equal(got, q.view(torch.uint8)), f"codes differ at {(got != q.view(torch.uint8)).nonzero()[:5].tolist()}"
+    assert (k.scales.shape, k.scales.dtype, k.scales.stride()) == (s.shape, s.dtype, s.stride())
+    assert torch.equal(storage_bytes(k.scales).cpu(), storage_bytes(s)), "scales (or their padding) differ"
+    if t > NAN_ROW:  # a NaN makes the whole row's norm NaN: every scale of it is NaN, every code the NaN code
+        assert (k.quant[NAN_ROW].view(torch.uint8) == 0x7F).all()
+    return k
+
+
+@pytest.mark.parametrize("weight_offset", (0.0, 1.0))
+@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", SCALED)
+@pytest.mark.parametrize("hidden", (128, 384, 4096, 7168, 16384, 32768))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_computed_scales_match_reference(dtype, hidden, quant, scale_layout, scale_ue8m0, weight_offset, monkeypatch):
+    # 1, 7 and 130 rows: MN-major padding rows (roundup(t, 4)); 600: the many-rows configuration;
+    # 32768 takes the looped variant (fp8_per_token's extra amax pass). Spike, zero-block, NaN, Inf,
+    # zero rows (make_inputs) and the big column, whose norms overflow to +-Inf (a scale of +Inf).
+    for tokens in (1, 7, 130, 600):
+        seed = hidden * 31 + tokens
+        a, residual, weight, _, _ = make_inputs(tokens, hidden, dtype, seed)
+        check_scaled(monkeypatch, a, residual, weight, quant, scale_layout, scale_ue8m0, weight_offset,
+                     return_norm=tokens % 2 == 1)
+
+
+@pytest.mark.parametrize("quant", (None, "fp8", "nvfp4"))
+@pytest.mark.parametrize("hidden", (128, 4096, 32768))
+def test_weight_offset_of_static_kinds(quant, hidden, monkeypatch):
+    """Gemma's (1 + w) on the kinds with a given scale, and an offset of 0 keeping a -0.0 weight's sign."""
+    for tokens in (1, 130):
+        a, residual, weight, special, big_col = make_inputs(tokens, hidden, torch.bfloat16, hidden + tokens)
+        weight[::7] = -0.0
+        base = ref.fused_tail(a, residual, weight, EPS, weight_offset=1.0)
+        scale = scale_for(quant, base.norm, special, big_col) if quant else None
+        for offset in (0.0, 1.0):
+            k = run_kernel(monkeypatch, a, residual, weight, EPS, quant, scale, True, "swizzled", weight_offset=offset)
+            e = ref.fused_tail(a, residual, weight, EPS, quant, scale, True, "swizzled", offset)
+            assert_residual(k.residual, e.residual)
+            assert_norm(k.norm, e.norm)
+            if quant:
+                check_exact_quant(k, k.norm, quant, scale, "swizzled", torch.arange(tokens), tokens, hidden)
+        # -0.0 weights: zero rows keep the -0.0 of x * inv * w without an offset
+        zero = torch.zeros_like(a)
+        k = run_kernel(monkeypatch, zero, zero, weight, EPS, None, None, False, "swizzled")
+        assert same(k.norm, ref.fused_tail(zero, zero, weight, EPS).norm).all()
+
+
+def test_computed_scales_in_a_cuda_graph():
+    a, residual, weight, _ = _graph_inputs()
+    kw = dict(scale_layout="mn_major", scale_ue8m0=True, weight_offset=1.0)
+    ft.warmup(torch.bfloat16, "fp8_block", 4096)
+    ft.warmup(torch.bfloat16, "fp8_per_token", 4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block = ft.run(a, residual, weight, EPS, "fp8_block", None, True, **kw)
+        token = ft.run(a, residual, weight, EPS, "fp8_per_token", None, True, weight_offset=1.0)
+    fresh = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
+    a.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    e = ref.fused_tail(fresh, residual, weight, EPS, "fp8_block", None, True, "swizzled", 1.0, "mn_major", True)
+    assert tolerance.tail_mismatch(block, e, "fp8_block", scale_layout="mn_major", scale_ue8m0=True) is None
+    q, s = ref.quantize_fp8_block(block.norm.cpu(), ref.FP8_BLOCK, "mn_major", True)
+    assert torch.equal(block.quant.cpu().view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(storage_bytes(block.scales).cpu(), storage_bytes(s))
+    q, s = ref.quantize_fp8_per_token(token.norm.cpu())
+    assert torch.equal(token.quant.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(token.scales.cpu(), s)

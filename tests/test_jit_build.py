@@ -43,7 +43,7 @@ def test_every_variant_builds(arch, cache_dir):
 
 def test_variants_cover_every_launch_config():
     names = set(fused_tail.variants())
-    assert len(names) == 2 * 3 * (len(fused_tail.VPT_BUCKETS) + 1)
+    assert len(names) == 2 * 5 * (len(fused_tail.VPT_BUCKETS) + 1)
     for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 8200, 16384, 16392, 32000, 65536):
         for tokens in (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192):
             vpt, threads = fused_tail.launch_config(hidden, tokens)
@@ -55,7 +55,7 @@ def test_variants_cover_every_launch_config():
             if vpt:
                 assert vpt * threads * 8 >= hidden and threads <= limit[vpt], (hidden, tokens)
             for dtype in (torch.float16, torch.bfloat16):
-                for quant in (None, "fp8", "nvfp4"):
+                for quant in (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"):
                     assert fused_tail.name_expression(dtype, quant, vpt) in names
 
 
@@ -154,8 +154,8 @@ def test_parameter_structs_are_declared_once():
             assert s.offsets[f.name] == offset and offset % f.align == 0, (s.name, f.name)
             offset += f.size
         assert s.size == offset == len(s.pack(*[0] * len(s.unpack(bytes(s.size)))))
-    assert (params.TAIL.size, params.FUSED_TAIL.size, params.P2P.size) == (72, 80, 256)
-    assert params.P2P.offsets["x"] == 72 and params.P2P.offsets["sig_offset"] == 216 and params.P2P.offsets["rank"] == 248
+    assert (params.TAIL.size, params.FUSED_TAIL.size, params.P2P.size) == (96, 104, 280)
+    assert params.P2P.offsets["x"] == 96 and params.P2P.offsets["sig_offset"] == 240 and params.P2P.offsets["rank"] == 272
     header = params.header()
     for s in (params.TAIL, params.FUSED_TAIL, params.P2P):
         body = header.split(f"struct {s.name} {{", 1)[1].split("};", 1)[0]

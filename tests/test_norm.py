@@ -77,9 +77,8 @@ def test_plan_names_the_route(gen):
     assert p.tail == "separated" and "cpu" in p.reasons[0]
     assert "no residual" in norm.plan(x, None, weight).reasons[0]
     kw = dict(dtype=BF16, device=torch.device("cuda"), hidden=64, has_residual=True, quant="fp8", scale_ok=True,
-              weight_offset=0.0, last_strides_one=True)
+              last_strides_one=True)
     assert norm.tail_guard(**kw, sm=(9, 0)) is None
-    assert "weight_offset" in norm.tail_guard(**{**kw, "weight_offset": 1.0}, sm=(9, 0))
     assert "SM 7.5" in norm.tail_guard(**kw, sm=(7, 5))
     assert "stride" in norm.tail_guard(**{**kw, "last_strides_one": False}, sm=(9, 0))
     assert "float32 CUDA tensor" in norm.tail_guard(**{**kw, "scale_ok": False}, sm=(9, 0))

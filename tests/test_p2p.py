@@ -66,6 +66,8 @@ def _subset():
             p2p.name_expression(hf, None, v1, "oneshot"), p2p.name_expression(bf, None, 0, "twoshot"),
             p2p.name_expression(bf, "fp8", v2, "twoshot"), p2p.name_expression(hf, "fp8", 0, "oneshot"),
             p2p.name_expression(bf, "nvfp4", v1, "oneshot"), p2p.name_expression(hf, "nvfp4", v2, "twoshot"),
+            p2p.name_expression(hf, "fp8_per_token", v1, "twoshot"), p2p.name_expression(bf, "fp8_per_token", 0, "oneshot"),
+            p2p.name_expression(bf, "fp8_block", v1, "oneshot"), p2p.name_expression(hf, "fp8_block", 0, "twoshot"),
             p2p.DELAY_KERNEL]
 
 
@@ -126,7 +128,7 @@ def test_1024_thread_variants_fit_without_spills():
     plain_oneshot = [p2p.name_expression(d, "plain", 0, "oneshot") for d in DTYPES]
     names = [n for n in p2p.variants() if n != p2p.DELAY_KERNEL and
              p2p.MAX_THREADS.get(int(n.split(",")[2]), 0) > p2p.THREADS] + plain_oneshot
-    assert len(names) == 2 * 2 * 3 * len(p2p.VPT_BUCKETS) + 2
+    assert len(names) == 2 * 2 * (3 * len(p2p.VPT_BUCKETS) + 2) + 2  # computed-scale kinds: VPT 1 only
     run = subprocess.run([sys.executable, "-c", _PTXAS_PROBE, json.dumps(names)], capture_output=True, text=True,
                          env={**os.environ, "CUDA_CACHE_DISABLE": "1"}, timeout=900)
     assert run.returncode == 0, run.stderr
@@ -141,7 +143,7 @@ def test_1024_thread_variants_fit_without_spills():
 
 def test_launch_configs_have_variants():
     names = set(p2p.variants())
-    assert len(names) == 2 * 2 * (1 + 3 * (len(p2p.VPT_BUCKETS) + 1)) + 1 == 41
+    assert len(names) == 2 * 2 * (1 + 3 * (len(p2p.VPT_BUCKETS) + 1) + 2 * 2) + 1 == 57
     assert p2p.VPT_BUCKETS == (1, 2) and p2p.MAX_THREADS == {1: 1024, 2: 1024, 0: p2p.THREADS}
     most = 8 * max(v * p2p.MAX_THREADS[v] for v in p2p.VPT_BUCKETS)  # 16384
     for h in (16, 128, 1000, 2880, 4096, 7168, 8192, 8200, 12336, 16384, 16392, 20480, 65536):
@@ -154,10 +156,13 @@ def test_launch_configs_have_variants():
             assert (vpt, threads) == fused_tail.launch_config(h, 1), h
         else:
             assert h > most and threads == p2p.THREADS
-        for dtype in DTYPES:
-            for quant in (None, "fp8", "nvfp4"):
+        for quant in (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"):
+            # the computed-scale kinds have no VPT 2 variant (register_vpts): their longer rows loop
+            qvpt, qthreads = p2p.launch_config(h, quant)
+            assert (qvpt, qthreads) == ((0, p2p.THREADS) if vpt == 2 and quant in ("fp8_per_token", "fp8_block") else (vpt, threads))
+            for dtype in DTYPES:
                 for algo in ALGOS:
-                    assert p2p.name_expression(dtype, quant, vpt, algo) in names
+                    assert p2p.name_expression(dtype, quant, qvpt, algo) in names
     for dtype in DTYPES:
         for algo in ALGOS:
             assert p2p.name_expression(dtype, "plain", 0, algo) in names
@@ -182,18 +187,21 @@ def test_plain_rows_cover_the_message(total, nblocks, algo):
 
 
 def test_params_layout_matches_the_kernel():
-    # Offsets stated in csrc/p2p_allreduce.cu: x 72, peers 88, epochs 152, timeout_ns 176,
-    # sig_offset 216, total_vecs 224, rows 232, rank 248; size 256.
-    fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [21, 22] + list(range(31, 39)) + [41, 42, 43] + \
-        [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0]
+    # TailParams (96 bytes) first: its pointers, eps/h/t/sf_swizzled at 56, scales_out 72, weight_offset /
+    # scale_layout 80, scale_stride 88; then x 96, peers 112, epochs 176, timeout_ns 200, sig_offset 240,
+    # total_vecs 248, rows 256, rank 272; size 280.
+    fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [14, -0.0, 3, 16] + [21, 22] + list(range(31, 39)) + \
+        [41, 42, 43] + [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0]
     raw = params.P2P.pack(*fields)
-    assert len(raw) == 256
+    assert len(raw) == 280
     assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
-    assert struct.unpack_from("<2Q", raw, 72) == (21, 22)
-    assert struct.unpack_from("<8Q", raw, 88) == tuple(range(31, 39))
-    assert struct.unpack_from("<3Q", raw, 152) == (41, 42, 43)
-    assert struct.unpack_from("<6Q", raw, 176) == (51, 52, 53, 54, 55, 56)
-    assert struct.unpack_from("<q5i", raw, 224) == (61, 71, 72, 73, 74, 75)
+    assert struct.unpack_from("<Qfiq", raw, 72) == (14, -0.0, 3, 16)
+    assert struct.unpack_from("<I", raw, 80) == (0x80000000,)  # -0.0: "no weight offset" (epilogue.cuh norm_round)
+    assert struct.unpack_from("<2Q", raw, 96) == (21, 22)
+    assert struct.unpack_from("<8Q", raw, 112) == tuple(range(31, 39))
+    assert struct.unpack_from("<3Q", raw, 176) == (41, 42, 43)
+    assert struct.unpack_from("<6Q", raw, 200) == (51, 52, 53, 54, 55, 56)
+    assert struct.unpack_from("<q5i", raw, 248) == (61, 71, 72, 73, 74, 75)
 
 
 def test_workspace_sizes():
@@ -228,13 +236,16 @@ class _Recorder:
 
     def launch(self, grid, block, raw):
         f = params.P2P.unpack(raw)
-        self.launches.append(dict(tail=f[:11], x=f[11], out=f[12], total_vecs=f[30], rows=f[31], row_vecs=f[32],
-                                  row_slots=f[33]))
+        n = len(params.TAIL.format)
+        self.launches.append(dict(tail=f[:n], x=f[n], out=f[n + 1], total_vecs=f[n + 19], rows=f[n + 20],
+                                  row_vecs=f[n + 21], row_slots=f[n + 22]))
 
 
 @pytest.mark.parametrize("t, h, quant, sf_layout", [
     (300, 4096, "nvfp4", "swizzled"), (300, 3088, "nvfp4", "swizzled"), (300, 3088, "nvfp4", "linear"),
-    (300, 4104, "fp8", "swizzled"), (300, 4104, None, "swizzled"), (64, 4096, "fp8", "swizzled")])
+    (300, 4104, "fp8", "swizzled"), (300, 4104, None, "swizzled"), (64, 4096, "fp8", "swizzled"),
+    (301, 4096, "fp8_per_token", "row"), (301, 3200, "fp8_block", "row"), (301, 3200, "fp8_block", "row_ue8m0"),
+    (301, 3200, "fp8_block", "mn_major"), (301, 3200, "fp8_block", "mn_major_ue8m0")])
 def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
     """The launches of a message over a 1 MiB workspace (CPU tensors, no kernel runs): consecutive row
     ranges of whole pieces, each output pointer at the piece's first row (computed independently of
@@ -245,8 +256,13 @@ def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
     g = torch.Generator().manual_seed(7)
     x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
     weight = torch.randn(h, generator=g).to(torch.bfloat16)
-    scale = torch.tensor([0.02]) if quant else None
-    out = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, True, sf_layout, "twoshot", checked=True)
+    scale = torch.tensor([0.02]) if quant in ("fp8", "nvfp4") else None
+    scaled = {}
+    if quant in ("fp8_per_token", "fp8_block"):  # sf_layout here names the scales' layout
+        scaled = dict(scale_layout=sf_layout.replace("_ue8m0", ""), scale_ue8m0=sf_layout.endswith("ue8m0"))
+        sf_layout = "swizzled"
+    out = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, True, sf_layout, "twoshot", checked=True,
+                                  **scaled)
     piece = chunk_rows(2 * h, quant, sf_layout, 1 << 20)
     begins = list(range(0, t, piece))
     assert len(rec.launches) == len(begins) == (1 if t * h * 2 <= 1 << 20 else -(-t // piece))
@@ -266,6 +282,12 @@ def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
             assert launch["row_slots"] == (end - begin if end < t else -(-(t - begin) // 128) * 128)
         elif quant == "nvfp4":
             assert tail[5] == out.scale_factors[begin].data_ptr() and launch["row_slots"] == end - begin
+        elif scaled.get("scale_layout") == "mn_major":  # one element per row; the whole call's column stride
+            tp = -(-t // 4) * 4
+            assert tail[11] == out.scales[begin].data_ptr() and tail[14] == tp == out.scales.stride(1)
+            assert launch["row_slots"] == (end - begin if end < t else tp - begin)
+        elif scaled:
+            assert tail[11] == out.scales[begin].data_ptr() and launch["row_slots"] == end - begin
     rec.launches.clear()
     y = rec.ws.all_reduce(x, "twoshot", checked=True)
     n, elt = x.numel(), 2
@@ -339,9 +361,10 @@ def test_timeout_error_is_exported():
     assert issubclass(p2p.P2PTimeoutError, p2p.P2PError)
 
 
-def _signature(bf16, quant_id, algo, swizzled, norm, world, rows, row_vecs, total_vecs):
+def _signature(bf16, quant_id, algo, swizzled, norm, world, rows, row_vecs, total_vecs, scale_layout=0):
     """The words call_signature (csrc/p2p_allreduce.cu) writes, written out independently."""
     kind = 1 << 30 | int(bf16) | (quant_id + 1) << 1 | algo << 5 | int(swizzled) << 6 | int(norm) << 7 | world << 8
+    kind |= scale_layout << 12
     return (kind, rows, row_vecs, total_vecs)
 
 
@@ -353,6 +376,10 @@ def test_describe_signature_names_every_field():
     plain = p2p.describe_signature(_signature(True, -1, 0, False, False, 8, 3, 256, 700))
     assert plain == "bf16 plain all-reduce of 5600 elements, oneshot"
     assert p2p.describe_signature(_signature(True, 0, 1, False, True, 2, 1, 1, 1)) == "bf16 tail (norm out), [1, 8], twoshot"
+    block = p2p.describe_signature(_signature(True, 4, 0, False, False, 2, 3, 512, 3 * 512, scale_layout=3))
+    assert block == "bf16 tail + fp8_block (MN-major scales, UE8M0 scales), [3, 4096], oneshot"
+    assert p2p.describe_signature(_signature(False, 3, 1, False, True, 4, 2, 16, 32)) == \
+        "fp16 tail + fp8_per_token (norm out), [2, 128], twoshot"
     # No signature word is ever the empty Lamport word (bit 31 clear in each).
     assert all(w < 1 << 31 for w in _signature(True, 2, 1, True, True, 8, (1 << 31) - 1, 1 << 30, (1 << 31) - 1))
 

@@ -38,6 +38,26 @@ def test_fallback_row_fuses_tail_when_guards_hold(quant, dtype):
     assert (p.collective, p.tail, p.kernel) == ("nccl", "fused", "tail")
 
 
+@pytest.mark.parametrize("kw", [
+    dict(quant="fp8_per_token"), dict(quant="fp8_block"), dict(quant="fp8_block", scale_layout="mn_major"),
+    dict(quant="fp8_block", scale_ue8m0=True), dict(quant="fp8_block", scale_layout="mn_major", scale_ue8m0=True),
+    dict(quant=None, weight_offset=1.0), dict(quant="fp8", scale=meta((1,), torch.float32), weight_offset=1.0),
+])
+def test_computed_scale_fp8_and_weight_offset_fuse_on_every_route(kw):
+    kw.setdefault("scale", None)
+    req = request(**kw)
+    assert plan(req).tail == "fused"
+    p = plan(req, mode="p2p", kernels=(TAIL, P2P), p2p=LIMITS)
+    assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p")
+    real = plan(req, kernels=registered_kernels().values())
+    assert (real.tail, real.kernel) == ("fused", "fused_tail")
+
+
+def test_fp8_block_needs_whole_blocks():
+    p = plan(request(h=4104, quant="fp8_block", scale=None))
+    assert p.tail == "separated" and any("multiple of 128" in r and "fp8_block" in r for r in p.reasons), p.reasons
+
+
 @pytest.mark.parametrize("sm", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
 def test_nvfp4_fused_on_every_sm_from_8_0(sm):
     assert plan(request(quant="nvfp4"), sm=sm).tail == "fused"

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import epilogue, fused_tail, ipc, jit, params
-from ..epilogue import CTYPE, QUANTS
+from ..epilogue import COMPUTED_SCALES, CTYPE, QUANTS
 from ..plan import FUSED_DTYPES, KernelSpec, register_kernel
 from ..reference import Tail
 
@@ -34,7 +34,7 @@ DELAY_KERNEL = "commfuse::p2p_delay"
 _QUANT_ID = {**{q: int(k) for q, k in QUANTS.items()}, "plain": -1}  # kQuantPlain: no tail
 _ALGO_ID = {"oneshot": 0, "twoshot": 1}
 
-_NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0)
+_NO_TAIL = (0,) * 7 + (0.0, 0, 0, 0) + (0, -0.0, 0, 0)
 
 
 
@@ -60,7 +60,8 @@ class P2PTimeoutError(P2PError):
         self.rank, self.missing_rank, self.phase, self.timeout_s = rank, missing_rank, phase, timeout_s
 
 
-_SIG_QUANTS = {0: "plain all-reduce", 1: "tail", 2: "tail + fp8", 3: "tail + nvfp4"}
+_SIG_QUANTS = {0: "plain all-reduce", 1: "tail", 2: "tail + fp8", 3: "tail + nvfp4", 4: "tail + fp8_per_token",
+               5: "tail + fp8_block"}
 
 
 def describe_signature(words: Sequence[int]) -> str:
@@ -71,7 +72,8 @@ def describe_signature(words: Sequence[int]) -> str:
     algo = ALGORITHMS[(kind >> 5) & 1]
     if what == "plain all-reduce":
         return f"{dtype} {what} of {8 * total_vecs} elements, {algo}"
-    extras = [e for bit, e in ((7, "norm out"), (6, "swizzled scale factors")) if kind >> bit & 1]
+    extras = [e for bit, e in ((7, "norm out"), (6, "swizzled scale factors"), (12, "MN-major scales"),
+                               (13, "UE8M0 scales")) if kind >> bit & 1]
     return f"{dtype} {what}{' (' + ', '.join(extras) + ')' if extras else ''}, [{rows}, {8 * row_vecs}], {algo}"
 
 
@@ -105,7 +107,7 @@ SPEC = register_kernel(_P2PSpec(
     name="p2p_allreduce",
     kind="p2p",
     dtypes=frozenset(FUSED_DTYPES),
-    quants=frozenset((None, "fp8", "nvfp4")),
+    quants=frozenset(QUANTS),
     min_sm=(8, 0),
     hidden_multiple=8,
     max_hidden=epilogue.MAX_HIDDEN,
@@ -119,7 +121,7 @@ SPEC = register_kernel(_P2PSpec(
 
 
 def name_expression(dtype: torch.dtype, quant: Optional[str], vpt: int, algo: str) -> str:
-    """The kernel instantiation; quant None/"fp8"/"nvfp4", or "plain" (no tail, vpt 0)."""
+    """The kernel instantiation; quant one of epilogue.QUANTS, or "plain" (no tail, vpt 0)."""
     return f"commfuse::p2p_allreduce<{CTYPE[dtype]}, {_QUANT_ID[quant]}, {vpt}, {_ALGO_ID[algo]}>"
 
 
@@ -129,17 +131,24 @@ def variants() -> List[str]:
     for dtype in CTYPE:
         for algo in ALGORITHMS:
             names.append(name_expression(dtype, "plain", 0, algo))
-            names += [name_expression(dtype, q, v, algo) for q in (None, "fp8", "nvfp4")
-                      for v in VPT_BUCKETS + (0,)]
+            names += [name_expression(dtype, q, v, algo) for q in QUANTS for v in register_vpts(q) + (0,)]
     return names + [DELAY_KERNEL]
 
 
-def launch_config(hidden: int) -> Tuple[int, int]:
+def register_vpts(quant: Optional[str]) -> Tuple[int, ...]:
+    """The register tails built for `quant`. The computed-scale FP8 kinds keep more live per vector
+    (the row or block maximum, the scale's rescaling): at VPT 2 their 1024-thread variants spill
+    (ptxas, sm_90: 8-32 bytes), so rows past 1024 vectors (h > 8192) take the looped tail instead."""
+    return (1,) if quant in COMPUTED_SCALES else VPT_BUCKETS
+
+
+def launch_config(hidden: int, quant: Optional[str] = None) -> Tuple[int, int]:
     """(vpt, threads) of the tail for rows of `hidden` elements, any number of rows: the local tail
     kernel's few-rows rule (fused_tail), whose VPT 1 and 2 up to 1024 threads and looped tail on
-    THREADS are the variants built here: each row's dependent chain spread over as many threads as
-    possible."""
-    return fused_tail._launch_config(hidden, True)
+    THREADS are the variants built here (register_vpts(quant)): each row's dependent chain spread
+    over as many threads as possible."""
+    vpt, threads = fused_tail._launch_config(hidden, True)
+    return (vpt, threads) if vpt == 0 or vpt in register_vpts(quant) else (0, MAX_THREADS[0])
 
 
 def plain_rows(total_vecs: int, nblocks: int, algo: str) -> Tuple[int, int, int]:
@@ -197,15 +206,20 @@ def _tail_rows(fields: tuple, out: Tail, row_slots: int, begin: int, end: int) -
     """epilogue.prepare's TailParams fields and outputs for all rows -> the fields of rows
     [begin, end). Each output advances by its own bytes per row (its size over its rows: row_slots
     for swizzled scale factors, whose 128-row tiles are contiguous; `begin` is then a multiple of
-    128, see chunk_rows)."""
-    residual, res_out, weight, norm, q, sf, scale, eps, h, t, swizzled = fields
+    128, see chunk_rows). MN-major scales advance by one element per row and keep the whole call's
+    column stride (scale_stride)."""
+    (residual, res_out, weight, norm, q, sf, scale, eps, h, t, swizzled, scales, offset, scale_layout,
+     scale_stride) = fields
 
     def at(ptr: int, tensor: Optional[torch.Tensor], rows: int) -> int:
         return ptr + begin * (tensor.nbytes // rows) if ptr else 0
 
+    mn_major = scale_layout & epilogue._SCALE_MN_MAJOR
     return (at(residual, out.residual, t), at(res_out, out.residual, t), weight, at(norm, out.norm, t),
             at(q, out.quant, t), at(sf, out.scale_factors, row_slots if swizzled else t),
-            scale, eps, h, end - begin, swizzled)
+            scale, eps, h, end - begin, swizzled,
+            scales + begin * out.scales.element_size() if mn_major else at(scales, out.scales, t),
+            offset, scale_layout, scale_stride)
 
 
 
@@ -226,6 +240,6 @@ def warmup(dtype: torch.dtype, quant: Optional[str] = None, hidden: Optional[int
     for algo in ALGORITHMS:
         _kernel(dtype, "plain", 0, algo, index)
         if hidden is not None:
-            _kernel(dtype, quant, launch_config(hidden)[0], algo, index)
+            _kernel(dtype, quant, launch_config(hidden, quant)[0], algo, index)
 
 

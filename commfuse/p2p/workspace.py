@@ -308,11 +308,14 @@ class Workspace:
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                          quant: Optional[str], scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
-                         algo: str, *, out: Optional[Tail] = None, checked: bool = False) -> Tail:
+                         algo: str, *, out: Optional[Tail] = None, checked: bool = False, weight_offset: float = 0.0,
+                         scale_layout: str = "row", scale_ue8m0: bool = False) -> Tail:
         """All-reduce of x with the tail fused (reference.fused_tail's semantics and outputs).
 
         x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
-        quant), all on this workspace's device; h % 8 == 0 (16 for nvfp4), h <= epilogue.MAX_HIDDEN.
+        quant "fp8" / "nvfp4"; None for the computed-scale kinds), all on this workspace's device;
+        h % 8 == 0 (16 for nvfp4, 128 for fp8_block), h <= epilogue.MAX_HIDDEN. weight_offset,
+        scale_layout, scale_ue8m0: as for reference.fused_tail.
         A message larger than max_bytes runs two-shot in pieces of whole rows (plan.chunk_rows), one
         launch each. Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for
         `all_reduce`.
@@ -320,17 +323,19 @@ class Workspace:
         h, elt = x.shape[-1], x.element_size()
         if not checked:
             self._check_call(x, algo)
-            epilogue.check(x, residual, weight, quant, scale, sf_layout)
+            epilogue.check(x, residual, weight, quant, scale, sf_layout, scale_layout, scale_ue8m0)
             if out is not None:
-                epilogue.check_out(out, x.numel() // h, h, x.dtype, x.device, quant, return_norm, sf_layout)
+                epilogue.check_out(out, x.numel() // h, h, x.dtype, x.device, quant, return_norm, sf_layout,
+                                   scale_layout, scale_ue8m0)
             if x.numel() * elt > self.max_bytes and not chunk_rows(h * elt, quant, sf_layout, self.max_bytes):
                 raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
                                  f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
         x2, t, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm,
-                                                         sf_layout, out)
+                                                         sf_layout, out, None, weight_offset, scale_layout,
+                                                         scale_ue8m0)
         if not row_slots:
             return out
-        vpt, threads = launch_config(h)
+        vpt, threads = launch_config(h, quant)
         kernel = kernels._kernel(x.dtype, quant, vpt, algo, self._index)
         if t * h * elt <= self.max_bytes:
             self._launch(kernel, threads, fields, x2.data_ptr(), 0, t * h // 8, t, h // 8, row_slots)
