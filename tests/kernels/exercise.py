@@ -1,7 +1,7 @@
 """Launch every commfuse kernel variant a few times, for compute-sanitizer (launch/sanitize.sh).
 
 One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
-1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale-factor
+1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale(-factor)
 layout, token counts with and without swizzle padding rows. Under mpirun with 2+ GPUs, also the
 P2P kernels (one-shot and two-shot, plain and fused; and two-shot in pieces over a 1 MiB workspace)
 through a Communicator. The outputs are checked
@@ -16,16 +16,25 @@ import torch
 from commfuse import fused_tail, plan, reference, tolerance
 
 SHAPES = [(1, 16), (3, 40), (1, 4096), (130, 7168), (600, 4096), (7, 16384), (2, 32000)]
-PATTERNS = [(None, None), ("fp8", 0.02), ("nvfp4", 0.004)]
+# (quant, static scale, scale_layout, scale_ue8m0, weight_offset)
+PATTERNS = [(None, None, "row", False, 0.0), ("fp8", 0.02, "row", False, 0.0), ("nvfp4", 0.004, "row", False, 0.0),
+            ("fp8_per_token", None, "row", False, 1.0), ("fp8_block", None, "row", False, 0.0),
+            ("fp8_block", None, "mn_major", False, 0.0), ("fp8_block", None, "mn_major", True, 1.0),
+            ("fp8_block", None, "row", True, 0.0)]
+
+
+def skip(quant, h) -> bool:
+    return (quant == "nvfp4" and h % 16 > 0) or (quant == "fp8_block" and h % 128 > 0)
 
 
 def inputs(g, t, h, dtype):
     return [torch.randn(*s, generator=g, device="cuda").to(dtype) for s in ((t, h), (t, h), (h,))]
 
 
-def check(got, a, residual, weight, quant, scale, layout, what):
-    want = reference.fused_tail(a, residual, weight, 1e-6, quant, scale, True, layout)
-    why = tolerance.tail_mismatch(got, want, quant, layout)
+def check(got, a, residual, weight, quant, scale, layout, what, scaled=("row", False, 0.0)):
+    scale_layout, ue8m0, offset = scaled
+    want = reference.fused_tail(a, residual, weight, 1e-6, quant, scale, True, layout, offset, scale_layout, ue8m0)
+    why = tolerance.tail_mismatch(got, want, quant, layout, scale_layout=scale_layout, scale_ue8m0=ue8m0)
     if why:
         sys.exit(f"{what}: {why}")
 
@@ -35,13 +44,15 @@ def fused_tails(g) -> int:
     for t, h in SHAPES:
         for dtype in (torch.bfloat16, torch.float16):
             a, residual, weight = inputs(g, t, h, dtype)
-            for quant, s in PATTERNS:
-                if quant == "nvfp4" and h % 16:
+            for quant, s, *scaled in PATTERNS:
+                if skip(quant, h):
                     continue
                 scale = None if s is None else torch.tensor([s], device="cuda")
+                kw = dict(scale_layout=scaled[0], scale_ue8m0=scaled[1], weight_offset=scaled[2])
                 for layout in ("swizzled", "linear") if quant == "nvfp4" else ("swizzled",):
-                    got = fused_tail.run(a, residual, weight, 1e-6, quant, scale, True, layout)
-                    check(got, a, residual, weight, quant, scale, layout, f"fused_tail {t}x{h} {dtype} {quant} {layout}")
+                    got = fused_tail.run(a, residual, weight, 1e-6, quant, scale, True, layout, **kw)
+                    check(got, a, residual, weight, quant, scale, layout, f"fused_tail {t}x{h} {dtype} {quant} {layout}",
+                          scaled)
                     n += 1
     return n
 
@@ -54,7 +65,7 @@ def p2p_kernels(g) -> int:
     n = 0
     for strategy, workspace_mb, shapes in (("oneshot", None, ((1, 4096), (130, 7168), (7, 16384), (2, 32000))),
                                            ("twoshot", None, ((1, 4096), (130, 7168), (7, 16384), (2, 32000))),
-                                           ("twoshot", 1, ((300, 3088),))):  # pieces of 169 / 128 rows
+                                           ("twoshot", 1, ((300, 3088), (300, 3072)))):  # pieces of 169 / 128 rows
         if workspace_mb:
             os.environ["COMMFUSE_P2P_WORKSPACE_MB"] = str(workspace_mb)
         comm = commfuse.Communicator(strategy=strategy)
@@ -74,13 +85,17 @@ def p2p_kernels(g) -> int:
             why = tolerance.within_ulp(total, reference.all_reduce_sum(xs), 0, f"{strategy} sum {t}x{h}")
             if why:
                 sys.exit(why)
-            for quant, s in PATTERNS:
+            for quant, s, *scaled in PATTERNS:
+                if skip(quant, h):
+                    continue
                 scale = None if s is None else torch.tensor([s], device="cuda")
-                r = comm.fused_all_reduce(xs[rank], residual, weight, 1e-6, quant, scale, True, "swizzled")
+                r = comm.fused_all_reduce(xs[rank], residual, weight, 1e-6, quant, scale, True, "swizzled",
+                                          scale_layout=scaled[0], scale_ue8m0=scaled[1], weight_offset=scaled[2])
                 n += launches(2 * h, quant, t)
                 if not r.plan.collective.startswith("p2p") or r.plan.tail != "fused":
                     sys.exit(f"{strategy} {t}x{h} {quant}: took {r.plan}, not a fused P2P kernel")
-                check(r, total, residual, weight, quant, scale, "swizzled", f"{strategy} {t}x{h} {quant}")
+                check(r, total, residual, weight, quant, scale, "swizzled", f"{strategy} {t}x{h} {quant} {scaled}",
+                      scaled)
         comm.check()
         comm.close()
     return n
