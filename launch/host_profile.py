@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse import epilogue, fused_tail, jit, params, reference
+from commfuse import epilogue, fused_tail, jit, params
 from commfuse.communicator import _key
 
 

@@ -87,9 +87,10 @@ def fuse_and_run(fn, args, comm, **capture_kw):
 
 
 def exact_sums() -> bool:
-    """Whether the unfused graph's all-reduce gives commfuse's bits: gloo sums in T in its own order,
-    which is the fp32 rank-order sum rounded once only for two ranks (a single addition)."""
-    return dist.get_world_size() <= 2
+    """Whether the unfused graph gives commfuse's bits: gloo sums in T in its own order, which is the
+    fp32 rank-order sum rounded once only for two ranks (a single addition); and on the CPU the fused
+    op is the separated reference, on a GPU a kernel whose norm is within the tail tolerance."""
+    return dist.get_world_size() <= 2 and not torch.cuda.is_available()
 
 
 def assert_close_under_sum_order(g, w, i):
@@ -144,7 +145,7 @@ def setup(comm, gen, t=6, h=128, dtype=BF16, quant=None, shape=None):
     residual, weight, scale = tail_inputs(comm, gen, t, h, dtype, quant)
     if shape is not None:
         residual = residual.view(shape)
-    wo = (torch.randn(h, h, generator=gen) / h ** 0.5).to(dtype)
+    wo = (torch.randn(h, h, generator=gen) / h ** 0.5).to(comm.device, dtype)
     return x, residual, weight, scale, wo
 
 
@@ -242,8 +243,8 @@ def test_either_add_operand_order(quiet_comm, gen, order):
 def test_fp8_consumer_feeding_scaled_mm(quiet_comm, gen, norm):
     c = quiet_comm
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
-    wq = (torch.randn(64, 128, generator=gen) * 4).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w_scale = torch.tensor([0.01])
+    wq = (torch.randn(64, 128, generator=gen) * 4).clamp(-448, 448).to(c.device, torch.float8_e4m3fn)
+    w_scale = torch.tensor([0.01], device=c.device)
 
     def layer(x, residual, weight, wo, scale):
         y = F.linear(x, wo)
@@ -590,12 +591,12 @@ def test_compile_end_to_end_dynamic_tokens(quiet_comm, gen):
             h2 = h1 + y2
             return torch_norm(h2, self.weight), h2, q
 
-    block = Block()
+    block = Block().to(c.device)
     torch._dynamo.reset()
     compiled = fusion.compile(block, c, backend="aot_eager", fullgraph=True, dynamic=True)
     for i, t in enumerate((5, 17, 3)):
         x, _ = rank_inputs(c, gen, (t, h), BF16)
-        residual = torch.randn(t, h, generator=gen).to(BF16)
+        residual = torch.randn(t, h, generator=gen).to(c.device, BF16)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             got = compiled(x.clone(), residual)
         want = block(x.clone(), residual)
