@@ -182,7 +182,7 @@ class Communicator:
             key = (_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout, scaled)
             plan = self._plans.get(key)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable argument: the checks name it
-            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
+            return self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
         if plan is None:
             plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
             if len(self._plans) >= _MAX_PLANS:
@@ -248,9 +248,15 @@ class Communicator:
         place (every route reads each residual element before it writes it).
         """
         self._check_p2p_error()
-        plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale, return_norm=return_norm,
-                         sf_layout=sf_layout, weight_offset=weight_offset, scale_layout=scale_layout,
-                         scale_ue8m0=scale_ue8m0, out=out)
+        try:  # plan()'s cache lookup, inline: the hot path's one call saved
+            plan = self._plans.get((_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout,
+                                    (weight_offset, scale_layout, scale_ue8m0)))
+        except (AttributeError, TypeError):
+            plan = None
+        if plan is None:
+            plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale, return_norm=return_norm,
+                             sf_layout=sf_layout, weight_offset=weight_offset, scale_layout=scale_layout,
+                             scale_ue8m0=scale_ue8m0, out=out)
         if self.check_calls:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant, return_norm, sf_layout,
                                    weight_offset, scale_layout, scale_ue8m0, str(plan.collective)))

@@ -1,8 +1,8 @@
 """Where the host time of one eager commfuse call goes: each step of the data path timed alone.
 
-Usage: python launch/host_profile.py [--tokens 16] [--hidden 4096] [--json FILE] [--cprofile N]
+Usage: python launch/host_profile.py [--tokens 16] [--hidden 4096] [--calls 20] [--json FILE] [--cprofile N]
 (one process, world 1; on a GPU the NCCL route, else gloo and CPU tensors). Every row is the median
-over repeats of K back-to-back calls timed by the host clock around the loop, no GPU wait inside
+over repeats of --calls back-to-back calls timed by the host clock around the loop, no GPU wait inside
 (the benchmark's host mode), in microseconds per call, next to torch.add(out=) of the same run, the
 yardstick of one torch elementwise op. `--cprofile N` also prints cProfile's top functions over N
 fused_all_reduce calls. The breakdown of a run is written up in bench/p2p_notes.md.
@@ -27,7 +27,7 @@ from commfuse import epilogue, fused_tail, jit, params
 from commfuse.communicator import _key
 
 
-def per_call_us(fn, calls: int = 200, repeats: int = 9) -> float:
+def per_call_us(fn, calls: int, repeats: int) -> float:
     for _ in range(20):
         fn()
     sync()
@@ -127,6 +127,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per timed loop (as the benchmark)")
+    ap.add_argument("--repeats", type=int, default=51, help="timed loops per row; the median is reported")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--cprofile", type=int, default=0, help="cProfile this many fused_all_reduce calls")
     args = ap.parse_args()
@@ -136,13 +138,14 @@ def main() -> None:
     out = []
     for name, fn in rows(comm, t, h):
         try:
-            us = per_call_us(fn)
+            us = per_call_us(fn, args.calls, args.repeats)
         except Exception as exc:  # a step that cannot run here is reported, not fatal
             print(f"{name:50s} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
         out.append({"step": name, "us": round(us, 2)})
     floor = out[0]["us"]
-    print(f"host time per call, world {comm.world_size}, [{t}, {h}] bf16 on {comm.device} "
+    print(f"host time per call ({args.calls} calls a loop, median of {args.repeats}), world {comm.world_size}, "
+          f"[{t}, {h}] bf16 on {comm.device} "
           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}):")
     for row in out:
         print(f"  {row['step']:50s} {row['us']:8.2f} us  {row['us'] / floor:5.2f}x")
@@ -163,6 +166,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "world": comm.world_size, "tokens": t, "hidden": h, "torch": torch.__version__,
+                       "calls": args.calls, "repeats": args.repeats, "nccl_binding": getattr(comm, "nccl_binding", "torch.distributed (before commfuse.nccl)"),
                        "rows": out}, f, indent=1)
     comm.close()
     dist.destroy_process_group()
