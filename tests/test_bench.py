@@ -8,6 +8,7 @@ from the children (a nested mpirun would otherwise try to join it), and CUDA is 
 run is the CPU smoke run even on a GPU machine (the GPU numbers come from launch/bench.sh itself).
 """
 import argparse
+import inspect
 import json
 import os
 import pathlib
@@ -155,6 +156,58 @@ def test_gate_rejects_a_wrong_implementation(tmp_path):
     assert set(rejected) == set(patterns.split(","))
     assert all(r.startswith("rejected (bf16 4x256): ") for r in rejected.values()), rejected
     assert "residual" in rejected["residual_rmsnorm"] and "all-reduce" in rejected["allreduce"]
+
+
+COMPUTED = ("residual_rmsnorm_fp8_per_token", "residual_rmsnorm_fp8_block", "residual_rmsnorm_fp8_block_ue8m0")
+NEW_PATTERNS = COMPUTED + ("residual_gemma_rmsnorm_fp8",)
+
+SCALES_OFF = r'''
+import sys
+from commfuse.bench import cli, impls
+from commfuse.bench.verdict import Skip
+
+def prepare(ctx, case):
+    if case.pattern.quant not in ("fp8_per_token", "fp8_block"):
+        raise Skip("no computed scales")
+    good = impls.IMPLS["commfuse-auto"].prepare(ctx, case)
+    def step(i):
+        r = good.call(i)
+        r.scales = r.scales.clone()
+        r.scales.view(-1)[0] *= 4  # a scale (or UE8M0 exponents) far from the oracle's
+        return r
+    return impls.Step(step)
+
+impls.register(impls.Impl("scales-off", "collective", prepare, "test only: commfuse-auto, one scale off"))
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+@cpu_smoke
+def test_computed_scale_patterns_run_every_cpu_row(tmp_path):
+    """The computed-scale and Gemma patterns (not in the default list) through the CLI at world size 1:
+    every row that runs on the CPU (the commfuse rows take the separated route: exact) passes the gate
+    and is timed, FlashInfer skips with its reason, tail rows' frac_hbm counts the scales; a commfuse
+    row with one scale off is rejected."""
+    out = tmp_path / "out"
+    rows = "nccl+eager,commfuse-fallback,commfuse-auto,commfuse-auto-out,commfuse-ops,tail-eager,flashinfer"
+    _run([sys.executable, "-c", SCALES_OFF, "--impls", rows + ",scales-off", "--patterns", ",".join(NEW_PATTERNS),
+          "--shapes", "5x256", "--dtypes", "bf16", "--modes", "eager", "--repeats", "1", "--calls-per-graph", "2", "--out", str(out)],
+         tmp_path)
+    doc = _load(out)
+    ran = {(r["impl"], r["pattern"]) for r in doc["records"]}
+    timed = set(rows.split(",")) - {"flashinfer"}
+    assert ran == {(i, p) for i in timed for p in NEW_PATTERNS}, ran
+    assert all("wrong" not in r for r in doc["records"])
+    for r in doc["records"]:
+        if r["impl"] == "tail-eager":
+            frac = cases.tail_bytes(cases.PATTERNS[r["pattern"]], 5, 256, 2) / (r["us"] * 1e-6) \
+                / (doc["ceilings"]["hbm_copy_GBps"] * 1e9)
+            assert r["frac_hbm"] == pytest.approx(frac, rel=1e-2, abs=1e-4)
+    skipped = {(s["impl"], s["pattern"]): s["reason"] for s in doc["skipped"]}
+    assert {p for i, p in skipped if i == "flashinfer"} == set(NEW_PATTERNS)
+    rejected = {p: why for (i, p), why in skipped.items() if i == "scales-off" and p in COMPUTED}
+    assert set(rejected) == set(COMPUTED), skipped
+    assert all(why.startswith("rejected (bf16 5x256): ") and "scales" in why for why in rejected.values()), rejected
 
 
 def _tail(quant, t=32, h=256, return_norm=False):
@@ -357,7 +410,114 @@ def test_tail_bytes_counts_each_tensor_once():
     base = 3 * t * h * 2 + h * 2  # read a, residual, weight; write residual (bf16)
     assert cases.tail_bytes(P["residual_rmsnorm"], t, h, 2) == base + t * h * 2
     assert cases.tail_bytes(P["residual_rmsnorm_fp8"], t, h, 2) == base + t * h
+    assert cases.tail_bytes(P["residual_gemma_rmsnorm_fp8"], t, h, 2) == base + t * h
     assert cases.tail_bytes(P["residual_rmsnorm_nvfp4_out"], t, h, 2) == base + t * h * 2 + t * h // 2 + t * h // 16
+    # The computed scales: float32 per row, per 128-block; packed UE8M0 MN-major with its padding rows
+    # (t = 130: 132 rows; 7168 / 128 = 56 blocks, 14 int32 per row).
+    assert cases.tail_bytes(P["residual_rmsnorm_fp8_per_token"], t, h, 2) == base + t * h + 4 * t
+    assert cases.tail_bytes(P["residual_rmsnorm_fp8_block"], t, h, 2) == base + t * h + 4 * t * 32
+    t, h = 130, 7168
+    base = 3 * t * h * 2 + h * 2
+    assert cases.tail_bytes(P["residual_rmsnorm_fp8_block_ue8m0"], t, h, 2) == base + t * h + 4 * 132 * 14
+    # Every scale byte the oracle writes is counted (its storage, padding included).
+    for name in COMPUTED:
+        for t in (1, 5):
+            case = cases.make_case(_ctx(), P[name], "bf16", t, 256)
+            s = case.expected_tail.scales
+            n = s.untyped_storage().nbytes()
+            assert cases.tail_bytes(P[name], t, 256, 2) == 3 * t * 256 * 2 + 256 * 2 + t * 256 + n, (name, t)
+
+
+@pytest.mark.parametrize("name", NEW_PATTERNS)
+def test_new_patterns_verify_and_wrong_results_are_rejected(name):
+    """The tail-eager row of each new pattern passes the gate, with 5 tokens (MN-major padding rows);
+    its scales corrupted, the result is rejected; so is the Gemma pattern's tail without the offset."""
+    ctx = _ctx()
+    p = cases.PATTERNS[name]
+    case = cases.make_case(ctx, p, "bf16", 5, 256)
+    assert (case.scale is None) == (p.quant != "fp8")
+    impl = impls.IMPLS["tail-eager"]
+    step = impl.prepare(ctx, case)
+    verdict, res = cases.gate(ctx, step.call, lambda r: impl.mismatch(case, r))
+    assert verdict is OK
+    if p.weight_offset:
+        x, residual = case.sets[0]
+        plain = reference.fused_tail(x, residual, case.weight, case.eps, p.quant, case.scale)
+        assert "codes" in impl.mismatch(case, cases.Result.of_tail(plain))
+        return
+    assert res.scales is not None and res.scales.stride() == case.expected_tail.scales.stride()
+
+    def off(edit):
+        r = step.call(0)
+        storage = reference.mn_major_storage(r.scales, 5, 2, p.scale_ue8m0) if p.scale_layout == "mn_major" else None
+        r.scales = r.scales.clone() if storage is None else torch.as_strided(storage.clone(), r.scales.shape,
+                                                                             r.scales.stride())
+        edit(r.scales if storage is None else reference.mn_major_storage(r.scales, 5, 2, True).view(torch.uint8))
+        return impl.mismatch(case, r)
+    if p.scale_ue8m0:
+        def bump(b):
+            b[0] += 2
+        assert "UE8M0 scales" in off(bump)
+
+        def pad(b):
+            b[4 * 5] = 1  # row 5 of int32 column 0: a padding row
+        assert "padding not 0" in off(pad)
+    else:
+        def double(s):
+            s.view(-1)[1] *= 2
+        assert "scales" in off(double)
+
+
+def test_flashinfer_rows_take_its_computed_scale_patterns(monkeypatch):
+    """FlashInfer's rows, with a stand-in for its API (no GPU here): per-token FP8 and the packed UE8M0
+    group pattern get its pattern codes, block_quant_group_size 128 and our scale buffers (poisoned: a
+    kernel that leaves them unwritten is rejected); row-major block scales and a Gemma RMSNorm without
+    weight_bias skip with the reason."""
+    calls = []
+
+    def fuse(allreduce_in, world_size, world_rank, token_num, hidden_dim, workspace_ptrs, launch_with_pdl,
+             trigger_completion_at_end, fp32_acc, pattern_code, allreduce_out, residual_in, residual_out, norm_out,
+             quant_out, scale_out, rms_gamma, rms_eps, scale_factor, layout_code, use_oneshot=None,
+             block_quant_group_size=None):
+        calls.append((pattern_code, block_quant_group_size))
+        quant, layout = {10: ("fp8_per_token", ("row", False)), 8: ("fp8_block", ("mn_major", True))}[pattern_code]
+        tail = reference.fused_tail(allreduce_in, residual_in, rms_gamma, rms_eps, quant, None, False, "swizzled",
+                                    0.0, *layout)
+        residual_out.copy_(tail.residual)
+        quant_out.copy_(tail.quant.view(torch.uint8))
+        if skip_scales:
+            return
+        if quant == "fp8_per_token":
+            scale_out.copy_(tail.scales)
+        else:  # the valid bytes only, as its kernel (the padding is the caller's zeros)
+            t, k = token_num, hidden_dim // reference.FP8_BLOCK
+            idx = reference.packed_ue8m0_byte_index(torch.arange(t).unsqueeze(1), torch.arange(k), t)
+            reference.mn_major_storage(scale_out, t, k, True).view(torch.uint8)[idx] = \
+                reference.unpack_ue8m0_mn_major(tail.scales, t, k)
+
+    patterns = types.SimpleNamespace(kARResidualRMSNormDynamicFP8Quant=10,
+                                     kARResidualRMSNormPerTokenGroupFP8PackedQuant=8, kARResidualRMSNormFP8Quant=2)
+    ctx = _ctx()
+    ctx.cache["flashinfer"] = {"fuse": fuse, "patterns": patterns, "version": "test",
+                               "params": inspect.signature(fuse).parameters, "swizzled": 0}
+    ctx.cache["flashinfer_ws"] = (None, torch.zeros(1))
+    fi = impls.IMPLS["flashinfer"]
+    for skip_scales in (False, True):
+        for name, code in (("residual_rmsnorm_fp8_per_token", 10), ("residual_rmsnorm_fp8_block_ue8m0", 8)):
+            case = cases.make_case(ctx, cases.PATTERNS[name], "bf16", 5, 512)
+            why = fi.mismatch(case, fi.prepare(ctx, case).call(0))
+            assert calls[-1] == (code, 128 if code == 8 else None)
+            assert (why is None) != skip_scales, why
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm_fp8_block"], "bf16", 5, 512)
+    with pytest.raises(Skip, match="^flashinfer test has no FP8 block pattern with row float32 scales"):
+        fi.prepare(ctx, case)
+    case = cases.make_case(ctx, cases.PATTERNS["residual_gemma_rmsnorm_fp8"], "bf16", 5, 512)
+    with pytest.raises(Skip, match="flashinfer test trtllm_allreduce_fusion has no weight_bias"):
+        fi.prepare(ctx, case)
+    del patterns.kARResidualRMSNormDynamicFP8Quant
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm_fp8_per_token"], "bf16", 5, 512)
+    with pytest.raises(Skip, match="flashinfer test has no pattern kARResidualRMSNormDynamicFP8Quant"):
+        fi.prepare(ctx, case)
 
 
 @pytest.mark.parametrize("argv, error", [(["--shapes", "64"], "TOKENSxHIDDEN"), (["--impls", "nope"], "unknown impl"),
@@ -366,3 +526,8 @@ def test_bad_options_are_named(argv, error, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
     assert error in capsys.readouterr().err
+
+
+def test_new_patterns_run_on_request_only():
+    assert cli.parse_args([]).pattern_list == list(cases.DEFAULT_PATTERNS) == list(cases.PATTERNS)[:6]
+    assert cli.parse_args(["--patterns", ",".join(NEW_PATTERNS)]).pattern_list == list(NEW_PATTERNS)

@@ -27,16 +27,26 @@ SF_LAYOUT = "swizzled"  # the NVFP4 GEMMs' layout; the linear one is covered by 
 
 @dataclass(frozen=True)
 class Pattern:
-    """One benchmark pattern. tail=False: the plain sum all-reduce."""
+    """One benchmark pattern. tail=False: the plain sum all-reduce. weight_offset, scale_layout and
+    scale_ue8m0 as in commfuse.reference.fused_tail (the last two for quant "fp8_block" only)."""
 
     name: str
     quant: Optional[str] = None
     return_norm: bool = False
     tail: bool = True
+    weight_offset: float = 0.0
+    scale_layout: str = "row"
+    scale_ue8m0: bool = False
 
     @property
     def has_norm(self) -> bool:
         return self.tail and (self.quant is None or self.return_norm)
+
+    @property
+    def scaled(self) -> dict:
+        """The keyword arguments of the computed-scale kinds and the weight offset, for the calls
+        that take them by keyword (Communicator, fused_tail.run)."""
+        return dict(weight_offset=self.weight_offset, scale_layout=self.scale_layout, scale_ue8m0=self.scale_ue8m0)
 
 
 PATTERNS: Dict[str, Pattern] = {p.name: p for p in (
@@ -46,9 +56,18 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in (
     Pattern("residual_rmsnorm_nvfp4", "nvfp4"),
     Pattern("residual_rmsnorm_fp8_out", "fp8", return_norm=True),
     Pattern("residual_rmsnorm_nvfp4_out", "nvfp4", return_norm=True),
+    Pattern("residual_rmsnorm_fp8_per_token", "fp8_per_token"),
+    Pattern("residual_rmsnorm_fp8_block", "fp8_block"),
+    # DeepGEMM's layout for Blackwell's block-scaled GEMMs: MN-major, UE8M0 exponents packed 4 per int32.
+    Pattern("residual_rmsnorm_fp8_block_ue8m0", "fp8_block", scale_layout="mn_major", scale_ue8m0=True),
+    Pattern("residual_gemma_rmsnorm_fp8", "fp8", weight_offset=1.0),  # Gemma's RMSNorm scales by (1 + w)
 )}
+# The default --patterns: the computed-scale and Gemma patterns run on request only (each pattern
+# costs a full sweep of shapes x dtypes x implementations).
+DEFAULT_PATTERNS = ("allreduce", "residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_nvfp4",
+                    "residual_rmsnorm_fp8_out", "residual_rmsnorm_nvfp4_out")
 # The dequant scales of the checked inputs (value = code * scale); they keep every code of the
-# random rows in range, like the tests' inputs.
+# random rows in range, like the tests' inputs. The computed-scale kinds take none (case.scale None).
 SCALES = {"fp8": 0.02, "nvfp4": 0.004}
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 8192)
@@ -65,17 +84,18 @@ MAX_INPUT_SETS = 8  # rotate among up to this many input sets (cache effects, se
 @dataclass
 class Result:
     """What one call produced: `a` for the plain all-reduce (or a floor row's output), else the
-    tail's outputs (as commfuse.FusedResult)."""
+    tail's outputs (as commfuse.FusedResult; scales: the computed FP8 scales)."""
 
     a: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
     norm: Optional[torch.Tensor] = None
     quant: Optional[torch.Tensor] = None
     sf: Optional[torch.Tensor] = None
+    scales: Optional[torch.Tensor] = None
 
     @classmethod
     def of_tail(cls, tail) -> "Result":
-        return cls(residual=tail[0], norm=tail[1], quant=tail[2], sf=tail[3])
+        return cls(residual=tail[0], norm=tail[1], quant=tail[2], sf=tail[3], scales=tail[4])
 
 
 @dataclass
@@ -102,11 +122,15 @@ class Case:
     sum_ulps: int
 
     def tail_args(self) -> tuple:
-        p = self.pattern
-        return (self.weight, self.eps, p.quant, self.scale, p.return_norm, SF_LAYOUT)
+        """reference.fused_tail's arguments after (a, residual), positional."""
+        return tail_args(self.pattern, self.weight, self.eps, self.scale)
 
     def input_set(self, i: int) -> tuple:
         return self.sets[i % len(self.sets)]
+
+
+def tail_args(p: Pattern, weight: torch.Tensor, eps: float, scale: Optional[torch.Tensor]) -> tuple:
+    return (weight, eps, p.quant, scale, p.return_norm, SF_LAYOUT, p.weight_offset, p.scale_layout, p.scale_ue8m0)
 
 
 def _seed(*parts) -> int:
@@ -156,12 +180,12 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     residual = randn(t, h).to(dtype)
     weight = (1 + 0.1 * randn(h)).to(dtype)
     scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
-             if pattern.quant else None)
+             if pattern.quant in SCALES else None)
     sets = [(xs[ctx.rank], residual)]
     for _ in range(_input_sets(ctx, t, h, dtype) - 1):
         sets.append((randn(t, h).to(dtype), randn(t, h).to(dtype)))
     eps = ctx.args.eps
-    tail = (weight, eps, pattern.quant, scale, pattern.return_norm, SF_LAYOUT)
+    tail = tail_args(pattern, weight, eps, scale)
 
     # The exact semantics: fp32 sum in rank order, rounded once. NCCL (and gloo) sum in T in their
     # own order; for 2 ranks that is one addition (the same bits), beyond that the semantics accept
@@ -186,14 +210,24 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
 
 def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
     """The fewest bytes the tail moves: read a, residual, weight; write residual, norm (if an output),
-    FP8 codes, or NVFP4 codes + swizzled scale factors."""
+    FP8 codes (+ the computed scales: float32 per row or per 128-block, UE8M0 bytes, the MN-major
+    layouts with their padding, which is written too), or NVFP4 codes + swizzled scale factors."""
     n = t * h
     b = 2 * n * itemsize + h * itemsize + n * itemsize
     if pattern.has_norm:
         b += n * itemsize
-    if pattern.quant == "fp8":
+    q = pattern.quant
+    if q in ("fp8", "fp8_per_token", "fp8_block"):
         b += n
-    elif pattern.quant == "nvfp4":
+    if q == "fp8_per_token":
+        b += 4 * t
+    elif q == "fp8_block":
+        k, tp = h // reference.FP8_BLOCK, -(-t // 4) * 4
+        if pattern.scale_layout == "row":
+            b += t * k * (1 if pattern.scale_ue8m0 else 4)
+        else:  # K float32 columns of tp rows, or ceil(K/4) int32 columns of 4 packed exponents
+            b += 4 * tp * (-(-k // 4) if pattern.scale_ue8m0 else k)
+    elif q == "nvfp4":
         b += n // 2 + (-(-t // 128) * 128) * (-(-(h // 16) // 4) * 4)
     return b
 
@@ -205,8 +239,9 @@ def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0) -> Opti
     does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch."""
     if not pattern.tail:
         return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
-    return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf),
-                                   Tail(exp.residual, exp.norm, exp.quant, exp.sf), pattern.quant)
+    return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf, res.scales),
+                                   Tail(exp.residual, exp.norm, exp.quant, exp.sf, exp.scales), pattern.quant,
+                                   SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0)
 
 
 def gate(ctx: Ctx, step: Callable[[int], Result],

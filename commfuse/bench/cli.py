@@ -19,7 +19,7 @@ import torch.distributed as dist
 from commfuse import init_distributed
 
 from . import report
-from .cases import (DEFAULT_HIDDEN, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, PATTERNS, QUICK_COMPILE_PATTERN,
+from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, PATTERNS, QUICK_COMPILE_PATTERN,
                     QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, make_case, same_draws, tail_bytes)
 from .context import Ctx
 from .impls import DEFAULT_IMPLS, IMPLS
@@ -192,7 +192,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     help="TOKENSxHIDDEN list, e.g. 1x4096,64x8192 (default: tokens "
                          f"{','.join(map(str, DEFAULT_TOKENS))} x hidden {','.join(map(str, DEFAULT_HIDDEN))})")
     ap.add_argument("--dtypes", type=_csv, default=None, help="bf16,fp16 (default both)")
-    ap.add_argument("--patterns", type=_csv, default=None, help=f"default all: {','.join(PATTERNS)}")
+    ap.add_argument("--patterns", type=_csv, default=None,
+                    help=f"of {','.join(PATTERNS)} (default {','.join(DEFAULT_PATTERNS)})")
     ap.add_argument("--modes", type=_csv, default=None,
                     help=f"of {','.join(MODES)} (default graph,eager; no graph on the CPU)")
     ap.add_argument("--impls", type=_csv, default=None, help=f"default all: {','.join(DEFAULT_IMPLS)}")
@@ -216,7 +217,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     q = args.quick
     args.shape_list = args.shapes or (list(QUICK_SHAPES) if q else [(t, h) for h in DEFAULT_HIDDEN for t in DEFAULT_TOKENS])
     args.dtype_list = args.dtypes or (["bf16"] if q else list(DTYPES))
-    args.pattern_list = args.patterns or (list(QUICK_PATTERNS) if q else list(PATTERNS))
+    args.pattern_list = args.patterns or list(QUICK_PATTERNS if q else DEFAULT_PATTERNS)
     args.mode_list = args.modes or ["graph", "eager"]
     args.impl_list = args.impls or list(DEFAULT_IMPLS)
     args.repeats = args.repeats or (5 if q else 10)
