@@ -12,21 +12,26 @@ Each is also a torch.library custom op with a fake implementation, so models com
 torch.compile keep it whole (no graph break, dynamic token counts, CUDA graphs):
 
 - `torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
-  weight_offset) -> (residual, norm, quant, scale_factors)`; residual may be None;
+  weight_offset, scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`;
+  residual may be None;
 - `torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant,
-  return_norm, sf_layout) -> (norm, quant, scale_factors)`; z may be None;
+  return_norm, sf_layout, scale_layout="row", scale_ue8m0=False) -> (norm, quant, scale_factors, scales)`;
+  z may be None;
 - `torch.ops.commfuse.quantize(x, scale, quant, sf_layout) -> (quant, scale_factors)`.
 
 As in commfuse.ops, quant "" means none and absent outputs are empty tensors (the Python functions
 give None instead). Outputs are flattened to [t, h] (t = x.numel() // h) like every commfuse tail.
 
-Routes. `fused_add_rmsnorm` with a residual runs the fused tail kernel (`commfuse.fused_tail.run`,
-one launch) where its guards hold: CUDA tensors on SM 8.0+, float16/bfloat16, h % 8 == 0, stride 1
-on the last dims, the scale a float32 tensor on x's device, fusion not disabled
-(`COMMFUSE_DISABLE_FUSION=1`). Everything else takes the separated ops of commfuse.reference (the
-same semantics). `plan(...)` says which route a call takes and why, without running it (a
-commfuse.Plan with collective "none"); the fusion pass shows it in its report. `gated_rmsnorm`,
-plain RMSNorm (no residual) and `quantize` have no kernel yet: they always run separated.
+Routes. `fused_add_rmsnorm` runs the fused tail kernel (`commfuse.fused_tail.run`, one launch; without
+a residual it reads and writes none, a plain RMSNorm + quant) where its guards hold (`tail_guard`):
+CUDA tensors on SM 8.0+, float16/bfloat16, h % 8 == 0 (the quant's multiple), stride 1 on the last
+dims, the scale a float32 tensor on x's device, fusion not disabled (`COMMFUSE_DISABLE_FUSION=1`).
+`gated_rmsnorm` runs the gated RMSNorm kernel (`commfuse.gated_norm.run`) under the same guards plus
+group_size % 8 == 0 and h <= 16384 (`gated_guard`). Everything else takes the separated ops of
+commfuse.reference (the same semantics). `plan(...)` / `plan_gated(...)` say which route a call
+takes and why, without running it (a commfuse.Plan with collective "none"); the fusion pass shows it
+in its report. `quantize` has no kernel yet: it always runs separated (the fusion pass folds it into
+the fused op that produces its input).
 """
 from __future__ import annotations
 
