@@ -7,7 +7,7 @@ norm where there is no add):
 - with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight,
   scale, eps, quant, return_norm, sf_layout, comm)`, x being the all-reduce's input;
 - without one: `torch.ops.commfuse.fused_add_rmsnorm.default(x, residual or None, weight, scale, eps,
-  quant, return_norm, sf_layout, weight_offset)`;
+  quant, return_norm, sf_layout, weight_offset)` (scale_layout, scale_ue8m0 left at their defaults);
 - a gated norm: `torch.ops.commfuse.gated_rmsnorm.default(x, z, weight, scale, eps, group_size,
   norm_before_gate, quant, return_norm, sf_layout)`.
 
@@ -413,7 +413,8 @@ def _names(nodes):
 
 
 def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce) -> None:
-    x, residual, weight, scale, eps, quant, return_norm, sf_layout, offset = node.args
+    x, residual, weight, scale, eps, quant, return_norm, sf_layout, offset, *layout = node.args
+    scale_layout, scale_ue8m0 = (list(layout) + ["row", False][len(layout):])[:2]
     positions = G.order(gm.graph)
     if not isinstance(x, fx.Node):
         return
@@ -441,7 +442,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     with g.inserting_before(node):
         xin = ar.x if G.same_shape(ar.x, residual) else g.call_method("reshape_as", (ar.x, residual))
         new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, quant, return_norm,
-                                                      sf_layout, comm_name))
+                                                      sf_layout, comm_name, 0.0, scale_layout, scale_ue8m0))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     doomed = [node] + ar.chain + ar.nodes
