@@ -222,10 +222,11 @@ __device__ __forceinline__ void add_squares(const uint4& a, float& sumsq) {
 }
 
 // The norm's input: round_T(a + r), or a when the call has no residual (TailParams::residual_in
-// nullptr; the P2P kernels always have one).
-template <typename T>
+// nullptr). kMayLackResidual: the caller takes calls without one (the local tail kernel); the P2P
+// kernels always have one, and their 1024-thread tails have no register to spare for the branch.
+template <typename T, bool kMayLackResidual>
 __device__ __forceinline__ uint4 norm_input(const TailParams& p, const uint4& a, const uint4& r, float& sumsq) {
-  if (p.residual_in == nullptr) {
+  if (kMayLackResidual && p.residual_in == nullptr) {
     add_squares<T>(a, sumsq);
     return a;
   }
@@ -600,7 +601,8 @@ __device__ __forceinline__ void tail_load(const TailParams& p, int row, uint4 (&
 
 // Tail of row `row`: a[i] are the all-reduced values, x[i] the residual (tail_load_residual of
 // this row; ignored without a residual), w[i] the weight (tail_load_weight), qs = quant_scalar<QUANT>(p).
-template <typename T, int QUANT, int VPT>
+// kMayLackResidual: see norm_input.
+template <typename T, int QUANT, int VPT, bool kMayLackResidual = false>
 __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uint4 (&a)[VPT], const uint4 (&x)[VPT],
                                          const uint4 (&w)[VPT], float qs, float* red) {
   const int nv = p.h / kVecElems;
@@ -610,11 +612,11 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
 
   uint4 y[VPT];  // round_T(a + residual) (or a): residual_out, and the norm's input
   float sumsq = 0.f;
-  const bool store_residual = p.residual_in != nullptr;
+  const bool store_residual = !kMayLackResidual || p.residual_in != nullptr;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    y[i] = norm_input<T>(p, a[i], x[i], sumsq);
+    y[i] = norm_input<T, kMayLackResidual>(p, a[i], x[i], sumsq);
     if (store_residual && v < nv) res_out[v] = y[i];
   }
   const float inv = inv_rms(block_sum(sumsq, red), p);
@@ -642,7 +644,7 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
 // load_a(v) returns vector v of the all-reduced row; qs = quant_scalar<QUANT>(p). Both kernels use
 // LV = kLoopVectors.
 constexpr int kLoopVectors = 4;
-template <typename T, int QUANT, int LV, typename LoadA>
+template <typename T, int QUANT, int LV, bool kMayLackResidual = false, typename LoadA>
 __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, LoadA load_a, float qs, float* red) {
   const int nv = p.h / kVecElems;
   const int step = LV * blockDim.x;
@@ -652,7 +654,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
-  const bool has_residual = p.residual_in != nullptr;
+  const bool has_residual = !kMayLackResidual || p.residual_in != nullptr;
   // Vector v of the norm's input, in the passes after the first.
   const auto load_input = [&](int v) { return has_residual ? __ldcg(res_out + v) : load_a(v); };
 
@@ -668,7 +670,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
 #pragma unroll
     for (int i = 0; i < LV; ++i) {
       const int v = c + threadIdx.x + i * blockDim.x;
-      const uint4 x = norm_input<T>(p, a[i], r[i], sumsq);
+      const uint4 x = norm_input<T, kMayLackResidual>(p, a[i], r[i], sumsq);
       if (has_residual && v < nv) res_out[v] = x;
     }
   }

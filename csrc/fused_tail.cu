@@ -61,10 +61,10 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(
       for (int i = 0; i < VPT; ++i) x[i] = make_uint4(0, 0, 0, 0);
       tail_load_weight<T, VPT>(p.tail, w);
     }
-    tail_row<T, QUANT, VPT>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
+    tail_row<T, QUANT, VPT, true>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
-    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, row, [a](int v) { return a[v]; }, quant_scalar<QUANT>(p.tail),
-                                            red);
+    tail_row_looped<T, QUANT, kLoopVectors, true>(p.tail, row, [a](int v) { return a[v]; },
+                                                  quant_scalar<QUANT>(p.tail), red);
   }
 }
 
