@@ -143,17 +143,18 @@ def fake_outputs(x: torch.Tensor, quant: str, return_norm: bool, sf_layout: str,
 _output_specs_cached = functools.lru_cache(maxsize=4096)(output_specs)
 
 
-def check(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, quant: Optional[str],
+def check(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, quant: Optional[str],
           scale: Optional[torch.Tensor], sf_layout: str, scale_layout: str = "row", scale_ue8m0: bool = False) -> None:
     """Raise unless (a, residual, weight, quant, scale, sf_layout, scale_layout, scale_ue8m0) is something
-    the tail kernels take."""
+    the tail kernels take; residual None: a plain RMSNorm of a (the local tail kernel, the gated norm)."""
     h = a.shape[-1]
     dtype = a.dtype
     if dtype not in CTYPE:
         raise TypeError(f"fused tail takes float16/bfloat16, got {dtype}")
-    if residual.shape != a.shape or residual.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
+    res = a if residual is None else residual
+    if res.shape != a.shape or res.dtype != dtype or weight.dtype != dtype or weight.numel() != h:
         raise ValueError(f"residual must match a {tuple(a.shape)} {dtype} and weight be [{h}] {dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}")
+                         f"{tuple(res.shape)} {res.dtype} and {tuple(weight.shape)} {weight.dtype}")
     if quant not in QUANTS or sf_layout not in SF_LAYOUTS:
         raise ValueError(f"quant must be one of {tuple(QUANTS)} and sf_layout one of {SF_LAYOUTS}, got "
                          f"{quant!r}, {sf_layout!r}")
@@ -161,8 +162,8 @@ def check(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, quant: 
     if h % multiple or not 0 < h <= MAX_HIDDEN:
         raise ValueError(f"hidden size {h} must be a multiple of {multiple} in (0, {MAX_HIDDEN}]")
     device = a.device
-    if device.type != "cuda" or residual.device != device or weight.device != device:
-        raise ValueError(f"a, residual and weight must be on one CUDA device, got {a.device}, {residual.device}, {weight.device}")
+    if device.type != "cuda" or res.device != device or weight.device != device:
+        raise ValueError(f"a, residual and weight must be on one CUDA device, got {a.device}, {res.device}, {weight.device}")
     if scale_layout not in SCALE_LAYOUTS or (quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0)):
         raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, other than 'row' (or scale_ue8m0) only with "
                          f"quant='fp8_block'; got {scale_layout!r}, scale_ue8m0={scale_ue8m0!r}, quant={quant!r}")
@@ -240,7 +241,7 @@ def _f32_offset(weight_offset: float) -> float:
     return v if v != 0 else -0.0
 
 
-def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str],
+def prepare(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, quant: Optional[str],
             scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str, out=None,
             residual_out: Optional[torch.Tensor] = None, weight_offset: float = 0.0, scale_layout: str = "row",
             scale_ue8m0: bool = False) -> Tuple[torch.Tensor, int, Tail, tuple, int]:
@@ -249,6 +250,7 @@ def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
     out: None, or the caller's output tensors (checked by check_out), written instead of fresh ones.
     residual_out: without out, a [t, h] tensor to take the residual output instead of a fresh one
     (the NCCL route's all-reduce result, which the tail then overwrites in place).
+    residual None: no residual input or output (both pointers 0; the Tail's residual is None).
     Returns (a, or its aligned contiguous copy, of a's shape; t; the outputs as a Tail; the
     TailParams fields in declaration order (params.TAIL); the number of row slots: t, or
     roundup(t, 128) when the swizzled NVFP4 layout has padding rows to zero, roundup(t, 4) for
@@ -260,31 +262,36 @@ def prepare(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
     """
     h = a.shape[-1]
     t = a.numel() // h
-    a2, r2, w = _operand(a), _operand(residual), _operand(weight)
+    a2, w = _operand(a), _operand(weight)
+    r2 = None if residual is None else _operand(residual)
     if out is not None:
         res_out, norm, q, sf = out.residual, out.norm, out.quant, out.scale_factors
         scales = getattr(out, "scales", None)
     else:
+        # like: a [t, h] tensor the outputs of a's shape are made like (empty_like is the cheaper call)
         if residual_out is not None:
-            res_out = residual_out
-        elif a2.dim() == 2:  # the decode case: outputs of a's shape are cheapest as empty_like
-            res_out = _empty_like(a2)
+            like = residual_out
+        elif residual is None:  # no residual output to allocate
+            like = a2 if a2.dim() == 2 else a2.view(t, h)
+        elif a2.dim() == 2:  # the decode case
+            like = _empty_like(a2)
         else:
-            res_out = _empty((t, h), dtype=a.dtype, device=a.device)
-        norm = _empty_like(res_out) if quant is None or return_norm else None
+            like = _empty((t, h), dtype=a.dtype, device=a.device)
+        res_out = None if residual is None else like
+        norm = _empty_like(like) if quant is None or return_norm else None
         q = sf = scales = None
         if quant == "fp8":
-            q = _empty_like(res_out, dtype=torch.float8_e4m3fn)
+            q = _empty_like(like, dtype=torch.float8_e4m3fn)
         elif quant is not None:
             _, _, qs, ss, cs = _output_specs_cached(t, h, a.dtype, quant, return_norm, sf_layout, scale_layout,
                                                     scale_ue8m0)
-            q = _empty_like(res_out, dtype=qs[1]) if qs[0] == (t, h) else _empty(qs[0], dtype=qs[1], device=a.device)
+            q = _empty_like(like, dtype=qs[1]) if qs[0] == (t, h) else _empty(qs[0], dtype=qs[1], device=a.device)
             sf = _empty(ss[0], dtype=ss[1], device=a.device) if ss else None
             scales = allocate(cs, a.device) if cs else None
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
     mn_major = quant == "fp8_block" and scale_layout == "mn_major"
     layout_bits = (_SCALE_MN_MAJOR if mn_major else 0) | (_SCALE_UE8M0 if scale_ue8m0 else 0)
-    fields = (r2.data_ptr(), res_out.data_ptr(), w.data_ptr(),
+    fields = (0 if r2 is None else r2.data_ptr(), 0 if res_out is None else res_out.data_ptr(), w.data_ptr(),
               norm.data_ptr() if norm is not None else 0,
               q.data_ptr() if q is not None else 0,
               sf.data_ptr() if sf is not None else 0,

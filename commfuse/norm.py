@@ -12,21 +12,26 @@ Each is also a torch.library custom op with a fake implementation, so models com
 torch.compile keep it whole (no graph break, dynamic token counts, CUDA graphs):
 
 - `torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
-  weight_offset) -> (residual, norm, quant, scale_factors)`; residual may be None;
+  weight_offset, scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`;
+  residual may be None;
 - `torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant,
-  return_norm, sf_layout) -> (norm, quant, scale_factors)`; z may be None;
+  return_norm, sf_layout, scale_layout="row", scale_ue8m0=False) -> (norm, quant, scale_factors, scales)`;
+  z may be None;
 - `torch.ops.commfuse.quantize(x, scale, quant, sf_layout) -> (quant, scale_factors)`.
 
 As in commfuse.ops, quant "" means none and absent outputs are empty tensors (the Python functions
 give None instead). Outputs are flattened to [t, h] (t = x.numel() // h) like every commfuse tail.
 
-Routes. `fused_add_rmsnorm` with a residual runs the fused tail kernel (`commfuse.fused_tail.run`,
-one launch) where its guards hold: CUDA tensors on SM 8.0+, float16/bfloat16, h % 8 == 0, stride 1
-on the last dims, the scale a float32 tensor on x's device, fusion not disabled
-(`COMMFUSE_DISABLE_FUSION=1`). Everything else takes the separated ops of commfuse.reference (the
-same semantics). `plan(...)` says which route a call takes and why, without running it (a
-commfuse.Plan with collective "none"); the fusion pass shows it in its report. `gated_rmsnorm`,
-plain RMSNorm (no residual) and `quantize` have no kernel yet: they always run separated.
+Routes. `fused_add_rmsnorm` runs the fused tail kernel (`commfuse.fused_tail.run`, one launch; without
+a residual it reads and writes none, a plain RMSNorm + quant) where its guards hold (`tail_guard`):
+CUDA tensors on SM 8.0+, float16/bfloat16, h % 8 == 0 (the quant's multiple), stride 1 on the last
+dims, the scale a float32 tensor on x's device, fusion not disabled (`COMMFUSE_DISABLE_FUSION=1`).
+`gated_rmsnorm` runs the gated RMSNorm kernel (`commfuse.gated_norm.run`) under the same guards plus
+group_size % 8 == 0 and h <= 16384 (`gated_guard`). Everything else takes the separated ops of
+commfuse.reference (the same semantics). `plan(...)` / `plan_gated(...)` say which route a call
+takes and why, without running it (a commfuse.Plan with collective "none"); the fusion pass shows it
+in its report. `quantize` has no kernel yet: it always runs separated (the fusion pass folds it into
+the fused op that produces its input).
 """
 from __future__ import annotations
 
@@ -37,15 +42,17 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import reference
+from . import epilogue, reference
 from .plan import FUSED_DTYPES, Collective, Plan, TailRoute
 from .reference import Tail
 
-__all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "gated_reference", "tail_guard",
-           "Quantized"]
+__all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "gated_reference", "tail_guard",
+           "gated_guard", "Quantized"]
 
 _DTYPES = FUSED_DTYPES + (torch.float32,)
-_QUANTS = (None, "fp8", "nvfp4")
+_QUANTS = (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block")
+_COMPUTED = ("fp8_per_token", "fp8_block")  # FP8 whose scales the op computes: no scale argument
+_SCALE_LAYOUTS = ("row", "mn_major")
 _SF_LAYOUTS = ("swizzled", "linear")
 _OUT_FIELDS = Tail._fields
 
@@ -102,11 +109,25 @@ def _check_eps(eps) -> None:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
-def _check_quant(quant, scale, sf_layout, h: int, device: torch.device) -> None:
+def _check_quant(quant, scale, sf_layout, h: int, device: torch.device, scale_layout: str = "row",
+                 scale_ue8m0: bool = False) -> None:
     if quant not in _QUANTS:
         raise ValueError(f"quant must be one of {_QUANTS}, got {quant!r}")
     if sf_layout not in _SF_LAYOUTS:
         raise ValueError(f"sf_layout must be one of {_SF_LAYOUTS}, got {sf_layout!r}")
+    if scale_layout not in _SCALE_LAYOUTS or not isinstance(scale_ue8m0, bool):
+        raise ValueError(f"scale_layout must be one of {_SCALE_LAYOUTS} and scale_ue8m0 a bool, got "
+                         f"{scale_layout!r}, {scale_ue8m0!r}")
+    if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
+        raise ValueError(f"scale_layout={scale_layout!r} / scale_ue8m0={scale_ue8m0!r} apply to quant='fp8_block' "
+                         f"only, got quant={quant!r}")
+    if quant in _COMPUTED:
+        if scale is not None:
+            raise ValueError(f"quant={quant!r} computes its scales: scale must be None")
+        if quant == "fp8_block" and h % reference.FP8_BLOCK:
+            raise ValueError(f"quant='fp8_block' needs x's hidden size to be a multiple of {reference.FP8_BLOCK}, "
+                             f"got {h}")
+        return
     if quant is None:
         if scale is not None:
             raise ValueError("scale is only meaningful with quant='fp8' or 'nvfp4'")
@@ -126,7 +147,8 @@ def _check_quant(quant, scale, sf_layout, h: int, device: torch.device) -> None:
         raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(scale).__name__}")
 
 
-def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset) -> int:
+def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset, scale_layout="row",
+                scale_ue8m0=False) -> int:
     h = _check_x(x)
     if residual is not None:
         _check_tensor("residual", residual, x.device)
@@ -139,7 +161,25 @@ def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset
     if not _symbolic(weight_offset) and (isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float))
                                          or not math.isfinite(weight_offset)):
         raise ValueError(f"weight_offset must be a finite number, got {weight_offset!r}")
-    _check_quant(quant, scale, sf_layout, h, x.device)
+    _check_quant(quant, scale, sf_layout, h, x.device, scale_layout, scale_ue8m0)
+    return h
+
+
+def _check_gated(x, z, weight, eps, group_size, norm_before_gate, quant, scale, sf_layout, scale_layout,
+                 scale_ue8m0) -> int:
+    h = _check_x(x)
+    if z is not None:
+        _check_tensor("z", z, x.device)
+        if z.shape != x.shape or z.dtype != x.dtype:
+            raise ValueError(f"z must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                             f"{tuple(z.shape)} {z.dtype}")
+    _check_weight(weight, x, h)
+    _check_eps(eps)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or h % group_size:
+        raise ValueError(f"group_size must be a positive divisor of h={h}, got {group_size!r}")
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    _check_quant(quant, scale, sf_layout, h, x.device, scale_layout, scale_ue8m0)
     return h
 
 
@@ -148,32 +188,55 @@ def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset
 
 def tail_guard(*, dtype: torch.dtype, device: torch.device, hidden: int, has_residual: bool,
                quant: Optional[str], scale_ok: bool, last_strides_one: bool, sm: Optional[tuple] = None) -> Optional[str]:
-    """Why `fused_add_rmsnorm` with these properties takes the separated ops (None: the fused kernel).
+    """Why `fused_add_rmsnorm` with these properties takes the separated ops (None: the fused kernel,
+    with a residual or without: a plain RMSNorm).
 
     A pure function of metadata, so the fusion pass can ask it about a graph's fake tensors. scale_ok:
-    the scale is a float32 tensor on x's device (or there is no quant). sm: the device's compute
-    capability; None reads it from torch.cuda for a CUDA device."""
+    the scale is a float32 tensor on x's device (or the quant has no scale argument). sm: the device's
+    compute capability; None reads it from torch.cuda for a CUDA device. has_residual only words the
+    reasons: the kernel takes both."""
     from . import fused_tail  # the kernel's limits (imports the JIT, not CUDA)
 
+    return _kernel_guard(fused_tail.SPEC, "fused kernel", dtype=dtype, device=device, hidden=hidden, quant=quant,
+                         scale_ok=scale_ok, last_strides_one=last_strides_one, sm=sm,
+                         operands="x, residual or weight" if has_residual else "x or weight")
+
+
+def gated_guard(*, dtype: torch.dtype, device: torch.device, hidden: int, group_size: int, quant: Optional[str],
+                scale_ok: bool, last_strides_one: bool, sm: Optional[tuple] = None) -> Optional[str]:
+    """Why `gated_rmsnorm` with these properties takes the separated ops (None: the gated RMSNorm
+    kernel, commfuse.gated_norm). Arguments as tail_guard's; group_size: the elements normalised
+    together (h for one group)."""
+    from . import gated_norm
+
+    why = _kernel_guard(gated_norm.SPEC, "gated RMSNorm kernel", dtype=dtype, device=device, hidden=hidden,
+                        quant=quant, scale_ok=scale_ok, last_strides_one=last_strides_one, sm=sm,
+                        operands="x, z or weight")
+    if why is None and group_size % gated_norm.GROUP_MULTIPLE:
+        return (f"group_size {group_size} is not a multiple of {gated_norm.GROUP_MULTIPLE}: the gated RMSNorm "
+                "kernel's groups are whole 16-byte vectors")
+    return why
+
+
+def _kernel_guard(spec, what: str, *, dtype, device, hidden, quant, scale_ok, last_strides_one, sm,
+                  operands) -> Optional[str]:
     if os.environ.get("COMMFUSE_DISABLE_FUSION") == "1":
         return "COMMFUSE_DISABLE_FUSION=1: separated ops"
-    if not has_residual:
-        return "no residual: plain RMSNorm has no kernel yet (separated ops)"
     if device.type != "cuda":
-        return f"tensors on {device.type}: the fused kernel needs CUDA tensors"
+        return f"tensors on {device.type}: the {what} needs CUDA tensors"
     if sm is None:
         sm = torch.cuda.get_device_capability(device)
-    if tuple(sm) < fused_tail.SPEC.min_sm:
-        return f"SM {sm[0]}.{sm[1]} < {fused_tail.SPEC.min_sm[0]}.{fused_tail.SPEC.min_sm[1]}: no fused kernel"
-    if dtype not in FUSED_DTYPES:
-        return f"dtype {dtype}: the fused kernel takes float16 and bfloat16"
+    if tuple(sm) < spec.min_sm:
+        return f"SM {sm[0]}.{sm[1]} < {spec.min_sm[0]}.{spec.min_sm[1]}: no {what}"
+    if dtype not in spec.dtypes:
+        return f"dtype {dtype}: the {what} takes float16 and bfloat16"
     if not last_strides_one:
-        return "x, residual or weight has a stride other than 1 on its last dim: the fused kernel needs stride 1"
-    if quant is not None and not scale_ok:
-        return "scale is not a float32 CUDA tensor on x's device: the fused kernel reads it on the device"
-    multiple = 16 if quant == "nvfp4" else fused_tail.SPEC.hidden_multiple
-    if hidden % multiple or hidden > fused_tail.SPEC.max_hidden:
-        return f"hidden size {hidden} is not a multiple of {multiple} in (0, {fused_tail.SPEC.max_hidden}]"
+        return f"{operands} has a stride other than 1 on its last dim: the {what} needs stride 1"
+    if quant in ("fp8", "nvfp4") and not scale_ok:
+        return f"scale is not a float32 CUDA tensor on x's device: the {what} reads it on the device"
+    multiple = max(epilogue.hidden_multiple(quant), spec.hidden_multiple)
+    if hidden % multiple or hidden > spec.max_hidden:
+        return f"hidden size {hidden} is not a multiple of {multiple} in (0, {spec.max_hidden}]"
     return None
 
 
@@ -183,47 +246,78 @@ def _last_stride_one(*ts) -> bool:
 
 def plan(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *, quant: Optional[str] = None,
          scale: Union[Tensor, float, None] = None, return_norm: bool = False, sf_layout: str = "swizzled",
-         weight_offset: float = 0.0) -> Plan:
+         weight_offset: float = 0.0, scale_layout: str = "row", scale_ue8m0: bool = False) -> Plan:
     """The route `fused_add_rmsnorm(...)` takes with these arguments, without running it: a
     commfuse.Plan with collective "none", tail "fused" (kernel fused_tail) or "separated" and the reason.
     Raises on the same argument errors as the call."""
-    h = _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset)
-    why = _guard_for(x, residual, weight, quant, scale, h)
+    h = _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+    return _plan_of(_guard_for(x, residual, weight, quant, scale, h), "fused_tail")
+
+
+def plan_gated(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: Optional[int],
+               norm_before_gate: bool, *, quant: Optional[str] = None, scale: Optional[Tensor] = None,
+               return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
+               scale_ue8m0: bool = False) -> Plan:
+    """The route `gated_rmsnorm(...)` takes, without running it (as `plan`; kernel gated_rmsnorm)."""
+    group_size = x.shape[-1] if group_size is None and isinstance(x, Tensor) and x.dim() else group_size
+    h = _check_gated(x, z, weight, eps, group_size, norm_before_gate, quant, scale, sf_layout, scale_layout,
+                     scale_ue8m0)
+    return _plan_of(_gated_guard_for(x, z, weight, group_size, quant, scale, h), "gated_rmsnorm")
+
+
+def _plan_of(why: Optional[str], kernel: str) -> Plan:
     if why:
         return Plan(Collective.NONE, TailRoute.SEPARATED, None, (why,))
-    return Plan(Collective.NONE, TailRoute.FUSED, "fused_tail", ())
+    return Plan(Collective.NONE, TailRoute.FUSED, kernel, ())
+
+
+def _scale_ok(scale, x: Tensor) -> bool:
+    return (isinstance(scale, Tensor) and scale.dtype == torch.float32 and scale.device == x.device
+            and scale.is_contiguous())
 
 
 def _guard_for(x, residual, weight, quant, scale, h) -> Optional[str]:
-    scale_ok = (isinstance(scale, Tensor) and scale.dtype == torch.float32 and scale.device == x.device
-                and scale.is_contiguous())
     return tail_guard(dtype=x.dtype, device=x.device, hidden=h, has_residual=residual is not None, quant=quant,
-                      scale_ok=scale_ok, last_strides_one=_last_stride_one(x, residual, weight))
+                      scale_ok=_scale_ok(scale, x), last_strides_one=_last_stride_one(x, residual, weight))
+
+
+def _gated_guard_for(x, z, weight, group_size, quant, scale, h) -> Optional[str]:
+    return gated_guard(dtype=x.dtype, device=x.device, hidden=h, group_size=group_size, quant=quant,
+                       scale_ok=_scale_ok(scale, x), last_strides_one=_last_stride_one(x, z, weight))
 
 
 # --------------------------------------------------------------------------- semantics (separated route)
 
 
-def _separated_tail(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset) -> Tail:
+def _separated_tail(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
+                    scale_layout="row", scale_ue8m0=False) -> Tail:
     h = x.shape[-1]
     if residual is not None and weight_offset == 0:
-        return reference.fused_tail(x, residual, weight, eps, quant, scale, return_norm, sf_layout)
+        return reference.fused_tail(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                                    scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     x2 = x.reshape(-1, h)
     res = None if residual is None else reference.residual_add(x2, residual.reshape(-1, h))
     src = x2 if res is None else res
     # Gemma's (1 + w): the offset is added to the weight in fp32, then the two fp32 multiplies.
     w = weight if weight_offset == 0 else weight.float() + float(weight_offset)
     norm = reference.rmsnorm(src, w, eps)
-    q, sf = _quantize_reference(norm, quant, scale, sf_layout)
-    return Tail(res, norm if quant is None or return_norm else None, q, sf)
+    q, sf, scales = _quantize_reference(norm, quant, scale, sf_layout, scale_layout, scale_ue8m0)
+    return Tail(res, norm if quant is None or return_norm else None, q, sf, scales)
 
 
-def _quantize_reference(norm: Tensor, quant, scale, sf_layout):
+def _quantize_reference(norm: Tensor, quant, scale, sf_layout, scale_layout="row", scale_ue8m0=False):
+    """(codes, scale_factors, scales) of reference.fused_tail's quantization, None where absent."""
     if quant is None:
-        return None, None
+        return None, None, None
     if quant == "fp8":
-        return reference.quantize_fp8(norm, scale), None
-    return reference.quantize_nvfp4(norm, scale, sf_layout)
+        return reference.quantize_fp8(norm, scale), None, None
+    if quant == "fp8_per_token":
+        q, s = reference.quantize_fp8_per_token(norm)
+        return q, None, s
+    if quant == "fp8_block":
+        q, s = reference.quantize_fp8_block(norm, reference.FP8_BLOCK, scale_layout, scale_ue8m0)
+        return q, None, s
+    return (*reference.quantize_nvfp4(norm, scale, sf_layout), None)
 
 
 def gated_reference(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: int,
@@ -296,34 +390,38 @@ def _write_out(result: Tail, out) -> Tail:
 def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *,
                       quant: Optional[str] = None, scale: Union[Tensor, float, None] = None,
                       return_norm: bool = False, sf_layout: str = "swizzled", weight_offset: float = 0.0,
-                      out=None) -> Tail:
+                      scale_layout: str = "row", scale_ue8m0: bool = False, out=None) -> Tail:
     """residual = round_T(x + residual), then RMSNorm and an optional FP8/NVFP4 quantization of it.
 
     x: T[..., h] (T float16, bfloat16 or float32); residual: x's shape and dtype, or None for a plain
-    RMSNorm of x (+ quant); weight: T[h]; eps: a number >= 0. quant: None, "fp8" or "nvfp4", with
-    scale the dequant scale (a float32 tensor of one element on x's device; a Python float is taken
-    and rounded to fp32, on the separated route). return_norm: also return the norm when quantizing.
-    sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear". weight_offset: the norm multiplies
-    by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
+    RMSNorm of x (+ quant); weight: T[h]; eps: a number >= 0. quant: None, "fp8", "nvfp4" (with
+    scale the dequant scale: a float32 tensor of one element on x's device; a Python float is taken
+    and rounded to fp32, on the separated route), or "fp8_per_token" / "fp8_block", which compute
+    their scales (scale None; reference.quantize_fp8_per_token / quantize_fp8_block, whose layout
+    scale_layout "row" / "mn_major" and scale_ue8m0 choose). return_norm: also return the norm when
+    quantizing. sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear". weight_offset: the norm
+    multiplies by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
 
     out: caller-owned outputs, a commfuse.reference.Tail (or a tuple in its order: residual, norm,
-    quant, scale_factors) of tensors or None. A tensor is checked (the output's exact shape, dtype,
-    device; contiguous) and written in place; None is allocated as usual; a tensor for an output the
-    call does not produce raises. The outputs are computed first and then copied, so an out tensor
-    may be x or residual themselves (an in-place residual update: out=Tail(residual, None, None,
-    None)); on the fused route that copy is one extra pass over the tensor (the kernel takes no
-    output pointers yet).
+    quant, scale_factors, scales) of tensors or None. A tensor is checked (the output's exact shape,
+    dtype, device; contiguous) and written in place; None is allocated as usual; a tensor for an
+    output the call does not produce raises. The outputs are computed first and then copied, so an
+    out tensor may be x or residual themselves (an in-place residual update: out=Tail(residual,
+    None, None, None)); on the fused route that copy is one extra pass over the tensor (the kernel
+    takes no output pointers yet).
 
     Returns a Tail of [t, h] tensors (scale factors as in Communicator.fused_all_reduce): residual
     (None without a residual), norm (None when quantizing without return_norm), quant, scale_factors
-    (NVFP4 only). Semantics: docs/semantics.md sections 2-5 (the tail of fused_all_reduce on x).
+    (NVFP4 only), scales (the computed FP8 scales only). Semantics: docs/semantics.md sections 2-5
+    and 11 (the tail of fused_all_reduce on x).
     """
-    _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset)
+    _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset, scale_layout, scale_ue8m0)
     if isinstance(scale, Tensor) or scale is None:
-        res, norm, q, sf = torch.ops.commfuse.fused_add_rmsnorm(
-            x, residual, weight, scale, _number(eps), quant or "", bool(return_norm), sf_layout, _number(weight_offset))
+        res, norm, q, sf, scales = torch.ops.commfuse.fused_add_rmsnorm(
+            x, residual, weight, scale, _number(eps), quant or "", bool(return_norm), sf_layout, _number(weight_offset),
+            scale_layout, scale_ue8m0)
         result = Tail(None if residual is None else res, norm if quant is None or return_norm else None,
-                      q if quant else None, sf if quant == "nvfp4" else None)
+                      q if quant else None, sf if quant == "nvfp4" else None, scales if quant in _COMPUTED else None)
     else:  # a Python float scale: not an op argument; the separated ops take it (rounded to fp32)
         result = _separated_tail(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset)
     return result if out is None else _write_out(result, out)
@@ -331,38 +429,32 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
 
 def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: Optional[int],
                   norm_before_gate: bool, *, quant: Optional[str] = None, scale: Optional[Tensor] = None,
-                  return_norm: bool = False, sf_layout: str = "swizzled") -> Tail:
+                  return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
+                  scale_ue8m0: bool = False) -> Tail:
     """The gated RMSNorm of Mamba2 / Nemotron-H (see `gated_reference` for the exact formula), then
-    an optional FP8/NVFP4 quantization of its T-rounded output (commfuse.reference's quantizers).
+    an optional quantization of its T-rounded output (commfuse.reference's quantizers).
 
     x: T[..., h]; z: x's shape and dtype, or None (no gate); weight: T[h]; eps >= 0; group_size: the
     elements normalised together, dividing h (None: h, one group); norm_before_gate: False gates x by
     silu(z) before the norm (HF Mamba2), True gates the weighted norm after it (mamba_ssm's default).
-    quant, scale, return_norm, sf_layout as in `fused_add_rmsnorm`.
+    quant, scale, return_norm, sf_layout, scale_layout, scale_ue8m0 as in `fused_add_rmsnorm`.
 
-    No kernel yet: every call runs the separated ops (fp32 torch) on x's device.
+    Route: the gated RMSNorm kernel (commfuse.gated_norm, one launch) where `gated_guard` holds
+    (fused_add_rmsnorm's guards, group_size % 8 == 0, h <= 16384), else the separated ops (fp32
+    torch) on x's device; `plan_gated` says which. silu goes through exp, which the GPU and the CPU
+    round differently: the kernel matches the reference run on the same GPU (docs/semantics.md).
     Returns a Tail with residual None: norm [t, h] (None when quantizing without return_norm), quant,
-    scale_factors."""
+    scale_factors, scales."""
     h = _check_x(x)
-    if z is not None:
-        _check_tensor("z", z, x.device)
-        if z.shape != x.shape or z.dtype != x.dtype:
-            raise ValueError(f"z must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
-                             f"{tuple(z.shape)} {z.dtype}")
-    _check_weight(weight, x, h)
-    _check_eps(eps)
     group_size = h if group_size is None else group_size
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or h % group_size:
-        raise ValueError(f"group_size must be a positive divisor of h={h}, got {group_size!r}")
-    if not isinstance(norm_before_gate, bool):
-        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
-    _check_quant(quant, scale, sf_layout, h, x.device)
+    _check_gated(x, z, weight, eps, group_size, norm_before_gate, quant, scale, sf_layout, scale_layout, scale_ue8m0)
     if scale is not None and not isinstance(scale, Tensor):
         scale = torch.full((1,), float(scale), dtype=torch.float32, device=x.device)
-    norm, q, sf = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, _number(eps), group_size, norm_before_gate,
-                                                   quant or "", bool(return_norm), sf_layout)
+    norm, q, sf, scales = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, _number(eps), group_size,
+                                                           norm_before_gate, quant or "", bool(return_norm),
+                                                           sf_layout, scale_layout, scale_ue8m0)
     return Tail(None, norm if quant is None or return_norm else None, q if quant else None,
-                sf if quant == "nvfp4" else None)
+                sf if quant == "nvfp4" else None, scales if quant in _COMPUTED else None)
 
 
 def quantize(x: Tensor, quant: str, scale: Tensor, sf_layout: str = "swizzled") -> Quantized:
@@ -395,29 +487,33 @@ def _fresh(t: Optional[Tensor], x: Tensor) -> Tensor:
 
 @torch.library.custom_op("commfuse::fused_add_rmsnorm", mutates_args=())
 def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor, scale: Optional[Tensor], eps: float,
-                          quant: str, return_norm: bool, sf_layout: str,
-                          weight_offset: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                          quant: str, return_norm: bool, sf_layout: str, weight_offset: float,
+                          scale_layout: str = "row",
+                          scale_ue8m0: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     q = quant or None
-    h = _check_tail(x, residual, weight, eps, q, scale, sf_layout, weight_offset)
+    h = _check_tail(x, residual, weight, eps, q, scale, sf_layout, weight_offset, scale_layout, scale_ue8m0)
     if _guard_for(x, residual, weight, q, scale, h) is None:
         from . import fused_tail
 
-        tail = fused_tail.run(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset=weight_offset)
+        tail = fused_tail.run(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset=weight_offset,
+                              scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     else:
-        tail = _separated_tail(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset)
+        tail = _separated_tail(x, residual, weight, eps, q, scale, return_norm, sf_layout, weight_offset,
+                               scale_layout, scale_ue8m0)
     res = tail.residual
     if res is None:
         res = _empty(x)
     elif residual is not None and (res.data_ptr() == residual.data_ptr() or res.data_ptr() == x.data_ptr()):
         res = res.clone()  # outputs may not alias inputs
-    return res, _fresh(tail.norm, x), _fresh(tail.quant, x), _fresh(tail.scale_factors, x)
+    return res, _fresh(tail.norm, x), _fresh(tail.quant, x), _fresh(tail.scale_factors, x), _fresh(tail.scales, x)
 
 
 @_fused_add_rmsnorm_op.register_fake
-def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset):
+def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset, scale_layout="row",
+      scale_ue8m0=False):
     from .epilogue import fake_outputs
 
-    outs = fake_outputs(x, quant, return_norm, sf_layout)[:4]  # no computed-scale kinds on this op yet
+    outs = fake_outputs(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     if residual is None:
         outs[0] = x.new_empty(0)
     return tuple(outs)
@@ -426,32 +522,38 @@ def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_off
 @torch.library.custom_op("commfuse::gated_rmsnorm", mutates_args=())
 def _gated_rmsnorm_op(x: Tensor, z: Optional[Tensor], weight: Tensor, scale: Optional[Tensor], eps: float,
                       group_size: int, norm_before_gate: bool, quant: str, return_norm: bool,
-                      sf_layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+                      sf_layout: str, scale_layout: str = "row",
+                      scale_ue8m0: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     q = quant or None
-    h = _check_x(x)
-    _check_weight(weight, x, h)
-    _check_quant(q, scale, sf_layout, h, x.device)
-    if group_size <= 0 or h % group_size:
-        raise ValueError(f"group_size must be a positive divisor of h={h}, got {group_size}")
-    norm = gated_reference(x, z, weight, eps, group_size, norm_before_gate)
-    codes, sf = _quantize_reference(norm, q, scale, sf_layout)
-    return (norm if q is None or return_norm else _empty(x)), _fresh(codes, x), _fresh(sf, x)
+    h = _check_gated(x, z, weight, eps, group_size, norm_before_gate, q, scale, sf_layout, scale_layout, scale_ue8m0)
+    if _gated_guard_for(x, z, weight, group_size, q, scale, h) is None:
+        from . import gated_norm
+
+        tail = gated_norm.run(x, z, weight, eps, group_size, norm_before_gate, q, scale, return_norm, sf_layout,
+                              scale_layout, scale_ue8m0)
+        norm, codes, sf, scales = tail.norm, tail.quant, tail.scale_factors, tail.scales
+    else:
+        norm = gated_reference(x, z, weight, eps, group_size, norm_before_gate)
+        codes, sf, scales = _quantize_reference(norm, q, scale, sf_layout, scale_layout, scale_ue8m0)
+        norm = norm if q is None or return_norm else None
+    return _fresh(norm, x), _fresh(codes, x), _fresh(sf, x), _fresh(scales, x)
 
 
 @_gated_rmsnorm_op.register_fake
-def _(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout):
-    from .epilogue import output_specs
+def _(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout="row",
+      scale_ue8m0=False):
+    from .epilogue import fake_outputs
 
-    h = x.shape[-1]
-    specs = output_specs(x.numel() // h, h, x.dtype, quant or None, return_norm, sf_layout)
-    return tuple(x.new_empty(0) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs[1:4])
+    return tuple(fake_outputs(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)[1:])
 
 
 @torch.library.custom_op("commfuse::quantize", mutates_args=())
 def _quantize_op(x: Tensor, scale: Tensor, quant: str, sf_layout: str) -> Tuple[Tensor, Tensor]:
     h = _check_x(x)
+    if quant not in ("fp8", "nvfp4"):
+        raise ValueError(f"quant must be 'fp8' or 'nvfp4', got {quant!r}")
     _check_quant(quant, scale, sf_layout, h, x.device)
-    q, sf = _quantize_reference(x.reshape(-1, h), quant, scale, sf_layout)
+    q, sf, _ = _quantize_reference(x.reshape(-1, h), quant, scale, sf_layout)
     return q, _fresh(sf, x)
 
 

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple, Union
 
-__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "P2P", "MAX_WORLD", "HEADER_NAME", "header"]
+__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MAX_WORLD", "HEADER_NAME", "header"]
 
 HEADER_NAME = "commfuse_params.cuh"
 MAX_WORLD = 8  # kMaxWorld in csrc/p2p_allreduce.cu: the size of P2PParams::peers
@@ -83,8 +83,8 @@ class Struct:
 
 
 TAIL = Struct("TailParams", [
-    Field("residual_in", "const void*", "ptr", comment="T [t, h]"),
-    Field("residual_out", "void*", "ptr", comment="T [t, h]"),
+    Field("residual_in", "const void*", "ptr", comment="T [t, h]; nullptr: no residual (the norm's input is a)"),
+    Field("residual_out", "void*", "ptr", comment="T [t, h]; unused (nullptr) without a residual"),
     Field("weight", "const void*", "ptr", comment="T [h]"),
     Field("norm_out", "void*", "ptr", comment="T [t, h], or nullptr when the norm is not returned"),
     Field("quant_out", "void*", "ptr", comment="fp8 [t, h] or uint8 [t, h/2] (NVFP4); unused without quant"),
@@ -103,6 +103,14 @@ TAIL = Struct("TailParams", [
 FUSED_TAIL = Struct("FusedTailParams", [
     Field("a", "const void*", "ptr", comment="T [t, h]: the all-reduced input"),
     Field("tail", "TailParams", TAIL),
+])
+
+GATED_NORM = Struct("GatedNormParams", [
+    Field("tail", "TailParams", TAIL, comment="outputs, weight, eps, t, h; no residual (nullptr)"),
+    Field("x", "const void*", "ptr", comment="T [t, h]"),
+    Field("z", "const void*", "ptr", comment="T [t, h], the gate; nullptr: none"),
+    Field("group_size", "int", "i32", comment="elements normalised together: a multiple of 8 dividing h"),
+    Field("norm_before_gate", "int", "i32", comment="1: y = norm(x) * w * silu(z); 0: y = norm(x * silu(z)) * w"),
 ])
 
 P2P = Struct("P2PParams", [
@@ -131,6 +139,6 @@ P2P = Struct("P2PParams", [
 
 def header() -> str:
     """The C header of every struct above (what NVRTC includes as HEADER_NAME)."""
-    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, P2P))
+    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P))
     return ("// Generated from commfuse/params.py, the one declaration of the kernels' parameter structs.\n"
             "#pragma once\n\nnamespace commfuse {\n\n" + body + "\n\n}  // namespace commfuse\n")

@@ -212,6 +212,27 @@ __device__ __forceinline__ uint4 add_round(const uint4& a, const uint4& r, float
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Without a residual the norm's input is a itself: round_T(a + 0) would turn -0.0 into +0.0.
+template <typename T>
+__device__ __forceinline__ void add_squares(const uint4& a, float& sumsq) {
+  float f[8];
+  unpack8<T>(a, f);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sumsq = fmaf(f[j], f[j], sumsq);
+}
+
+// The norm's input: round_T(a + r), or a when the call has no residual (TailParams::residual_in
+// nullptr). kMayLackResidual: the caller takes calls without one (the local tail kernel); the P2P
+// kernels always have one, and their 1024-thread tails have no register to spare for the branch.
+template <typename T, bool kMayLackResidual>
+__device__ __forceinline__ uint4 norm_input(const TailParams& p, const uint4& a, const uint4& r, float& sumsq) {
+  if (kMayLackResidual && p.residual_in == nullptr) {
+    add_squares<T>(a, sumsq);
+    return a;
+  }
+  return add_round<T>(a, r, sumsq);
+}
+
 // round_T((x * inv) * (offset + w)), in the reference's order of operations. The host passes
 // offset = -0.0 for a weight offset of 0: w + (-0.0) is w for every w (-0.0 included), so the
 // reference's "no addition" needs no branch here.
@@ -488,9 +509,12 @@ __device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigne
   return s;
 }
 
-__device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) {
-  return rsqrtf(__fdiv_rn(sumsq, static_cast<float>(p.h)) + p.eps);
+// rsqrt(mean + eps) of n values whose squares sum to sumsq (a row, or a gated norm's group).
+__device__ __forceinline__ float inv_rms(float sumsq, int n, float eps) {
+  return rsqrtf(__fdiv_rn(sumsq, static_cast<float>(n)) + eps);
 }
+
+__device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) { return inv_rms(sumsq, p.h, p.eps); }
 
 // ------------------------------------------------------------------ whole rows
 
@@ -509,6 +533,30 @@ template <int QUANT>
 __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
   if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p, row, 0);
   if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, 0);
+}
+
+// Stores and quantization of a whole row of T-rounded norms n (thread threadIdx.x holds vectors
+// threadIdx.x + i * blockDim.x, i < VPT; anything past the row's end), its scale-storage padding
+// included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here.
+template <typename T, int QUANT, int VPT>
+__device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs, float* red) {
+  const int nv = p.h / kVecElems;
+  const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
+  if constexpr (QUANT == kQuantFp8PerToken) {
+    unsigned m = 0;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < nv) m = max(m, abs_max_bits(n[i]));  // past the row, 0 * inv may be NaN (inv = Inf)
+    }
+    qs = row_scale<T>(p, row, m, red);
+  }
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, n[i], qs);
+  }
+  tail_row_padding<QUANT>(p, row);
 }
 
 // The row tail comes in two steps, so that a caller can issue the loads that do not depend on
@@ -552,8 +600,9 @@ __device__ __forceinline__ void tail_load(const TailParams& p, int row, uint4 (&
 }
 
 // Tail of row `row`: a[i] are the all-reduced values, x[i] the residual (tail_load_residual of
-// this row), w[i] the weight (tail_load_weight), qs = quant_scalar<QUANT>(p).
-template <typename T, int QUANT, int VPT>
+// this row; ignored without a residual), w[i] the weight (tail_load_weight), qs = quant_scalar<QUANT>(p).
+// kMayLackResidual: see norm_input.
+template <typename T, int QUANT, int VPT, bool kMayLackResidual = false>
 __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uint4 (&a)[VPT], const uint4 (&x)[VPT],
                                          const uint4 (&w)[VPT], float qs, float* red) {
   const int nv = p.h / kVecElems;
@@ -561,48 +610,41 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
   uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
   const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
 
-  uint4 y[VPT];  // round_T(a + residual): residual_out, and the norm's input
+  uint4 y[VPT];  // round_T(a + residual) (or a): residual_out, and the norm's input
   float sumsq = 0.f;
+  const bool store_residual = !kMayLackResidual || p.residual_in != nullptr;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    y[i] = add_round<T>(a[i], x[i], sumsq);
-    if (v < nv) res_out[v] = y[i];
+    y[i] = norm_input<T, kMayLackResidual>(p, a[i], x[i], sumsq);
+    if (store_residual && v < nv) res_out[v] = y[i];
   }
   const float inv = inv_rms(block_sum(sumsq, red), p);
 
   if constexpr (QUANT == kQuantFp8PerToken) {
     // The row's scale needs every norm first: they replace the residual in registers.
-    unsigned m = 0;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      y[i] = norm_round<T>(y[i], w[i], inv, p.weight_offset);
-      if (v < nv) m = max(m, abs_max_bits(y[i]));  // past the row, 0 * inv may be NaN (inv = Inf)
-    }
-    const float s = row_scale<T>(p, row, m, red);
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, y[i], s);
-    }
+    for (int i = 0; i < VPT; ++i) y[i] = norm_round<T>(y[i], w[i], inv, p.weight_offset);
+    emit_row<T, QUANT, VPT>(p, row, y, qs, red);
   } else {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
       emit_vector<T, QUANT>(p, row, sf_base, v, v < nv, y[i], w[i], inv, qs);
     }
+    tail_row_padding<QUANT>(p, row);
   }
-  tail_row_padding<QUANT>(p, row);
 }
 
 // Tail of a row too long for registers: LV vectors per thread at a time, in two passes (three for
 // fp8_per_token). Pass 1 writes residual_out and sums squares; the last pass reads residual_out
 // back (each thread only its own writes, so no fence is needed) for the norm and quantization;
-// fp8_per_token's row scale comes from a pass in between that computes the norms without storing them. load_a(v) returns vector v of
-// the all-reduced row; qs = quant_scalar<QUANT>(p). Both kernels use LV = kLoopVectors.
+// fp8_per_token's row scale comes from a pass in between that computes the norms without storing
+// them. Without a residual there is no residual_out: the later passes re-read a (load_a) instead.
+// load_a(v) returns vector v of the all-reduced row; qs = quant_scalar<QUANT>(p). Both kernels use
+// LV = kLoopVectors.
 constexpr int kLoopVectors = 4;
-template <typename T, int QUANT, int LV, typename LoadA>
+template <typename T, int QUANT, int LV, bool kMayLackResidual = false, typename LoadA>
 __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, LoadA load_a, float qs, float* red) {
   const int nv = p.h / kVecElems;
   const int step = LV * blockDim.x;
@@ -612,6 +654,9 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
+  const bool has_residual = !kMayLackResidual || p.residual_in != nullptr;
+  // Vector v of the norm's input, in the passes after the first.
+  const auto load_input = [&](int v) { return has_residual ? __ldcg(res_out + v) : load_a(v); };
 
   float sumsq = 0.f;
   for (int c = 0; c < nv; c += step) {
@@ -620,13 +665,13 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
     for (int i = 0; i < LV; ++i) {
       const int v = c + threadIdx.x + i * blockDim.x;
       a[i] = v < nv ? load_a(v) : zero;
-      r[i] = v < nv ? res_in[v] : zero;
+      r[i] = v < nv && has_residual ? res_in[v] : zero;
     }
 #pragma unroll
     for (int i = 0; i < LV; ++i) {
       const int v = c + threadIdx.x + i * blockDim.x;
-      const uint4 x = add_round<T>(a[i], r[i], sumsq);
-      if (v < nv) res_out[v] = x;
+      const uint4 x = norm_input<T, kMayLackResidual>(p, a[i], r[i], sumsq);
+      if (has_residual && v < nv) res_out[v] = x;
     }
   }
   const float inv = inv_rms(block_sum(sumsq, red), p);
@@ -638,7 +683,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
 #pragma unroll
       for (int i = 0; i < LV; ++i) {
         const int v = c + threadIdx.x + i * blockDim.x;
-        x[i] = v < nv ? __ldcg(res_out + v) : zero;
+        x[i] = v < nv ? load_input(v) : zero;
         w[i] = v < nv ? __ldg(weight + v) : zero;
       }
 #pragma unroll
@@ -656,7 +701,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
 #pragma unroll
     for (int i = 0; i < LV; ++i) {
       const int v = c + threadIdx.x + i * blockDim.x;
-      x[i] = v < nv ? __ldcg(res_out + v) : zero;
+      x[i] = v < nv ? load_input(v) : zero;
       w[i] = v < nv ? __ldg(weight + v) : zero;
     }
 #pragma unroll

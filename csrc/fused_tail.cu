@@ -1,5 +1,6 @@
 // Local fused tail, launched after NCCL's all-reduce: one kernel for residual add, RMSNorm and
-// optional FP8/NVFP4 quantization (the device code lives in epilogue.cuh).
+// optional FP8/NVFP4 quantization (the device code lives in epilogue.cuh). With residual_in
+// nullptr it is a plain RMSNorm (+ quantization) of a, commfuse.norm's fused_add_rmsnorm(x, None, ...).
 //
 // Grid: one CTA per row, plus (NVFP4, swizzled layout) one per padding row of the last 128-row
 // tile, which only zeroes that row's scale factors (FP8 block scales, MN-major: the same for the
@@ -53,11 +54,17 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(
       av[i] = v < nv ? a[v] : make_uint4(0, 0, 0, 0);
     }
     uint4 x[VPT], w[VPT];
-    tail_load<T, VPT>(p.tail, row, x, w);
-    tail_row<T, QUANT, VPT>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
+    if (p.tail.residual_in != nullptr) {
+      tail_load<T, VPT>(p.tail, row, x, w);
+    } else {  // a plain RMSNorm: tail_row takes a as the norm's input
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) x[i] = make_uint4(0, 0, 0, 0);
+      tail_load_weight<T, VPT>(p.tail, w);
+    }
+    tail_row<T, QUANT, VPT, true>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
-    tail_row_looped<T, QUANT, kLoopVectors>(p.tail, row, [a](int v) { return a[v]; }, quant_scalar<QUANT>(p.tail),
-                                            red);
+    tail_row_looped<T, QUANT, kLoopVectors, true>(p.tail, row, [a](int v) { return a[v]; },
+                                                  quant_scalar<QUANT>(p.tail), red);
   }
 }
 

@@ -6,7 +6,7 @@ No GPU needed; skipped with a reason when NVRTC cannot be loaded.
 import pytest
 import torch
 
-from commfuse import fused_tail, jit
+from commfuse import fused_tail, gated_norm, jit  # noqa: F401 (gated_norm registers its kernel)
 from commfuse.plan import Request, TensorMeta, make_plan, registered_kernels
 
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100a", "sm_120a")
@@ -39,6 +39,33 @@ def test_every_variant_builds(arch, cache_dir):
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
         assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_gated_variant_builds(arch, cache_dir):
+    from commfuse import gated_norm
+
+    if int(arch[3:].rstrip("a")) not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
+    names = gated_norm.variants()
+    assert len(names) == 2 * 5 * len(gated_norm.VPT_BUCKETS)
+    built = jit.build(gated_norm.SOURCE, names, arch)
+    assert sorted(built.lowered) == sorted(names)
+    for name, symbol in built.lowered.items():
+        assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
+
+
+def test_gated_launch_configs_have_variants():
+    from commfuse import gated_norm
+
+    names = set(gated_norm.variants())
+    for hidden in (8, 128, 1024, 2880, 4096, 8192, 8200, 12336, 16384):
+        for tokens in (1, 255, 256, 8192):
+            vpt, threads = gated_norm.launch_config(hidden, tokens)
+            assert vpt in gated_norm.VPT_BUCKETS and threads % 32 == 0 and threads <= gated_norm.MAX_THREADS[vpt]
+            assert 8 * vpt * threads >= hidden
+            assert gated_norm.name_expression(torch.bfloat16, "fp8_block", vpt) in names
+    assert registered_kernels()["gated_rmsnorm"].kind == "norm"  # never picked as a collective's tail
 
 
 def test_variants_cover_every_launch_config():
@@ -148,22 +175,23 @@ def test_parameter_structs_are_declared_once():
     and the kernels' sources hold no struct of their own."""
     from commfuse import params
 
-    for s in (params.TAIL, params.FUSED_TAIL, params.P2P):
+    for s in (params.TAIL, params.FUSED_TAIL, params.GATED_NORM, params.P2P):
         offset = 0
         for f in s.fields:
             assert s.offsets[f.name] == offset and offset % f.align == 0, (s.name, f.name)
             offset += f.size
         assert s.size == offset == len(s.pack(*[0] * len(s.unpack(bytes(s.size)))))
-    assert (params.TAIL.size, params.FUSED_TAIL.size, params.P2P.size) == (96, 104, 280)
+    assert (params.TAIL.size, params.FUSED_TAIL.size, params.GATED_NORM.size, params.P2P.size) == (96, 104, 120, 280)
     assert params.P2P.offsets["x"] == 96 and params.P2P.offsets["sig_offset"] == 240 and params.P2P.offsets["rank"] == 272
     header = params.header()
-    for s in (params.TAIL, params.FUSED_TAIL, params.P2P):
+    for s in (params.TAIL, params.FUSED_TAIL, params.GATED_NORM, params.P2P):
         body = header.split(f"struct {s.name} {{", 1)[1].split("};", 1)[0]
         names = [line.split(";")[0].split()[-1].split("[")[0] for line in body.strip().splitlines()]
         assert names == [f.name for f in s.fields], s.name
         assert f"static_assert(sizeof({s.name}) == {s.size}" in header
-    for source in ("epilogue.cuh", "fused_tail.cu", "p2p_allreduce.cu"):
+    structs = (params.TAIL, params.FUSED_TAIL, params.GATED_NORM, params.P2P)
+    for source in ("epilogue.cuh", "fused_tail.cu", "gated_rmsnorm.cu", "p2p_allreduce.cu"):
         text = (jit.CSRC_DIR / source).read_text()
-        assert not any(f"struct {s.name} {{" in text for s in (params.TAIL, params.FUSED_TAIL, params.P2P)), source
+        assert not any(f"struct {s.name} {{" in text for s in structs), source
     with pytest.raises(ValueError, match="aligned"):
         params.Struct("Bad", [params.Field("a", "int", "i32"), params.Field("p", "void*", "ptr")])

@@ -75,10 +75,16 @@ def test_plan_names_the_route(gen):
     x, residual, weight, scale = inputs(gen, 2, 64, BF16, quant="fp8")
     p = norm.plan(x, residual, weight, quant="fp8", scale=scale)
     assert p.tail == "separated" and "cpu" in p.reasons[0]
-    assert "no residual" in norm.plan(x, None, weight).reasons[0]
+    assert "cpu" in norm.plan(x, None, weight).reasons[0]
     kw = dict(dtype=BF16, device=torch.device("cuda"), hidden=64, has_residual=True, quant="fp8", scale_ok=True,
               last_strides_one=True)
     assert norm.tail_guard(**kw, sm=(9, 0)) is None
+    assert norm.tail_guard(**{**kw, "has_residual": False}, sm=(9, 0)) is None  # plain RMSNorm: the same kernel
+    assert "x or weight has a stride" in norm.tail_guard(**{**kw, "has_residual": False, "last_strides_one": False},
+                                                         sm=(9, 0))
+    for quant in ("fp8_per_token", "fp8_block"):  # no scale argument: scale_ok does not matter
+        assert norm.tail_guard(**{**kw, "quant": quant, "scale_ok": False, "hidden": 256}, sm=(9, 0)) is None
+    assert "multiple of 128" in norm.tail_guard(**{**kw, "quant": "fp8_block", "hidden": 192}, sm=(9, 0))
     assert "SM 7.5" in norm.tail_guard(**kw, sm=(7, 5))
     assert "stride" in norm.tail_guard(**{**kw, "last_strides_one": False}, sm=(9, 0))
     assert "float32 CUDA tensor" in norm.tail_guard(**{**kw, "scale_ok": False}, sm=(9, 0))
@@ -249,3 +255,216 @@ def test_gpu_separated_routes_and_out(gen):
     # silu (exp) on the GPU need not give the CPU's bits: within 1 ulp of T
     assert_within_ulp(g.norm.cpu(), norm.gated_reference(x.cpu(), residual.cpu(), weight.cpu(), 1e-5, 128, False),
                       1, "gated norm")
+
+
+# --------------------------------------------------------------------------- kernels' routes (CPU: guards, fakes)
+
+
+def test_gated_guard_reasons(gen):
+    kw = dict(dtype=BF16, device=torch.device("cuda"), hidden=1024, group_size=256, quant="nvfp4", scale_ok=True,
+              last_strides_one=True)
+    assert norm.gated_guard(**kw, sm=(9, 0)) is None
+    assert norm.gated_guard(**{**kw, "quant": "fp8_block", "scale_ok": False}, sm=(9, 0)) is None
+    assert "multiple of 8" in norm.gated_guard(**{**kw, "hidden": 1020, "group_size": 12, "quant": None}, sm=(9, 0))
+    assert "group_size 12" in norm.gated_guard(**{**kw, "hidden": 1032, "group_size": 12, "quant": None}, sm=(9, 0))
+    assert "(0, 16384]" in norm.gated_guard(**{**kw, "hidden": 16384 + 256}, sm=(9, 0))
+    assert "SM 7.5" in norm.gated_guard(**kw, sm=(7, 5))
+    assert "x, z or weight" in norm.gated_guard(**{**kw, "last_strides_one": False}, sm=(9, 0))
+    assert "float16 and bfloat16" in norm.gated_guard(**{**kw, "dtype": torch.float32}, sm=(9, 0))
+    assert "float32 CUDA tensor" in norm.gated_guard(**{**kw, "scale_ok": False}, sm=(9, 0))
+    x, z, weight, _ = inputs(gen, 2, 64, BF16)
+    p = norm.plan_gated(x, z, weight, 1e-5, None, False)
+    assert p.tail == "separated" and "cpu" in p.reasons[0]
+    with pytest.raises(ValueError, match="group_size"):
+        norm.plan_gated(x, z, weight, 1e-5, 48, False)
+
+
+COMPUTED = [("fp8_per_token", "row", False), ("fp8_block", "row", False), ("fp8_block", "mn_major", False),
+            ("fp8_block", "row", True), ("fp8_block", "mn_major", True)]
+
+
+@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", COMPUTED)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_computed_scale_kinds(gen, quant, scale_layout, scale_ue8m0, with_residual):
+    x, residual, weight, _ = inputs(gen, 5, 256, BF16)
+    residual = residual if with_residual else None
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-6, quant=quant, scale_layout=scale_layout,
+                                     scale_ue8m0=scale_ue8m0)
+    src = x if residual is None else reference.residual_add(x, residual)
+    n = reference.rmsnorm(src, weight, 1e-6)
+    q, s = (reference.quantize_fp8_per_token(n) if quant == "fp8_per_token"
+            else reference.quantize_fp8_block(n, reference.FP8_BLOCK, scale_layout, scale_ue8m0))
+    assert bits_equal(got.quant, q) and bits_equal(got.scales, s) and got.norm is None and got.scale_factors is None
+    assert got.scales.stride() == s.stride()
+    g = commfuse.gated_rmsnorm(x, residual, weight, 1e-5, 128, True, quant=quant, scale_layout=scale_layout,
+                               scale_ue8m0=scale_ue8m0, return_norm=True)
+    want = norm.gated_reference(x, residual, weight, 1e-5, 128, True)
+    q, s = (reference.quantize_fp8_per_token(want) if quant == "fp8_per_token"
+            else reference.quantize_fp8_block(want, reference.FP8_BLOCK, scale_layout, scale_ue8m0))
+    assert bits_equal(g.norm, want) and bits_equal(g.quant, q) and bits_equal(g.scales, s)
+    with pytest.raises(ValueError, match="computes its scales"):
+        commfuse.fused_add_rmsnorm(x, residual, weight, quant=quant, scale=torch.ones(1))
+
+
+def test_computed_scale_arguments_name_themselves(gen):
+    x, residual, weight, _ = inputs(gen, 2, 192, BF16)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8_block")
+    with pytest.raises(ValueError, match="apply to quant='fp8_block' only"):
+        commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8_per_token", scale_layout="mn_major")
+    with pytest.raises(ValueError, match="scale_layout must be"):
+        commfuse.gated_rmsnorm(x, None, weight, 1e-5, None, False, quant="fp8_per_token", scale_layout="col")
+
+
+@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", COMPUTED[:3])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_opcheck_computed_kinds(gen, quant, scale_layout, scale_ue8m0, with_residual):
+    x, residual, weight, _ = inputs(gen, 6, 256, BF16)
+    torch.library.opcheck(torch.ops.commfuse.fused_add_rmsnorm.default,
+                          (x, residual if with_residual else None, weight, None, 1e-6, quant, False, "swizzled", 0.0,
+                           scale_layout, scale_ue8m0))
+    torch.library.opcheck(torch.ops.commfuse.gated_rmsnorm.default,
+                          (x, residual, weight, None, 1e-5, 128, False, quant, True, "swizzled", scale_layout,
+                           scale_ue8m0))
+
+
+@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", [(None, "row", False), ("nvfp4", "row", False)] + COMPUTED)
+def test_fakes_have_the_real_shapes(gen, quant, scale_layout, scale_ue8m0):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, z, weight, _ = inputs(gen, 130, 256, BF16)
+    scale = torch.ones(1) if quant == "nvfp4" else None
+    calls = [(torch.ops.commfuse.fused_add_rmsnorm.default,
+              (x, z, weight, scale, 1e-6, quant or "", True, "swizzled", 0.0, scale_layout, scale_ue8m0)),
+             (torch.ops.commfuse.fused_add_rmsnorm.default,
+              (x, None, weight, scale, 1e-6, quant or "", False, "swizzled", 0.0, scale_layout, scale_ue8m0)),
+             (torch.ops.commfuse.gated_rmsnorm.default,
+              (x, z, weight, scale, 1e-5, 64, True, quant or "", False, "swizzled", scale_layout, scale_ue8m0))]
+    for op, args in calls:
+        real = op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        assert len(real) == len(fake)
+        for r, f in zip(real, fake):
+            assert (tuple(r.shape), r.dtype, r.stride()) == (tuple(f.shape), f.dtype, f.stride())
+
+
+# --------------------------------------------------------------------------- GPU: the kernels' routes
+
+ALL_QUANTS = [(None, False, "swizzled", "row", False), ("fp8", False, "swizzled", "row", False),
+              ("fp8", True, "swizzled", "row", False), ("nvfp4", False, "swizzled", "row", False),
+              ("nvfp4", True, "linear", "row", False), ("fp8_per_token", False, "swizzled", "row", False),
+              ("fp8_block", True, "swizzled", "row", False), ("fp8_block", False, "swizzled", "mn_major", True)]
+
+
+def _kernel_modules():
+    from commfuse import epilogue
+
+    return [epilogue]
+
+
+def _assert_local_close(got, want, x, quant, sf_layout, scale_layout, scale_ue8m0):
+    """tolerance.tail_mismatch for the outputs of a call without a residual (x stands in for it)."""
+    from commfuse import tolerance
+
+    stand_in = x.reshape(-1, x.shape[-1])
+    why = tolerance.tail_mismatch(got._replace(residual=stand_in), want._replace(residual=stand_in.cpu()), quant,
+                                  sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    assert why is None, why
+
+
+def _want(norm_t, quant, scale, return_norm, sf_layout, scale_layout, scale_ue8m0):
+    q, sf, s = norm._quantize_reference(norm_t, quant, scale, sf_layout, scale_layout, scale_ue8m0)
+    return Tail(None, norm_t if quant is None or return_norm else None, q, sf, s)
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant, return_norm, sf_layout, scale_layout, scale_ue8m0", ALL_QUANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, h", [(1, 4096), (7, 2944), (300, 8192), (3, 20480)])  # 20480: the looped variant
+def test_gpu_plain_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layout, scale_layout, scale_ue8m0, dtype,
+                                  t, h):
+    x, _, weight, _ = inputs(gen, t, h, dtype, "cuda")
+    x[0, :64] = -0.0  # the norm of -0.0 is -0.0 (round_T(x + 0) would make it +0.0)
+    scale = torch.tensor([0.02 if quant == "fp8" else 0.004], device="cuda") if quant in ("fp8", "nvfp4") else None
+    kw = dict(quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
+              scale_ue8m0=scale_ue8m0)
+    p = norm.plan(x, None, weight, 1e-5, **kw)
+    assert (p.tail, p.kernel) == ("fused", "fused_tail"), p
+    runs = poisoned_runs(monkeypatch, _kernel_modules(), lambda: commfuse.fused_add_rmsnorm(x, None, weight, 1e-5, **kw))
+    for a, b in zip(*runs):
+        assert bits_equal(a, b), "an output element is left unwritten"
+    got = runs[0]
+    assert got.residual is None
+    n = reference.rmsnorm(x.cpu(), weight.cpu(), 1e-5)
+    _assert_local_close(got, _want(n, quant, None if scale is None else scale.cpu(), return_norm, sf_layout, scale_layout,
+                                   scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0)
+    if got.norm is not None:
+        assert bits_equal(got.norm[0, :64].cpu(), n[0, :64])  # the signed zeros
+
+
+GATED_CASES = [(1024, 1024), (1024, 256), (1024, 128), (2880, 1440), (8192, 8), (16384, 2048)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant, return_norm, sf_layout, scale_layout, scale_ue8m0", ALL_QUANTS)
+@pytest.mark.parametrize("h, group_size", GATED_CASES)
+@pytest.mark.parametrize("gated, norm_before_gate", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("t", [1, 300])
+def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layout, scale_layout, scale_ue8m0, h,
+                                  group_size, gated, norm_before_gate, t):
+    if quant == "fp8_block" and h % 128:
+        pytest.skip("fp8_block needs h % 128 == 0")
+    dtype = BF16 if h != 2880 else torch.float16
+    x, z, weight, _ = inputs(gen, t, h, dtype, "cuda")
+    z = z if gated else None
+    scale = torch.tensor([0.02 if quant == "fp8" else 0.004], device="cuda") if quant in ("fp8", "nvfp4") else None
+    kw = dict(quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
+              scale_ue8m0=scale_ue8m0)
+    p = norm.plan_gated(x, z, weight, 1e-5, group_size, norm_before_gate, **kw)
+    assert (p.tail, p.kernel) == ("fused", "gated_rmsnorm"), p
+    runs = poisoned_runs(monkeypatch, _kernel_modules(),
+                         lambda: commfuse.gated_rmsnorm(x, z, weight, 1e-5, group_size, norm_before_gate, **kw))
+    for a, b in zip(*runs):
+        assert bits_equal(a, b), "an output element is left unwritten"
+    # The reference on the same GPU: its silu (exp) is the kernel's; the group sums' order and rsqrt
+    # are within the tail's tolerances (docs/semantics.md, gated RMSNorm).
+    n = norm.gated_reference(x, z, weight, 1e-5, group_size, norm_before_gate).cpu()
+    _assert_local_close(runs[0], _want(n, quant, None if scale is None else scale.cpu(), return_norm, sf_layout, scale_layout,
+                                       scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0)
+
+
+@needs_gpu
+def test_gpu_gated_kernel_against_the_cpu_reference(gen):
+    """silu's exp on the GPU and on the CPU may differ by an ulp of fp32: the norm within 1 ulp of T."""
+    x, z, weight, _ = inputs(gen, 64, 2048, BF16, "cuda")
+    g = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 256, False)
+    assert_within_ulp(g.norm.cpu(), norm.gated_reference(x.cpu(), z.cpu(), weight.cpu(), 1e-5, 256, False), 1,
+                      "gated norm")
+
+
+@needs_gpu
+def test_gpu_kernels_in_a_cuda_graph(gen):
+    from commfuse import fused_tail, gated_norm
+
+    x, z, weight, scale = inputs(gen, 16, 4096, BF16, "cuda", "nvfp4")
+    fused_tail.warmup(BF16, "nvfp4", 4096)
+    gated_norm.warmup(BF16, "fp8_block", 4096)
+
+    def step():
+        a = commfuse.fused_add_rmsnorm(x, None, weight, 1e-5, quant="nvfp4", scale=scale, return_norm=True)
+        b = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 512, True, quant="fp8_block")
+        return a, b
+
+    eager = step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x.copy_(torch.randn(16, 4096, generator=gen).to(BF16))
+    graph.replay()
+    torch.cuda.synchronize()
+    again = step()
+    for c, e in zip(captured, again):
+        for a, b in zip(c, e):
+            assert bits_equal(a, b)
+    assert not bits_equal(eager[0].quant, again[0].quant)  # the replay saw the new x

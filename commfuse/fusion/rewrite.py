@@ -7,7 +7,7 @@ norm where there is no add):
 - with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight,
   scale, eps, quant, return_norm, sf_layout, comm)`, x being the all-reduce's input;
 - without one: `torch.ops.commfuse.fused_add_rmsnorm.default(x, residual or None, weight, scale, eps,
-  quant, return_norm, sf_layout, weight_offset)`;
+  quant, return_norm, sf_layout, weight_offset)` (scale_layout, scale_ue8m0 left at their defaults);
 - a gated norm: `torch.ops.commfuse.gated_rmsnorm.default(x, z, weight, scale, eps, group_size,
   norm_before_gate, quant, return_norm, sf_layout)`.
 
@@ -270,8 +270,6 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if ar is not None and ar.comm is None:
         notes.append("the graph's collective sums in its backend's order (NCCL: in T); commfuse sums in fp32 in rank "
                      "order, rounded once (docs/semantics.md section 1): the same bits on 2 ranks")
-    if kind == "gated":
-        notes.append("gated RMSNorm: no kernel yet (separated ops, fp32, one rounding)")
     report.fused.append(Fused(
         pattern=pattern, op=OPS[kind], node=fused.name, replaced=[n.name for n in _names(doomed)],
         spelling=" | ".join(spelling), quant=quant.quant if quant is not None else None,
@@ -415,7 +413,8 @@ def _names(nodes):
 
 
 def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce) -> None:
-    x, residual, weight, scale, eps, quant, return_norm, sf_layout, offset = node.args
+    x, residual, weight, scale, eps, quant, return_norm, sf_layout, offset, *layout = node.args
+    scale_layout, scale_ue8m0 = (list(layout) + ["row", False][len(layout):])[:2]
     positions = G.order(gm.graph)
     if not isinstance(x, fx.Node):
         return
@@ -443,7 +442,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     with g.inserting_before(node):
         xin = ar.x if G.same_shape(ar.x, residual) else g.call_method("reshape_as", (ar.x, residual))
         new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, quant, return_norm,
-                                                      sf_layout, comm_name))
+                                                      sf_layout, comm_name, 0.0, scale_layout, scale_ue8m0))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     doomed = [node] + ar.chain + ar.nodes
@@ -461,10 +460,18 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
     token when the token count is symbolic)."""
     try:
         tokens, note = _tokens(norm.input, h)
-        if kind == "gated":
-            return "separated ops (no gated RMSNorm kernel yet)"
         eps = norm.eps if isinstance(norm.eps, float) else 1e-6
         q = quant.quant if quant is not None else None
+        if kind == "gated":
+            from commfuse import norm as local
+
+            dev = G.device(norm.input) or torch.device("cpu")
+            x = torch.empty(tokens, h, dtype=t, device=dev)
+            scale = torch.ones(1, dtype=torch.float32, device=dev) if q else None
+            plan = local.plan_gated(x, x if norm.gate is not None else None, torch.empty(h, dtype=t, device=dev), eps,
+                                    norm.group_size or h, bool(norm.norm_before_gate), quant=q, scale=scale,
+                                    sf_layout=quant.sf_layout if quant is not None else "swizzled")
+            return str(plan) + note
         if kind == "all_reduce":
             from commfuse import ops
 

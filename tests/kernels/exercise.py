@@ -2,7 +2,8 @@
 
 One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
 1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale(-factor)
-layout, token counts with and without swizzle padding rows. Under mpirun with 2+ GPUs, also the
+layout, token counts with and without swizzle padding rows; the same without a residual (a plain
+RMSNorm) and the gated RMSNorm kernel. Under mpirun with 2+ GPUs, also the
 P2P kernels (one-shot and two-shot, plain and fused; and two-shot in pieces over a 1 MiB workspace)
 through a Communicator. The outputs are checked
 against commfuse.reference as in the tests (tolerance.tail_mismatch), so a run that the sanitizer
@@ -54,7 +55,35 @@ def fused_tails(g) -> int:
                     check(got, a, residual, weight, quant, scale, layout, f"fused_tail {t}x{h} {dtype} {quant} {layout}",
                           scaled)
                     n += 1
+                    n += local_ops(a, residual, weight, quant, scale, layout, scaled, f"{t}x{h} {dtype} {quant} {layout}")
     return n
+
+
+def local_ops(a, z, weight, quant, scale, layout, scaled, what) -> int:
+    """The tail kernel without a residual (a plain RMSNorm), and the gated RMSNorm kernel (rows it
+    takes: h <= 16384) with the gate before and after the norm, against their references."""
+    from commfuse import gated_norm, norm
+
+    scale_layout, ue8m0, _ = scaled
+    kw = dict(scale_layout=scale_layout, scale_ue8m0=ue8m0)
+    stand_in = a.reshape(-1, a.shape[-1])  # tail_mismatch compares a residual: x for both
+    got = fused_tail.run(a, None, weight, 1e-6, quant, scale, True, layout, **kw)
+    want = norm._quantize_reference(reference.rmsnorm(a, weight, 1e-6), quant, scale, layout, scale_layout, ue8m0)
+    runs = [(got, reference.Tail(stand_in, reference.rmsnorm(a, weight, 1e-6), *want), "plain rmsnorm")]
+    h = a.shape[-1]
+    if h <= gated_norm.MAX_HIDDEN:
+        group = h // 2 if h % 16 == 0 else h
+        for before in (False, True):
+            n_ref = norm.gated_reference(a, z, weight, 1e-5, group, before)
+            got = gated_norm.run(a, z, weight, 1e-5, group, before, quant, scale, True, layout, **kw)
+            want = norm._quantize_reference(n_ref, quant, scale, layout, scale_layout, ue8m0)
+            runs.append((got, reference.Tail(stand_in, n_ref, *want), f"gated rmsnorm (before={before})"))
+    for got, want, name in runs:
+        why = tolerance.tail_mismatch(got._replace(residual=stand_in), want, quant, layout, scale_layout=scale_layout,
+                                      scale_ue8m0=ue8m0)
+        if why:
+            sys.exit(f"{name} {what}: {why}")
+    return len(runs)
 
 
 def p2p_kernels(g) -> int:

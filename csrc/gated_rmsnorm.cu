@@ -1,0 +1,130 @@
+// Gated RMSNorm of Mamba2 / Nemotron-H (commfuse.norm.gated_reference), then the tail's optional
+// quantization: the norm is rounded to T once and handed to epilogue.cuh's emit_row, so every
+// quantization kind (FP8 with a static or computed scale, NVFP4) is the tail's, bit for bit.
+//
+// Per row, groups of group_size consecutive elements (group_size % 8 == 0, dividing h) are
+// normalised separately; silu(z) gates x before the norm (norm_before_gate 0) or the weighted norm
+// after it (1); z == nullptr: no gate.
+//
+// Grid: one CTA per row, plus the padding rows of the scale storage (as fused_tail.cu). Block: a
+// multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/gated_norm.py; the row lives
+// in registers (VPT vectors of 8 elements per thread, h <= 8 * VPT * blockDim.x).
+#include "epilogue.cuh"
+#include "pdl.cuh"
+
+namespace commfuse {
+
+// The thread limits of fused_tail.cu's register variants, for the same reasons. VPT 4 holds x, z
+// and the weight (12 vectors), which spilled at fused_tail's 4 CTAs per SM (64 registers): 2 here.
+template <int VPT>
+constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
+template <int VPT>
+constexpr int kMinBlocks = VPT == 4 ? 2 : 1;
+
+// silu in fp32 as torch computes it on a GPU, z / (1 + exp(-z)) with the accurate expf and an IEEE
+// division: the reference run on the same GPU gives the same bits (exp is not pinned across devices).
+__device__ __forceinline__ float silu(float z) { return __fdiv_rn(z, __fadd_rn(1.f, expf(-z))); }
+
+// The sum of squares of 8 elements of the norm's input: x, or RN(x * silu(z)) when gated first.
+template <typename T>
+__device__ __forceinline__ float gated_squares(const uint4& x, const uint4& z, bool gate_first) {
+  float fx[8], fz[8];
+  unpack8<T>(x, fx);
+  unpack8<T>(z, fz);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float v = gate_first ? __fmul_rn(fx[j], silu(fz[j])) : fx[j];
+    s = fmaf(v, v, s);
+  }
+  return s;
+}
+
+// round_T(y) of gated_reference for 8 elements: y = RN(RN(v * inv) * w), times silu(z) when gated
+// after the norm. silu is recomputed rather than kept from gated_squares: 8 registers per vector.
+template <typename T>
+__device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z, const uint4& w, float inv,
+                                                  bool gate_first, bool gate_after) {
+  float fx[8], fz[8], fw[8];
+  unpack8<T>(x, fx);
+  unpack8<T>(z, fz);
+  unpack8<T>(w, fw);
+  unsigned out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float y[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int e = 2 * j + k;
+      const float v = gate_first ? __fmul_rn(fx[e], silu(fz[e])) : fx[e];
+      y[k] = __fmul_rn(__fmul_rn(v, inv), fw[e]);
+      if (gate_after) y[k] = __fmul_rn(y[k], silu(fz[e]));
+    }
+    out[j] = Pack<T>::pack(y[0], y[1]);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The kernel's only parameter is GatedNormParams (TailParams for the outputs and the weight, with
+// no residual; x, z, the group size and the gate's place), declared in commfuse/params.py.
+template <typename T, int QUANT, int VPT>
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
+  __shared__ float red[kMaxThreads<VPT> / 32];
+  __shared__ float part[VPT * kMaxThreads<VPT>];  // per vector, then per group: sums of squares
+  pdl_wait();
+  pdl_launch_dependents();
+  const TailParams& tp = p.tail;
+  const int row = blockIdx.x;
+  if (row >= tp.t) {
+    tail_padding_row<QUANT>(tp, row);
+    return;
+  }
+  const int nv = tp.h / kVecElems;
+  const size_t row_base = static_cast<size_t>(row) * tp.h;
+  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + row_base);
+  const uint4* z = reinterpret_cast<const uint4*>(static_cast<const T*>(p.z) + row_base);
+  const bool gated = p.z != nullptr;
+  const bool gate_first = gated && !p.norm_before_gate;
+  const bool gate_after = gated && p.norm_before_gate;
+
+  uint4 xv[VPT], zv[VPT], wv[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    xv[i] = v < nv ? x[v] : make_uint4(0, 0, 0, 0);
+    zv[i] = gated && v < nv ? z[v] : make_uint4(0, 0, 0, 0);
+  }
+  tail_load_weight<T, VPT>(tp, wv);
+
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < nv) part[v] = gated_squares<T>(xv[i], zv[i], gate_first);
+  }
+  __syncthreads();
+  // A group's vectors are spread over threads (thread i holds vectors i, i + blockDim.x, ...), for
+  // any group size: so each group is summed by one warp, lane l over its vectors l, l + 32, ..., then
+  // across lanes; the same order in every run. The sum replaces the group's first entry: only this
+  // warp reads the group, and its lanes have read it before the shuffles complete.
+  const int gv = p.group_size / kVecElems;
+  const int lane = threadIdx.x & 31;
+  for (int g = threadIdx.x / 32; g < nv / gv; g += blockDim.x / 32) {
+    float s = 0.f;
+    for (int j = lane; j < gv; j += 32) s += part[g * gv + j];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) part[g * gv] = s;
+  }
+  __syncthreads();
+
+  uint4 n[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    const float inv = v < nv ? inv_rms(part[v / gv * gv], p.group_size, tp.eps) : 0.f;
+    n[i] = gated_norm_round<T>(xv[i], zv[i], wv[i], inv, gate_first, gate_after);
+  }
+  emit_row<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp), red);
+}
+
+}  // namespace commfuse
