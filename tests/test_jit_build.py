@@ -43,8 +43,6 @@ def test_every_variant_builds(arch, cache_dir):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_gated_variant_builds(arch, cache_dir):
-    from commfuse import gated_norm
-
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = gated_norm.variants()
@@ -56,8 +54,6 @@ def test_every_gated_variant_builds(arch, cache_dir):
 
 
 def test_gated_launch_configs_have_variants():
-    from commfuse import gated_norm
-
     names = set(gated_norm.variants())
     for hidden in (8, 128, 1024, 2880, 4096, 8192, 8200, 12336, 16384):
         for tokens in (1, 255, 256, 8192):

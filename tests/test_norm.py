@@ -12,7 +12,7 @@ import commfuse
 from commfuse import norm, reference
 from commfuse.reference import Tail
 
-from compare import assert_tail_close, assert_within_ulp, bits_equal
+from compare import assert_tail_close, assert_within_ulp, bits_equal, poisoned_runs
 from conftest import needs_gpu
 
 BF16 = torch.bfloat16
