@@ -296,7 +296,7 @@ def test_nvfp4_through_commfuse_quantize(quiet_comm, gen, sf_layout):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = torch.nn.RMSNorm(128, eps=1e-5, dtype=BF16)
+            self.norm = torch.nn.RMSNorm(128, eps=1e-5, dtype=BF16, device=c.device)
             self.norm.weight.copy_(weight)
 
         def forward(self, x, residual, wo, scale):
