@@ -5,8 +5,9 @@ torch.compile.
     python examples/bench_local_ops.py --shapes 16x7168,1024x8192 --json local.json
 
 Rows, per (pattern, tokens x hidden, dtype):
-- commfuse: commfuse.fused_add_rmsnorm / commfuse.gated_rmsnorm (its route is printed: the fused tail
-  kernel where the guards hold, else the separated ops);
+- commfuse: commfuse.fused_add_rmsnorm (with a residual, or without: pattern "rmsnorm") /
+  commfuse.gated_rmsnorm (its route is printed: the fused tail or gated kernel where the guards hold,
+  else the separated ops);
 - torch eager: the same tail written in torch as models write it (residual add, HF-style RMSNorm in
   float32 with the weight in float32, FP8 as (n / s).clamp(-448, 448).to(float8_e4m3fn); NVFP4 and the
   gated norm as commfuse.reference / commfuse.norm.gated_reference compute them);
@@ -33,14 +34,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import commfuse  # noqa: E402
 from commfuse import norm, reference, tolerance  # noqa: E402
 
-PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "gated_rmsnorm")
+PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "gated_rmsnorm")
 SCALES = {"fp8": 0.02, "nvfp4": 0.004}
 
 
 def torch_tail(x, residual, weight, eps, quant, scale):
-    h = (x.float() + residual.float()).to(x.dtype)
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
     n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    if residual is None:
+        return (n,)
     if quant == "fp8":
         return h, (n.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     if quant == "nvfp4":
@@ -56,14 +59,17 @@ def make_case(pattern, t, h, dtype, device, gen):
     quant = {"add_rmsnorm_fp8": "fp8", "add_rmsnorm_nvfp4": "nvfp4"}.get(pattern)
     scale = torch.tensor([SCALES[quant]], device=device) if quant else None
     if pattern == "gated_rmsnorm":
-        ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, 128 if h % 128 == 0 else h, False).norm,)  # noqa: E731
-        theirs = lambda: (norm.gated_reference(x, r, w, 1e-5, 128 if h % 128 == 0 else h, False),)  # noqa: E731
+        group = 128 if h % 128 == 0 else h
+        ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, group, False).norm,)  # noqa: E731
+        theirs = lambda: (norm.gated_reference(x, r, w, 1e-5, group, False),)  # noqa: E731
         want = theirs()
-        route = "separated ops (no gated kernel yet)"
+        route = "; ".join(s.strip(" -") for s in str(norm.plan_gated(x, r, w, 1e-5, group, False)).splitlines())
         return ours, theirs, want, route, None
+    if pattern == "rmsnorm":  # no residual: the RMSNorm of x itself
+        r = None
     ours_fn = lambda: commfuse.fused_add_rmsnorm(x, r, w, 1e-5, quant=quant, scale=scale)  # noqa: E731
     route = "; ".join(s.strip(" -") for s in str(norm.plan(x, r, w, 1e-5, quant=quant, scale=scale)).splitlines())
-    want = reference.fused_tail(x, r, w, 1e-5, quant, scale)
+    want = reference.fused_tail(x, r, w, 1e-5, quant, scale) if r is not None else (reference.rmsnorm(x, w, 1e-5),)
 
     def ours():
         t_ = ours_fn()
