@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import epilogue, reference
+from . import epilogue, ops, reference
 from .plan import FUSED_DTYPES, Collective, Plan, TailRoute
 from .reference import Tail
 
@@ -485,7 +485,6 @@ def _fresh(t: Optional[Tensor], x: Tensor) -> Tensor:
     return _empty(x) if t is None else t
 
 
-@torch.library.custom_op("commfuse::fused_add_rmsnorm", mutates_args=())
 def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor, scale: Optional[Tensor], eps: float,
                           quant: str, return_norm: bool, sf_layout: str, weight_offset: float,
                           scale_layout: str = "row",
@@ -508,9 +507,8 @@ def _fused_add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor,
     return res, _fresh(tail.norm, x), _fresh(tail.quant, x), _fresh(tail.scale_factors, x), _fresh(tail.scales, x)
 
 
-@_fused_add_rmsnorm_op.register_fake
-def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset, scale_layout="row",
-      scale_ue8m0=False):
+def _fused_add_rmsnorm_fake(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset,
+                            scale_layout="row", scale_ue8m0=False):
     from .epilogue import fake_outputs
 
     outs = fake_outputs(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
@@ -519,7 +517,6 @@ def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_off
     return tuple(outs)
 
 
-@torch.library.custom_op("commfuse::gated_rmsnorm", mutates_args=())
 def _gated_rmsnorm_op(x: Tensor, z: Optional[Tensor], weight: Tensor, scale: Optional[Tensor], eps: float,
                       group_size: int, norm_before_gate: bool, quant: str, return_norm: bool,
                       sf_layout: str, scale_layout: str = "row",
@@ -539,15 +536,13 @@ def _gated_rmsnorm_op(x: Tensor, z: Optional[Tensor], weight: Tensor, scale: Opt
     return _fresh(norm, x), _fresh(codes, x), _fresh(sf, x), _fresh(scales, x)
 
 
-@_gated_rmsnorm_op.register_fake
-def _(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout="row",
-      scale_ue8m0=False):
+def _gated_rmsnorm_fake(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout,
+                        scale_layout="row", scale_ue8m0=False):
     from .epilogue import fake_outputs
 
     return tuple(fake_outputs(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)[1:])
 
 
-@torch.library.custom_op("commfuse::quantize", mutates_args=())
 def _quantize_op(x: Tensor, scale: Tensor, quant: str, sf_layout: str) -> Tuple[Tensor, Tensor]:
     h = _check_x(x)
     if quant not in ("fp8", "nvfp4"):
@@ -557,8 +552,7 @@ def _quantize_op(x: Tensor, scale: Tensor, quant: str, sf_layout: str) -> Tuple[
     return q, _fresh(sf, x)
 
 
-@_quantize_op.register_fake
-def _(x, scale, quant, sf_layout):
+def _quantize_fake(x, scale, quant, sf_layout):
     from .epilogue import output_specs
 
     if quant not in ("fp8", "nvfp4") or sf_layout not in _SF_LAYOUTS:
@@ -567,3 +561,16 @@ def _(x, scale, quant, sf_layout):
     h = x.shape[-1]
     _, _, q, sf, _ = output_specs(x.numel() // h, h, x.dtype, quant, False, sf_layout)
     return x.new_empty(q[0], dtype=q[1]), (x.new_empty(0) if sf is None else x.new_empty(sf[0], dtype=sf[1]))
+
+
+# torch.library definitions (commfuse.ops.define: no custom_op wrappers on the eager path).
+_SCALED = 'str scale_layout="row", bool scale_ue8m0=False'
+ops.define("fused_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, Tensor? scale, float eps, str quant, "
+           f"bool return_norm, str sf_layout, float weight_offset, {_SCALED}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+           _fused_add_rmsnorm_op, _fused_add_rmsnorm_fake)
+ops.define("gated_rmsnorm(Tensor x, Tensor? z, Tensor weight, Tensor? scale, float eps, int group_size, "
+           f"bool norm_before_gate, str quant, bool return_norm, str sf_layout, {_SCALED}) -> (Tensor, Tensor, Tensor, "
+           "Tensor)", _gated_rmsnorm_op, _gated_rmsnorm_fake)
+ops.define("quantize(Tensor x, Tensor scale, str quant, str sf_layout) -> (Tensor, Tensor)", _quantize_op,
+           _quantize_fake)
+

@@ -101,48 +101,34 @@ op's body, without the dispatcher's cost); compiled code calls the op. out: call
 
 
 # The ops are declared with torch.library.Library rather than torch.library.custom_op: a custom_op call
-# goes through Python autograd and aliasing wrappers (~20 us a call on an H200 host, measured by
-# launch/host_profile.py), a CompositeExplicitAutograd kernel straight to the function (~5 us). What
-# custom_op would check at run time holds by construction: the functional ops return fresh tensors.
+# goes through Python autograd and aliasing wrappers (~15 us a call on an H200 host, launch/host_profile.py),
+# a CompositeExplicitAutograd kernel straight to the function (~5 us). What custom_op would check at run
+# time holds by construction: the functional ops return fresh tensors.
 _LIB = torch.library.Library("commfuse", "FRAGMENT")
+
+
+def define(schema: str, impl, fake) -> None:
+    """Declare the op commfuse::<schema> with `impl` as its kernel on every device and `fake` as its
+    fake (shape) implementation: commfuse.ops' and commfuse.norm's ops."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"commfuse::{name}", fake, lib=_LIB)
+
+
 _SCALED_ARGS = 'float weight_offset=0.0, str scale_layout="row", bool scale_ue8m0=False'
 _TAIL_ARGS = "Tensor x, Tensor residual, Tensor weight, Tensor? scale, float eps, str quant, bool return_norm, " \
              "str sf_layout, str comm"
-_LIB.define("all_reduce(Tensor x, str comm) -> Tensor")
-_LIB.define("all_reduce_out(Tensor x, str comm, Tensor(a!) out) -> ()")
-_LIB.define(f"fused_all_reduce({_TAIL_ARGS}, {_SCALED_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_LIB.define(f"fused_all_reduce_out({_TAIL_ARGS}, Tensor(a!) residual_out, Tensor(b!)? norm_out, "
-            f"Tensor(c!)? quant_out, Tensor(d!)? sf_out, Tensor(e!)? scales_out=None, {_SCALED_ARGS}) -> ()")
 
 
-def _impl(name: str):
-    def register(fn):
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        return fn
-    return register
-
-
-@_impl("all_reduce")
 def _all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
     return _communicator(comm).all_reduce(x)
 
 
-@torch.library.register_fake("commfuse::all_reduce", lib=_LIB)
-def _(x, comm):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@_impl("all_reduce_out")
 def _all_reduce_out(x: torch.Tensor, comm: str, out: torch.Tensor) -> None:
     _communicator(comm).all_reduce(x, out=out)
 
 
-@torch.library.register_fake("commfuse::all_reduce_out", lib=_LIB)
-def _(x, comm, out):
-    return None
-
-
-@_impl("fused_all_reduce_out")
 def _fused_all_reduce_out(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out,
                           quant_out, sf_out, scales_out=None, weight_offset=0.0, scale_layout="row",
                           scale_ue8m0=False) -> None:
@@ -151,13 +137,6 @@ def _fused_all_reduce_out(x, residual, weight, scale, eps, quant, return_norm, s
                                          out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out))
 
 
-@torch.library.register_fake("commfuse::fused_all_reduce_out", lib=_LIB)
-def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out, quant_out, sf_out,
-      scales_out=None, weight_offset=0.0, scale_layout="row", scale_ue8m0=False):
-    return None
-
-
-@_impl("fused_all_reduce")
 def _fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0,
                       scale_layout="row", scale_ue8m0=False) -> tuple:
     r = _communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
@@ -167,7 +146,14 @@ def _fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_la
     return (r.residual, *(x.new_empty(0) if v is None else v for v in (r.norm, r.quant, r.scale_factors, r.scales)))
 
 
-@torch.library.register_fake("commfuse::fused_all_reduce", lib=_LIB)
-def _(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0, scale_layout="row",
-      scale_ue8m0=False):
-    return tuple(fake_outputs(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0))
+define("all_reduce(Tensor x, str comm) -> Tensor", _all_reduce,
+       lambda x, comm: torch.empty_like(x, memory_format=torch.contiguous_format))
+define("all_reduce_out(Tensor x, str comm, Tensor(a!) out) -> ()", _all_reduce_out, lambda x, comm, out: None)
+define(f"fused_all_reduce({_TAIL_ARGS}, {_SCALED_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+       _fused_all_reduce,
+       lambda x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0,
+       scale_layout="row", scale_ue8m0=False: tuple(fake_outputs(x, quant, return_norm, sf_layout, scale_layout,
+                                                                 scale_ue8m0)))
+define(f"fused_all_reduce_out({_TAIL_ARGS}, Tensor(a!) residual_out, Tensor(b!)? norm_out, Tensor(c!)? quant_out, "
+       f"Tensor(d!)? sf_out, Tensor(e!)? scales_out=None, {_SCALED_ARGS}) -> ()", _fused_all_reduce_out,
+       lambda *args, **kwargs: None)
