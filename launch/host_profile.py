@@ -67,8 +67,6 @@ def rows(comm, t: int, h: int):
     yield "x.data_ptr()", lambda: x.data_ptr()
     yield "x.shape / x.stride() / x.dtype / x.device", lambda: (x.shape, x.stride(), x.dtype, x.device)
     yield "communicator._key(x)", lambda: _key(x)
-    fields = (1, 2, 3, 4, 5, 6, 7, 1e-6, h, t, 0)
-    yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(8, *fields)
     for quant in (None, "fp8"):
         sc = scale if quant else None
         yield f"comm.plan (cached) quant={quant}", lambda sc=sc, q=quant: comm.plan(x, r, w, eps=1e-6, quant=q,
@@ -85,9 +83,10 @@ def rows(comm, t: int, h: int):
         yield "torch._C._cuda_getCurrentRawStream", lambda: jit._current_raw_stream(0)
         yield "torch._C._cuda_getDevice", lambda: jit._current_device()
         k = fused_tail._kernel(dt, None, fused_tail.launch_config(h, t)[0], 0)
-        res_out, norm = torch.empty_like(x), torch.empty_like(x)
-        blob = params.FUSED_TAIL.pack(x.data_ptr(), r.data_ptr(), res_out.data_ptr(), w.data_ptr(),
-                                      norm.data_ptr(), 0, 0, 0, 1e-6, h, t, 0)
+        prepared = epilogue.prepare(x, r, w, 1e-6, None, None, False, "swizzled")  # (a, [t,] outs, fields, rows)
+        fields = prepared[-2]
+        yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(x.data_ptr(), *fields)
+        blob = params.FUSED_TAIL.pack(x.data_ptr(), *fields)
         threads = fused_tail.launch_config(h, t)[1]
         yield "Kernel.launch (fused tail, packed bytes)", lambda: k.launch((t, 1, 1), (threads, 1, 1), blob)
         stream = jit._current_raw_stream(0)
