@@ -43,17 +43,13 @@ import torch
 from torch import Tensor
 
 from . import epilogue, ops, reference
-from .plan import FUSED_DTYPES, Collective, Plan, TailRoute
+from .plan import FUSED_DTYPES, SCALED_FP8, SF_LAYOUTS, Collective, Plan, TailRoute, check_quant
 from .reference import Tail
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "gated_reference", "tail_guard",
            "gated_guard", "Quantized"]
 
 _DTYPES = FUSED_DTYPES + (torch.float32,)
-_QUANTS = (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block")
-_COMPUTED = ("fp8_per_token", "fp8_block")  # FP8 whose scales the op computes: no scale argument
-_SCALE_LAYOUTS = ("row", "mn_major")
-_SF_LAYOUTS = ("swizzled", "linear")
 _OUT_FIELDS = Tail._fields
 
 
@@ -109,44 +105,6 @@ def _check_eps(eps) -> None:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
-def _check_quant(quant, scale, sf_layout, h: int, device: torch.device, scale_layout: str = "row",
-                 scale_ue8m0: bool = False) -> None:
-    if quant not in _QUANTS:
-        raise ValueError(f"quant must be one of {_QUANTS}, got {quant!r}")
-    if sf_layout not in _SF_LAYOUTS:
-        raise ValueError(f"sf_layout must be one of {_SF_LAYOUTS}, got {sf_layout!r}")
-    if scale_layout not in _SCALE_LAYOUTS or not isinstance(scale_ue8m0, bool):
-        raise ValueError(f"scale_layout must be one of {_SCALE_LAYOUTS} and scale_ue8m0 a bool, got "
-                         f"{scale_layout!r}, {scale_ue8m0!r}")
-    if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
-        raise ValueError(f"scale_layout={scale_layout!r} / scale_ue8m0={scale_ue8m0!r} apply to quant='fp8_block' "
-                         f"only, got quant={quant!r}")
-    if quant in _COMPUTED:
-        if scale is not None:
-            raise ValueError(f"quant={quant!r} computes its scales: scale must be None")
-        if quant == "fp8_block" and h % reference.FP8_BLOCK:
-            raise ValueError(f"quant='fp8_block' needs x's hidden size to be a multiple of {reference.FP8_BLOCK}, "
-                             f"got {h}")
-        return
-    if quant is None:
-        if scale is not None:
-            raise ValueError("scale is only meaningful with quant='fp8' or 'nvfp4'")
-        return
-    if quant == "nvfp4" and h % reference.NVFP4_BLOCK:
-        raise ValueError(f"quant='nvfp4' needs x's hidden size to be a multiple of 16, got {h}")
-    if scale is None:
-        raise ValueError(f"quant={quant!r} needs scale (the dequant scale, fp32 tensor of one element)")
-    if isinstance(scale, Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"scale must be float32, got {scale.dtype}")
-        if scale.device != device:
-            raise ValueError(f"scale is on {scale.device}, but x is on {device}")
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(scale).__name__}")
-
-
 def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset, scale_layout="row",
                 scale_ue8m0=False) -> int:
     h = _check_x(x)
@@ -161,7 +119,7 @@ def _check_tail(x, residual, weight, eps, quant, scale, sf_layout, weight_offset
     if not _symbolic(weight_offset) and (isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float))
                                          or not math.isfinite(weight_offset)):
         raise ValueError(f"weight_offset must be a finite number, got {weight_offset!r}")
-    _check_quant(quant, scale, sf_layout, h, x.device, scale_layout, scale_ue8m0)
+    check_quant(quant, scale, sf_layout, h, x.device, scale_layout, scale_ue8m0)
     return h
 
 
@@ -179,7 +137,7 @@ def _check_gated(x, z, weight, eps, group_size, norm_before_gate, quant, scale, 
         raise ValueError(f"group_size must be a positive divisor of h={h}, got {group_size!r}")
     if not isinstance(norm_before_gate, bool):
         raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
-    _check_quant(quant, scale, sf_layout, h, x.device, scale_layout, scale_ue8m0)
+    check_quant(quant, scale, sf_layout, h, x.device, scale_layout, scale_ue8m0)
     return h
 
 
@@ -421,7 +379,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
             x, residual, weight, scale, _number(eps), quant or "", bool(return_norm), sf_layout, _number(weight_offset),
             scale_layout, scale_ue8m0)
         result = Tail(None if residual is None else res, norm if quant is None or return_norm else None,
-                      q if quant else None, sf if quant == "nvfp4" else None, scales if quant in _COMPUTED else None)
+                      q if quant else None, sf if quant == "nvfp4" else None, scales if quant in SCALED_FP8 else None)
     else:  # a Python float scale: not an op argument; the separated ops take it (rounded to fp32)
         result = _separated_tail(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset)
     return result if out is None else _write_out(result, out)
@@ -454,7 +412,7 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
                                                            norm_before_gate, quant or "", bool(return_norm),
                                                            sf_layout, scale_layout, scale_ue8m0)
     return Tail(None, norm if quant is None or return_norm else None, q if quant else None,
-                sf if quant == "nvfp4" else None, scales if quant in _COMPUTED else None)
+                sf if quant == "nvfp4" else None, scales if quant in SCALED_FP8 else None)
 
 
 def quantize(x: Tensor, quant: str, scale: Tensor, sf_layout: str = "swizzled") -> Quantized:
@@ -469,7 +427,7 @@ def quantize(x: Tensor, quant: str, scale: Tensor, sf_layout: str = "swizzled") 
         raise ValueError(f"quant must be 'fp8' or 'nvfp4', got {quant!r}")
     if not isinstance(scale, Tensor):
         raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
-    _check_quant(quant, scale, sf_layout, h, x.device)
+    check_quant(quant, scale, sf_layout, h, x.device)
     q, sf = torch.ops.commfuse.quantize(x, scale, quant, sf_layout)
     return Quantized(q, sf if quant == "nvfp4" else None)
 
@@ -547,7 +505,7 @@ def _quantize_op(x: Tensor, scale: Tensor, quant: str, sf_layout: str) -> Tuple[
     h = _check_x(x)
     if quant not in ("fp8", "nvfp4"):
         raise ValueError(f"quant must be 'fp8' or 'nvfp4', got {quant!r}")
-    _check_quant(quant, scale, sf_layout, h, x.device)
+    check_quant(quant, scale, sf_layout, h, x.device)
     q, sf, _ = _quantize_reference(x.reshape(-1, h), quant, scale, sf_layout)
     return q, _fresh(sf, x)
 
@@ -555,7 +513,7 @@ def _quantize_op(x: Tensor, scale: Tensor, quant: str, sf_layout: str) -> Tuple[
 def _quantize_fake(x, scale, quant, sf_layout):
     from .epilogue import output_specs
 
-    if quant not in ("fp8", "nvfp4") or sf_layout not in _SF_LAYOUTS:
+    if quant not in ("fp8", "nvfp4") or sf_layout not in SF_LAYOUTS:
         raise ValueError(f"quant must be 'fp8' or 'nvfp4' and sf_layout 'swizzled' or 'linear', "
                          f"got {quant!r}, {sf_layout!r}")
     h = x.shape[-1]

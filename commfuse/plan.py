@@ -255,14 +255,22 @@ def check_arguments(x: torch.Tensor, residual: Optional[torch.Tensor], weight: O
     _check_device("weight", weight, device)
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not (isinstance(weight_offset, (int, float)) and math.isfinite(weight_offset)):
+        raise ValueError(f"weight_offset must be a finite number (Gemma: 1.0), got {weight_offset!r}")
+    check_quant(quant, scale, sf_layout, h, device, scale_layout, scale_ue8m0)
+
+
+def check_quant(quant: Optional[str], scale, sf_layout: str, h: int, device: torch.device,
+                scale_layout: str = "row", scale_ue8m0: bool = False) -> None:
+    """Raise ValueError/TypeError naming the argument unless the quantization arguments of a tail on rows
+    of h elements make sense (the Communicator's calls and commfuse.norm's local ops share these rules)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if sf_layout not in SF_LAYOUTS:
         raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
-    if not (isinstance(weight_offset, (int, float)) and math.isfinite(weight_offset)):
-        raise ValueError(f"weight_offset must be a finite number (Gemma: 1.0), got {weight_offset!r}")
-    if scale_layout not in SCALE_LAYOUTS:
-        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if scale_layout not in SCALE_LAYOUTS or not isinstance(scale_ue8m0, bool):
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS} and scale_ue8m0 a bool, got "
+                         f"{scale_layout!r}, {scale_ue8m0!r}")
     if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
         raise ValueError(f"scale_layout={scale_layout!r} / scale_ue8m0={scale_ue8m0!r} apply to quant='fp8_block' "
                          f"only, got quant={quant!r}")
@@ -286,8 +294,9 @@ def check_arguments(x: torch.Tensor, residual: Optional[torch.Tensor], weight: O
             raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
         if scale.dtype != torch.float32:
             raise TypeError(f"scale must be float32, got {scale.dtype}")
-        _check_device("scale", scale, device)
-    elif not isinstance(scale, (int, float)):
+        if scale.device != device and not (device.index is None and scale.device.type == device.type):
+            raise ValueError(f"scale is on {scale.device}, but x is on {device}")  # x: checked by the caller
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(scale).__name__}")
 
 
