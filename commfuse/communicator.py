@@ -12,11 +12,12 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import epilogue, fused_tail, jit, nccl, ops, p2p, reference, topology
+from . import epilogue, fused_tail, jit, native, nccl, ops, p2p, reference, topology
 from .plan import (Collective, Plan, Request, TailRoute, TensorMeta, check_arguments, make_plan,
                    registered_kernels)
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
+_PLAIN = (0.0, "row", False)  # a plain all-reduce's (weight_offset, scale_layout, scale_ue8m0) in its key
 _MAX_PLANS = 4096
 
 
@@ -175,20 +176,48 @@ class Communicator:
         running it. Arguments as for those (x, residual: T[..., h], weight: T[h], scale: float32[1],
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
-        # Decode layers repeat a handful of call signatures: the checks and guards run once per
-        # signature (everything they read is in the key), not on every call of the hot path.
-        scaled = (weight_offset, scale_layout, scale_ue8m0)
+        return self._planned(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                             (weight_offset, scale_layout, scale_ue8m0), out)[0]
+
+    def _planned(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out) -> tuple:
+        """(plan, its native launcher or None) of a call, from the cache. Decode layers repeat a handful
+        of call signatures: the checks, guards and launch preparation run once per signature
+        (everything they read is in the key), not on every call of the hot path."""
         try:
             key = (_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout, scaled)
-            plan = self._plans.get(key)
+            entry = self._plans.get(key)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable argument: the checks name it
-            return self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
-        if plan is None:
             plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
+            return plan, None
+        if entry is None:
+            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
+            entry = (plan, self._launcher(plan, x, residual, eps, quant, return_norm, sf_layout, scaled))
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
-            self._plans[key] = plan
-        return plan
+            self._plans[key] = entry
+        return entry
+
+    def _launcher(self, plan: Plan, x, residual, eps, quant, return_norm, sf_layout, scaled):
+        """The native launcher (commfuse.native) of a checked call's route, or None where it has none:
+        the native path off, the separated tail, gloo, torch.distributed's NCCL, P2P in pieces, no rows."""
+        if self.device.type != "cuda" or native.unavailable() is not None or not x.numel():
+            return None
+        nccl = self._nccl is not None and plan.collective is Collective.NCCL
+        if residual is None:
+            if plan.algorithm:
+                return self._p2p.plain_launcher(x, plan.algorithm)
+            return native.launcher(None, 0, 0, b"", [], [native.spec_of((tuple(x.shape), x.dtype))], False,
+                                   self.device.index, self._nccl.native_args(x.dtype, x.numel())) if nccl else None
+        if plan.tail is not TailRoute.FUSED:
+            return None
+        h = x.shape[-1]
+        t = x.numel() // h
+        if plan.algorithm:
+            return self._p2p.launcher(x.dtype, t, h, eps, quant, return_norm, sf_layout, plan.algorithm, *scaled)
+        if nccl:
+            return fused_tail.launcher(x.dtype, t, h, eps, quant, return_norm, sf_layout, *scaled, self.device.index,
+                                       self._nccl.native_args(x.dtype, x.numel()))
+        return None
 
     def _make_plan(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out) -> Plan:
         weight_offset, scale_layout, scale_ue8m0 = scaled
@@ -221,9 +250,11 @@ class Communicator:
         (contiguous) to write the sum into instead, and return: a decode loop then allocates nothing.
         """
         self._check_p2p_error()
-        plan = self.plan(x, out=out)
+        plan, launch = self._planned(x, None, None, 1e-6, None, None, False, "swizzled", _PLAIN, out)
         if self.check_calls:
             self._check_same_call(("all_reduce", tuple(x.shape), str(x.dtype), str(plan.collective)))
+        if launch is not None:
+            return self._native(launch, x, None, None, None, out)
         return self._collective(x, plan, out)
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -248,18 +279,20 @@ class Communicator:
         place (every route reads each residual element before it writes it).
         """
         self._check_p2p_error()
-        try:  # plan()'s cache lookup, inline: the hot path's one call saved
-            plan = self._plans.get((_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout,
-                                    (weight_offset, scale_layout, scale_ue8m0)))
+        try:  # _planned's cache lookup, inline: the hot path's one call saved
+            entry = self._plans.get((_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout,
+                                     (weight_offset, scale_layout, scale_ue8m0)))
         except (AttributeError, TypeError):
-            plan = None
-        if plan is None:
-            plan = self.plan(x, residual, weight, eps=eps, quant=quant, scale=scale, return_norm=return_norm,
-                             sf_layout=sf_layout, weight_offset=weight_offset, scale_layout=scale_layout,
-                             scale_ue8m0=scale_ue8m0, out=out)
+            entry = None
+        if entry is None:
+            entry = self._planned(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                                  (weight_offset, scale_layout, scale_ue8m0), out)
+        plan, launch = entry
         if self.check_calls:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant, return_norm, sf_layout,
                                    weight_offset, scale_layout, scale_ue8m0, str(plan.collective)))
+        if launch is not None:
+            return FusedResult(*self._native(launch, x, residual, weight, scale, out), plan=plan)
         algo = plan.algorithm
         fused = plan.tail is TailRoute.FUSED
         if algo and fused:  # the tail inside the P2P kernel
@@ -296,6 +329,12 @@ class Communicator:
                         _copy_out(mine, theirs)
                 tail = reference.Tail(*_tail_of(out))
         return FusedResult(*tail, plan=plan)
+
+    def _native(self, launch, x, residual, weight, scale, out):
+        try:
+            return launch(x, residual, weight, scale, out)
+        except native.NcclFailure as e:
+            raise self._nccl.nccl.error("ncclAllReduce", int(e.args[0]), self._nccl._handle) from None
 
     def check(self) -> None:
         """Wait for this rank's queued GPU work, then raise commfuse.P2PTimeoutError if a P2P

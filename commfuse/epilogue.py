@@ -267,6 +267,11 @@ def prepare(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     if out is not None:
         res_out, norm, q, sf = out.residual, out.norm, out.quant, out.scale_factors
         scales = getattr(out, "scales", None)
+        # check_out ran once per call signature, which holds no addresses: a misaligned output of the
+        # same shape later would fault in the kernel.
+        for name, o in zip(_OUTPUTS, (res_out, norm, q, sf, scales)):
+            if o is not None and o.data_ptr() % 16:
+                raise ValueError(f"out.{name} must be 16-byte aligned")
     else:
         # like: a [t, h] tensor the outputs of a's shape are made like (empty_like is the cheaper call)
         if residual_out is not None:
@@ -288,19 +293,39 @@ def prepare(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
             q = _empty_like(like, dtype=qs[1]) if qs[0] == (t, h) else _empty(qs[0], dtype=qs[1], device=a.device)
             sf = _empty(ss[0], dtype=ss[1], device=a.device) if ss else None
             scales = allocate(cs, a.device) if cs else None
+    pointers = (0 if r2 is None else r2.data_ptr(), 0 if res_out is None else res_out.data_ptr(), w.data_ptr(),
+                norm.data_ptr() if norm is not None else 0, q.data_ptr() if q is not None else 0,
+                sf.data_ptr() if sf is not None else 0, scale.data_ptr() if scale is not None else 0,
+                scales.data_ptr() if scales is not None else 0)
+    fields = tail_fields(t, h, eps, quant, sf_layout, weight_offset, scale_layout, scale_ue8m0, pointers)
+    return a2, t, Tail(res_out, norm, q, sf, scales), fields, row_slots(t, quant, sf_layout, scale_layout)
+
+
+_NO_POINTERS = (0,) * 8
+
+
+def tail_fields(t: int, h: int, eps: float, quant: Optional[str], sf_layout: str, weight_offset: float,
+                scale_layout: str, scale_ue8m0: bool, pointers: tuple = _NO_POINTERS) -> tuple:
+    """The TailParams fields in declaration order (params.TAIL) of a call of t rows of h; pointers:
+    (residual_in, residual_out, weight, norm_out, quant_out, sf_out, scale, scales_out), 0 where
+    absent (the native launchers patch them per call: native.tail_patches)."""
     swizzled = quant == "nvfp4" and sf_layout == "swizzled"
     mn_major = quant == "fp8_block" and scale_layout == "mn_major"
     layout_bits = (_SCALE_MN_MAJOR if mn_major else 0) | (_SCALE_UE8M0 if scale_ue8m0 else 0)
-    fields = (0 if r2 is None else r2.data_ptr(), 0 if res_out is None else res_out.data_ptr(), w.data_ptr(),
-              norm.data_ptr() if norm is not None else 0,
-              q.data_ptr() if q is not None else 0,
-              sf.data_ptr() if sf is not None else 0,
-              scale.data_ptr() if scale is not None else 0,
-              float(eps), h, t, int(swizzled),
-              scales.data_ptr() if scales is not None else 0, _offset_field(weight_offset), layout_bits,
-              -(-t // 4) * 4)
-    rows = 0 if t == 0 else -(-t // 128) * 128 if swizzled else -(-t // 4) * 4 if mn_major else t
-    return a2, t, Tail(res_out, norm, q, sf, scales), fields, rows
+    return (*pointers[:7], float(eps), h, t, int(swizzled), pointers[7], _offset_field(weight_offset), layout_bits,
+            -(-t // 4) * 4)
+
+
+def row_slots(t: int, quant: Optional[str], sf_layout: str, scale_layout: str) -> int:
+    """Rows a tail kernel's grid covers: t, or roundup(t, 128) when the swizzled NVFP4 layout has padding
+    rows to zero, roundup(t, 4) for MN-major FP8 block scales."""
+    if t == 0:
+        return 0
+    if quant == "nvfp4" and sf_layout == "swizzled":
+        return -(-t // 128) * 128
+    if quant == "fp8_block" and scale_layout == "mn_major":
+        return -(-t // 4) * 4
+    return t
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:

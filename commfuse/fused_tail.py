@@ -27,12 +27,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import epilogue, jit, params
+from . import epilogue, jit, native, params
 from .epilogue import CTYPE, MAX_HIDDEN, MAX_TOKENS, QUANTS
 from .plan import FUSED_DTYPES, KernelSpec, register_kernel
 from .reference import Tail
 
-__all__ = ["run", "warmup", "variants", "launch_config", "SPEC", "MAX_HIDDEN", "MAX_TOKENS"]
+__all__ = ["run", "launcher", "warmup", "variants", "launch_config", "SPEC", "MAX_HIDDEN", "MAX_TOKENS"]
 
 SOURCE = "fused_tail.cu"
 VPT_BUCKETS = (1, 2, 4)  # vectors of 8 elements per thread on the register path
@@ -146,3 +146,20 @@ def run(a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: floa
     _kernel(a.dtype, quant, vpt, a.get_device()).launch((rows, 1, 1), (threads, 1, 1),
                                                         params.FUSED_TAIL.pack(a2.data_ptr(), *fields))
     return out
+
+
+def launcher(dtype: torch.dtype, t: int, h: int, eps: float, quant: Optional[str], return_norm: bool, sf_layout: str,
+             weight_offset: float, scale_layout: str, scale_ue8m0: bool, device_index: int, nccl=None):
+    """A native launcher (commfuse.native) of `run` for one checked call signature of t > 0 rows of h,
+    called as launcher(a, residual, weight, scale, out) -> the five outputs. nccl: native.launcher's,
+    for the NCCL route: ncclAllReduce(x) into the residual output first, which the tail reads as `a`
+    and updates in place (launcher(x, ...))."""
+    vpt, threads = launch_config(h, t)
+    blob = params.FUSED_TAIL.pack(0, *epilogue.tail_fields(t, h, eps, quant, sf_layout, weight_offset, scale_layout,
+                                                           scale_ue8m0))
+    patches = [(params.FUSED_TAIL.offsets["a"], native.SUM if nccl else native.X)]
+    patches += native.tail_patches(params.FUSED_TAIL.offsets["tail"])
+    specs = epilogue.output_specs(t, h, dtype, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
+    return native.launcher(_kernel(dtype, quant, vpt, device_index), epilogue.row_slots(t, quant, sf_layout,
+                                                                                                  scale_layout),
+                           threads, blob, patches, [native.spec_of(s) for s in specs], True, device_index, nccl)

@@ -401,6 +401,14 @@ def disable_pdl(reason: str) -> None:
     """Launch every kernel of this process without programmatic dependent launch from now on."""
     global _PDL_OFF
     _PDL_OFF = reason
+    from . import native  # its launches too (a cycle at import time otherwise)
+
+    native.set_pdl(False)
+
+
+def pdl_off() -> Optional[str]:
+    """Why programmatic dependent launch is off in this process, or None."""
+    return _PDL_OFF
 
 
 class Kernel:

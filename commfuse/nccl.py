@@ -277,6 +277,13 @@ class NcclComm:
         if rc:
             raise self.nccl.error("ncclAllReduce", rc, handle)
 
+    def native_args(self, dtype: torch.dtype, count: int) -> tuple:
+        """What a native launcher (commfuse.native) needs to enqueue all_reduce of `count` elements of
+        `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count)."""
+        if self._handle is None:
+            raise RuntimeError("NcclComm.native_args after close()")
+        return ctypes.cast(self._all_reduce, ctypes.c_void_p).value, int(self._handle), NCCL_DTYPES[dtype], count
+
     def _dtype_error(self, send, recv) -> str:
         kinds = "float16, bfloat16 or float32"
         if send.dtype not in NCCL_DTYPES:
@@ -314,7 +321,8 @@ def shared(group, device: torch.device) -> NcclComm:
     """The process's one NcclComm over `group` on `device`, made on the first call (collective then:
     every rank of the group calls it, in the same order as its other collectives). Communicators of
     one group share it: each NCCL communicator holds its own buffers (tens to hundreds of MB a GPU)
-    and takes a rendezvous to create. It lives as long as the process."""
+    and takes a rendezvous to create. It lives as long as the process: its Communicators' native
+    launchers hold its handle, so it must not be closed while they may run."""
     device = torch.device(device)
     key = (group, device.index if device.index is not None else torch.cuda.current_device())
     comm = _SHARED.get(key)

@@ -1,7 +1,8 @@
 """Compile every kernel variant for this machine's GPU into the kernel cache, in parallel.
 
 Ranks that start together would each compile the same variants on first use (N times the NVRTC
-work); launch/device.sh runs this once before its multi-rank stages. Usage: python3 launch/prewarm.py
+work); launch/device.sh runs this once before its multi-rank stages. It builds the native hot path
+(commfuse.native) too. Usage: python3 launch/prewarm.py
 """
 import os
 import sys
@@ -9,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commfuse import fused_tail, jit, p2p  # noqa: E402
+from commfuse import fused_tail, jit, native, p2p  # noqa: E402
 
 
 def build(job):
@@ -25,6 +26,7 @@ def main():
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         done = list(pool.map(build, jobs))
     print(f"prewarm: {len(done)} kernel variants for {arch} in {jit._cache_dir()}")
+    print(f"prewarm: native hot path {native.unavailable() or 'built'}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from commfuse import tolerance
+from commfuse import native, tolerance
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,8 @@ POISONS = (0xA5, 0x5A)
 def poisoned_runs(monkeypatch, modules, fn) -> list:
     """[fn() for each of POISONS], with the `_empty` / `_empty_like` output allocators of every module in `modules`
     (commfuse.epilogue: every kernel's outputs) swapped for one that fills the new tensor with that poison
-    byte: an output element a kernel never writes then differs between the two results."""
+    byte, and commfuse.native's launchers told to do the same: an output element a kernel never writes
+    then differs between the two results."""
     results = []
     for poison in POISONS:
         def empty(*shape, dtype, device, _poison=poison):
@@ -60,7 +61,11 @@ def poisoned_runs(monkeypatch, modules, fn) -> list:
         for module in modules:
             monkeypatch.setattr(module, "_empty", empty)
             monkeypatch.setattr(module, "_empty_like", empty_like)
-        results.append(fn())
+        native.set_poison(poison)  # the outputs the C++ launchers allocate
+        try:
+            results.append(fn())
+        finally:
+            native.set_poison(None)
     for module in modules:
         monkeypatch.setattr(module, "_empty", torch.empty)
         monkeypatch.setattr(module, "_empty_like", torch.empty_like)

@@ -5,14 +5,16 @@ NCCL on GPUs). Each rank generates every rank's input from one seeded generator 
 slice, so the reference sees exactly the gathered inputs. All collectives of a test happen before
 its assertions, so a failing rank cannot leave the others waiting.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import commfuse.communicator
-from commfuse import Communicator, nccl, reference, tolerance
+from commfuse import Communicator, epilogue, native, nccl, reference, tolerance
 
-from compare import assert_tail_close, assert_within_ulp
+from compare import assert_tail_close, assert_within_ulp, poisoned_runs
 from inputs import rank_inputs, tail_inputs
 
 mpi = pytest.mark.mpi(min_size=1)  # one rank too: on one GPU that is the NCCL route (the sum is a copy)
@@ -315,3 +317,86 @@ def test_ranks_agree_on_the_nccl_binding(comm, monkeypatch, missing_on):
         who = 0 if missing_on == "env" else me
         why = "COMMFUSE_NCCL=0" if missing_on == "env" else "no libnccl here"
         assert made == [] and c.nccl_binding == f"torch.distributed (rank {who}: {why})", c.nccl_binding
+
+
+NATIVE_CASES = [  # (quant, return_norm, sf_layout, scale_layout, scale_ue8m0, weight_offset)
+    (None, False, "swizzled", "row", False, 0.0), ("fp8", True, "swizzled", "row", False, 1.0),
+    ("nvfp4", False, "swizzled", "row", False, 0.0), ("nvfp4", True, "linear", "row", False, 0.0),
+    ("fp8_per_token", False, "swizzled", "row", False, 0.0), ("fp8_block", False, "swizzled", "mn_major", True, 0.0),
+]
+
+
+def _storage(v: torch.Tensor) -> torch.Tensor:
+    """All of v's storage as a flat tensor (an MN-major view's padding included)."""
+    return torch.as_strided(v, (v.untyped_storage().nbytes() // v.element_size(),), (1,))
+
+
+def _zeros_over_storage(v: torch.Tensor) -> torch.Tensor:
+    """Zeros of v's shape and strides over a storage of v's size (caller-owned outputs like v)."""
+    return torch.zeros_like(_storage(v)).as_strided(v.shape, v.stride())
+
+
+def _native_on(comm) -> None:
+    if comm.device.type != "cuda":
+        pytest.skip("the native hot path launches CUDA kernels: no GPU here")
+    if os.environ.get("COMMFUSE_NATIVE") == "0":
+        pytest.skip("COMMFUSE_NATIVE=0")
+    # Where the extension does not build, the suite would pass on the Python launches alone: say so.
+    assert native.unavailable() is None, native.unavailable()
+
+
+@mpi
+@pytest.mark.parametrize("strategy", ["auto", "nccl"])
+@pytest.mark.parametrize("quant, return_norm, sf_layout, scale_layout, scale_ue8m0, weight_offset", NATIVE_CASES)
+def test_native_launch_gives_the_python_launch_bits(comm, gen, monkeypatch, strategy, quant, return_norm, sf_layout,
+                                                    scale_layout, scale_ue8m0, weight_offset):
+    """The C++ launcher of a route (allocating, poisoned, or into caller-owned outputs) writes the bits
+    the Python launch of the same route writes; the plain all-reduce too."""
+    _native_on(comm)
+    c = comm if strategy == "auto" else Communicator(comm.group, strategy=strategy)
+    t, h, dtype = 9, 512, torch.bfloat16
+    x, _ = rank_inputs(c, gen, (t, h), dtype)
+    residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
+    kw = dict(eps=1e-5, quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout, weight_offset=weight_offset,
+              scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    c._plans.clear()
+    runs = poisoned_runs(monkeypatch, [epilogue], lambda: (c.fused_all_reduce(x, residual, weight, **kw), c.all_reduce(x)))
+    fused_launch = [launch for plan, launch in c._plans.values() if plan is runs[0][0].plan]
+    owned = c.fused_all_reduce(x, residual, weight, out=reference.Tail(*(
+        None if v is None else _zeros_over_storage(v) for v in (runs[0][0].residual, runs[0][0].norm, runs[0][0].quant,
+                                                                 runs[0][0].scale_factors, runs[0][0].scales))), **kw)
+    c._plans.clear()
+    monkeypatch.setattr(native, "unavailable", lambda: "this test's Python launch")
+    python = (c.fused_all_reduce(x, residual, weight, **kw), c.all_reduce(x))
+    c._plans.clear()  # no Python-launch entry outlives the test
+    plan = runs[0][0].plan
+    native_route = plan.tail == "fused" and bool(plan.algorithm or c.nccl_binding.startswith("commfuse"))
+    assert fused_launch and (fused_launch[0] is not None) == native_route, (str(plan), c.nccl_binding)
+    for got in (runs[0], runs[1], (owned, runs[0][1])):
+        for name in ("residual", "norm", "quant", "scale_factors", "scales"):
+            mine, want = getattr(got[0], name), getattr(python[0], name)
+            assert (mine is None) == (want is None), name
+            if mine is not None:
+                assert mine.shape == want.shape and mine.stride() == want.stride(), name
+                assert torch.equal(_storage(mine).view(torch.uint8), _storage(want).view(torch.uint8)), name
+        assert torch.equal(got[1], python[1]), "all_reduce"
+
+
+@mpi
+def test_native_launch_checks_the_address_of_caller_outputs(comm, gen):
+    """The plan checks out= once per signature; an output of the same shape at a misaligned address
+    later is refused by the launcher instead of faulting in the kernel."""
+    _native_on(comm)
+    t, h, dtype = 4, 256, torch.bfloat16
+    x, _ = rank_inputs(comm, gen, (t, h), dtype)
+    residual, weight, _ = tail_inputs(comm, gen, t, h, dtype, None)
+    good = reference.Tail(torch.empty_like(x), torch.empty_like(x), None, None)
+    comm.fused_all_reduce(x, residual, weight, out=good)
+    store = torch.empty(t * h + 8, dtype=dtype, device=x.device)
+    shifted = store[1:1 + t * h].view(t, h)  # the same shape and strides, 2 bytes off
+    with pytest.raises(ValueError, match=r"out.norm must be 16-byte aligned"):
+        comm.fused_all_reduce(x, residual, weight, out=reference.Tail(good.residual, shifted, None, None))
+    with pytest.raises(ValueError, match=r"out must be (contiguous and )?16-byte aligned"):
+        comm.all_reduce(x, out=torch.empty_like(x))  # plan the signature
+        comm.all_reduce(x, out=shifted)
+    assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards

@@ -31,12 +31,14 @@ GLOO_NO_GRAPH = "gloo collectives cannot be captured in a CUDA graph"
 
 @dataclass
 class Step:
-    """call(i): one call on input set i, returning its Result, with no host synchronisation so that
-    a CUDA graph can capture it; no_graph: why graph mode cannot time it (None: it can). The timing
-    loops call `call` itself, so a row's host time holds no wrapper of ours."""
+    """call(i): one call on input set i, with no host synchronisation so that a CUDA graph can
+    capture it; no_graph: why graph mode cannot time it (None: it can); result: what the gate reads
+    of call's return value, a Result (made outside the timed loops, which call `call` itself: a row's
+    host time holds no wrapper of ours)."""
 
-    call: Callable[[int], Result]
+    call: Callable[[int], object]
     no_graph: Optional[str] = None
+    result: Callable[[object], Result] = lambda r: r
 
 
 @dataclass
@@ -207,20 +209,28 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
             def step(i):
                 x, residual = case.input_set(i)
                 if not p.tail:
-                    return Result(a=torch.ops.commfuse.all_reduce(x, comm.name))
-                r = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, case.eps, quant, p.return_norm,
-                                                        SF_LAYOUT, comm.name, p.weight_offset, p.scale_layout,
-                                                        p.scale_ue8m0)
-                return Result.of_tail(reference.Tail(r[0], r[1] if p.has_norm else None, r[2] if p.quant else None,
-                                                     r[3] if p.quant == "nvfp4" else None, r[4] if computed else None))
+                    return torch.ops.commfuse.all_reduce(x, comm.name)
+                return torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, case.eps, quant, p.return_norm,
+                                                           SF_LAYOUT, comm.name, p.weight_offset, p.scale_layout,
+                                                           p.scale_ue8m0)
+
+            def result(r):
+                if not p.tail:
+                    return Result(a=r)
+                return Result.of_tail((r[0], r[1] if p.has_norm else None, r[2] if p.quant else None,
+                                       r[3] if p.quant == "nvfp4" else None, r[4] if computed else None))
         else:
             def step(i):
                 x, residual = case.input_set(i)
                 if not p.tail:
-                    return Result(a=comm.all_reduce(x, out=owned))
-                r = comm.fused_all_reduce(x, residual, case.weight, out=owned, **kw)
+                    return comm.all_reduce(x, out=owned)
+                return comm.fused_all_reduce(x, residual, case.weight, out=owned, **kw)
+
+            def result(r):
+                if not p.tail:
+                    return Result(a=r)
                 return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors, scales=r.scales)
-        return Step(step, GLOO_NO_GRAPH if plan.collective == "gloo" else None)
+        return Step(step, GLOO_NO_GRAPH if plan.collective == "gloo" else None, result)
     return prepare
 
 

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .. import epilogue, ipc, jit, params
+from .. import epilogue, ipc, jit, native, params
 from ..epilogue import CTYPE
 from ..distributed import gather_objects
 from ..plan import chunk_rows
@@ -302,9 +302,43 @@ class Workspace:
                 epilogue.check_like(out, x)
         if out is None:
             out = epilogue._empty_like(x, memory_format=torch.contiguous_format)
+        elif out.data_ptr() % 16:  # checked once per signature, which holds no address
+            raise ValueError("out must be 16-byte aligned")
         if n:  # the launch reads pointers and sizes only: no flattened views (each costs microseconds)
             self._launch_plain(epilogue.aligned(x.contiguous()), out, algo)
         return out
+
+    def plain_launcher(self, x: torch.Tensor, algo: str):
+        """A native launcher (commfuse.native) of `all_reduce(x, algo)` for checked calls of x's shape
+        and dtype, called as launcher(x, None, None, None, out) -> the sum; None where it takes
+        pieces (or no launch)."""
+        n, elt = x.numel(), x.element_size()
+        if not n or n * elt > self.max_bytes:
+            return None
+        vecs = n // 8
+        row_vecs, rows, threads = plain_rows(vecs, self.nblocks, algo)
+        blob = params.P2P.pack(*_NO_TAIL, 0, 0, *self._fixed_params, vecs, rows, row_vecs, rows, self.world,
+                               self.rank, 0)
+        patches = [(params.P2P.offsets["x"], native.X), (params.P2P.offsets["out"], native.OUT)]
+        spec = native.spec_of((tuple(x.shape), x.dtype))
+        return native.launcher(kernels._kernel(x.dtype, "plain", 0, algo, self._index), self.nblocks,
+                               threads, blob, patches, [spec], False, self._index)
+
+    def launcher(self, dtype: torch.dtype, t: int, h: int, eps: float, quant: Optional[str], return_norm: bool,
+                 sf_layout: str, algo: str, weight_offset: float, scale_layout: str, scale_ue8m0: bool):
+        """A native launcher of `fused_all_reduce` for checked calls of t rows of h, called as
+        launcher(x, residual, weight, scale, out) -> the five outputs; None where it takes pieces."""
+        if not t or t * h * torch.empty(0, dtype=dtype).element_size() > self.max_bytes:
+            return None
+        vpt, threads = launch_config(h, quant)
+        slots = epilogue.row_slots(t, quant, sf_layout, scale_layout)
+        fields = epilogue.tail_fields(t, h, eps, quant, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+        blob = params.P2P.pack(*fields, 0, 0, *self._fixed_params, t * h // 8, t, h // 8, slots, self.world,
+                               self.rank, 0)
+        patches = native.tail_patches(params.P2P.offsets["tail"]) + [(params.P2P.offsets["x"], native.X)]
+        specs = epilogue.output_specs(t, h, dtype, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
+        return native.launcher(kernels._kernel(dtype, quant, vpt, algo, self._index), self.nblocks, threads,
+                               blob, patches, [native.spec_of(s) for s in specs], True, self._index)
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                          quant: Optional[str], scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,

@@ -1,0 +1,237 @@
+// The eager hot path of a planned call, in C++ (commfuse/native.py builds and loads it).
+//
+// Per call signature Python settles everything once: the checks, the plan, the kernel, its launch
+// shape and the parameter struct's bytes with every field but the pointers filled in. What is left
+// per call is here: the operands' pointers (copies of strided or misaligned ones), fresh outputs,
+// the pointers patched into the bytes, then NCCL's all-reduce and/or the kernel on torch's current
+// stream. In Python those steps cost tens of microseconds (tensor objects, the driver binding's
+// argument conversion); here a few, most of it the driver's own.
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace py = pybind11;
+
+namespace {
+
+// Where a patched pointer comes from: a call argument, an output, or the NCCL route's sum buffer.
+enum Source : int { kX = 0, kResidual = 1, kWeight = 2, kScale = 3, kOut0 = 4, kSum = 9, kSources = 10 };
+constexpr int kOutputs = 5;  // residual, norm, quant, scale_factors, scales (a plain all-reduce: 1)
+constexpr size_t kMaxParams = 1024;
+const char* const kOutNames[kOutputs] = {"residual", "norm", "quant", "scale_factors", "scales"};
+
+using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+using ErrorString = CUresult (*)(CUresult, const char**);
+// ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
+using AllReduce = int (*)(const void*, void*, size_t, int, int, void*, void*);
+
+// The driver entry points, from the libcuda torch has loaded already.
+struct Driver {
+  LaunchEx launch_ex = nullptr;
+  ErrorString error_string = nullptr;
+  Driver() {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib == nullptr) throw std::runtime_error(std::string("commfuse host launch: ") + dlerror());
+    launch_ex = reinterpret_cast<LaunchEx>(dlsym(lib, "cuLaunchKernelEx"));
+    error_string = reinterpret_cast<ErrorString>(dlsym(lib, "cuGetErrorString"));
+    if (launch_ex == nullptr || error_string == nullptr)
+      throw std::runtime_error("commfuse host launch: libcuda has no cuLaunchKernelEx");
+  }
+};
+
+const Driver& driver() {
+  static const Driver d;
+  return d;
+}
+
+bool g_pdl = true;   // jit.disable_pdl turns programmatic dependent launch off process-wide
+int g_poison = -1;   // the GPU tests' poison byte for fresh outputs (tests/compare.py), -1: none
+
+struct NcclFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// One output of the call: its shape, and for an MN-major view the strides over a flat storage of
+// storage_numel elements (strides empty: contiguous).
+struct OutSpec {
+  bool present = false;
+  std::vector<int64_t> sizes, strides;
+  int64_t storage_numel = 0;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// An argument the plan checked; the check here costs nanoseconds and keeps a stray None from crashing.
+const at::Tensor& tensor(py::handle h, const char* name) {
+  if (!THPVariable_Check(h.ptr())) throw py::type_error(std::string(name) + " must be a tensor");
+  return THPVariable_Unpack(h.ptr());
+}
+
+uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); }
+
+// The kernels read dense rows of 16-byte vectors: a strided or misaligned operand gets a copy
+// (which lives until this call returns, after the launch: the caching allocator orders its reuse
+// after the kernel on this stream).
+at::Tensor operand(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return address(c) % 16 ? c.clone() : c;
+}
+
+class Launcher {
+ public:
+  Launcher(std::string name, uintptr_t function, bool pdl, unsigned grid, unsigned block, py::bytes params,
+           std::vector<std::pair<int, int>> patches, std::vector<py::object> specs, bool fused,
+           uintptr_t nccl_fn, uintptr_t nccl_comm, int nccl_dtype, int64_t count, int device)
+      : name_(std::move(name)), function_(reinterpret_cast<CUfunction>(function)), pdl_(pdl), grid_(grid),
+        block_(block), patches_(std::move(patches)), fused_(fused),
+        nccl_(reinterpret_cast<AllReduce>(nccl_fn)), nccl_comm_(reinterpret_cast<void*>(nccl_comm)),
+        nccl_dtype_(nccl_dtype), count_(count), device_(device) {
+    params_ = static_cast<std::string>(params);
+    if (params_.size() > kMaxParams) throw std::invalid_argument(name_ + ": parameter struct too large");
+    for (const auto& [offset, source] : patches_) {
+      if (offset < 0 || offset + 8 > static_cast<int>(params_.size()) || offset % 8 || source < 0 ||
+          source >= kSources)
+        throw std::invalid_argument(name_ + ": bad pointer patch");
+    }
+    if (specs.size() != (fused_ ? kOutputs : 1)) throw std::invalid_argument(name_ + ": wrong number of specs");
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].is_none()) continue;
+      // (sizes, strides or None, storage elements, a tensor of the dtype)
+      auto s = specs[i].cast<py::tuple>();
+      OutSpec& o = specs_[i];
+      o.present = true;
+      o.sizes = s[0].cast<std::vector<int64_t>>();
+      if (!s[1].is_none()) o.strides = s[1].cast<std::vector<int64_t>>();
+      o.storage_numel = s[2].cast<int64_t>();
+      o.dtype = THPVariable_Unpack(s[3].ptr()).scalar_type();
+    }
+    if (function_ == nullptr && nccl_ == nullptr) throw std::invalid_argument(name_ + ": nothing to launch");
+    driver();  // fail at plan time, not in a call
+  }
+
+  // x, residual, weight, scale: tensors (or None where the call has none), as the plan checked them.
+  // out: None, the caller's output tensor (a plain all-reduce) or an object with the five output
+  // fields. Returns the output tensor, or a tuple of the five outputs (None where absent).
+  py::object operator()(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out) {
+    at::Tensor t[kSources];
+    t[kX] = operand(tensor(x, "x"));
+    if (!residual.is_none()) t[kResidual] = operand(tensor(residual, "residual"));
+    if (!weight.is_none()) t[kWeight] = operand(tensor(weight, "weight"));
+    if (!scale.is_none()) t[kScale] = tensor(scale, "scale");
+    const int n_out = fused_ ? kOutputs : 1;
+    const bool owned = !out.is_none();
+    for (int i = 0; i < n_out; ++i) {
+      if (!specs_[i].present) continue;
+      at::Tensor& o = t[kOut0 + i];
+      if (!owned) {
+        o = allocate(specs_[i]);
+        continue;
+      }
+      // The plan checked the caller's outputs' metadata, which its key holds; not their addresses.
+      const std::string field = fused_ ? std::string("out.") + kOutNames[i] : std::string("out");
+      const py::object h = fused_ ? py::getattr(out, kOutNames[i], py::none()) : py::reinterpret_borrow<py::object>(out);
+      o = tensor(h, field.c_str());
+      if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
+    }
+    if (nccl_ != nullptr) {
+      // NCCL writes the sum into the residual output, which the tail then updates in place; a
+      // scratch buffer where that output is the residual input itself.
+      at::Tensor& sum = t[kSum];
+      sum = owned && fused_ && address(t[kOut0]) == address(t[kResidual]) ? allocate(specs_[0]) : t[kOut0];
+      const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
+                           nccl_comm_, stream());
+      if (rc != 0) throw NcclFailure(std::to_string(rc));
+    }
+    if (function_ != nullptr) launch(t);
+    if (!fused_) return py::reinterpret_steal<py::object>(THPVariable_Wrap(t[kOut0]));
+    py::tuple result(kOutputs);
+    for (int i = 0; i < kOutputs; ++i) {
+      result[i] = specs_[i].present ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t[kOut0 + i]))
+                                    : py::none();
+    }
+    return result;
+  }
+
+ private:
+  cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_).stream(); }
+
+  at::Tensor allocate(const OutSpec& s) const {
+    const auto options = at::TensorOptions().dtype(s.dtype).device(at::kCUDA, device_);
+    at::Tensor o = s.strides.empty() ? at::empty(s.sizes, options) : at::empty({s.storage_numel}, options);
+    if (g_poison >= 0) o.view(at::kByte).fill_(g_poison);
+    return s.strides.empty() ? o : o.as_strided(s.sizes, s.strides);
+  }
+
+  void launch(const at::Tensor (&t)[kSources]) const {
+    alignas(16) char buf[kMaxParams];
+    std::memcpy(buf, params_.data(), params_.size());
+    for (const auto& [offset, source] : patches_) {
+      const uintptr_t p = t[source].defined() ? address(t[source]) : 0;
+      std::memcpy(buf + offset, &p, sizeof p);
+    }
+    // The module was loaded in the device's primary context: launch with that device current.
+    c10::cuda::OptionalCUDAGuard guard;
+    if (c10::cuda::current_device() != device_) guard.set_index(device_);
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig config{};
+    config.gridDimX = grid_;
+    config.gridDimY = config.gridDimZ = 1;
+    config.blockDimX = block_;
+    config.blockDimY = config.blockDimZ = 1;
+    config.hStream = reinterpret_cast<CUstream>(stream());
+    config.attrs = &attr;
+    config.numAttrs = pdl_ && g_pdl ? 1 : 0;
+    void* args[1] = {buf};
+    const CUresult rc = driver().launch_ex(&config, function_, args, nullptr);
+    if (rc != CUDA_SUCCESS) {
+      const char* text = nullptr;
+      driver().error_string(rc, &text);
+      throw std::runtime_error("launch of " + name_ + " grid=(" + std::to_string(grid_) + ",) block=(" +
+                               std::to_string(block_) + ",) on cuda:" + std::to_string(device_) + ": " +
+                               (text ? text : "unknown error") + " (" + std::to_string(rc) + ")");
+    }
+  }
+
+  std::string name_;
+  CUfunction function_;
+  bool pdl_;
+  unsigned grid_, block_;
+  std::string params_;
+  std::vector<std::pair<int, int>> patches_;
+  OutSpec specs_[kOutputs];
+  bool fused_;
+  AllReduce nccl_;
+  void* nccl_comm_;
+  int nccl_dtype_;
+  int64_t count_;
+  int device_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(commfuse_host, m) {
+  m.doc() = "commfuse's eager hot path (csrc/host_launch.cpp)";
+  py::register_exception<NcclFailure>(m, "NcclFailure", PyExc_RuntimeError);
+  py::class_<Launcher>(m, "Launcher")
+      .def(py::init<std::string, uintptr_t, bool, unsigned, unsigned, py::bytes, std::vector<std::pair<int, int>>,
+                    std::vector<py::object>, bool, uintptr_t, uintptr_t, int, int64_t, int>())
+      .def("__call__", &Launcher::operator());
+  m.def("set_pdl", [](bool on) { g_pdl = on; });
+  m.def("set_poison", [](int byte) { g_poison = byte; });
+}
