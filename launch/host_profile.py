@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse import epilogue, fused_tail, jit, params
+from commfuse import epilogue, fused_tail, jit, native, params
 from commfuse.communicator import _key
 
 
@@ -100,6 +100,19 @@ def rows(comm, t: int, h: int):
         fn = int(k._function)
         yield "ctypes libcuda cuLaunchKernel (bare)", lambda: launch(fn, t, 1, 1, threads, 1, 1, 0, stream,
                                                                      slot.argv_addr, None)
+        if native.unavailable() is None:
+            # The C++ launchers the Communicator keeps per call signature (commfuse.native), alone.
+            tail = fused_tail.launcher(dt, t, h, 1e-6, "fp8", False, "swizzled", 0.0, "row", False, 0)
+            owned = tail(x, r, w, scale, None)
+            yield "native tail launcher fp8 (allocating)", lambda: tail(x, r, w, scale, None)
+            yield "native tail launcher fp8 (out=)", lambda: tail(x, r, w, scale, owned)
+            if comm._nccl is not None:
+                both = fused_tail.launcher(dt, t, h, 1e-6, "fp8", False, "swizzled", 0.0, "row", False, 0,
+                                           comm._nccl.native_args(dt, x.numel()))
+                yield "native NCCL + tail launcher fp8 (allocating)", lambda: both(x, r, w, scale, None)
+                alone = native.launcher(None, 0, 0, b"", [], [native.spec_of(((t, h), dt))], False, 0,
+                                        comm._nccl.native_args(dt, x.numel()))
+                yield "native NCCL launcher (out=)", lambda: alone(x, None, None, None, buf)
         for quant in (None, "fp8", "nvfp4"):
             sc = scale if quant else None
             yield f"epilogue.prepare quant={quant}", lambda sc=sc, q=quant: epilogue.prepare(

@@ -6,7 +6,8 @@ every rank) and keeps its own slice, so the reference sees exactly the gathered 
 import torch
 import torch.distributed as dist
 
-SCALES = {None: None, "fp8": 0.02, "nvfp4": 0.004}  # dequant scales for the tails' quant patterns
+# dequant scales for the tails' quant patterns (the computed-scale kinds take none)
+SCALES = {None: None, "fp8": 0.02, "nvfp4": 0.004, "fp8_per_token": None, "fp8_block": None}
 
 
 def rank_inputs(comm, gen, shape, dtype):
