@@ -103,7 +103,7 @@ def rows(comm, t: int, h: int):
         if native.unavailable() is None:
             # The C++ launchers the Communicator keeps per call signature (commfuse.native), alone.
             tail = fused_tail.launcher(dt, t, h, 1e-6, "fp8", False, "swizzled", 0.0, "row", False, 0)
-            owned = tail(x, r, w, scale, None)
+            owned = commfuse.reference.Tail(*tail(x, r, w, scale, None))
             yield "native tail launcher fp8 (allocating)", lambda: tail(x, r, w, scale, None)
             yield "native tail launcher fp8 (out=)", lambda: tail(x, r, w, scale, owned)
             if comm._nccl is not None:
