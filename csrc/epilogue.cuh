@@ -296,31 +296,65 @@ __device__ __forceinline__ float fp8_computed_divide(float x, float k, float s, 
   return isinf(x) && isinf(s) ? x : fp8_divide(__fmul_rn(x, k), s, r);
 }
 
+// e4m3x2 for values that are not NaN: the convert alone.
+__device__ __forceinline__ unsigned e4m3x2_number(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+// fp8_divide of an element x of a group by the group's computed scale (fp8_group_scale, or its
+// UE8M0 rounding up), inside fp8_reciprocal's range: |x| <= amax and scale >= RN(amax / 448), so
+// |q| <= 448 (1 + 2^-22) and only the band's lower end needs a test.
+__device__ __forceinline__ float fp8_group_divide(float x, float scale, float r) {
+  const float q = __fmul_rn(x, r);
+  const float exact = __fmaf_rn(__fmaf_rn(-q, scale, x), r, q);
+  return fabsf(q) >= kFp8BandLow ? exact : q;
+}
+
 // e4m3(norm / scale) as the contract divides (see fp8_divide). kComputed: a computed scale, see
-// fp8_computed_divide.
+// fp8_computed_divide; pow2: it is a power of two (UE8M0).
 template <typename T, bool kComputed = false>
-__device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale) {
+__device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale, bool pow2 = false) {
   unsigned w[4];
   words(n, w);
-  if constexpr (kComputed) {
+  const float r = fp8_reciprocal(scale);
+  // A pair at a time, and the rare cases in branches of their own: the 1024-thread P2P tails have
+  // 64 registers.
+  if (r != 0.f) {
+    if constexpr (kComputed) {
+      // The common case of a computed scale: k = 1 and s finite in fp8_computed_divide, so x k is x
+      // and its Inf test is false. The scale is finite, so no element of its group is NaN or Inf
+      // (either would make amax NaN or +Inf; lanes past the row's end, whose codes are not stored,
+      // aside), and e4m3x2's NaN test is left out. For a power of two
+      // r is exact and x r is RN(x / scale) itself, which is what fp8_divide returns then (inside
+      // the band q is exact, so the remainder is 0).
+      if (pow2) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = Pack<T>::unpack(w[j]);
+          w[j] = e4m3x2_number(__fmul_rn(f.x, r), __fmul_rn(f.y, r));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = Pack<T>::unpack(w[j]);
+          w[j] = e4m3x2_number(fp8_group_divide(f.x, scale, r), fp8_group_divide(f.y, scale, r));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = Pack<T>::unpack(w[j]);
+        w[j] = e4m3x2(fp8_divide(f.x, scale, r), fp8_divide(f.y, scale, r));
+      }
+    }
+  } else if constexpr (kComputed) {
     const float k = scale < 0x1p-64f ? 0x1p64f : scale > 0x1p64f ? 0x1p-64f : 1.f;
     const float s = __fmul_rn(scale, k);
-    const float r = __frcp_rn(s);
+    const float rs = __frcp_rn(s);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 f = Pack<T>::unpack(w[j]);
-      w[j] = e4m3x2(fp8_computed_divide(f.x, k, s, r), fp8_computed_divide(f.y, k, s, r));
-    }
-    return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
-  }
-  const float r = fp8_reciprocal(scale);
-  // A pair at a time, and the rare true division in a branch of its own: the 1024-thread P2P
-  // tails have 64 registers.
-  if (r != 0.f) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = Pack<T>::unpack(w[j]);
-      w[j] = e4m3x2(fp8_divide(f.x, scale, r), fp8_divide(f.y, scale, r));
+      w[j] = e4m3x2(fp8_computed_divide(f.x, k, s, rs), fp8_computed_divide(f.y, k, s, rs));
     }
   } else {
 #pragma unroll
@@ -366,27 +400,36 @@ __device__ __forceinline__ void tail_sf_zero(const TailParams& p, int m, int k_b
 // ------------------------------------------------------------------ FP8 with computed scales
 
 // reference._fp8_groups' scale of a group of largest magnitude amax: max(RN(amax / 448), 2^-126),
-// NaN as the canonical 0x7FC00000.
+// NaN as the canonical 0x7FC00000. amax is a T value (the largest |norm| of the group, from
+// abs_max_bits), and for those the division is fp8_divide's reciprocal and correction without its
+// band: RN(amax RN(1/448)) corrected by two FMAs is RN(amax / 448) for every finite fp16 and bf16
+// value, subnormal quotients included (tests/test_fp8_group_scale.py checks each one in exact
+// arithmetic). For amax = +Inf, the one input that makes q infinite, the remainder is NaN and q
+// itself is the quotient.
+constexpr float kFp8Max = 448.f, kFp8MaxReciprocal = 0x1.24924ap-9f;  // RN(1 / 448)
+
 __device__ __forceinline__ float fp8_group_scale(float amax) {
-  const float s = __fdiv_rn(amax, 448.f);
+  const float q = __fmul_rn(amax, kFp8MaxReciprocal);
+  const float s = isinf(q) ? q : __fmaf_rn(__fmaf_rn(-q, kFp8Max, amax), kFp8MaxReciprocal, q);
   return isnan(s) ? __int_as_float(0x7fc00000) : fmaxf(s, 0x1p-126f);
 }
 
 // The scale a block's codes divide by: its group scale, or with UE8M0 that rounded up to a power
 // of two on the bits (reference.ue8m0_from_scale: E = e + (mantissa != 0), at most 0xFF, whose
 // value is +Inf; a NaN scale stays NaN). The UE8M0 byte is the result's bits >> 23 in every case.
+// The group scale is positive and normal or +Inf, so adding 2^23 - 1 to its bits carries into the
+// exponent exactly when the mantissa is not 0 (a scale above 2^127 carries into +Inf's pattern, and
+// +Inf stays +Inf), and the mask drops the mantissa.
 __device__ __forceinline__ float fp8_block_scale(const TailParams& p, float amax) {
   const float s = fp8_group_scale(amax);
   if (!(p.scale_layout & kScaleUe8m0)) return s;
-  const unsigned b = __float_as_uint(s);
-  const unsigned e = min((b >> 23) + ((b & 0x7fffffu) != 0u), 0xffu);
-  return isnan(s) ? s : __uint_as_float(e << 23);
+  return isnan(s) ? s : __uint_as_float((__float_as_uint(s) + 0x7fffffu) & 0x7f800000u);
 }
 
 // Block k of row m's scale (sq: what its codes divide by), in the caller's layout (docs/semantics.md
 // section 11): float32 or UE8M0 bytes, row-major [t, K] or MN-major with column stride scale_stride
 // (roundup(t, 4) of the whole call, also when the P2P launcher cuts it into pieces of rows).
-__device__ __forceinline__ void store_block_scale(const TailParams& p, int m, int k, float sq) {
+__device__ __forceinline__ void store_block_scale(const TailParams& p, int m, unsigned k, float sq) {
   const int K = p.h / kFp8Block;
   const bool mn = p.scale_layout & kScaleMnMajor;
   if (p.scale_layout & kScaleUe8m0) {
@@ -421,6 +464,17 @@ __device__ __forceinline__ float quant_scalar(const TailParams& p) {
   return 0.f;
 }
 
+// The maximum of v over this lane's half warp (lanes 0-15 or 16-31: an fp8_block block), for all
+// 32 lanes. redux.sync (sm_80+, which every arch built is) reduces a whole warp in one instruction,
+// so two of them, each over the values of one half (0 in the other), replace four dependent
+// shuffles and maxima; the max of unsigned bit patterns is exact and needs no order.
+__device__ __forceinline__ unsigned half_warp_max(unsigned v) {
+  const bool low = (threadIdx.x & 16) == 0;
+  const unsigned lo = __reduce_max_sync(0xffffffffu, low ? v : 0u);
+  const unsigned hi = __reduce_max_sync(0xffffffffu, low ? 0u : v);
+  return low ? lo : hi;
+}
+
 // Stores, and quantization, of vector v of row `row`, given its T-rounded norm n. Every lane of
 // the warp must call it (NVFP4 pairs lanes through a shuffle, fp8_block reduces over 16 lanes);
 // `active` is false for lanes past the row's end, whose inputs are zero. sf_base: sf_row_base(p,
@@ -434,16 +488,13 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
   if constexpr (QUANT == kQuantFp8 || QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
     float s = qs;
     if constexpr (QUANT == kQuantFp8Block) {
-      unsigned m = abs_max_bits(n);
-#pragma unroll
-      for (int o = 1; o < kFp8BlockVectors; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-      s = fp8_block_scale(p, Pack<T>::from_bits(m));
+      s = fp8_block_scale(p, Pack<T>::from_bits(half_warp_max(abs_max_bits(n))));
     }
-    const uint2 q = quant_fp8<T, QUANT != kQuantFp8>(n, s);
+    const uint2 q = quant_fp8<T, QUANT != kQuantFp8>(n, s, QUANT == kQuantFp8Block && (p.scale_layout & kScaleUe8m0));
     if (active) {
       reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
       if constexpr (QUANT == kQuantFp8Block) {
-        if (v % kFp8BlockVectors == 0) store_block_scale(p, row, v / kFp8BlockVectors, s);
+        if (v % kFp8BlockVectors == 0) store_block_scale(p, row, static_cast<unsigned>(v) / kFp8BlockVectors, s);
       }
     }
   } else if constexpr (QUANT == kQuantNvfp4) {
@@ -481,8 +532,9 @@ __device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t
 
 // op(...op(op(init, x_0), x_1)..., x_n) of v over the CTA, the same bits in every thread (warp
 // results are combined in warp order). red: shared scratch of at least blockDim.x / 32 words, free
-// again on return.
-template <typename V, typename Op>
+// again on return; kFreeRed false leaves out the barrier that frees it, for a caller whose next
+// __syncthreads comes before any thread writes red again.
+template <bool kFreeRed = true, typename V, typename Op>
 __device__ __forceinline__ V block_reduce(V v, V* red, V init, Op op) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -491,19 +543,31 @@ __device__ __forceinline__ V block_reduce(V v, V* red, V init, Op op) {
   __syncthreads();
   V total = init;
   for (int i = 0; i < warps; ++i) total = op(total, red[i]);
-  __syncthreads();  // lets the caller reuse red for the next row
+  if (kFreeRed) __syncthreads();  // lets the caller reuse red for the next row
   return total;
 }
 
+template <bool kFreeRed = true>
 __device__ __forceinline__ float block_sum(float v, float* red) {
-  return block_reduce(v, red, 0.f, [](float a, float b) { return a + b; });
+  return block_reduce<kFreeRed>(v, red, 0.f, [](float a, float b) { return a + b; });
 }
 
 // fp8_per_token: the row's scale from the largest |norm| bit pattern each thread saw (abs_max_bits:
 // a NaN stays above every number, so the scale is NaN), stored by thread 0 (float32 [t]).
+// A maximum is exact in any order, so unlike block_sum it takes redux.sync (sm_80+, which every arch
+// built is): one instruction per warp, and one more per warp over the warps' maxima. Its scratch is
+// its own, so it needs no barrier of its own after the read: the next row's block_sum writes only
+// its red, and its barrier comes before this scratch is written again. For the same reason the
+// row's block_sum before it need not free red (tail_row, tail_row_looped): every thread has read it
+// before this barrier, the next write of red comes after.
 template <typename T>
-__device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigned m, float* red) {
-  const unsigned amax = block_reduce(m, reinterpret_cast<unsigned*>(red), 0u, [](unsigned a, unsigned b) { return max(a, b); });
+__device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigned m) {
+  __shared__ unsigned warp_max[kTailMaxWarps];
+  m = __reduce_max_sync(0xffffffffu, m);
+  const unsigned lane = threadIdx.x & 31;
+  if (lane == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  const unsigned amax = __reduce_max_sync(0xffffffffu, lane < blockDim.x / 32 ? warp_max[lane] : 0u);
   const float s = fp8_group_scale(Pack<T>::from_bits(amax));
   if (threadIdx.x == 0) static_cast<float*>(p.scales_out)[row] = s;
   return s;
@@ -539,7 +603,7 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
 // threadIdx.x + i * blockDim.x, i < VPT; anything past the row's end), its scale-storage padding
 // included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here.
 template <typename T, int QUANT, int VPT>
-__device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs, float* red) {
+__device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs) {
   const int nv = p.h / kVecElems;
   const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
   if constexpr (QUANT == kQuantFp8PerToken) {
@@ -549,7 +613,7 @@ __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uin
       const int v = threadIdx.x + i * blockDim.x;
       if (v < nv) m = max(m, abs_max_bits(n[i]));  // past the row, 0 * inv may be NaN (inv = Inf)
     }
-    qs = row_scale<T>(p, row, m, red);
+    qs = row_scale<T>(p, row, m);
   }
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
@@ -619,13 +683,13 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
     y[i] = norm_input<T, kMayLackResidual>(p, a[i], x[i], sumsq);
     if (store_residual && v < nv) res_out[v] = y[i];
   }
-  const float inv = inv_rms(block_sum(sumsq, red), p);
+  const float inv = inv_rms(block_sum<QUANT != kQuantFp8PerToken>(sumsq, red), p);
 
   if constexpr (QUANT == kQuantFp8PerToken) {
     // The row's scale needs every norm first: they replace the residual in registers.
 #pragma unroll
     for (int i = 0; i < VPT; ++i) y[i] = norm_round<T>(y[i], w[i], inv, p.weight_offset);
-    emit_row<T, QUANT, VPT>(p, row, y, qs, red);
+    emit_row<T, QUANT, VPT>(p, row, y, qs);
   } else {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -674,7 +738,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
       if (has_residual && v < nv) res_out[v] = x;
     }
   }
-  const float inv = inv_rms(block_sum(sumsq, red), p);
+  const float inv = inv_rms(block_sum<QUANT != kQuantFp8PerToken>(sumsq, red), p);
 
   if constexpr (QUANT == kQuantFp8PerToken) {
     unsigned m = 0;
@@ -692,7 +756,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
         if (v < nv) m = max(m, abs_max_bits(norm_round<T>(x[i], w[i], inv, p.weight_offset)));
       }
     }
-    qs = row_scale<T>(p, row, m, red);
+    qs = row_scale<T>(p, row, m);
   }
 
   // The trip count is the same for every thread: emit_vector's shuffle needs whole warps.

@@ -69,7 +69,6 @@ __device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z
 // no residual; x, z, the group size and the gate's place), declared in commfuse/params.py.
 template <typename T, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
-  __shared__ float red[kMaxThreads<VPT> / 32];
   __shared__ float part[VPT * kMaxThreads<VPT>];  // per vector, then per group: sums of squares
   pdl_wait();
   pdl_launch_dependents();
@@ -124,7 +123,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
     const float inv = v < nv ? inv_rms(part[v / gv * gv], p.group_size, tp.eps) : 0.f;
     n[i] = gated_norm_round<T>(xv[i], zv[i], wv[i], inv, gate_first, gate_after);
   }
-  emit_row<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp), red);
+  emit_row<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp));
 }
 
 }  // namespace commfuse
