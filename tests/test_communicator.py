@@ -400,3 +400,46 @@ def test_native_launch_checks_the_address_of_caller_outputs(comm, gen):
         comm.all_reduce(x, out=torch.empty_like(x))  # plan the signature
         comm.all_reduce(x, out=shifted)
     assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards
+
+
+@mpi
+def test_native_table_serves_repeated_signatures(comm, gen, monkeypatch):
+    """Without the per-call cross-rank check, a signature seen before is planned and launched by the C++
+    table (no Python planning at all) with the bits and the plan of its first call; other shapes,
+    dtypes and arguments are not taken for it."""
+    _native_on(comm)
+    c = Communicator(comm.group)
+    c.check_calls = False
+    t, h, dtype = 6, 512, torch.bfloat16
+    x, _ = rank_inputs(c, gen, (t, h), dtype)
+    residual, weight, fp8_scale = tail_inputs(c, gen, t, h, dtype, "fp8")
+    nvfp4_scale = tail_inputs(c, gen, t, h, dtype, "nvfp4")[2]
+    cases = [dict(), dict(quant="fp8", scale=fp8_scale, return_norm=True), dict(quant="fp8", scale=fp8_scale),
+             dict(quant="nvfp4", scale=nvfp4_scale, sf_layout="linear"), dict(quant="nvfp4", scale=nvfp4_scale),
+             dict(quant="fp8_block", scale_layout="mn_major", scale_ue8m0=True), dict(quant="fp8_per_token"),
+             dict(quant="fp8_per_token", weight_offset=1.0), dict(eps=1e-3)]
+    first = [c.fused_all_reduce(x, residual, weight, **kw) for kw in cases]
+    first_sum = c.all_reduce(x)
+    entries = len(c._hot)
+    with monkeypatch.context() as m:
+        m.setattr(c, "_planned", lambda *a, **k: pytest.fail("a repeated signature was planned in Python"))
+        again = [c.fused_all_reduce(x, residual, weight, **kw) for kw in cases]
+        again_sum = c.all_reduce(x)
+    assert entries == len(cases) + 1 and len(c._hot) == entries
+    for kw, a, b in zip(cases, first, again):
+        assert b.plan is a.plan, kw
+        for name in ("residual", "norm", "quant", "scale_factors", "scales"):
+            u, v = getattr(a, name), getattr(b, name)
+            assert (u is None) == (v is None), (kw, name)
+            if u is not None:
+                assert u.shape == v.shape and u.stride() == v.stride() and u.dtype == v.dtype, (kw, name)
+                assert torch.equal(_storage(u).view(torch.uint8), _storage(v).view(torch.uint8)), (kw, name)
+    assert torch.equal(first_sum, again_sum)
+    # Another row count, dtype or layout is another signature: planned afresh, right shapes.
+    longer = torch.cat([x, x])
+    r = c.fused_all_reduce(longer, torch.cat([residual, residual]), weight, quant="fp8", scale=fp8_scale)
+    assert r.quant.shape == (2 * t, h) and len(c._hot) == entries + 1
+    half = c.fused_all_reduce(x.half(), residual.half(), weight.half())
+    assert half.residual.dtype == torch.float16 and half.plan is not first[0].plan
+    assert c.all_reduce(longer).shape == longer.shape
+    c.close()

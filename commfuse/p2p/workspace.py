@@ -229,6 +229,10 @@ class Workspace:
 
     # ---------------------------------------------------------------- errors
 
+    def error_word(self) -> int:
+        """The address of the pinned host word check_error reads (0 while no error), for readers in C++."""
+        return self._host_ptr or 0
+
     def _error_code(self) -> int:
         return 0 if self._host_ptr is None else ctypes.c_int32.from_address(self._host_ptr).value
 
