@@ -57,11 +57,16 @@ class NcclFailure(RuntimeError):
 
 
 def _flags() -> Tuple[list, list]:
-    """(compile flags, link flags) for an extension of this torch; raises OSError without CUDA headers."""
+    """(compile flags, link flags) for an extension of this torch: its headers and libraries, the CUDA
+    toolkit's where torch finds one (CUDA_HOME), and the CUDA headers NVRTC uses (jit.cuda_include_dirs:
+    the NVIDIA wheels' or the toolkit's), which hold cuda.h."""
     from torch.utils import cpp_extension
 
-    includes = cpp_extension.include_paths("cuda") + list(jit.cuda_include_dirs()) + [sysconfig.get_paths()["include"]]
-    libs = cpp_extension.library_paths("cuda")
+    try:
+        includes, libs = cpp_extension.include_paths("cuda"), cpp_extension.library_paths("cuda")
+    except OSError:  # no CUDA toolkit: the wheels' headers below serve
+        includes, libs = cpp_extension.include_paths("cpu"), cpp_extension.library_paths("cpu")
+    includes = includes + list(jit.cuda_include_dirs()) + [sysconfig.get_paths()["include"]]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     compile_flags = ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     compile_flags += [f"-I{d}" for d in dict.fromkeys(includes)]
