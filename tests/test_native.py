@@ -59,3 +59,20 @@ def test_host_launch_source_compiles(tmp_path):
     except FileNotFoundError:
         pytest.skip(f"no C++ compiler ({cxx})")
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_a_failed_build_says_why_and_leaves_no_file(tmp_path, monkeypatch):
+    """A compiler that fails: _build raises OSError with its output, and neither the library nor a
+    half-written temporary stays in the cache (a later process must not load it)."""
+    try:
+        native._flags()
+    except OSError as e:
+        pytest.skip(f"no headers to compile against: {e}")
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
+    script = tmp_path / "failing-cxx"
+    script.write_text("#!/bin/sh\necho 'host_launch.cpp:1: error: this compiler always fails' >&2\nexit 3\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    with pytest.raises(OSError, match=r"failed \(3\): host_launch.cpp:1: error: this compiler always fails"):
+        native._build()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("commfuse_host")]
