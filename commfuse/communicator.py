@@ -18,6 +18,7 @@ from .plan import (Collective, Plan, Request, TailRoute, TensorMeta, check_argum
 
 STRATEGIES = ("auto", "nccl", "oneshot", "twoshot")
 _PLAIN = (0.0, "row", False)  # a plain all-reduce's (weight_offset, scale_layout, scale_ue8m0) in its key
+_LATER = object()  # the launcher of a signature plan() cached: made at the signature's first call
 _MAX_PLANS = 4096
 
 
@@ -182,28 +183,31 @@ class Communicator:
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
         return self._planned(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                             (weight_offset, scale_layout, scale_ue8m0), out)[0]
+                             (weight_offset, scale_layout, scale_ue8m0), out, launch=False)[0]
 
-    def _planned(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out) -> tuple:
+    def _planned(self, x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out,
+                 launch: bool = True) -> tuple:
         """(plan, its native launcher or None) of a call, from the cache. Decode layers repeat a handful
         of call signatures: the checks, guards and launch preparation run once per signature
-        (everything they read is in the key), not on every call of the hot path."""
+        (everything they read is in the key), not on every call of the hot path. launch False (plan()):
+        the launcher, which loads kernels, is left _LATER, for the signature's first call."""
         try:
             key = (_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout, scaled)
             entry = self._plans.get(key)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable argument: the checks name it
             plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
             return plan, None
-        if entry is None:
-            plan = self._make_plan(x, residual, weight, eps, quant, scale, return_norm, sf_layout, scaled, out)
-            launch = self._launcher(plan, x, residual, eps, quant, return_norm, sf_layout, scaled)
+        if entry is None or (launch and entry[1] is _LATER):
+            plan = entry[0] if entry is not None else self._make_plan(x, residual, weight, eps, quant, scale,
+                                                                      return_norm, sf_layout, scaled, out)
+            launch = self._launcher(plan, x, residual, eps, quant, return_norm, sf_layout, scaled) if launch else _LATER
             entry = (plan, launch)
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
                 if self._hot is not None:
                     self._hot.clear()
             self._plans[key] = entry
-            if launch is not None and self._hot is not None:
+            if launch is not None and launch is not _LATER and self._hot is not None:
                 if residual is None:
                     self._hot.insert_plain(x, out, plan, launch)
                 else:
@@ -297,6 +301,8 @@ class Communicator:
         once per call signature. out.residual may be `residual` itself: the residual is updated in
         place (every route reads each residual element before it writes it).
         """
+        if residual is None:  # its key would be a plain all-reduce's
+            raise TypeError("residual must be a tensor of x's shape (all_reduce is the call without a tail)")
         hot = None if self.check_calls else self._hot
         if hot is not None:  # a signature seen before: the C++ table plans and launches it
             r = self._native(hot.fused, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
@@ -309,7 +315,7 @@ class Communicator:
                                      (weight_offset, scale_layout, scale_ue8m0)))
         except (AttributeError, TypeError):
             entry = None
-        if entry is None:
+        if entry is None or entry[1] is _LATER:
             entry = self._planned(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                   (weight_offset, scale_layout, scale_ue8m0), out)
         plan, launch = entry
@@ -371,9 +377,9 @@ class Communicator:
         """Release the P2P workspace (collective: every rank calls it); later calls take
         torch.distributed's NCCL."""
         self._hot = None  # its entries may route to the workspace, and it reads the workspace's error word
+        self._plans.clear()  # cached plans may route to the workspace, their launchers to commfuse.nccl
         if self._p2p is not None:
             workspace, self._p2p = self._p2p, None
-            self._plans.clear()  # cached plans may route to the workspace
             workspace.close()
         # The NCCL communicator is the group's, shared with its other Communicators (nccl.shared).
         self._nccl = None

@@ -272,6 +272,11 @@ def prepare(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
         for name, o in zip(_OUTPUTS, (res_out, norm, q, sf, scales)):
             if o is not None and o.data_ptr() % 16:
                 raise ValueError(f"out.{name} must be 16-byte aligned")
+        if scales is not None and scale_layout == "mn_major":  # nor the room for its padding rows
+            need = scales.shape[1] * scales.stride(1) * scales.element_size()
+            if scales.untyped_storage().nbytes() - scales.storage_offset() * scales.element_size() < need:
+                raise ValueError(f"out.scales must be a view of a storage of {need // scales.element_size()} "
+                                 "elements (padding rows included)")
     else:
         # like: a [t, h] tensor the outputs of a's shape are made like (empty_like is the cheaper call)
         if residual_out is not None:

@@ -114,8 +114,8 @@ def _load():
         spec = importlib.util.spec_from_file_location("commfuse_host", path, loader=loader)
         mod = importlib.util.module_from_spec(spec)
         loader.exec_module(mod)
-    except (OSError, ImportError) as e:
-        return None, f"{SOURCE} not built: {e}"
+    except Exception as e:  # noqa: BLE001 (a probe: whatever stops the build or the import, say it, launch from Python)
+        return None, f"{SOURCE} not built: {type(e).__name__}: {e}"
     mod.set_pdl(jit.pdl_off() is None)
     global NcclFailure
     NcclFailure = mod.NcclFailure

@@ -118,7 +118,7 @@ class Launcher {
       o.sizes = s[0].cast<std::vector<int64_t>>();
       if (!s[1].is_none()) o.strides = s[1].cast<std::vector<int64_t>>();
       o.storage_numel = s[2].cast<int64_t>();
-      o.dtype = THPVariable_Unpack(s[3].ptr()).scalar_type();
+      o.dtype = tensor(s[3], "spec dtype").scalar_type();
     }
     if (function_ == nullptr && nccl_ == nullptr) throw std::invalid_argument(name_ + ": nothing to launch");
     driver();  // fail at plan time, not in a call
@@ -147,6 +147,13 @@ class Launcher {
       const py::object h = fused_ ? py::getattr(out, kOutNames[i], py::none()) : py::reinterpret_borrow<py::object>(out);
       o = tensor(h, field.c_str());
       if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
+      // The key holds an MN-major view's shape and strides, not the room of its storage (the kernels
+      // write the padding rows too).
+      if (!specs_[i].strides.empty() &&
+          static_cast<int64_t>(o.storage().nbytes()) - o.storage_offset() * o.element_size() <
+              specs_[i].storage_numel * o.element_size())
+        throw py::value_error(field + " must be a view of a storage of " + std::to_string(specs_[i].storage_numel) +
+                              " elements (padding rows included)");
     }
     if (nccl_ != nullptr) {
       // NCCL writes the sum into the residual output, which the tail then updates in place; a
@@ -246,9 +253,11 @@ class Table {
       return py::none();
     const auto it = entries_.find(key);
     if (it == entries_.end() || error_pending()) return py::none();
-    const Entry& e = it->second;
-    py::tuple t = (*e.launcher)(x, residual, weight, scale, out);
-    return result_type_(t[0], t[1], t[2], t[3], t[4], e.plan);
+    // Copies: the launch runs Python (the out fields' getattr, a collection at an allocation), which
+    // may clear the table.
+    const py::object plan = it->second.plan, keep = it->second.launcher_object;
+    py::tuple t = (*it->second.launcher)(x, residual, weight, scale, out);
+    return result_type_(t[0], t[1], t[2], t[3], t[4], plan);
   }
 
   // Communicator.all_reduce's: the sum, or None on a miss.
@@ -257,6 +266,7 @@ class Table {
     if (!plain_key(key, x, out)) return py::none();
     const auto it = entries_.find(key);
     if (it == entries_.end() || error_pending()) return py::none();
+    const py::object keep = it->second.launcher_object;  // as in fused()
     return (*it->second.launcher)(x, py::none(), py::none(), py::none(), out);
   }
 

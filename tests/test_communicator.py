@@ -443,3 +443,34 @@ def test_native_table_serves_repeated_signatures(comm, gen, monkeypatch):
     assert half.residual.dtype == torch.float16 and half.plan is not first[0].plan
     assert c.all_reduce(longer).shape == longer.shape
     c.close()
+
+
+@mpi
+def test_fused_all_reduce_needs_a_residual(comm, gen):
+    """Without a residual the call's key would be a plain all-reduce's: it is refused, naming it."""
+    x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
+    comm.all_reduce(x)  # the plain signature, cached
+    with pytest.raises(TypeError, match="residual must be a tensor"):
+        comm.fused_all_reduce(x, None, None)
+
+
+@mpi
+def test_plan_then_call_then_close(comm, gen):
+    """plan() caches the route without loading anything for its launch (the first call does); close()
+    forgets every plan (their launchers may hold the workspace or commfuse.nccl), and later calls take
+    torch.distributed."""
+    c = Communicator(comm.group)
+    x, xs = rank_inputs(c, gen, (8, 256), torch.bfloat16)
+    residual, weight, scale = tail_inputs(c, gen, 8, 256, torch.bfloat16, "fp8")
+    p = c.plan(x, residual, weight, quant="fp8", scale=scale)
+    assert all(launch is commfuse.communicator._LATER for _, launch in c._plans.values())
+    r = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale)
+    assert r.plan is p and c.plan(x, residual, weight, quant="fp8", scale=scale) is p
+    before = c.all_reduce(x)
+    c.close()
+    assert not c._plans and c._hot is None
+    after = c.all_reduce(x)
+    if exact_sum(c):
+        assert torch.equal(before, after) and torch.equal(after, reference.all_reduce_sum(xs))
+    else:
+        assert_within_ulp(after, reference.all_reduce_sum(xs), c.world_size, "all-reduce after close")
