@@ -310,15 +310,8 @@ class Communicator:
             if r is not None:
                 return r
         self._check_p2p_error()
-        try:  # _planned's cache lookup, inline: the hot path's one call saved
-            entry = self._plans.get((_signature(x, residual, weight, scale, out), eps, quant, return_norm, sf_layout,
-                                     (weight_offset, scale_layout, scale_ue8m0)))
-        except (AttributeError, TypeError):
-            entry = None
-        if entry is None or entry[1] is _LATER:
-            entry = self._planned(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
-                                  (weight_offset, scale_layout, scale_ue8m0), out)
-        plan, launch = entry
+        plan, launch = self._planned(x, residual, weight, eps, quant, scale, return_norm, sf_layout,
+                                     (weight_offset, scale_layout, scale_ue8m0), out)
         if self.check_calls:
             self._check_same_call(("fused_all_reduce", tuple(x.shape), str(x.dtype), quant, return_norm, sf_layout,
                                    weight_offset, scale_layout, scale_ue8m0, str(plan.collective)))

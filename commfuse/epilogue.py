@@ -103,10 +103,15 @@ def output_specs(tokens: int, hidden: int, dtype: torch.dtype, quant: Optional[s
     return ((t, h), dtype), norm, q, sf, _scales_spec(t, h, quant, scale_layout, scale_ue8m0)
 
 
-def _storage_numel(shape: tuple, strides: Optional[tuple]) -> int:
+def storage_numel(shape: tuple, strides: Optional[tuple]) -> int:
     """Elements of the storage behind a tensor of `shape` (strides None: contiguous); an MN-major view's
     includes its padding rows."""
     return math.prod(shape) if strides is None else shape[1] * strides[1]
+
+
+def _room(t: torch.Tensor) -> int:
+    """Elements of t's storage from t's first element on."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
 
 
 def allocate(spec, device, empty=None) -> torch.Tensor:
@@ -117,7 +122,7 @@ def allocate(spec, device, empty=None) -> torch.Tensor:
     strides = spec[2] if len(spec) > 2 else None
     if strides is None:
         return empty(shape, dtype=dtype, device=device)
-    return empty((_storage_numel(shape, strides),), dtype=dtype, device=device).as_strided(shape, strides)
+    return empty((storage_numel(shape, strides),), dtype=dtype, device=device).as_strided(shape, strides)
 
 
 def fake_outputs(x: torch.Tensor, quant: str, return_norm: bool, sf_layout: str, scale_layout: str = "row",
@@ -205,11 +210,10 @@ def check_out(out, tokens: int, hidden: int, dtype: torch.dtype, device: torch.d
                              f"{list(t.shape)} {t.dtype}")
         strides = spec[2] if len(spec) > 2 else None
         if strides is not None:
-            room = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-            if tuple(t.stride()) != strides or room < _storage_numel(spec[0], strides) * t.element_size():
+            if tuple(t.stride()) != strides or _room(t) < storage_numel(spec[0], strides):
                 raise ValueError(f"out.{name} must be an MN-major view with strides {strides} of a storage of "
-                                 f"{_storage_numel(spec[0], strides)} elements (padding rows included), got strides "
-                                 f"{tuple(t.stride())} and room for {room // t.element_size()}")
+                                 f"{storage_numel(spec[0], strides)} elements (padding rows included), got strides "
+                                 f"{tuple(t.stride())} and room for {_room(t)}")
         if t.device != device or not (strides is not None or t.is_contiguous()) or t.data_ptr() % 16:
             raise ValueError(f"out.{name} must be contiguous, 16-byte aligned and on {device}, got a tensor on "
                              f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
@@ -273,10 +277,9 @@ def prepare(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
             if o is not None and o.data_ptr() % 16:
                 raise ValueError(f"out.{name} must be 16-byte aligned")
         if scales is not None and scale_layout == "mn_major":  # nor the room for its padding rows
-            need = scales.shape[1] * scales.stride(1) * scales.element_size()
-            if scales.untyped_storage().nbytes() - scales.storage_offset() * scales.element_size() < need:
-                raise ValueError(f"out.scales must be a view of a storage of {need // scales.element_size()} "
-                                 "elements (padding rows included)")
+            need = storage_numel(scales.shape, scales.stride())
+            if _room(scales) < need:
+                raise ValueError(f"out.scales must be a view of a storage of {need} elements (padding rows included)")
     else:
         # like: a [t, h] tensor the outputs of a's shape are made like (empty_like is the cheaper call)
         if residual_out is not None:

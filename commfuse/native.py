@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import jit, params
+from . import epilogue, jit, params
 
 __all__ = ["SOURCE", "unavailable", "module", "launcher", "tail_patches", "set_poison", "X", "RESIDUAL", "WEIGHT",
            "SCALE", "OUT", "SUM", "NcclFailure"]
@@ -163,8 +163,8 @@ def spec_of(spec):
         return None
     shape, dtype = spec[0], spec[1]
     strides = spec[2] if len(spec) > 2 else None
-    numel = shape[1] * strides[1] if strides is not None else 0
-    return (list(shape), None if strides is None else list(strides), numel, torch.empty(0, dtype=dtype))
+    return (list(shape), None if strides is None else list(strides), epilogue.storage_numel(shape, strides),
+            torch.empty(0, dtype=dtype))
 
 
 def launcher(kernel: Optional[jit.Kernel], grid: int, block: int, blob: bytes, patches: Sequence,

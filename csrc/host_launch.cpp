@@ -119,6 +119,7 @@ class Launcher {
       if (!s[1].is_none()) o.strides = s[1].cast<std::vector<int64_t>>();
       o.storage_numel = s[2].cast<int64_t>();
       o.dtype = tensor(s[3], "spec dtype").scalar_type();
+      field_names_[i] = fused_ ? std::string("out.") + kOutNames[i] : std::string("out");
     }
     if (function_ == nullptr && nccl_ == nullptr) throw std::invalid_argument(name_ + ": nothing to launch");
     driver();  // fail at plan time, not in a call
@@ -143,7 +144,7 @@ class Launcher {
         continue;
       }
       // The plan checked the caller's outputs' metadata, which its key holds; not their addresses.
-      const std::string field = fused_ ? std::string("out.") + kOutNames[i] : std::string("out");
+      const std::string& field = field_names_[i];
       const py::object h = fused_ ? py::getattr(out, kOutNames[i], py::none()) : py::reinterpret_borrow<py::object>(out);
       o = tensor(h, field.c_str());
       if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
@@ -223,6 +224,7 @@ class Launcher {
   std::string params_;
   std::vector<std::pair<int, int>> patches_;
   OutSpec specs_[kOutputs];
+  std::string field_names_[kOutputs];  // for the caller-owned outputs' errors: "out.norm" (or "out")
   bool fused_;
   AllReduce nccl_;
   void* nccl_comm_;

@@ -274,8 +274,14 @@ class Workspace:
     def _launch(self, kernel: jit.Kernel, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
                 rows: int, row_vecs: int, row_slots: int) -> None:
         kernel.launch((self.nblocks, 1, 1), (threads, 1, 1),
-                      params.P2P.pack(*tail, x_ptr, out_ptr, *self._fixed_params, total_vecs, rows, row_vecs,
-                                      row_slots, self.world, self.rank, 0))
+                      self._pack(tail, x_ptr, out_ptr, total_vecs, rows, row_vecs, row_slots))
+
+    def _pack(self, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int, rows: int, row_vecs: int,
+              row_slots: int) -> bytes:
+        """P2PParams of a launch on this workspace (the native launchers patch x_ptr / out_ptr / the tail's
+        pointers in per call)."""
+        return params.P2P.pack(*tail, x_ptr, out_ptr, *self._fixed_params, total_vecs, rows, row_vecs, row_slots,
+                               self.world, self.rank, 0)
 
     def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
         """out = the sum of x_flat (contiguous, any shape, numel % 8 == 0; out: contiguous, as many
@@ -321,8 +327,7 @@ class Workspace:
             return None
         vecs = n // 8
         row_vecs, rows, threads = plain_rows(vecs, self.nblocks, algo)
-        blob = params.P2P.pack(*_NO_TAIL, 0, 0, *self._fixed_params, vecs, rows, row_vecs, rows, self.world,
-                               self.rank, 0)
+        blob = self._pack(_NO_TAIL, 0, 0, vecs, rows, row_vecs, rows)
         patches = [(params.P2P.offsets["x"], native.X), (params.P2P.offsets["out"], native.OUT)]
         spec = native.spec_of((tuple(x.shape), x.dtype))
         return native.launcher(kernels._kernel(x.dtype, "plain", 0, algo, self._index), self.nblocks,
@@ -332,13 +337,12 @@ class Workspace:
                  sf_layout: str, algo: str, weight_offset: float, scale_layout: str, scale_ue8m0: bool):
         """A native launcher of `fused_all_reduce` for checked calls of t rows of h, called as
         launcher(x, residual, weight, scale, out) -> the five outputs; None where it takes pieces."""
-        if not t or t * h * torch.empty(0, dtype=dtype).element_size() > self.max_bytes:
+        if not t or t * h * dtype.itemsize > self.max_bytes:
             return None
         vpt, threads = launch_config(h, quant)
         slots = epilogue.row_slots(t, quant, sf_layout, scale_layout)
         fields = epilogue.tail_fields(t, h, eps, quant, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        blob = params.P2P.pack(*fields, 0, 0, *self._fixed_params, t * h // 8, t, h // 8, slots, self.world,
-                               self.rank, 0)
+        blob = self._pack(fields, 0, 0, t * h // 8, t, h // 8, slots)
         patches = native.tail_patches(params.P2P.offsets["tail"]) + [(params.P2P.offsets["x"], native.X)]
         specs = epilogue.output_specs(t, h, dtype, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
         return native.launcher(kernels._kernel(dtype, quant, vpt, algo, self._index), self.nblocks, threads,
