@@ -129,9 +129,9 @@ class Communicator:
             # and under MPS could take the SMs a peer's P2P kernel needs: off while ranks share GPUs.
             jit.disable_pdl("ranks share a GPU")
         self.fusion = os.environ.get("COMMFUSE_DISABLE_FUSION") != "1"
+        self._hot = None  # the cache's C++ half (native.Table), made once the P2P workspace exists
         self.check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
         self._plans: dict = {}
-        self._hot = None  # the cache's C++ half (native.Table), made once the P2P workspace exists
         self._p2p: Optional[p2p.Workspace] = None
         self._nccl: Optional[nccl.NcclComm] = None
         self.nccl_binding = "none: no NCCL group"
@@ -153,7 +153,8 @@ class Communicator:
         if self.device.type == "cuda" and native.unavailable() is None:
             # A hit must not skip check_error: the table reads the P2P error word itself.
             error_word = self._p2p.error_word() if self._p2p is not None else 0
-            self._hot = native.module().Table(FusedResult, error_word)
+            self._hot = native.module().Table(FusedResult, error_word, self.name)
+            self._hot.set_check_calls(self._check_calls)
 
     def _open_nccl(self) -> None:
         """The NCCL route's own NCCL communicator (commfuse.nccl): torch.distributed's all_reduce and
@@ -168,6 +169,18 @@ class Communicator:
             self.nccl_binding = f"commfuse.nccl (NCCL {self._nccl.version})"
         else:
             self.nccl_binding = f"torch.distributed ({why})"
+
+    @property
+    def check_calls(self) -> bool:
+        """Whether every call compares its signature across the ranks first (COMMFUSE_CHECK=1); it may
+        be turned off (or on) for this communicator."""
+        return self._check_calls
+
+    @check_calls.setter
+    def check_calls(self, on: bool) -> None:
+        self._check_calls = bool(on)
+        if self._hot is not None:  # commfuse.ops' C++ kernels hand checked calls to Python
+            self._hot.set_check_calls(self._check_calls)
 
     @property
     def world_size(self) -> int:
@@ -267,7 +280,7 @@ class Communicator:
         sharing a GPU, CPU for gloo). out: a caller-owned tensor of x's shape, dtype and device
         (contiguous) to write the sum into instead, and return: a decode loop then allocates nothing.
         """
-        hot = None if self.check_calls else self._hot
+        hot = None if self._check_calls else self._hot
         if hot is not None:  # a signature seen before: the C++ table plans and launches it
             y = self._native(hot.plain, x, out)
             if y is not None:
@@ -303,7 +316,7 @@ class Communicator:
         """
         if residual is None:  # its key would be a plain all-reduce's
             raise TypeError("residual must be a tensor of x's shape (all_reduce is the call without a tail)")
-        hot = None if self.check_calls else self._hot
+        hot = None if self._check_calls else self._hot
         if hot is not None:  # a signature seen before: the C++ table plans and launches it
             r = self._native(hot.fused, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
                              weight_offset, scale_layout, scale_ue8m0)

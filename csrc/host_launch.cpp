@@ -13,6 +13,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -24,6 +29,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
 
 namespace py = pybind11;
 
@@ -128,33 +134,50 @@ class Launcher {
   // x, residual, weight, scale: tensors (or None where the call has none), as the plan checked them.
   // out: None, the caller's output tensor (a plain all-reduce) or an object with the five output
   // fields. Returns the output tensor, or a tuple of the five outputs (None where absent).
-  py::object operator()(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out) {
+  py::object operator()(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out) const {
     at::Tensor t[kSources];
-    t[kX] = operand(tensor(x, "x"));
-    if (!residual.is_none()) t[kResidual] = operand(tensor(residual, "residual"));
-    if (!weight.is_none()) t[kWeight] = operand(tensor(weight, "weight"));
+    t[kX] = tensor(x, "x");
+    if (!residual.is_none()) t[kResidual] = tensor(residual, "residual");
+    if (!weight.is_none()) t[kWeight] = tensor(weight, "weight");
     if (!scale.is_none()) t[kScale] = tensor(scale, "scale");
-    const int n_out = fused_ ? kOutputs : 1;
     const bool owned = !out.is_none();
-    for (int i = 0; i < n_out; ++i) {
-      if (!specs_[i].present) continue;
-      at::Tensor& o = t[kOut0 + i];
-      if (!owned) {
-        o = allocate(specs_[i]);
-        continue;
+    if (owned) {
+      for (int i = 0; i < outputs(); ++i) {
+        if (!specs_[i].present) continue;
+        // The plan checked the caller's outputs' metadata, which its key holds; not their addresses.
+        const std::string& field = field_names_[i];
+        const py::object h = fused_ ? py::getattr(out, kOutNames[i], py::none()) : py::reinterpret_borrow<py::object>(out);
+        at::Tensor& o = t[kOut0 + i];
+        o = tensor(h, field.c_str());
+        if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
+        // The key holds an MN-major view's shape and strides, not the room of its storage (the kernels
+        // write the padding rows too).
+        if (!specs_[i].strides.empty() &&
+            static_cast<int64_t>(o.storage().nbytes()) - o.storage_offset() * o.element_size() <
+                specs_[i].storage_numel * o.element_size())
+          throw py::value_error(field + " must be a view of a storage of " +
+                                std::to_string(specs_[i].storage_numel) + " elements (padding rows included)");
       }
-      // The plan checked the caller's outputs' metadata, which its key holds; not their addresses.
-      const std::string& field = field_names_[i];
-      const py::object h = fused_ ? py::getattr(out, kOutNames[i], py::none()) : py::reinterpret_borrow<py::object>(out);
-      o = tensor(h, field.c_str());
-      if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
-      // The key holds an MN-major view's shape and strides, not the room of its storage (the kernels
-      // write the padding rows too).
-      if (!specs_[i].strides.empty() &&
-          static_cast<int64_t>(o.storage().nbytes()) - o.storage_offset() * o.element_size() <
-              specs_[i].storage_numel * o.element_size())
-        throw py::value_error(field + " must be a view of a storage of " + std::to_string(specs_[i].storage_numel) +
-                              " elements (padding rows included)");
+    }
+    run(t, owned);
+    if (!fused_) return py::reinterpret_steal<py::object>(THPVariable_Wrap(t[kOut0]));
+    py::tuple result(kOutputs);
+    for (int i = 0; i < kOutputs; ++i) {
+      result[i] = specs_[i].present ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t[kOut0 + i]))
+                                    : py::none();
+    }
+    return result;
+  }
+
+  // t: the operands at kX..kScale (undefined where absent) and, when owned, the caller's outputs at
+  // kOut0 + i; fills in the rest and enqueues the work. Touches no Python object: the op kernels
+  // call it without the GIL.
+  void run(at::Tensor (&t)[kSources], bool owned) const {
+    for (int i = kX; i <= kScale; ++i) {
+      if (t[i].defined() && i != kScale) t[i] = operand(t[i]);
+    }
+    for (int i = 0; i < outputs() && !owned; ++i) {
+      if (specs_[i].present) t[kOut0 + i] = allocate(specs_[i]);
     }
     if (nccl_ != nullptr) {
       // NCCL writes the sum into the residual output, which the tail then updates in place; a
@@ -166,16 +189,13 @@ class Launcher {
       if (rc != 0) throw NcclFailure(std::to_string(rc));
     }
     if (function_ != nullptr) launch(t);
-    if (!fused_) return py::reinterpret_steal<py::object>(THPVariable_Wrap(t[kOut0]));
-    py::tuple result(kOutputs);
-    for (int i = 0; i < kOutputs; ++i) {
-      result[i] = specs_[i].present ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t[kOut0 + i]))
-                                    : py::none();
-    }
-    return result;
   }
 
+  bool fused() const { return fused_; }
+  bool present(int i) const { return specs_[i].present; }
+
  private:
+  int outputs() const { return fused_ ? kOutputs : 1; }
   cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_).stream(); }
 
   at::Tensor allocate(const OutSpec& s) const {
@@ -239,10 +259,47 @@ class Launcher {
 // building and hashing a tuple of tensor metadata in Python (~2.5 us of a call on an H200 host).
 // Anything the key cannot hold (a Python float scale, a non-tensor output, an unusual argument type)
 // is a miss: the Python path then checks and plans as always.
+class Table;
+
+// The op kernels run without the GIL (torch.ops releases it), so the tables and the registry that
+// finds a communicator's table by its name are guarded by one mutex, held for lookups and updates
+// only: a launch runs on a shared_ptr copy of its launcher (immutable, so launches may overlap), and
+// nobody runs Python or waits for the GIL while holding it.
+std::mutex g_mutex;
+std::unordered_map<std::string, Table*> g_tables;
+
 class Table {
  public:
-  Table(py::object result_type, uintptr_t error_word)
-      : result_type_(std::move(result_type)), error_word_(reinterpret_cast<volatile int*>(error_word)) {}
+  // name: the communicator's commfuse.ops name (the ops' `comm` argument).
+  Table(py::object result_type, uintptr_t error_word, std::string name)
+      : result_type_(std::move(result_type)), error_word_(reinterpret_cast<volatile int*>(error_word)),
+        name_(std::move(name)) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_tables[name_] = this;
+  }
+
+  ~Table() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = g_tables.find(name_);
+    if (it != g_tables.end() && it->second == this) g_tables.erase(it);
+  }
+
+  Table(const Table&) = delete;
+  Table& operator=(const Table&) = delete;
+
+  // COMMFUSE_CHECK's per-call cross-rank check runs in Python: while it is on, the op kernels hand
+  // every call to the Python op.
+  void set_check_calls(bool on) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    check_calls_ = on;
+  }
+
+  // The op kernels' lookup: under g_mutex, the launcher of `key` if it may serve the call.
+  std::shared_ptr<const Launcher> op_launcher(const std::string& key) const {
+    if (check_calls_ || error_pending()) return nullptr;
+    const auto it = entries_.find(key);
+    return it == entries_.end() ? nullptr : it->second.launcher;
+  }
 
   // Communicator.fused_all_reduce's arguments; the FusedResult, or None on a miss (or a P2P error
   // pending, which the Python path raises).
@@ -253,12 +310,18 @@ class Table {
     if (!fused_key(key, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                    scale_layout, scale_ue8m0))
       return py::none();
-    const auto it = entries_.find(key);
-    if (it == entries_.end() || error_pending()) return py::none();
-    // Copies: the launch runs Python (the out fields' getattr, a collection at an allocation), which
-    // may clear the table.
-    const py::object plan = it->second.plan, keep = it->second.launcher_object;
-    py::tuple t = (*it->second.launcher)(x, residual, weight, scale, out);
+    py::object plan;
+    std::shared_ptr<const Launcher> launcher;
+    {
+      // Only the lookup under the mutex: the launch runs Python (the out fields' getattr, a collection
+      // at an allocation), which may switch threads or clear the table.
+      std::lock_guard<std::mutex> lock(g_mutex);
+      const auto it = entries_.find(key);
+      if (it == entries_.end() || error_pending()) return py::none();
+      plan = it->second.plan;
+      launcher = it->second.launcher;
+    }
+    py::tuple t = (*launcher)(x, residual, weight, scale, out);
     return result_type_(t[0], t[1], t[2], t[3], t[4], plan);
   }
 
@@ -266,10 +329,14 @@ class Table {
   py::object plain(py::handle x, py::handle out) {
     std::string key;
     if (!plain_key(key, x, out)) return py::none();
-    const auto it = entries_.find(key);
-    if (it == entries_.end() || error_pending()) return py::none();
-    const py::object keep = it->second.launcher_object;  // as in fused()
-    return (*it->second.launcher)(x, py::none(), py::none(), py::none(), out);
+    std::shared_ptr<const Launcher> launcher;
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);  // as in fused()
+      const auto it = entries_.find(key);
+      if (it == entries_.end() || error_pending()) return py::none();
+      launcher = it->second.launcher;
+    }
+    return (*launcher)(x, py::none(), py::none(), py::none(), out);
   }
 
   // The same arguments, then the plan and its launcher; false where the key cannot hold the call.
@@ -290,18 +357,67 @@ class Table {
     return insert(std::move(key), std::move(plan), std::move(launcher));
   }
 
-  void clear() { entries_.clear(); }
-  size_t size() const { return entries_.size(); }
+  void clear() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    entries_.clear();
+  }
+
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return entries_.size();
+  }
+
+  // The keys of the op kernels' calls: the same bytes as fused_key / plain_key of the Python call the
+  // op makes (commfuse.ops: quant "" is None, no caller-owned outputs).
+  static std::string op_fused_key(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
+                                  bool return_norm, std::string_view sf_layout, double weight_offset,
+                                  std::string_view scale_layout, bool scale_ue8m0) {
+    std::string key;
+    key.reserve(256);
+    put(key, 'F');
+    put_tensor(key, x);
+    put_tensor(key, residual);
+    put_tensor(key, weight);
+    if (scale.has_value()) {
+      put(key, 't');
+      put_tensor(key, *scale);
+    } else {
+      put(key, 'n');
+    }
+    put(key, 'n');  // out=None
+    put(key, eps);
+    if (quant.empty()) {
+      put(key, static_cast<int32_t>(-1));
+    } else {
+      put_chars(key, quant);
+    }
+    put(key, return_norm);
+    put_chars(key, sf_layout);
+    put(key, weight_offset);
+    put_chars(key, scale_layout);
+    put(key, scale_ue8m0);
+    return key;
+  }
+
+  static std::string op_plain_key(const at::Tensor& x) {
+    std::string key;
+    put(key, 'P');
+    put_tensor(key, x);
+    put(key, 'n');
+    return key;
+  }
 
  private:
   struct Entry {
-    py::object plan, launcher_object;  // the object keeps the Launcher alive
-    Launcher* launcher;
+    py::object plan;
+    std::shared_ptr<const Launcher> launcher;
   };
 
   bool insert(std::string key, py::object plan, py::object launcher) {
-    Launcher* raw = launcher.cast<Launcher*>();
-    entries_[std::move(key)] = Entry{std::move(plan), std::move(launcher), raw};
+    auto shared = launcher.cast<std::shared_ptr<Launcher>>();
+    std::lock_guard<std::mutex> lock(g_mutex);
+    entries_[std::move(key)] = Entry{std::move(plan), std::move(shared)};
     return true;
   }
 
@@ -314,14 +430,22 @@ class Table {
 
   static bool put_tensor(std::string& key, py::handle h) {
     if (!THPVariable_Check(h.ptr())) return false;
-    const at::Tensor& t = THPVariable_Unpack(h.ptr());
+    put_tensor(key, THPVariable_Unpack(h.ptr()));
+    return true;
+  }
+
+  static void put_chars(std::string& key, std::string_view text) {
+    put(key, static_cast<int32_t>(text.size()));
+    key.append(text.data(), text.size());
+  }
+
+  static void put_tensor(std::string& key, const at::Tensor& t) {
     put(key, static_cast<int8_t>(t.scalar_type()));
     put(key, static_cast<int8_t>(t.device().type()));
     put(key, static_cast<int8_t>(t.device().index()));
     put(key, static_cast<int8_t>(t.dim()));
     for (const int64_t v : t.sizes()) put(key, v);
     for (const int64_t v : t.strides()) put(key, v);
-    return true;
   }
 
   static bool put_optional_tensor(std::string& key, py::handle h) {
@@ -368,8 +492,7 @@ class Table {
       PyErr_Clear();
       return false;
     }
-    put(key, static_cast<int32_t>(n));
-    key.append(text, static_cast<size_t>(n));
+    put_chars(key, std::string_view(text, static_cast<size_t>(n)));
     return true;
   }
 
@@ -402,20 +525,88 @@ class Table {
 
   py::object result_type_;
   volatile int* error_word_;
+  std::string name_;
+  bool check_calls_ = true;
   std::unordered_map<std::string, Entry> entries_;
 };
 
+// commfuse::fused_all_reduce and commfuse::all_reduce for CUDA tensors (the Python kernels in
+// commfuse/ops.py stay the ones of every other device, and of a CUDA call the table cannot serve:
+// torch's dispatcher calling a Python kernel costs ~12 us of host time a call on an H200 host).
+using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+at::Tensor wrap_back(py::handle h) { return THPVariable_Unpack(h.ptr()); }
+
+py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
+
+// Runs the launcher of `key` in `comm`'s table on t (the operands); false where there is none.
+bool run_op(std::string_view comm, const std::string& key, at::Tensor (&t)[kSources]) {
+  std::shared_ptr<const Launcher> launcher;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto table = g_tables.find(std::string(comm));
+    if (table == g_tables.end()) return false;
+    launcher = table->second->op_launcher(key);
+  }
+  if (launcher == nullptr) return false;
+  try {
+    launcher->run(t, false);
+  } catch (const NcclFailure& e) {
+    throw std::runtime_error(std::string("ncclAllReduce failed: ncclResult_t ") + e.what());
+  }
+  return true;
+}
+
+Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& scale, double eps, c10::string_view quant,
+                            bool return_norm, c10::string_view sf_layout, c10::string_view comm, double weight_offset,
+                            c10::string_view scale_layout, bool scale_ue8m0) {
+  at::Tensor t[kSources];
+  t[kX] = x;
+  t[kResidual] = residual;
+  t[kWeight] = weight;
+  if (scale.has_value()) t[kScale] = *scale;
+  const std::string key = Table::op_fused_key(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
+                                              weight_offset, scale_layout, scale_ue8m0);
+  if (run_op(comm, key, t)) {
+    // An op returns tensors, never None: absent outputs are empty, each its own (as commfuse/ops.py).
+    for (int i = 1; i < kOutputs; ++i) {
+      if (!t[kOut0 + i].defined()) t[kOut0 + i] = at::empty({0}, x.options());
+    }
+    return {t[kOut0], t[kOut0 + 1], t[kOut0 + 2], t[kOut0 + 3], t[kOut0 + 4]};
+  }
+  py::gil_scoped_acquire gil;
+  const py::tuple r = py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
+      wrap(x), wrap(residual), wrap(weight), scale.has_value() ? wrap(*scale) : py::none(), eps, std::string(quant),
+      return_norm, std::string(sf_layout), std::string(comm), weight_offset, std::string(scale_layout), scale_ue8m0);
+  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3]), wrap_back(r[4])};
+}
+
+at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view comm) {
+  at::Tensor t[kSources];
+  t[kX] = x;
+  if (run_op(comm, Table::op_plain_key(x), t)) return t[kOut0];
+  py::gil_scoped_acquire gil;
+  return wrap_back(py::module_::import("commfuse.ops").attr("_all_reduce")(wrap(x), std::string(comm)));
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
+  m.impl("fused_all_reduce", fused_all_reduce_op);
+  m.impl("all_reduce", all_reduce_op);
+}
 
 PYBIND11_MODULE(commfuse_host, m) {
   m.doc() = "commfuse's eager hot path (csrc/host_launch.cpp)";
   py::register_exception<NcclFailure>(m, "NcclFailure", PyExc_RuntimeError);
-  py::class_<Launcher>(m, "Launcher")
+  py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
       .def(py::init<std::string, uintptr_t, bool, unsigned, unsigned, py::bytes, std::vector<std::pair<int, int>>,
                     std::vector<py::object>, bool, uintptr_t, uintptr_t, int, int64_t, int>())
       .def("__call__", &Launcher::operator());
   py::class_<Table>(m, "Table")
-      .def(py::init<py::object, uintptr_t>())
+      .def(py::init<py::object, uintptr_t, std::string>())
+      .def("set_check_calls", &Table::set_check_calls)
       .def("fused", &Table::fused)
       .def("plain", &Table::plain)
       .def("insert_fused", &Table::insert_fused)

@@ -149,3 +149,52 @@ def test_eager_wrappers_give_the_ops_bits(quiet_comm, gen):
     for name, a, b in zip(("residual", "norm", "quant", "scale_factors"), direct, via_op):
         assert bits_equal(a, b), name
     assert bits_equal(ops.all_reduce(c, x), torch.ops.commfuse.all_reduce(x, c.name))
+
+
+@mpi
+def test_cuda_op_kernels_serve_planned_calls_in_cpp(quiet_comm, gen, monkeypatch):
+    """On CUDA, torch.ops.commfuse's fused_all_reduce and all_reduce are C++ kernels (commfuse.native)
+    that launch a signature the communicator has planned without calling Python, with the bits of the
+    direct call; a signature not planned yet goes to the Python kernel, which plans it."""
+    c = quiet_comm
+    if c.device.type != "cuda":
+        pytest.skip("the C++ op kernels are CUDA kernels: no GPU here")
+    from commfuse import native
+    if native.unavailable() is not None:
+        pytest.skip(f"native path off: {native.unavailable()}")
+    t, h, dtype = 5, 512, torch.bfloat16
+    x, _ = rank_inputs(c, gen, (t, h), dtype)
+    residual, weight, scale = tail_inputs(c, gen, t, h, dtype, "fp8")
+    args = (x, residual, weight, scale, 1e-5, "fp8", True, "swizzled", c.name)
+
+    class PythonKernelCalled(Exception):
+        pass
+
+    def refuse(*a, **k):
+        raise PythonKernelCalled()
+
+    with monkeypatch.context() as m:  # not planned yet: the C++ kernel hands it to Python
+        m.setattr(ops, "_fused_all_reduce", refuse)
+        with pytest.raises(PythonKernelCalled):
+            torch.ops.commfuse.fused_all_reduce(*args)
+    first = torch.ops.commfuse.fused_all_reduce(*args)  # the Python kernel plans it
+    plain_first = torch.ops.commfuse.all_reduce(x, c.name)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_fused_all_reduce", refuse)
+        m.setattr(ops, "_all_reduce", refuse)
+        again = torch.ops.commfuse.fused_all_reduce(*args)
+        plain_again = torch.ops.commfuse.all_reduce(x, c.name)
+    direct = c.fused_all_reduce(x, residual, weight, 1e-5, "fp8", scale, True, "swizzled")
+    for u, v, w in zip(first, again, (direct.residual, direct.norm, direct.quant)):
+        assert bits_equal(u, v) and bits_equal(v, w)
+    assert again[3].numel() == 0 and again[4].numel() == 0 and again[3] is not again[4]
+    assert bits_equal(plain_first, plain_again)
+    # With the per-call check on, every call goes to Python (where the check runs).
+    c.check_calls = True
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(ops, "_fused_all_reduce", refuse)
+            with pytest.raises(PythonKernelCalled):
+                torch.ops.commfuse.fused_all_reduce(*args)
+    finally:
+        c.check_calls = False
