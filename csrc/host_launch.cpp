@@ -265,8 +265,9 @@ class Table;
 // finds a communicator's table by its name are guarded by one mutex, held for lookups and updates
 // only: a launch runs on a shared_ptr copy of its launcher (immutable, so launches may overlap), and
 // nobody runs Python or waits for the GIL while holding it.
-std::mutex g_mutex;
-std::unordered_map<std::string, Table*> g_tables;
+// Leaked on purpose: a Table still alive at exit must not find them destroyed.
+std::mutex& g_mutex = *new std::mutex;
+std::unordered_map<std::string, Table*>& g_tables = *new std::unordered_map<std::string, Table*>;
 
 class Table {
  public:
@@ -358,8 +359,11 @@ class Table {
   }
 
   void clear() {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    entries_.clear();
+    std::unordered_map<std::string, Entry> old;  // destroyed after the unlock: a plan's release may run Python
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      old.swap(entries_);
+    }
   }
 
   size_t size() const {
@@ -415,10 +419,12 @@ class Table {
   };
 
   bool insert(std::string key, py::object plan, py::object launcher) {
-    auto shared = launcher.cast<std::shared_ptr<Launcher>>();
-    std::lock_guard<std::mutex> lock(g_mutex);
-    entries_[std::move(key)] = Entry{std::move(plan), std::move(shared)};
-    return true;
+    Entry entry{std::move(plan), launcher.cast<std::shared_ptr<Launcher>>()};
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      std::swap(entries_[std::move(key)], entry);
+    }
+    return true;  // a replaced entry is released here, after the unlock (as in clear())
   }
 
   bool error_pending() const { return error_word_ != nullptr && *error_word_ != 0; }
@@ -558,9 +564,9 @@ bool run_op(std::string_view comm, const std::string& key, at::Tensor (&t)[kSour
 }
 
 Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& scale, double eps, c10::string_view quant,
-                            bool return_norm, c10::string_view sf_layout, c10::string_view comm, double weight_offset,
-                            c10::string_view scale_layout, bool scale_ue8m0) {
+                            const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
+                            bool return_norm, std::string_view sf_layout, std::string_view comm, double weight_offset,
+                            std::string_view scale_layout, bool scale_ue8m0) {
   at::Tensor t[kSources];
   t[kX] = x;
   t[kResidual] = residual;
@@ -582,7 +588,7 @@ Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, con
   return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3]), wrap_back(r[4])};
 }
 
-at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view comm) {
+at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {
   at::Tensor t[kSources];
   t[kX] = x;
   if (run_op(comm, Table::op_plain_key(x), t)) return t[kOut0];
