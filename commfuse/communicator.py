@@ -70,7 +70,7 @@ def _fresh_rows(x: torch.Tensor) -> torch.Tensor:
     return epilogue._empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=x.dtype, device=x.device)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the native table sets the fields of a hit's result without __init__
 class FusedResult:
     """Outputs of `fused_all_reduce` (t = tokens, h = hidden; all on the communicator's device).
 
@@ -282,7 +282,10 @@ class Communicator:
         """
         hot = None if self._check_calls else self._hot
         if hot is not None:  # a signature seen before: the C++ table plans and launches it
-            y = self._native(hot.plain, x, out)
+            try:
+                y = hot.plain(x, out)
+            except native.NcclFailure as e:
+                raise self._nccl_error(e) from None
             if y is not None:
                 return y
         self._check_p2p_error()
@@ -318,8 +321,11 @@ class Communicator:
             raise TypeError("residual must be a tensor of x's shape (all_reduce is the call without a tail)")
         hot = None if self._check_calls else self._hot
         if hot is not None:  # a signature seen before: the C++ table plans and launches it
-            r = self._native(hot.fused, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
-                             weight_offset, scale_layout, scale_ue8m0)
+            try:
+                r = hot.fused(x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                              scale_layout, scale_ue8m0)
+            except native.NcclFailure as e:
+                raise self._nccl_error(e) from None
             if r is not None:
                 return r
         self._check_p2p_error()
@@ -371,7 +377,11 @@ class Communicator:
         try:
             return call(*args)
         except native.NcclFailure as e:
-            raise self._nccl.nccl.error("ncclAllReduce", int(e.args[0]), self._nccl._handle) from None
+            raise self._nccl_error(e) from None
+
+    def _nccl_error(self, e: Exception) -> Exception:
+        """commfuse.nccl's exception for the ncclResult_t a native launch raised (NcclFailure)."""
+        return self._nccl.nccl.error("ncclAllReduce", int(e.args[0]), self._nccl._handle)
 
     def check(self) -> None:
         """Wait for this rank's queued GPU work, then raise commfuse.P2PTimeoutError if a P2P

@@ -57,6 +57,8 @@ def rows(comm, t: int, h: int):
     buf = torch.empty_like(x)
     cuda = dev.type == "cuda"
     yield "torch.add(x, r, out=buf)", lambda: torch.add(x, r, out=buf)
+    # The same op through torch.ops (the boxed call from Python that torch.ops.commfuse takes).
+    yield "torch.ops.aten.add.out(x, r, out=buf)", lambda: torch.ops.aten.add.out(x, r, out=buf)
     yield "torch.empty((t, h), dtype, device)", lambda: torch.empty((t, h), dtype=dt, device=dev)
     yield "torch.empty_like(x)", lambda: torch.empty_like(x)
     yield "torch.empty_like(x, dtype=fp8)", lambda: torch.empty_like(x, dtype=torch.float8_e4m3fn)
@@ -133,6 +135,20 @@ def rows(comm, t: int, h: int):
             comm, x, r, w, quant=q, scale=sc)
         yield f"torch.ops.commfuse.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: (
             torch.ops.commfuse.fused_all_reduce(x, r, w, sc, 1e-6, q or "", False, "swizzled", comm.name))
+    yield "torch.ops.commfuse.all_reduce", lambda: torch.ops.commfuse.all_reduce(x, comm.name)
+
+
+def python_op_calls() -> dict:
+    """Counts the calls of commfuse.ops' Python kernels (on CUDA the C++ kernels' misses)."""
+    counts = {"_fused_all_reduce": 0, "_all_reduce": 0}
+    for name in counts:
+        kernel = getattr(commfuse.ops, name)
+
+        def counted(*args, _name=name, _kernel=kernel, **kwargs):
+            counts[_name] += 1
+            return _kernel(*args, **kwargs)
+        setattr(commfuse.ops, name, counted)
+    return counts
 
 
 def main() -> None:
@@ -148,6 +164,7 @@ def main() -> None:
     comm = commfuse.Communicator()
     t, h = args.tokens, args.hidden
     out = []
+    misses = python_op_calls()
     for name, fn in rows(comm, t, h):
         try:
             us = per_call_us(fn, args.calls, args.repeats)
@@ -161,6 +178,7 @@ def main() -> None:
           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}):")
     for row in out:
         print(f"  {row['step']:50s} {row['us']:8.2f} us  {row['us'] / floor:5.2f}x")
+    print(f"  commfuse.ops Python kernel calls (C++ kernel misses, first calls included): {misses}")
     if args.cprofile:
         x = torch.randn(t, h, device=comm.device, dtype=torch.bfloat16)
         r, w = torch.randn_like(x), torch.randn(h, device=comm.device, dtype=torch.bfloat16)
