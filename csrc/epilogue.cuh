@@ -475,17 +475,10 @@ __device__ __forceinline__ unsigned half_warp_max(unsigned v) {
   return low ? lo : hi;
 }
 
-// fp8_block: the scale of a block whose amax (abs_max_bits, over its half warp) is m.
-template <typename T>
-__device__ __forceinline__ float block_scale(const TailParams& p, unsigned m) {
-  return fp8_block_scale(p, Pack<T>::from_bits(m));
-}
-
 // Stores, and quantization, of vector v of row `row`, given its T-rounded norm n. Every lane of
 // the warp must call it (NVFP4 pairs lanes through a shuffle, fp8_block reduces over 16 lanes);
 // `active` is false for lanes past the row's end, whose inputs are zero. sf_base: sf_row_base(p,
-// row). qs: quant_scalar<QUANT>, for fp8_per_token the row's scale, for fp8_block the block's
-// (block_scale).
+// row). qs: quant_scalar<QUANT>, or for fp8_per_token the row's scale.
 template <typename T, int QUANT>
 __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t sf_base, int v, bool active,
                                           const uint4& n, float qs) {
@@ -493,7 +486,10 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
   if (active && p.norm_out != nullptr)
     reinterpret_cast<uint4*>(static_cast<T*>(p.norm_out) + row_base)[v] = n;
   if constexpr (QUANT == kQuantFp8 || QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
-    const float s = qs;
+    float s = qs;
+    if constexpr (QUANT == kQuantFp8Block) {
+      s = fp8_block_scale(p, Pack<T>::from_bits(half_warp_max(abs_max_bits(n))));
+    }
     const uint2 q = quant_fp8<T, QUANT != kQuantFp8>(n, s, QUANT == kQuantFp8Block && (p.scale_layout & kScaleUe8m0));
     if (active) {
       reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
@@ -531,9 +527,7 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
 template <typename T, int QUANT>
 __device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t sf_base, int v, bool active,
                                             const uint4& x, const uint4& w, float inv, float qs) {
-  const uint4 n = norm_round<T>(x, w, inv, p.weight_offset);
-  if constexpr (QUANT == kQuantFp8Block) qs = block_scale<T>(p, half_warp_max(abs_max_bits(n)));
-  emit_norm<T, QUANT>(p, row, sf_base, v, active, n, qs);
+  emit_norm<T, QUANT>(p, row, sf_base, v, active, norm_round<T>(x, w, inv, p.weight_offset), qs);
 }
 
 // op(...op(op(init, x_0), x_1)..., x_n) of v over the CTA, the same bits in every thread (warp
@@ -607,8 +601,7 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
 
 // Stores and quantization of a whole row of T-rounded norms n (thread threadIdx.x holds vectors
 // threadIdx.x + i * blockDim.x, i < VPT; anything past the row's end), its scale-storage padding
-// included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here, fp8_block its
-// blocks' scales.
+// included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here.
 template <typename T, int QUANT, int VPT>
 __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs) {
   const int nv = p.h / kVecElems;
@@ -622,18 +615,10 @@ __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uin
     }
     qs = row_scale<T>(p, row, m);
   }
-  // fp8_block: every vector's half-warp reduction first. redux.sync is not moved across the stores,
-  // so reduced one vector at a time the row's emission is a chain of VPT reductions, each waiting
-  // for the previous vector's quantization and stores.
-  unsigned block_max[VPT];
-  if constexpr (QUANT == kQuantFp8Block) {
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) block_max[i] = half_warp_max(abs_max_bits(n[i]));
-  }
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, n[i], QUANT == kQuantFp8Block ? block_scale<T>(p, block_max[i]) : qs);
+    emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, n[i], qs);
   }
   tail_row_padding<QUANT>(p, row);
 }
@@ -700,8 +685,8 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
   }
   const float inv = inv_rms(block_sum<QUANT != kQuantFp8PerToken>(sumsq, red), p);
 
-  if constexpr (QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
-    // The row's (or the blocks') scales need the norms first: they replace the residual in registers.
+  if constexpr (QUANT == kQuantFp8PerToken) {
+    // The row's scale needs every norm first: they replace the residual in registers.
 #pragma unroll
     for (int i = 0; i < VPT; ++i) y[i] = norm_round<T>(y[i], w[i], inv, p.weight_offset);
     emit_row<T, QUANT, VPT>(p, row, y, qs);
