@@ -4,7 +4,10 @@ Dynamo cannot trace into a Communicator call (it launches kernels through the CU
 decides its route in Python), so a compiled model would break its graph at every all-reduce. These
 ops are opaque to the compiler: fake implementations give the output shapes, including for a
 dynamic number of tokens, and the real ones call the Communicator, so CUDA graphs (also those of
-`mode="reduce-overhead"`) capture the same kernels as an eager call.
+`mode="reduce-overhead"`) capture the same kernels as an eager call. For CUDA tensors the ops'
+kernels are C++ (csrc/host_launch.cpp): a signature the Communicator has planned is launched from
+its native table without Python; the Python kernels below plan the others (and serve every other
+device).
 
     comm = commfuse.Communicator()
     y = commfuse.ops.all_reduce(comm, x)
