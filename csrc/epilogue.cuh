@@ -310,13 +310,12 @@ __device__ __forceinline__ float fp8_group_divide(float x, float scale, float r)
   return fabsf(q) >= kFp8BandLow ? exact : q;
 }
 
-// e4m3(norm / scale) as the contract divides (see fp8_divide). kComputed: a computed scale, see
-// fp8_computed_divide; pow2: it is a power of two (UE8M0).
+// e4m3(norm / scale) as the contract divides (see fp8_divide), given r = fp8_reciprocal(scale).
+// kComputed: a computed scale, see fp8_computed_divide; pow2: it is a power of two (UE8M0).
 template <typename T, bool kComputed = false>
-__device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale, bool pow2 = false) {
+__device__ __forceinline__ uint2 quant_fp8(const uint4& n, float scale, float r, bool pow2 = false) {
   unsigned w[4];
   words(n, w);
-  const float r = fp8_reciprocal(scale);
   // A pair at a time, and the rare cases in branches of their own: the 1024-thread P2P tails have
   // 64 registers.
   if (r != 0.f) {
@@ -475,28 +474,27 @@ __device__ __forceinline__ unsigned half_warp_max(unsigned v) {
   return low ? lo : hi;
 }
 
+// fp8_block: the scale of a block whose amax (abs_max_bits, over its half warp) is m.
+template <typename T>
+__device__ __forceinline__ float block_scale(const TailParams& p, unsigned m) {
+  return fp8_block_scale(p, Pack<T>::from_bits(m));
+}
+
 // Stores, and quantization, of vector v of row `row`, given its T-rounded norm n. Every lane of
-// the warp must call it (NVFP4 pairs lanes through a shuffle, fp8_block reduces over 16 lanes);
-// `active` is false for lanes past the row's end, whose inputs are zero. sf_base: sf_row_base(p,
-// row). qs: quant_scalar<QUANT>, or for fp8_per_token the row's scale.
-template <typename T, int QUANT>
+// the warp must call it (NVFP4 pairs lanes through a shuffle); `active` is false for lanes past the
+// row's end, whose inputs are zero. sf_base: sf_row_base(p, row). qs: quant_scalar<QUANT>, for
+// fp8_per_token the row's scale, for fp8_block the block's (block_scale; the caller stores it).
+// kGivenReciprocal: qr is fp8_reciprocal(qs), computed by the caller; else it is computed here.
+template <typename T, int QUANT, bool kGivenReciprocal = false>
 __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t sf_base, int v, bool active,
-                                          const uint4& n, float qs) {
+                                          const uint4& n, float qs, float qr = 0.f) {
   const size_t row_base = static_cast<size_t>(row) * p.h;
   if (active && p.norm_out != nullptr)
     reinterpret_cast<uint4*>(static_cast<T*>(p.norm_out) + row_base)[v] = n;
   if constexpr (QUANT == kQuantFp8 || QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
-    float s = qs;
-    if constexpr (QUANT == kQuantFp8Block) {
-      s = fp8_block_scale(p, Pack<T>::from_bits(half_warp_max(abs_max_bits(n))));
-    }
-    const uint2 q = quant_fp8<T, QUANT != kQuantFp8>(n, s, QUANT == kQuantFp8Block && (p.scale_layout & kScaleUe8m0));
-    if (active) {
-      reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
-      if constexpr (QUANT == kQuantFp8Block) {
-        if (v % kFp8BlockVectors == 0) store_block_scale(p, row, static_cast<unsigned>(v) / kFp8BlockVectors, s);
-      }
-    }
+    const float r = kGivenReciprocal ? qr : fp8_reciprocal(qs);
+    const uint2 q = quant_fp8<T, QUANT != kQuantFp8>(n, qs, r, QUANT == kQuantFp8Block && (p.scale_layout & kScaleUe8m0));
+    if (active) reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
   } else if constexpr (QUANT == kQuantNvfp4) {
     unsigned m = abs_max_bits(n);
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the block's other half, on lane ^ 1
@@ -527,7 +525,12 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
 template <typename T, int QUANT>
 __device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t sf_base, int v, bool active,
                                             const uint4& x, const uint4& w, float inv, float qs) {
-  emit_norm<T, QUANT>(p, row, sf_base, v, active, norm_round<T>(x, w, inv, p.weight_offset), qs);
+  const uint4 n = norm_round<T>(x, w, inv, p.weight_offset);
+  if constexpr (QUANT == kQuantFp8Block) {  // every lane of the block's half warp computes its scale
+    qs = block_scale<T>(p, half_warp_max(abs_max_bits(n)));
+    if (active && v % kFp8BlockVectors == 0) store_block_scale(p, row, static_cast<unsigned>(v) / kFp8BlockVectors, qs);
+  }
+  emit_norm<T, QUANT>(p, row, sf_base, v, active, n, qs);
 }
 
 // op(...op(op(init, x_0), x_1)..., x_n) of v over the CTA, the same bits in every thread (warp
@@ -601,7 +604,8 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
 
 // Stores and quantization of a whole row of T-rounded norms n (thread threadIdx.x holds vectors
 // threadIdx.x + i * blockDim.x, i < VPT; anything past the row's end), its scale-storage padding
-// included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here.
+// included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here, fp8_block its
+// blocks' scales.
 template <typename T, int QUANT, int VPT>
 __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs) {
   const int nv = p.h / kVecElems;
@@ -615,10 +619,36 @@ __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uin
     }
     qs = row_scale<T>(p, row, m);
   }
+  if constexpr (QUANT == kQuantFp8Block) {
+    // Vector i of the 16 lanes of a half warp is one block (kFp8BlockVectors). Its amax is reduced
+    // by all of them, but its scale, reciprocal and scale store are one lane's work: lane i of the
+    // half warp's, shuffled to the other lanes (the same bits as every lane computing them; the
+    // per-vector version made this kernel issue ~18% more instructions than static FP8's).
+    static_assert(VPT <= kFp8BlockVectors, "one lane of the half warp per vector");
+    const int j = threadIdx.x % kFp8BlockVectors;  // the vector whose block this lane scales, if < VPT
+    unsigned m = 0;
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int v = threadIdx.x + i * blockDim.x;
-    emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, n[i], qs);
+    for (int i = 0; i < VPT; ++i) {
+      const unsigned mi = half_warp_max(abs_max_bits(n[i]));
+      if (j == i) m = mi;
+    }
+    const float s = block_scale<T>(p, m);
+    const float r = fp8_reciprocal(s);
+    const int v_own = threadIdx.x + j * blockDim.x;
+    if (j < VPT && v_own < nv) store_block_scale(p, row, static_cast<unsigned>(v_own) / kFp8BlockVectors, s);
+    const int first = threadIdx.x & 16;  // the half warp's first lane
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      emit_norm<T, QUANT, true>(p, row, sf_base, v, v < nv, n[i], __shfl_sync(0xffffffffu, s, first + i),
+                                __shfl_sync(0xffffffffu, r, first + i));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, n[i], qs);
+    }
   }
   tail_row_padding<QUANT>(p, row);
 }
@@ -685,8 +715,8 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
   }
   const float inv = inv_rms(block_sum<QUANT != kQuantFp8PerToken>(sumsq, red), p);
 
-  if constexpr (QUANT == kQuantFp8PerToken) {
-    // The row's scale needs every norm first: they replace the residual in registers.
+  if constexpr (QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
+    // The row's (the blocks') scales need the norms first: they replace the residual in registers.
 #pragma unroll
     for (int i = 0; i < VPT; ++i) y[i] = norm_round<T>(y[i], w[i], inv, p.weight_offset);
     emit_row<T, QUANT, VPT>(p, row, y, qs);

@@ -36,6 +36,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # lent machines, and the numbers must not depend on it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+# `python -m` would put the working directory first on sys.path (Python 3.11+ leaves it out with
+# this): run from another checkout's root, this tree's benchmark would import that checkout's commfuse.
+export PYTHONSAFEPATH=1
 
 # --bind-to none: Open MPI binds each of <= 2 ranks to one core by default, which would put the
 # rank's Python thread, NCCL's proxy thread and torch's threads on one core and slow the eager rows.
