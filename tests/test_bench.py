@@ -58,6 +58,43 @@ def _load(out: pathlib.Path) -> dict:
     return json.loads(files[0].read_text())
 
 
+def _fake_tree(root: pathlib.Path) -> None:
+    """A checkout whose commfuse.bench only records which tree ran it (in --out/tree.txt)."""
+    (root / "launch").mkdir(parents=True)
+    (root / "launch" / "bench.sh").write_text((ROOT / "launch" / "bench.sh").read_text())
+    (root / "commfuse" / "bench").mkdir(parents=True)
+    (root / "commfuse" / "__init__.py").write_text("")
+    (root / "commfuse" / "bench" / "__init__.py").write_text("")
+    (root / "commfuse" / "bench" / "__main__.py").write_text(
+        "import pathlib, sys\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "out.mkdir(parents=True, exist_ok=True)\n"
+        "(out / 'tree.txt').write_text(__file__)\n")
+
+
+def test_ab_sh_runs_each_tree_with_its_own_commfuse(tmp_path):
+    """launch/ab.sh started from this tree's root: the base half must import the base tree's commfuse,
+    not the working directory's (python -m puts it first on sys.path), and the other half this tree's."""
+    base = tmp_path / "base"
+    _fake_tree(base)
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", str(ROOT / "launch" / "ab.sh"), str(base), "1", str(out), "--help"], cwd=ROOT,
+                       env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert (out / "base" / "tree.txt").read_text().startswith(str(base)), "the base half ran another tree"
+    assert "usage:" in p.stdout and not (out / "new" / "tree.txt").exists()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH (bench.sh) needs Python 3.11")
+def test_bench_sh_ignores_a_commfuse_in_the_working_directory(tmp_path):
+    """Run from another checkout's root, launch/bench.sh benchmarks its own tree."""
+    _fake_tree(tmp_path / "other")
+    p = subprocess.run([str(ROOT / "launch" / "bench.sh"), "1", "--out", str(tmp_path / "out"), "--help"],
+                       cwd=tmp_path / "other", env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "usage:" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert not (tmp_path / "out" / "tree.txt").exists()
+
+
 @cpu_smoke
 def test_bench_sh_quick_on_cpu_writes_json_and_png(tmp_path):
     out = tmp_path / "out"
