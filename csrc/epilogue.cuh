@@ -521,7 +521,8 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
 }
 
 // Norm, and quantization, of vector v of row `row`, given its T-rounded residual x and weight w
-// (emit_norm's contract).
+// (emit_norm's contract; for fp8_block every lane of the warp must call it, as the block maximum is
+// reduced over 16 lanes).
 template <typename T, int QUANT>
 __device__ __forceinline__ void emit_vector(const TailParams& p, int row, size_t sf_base, int v, bool active,
                                             const uint4& x, const uint4& w, float inv, float qs) {

@@ -88,7 +88,11 @@ const at::Tensor& tensor(py::handle h, const char* name) {
   return THPVariable_Unpack(h.ptr());
 }
 
-py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
+py::object wrap(const at::Tensor& t) {
+  PyObject* o = THPVariable_Wrap(t);
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
 
 uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); }
 
@@ -291,6 +295,7 @@ class Table {
     if (!PyType_Check(result_type_.ptr())) throw py::type_error("Table: result_type must be a class");
     for (int i = 0; i <= kOutputs; ++i) {
       fields_[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(i < kOutputs ? kOutNames[i] : "plan"));
+      if (!fields_[i]) throw py::error_already_set();
     }
     std::lock_guard<std::mutex> lock(g_mutex);
     g_tables[name_] = this;

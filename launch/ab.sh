@@ -6,7 +6,7 @@
 # share come from one COMMFUSE_CACHE_DIR. Differences smaller than the rows' min-max spread are noise.
 set -uo pipefail
 base=$(cd "$1" && pwd); n=$2; shift 2
-mkdir -p "$1/base" "$1/new"; out=$(cd "$1" && pwd); shift
+mkdir -p "$1/base" "$1/new" && out=$(cd "$1" && pwd) || exit 1; shift
 here=$(cd "$(dirname "$0")/.." && pwd)
 rc=0
 # Each tree's benchmark runs from that tree's root: `python -m` puts the working directory first on

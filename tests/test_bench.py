@@ -59,9 +59,12 @@ def _load(out: pathlib.Path) -> dict:
 
 
 def _fake_tree(root: pathlib.Path) -> None:
-    """A checkout whose commfuse.bench only records which tree ran it (in --out/tree.txt)."""
+    """A checkout whose commfuse.bench only records which tree ran it (in --out/tree.txt), and whose
+    launch/bench.sh is this one without PYTHONSAFEPATH (as in checkouts from before it)."""
     (root / "launch").mkdir(parents=True)
-    (root / "launch" / "bench.sh").write_text((ROOT / "launch" / "bench.sh").read_text())
+    script = (ROOT / "launch" / "bench.sh").read_text()
+    assert "export PYTHONSAFEPATH=1\n" in script
+    (root / "launch" / "bench.sh").write_text(script.replace("export PYTHONSAFEPATH=1\n", ""))
     (root / "commfuse" / "bench").mkdir(parents=True)
     (root / "commfuse" / "__init__.py").write_text("")
     (root / "commfuse" / "bench" / "__init__.py").write_text("")

@@ -428,6 +428,8 @@ def test_native_table_serves_repeated_signatures(comm, gen, monkeypatch):
     assert entries == len(cases) + 1 and len(c._hot) == entries
     for kw, a, b in zip(cases, first, again):
         assert b.plan is a.plan, kw
+        # The table fills the result's slots without __init__: the same class, and a complete object.
+        assert type(b) is commfuse.communicator.FusedResult and repr(b).startswith("FusedResult(residual="), kw
         for name in ("residual", "norm", "quant", "scale_factors", "scales"):
             u, v = getattr(a, name), getattr(b, name)
             assert (u is None) == (v is None), (kw, name)
