@@ -7,15 +7,18 @@
 
 See README.md and docs/semantics.md for the semantics; `commfuse.reference` is the oracle.
 """
-from . import norm, ops, reference
+from . import reference
+from .local import Quantized, fused_add_rmsnorm, gated_rmsnorm, quantize
+from . import local, ops  # noqa: E402 - ops' Python kernels call the local ops
 from .communicator import Communicator, FusedResult
 from .distributed import init_distributed
-from .p2p import P2PError, P2PMismatchError, P2PTimeoutError
-from .plan import Plan
+from .kernels.p2p_allreduce import P2PError, P2PMismatchError, P2PTimeoutError
+from .routes import Plan
+from .tail.spec import TailSpec
 from .topology import Topology
-from .norm import fused_add_rmsnorm, gated_rmsnorm
 from . import fusion  # noqa: E402 - the pass imports the ops above
 
 __all__ = ["Communicator", "FusedResult", "P2PError", "P2PMismatchError", "P2PTimeoutError", "Plan", "Topology",
-           "init_distributed", "ops", "reference", "norm", "fusion", "fused_add_rmsnorm", "gated_rmsnorm"]
+           "TailSpec", "Quantized", "init_distributed", "ops", "reference", "local", "fusion", "fused_add_rmsnorm",
+           "gated_rmsnorm", "quantize"]
 __version__ = "0.1.0"

@@ -277,8 +277,12 @@ class NcclComm:
         if rc:
             raise self.nccl.error("ncclAllReduce", rc, handle)
 
+    def error(self, code: int) -> NcclError:
+        """The NcclError of an ncclResult_t this communicator's all-reduce returned (a native launcher's)."""
+        return self.nccl.error("ncclAllReduce", code, self._handle)
+
     def native_args(self, dtype: torch.dtype, count: int) -> tuple:
-        """What a native launcher (commfuse.native) needs to enqueue all_reduce of `count` elements of
+        """What a native launcher (commfuse.kernels.native) needs to enqueue all_reduce of `count` elements of
         `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count)."""
         if self._handle is None:
             raise RuntimeError("NcclComm.native_args after close()")

@@ -74,6 +74,8 @@ __all__ = [
     "unpack_ue8m0_mn_major",
     "block_scales_as_float",
     "Tail",
+    "quantize",
+    "gated_rmsnorm",
     "fused_tail",
     "FP8_MAX",
     "E2M1_MAX",
@@ -553,6 +555,41 @@ def dequantize_fp8_block(codes: Tensor, scales: Tensor, block: int = FP8_BLOCK, 
     return (codes.float().reshape(t, K, block) * s.unsqueeze(-1)).reshape(t, h)
 
 
+# --------------------------------------------------------------------------- gated RMSNorm
+
+
+def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: int,
+                    norm_before_gate: bool) -> Tensor:
+    """The gated RMSNorm of Mamba2 / Nemotron-H, in fp32, rounded to x's dtype once.
+
+    x: [..., h] T; z: x's shape and dtype, or None (no gate); weight: [h]; group_size divides h.
+    Each row is normalised per group of group_size consecutive elements; silu(z) is computed in fp32
+    and gates x before the norm (norm_before_gate False: y = norm(x * silu(z)) * w) or the weighted
+    norm after it (True: y = norm(x) * w * silu(z)):
+
+        xf = float(x); g = silu(float(z))
+        v = RN(xf * g) if gated before the norm else xf                 # per group of group_size:
+        inv = rsqrt(RN(mean(v^2) + eps)); y = RN(RN(v * inv) * float(w))
+        y = RN(y * g) if gated after the norm
+        return round_T(y)
+
+    silu is torch.nn.functional.silu in fp32 on the tensor's device (not pinned bit for bit across
+    devices: it goes through exp). Returns [t, h] of x's dtype.
+    """
+    h = x.shape[-1]
+    xf = x.reshape(-1, h).float()
+    g = None if z is None else torch.nn.functional.silu(z.reshape(-1, h).float())
+    if g is not None and not norm_before_gate:
+        xf = xf * g
+    t = xf.shape[0]
+    v = xf.reshape(t, h // group_size, group_size)
+    inv = torch.rsqrt((v * v).mean(dim=-1, keepdim=True) + eps)
+    y = (v * inv).reshape(t, h) * weight.float()
+    if g is not None and norm_before_gate:
+        y = y * g
+    return y.to(x.dtype)
+
+
 # --------------------------------------------------------------------------- scale helpers
 
 
@@ -590,9 +627,49 @@ class Tail(NamedTuple):
     scales: Optional[Tensor] = None
 
 
+def quantize(
+    x: Tensor,
+    quant: str,
+    scale: Optional[Scale] = None,
+    sf_layout: str = "swizzled",
+    scale_layout: str = "row",
+    scale_ue8m0: bool = False,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The quantization `quant` of x [..., h] (flattened to [t, h]), by the format's function above.
+
+    scale: the dequant scale of "fp8" and "nvfp4" (None for the kinds that compute their scales);
+    sf_layout: NVFP4's scale-factor layout; scale_layout, scale_ue8m0: fp8_block's (see
+    :func:`quantize_fp8_block`). Returns (codes, scale_factors, scales), None where the format has none:
+    scale_factors for nvfp4, scales for fp8_per_token and fp8_block.
+    """
+    if quant not in _QUANTS[1:]:
+        raise ValueError(f"quant must be one of {_QUANTS[1:]}, got {quant!r}")
+    _check_sf_layout(sf_layout)
+    _check_scale_layout(scale_layout)
+    if quant in ("fp8", "nvfp4") and scale is None:
+        raise ValueError(f"quant={quant!r} needs a scale")
+    if quant in ("fp8_per_token", "fp8_block") and scale is not None:
+        raise ValueError(f"quant={quant!r} computes its own scales: scale must be None")
+    if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
+        raise ValueError(f"scale_layout={scale_layout!r}, scale_ue8m0={scale_ue8m0!r}: other than "
+                         f"'row', False only with quant='fp8_block', got quant={quant!r}")
+    h = x.shape[-1]
+    x = x.reshape(-1, h)
+    if quant == "fp8":
+        return quantize_fp8(x, scale), None, None
+    if quant == "nvfp4":
+        q, sf = quantize_nvfp4(x, scale, sf_layout)
+        return q, sf, None
+    if quant == "fp8_per_token":
+        q, s = quantize_fp8_per_token(x)
+        return q, None, s
+    q, s = quantize_fp8_block(x, FP8_BLOCK, scale_layout, scale_ue8m0)
+    return q, None, s
+
+
 def fused_tail(
     a: Tensor,
-    residual: Tensor,
+    residual: Optional[Tensor],
     weight: Tensor,
     eps: float = 1e-6,
     quant: Optional[str] = None,
@@ -605,47 +682,30 @@ def fused_tail(
 ) -> Tail:
     """The tail after the all-reduce: residual add, RMSNorm, optional quantization.
 
-    a: [..., h] all-reduced activations, dtype T. residual: same shape/dtype/device.
+    a: [..., h] all-reduced activations, dtype T. residual: same shape/dtype/device, or None: no
+    residual add (the norm's input is a itself, and there is no residual output).
     weight: [h] RMSNorm weight, on a's device. eps: python float.
-    quant: None, "fp8", "nvfp4", "fp8_per_token" or "fp8_block".
+    quant: None, "fp8", "nvfp4", "fp8_per_token" or "fp8_block" (:func:`quantize`).
     scale: dequant scale (fp32 1-element tensor or float), needed for "fp8" and "nvfp4";
     must be None for "fp8_per_token" / "fp8_block", which compute their scales.
     sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear".
     weight_offset: python float added to the weight in fp32 (Gemma: 1), see :func:`rmsnorm`.
     scale_layout ("row" or "mn_major") and scale_ue8m0: the layout of the computed scales,
     "fp8_block" only (see :func:`quantize_fp8_block`); "fp8_per_token" takes "row", False.
-    Returns Tail(residual [t,h] T, norm [t,h] T or None, quant, scale_factors, scales):
+    Returns Tail(residual [t,h] T or None, norm [t,h] T or None, quant, scale_factors, scales):
     quant is float8_e4m3fn [t,h] (the FP8 kinds) or uint8 [t,h/2] (nvfp4); norm is given
     when quant is None or return_norm; scale_factors only for nvfp4; scales only for
     fp8_per_token (float32 [t]) and fp8_block. The quantized value is that of the T-rounded norm.
     """
-    if quant not in _QUANTS:
+    if quant is not None and quant not in _QUANTS:
         raise ValueError(f"quant must be one of {_QUANTS}, got {quant!r}")
-    _check_sf_layout(sf_layout)
-    _check_scale_layout(scale_layout)
-    if quant in ("fp8", "nvfp4") and scale is None:
-        raise ValueError(f"quant={quant!r} needs a scale")
-    if quant in ("fp8_per_token", "fp8_block") and scale is not None:
-        raise ValueError(f"quant={quant!r} computes its own scales: scale must be None")
-    if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
-        raise ValueError(f"scale_layout={scale_layout!r}, scale_ue8m0={scale_ue8m0!r}: other than "
-                         f"'row', False only with quant='fp8_block', got quant={quant!r}")
     h = a.shape[-1]
-    if quant == "fp8_block" and h % FP8_BLOCK:
-        raise ValueError(f"quant='fp8_block' needs h % {FP8_BLOCK} == 0 (one scale per {FP8_BLOCK} "
-                         f"consecutive elements of a row), got h={h}")
-    res = residual_add(a.reshape(-1, h), residual.reshape(-1, h))
-    norm = rmsnorm(res, weight, eps, weight_offset)
+    a = a.reshape(-1, h)
+    res = None if residual is None else residual_add(a, residual.reshape(-1, h))
+    norm = rmsnorm(a if res is None else res, weight, eps, weight_offset)
     if quant is None:
+        _check_sf_layout(sf_layout)
+        _check_scale_layout(scale_layout)
         return Tail(res, norm, None, None)
-    keep = norm if return_norm else None
-    if quant == "fp8":
-        return Tail(res, keep, quantize_fp8(norm, scale), None)
-    if quant == "fp8_per_token":
-        q, s = quantize_fp8_per_token(norm)
-        return Tail(res, keep, q, None, s)
-    if quant == "fp8_block":
-        q, s = quantize_fp8_block(norm, FP8_BLOCK, scale_layout, scale_ue8m0)
-        return Tail(res, keep, q, None, s)
-    q, sf = quantize_nvfp4(norm, scale, sf_layout)
-    return Tail(res, keep, q, sf)
+    q, sf, s = quantize(norm, quant, scale, sf_layout, scale_layout, scale_ue8m0)
+    return Tail(res, norm if return_norm else None, q, sf, s)

@@ -2,16 +2,17 @@
 
 - residual / norm: within `ulps` units in the last place of T of the reference (NaN and Inf where it
   has them, and only there).
-- FP8 / NVFP4 codes and scale factors: equal, except a neighbouring code (a value within rounding of a
-  code boundary) in at most `max_frac` of them; the FP8 NaN code is 0x7F (never 0xFF). NVFP4 codes are
-  compared only in blocks whose scale factors agree: a neighbouring scale factor changes the whole block.
-- Computed FP8 scales (quant "fp8_per_token", "fp8_block"): float32 scales equal, or off by no more
-  than a neighbouring amax gives: |got - want| <= ulp_T(448 want) / 448 + ulp_fp32(want) (the norm
-  element at the amax may be one ulp of T off, and s = RN(amax / 448) rounds once more); NaN and Inf
-  exactly where the reference has them. UE8M0 exponent bytes: equal, except a neighbouring exponent in
-  at most `max_frac` of the blocks; 0xFF exactly where the reference has it. MN-major padding must
-  be 0 and the strides the reference's. The codes are compared as static FP8 codes, in the rows /
-  blocks whose scales are bit-identical to the reference's.
+- Codes (e4m3, e2m1) and e4m3 scale factors: equal, except a neighbouring code (a value within rounding
+  of a code boundary) in at most `max_frac` of them; the FP8 NaN code is 0x7F (never 0xFF).
+- Computed float32 scales: equal, or off by no more than a neighbouring amax gives: |got - want| <=
+  ulp_T(448 want) / 448 + ulp_fp32(want) (the norm element at the amax may be one ulp of T off, and
+  s = RN(amax / 448) rounds once more); NaN and Inf exactly where the reference has them. UE8M0
+  exponent bytes: equal, except a neighbouring exponent in at most `max_frac` of the blocks; 0xFF
+  exactly where the reference has it.
+- The block scales' layout: its padding (swizzled tiles, MN-major rows) must be 0, an MN-major view's
+  strides the reference's. Codes are compared only in the blocks whose scales are bit-identical to the
+  reference's: a neighbouring scale changes the whole block.
+What is compared follows from the call's TailSpec: its format's codes, block, scale encoding and layout.
 
 The tests (tests/compare.py) assert these, and commfuse-bench's correctness gate rejects with them.
 """
@@ -22,8 +23,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import reference
+from .tail.formats import Layout
+from .tail.spec import TailSpec
 
-__all__ = ["ulp", "within_ulp", "signed_rank", "codes_close", "scales_close", "tail_mismatch"]
+__all__ = ["ulp", "within_ulp", "signed_rank", "codes_close", "scales_close", "tail_mismatch", "spec_mismatch"]
 
 FP8_NAN = 0x7F
 
@@ -119,67 +122,55 @@ def scales_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     return None, same
 
 
-def _computed_scales(got: reference.Tail, want: reference.Tail, quant: str, scale_layout: str,
-                     scale_ue8m0: bool, max_frac: float) -> Optional[str]:
-    """fp8_per_token / fp8_block: scales, their layout and padding, then the codes of the rows / blocks
-    whose scales agree. `want` is on the CPU or got's device; its scales are moved here."""
-    dev = got.residual.device
-    why = (_shape_dtype(got.quant, want.quant, f"{quant} codes")
-           or _shape_dtype(got.scales, want.scales, f"{quant} scales"))
-    if why:
-        return why
-    t, h = want.quant.shape
-    block = h if quant == "fp8_per_token" else reference.FP8_BLOCK
-    K = h // block
-    gs, ws = got.scales, want.scales
-    if quant == "fp8_block" and scale_layout == "mn_major":
-        if gs.stride() != ws.stride():
-            return f"{quant} scales: strides {gs.stride()}, expected {ws.stride()} (MN-major, padded rows)"
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of 1-byte elements as uint8 (indexing float8 is not implemented everywhere)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+def _scale_grid(stored: torch.Tensor, spec: TailSpec, t: int, K: int, what: str) -> Tuple[Optional[str], torch.Tensor]:
+    """The stored block scales as a [t, K] grid of their values' codes (uint8 bytes, or float32), after
+    checking the layout's padding (it must be 0) and an MN-major view's strides and storage."""
+    ue8m0, layout = spec.ue8m0, spec.layout
+    if layout == Layout.SWIZZLED:
+        flat = stored.reshape(-1)
+        pad = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
+        m = torch.arange(t, device=flat.device).unsqueeze(1)
+        pad[reference.swizzled_sf_index(m, torch.arange(K, device=flat.device).unsqueeze(0), K).reshape(-1)] = False
+        if (_bytes(flat)[pad] != 0).any():
+            return f"{what}: swizzle padding not 0", stored
+        return None, reference.unswizzle_scale_factors(stored, t, K)
+    if layout == Layout.MN_MAJOR:
         try:
-            flat = reference.mn_major_storage(gs, t, K, scale_ue8m0)
+            flat = reference.mn_major_storage(stored, t, K, ue8m0)
         except RuntimeError:
-            return f"{quant} scales: the storage is smaller than the padded MN-major layout"
-        ws = reference.mn_major_storage(ws, t, K, scale_ue8m0).to(dev)
-        # Padding: the storage must be what the layout of its own values gives (0 in every padding slot).
-        if scale_ue8m0:
-            vals = reference.unpack_ue8m0_mn_major(flat, t, K)
-            rebuilt = reference.pack_ue8m0_mn_major(vals)
-        else:
-            vals = reference.scales_from_mn_major(flat, t, K)
-            rebuilt = reference.scales_to_mn_major(vals)
-        rebuilt = reference.mn_major_storage(rebuilt, t, K, scale_ue8m0)
-        if not torch.equal(flat.view(torch.int32), rebuilt.view(torch.int32)):
-            return f"{quant} scales: MN-major padding not 0"
-        gs = flat
-    else:
-        ws = ws.to(dev)
-    if quant == "fp8_block":
-        if scale_ue8m0:
-            ge = (reference.unpack_ue8m0_mn_major(gs, t, K) if scale_layout == "mn_major" else gs).reshape(t, K)
-            we = (reference.unpack_ue8m0_mn_major(ws, t, K) if scale_layout == "mn_major" else ws).reshape(t, K)
-            nan_g, nan_w = ge == 0xFF, we == 0xFF
-            if not torch.equal(nan_g, nan_w):
-                return f"{quant} UE8M0 scales: 0xFF at {int((nan_g ^ nan_w).sum())} places where the reference differs"
-            same = ge == we
-            if ((ge.int() - we.int()).abs() > 1).any():
-                return f"{quant} UE8M0 scales: exponents more than one from the reference"
-            frac = 1.0 - same.float().mean().item() if same.numel() else 0.0
-            if frac > max_frac:
-                return f"{quant} UE8M0 scales: {frac:.2e} differ (at most {max_frac} may be neighbours)"
-        else:
-            g = reference.scales_from_mn_major(gs, t, K) if scale_layout == "mn_major" else gs
-            w = reference.scales_from_mn_major(ws, t, K) if scale_layout == "mn_major" else ws
-            why, same = scales_close(g.reshape(t, K), w.reshape(t, K), want.residual.dtype, f"{quant} scales")
-            if why:
-                return why
-    else:
-        why, same = scales_close(gs.reshape(t, 1), ws.reshape(t, 1), want.residual.dtype, f"{quant} scales")
-        if why:
-            return why
-    same = same.reshape(t, K)
-    codes = got.quant.view(torch.uint8).reshape(t, K, block)[same]
-    codes_ref = want.quant.view(torch.uint8).to(dev).reshape(t, K, block)[same]
-    return codes_close(codes, codes_ref, 0x80, max_frac, f"{quant} codes", FP8_NAN)[0]
+            return f"{what}: the storage is smaller than the padded MN-major layout", stored
+        vals = reference.unpack_ue8m0_mn_major(flat, t, K) if ue8m0 else reference.scales_from_mn_major(flat, t, K)
+        rebuilt = reference.pack_ue8m0_mn_major(vals) if ue8m0 else reference.scales_to_mn_major(vals)
+        if not torch.equal(flat.view(torch.int32), reference.mn_major_storage(rebuilt, t, K, ue8m0).view(torch.int32)):
+            return f"{what}: MN-major padding not 0", stored
+        return None, vals
+    return None, stored.reshape(t, K)
+
+
+def _scales_same(g: torch.Tensor, w: torch.Tensor, spec: TailSpec, dtype: torch.dtype, max_frac: float,
+                 what: str) -> Tuple[Optional[str], torch.Tensor]:
+    """Block scales ([t, K] grids) within the tolerances of their encoding; the mask of identical ones."""
+    code = "ue8m0" if spec.ue8m0 else spec.format.scale_code
+    if code == "f32":
+        return scales_close(g, w, dtype, what)
+    if code == "e4m3":
+        return codes_close(_bytes(g), _bytes(w), 0x80, max_frac, what, FP8_NAN)
+    ge, we = g.view(torch.uint8), w.view(torch.uint8)  # UE8M0 exponents
+    nan_g, nan_w = ge == 0xFF, we == 0xFF
+    same = ge == we
+    if not torch.equal(nan_g, nan_w):
+        return f"{what} (UE8M0): 0xFF at {int((nan_g ^ nan_w).sum())} places where the reference differs", same
+    if ((ge.int() - we.int()).abs() > 1).any():
+        return f"{what} (UE8M0): exponents more than one from the reference", same
+    frac = 1.0 - same.float().mean().item() if same.numel() else 0.0
+    if frac > max_frac:
+        return f"{what} (UE8M0): {frac:.2e} differ (at most {max_frac} may be neighbours)", same
+    return None, same
 
 
 def _as_tail(r) -> reference.Tail:
@@ -191,40 +182,59 @@ def _as_tail(r) -> reference.Tail:
 def tail_mismatch(got: reference.Tail, want: reference.Tail, quant: Optional[str], sf_layout: str = "swizzled",
                   max_frac: float = 1e-3, scale_layout: str = "row", scale_ue8m0: bool = False) -> Optional[str]:
     """Why a tail's outputs `got` differ from reference.fused_tail's `want` (fed the same all-reduced
-    input) beyond the tolerances; None when within. Swizzle and MN-major padding is compared too (it
-    must be 0). scale_layout / scale_ue8m0: those of the call, for quant "fp8_block".
-    The comparison runs on got's device (the reference may come from the CPU)."""
+    input) beyond the tolerances; None when within. The block scales' layout padding is compared too
+    (it must be 0). sf_layout / scale_layout / scale_ue8m0: those of the call. The comparison runs on
+    got's device (the reference may come from the CPU)."""
+    spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    return spec_mismatch(got, want, spec, max_frac)
+
+
+def spec_mismatch(got: reference.Tail, want: reference.Tail, spec: TailSpec, max_frac: float = 1e-3) -> Optional[str]:
+    """tail_mismatch for a TailSpec: everything it compares follows from the spec's format (its codes, its
+    block, its scales' encoding, field and layout)."""
     got, want = _as_tail(got), _as_tail(want)
-    want_scales = want.scales  # moved by _computed_scales: .to() would not keep an MN-major view's padding
-    want = reference.Tail(*(None if v is None else v.to(got.residual.device) for v in want[:4]), want_scales)
+    dev = (got.norm if got.norm is not None else got.residual if got.residual is not None else got.quant).device
+    # The stored scales are moved by _scale_grid's caller below: .to() would not keep an MN-major view's padding.
+    want = reference.Tail(*(None if v is None else v.to(dev) for v in want[:3]), want.scale_factors, want.scales)
     for name in ("residual", "norm"):
         why = within_ulp(getattr(got, name), getattr(want, name), 1, name)
         if why:
             return why
-    if quant in ("fp8_per_token", "fp8_block"):
-        return _computed_scales(got, want, quant, scale_layout, scale_ue8m0, max_frac)
-    why = _shape_dtype(got.scales, want.scales, "scales")
+    f = spec.format
+    what = str(f)
+    field = f.scale_field
+    for name in ("quant", "scale_factors", "scales"):
+        why = _shape_dtype(getattr(got, name), getattr(want, name), f"{what} {name}")
+        if why:
+            return why
+    if f.codes is None:
+        return None
+    gq, wq = got.quant, want.quant
+    if f.codes == "e2m1":
+        gq, wq, sign, nan = _nibbles(gq), _nibbles(wq), 0x8, None
+    else:
+        gq, wq, sign, nan = gq.view(torch.uint8), wq.view(torch.uint8), 0x80, FP8_NAN
+    t, h = gq.shape
+    if f.block is None:  # one static scale
+        return codes_close(gq, wq, sign, max_frac, f"{what} codes", nan)[0]
+    block = f.block or h
+    K = h // block
+    gs, ws = getattr(got, field), getattr(want, field)
+    if spec.layout == Layout.MN_MAJOR and gs.stride() != ws.stride():
+        return f"{what} {field}: strides {gs.stride()}, expected {ws.stride()} (MN-major, padded rows)"
+    if spec.layout == Layout.MN_MAJOR:
+        ws = reference.mn_major_storage(ws, t, K, spec.ue8m0).to(dev)
+    else:
+        ws = ws.to(dev)
+    why, g = _scale_grid(gs, spec, t, K, f"{what} {field}")
     if why:
         return why
-    if quant == "fp8":
-        why = _shape_dtype(got.quant, want.quant, "fp8 codes")
-        return why or codes_close(got.quant.view(torch.uint8), want.quant.view(torch.uint8), 0x80, max_frac,
-                                  "fp8 codes", FP8_NAN)[0]
-    if quant == "nvfp4":
-        why = (_shape_dtype(got.quant, want.quant, "nvfp4 codes")
-               or _shape_dtype(got.scale_factors, want.scale_factors, "nvfp4 scale factors"))
-        if why:
-            return why
-        why, same_sf = codes_close(got.scale_factors.view(torch.uint8), want.scale_factors.view(torch.uint8), 0x80,
-                                   max_frac, "nvfp4 scale factors", FP8_NAN)
-        if why:
-            return why
-        t, h = want.residual.shape
-        k = h // reference.NVFP4_BLOCK
-        if sf_layout == "swizzled":
-            same_sf = reference.unswizzle_scale_factors(same_sf.to(torch.uint8), t, k).bool()
-        same_sf = same_sf.reshape(t, k)
-        codes = _nibbles(got.quant).reshape(t, k, reference.NVFP4_BLOCK)[same_sf]
-        codes_ref = _nibbles(want.quant).reshape(t, k, reference.NVFP4_BLOCK)[same_sf]
-        return codes_close(codes, codes_ref, 0x8, max_frac, "nvfp4 codes")[0]
-    return None
+    _, w = _scale_grid(ws, spec, t, K, f"{what} {field} (reference)")
+    # T: the computed scales' tolerance follows a norm one ulp of T off (bf16's, the coarser, without one).
+    dtype = next((v.dtype for v in (want.residual, want.norm) if v is not None), torch.bfloat16)
+    why, same = _scales_same(g, w, spec, dtype, max_frac, f"{what} {field}")
+    if why:
+        return why
+    same = same.reshape(t, K)
+    return codes_close(gq.reshape(t, K, block)[same], wq.reshape(t, K, block)[same], sign, max_frac,
+                       f"{what} codes", nan)[0]

@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from . import ipc
-from .plan import MIN_FUSED_SM
+from .tail.formats import FORMATS
 
-PATTERNS = ("residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_nvfp4")
-FP8_HW_SM = (8, 9)    # cvt.*.e4m3x2 from Ada
-E2M1_HW_SM = (10, 0)  # cvt.*.e2m1x2 from Blackwell
+MIN_FUSED_SM = (8, 0)  # the oldest SM the kernels are built for
+# One fused pattern per format: residual + RMSNorm (+ the format's quantization).
+PATTERNS = tuple("residual_rmsnorm" + (f"_{f.name}" if f.name else "") for f in FORMATS)
 _IPC_CHECK_BYTES = 4096
 
 
@@ -135,14 +135,12 @@ def fusion_capability(sm: Optional[tuple]) -> dict:
     """How a GPU of this SM runs each pattern of PATTERNS (None: no GPU).
 
     "fused-hw": one fused kernel, conversions in hardware; "fused-sw": fused, quantization
-    converted in software (FP8 below SM 8.9, e2m1 below 10.0); "separated": plain torch ops.
+    converted in software (below the format's hw_sm: FP8 below SM 8.9, e2m1 below 10.0); "separated":
+    plain torch ops.
     """
     if sm is None or tuple(sm) < MIN_FUSED_SM:
         return {p: "separated" for p in PATTERNS}
-    sm = tuple(sm)
-    return {"residual_rmsnorm": "fused-hw",
-            "residual_rmsnorm_fp8": "fused-hw" if sm >= FP8_HW_SM else "fused-sw",
-            "residual_rmsnorm_nvfp4": "fused-hw" if sm >= E2M1_HW_SM else "fused-sw"}
+    return {p: "fused-hw" if tuple(sm) >= f.hw_sm else "fused-sw" for p, f in zip(PATTERNS, FORMATS)}
 
 
 def gpu_sharers(ranks: Sequence[RankInfo]) -> tuple:

@@ -32,15 +32,9 @@
 
 namespace commfuse {
 
-constexpr int kQuantNone = 0;
-constexpr int kQuantFp8 = 1;
-constexpr int kQuantNvfp4 = 2;
-constexpr int kQuantFp8PerToken = 3;  // FP8, one computed scale per row
-constexpr int kQuantFp8Block = 4;     // FP8, one computed scale per 128 elements of a row
-
-// TailParams::scale_layout bits (fp8_block): MN-major storage, UE8M0 exponent bytes.
-constexpr int kScaleMnMajor = 1;
-constexpr int kScaleUe8m0 = 2;
+// The QUANT ids (kQuantNone, kQuantFp8, ...), the TailParams layout bits (kScaleMnMajor,
+// kScaleUe8m0) and the parameter structs come from commfuse/kernels/params.py, which generates
+// commfuse_params.cuh (included above) from the format registry, commfuse/tail/formats.py.
 constexpr int kFp8Block = 128;
 constexpr int kFp8BlockVectors = kFp8Block / 8;
 
@@ -48,8 +42,6 @@ constexpr int kVecElems = 8;       // elements of T in one 16-byte vector
 constexpr int kSfBlock = 16;       // NVFP4 block size: two vectors
 constexpr int kTailMaxWarps = 32;  // size of the reduction scratch callers provide
 
-// TailParams, everything the tail needs besides the all-reduced values, is declared in
-// commfuse/params.py, which generates the header below and packs the struct on the host.
 
 // ------------------------------------------------------------------ T <-> fp32, two at a time
 

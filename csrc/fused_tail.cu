@@ -5,7 +5,7 @@
 // Grid: one CTA per row, plus (NVFP4, swizzled layout) one per padding row of the last 128-row
 // tile, which only zeroes that row's scale factors (FP8 block scales, MN-major: the same for the
 // rows up to roundup(t, 4)). Rows go on gridDim.x (up to 2^31 - 1).
-// Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/fused_tail.py:
+// Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/fused_tail.py:
 // for many rows 256 at most (several CTAs per SM overlap one row's loads with another's math),
 // for few rows (decode) up to 1024, so that each row's chain of dependent work is spread thin.
 //
@@ -30,7 +30,7 @@ template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 
 // The kernel's only parameter is FusedTailParams (the all-reduced input a, then TailParams),
-// declared in commfuse/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
+// declared in commfuse/kernels/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
 
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).

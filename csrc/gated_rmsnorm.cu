@@ -7,7 +7,7 @@
 // after it (1); z == nullptr: no gate.
 //
 // Grid: one CTA per row, plus the padding rows of the scale storage (as fused_tail.cu). Block: a
-// multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/gated_norm.py; the row lives
+// multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/gated_norm.py; the row lives
 // in registers (VPT vectors of 8 elements per thread, h <= 8 * VPT * blockDim.x).
 #include "epilogue.cuh"
 #include "pdl.cuh"
@@ -66,7 +66,7 @@ __device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z
 }
 
 // The kernel's only parameter is GatedNormParams (TailParams for the outputs and the weight, with
-// no residual; x, z, the group size and the gate's place), declared in commfuse/params.py.
+// no residual; x, z, the group size and the gate's place), declared in commfuse/kernels/params.py.
 template <typename T, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
   __shared__ float part[VPT * kMaxThreads<VPT>];  // per vector, then per group: sums of squares

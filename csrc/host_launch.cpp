@@ -1,21 +1,23 @@
-// The eager hot path of a planned call, in C++ (commfuse/native.py builds and loads it).
+// The eager hot path of a planned call, in C++ (commfuse/kernels/native.py builds and loads it).
 //
-// Per call signature Python settles everything once: the checks, the plan, the kernel, its launch
-// shape and the parameter struct's bytes with every field but the pointers filled in. What is left
-// per call is here: the operands' pointers (copies of strided or misaligned ones), fresh outputs,
-// the pointers patched into the bytes, then NCCL's all-reduce and/or the kernel on torch's current
-// stream. In Python those steps cost tens of microseconds (tensor objects, the driver binding's
-// argument conversion); here a few, most of it the driver's own.
+// Per call signature Python settles everything once: the checks, the route and its LaunchPlan (the
+// kernels, their launch shapes and parameter bytes with every field but the pointers filled in,
+// commfuse/kernels/launch.py). What is left per call is here: the operands' pointers (copies of
+// strided or misaligned ones), the outputs the caller did not give, the pointers patched into the
+// bytes, then NCCL's all-reduce and/or the kernels on torch's current stream (Launcher); and the plan
+// table that finds a signature's launcher without Python (Table; commfuse/kernels/table.py describes
+// its interface and the signature). In Python those steps cost tens of microseconds (tensor objects,
+// the driver binding's argument conversion); here a few, most of it the driver's own.
 #include <cuda.h>
 #include <dlfcn.h>
 
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <unordered_map>
@@ -35,10 +37,12 @@ namespace py = pybind11;
 
 namespace {
 
-// Where a patched pointer comes from: a call argument, an output, or the NCCL route's sum buffer.
-enum Source : int { kX = 0, kResidual = 1, kWeight = 2, kScale = 3, kOut0 = 4, kSum = 9, kSources = 10 };
+// Where a patched pointer comes from: a call argument, an output, or the NCCL route's sum buffer
+// (commfuse/kernels/launch.py numbers them alike; native.py checks that the two agree).
+enum Source : int { kX = 0, kResidual = 1, kWeight = 2, kScale = 3, kZ = 4, kOut0 = 5, kSum = 10, kSources = 11 };
 constexpr int kOutputs = 5;  // residual, norm, quant, scale_factors, scales (a plain all-reduce: 1)
 constexpr size_t kMaxParams = 1024;
+constexpr size_t kMaxEntries = 4096;  // then a table is cleared (commfuse/kernels/table.py's MAX_ENTRIES)
 const char* const kOutNames[kOutputs] = {"residual", "norm", "quant", "scale_factors", "scales"};
 
 using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
@@ -67,7 +71,7 @@ const Driver& driver() {
 }
 
 bool g_pdl = true;   // jit.disable_pdl turns programmatic dependent launch off process-wide
-int g_poison = -1;   // the GPU tests' poison byte for fresh outputs (tests/compare.py), -1: none
+int g_poison = -1;   // the GPU tests' poison byte for fresh outputs (launch.set_poison), -1: none
 
 struct NcclFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -104,26 +108,61 @@ at::Tensor operand(const at::Tensor& t) {
   return address(c) % 16 ? c.clone() : c;
 }
 
+// Field i of a caller's `out`: a tuple in reference.Tail's order (Tail itself is one), or an object with
+// the five fields (commfuse.FusedResult); None where it has none.
+py::object out_field(py::handle out, int i) {
+  if (PyTuple_Check(out.ptr())) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(out.ptr());
+    return i < n ? py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(out.ptr(), i)) : py::none();
+  }
+  return py::getattr(out, kOutNames[i], py::none());
+}
+
+struct Patch {
+  int offset;
+  int source;
+  int64_t delta;
+};
+
+struct KernelLaunch {
+  CUfunction function;
+  bool pdl;
+  unsigned grid, block;
+  std::string params;
+  std::vector<Patch> patches;
+};
+
+// A LaunchPlan's executor (commfuse/kernels/launch.py: PyLauncher is its Python twin).
 class Launcher {
  public:
-  Launcher(std::string name, uintptr_t function, bool pdl, unsigned grid, unsigned block, py::bytes params,
-           std::vector<std::pair<int, int>> patches, std::vector<py::object> specs, bool fused,
-           uintptr_t nccl_fn, uintptr_t nccl_comm, int nccl_dtype, int64_t count, int device)
-      : name_(std::move(name)), function_(reinterpret_cast<CUfunction>(function)), pdl_(pdl), grid_(grid),
-        block_(block), patches_(std::move(patches)), fused_(fused),
-        nccl_(reinterpret_cast<AllReduce>(nccl_fn)), nccl_comm_(reinterpret_cast<void*>(nccl_comm)),
-        nccl_dtype_(nccl_dtype), count_(count), device_(device) {
-    params_ = static_cast<std::string>(params);
-    if (params_.size() > kMaxParams) throw std::invalid_argument(name_ + ": parameter struct too large");
-    for (const auto& [offset, source] : patches_) {
-      if (offset < 0 || offset + 8 > static_cast<int>(params_.size()) || offset % 8 || source < 0 ||
-          source >= kSources)
-        throw std::invalid_argument(name_ + ": bad pointer patch");
+  // launches: (function, pdl, grid, block, params, [(offset, source, delta)]) each; specs: one per output
+  // ((sizes, strides or None, storage elements, a tensor of the dtype), or None where absent), five for a
+  // tail, one for a plain all-reduce; nccl: None, or (ncclAllReduce's address, the communicator, the NCCL
+  // dtype, the element count), enqueued first.
+  Launcher(std::string name, const std::vector<py::tuple>& launches, const std::vector<py::object>& specs,
+           bool fused, py::object nccl, int device)
+      : name_(std::move(name)), fused_(fused), device_(device) {
+    for (const py::tuple& l : launches) {
+      KernelLaunch k;
+      k.function = reinterpret_cast<CUfunction>(l[0].cast<uintptr_t>());
+      k.pdl = l[1].cast<bool>();
+      k.grid = l[2].cast<unsigned>();
+      k.block = l[3].cast<unsigned>();
+      k.params = static_cast<std::string>(l[4].cast<py::bytes>());
+      if (k.params.size() > kMaxParams) throw std::invalid_argument(name_ + ": parameter struct too large");
+      for (const auto& p : l[5].cast<std::vector<std::tuple<int, int, int64_t>>>()) {
+        const auto [offset, source, delta] = p;
+        if (offset < 0 || offset + 8 > static_cast<int>(k.params.size()) || offset % 8 || source < 0 ||
+            source >= kSources)
+          throw std::invalid_argument(name_ + ": bad pointer patch");
+        k.patches.push_back({offset, source, delta});
+      }
+      if (k.function == nullptr) throw std::invalid_argument(name_ + ": a launch without a kernel");
+      launches_.push_back(std::move(k));
     }
-    if (specs.size() != (fused_ ? kOutputs : 1)) throw std::invalid_argument(name_ + ": wrong number of specs");
+    if (specs.size() != static_cast<size_t>(outputs())) throw std::invalid_argument(name_ + ": wrong number of specs");
     for (size_t i = 0; i < specs.size(); ++i) {
       if (specs[i].is_none()) continue;
-      // (sizes, strides or None, storage elements, a tensor of the dtype)
       auto s = specs[i].cast<py::tuple>();
       OutSpec& o = specs_[i];
       o.present = true;
@@ -133,16 +172,23 @@ class Launcher {
       o.dtype = tensor(s[3], "spec dtype").scalar_type();
       field_names_[i] = fused_ ? std::string("out.") + kOutNames[i] : std::string("out");
     }
-    if (function_ == nullptr && nccl_ == nullptr) throw std::invalid_argument(name_ + ": nothing to launch");
-    driver();  // fail at plan time, not in a call
+    if (!nccl.is_none()) {
+      auto n = nccl.cast<py::tuple>();
+      nccl_ = reinterpret_cast<AllReduce>(n[0].cast<uintptr_t>());
+      nccl_comm_ = reinterpret_cast<void*>(n[1].cast<uintptr_t>());
+      nccl_dtype_ = n[2].cast<int>();
+      count_ = n[3].cast<int64_t>();
+    }
+    if (!launches_.empty()) driver();  // fail at plan time, not in a call
   }
 
-  // x, residual, weight, scale: tensors (or None where the call has none), as the plan checked them.
-  // out: None, the caller's output tensor (a plain all-reduce) or an object with the five output
-  // fields. Returns the output tensor, or a tuple of the five outputs (None where absent).
-  py::object operator()(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out) const {
+  // x, residual, weight, scale, z: tensors (or None where the call has none), as the plan checked them.
+  // out: None, the caller's output tensor (a plain all-reduce) or the five output fields (see out_field),
+  // each None to allocate. Returns the sum, or a tuple of the five outputs (None where absent).
+  py::object operator()(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
+                        py::handle z) const {
     at::Tensor t[kSources];
-    call(t, x, residual, weight, scale, out);
+    call(t, x, residual, weight, scale, out, z);
     if (!fused_) return wrap(t[kOut0]);
     py::tuple result(kOutputs);
     for (int i = 0; i < kOutputs; ++i) result[i] = output(t, i);
@@ -151,18 +197,19 @@ class Launcher {
 
   // operator()'s work, leaving the outputs in t[kOut0 + i].
   void call(at::Tensor (&t)[kSources], py::handle x, py::handle residual, py::handle weight, py::handle scale,
-            py::handle out) const {
+            py::handle out, py::handle z) const {
     t[kX] = tensor(x, "x");
     if (!residual.is_none()) t[kResidual] = tensor(residual, "residual");
     if (!weight.is_none()) t[kWeight] = tensor(weight, "weight");
     if (!scale.is_none()) t[kScale] = tensor(scale, "scale");
-    const bool owned = !out.is_none();
-    if (owned) {
+    if (!z.is_none()) t[kZ] = tensor(z, "z");
+    if (!out.is_none()) {
       for (int i = 0; i < outputs(); ++i) {
         if (!specs_[i].present) continue;
+        const py::object h = fused_ ? out_field(out, i) : py::reinterpret_borrow<py::object>(out);
+        if (h.is_none()) continue;  // allocated in run()
         // The plan checked the caller's outputs' metadata, which its key holds; not their addresses.
         const std::string& field = field_names_[i];
-        const py::object h = fused_ ? py::getattr(out, kOutNames[i], py::none()) : py::reinterpret_borrow<py::object>(out);
         at::Tensor& o = t[kOut0 + i];
         o = tensor(h, field.c_str());
         if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
@@ -175,7 +222,7 @@ class Launcher {
                                 std::to_string(specs_[i].storage_numel) + " elements (padding rows included)");
       }
     }
-    run(t, owned);
+    run(t);
   }
 
   // Output i of a call as a Python object (None where the call has none).
@@ -183,26 +230,28 @@ class Launcher {
     return specs_[i].present ? wrap(t[kOut0 + i]) : py::none();
   }
 
-  // t: the operands at kX..kScale (undefined where absent) and, when owned, the caller's outputs at
-  // kOut0 + i; fills in the rest and enqueues the work. Touches no Python object: the op kernels
-  // call it without the GIL.
-  void run(at::Tensor (&t)[kSources], bool owned) const {
-    for (int i = kX; i <= kScale; ++i) {
+  // t: the operands at kX..kZ (undefined where absent) and the caller's outputs at kOut0 + i (undefined
+  // where not given); allocates the others and enqueues the work. Touches no Python object: the op
+  // kernels call it without the GIL.
+  void run(at::Tensor (&t)[kSources]) const {
+    const at::Tensor residual_in = t[kResidual];
+    for (int i = kX; i <= kZ; ++i) {
       if (t[i].defined() && i != kScale) t[i] = operand(t[i]);
     }
-    for (int i = 0; i < outputs() && !owned; ++i) {
-      if (specs_[i].present) t[kOut0 + i] = allocate(specs_[i]);
+    for (int i = 0; i < outputs(); ++i) {
+      if (specs_[i].present && !t[kOut0 + i].defined()) t[kOut0 + i] = allocate(specs_[i]);
     }
     if (nccl_ != nullptr) {
       // NCCL writes the sum into the residual output, which the tail then updates in place; a
       // scratch buffer where that output is the residual input itself.
       at::Tensor& sum = t[kSum];
-      sum = owned && fused_ && address(t[kOut0]) == address(t[kResidual]) ? allocate(specs_[0]) : t[kOut0];
+      const bool aliased = fused_ && residual_in.defined() && address(t[kOut0]) == address(residual_in);
+      sum = aliased ? allocate(specs_[0]) : t[kOut0];
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
       if (rc != 0) throw NcclFailure(std::to_string(rc));
     }
-    if (function_ != nullptr) launch(t);
+    for (const KernelLaunch& k : launches_) launch(k, t);
   }
 
   bool fused() const { return fused_; }
@@ -221,12 +270,12 @@ class Launcher {
     return s.strides.empty() ? o : o.as_strided(s.sizes, s.strides);
   }
 
-  void launch(const at::Tensor (&t)[kSources]) const {
+  void launch(const KernelLaunch& k, const at::Tensor (&t)[kSources]) const {
     alignas(16) char buf[kMaxParams];
-    std::memcpy(buf, params_.data(), params_.size());
-    for (const auto& [offset, source] : patches_) {
-      const uintptr_t p = t[source].defined() ? address(t[source]) : 0;
-      std::memcpy(buf + offset, &p, sizeof p);
+    std::memcpy(buf, k.params.data(), k.params.size());
+    for (const Patch& p : k.patches) {
+      const uintptr_t ptr = t[p.source].defined() ? address(t[p.source]) + p.delta : 0;
+      std::memcpy(buf + p.offset, &ptr, sizeof ptr);
     }
     // The module was loaded in the device's primary context: launch with that device current.
     c10::cuda::OptionalCUDAGuard guard;
@@ -235,64 +284,276 @@ class Launcher {
     attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
     CUlaunchConfig config{};
-    config.gridDimX = grid_;
+    config.gridDimX = k.grid;
     config.gridDimY = config.gridDimZ = 1;
-    config.blockDimX = block_;
+    config.blockDimX = k.block;
     config.blockDimY = config.blockDimZ = 1;
     config.hStream = reinterpret_cast<CUstream>(stream());
     config.attrs = &attr;
-    config.numAttrs = pdl_ && g_pdl ? 1 : 0;
+    config.numAttrs = k.pdl && g_pdl ? 1 : 0;
     void* args[1] = {buf};
-    const CUresult rc = driver().launch_ex(&config, function_, args, nullptr);
+    const CUresult rc = driver().launch_ex(&config, k.function, args, nullptr);
     if (rc != CUDA_SUCCESS) {
       const char* text = nullptr;
       driver().error_string(rc, &text);
-      throw std::runtime_error("launch of " + name_ + " grid=(" + std::to_string(grid_) + ",) block=(" +
-                               std::to_string(block_) + ",) on cuda:" + std::to_string(device_) + ": " +
+      throw std::runtime_error("launch of " + name_ + " grid=(" + std::to_string(k.grid) + ",) block=(" +
+                               std::to_string(k.block) + ",) on cuda:" + std::to_string(device_) + ": " +
                                (text ? text : "unknown error") + " (" + std::to_string(rc) + ")");
     }
   }
 
   std::string name_;
-  CUfunction function_;
-  bool pdl_;
-  unsigned grid_, block_;
-  std::string params_;
-  std::vector<std::pair<int, int>> patches_;
+  std::vector<KernelLaunch> launches_;
   OutSpec specs_[kOutputs];
   std::string field_names_[kOutputs];  // for the caller-owned outputs' errors: "out.norm" (or "out")
   bool fused_;
-  AllReduce nccl_;
-  void* nccl_comm_;
-  int nccl_dtype_;
-  int64_t count_;
+  AllReduce nccl_ = nullptr;
+  void* nccl_comm_ = nullptr;
+  int nccl_dtype_ = 0;
+  int64_t count_ = 0;
   int device_;
 };
 
-// The plan cache's hot half: per call signature (what the Python cache key holds: each tensor's
-// dtype, device, shape and strides, the caller's outputs' too, and the scalar arguments) the plan
-// object and its launcher. A hit costs the key (a few hundred bytes appended, hashed) instead of
-// building and hashing a tuple of tensor metadata in Python (~2.5 us of a call on an H200 host).
-// Anything the key cannot hold (a Python float scale, a non-tensor output, an unusual argument type)
-// is a miss: the Python path then checks and plans as always.
+// ------------------------------------------------------------------ the call signature (the key)
+
+// The ops a table serves, and their key's first byte (commfuse/kernels/table.py's OPS).
+enum Op : char { kPlain = 'P', kFused = 'F', kLocal = 'L', kGated = 'G', kQuantize = 'Q' };
+
+Op op_of(std::string_view name) {
+  if (name == "plain") return kPlain;
+  if (name == "fused") return kFused;
+  if (name == "local") return kLocal;
+  if (name == "gated") return kGated;
+  if (name == "quantize") return kQuantize;
+  throw py::value_error("op must be one of plain, fused, local, gated, quantize");
+}
+
+// Everything a key is written from, whoever made the call (Python through a table's lookup, or an op
+// kernel): nullptr / nullopt where the call has no such argument or passed None.
+struct Call {
+  Op op = kPlain;
+  const at::Tensor* x = nullptr;
+  const at::Tensor* residual = nullptr;
+  const at::Tensor* weight = nullptr;
+  const at::Tensor* scale = nullptr;
+  const at::Tensor* z = nullptr;
+  bool has_out = false;                         // the caller gave outputs
+  const at::Tensor* outs[kOutputs] = {};        // plain: outs[0]; a tail: each field, nullptr for None
+  double eps = 0, weight_offset = 0;
+  int64_t group_size = 0;
+  bool return_norm = false, norm_before_gate = false, scale_ue8m0 = false;
+  std::optional<std::string_view> quant, sf_layout, scale_layout;  // quant nullopt: None (no quantization)
+  // The Python front end's references to a caller's output fields (an attribute read is a new reference):
+  // what outs[i] points into lives until the key is written. Empty in the op kernels (no GIL there).
+  py::object held[kOutputs];
+};
+
+template <typename V>
+void put(std::string& key, V v) {
+  key.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+void put_tensor(std::string& key, const at::Tensor* t) {
+  if (t == nullptr) {
+    put(key, 'n');
+    return;
+  }
+  put(key, 't');
+  put(key, static_cast<int8_t>(t->scalar_type()));
+  put(key, static_cast<int8_t>(t->device().type()));
+  put(key, static_cast<int8_t>(t->device().index()));
+  put(key, static_cast<int8_t>(t->dim()));
+  for (const int64_t v : t->sizes()) put(key, v);
+  for (const int64_t v : t->strides()) put(key, v);
+}
+
+void put_text(std::string& key, const std::optional<std::string_view>& text) {
+  if (!text) {
+    put(key, static_cast<int32_t>(-1));
+    return;
+  }
+  put(key, static_cast<int32_t>(text->size()));
+  key.append(text->data(), text->size());
+}
+
+// The one key writer: every field of every op, in one order.
+std::string write_key(const Call& c) {
+  std::string key;
+  key.reserve(320);
+  put(key, static_cast<char>(c.op));
+  for (const at::Tensor* t : {c.x, c.residual, c.weight, c.scale, c.z}) put_tensor(key, t);
+  put(key, c.has_out);
+  if (c.has_out) {
+    for (const at::Tensor* t : c.outs) put_tensor(key, t);
+  }
+  put(key, c.eps);
+  put(key, c.weight_offset);
+  put(key, c.group_size);
+  put(key, c.return_norm);
+  put(key, c.norm_before_gate);
+  put(key, c.scale_ue8m0);
+  put_text(key, c.quant);
+  put_text(key, c.sf_layout);
+  put_text(key, c.scale_layout);
+  return key;
+}
+
+// ---- the Python front end: false where the key cannot hold an argument (a miss; Python plans it)
+
+bool from_tensor(py::handle h, const at::Tensor*& t, bool optional) {
+  if (h.is_none()) {
+    t = nullptr;
+    return optional;
+  }
+  if (!THPVariable_Check(h.ptr())) return false;
+  t = &THPVariable_Unpack(h.ptr());
+  return true;
+}
+
+bool from_number(py::handle h, double& v) {
+  if (PyFloat_CheckExact(h.ptr())) {
+    v = PyFloat_AS_DOUBLE(h.ptr());
+    return true;
+  }
+  if (PyLong_CheckExact(h.ptr())) {
+    v = PyLong_AsDouble(h.ptr());
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+bool from_int(py::handle h, int64_t& v) {
+  if (!PyLong_CheckExact(h.ptr())) return false;
+  v = PyLong_AsLongLong(h.ptr());
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+bool from_bool(py::handle h, bool& v) {
+  if (h.ptr() != Py_True && h.ptr() != Py_False) return false;
+  v = h.ptr() == Py_True;
+  return true;
+}
+
+bool from_text(py::handle h, std::optional<std::string_view>& v) {  // a str, or None
+  if (h.is_none()) {
+    v.reset();
+    return true;
+  }
+  if (!PyUnicode_CheckExact(h.ptr())) return false;
+  Py_ssize_t n = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
+  if (text == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  v = std::string_view(text, static_cast<size_t>(n));
+  return true;
+}
+
+bool from_out(py::handle out, bool fused, Call& c) {
+  c.has_out = !out.is_none();
+  if (!c.has_out) return true;
+  if (!fused) return from_tensor(out, c.outs[0], false);
+  for (int i = 0; i < kOutputs; ++i) {
+    c.held[i] = out_field(out, i);
+    if (!from_tensor(c.held[i], c.outs[i], true)) return false;
+  }
+  return true;
+}
+
+// The arguments of each op's lookup (table.py's order) into a Call.
+bool plain_call(Call& c, py::handle x, py::handle out) {
+  c.op = kPlain;
+  return from_tensor(x, c.x, false) && from_out(out, false, c);
+}
+
+bool tail_call(Call& c, Op op, py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
+               py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
+               py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
+  c.op = op;
+  return from_tensor(x, c.x, false) && from_tensor(residual, c.residual, op == kLocal) &&
+         from_tensor(weight, c.weight, false) && from_tensor(scale, c.scale, true) && from_out(out, true, c) &&
+         from_number(eps, c.eps) && from_text(quant, c.quant) && from_bool(return_norm, c.return_norm) &&
+         from_text(sf_layout, c.sf_layout) && from_number(weight_offset, c.weight_offset) &&
+         from_text(scale_layout, c.scale_layout) && from_bool(scale_ue8m0, c.scale_ue8m0);
+}
+
+bool gated_call(Call& c, py::handle x, py::handle z, py::handle weight, py::handle scale, py::handle eps,
+                py::handle group_size, py::handle norm_before_gate, py::handle quant, py::handle return_norm,
+                py::handle sf_layout, py::handle scale_layout, py::handle scale_ue8m0) {
+  c.op = kGated;
+  return from_tensor(x, c.x, false) && from_tensor(z, c.z, true) && from_tensor(weight, c.weight, false) &&
+         from_tensor(scale, c.scale, true) && from_number(eps, c.eps) && from_int(group_size, c.group_size) &&
+         from_bool(norm_before_gate, c.norm_before_gate) && from_text(quant, c.quant) &&
+         from_bool(return_norm, c.return_norm) && from_text(sf_layout, c.sf_layout) &&
+         from_text(scale_layout, c.scale_layout) && from_bool(scale_ue8m0, c.scale_ue8m0);
+}
+
+bool quantize_call(Call& c, py::handle x, py::handle scale, py::handle quant, py::handle sf_layout,
+                   py::handle scale_layout, py::handle scale_ue8m0) {
+  c.op = kQuantize;
+  return from_tensor(x, c.x, false) && from_tensor(scale, c.scale, true) && from_text(quant, c.quant) &&
+         from_text(sf_layout, c.sf_layout) && from_text(scale_layout, c.scale_layout) &&
+         from_bool(scale_ue8m0, c.scale_ue8m0);
+}
+
+// The args tuple of an insert, as its op's lookup takes it.
+bool call_of(Call& c, Op op, const py::tuple& a) {
+  const auto n = a.size();
+  switch (op) {
+    case kPlain:
+      return n == 2 && plain_call(c, a[0], a[1]);
+    case kFused:
+    case kLocal:
+      return n == 12 && tail_call(c, op, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
+    case kGated:
+      return n == 12 && gated_call(c, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
+    case kQuantize:
+      return n == 6 && quantize_call(c, a[0], a[1], a[2], a[3], a[4], a[5]);
+  }
+  return false;
+}
+
+// ------------------------------------------------------------------ the plan table
+
 class Table;
 
 // The op kernels run without the GIL (torch.ops releases it), so the tables and the registry that
-// finds a communicator's table by its name are guarded by one mutex, held for lookups and updates
-// only: a launch runs on a shared_ptr copy of its launcher (immutable, so launches may overlap), and
-// nobody runs Python or waits for the GIL while holding it.
-// Leaked on purpose: a Table still alive at exit must not find them destroyed.
+// finds a table by its name are guarded by one mutex, held for lookups and updates only: a launch runs
+// on a shared_ptr copy of its launcher (immutable, so launches may overlap), and nobody runs Python or
+// waits for the GIL while holding it. Leaked on purpose: a Table still alive at exit must not find them
+// destroyed.
 std::mutex& g_mutex = *new std::mutex;
 std::unordered_map<std::string, Table*>& g_tables = *new std::unordered_map<std::string, Table*>;
 
+// A table entry: the plan, and its launcher: a C++ Launcher, or any Python callable taking the same call
+// (the routes without kernels, the cross-rank check of COMMFUSE_CHECK=1).
+struct Entry {
+  py::object plan;
+  std::shared_ptr<const Launcher> native;
+  py::object callable;
+};
+
 class Table {
  public:
-  // name: the communicator's commfuse.ops name (the ops' `comm` argument).
-  // result_type: FusedResult, a class with __slots__ for the five outputs and the plan.
-  Table(py::object result_type, uintptr_t error_word, std::string name)
-      : result_type_(std::move(result_type)), error_word_(reinterpret_cast<volatile int*>(error_word)),
-        name_(std::move(name)) {
-    if (!PyType_Check(result_type_.ptr())) throw py::type_error("Table: result_type must be a class");
+  // name: the ops' name for it (a Communicator's name, or "local"); error_word: a P2P workspace's pinned
+  // error word (0: none); the result types of the fused, local / gated and quantize ops.
+  Table(std::string name, uintptr_t error_word, py::object fused_type, py::object tail_type,
+        py::object quantized_type)
+      : name_(std::move(name)), error_word_(reinterpret_cast<volatile int*>(error_word)),
+        fused_type_(std::move(fused_type)), tail_type_(std::move(tail_type)),
+        quantized_type_(std::move(quantized_type)) {
+    for (const py::object* t : {&fused_type_, &tail_type_, &quantized_type_}) {
+      if (!PyType_Check(t->ptr())) throw py::type_error("Table: the result types must be classes");
+    }
     for (int i = 0; i <= kOutputs; ++i) {
       fields_[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(i < kOutputs ? kOutNames[i] : "plan"));
       if (!fields_[i]) throw py::error_already_set();
@@ -310,87 +571,72 @@ class Table {
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
 
-  // COMMFUSE_CHECK's per-call cross-rank check runs in Python: while it is on, the op kernels hand
-  // every call to the Python op.
-  void set_check_calls(bool on) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    check_calls_ = on;
+  // ---- lookups (commfuse/kernels/table.py): the result, or None on a miss
+
+  py::object plain(py::handle x, py::handle out) {
+    Call c;
+    if (!plain_call(c, x, out)) return py::none();
+    return hit(c, x, py::none(), py::none(), py::none(), out, py::none());
   }
 
-  // The op kernels' lookup: under g_mutex, the launcher of `key` if it may serve the call.
-  std::shared_ptr<const Launcher> op_launcher(const std::string& key) const {
-    if (check_calls_ || error_pending()) return nullptr;
-    const auto it = entries_.find(key);
-    return it == entries_.end() ? nullptr : it->second.launcher;
-  }
-
-  // Communicator.fused_all_reduce's arguments; the FusedResult, or None on a miss (or a P2P error
-  // pending, which the Python path raises).
   py::object fused(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
                    py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
                    py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
-    std::string key;
-    if (!fused_key(key, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+    Call c;
+    if (!tail_call(c, kFused, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                    scale_layout, scale_ue8m0))
       return py::none();
-    py::object plan;
-    std::shared_ptr<const Launcher> launcher;
-    {
-      // Only the lookup under the mutex: the launch runs Python (the out fields' getattr, a collection
-      // at an allocation), which may switch threads or clear the table.
-      std::lock_guard<std::mutex> lock(g_mutex);
-      const auto it = entries_.find(key);
-      if (it == entries_.end() || error_pending()) return py::none();
-      plan = it->second.plan;
-      launcher = it->second.launcher;
-    }
-    at::Tensor t[kSources];
-    launcher->call(t, x, residual, weight, scale, out);
-    // The result's slots set directly: a hit runs no Python frame (FusedResult's __init__ would be one).
-    PyTypeObject* type = reinterpret_cast<PyTypeObject*>(result_type_.ptr());
-    py::object result = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
-    if (!result) throw py::error_already_set();
-    for (int i = 0; i <= kOutputs; ++i) {
-      const py::object v = i < kOutputs ? launcher->output(t, i) : plan;
-      if (PyObject_SetAttr(result.ptr(), fields_[i].ptr(), v.ptr()) < 0) throw py::error_already_set();
-    }
-    return result;
+    return hit(c, x, residual, weight, scale, out, py::none());
   }
 
-  // Communicator.all_reduce's: the sum, or None on a miss.
-  py::object plain(py::handle x, py::handle out) {
-    std::string key;
-    if (!plain_key(key, x, out)) return py::none();
-    std::shared_ptr<const Launcher> launcher;
-    {
-      std::lock_guard<std::mutex> lock(g_mutex);  // as in fused()
-      const auto it = entries_.find(key);
-      if (it == entries_.end() || error_pending()) return py::none();
-      launcher = it->second.launcher;
-    }
-    return (*launcher)(x, py::none(), py::none(), py::none(), out);
-  }
-
-  // The same arguments, then the plan and its launcher; false where the key cannot hold the call.
-  bool insert_fused(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
-                    py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
-                    py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0, py::object plan,
-                    py::object launcher) {
-    std::string key;
-    if (!fused_key(key, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+  py::object local(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
+                   py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
+                   py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
+    Call c;
+    if (!tail_call(c, kLocal, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                    scale_layout, scale_ue8m0))
-      return false;
-    return insert(std::move(key), std::move(plan), std::move(launcher));
+      return py::none();
+    return hit(c, x, residual, weight, scale, out, py::none());
   }
 
-  bool insert_plain(py::handle x, py::handle out, py::object plan, py::object launcher) {
-    std::string key;
-    if (!plain_key(key, x, out)) return false;
-    return insert(std::move(key), std::move(plan), std::move(launcher));
+  py::object gated(py::handle x, py::handle z, py::handle weight, py::handle scale, py::handle eps,
+                   py::handle group_size, py::handle norm_before_gate, py::handle quant, py::handle return_norm,
+                   py::handle sf_layout, py::handle scale_layout, py::handle scale_ue8m0) {
+    Call c;
+    if (!gated_call(c, x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout,
+                    scale_layout, scale_ue8m0))
+      return py::none();
+    return hit(c, x, py::none(), weight, scale, py::none(), z);
+  }
+
+  py::object quantize(py::handle x, py::handle scale, py::handle quant, py::handle sf_layout,
+                      py::handle scale_layout, py::handle scale_ue8m0) {
+    Call c;
+    if (!quantize_call(c, x, scale, quant, sf_layout, scale_layout, scale_ue8m0)) return py::none();
+    return hit(c, x, py::none(), py::none(), scale, py::none(), py::none());
+  }
+
+  // op: table.py's name of the op; args: its lookup's arguments. False where the key cannot hold them.
+  bool insert(std::string_view op, const py::tuple& args, py::object plan, py::object launcher) {
+    Call c;
+    if (!call_of(c, op_of(op), args)) return false;
+    Entry entry{std::move(plan), nullptr, py::none()};
+    if (py::isinstance<Launcher>(launcher)) {
+      entry.native = launcher.cast<std::shared_ptr<Launcher>>();
+    } else {
+      entry.callable = std::move(launcher);
+    }
+    std::unordered_map<std::string, Entry> old;  // released after the unlock: a plan's release may run Python
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      if (entries_.size() >= kMaxEntries) old.swap(entries_);
+      std::swap(entries_[write_key(c)], entry);
+    }
+    return true;  // a replaced entry is released here, after the unlock
   }
 
   void clear() {
-    std::unordered_map<std::string, Entry> old;  // destroyed after the unlock: a plan's release may run Python
+    std::unordered_map<std::string, Entry> old;  // destroyed after the unlock, as in insert()
     {
       std::lock_guard<std::mutex> lock(g_mutex);
       old.swap(entries_);
@@ -402,228 +648,237 @@ class Table {
     return entries_.size();
   }
 
-  // The keys of the op kernels' calls: the same bytes as fused_key / plain_key of the Python call the
-  // op makes (commfuse.ops: quant "" is None, no caller-owned outputs).
-  static std::string op_fused_key(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
-                                  bool return_norm, std::string_view sf_layout, double weight_offset,
-                                  std::string_view scale_layout, bool scale_ue8m0) {
-    std::string key;
-    key.reserve(256);
-    put(key, 'F');
-    put_tensor(key, x);
-    put_tensor(key, residual);
-    put_tensor(key, weight);
-    if (scale.has_value()) {
-      put(key, 't');
-      put_tensor(key, *scale);
-    } else {
-      put(key, 'n');
-    }
-    put(key, 'n');  // out=None
-    put(key, eps);
-    if (quant.empty()) {
-      put(key, static_cast<int32_t>(-1));
-    } else {
-      put_chars(key, quant);
-    }
-    put(key, return_norm);
-    put_chars(key, sf_layout);
-    put(key, weight_offset);
-    put_chars(key, scale_layout);
-    put(key, scale_ue8m0);
-    return key;
-  }
-
-  static std::string op_plain_key(const at::Tensor& x) {
-    std::string key;
-    put(key, 'P');
-    put_tensor(key, x);
-    put(key, 'n');
-    return key;
+  // The op kernels' lookup, under g_mutex: the C++ launcher of the call, or nullptr where the table has
+  // none that may run without Python (a miss, a Python launcher, or a P2P error pending).
+  std::shared_ptr<const Launcher> op_launcher(const Call& c) const {
+    if (error_pending()) return nullptr;
+    const auto it = entries_.find(write_key(c));
+    return it == entries_.end() ? nullptr : it->second.native;
   }
 
  private:
-  struct Entry {
-    py::object plan;
-    std::shared_ptr<const Launcher> launcher;
-  };
-
-  bool insert(std::string key, py::object plan, py::object launcher) {
-    Entry entry{std::move(plan), launcher.cast<std::shared_ptr<Launcher>>()};
-    {
-      std::lock_guard<std::mutex> lock(g_mutex);
-      std::swap(entries_[std::move(key)], entry);
-    }
-    return true;  // a replaced entry is released here, after the unlock (as in clear())
-  }
-
   bool error_pending() const { return error_word_ != nullptr && *error_word_ != 0; }
 
-  template <typename V>
-  static void put(std::string& key, V v) {
-    key.append(reinterpret_cast<const char*>(&v), sizeof v);
-  }
-
-  static bool put_tensor(std::string& key, py::handle h) {
-    if (!THPVariable_Check(h.ptr())) return false;
-    put_tensor(key, THPVariable_Unpack(h.ptr()));
-    return true;
-  }
-
-  static void put_chars(std::string& key, std::string_view text) {
-    put(key, static_cast<int32_t>(text.size()));
-    key.append(text.data(), text.size());
-  }
-
-  static void put_tensor(std::string& key, const at::Tensor& t) {
-    put(key, static_cast<int8_t>(t.scalar_type()));
-    put(key, static_cast<int8_t>(t.device().type()));
-    put(key, static_cast<int8_t>(t.device().index()));
-    put(key, static_cast<int8_t>(t.dim()));
-    for (const int64_t v : t.sizes()) put(key, v);
-    for (const int64_t v : t.strides()) put(key, v);
-  }
-
-  static bool put_optional_tensor(std::string& key, py::handle h) {
-    if (h.is_none()) {
-      put(key, 'n');
-      return true;
+  py::object hit(const Call& c, py::handle x, py::handle residual, py::handle weight, py::handle scale,
+                 py::handle out, py::handle z) {
+    Entry entry;
+    {
+      // Only the lookup under the mutex: the launch may run Python (a collection at an allocation, a
+      // Python launcher), which may switch threads or clear the table.
+      std::lock_guard<std::mutex> lock(g_mutex);
+      if (error_pending()) return py::none();
+      const auto it = entries_.find(write_key(c));
+      if (it == entries_.end()) return py::none();
+      entry = it->second;
     }
-    put(key, 't');
-    return put_tensor(key, h);
-  }
-
-  static bool put_number(std::string& key, py::handle h) {
-    double v;
-    if (PyFloat_CheckExact(h.ptr())) {
-      v = PyFloat_AS_DOUBLE(h.ptr());
-    } else if (PyLong_CheckExact(h.ptr())) {
-      v = PyLong_AsDouble(h.ptr());
-      if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return false;
+    if (c.op == kPlain) {
+      if (entry.native) return (*entry.native)(x, residual, weight, scale, out, z);
+      return entry.callable(x, residual, weight, scale, out, z);
+    }
+    PyObject* outs[kOutputs];
+    py::tuple returned;
+    at::Tensor t[kSources];
+    py::object held[kOutputs];
+    if (entry.native) {
+      entry.native->call(t, x, residual, weight, scale, out, z);
+      for (int i = 0; i < kOutputs; ++i) {
+        held[i] = entry.native->output(t, i);
+        outs[i] = held[i].ptr();
       }
     } else {
-      return false;
+      returned = entry.callable(x, residual, weight, scale, out, z).cast<py::tuple>();
+      if (returned.size() != kOutputs) throw py::value_error(name_ + ": a launcher returned no five outputs");
+      for (int i = 0; i < kOutputs; ++i) outs[i] = returned[i].ptr();
     }
-    put(key, v);
-    return true;
+    return result(c.op, outs, entry.plan);
   }
 
-  static bool put_bool(std::string& key, py::handle h) {
-    if (h.ptr() != Py_True && h.ptr() != Py_False) return false;
-    put(key, h.ptr() == Py_True);
-    return true;
-  }
-
-  static bool put_string(std::string& key, py::handle h) {  // a str, or None
-    if (h.is_none()) {
-      put(key, static_cast<int32_t>(-1));
-      return true;
-    }
-    if (!PyUnicode_CheckExact(h.ptr())) return false;
-    Py_ssize_t n = 0;
-    const char* text = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
-    if (text == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    put_chars(key, std::string_view(text, static_cast<size_t>(n)));
-    return true;
-  }
-
-  static bool fused_key(std::string& key, py::handle x, py::handle residual, py::handle weight, py::handle scale,
-                        py::handle out, py::handle eps, py::handle quant, py::handle return_norm,
-                        py::handle sf_layout, py::handle weight_offset, py::handle scale_layout,
-                        py::handle scale_ue8m0) {
-    key.reserve(256);
-    put(key, 'F');
-    if (!put_tensor(key, x) || !put_tensor(key, residual) || !put_tensor(key, weight) ||
-        !put_optional_tensor(key, scale))
-      return false;
-    if (out.is_none()) {
-      put(key, 'n');
-    } else {
-      put(key, 'o');
-      for (const char* name : kOutNames) {
-        if (!put_optional_tensor(key, py::getattr(out, name, py::none()))) return false;
+  // The op's result from the five outputs: the fused op's result type with its fields set (no Python
+  // frame: its __init__ would be one), the others' tuple types filled the way CPython fills a tuple
+  // subclass.
+  py::object result(Op op, PyObject* const (&outs)[kOutputs], const py::object& plan) const {
+    if (op == kFused) {
+      PyTypeObject* type = reinterpret_cast<PyTypeObject*>(fused_type_.ptr());
+      py::object r = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+      if (!r) throw py::error_already_set();
+      for (int i = 0; i <= kOutputs; ++i) {
+        PyObject* v = i < kOutputs ? outs[i] : plan.ptr();
+        if (PyObject_SetAttr(r.ptr(), fields_[i].ptr(), v) < 0) throw py::error_already_set();
       }
+      return r;
     }
-    return put_number(key, eps) && put_string(key, quant) && put_bool(key, return_norm) &&
-           put_string(key, sf_layout) && put_number(key, weight_offset) && put_string(key, scale_layout) &&
-           put_bool(key, scale_ue8m0);
+    const bool quantized = op == kQuantize;
+    PyTypeObject* type = reinterpret_cast<PyTypeObject*>((quantized ? quantized_type_ : tail_type_).ptr());
+    const int first = quantized ? 2 : 0;  // Quantized: (quant, scale_factors, scales)
+    const int n = kOutputs - first;
+    PyObject* r = type->tp_alloc(type, n);
+    if (r == nullptr) throw py::error_already_set();
+    for (int i = 0; i < n; ++i) {
+      Py_INCREF(outs[first + i]);
+      PyTuple_SET_ITEM(r, i, outs[first + i]);
+    }
+    return py::reinterpret_steal<py::object>(r);
   }
 
-  static bool plain_key(std::string& key, py::handle x, py::handle out) {
-    put(key, 'P');
-    return put_tensor(key, x) && put_optional_tensor(key, out);
-  }
-
-  py::object result_type_;
-  py::object fields_[kOutputs + 1];  // its field names, interned
-  volatile int* error_word_;
   std::string name_;
-  bool check_calls_ = true;
+  volatile int* error_word_;
+  py::object fused_type_, tail_type_, quantized_type_;
+  py::object fields_[kOutputs + 1];  // the fused type's field names, interned
   std::unordered_map<std::string, Entry> entries_;
 };
 
-// commfuse::fused_all_reduce and commfuse::all_reduce for CUDA tensors (the Python kernels in
-// commfuse/ops.py stay the ones of every other device, and of a CUDA call the table cannot serve:
-// torch's dispatcher calling a Python kernel costs ~12 us of host time a call on an H200 host).
+// ------------------------------------------------------------------ the op kernels
+
+// commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm and gated_rmsnorm for CUDA tensors: a call
+// whose signature has a C++ launcher in its table runs here without Python; the others go to the
+// Python kernels of commfuse/ops.py (which plan them), as every other device's calls do (torch's
+// dispatcher calling a Python kernel costs ~12 us of host time a call on an H200 host).
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 at::Tensor wrap_back(py::handle h) { return THPVariable_Unpack(h.ptr()); }
 
-// Runs the launcher of `key` in `comm`'s table on t (the operands); false where there is none.
-bool run_op(std::string_view comm, const std::string& key, at::Tensor (&t)[kSources]) {
+// Runs the C++ launcher of `c` in table `name` on t (the operands); false where there is none.
+bool run_op(std::string_view name, const Call& c, at::Tensor (&t)[kSources]) {
   std::shared_ptr<const Launcher> launcher;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    const auto table = g_tables.find(std::string(comm));
+    const auto table = g_tables.find(std::string(name));
     if (table == g_tables.end()) return false;
-    launcher = table->second->op_launcher(key);
+    launcher = table->second->op_launcher(c);
   }
   if (launcher == nullptr) return false;
   try {
-    launcher->run(t, false);
+    launcher->run(t);
   } catch (const NcclFailure& e) {
     throw std::runtime_error(std::string("ncclAllReduce failed: ncclResult_t ") + e.what());
   }
   return true;
 }
 
+// An op returns tensors, never None: absent outputs are empty, each its own (as commfuse/ops.py).
+Outputs op_outputs(at::Tensor (&t)[kSources], const at::Tensor& x) {
+  for (int i = 0; i < kOutputs; ++i) {
+    if (!t[kOut0 + i].defined()) t[kOut0 + i] = at::detail::empty_cuda({0}, x.scalar_type(), x.device(), std::nullopt);
+  }
+  return {t[kOut0], t[kOut0 + 1], t[kOut0 + 2], t[kOut0 + 3], t[kOut0 + 4]};
+}
+
+Outputs tuple_back(const py::tuple& r) {
+  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3]), wrap_back(r[4])};
+}
+
+py::object optional_wrap(const std::optional<at::Tensor>& t) { return t.has_value() ? wrap(*t) : py::none(); }
+
+// The op's quant "" is the Python call's None.
+std::optional<std::string_view> op_quant(std::string_view quant) {
+  return quant.empty() ? std::nullopt : std::optional<std::string_view>(quant);
+}
+
 Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                             const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
                             bool return_norm, std::string_view sf_layout, std::string_view comm, double weight_offset,
                             std::string_view scale_layout, bool scale_ue8m0) {
+  Call c;
+  c.op = kFused;
+  c.x = &x;
+  c.residual = &residual;
+  c.weight = &weight;
+  c.scale = scale.has_value() ? &*scale : nullptr;
+  c.eps = eps;
+  c.quant = op_quant(quant);
+  c.return_norm = return_norm;
+  c.sf_layout = sf_layout;
+  c.weight_offset = weight_offset;
+  c.scale_layout = scale_layout;
+  c.scale_ue8m0 = scale_ue8m0;
   at::Tensor t[kSources];
   t[kX] = x;
   t[kResidual] = residual;
   t[kWeight] = weight;
   if (scale.has_value()) t[kScale] = *scale;
-  const std::string key = Table::op_fused_key(x, residual, weight, scale, eps, quant, return_norm, sf_layout,
-                                              weight_offset, scale_layout, scale_ue8m0);
-  if (run_op(comm, key, t)) {
-    // An op returns tensors, never None: absent outputs are empty, each its own (as commfuse/ops.py).
-    for (int i = 1; i < kOutputs; ++i) {
-      if (!t[kOut0 + i].defined()) t[kOut0 + i] = at::detail::empty_cuda({0}, x.scalar_type(), x.device(), std::nullopt);
-    }
-    return {t[kOut0], t[kOut0 + 1], t[kOut0 + 2], t[kOut0 + 3], t[kOut0 + 4]};
-  }
+  if (run_op(comm, c, t)) return op_outputs(t, x);
   py::gil_scoped_acquire gil;
-  const py::tuple r = py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
-      wrap(x), wrap(residual), wrap(weight), scale.has_value() ? wrap(*scale) : py::none(), eps, std::string(quant),
-      return_norm, std::string(sf_layout), std::string(comm), weight_offset, std::string(scale_layout), scale_ue8m0);
-  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3]), wrap_back(r[4])};
+  return tuple_back(py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
+      wrap(x), wrap(residual), wrap(weight), optional_wrap(scale), eps, std::string(quant), return_norm,
+      std::string(sf_layout), std::string(comm), weight_offset, std::string(scale_layout), scale_ue8m0));
 }
 
 at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {
+  Call c;
+  c.op = kPlain;
+  c.x = &x;
   at::Tensor t[kSources];
   t[kX] = x;
-  if (run_op(comm, Table::op_plain_key(x), t)) return t[kOut0];
+  if (run_op(comm, c, t)) return t[kOut0];
   py::gil_scoped_acquire gil;
   return wrap_back(py::module_::import("commfuse.ops").attr("_all_reduce")(wrap(x), std::string(comm)));
+}
+
+Outputs fused_add_rmsnorm_op(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
+                             bool return_norm, std::string_view sf_layout, double weight_offset,
+                             std::string_view scale_layout, bool scale_ue8m0) {
+  Call c;
+  c.op = kLocal;
+  c.x = &x;
+  c.residual = residual.has_value() ? &*residual : nullptr;
+  c.weight = &weight;
+  c.scale = scale.has_value() ? &*scale : nullptr;
+  c.eps = eps;
+  c.quant = op_quant(quant);
+  c.return_norm = return_norm;
+  c.sf_layout = sf_layout;
+  c.weight_offset = weight_offset;
+  c.scale_layout = scale_layout;
+  c.scale_ue8m0 = scale_ue8m0;
+  at::Tensor t[kSources];
+  t[kX] = x;
+  if (residual.has_value()) t[kResidual] = *residual;
+  t[kWeight] = weight;
+  if (scale.has_value()) t[kScale] = *scale;
+  if (run_op("local", c, t)) {
+    // Outputs may not alias inputs: the kernel wrote fresh tensors (the op takes no out=).
+    return op_outputs(t, x);
+  }
+  py::gil_scoped_acquire gil;
+  return tuple_back(py::module_::import("commfuse.ops").attr("_fused_add_rmsnorm")(
+      wrap(x), optional_wrap(residual), wrap(weight), optional_wrap(scale), eps, std::string(quant), return_norm,
+      std::string(sf_layout), weight_offset, std::string(scale_layout), scale_ue8m0));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_rmsnorm_op(
+    const at::Tensor& x, const std::optional<at::Tensor>& z, const at::Tensor& weight,
+    const std::optional<at::Tensor>& scale, double eps, int64_t group_size, bool norm_before_gate,
+    std::string_view quant, bool return_norm, std::string_view sf_layout, std::string_view scale_layout,
+    bool scale_ue8m0) {
+  Call c;
+  c.op = kGated;
+  c.x = &x;
+  c.z = z.has_value() ? &*z : nullptr;
+  c.weight = &weight;
+  c.scale = scale.has_value() ? &*scale : nullptr;
+  c.eps = eps;
+  c.group_size = group_size;
+  c.norm_before_gate = norm_before_gate;
+  c.quant = op_quant(quant);
+  c.return_norm = return_norm;
+  c.sf_layout = sf_layout;
+  c.scale_layout = scale_layout;
+  c.scale_ue8m0 = scale_ue8m0;
+  at::Tensor t[kSources];
+  t[kX] = x;
+  if (z.has_value()) t[kZ] = *z;
+  t[kWeight] = weight;
+  if (scale.has_value()) t[kScale] = *scale;
+  if (run_op("local", c, t)) {
+    const Outputs o = op_outputs(t, x);
+    return {std::get<1>(o), std::get<2>(o), std::get<3>(o), std::get<4>(o)};
+  }
+  py::gil_scoped_acquire gil;
+  const py::tuple r = py::module_::import("commfuse.ops").attr("_gated_rmsnorm")(
+      wrap(x), optional_wrap(z), wrap(weight), optional_wrap(scale), eps, group_size, norm_before_gate,
+      std::string(quant), return_norm, std::string(sf_layout), std::string(scale_layout), scale_ue8m0);
+  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3])};
 }
 
 }  // namespace
@@ -631,24 +886,34 @@ at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {
 TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
   m.impl("fused_all_reduce", fused_all_reduce_op);
   m.impl("all_reduce", all_reduce_op);
+  m.impl("fused_add_rmsnorm", fused_add_rmsnorm_op);
+  m.impl("gated_rmsnorm", gated_rmsnorm_op);
 }
 
 PYBIND11_MODULE(commfuse_host, m) {
   m.doc() = "commfuse's eager hot path (csrc/host_launch.cpp)";
   py::register_exception<NcclFailure>(m, "NcclFailure", PyExc_RuntimeError);
   py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
-      .def(py::init<std::string, uintptr_t, bool, unsigned, unsigned, py::bytes, std::vector<std::pair<int, int>>,
-                    std::vector<py::object>, bool, uintptr_t, uintptr_t, int, int64_t, int>())
-      .def("__call__", &Launcher::operator());
+      .def(py::init<std::string, const std::vector<py::tuple>&, const std::vector<py::object>&, bool, py::object,
+                    int>())
+      .def("__call__", &Launcher::operator(), py::arg("x"), py::arg("residual") = py::none(),
+           py::arg("weight") = py::none(), py::arg("scale") = py::none(), py::arg("out") = py::none(),
+           py::arg("z") = py::none());
   py::class_<Table>(m, "Table")
-      .def(py::init<py::object, uintptr_t, std::string>())
-      .def("set_check_calls", &Table::set_check_calls)
-      .def("fused", &Table::fused)
+      .def(py::init<std::string, uintptr_t, py::object, py::object, py::object>())
       .def("plain", &Table::plain)
-      .def("insert_fused", &Table::insert_fused)
-      .def("insert_plain", &Table::insert_plain)
+      .def("fused", &Table::fused)
+      .def("local", &Table::local)
+      .def("gated", &Table::gated)
+      .def("quantize", &Table::quantize)
+      .def("insert", &Table::insert)
       .def("clear", &Table::clear)
       .def("__len__", &Table::size);
   m.def("set_pdl", [](bool on) { g_pdl = on; });
   m.def("set_poison", [](int byte) { g_poison = byte; });
+  py::dict sources;
+  for (const auto& [name, value] : {std::pair<const char*, int>{"X", kX}, {"RESIDUAL", kResidual}, {"WEIGHT", kWeight},
+                                    {"SCALE", kScale}, {"Z", kZ}, {"OUT", kOut0}, {"SUM", kSum}})
+    sources[name] = value;
+  m.attr("SOURCES") = sources;
 }

@@ -1,6 +1,6 @@
 // P2P all-reduce over CUDA IPC buffers, with the all-reduce tail (epilogue.cuh) in the same kernel.
 //
-// Every rank owns one workspace buffer that every other rank has mapped (commfuse/p2p.py builds it,
+// Every rank owns one workspace buffer that every other rank has mapped (commfuse/p2p/workspace.py builds it,
 // and its docstring describes the layout and the host side). Ranks PUSH their data into the peers'
 // buffers over NVLink (remote stores are posted writes) and READ only their own buffer.
 //
@@ -87,8 +87,6 @@
 
 namespace commfuse {
 
-constexpr int kMaxWorld = 8;
-constexpr int kQuantPlain = -1;  // plain all-reduce: no tail, output T
 constexpr int kCopyUnroll = 4;   // vectors per thread in flight in the copy loops (plain, looped tail)
 constexpr int kAlgoOneshot = 0;
 constexpr int kAlgoTwoshot = 1;
@@ -117,11 +115,9 @@ constexpr int kPlainSumBatch = 4;
 // from spilling); the others take kCopyUnroll.
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
-constexpr int kTimeoutCode = 1 << 16;   // | phase << 8 | missing rank
-constexpr int kMismatchCode = 2 << 16;  // | rank whose call signature differs
 
 // The kernel's only parameter is P2PParams (TailParams, then the all-reduce's own fields), declared
-// in commfuse/params.py, which generates its C declaration (commfuse_params.cuh, via epilogue.cuh)
+// in commfuse/kernels/params.py, which generates its C declaration (commfuse_params.cuh, via epilogue.cuh)
 // and packs it on the host.
 static_assert(sizeof(P2PParams::peers) / sizeof(void*) == kMaxWorld, "peers[] holds kMaxWorld ranks");
 
@@ -233,7 +229,7 @@ struct DtypeCode<__nv_bfloat16> {
 
 // Word 0: 1 << 30 | dtype | (QUANT + 1) << 1 | ALGO << 5 | swizzled scale factors << 6 | norm
 // output << 7 | world << 8 | fp8_block scale layout << 12; words 1-3: rows, row_vecs, total_vecs
-// (low 31 bits). Decoded by commfuse/p2p.py (describe_signature).
+// (low 31 bits). Decoded by commfuse/kernels/p2p_allreduce.py (describe_signature).
 template <typename T, int QUANT, int ALGO>
 __device__ __forceinline__ uint4 call_signature(const P2PParams& p) {
   constexpr bool kTail = QUANT != kQuantPlain;

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from commfuse import reference, tolerance
 from commfuse.reference import Tail
+from commfuse.tail.formats import FORMATS
+from commfuse.tail.spec import TailSpec
 
 from .context import Ctx
 from .verdict import OK, Kind, Verdict, failed, short
@@ -43,21 +45,24 @@ class Pattern:
         return self.tail and (self.quant is None or self.return_norm)
 
     @property
+    def spec(self) -> TailSpec:
+        return TailSpec.of(self.quant, return_norm=self.return_norm, sf_layout=SF_LAYOUT,
+                           weight_offset=self.weight_offset, scale_layout=self.scale_layout,
+                           scale_ue8m0=self.scale_ue8m0)
+
+    @property
     def scaled(self) -> dict:
         """The keyword arguments of the computed-scale kinds and the weight offset, for the calls
-        that take them by keyword (Communicator, fused_tail.run)."""
+        that take them by keyword (Communicator, kernels.fused_tail.run)."""
         return dict(weight_offset=self.weight_offset, scale_layout=self.scale_layout, scale_ue8m0=self.scale_ue8m0)
 
 
 PATTERNS: Dict[str, Pattern] = {p.name: p for p in (
     Pattern("allreduce", tail=False),
-    Pattern("residual_rmsnorm"),
-    Pattern("residual_rmsnorm_fp8", "fp8"),
-    Pattern("residual_rmsnorm_nvfp4", "nvfp4"),
+    # residual + RMSNorm with each format's quantization (every format of the registry, in its order)
+    *(Pattern("residual_rmsnorm" + (f"_{f.name}" if f.name else ""), f.name) for f in FORMATS),
     Pattern("residual_rmsnorm_fp8_out", "fp8", return_norm=True),
     Pattern("residual_rmsnorm_nvfp4_out", "nvfp4", return_norm=True),
-    Pattern("residual_rmsnorm_fp8_per_token", "fp8_per_token"),
-    Pattern("residual_rmsnorm_fp8_block", "fp8_block"),
     # DeepGEMM's layout for Blackwell's block-scaled GEMMs: MN-major, UE8M0 exponents packed 4 per int32.
     Pattern("residual_rmsnorm_fp8_block_ue8m0", "fp8_block", scale_layout="mn_major", scale_ue8m0=True),
     Pattern("residual_gemma_rmsnorm_fp8", "fp8", weight_offset=1.0),  # Gemma's RMSNorm scales by (1 + w)
@@ -209,27 +214,10 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
 
 
 def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
-    """The fewest bytes the tail moves: read a, residual, weight; write residual, norm (if an output),
-    FP8 codes (+ the computed scales: float32 per row or per 128-block, UE8M0 bytes, the MN-major
-    layouts with their padding, which is written too), or NVFP4 codes + swizzled scale factors."""
-    n = t * h
-    b = 2 * n * itemsize + h * itemsize + n * itemsize
-    if pattern.has_norm:
-        b += n * itemsize
-    q = pattern.quant
-    if q in ("fp8", "fp8_per_token", "fp8_block"):
-        b += n
-    if q == "fp8_per_token":
-        b += 4 * t
-    elif q == "fp8_block":
-        k, tp = h // reference.FP8_BLOCK, -(-t // 4) * 4
-        if pattern.scale_layout == "row":
-            b += t * k * (1 if pattern.scale_ue8m0 else 4)
-        else:  # K float32 columns of tp rows, or ceil(K/4) int32 columns of 4 packed exponents
-            b += 4 * tp * (-(-k // 4) if pattern.scale_ue8m0 else k)
-    elif q == "nvfp4":
-        b += n // 2 + (-(-t // 128) * 128) * (-(-(h // 16) // 4) * 4)
-    return b
+    """The fewest bytes the tail moves: read a, residual, weight; write every output once (the layouts'
+    padding included, which is written too)."""
+    outputs = pattern.spec.outputs(t, h, torch.float16 if itemsize == 2 else torch.float32)
+    return 2 * t * h * itemsize + h * itemsize + sum(o.storage_numel * o.dtype.itemsize for o in outputs if o)
 
 
 # ------------------------------------------------------------------------------- correctness gate

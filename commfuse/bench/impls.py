@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse import Communicator, reference, tolerance
-from commfuse.epilogue import COMPUTED_SCALES
+from commfuse.tail.formats import by_name
 
 from .cases import QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, Result, check
 from .context import Ctx
@@ -204,7 +204,6 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
             owned = comm.fused_all_reduce(x, residual, case.weight, **kw) if p.tail else comm.all_reduce(x)
         if via_ops:
             quant, scale, weight = p.quant or "", case.scale, case.weight
-            computed = p.quant in COMPUTED_SCALES
 
             def step(i):
                 x, residual = case.input_set(i)
@@ -217,8 +216,7 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
             def result(r):
                 if not p.tail:
                     return Result(a=r)
-                return Result.of_tail((r[0], r[1] if p.has_norm else None, r[2] if p.quant else None,
-                                       r[3] if p.quant == "nvfp4" else None, r[4] if computed else None))
+                return Result.of_tail(p.spec.keep(r))
         else:
             def step(i):
                 x, residual = case.input_set(i)
@@ -260,12 +258,11 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
     if not ctx.cuda:
         raise Skip("fused_tail.run needs CUDA tensors (no GPU)")
     try:
-        from commfuse import fused_tail
+        from commfuse.kernels import fused_tail
     except Exception as e:
-        raise Skip(f"commfuse.fused_tail not importable: {short(e)}")
+        raise Skip(f"commfuse.kernels.fused_tail not importable: {short(e)}")
     p = case.pattern
-    if hasattr(fused_tail, "warmup"):  # NVRTC compile and module load now, not in the gate call
-        fused_tail.warmup(case.dtype, p.quant, case.hidden, ctx.device)
+    fused_tail.warmup(case.dtype, p.quant, case.hidden, ctx.device)  # NVRTC compile and module load now, not in the gate call
 
     def step(i):
         x, residual = case.input_set(i)
@@ -444,9 +441,9 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
         out = Result(a=bufs["allreduce_out"])
     else:
         out = Result(residual=bufs["residual_out"], norm=bufs["norm_out"] if p.has_norm else None)
-        if p.quant in ("fp8",) + COMPUTED_SCALES:
+        if p.quant is not None and by_name(p.quant).codes == "e4m3":
             out.quant = bufs["quant_out"].view(torch.float8_e4m3fn)
-            if p.quant in COMPUTED_SCALES:
+            if by_name(p.quant).computes_scales:
                 out.scales = bufs["scale_out"]
         elif p.quant == "nvfp4":
             out.quant = bufs["quant_out"].view(-1)[: t * h // 2].view(t, h // 2)  # packed, contiguous
@@ -487,7 +484,7 @@ for _impl in (
     Impl("tail-eager", "tail", _prep_tail_eager, "the tail alone: commfuse.reference in plain torch"),
     Impl("tail-compile", "tail", _prep_tail_compile, "the tail alone through torch.compile",
          timed_if_wrong=True),
-    Impl("tail-commfuse", "tail", _prep_tail_commfuse, "the tail alone: commfuse.fused_tail.run"),
+    Impl("tail-commfuse", "tail", _prep_tail_commfuse, "the tail alone: commfuse.kernels.fused_tail.run"),
     Impl("torch-add", "floor", _prep_torch_add,
          "torch.add(x, residual, out=buf): one torch elementwise op, the floor of host cost per call",
          own_check=_check_torch_add),

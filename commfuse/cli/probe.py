@@ -48,7 +48,7 @@ from .. import topology
 from ..distributed import launch_env
 
 OVERRIDES = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_FUSION")
-_SHORT = {"residual_rmsnorm": "rmsnorm", "residual_rmsnorm_fp8": "+fp8", "residual_rmsnorm_nvfp4": "+nvfp4"}
+_SHORT = {p: "+" + p[len("residual_rmsnorm_"):] if p != "residual_rmsnorm" else "rmsnorm" for p in topology.PATTERNS}
 
 
 def _sm(sm):

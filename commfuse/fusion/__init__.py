@@ -8,7 +8,7 @@ What it finds (patterns.py), as models write them: a sum all-reduce (torch.distr
 dynamo traces it, functional collectives, commfuse.ops.all_reduce) -> residual add (either operand
 order) -> RMSNorm (HF Llama / Qwen / Mistral's hand-written one with the weight multiply before or
 after the cast back, torch.nn.functional.rms_norm, nn.RMSNorm, Gemma's (1 + w)) -> optionally static
-FP8 ((n / scale).clamp(-448, 448).to(float8_e4m3fn)) or NVFP4 (commfuse.norm.quantize), with views
+FP8 ((n / scale).clamp(-448, 448).to(float8_e4m3fn)) or NVFP4 (commfuse.quantize), with views
 and no-op casts between the pieces. It becomes commfuse::fused_all_reduce; without an all-reduce,
 commfuse::fused_add_rmsnorm; the gated RMSNorm of Mamba2 / Nemotron-H becomes commfuse::gated_rmsnorm.
 docs/fusion.md describes the pass, its level, the report and its limits.

@@ -84,7 +84,7 @@ _METHODS = {
     "view": "view", "reshape": "view", "view_as": "view", "reshape_as": "view", "flatten": "view",
     "contiguous": "identity", "clone": "identity", "copy_": "copy_",
 }
-# commfuse's own ops, resolved late (they are registered when commfuse.ops / commfuse.norm import).
+# commfuse's own ops, resolved late (they are registered when commfuse.ops imports).
 _COMMFUSE = {"all_reduce": "cf_all_reduce", "fused_add_rmsnorm": "cf_tail", "quantize": "cf_quantize",
              "fused_all_reduce": "cf_fused_all_reduce", "gated_rmsnorm": "cf_gated"}
 

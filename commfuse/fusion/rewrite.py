@@ -37,8 +37,7 @@ OPS = {
 
 
 def _targets():
-    import commfuse.norm  # noqa: F401 - registers commfuse::fused_add_rmsnorm, gated_rmsnorm, quantize
-    import commfuse.ops  # noqa: F401 - registers commfuse::all_reduce, fused_all_reduce
+    import commfuse.ops  # noqa: F401 - registers every commfuse op
 
     return {
         "all_reduce": torch.ops.commfuse.fused_all_reduce.default,
@@ -368,8 +367,10 @@ def _group_guard(ar: P.AllReduce, comm) -> Optional[str]:
     if ar.comm is not None:
         from commfuse import ops
 
-        if ar.comm not in ops._COMMUNICATORS:
-            return f"no live Communicator named {ar.comm!r} in this process"
+        try:
+            ops.communicator(ar.comm)
+        except LookupError as e:
+            return str(e)
         return None
     if comm is None:
         return "no Communicator given to the pass (fuse(gm, comm)) for a torch.distributed all-reduce"
@@ -463,7 +464,7 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
         eps = norm.eps if isinstance(norm.eps, float) else 1e-6
         q = quant.quant if quant is not None else None
         if kind == "gated":
-            from commfuse import norm as local
+            from commfuse import local
 
             dev = G.device(norm.input) or torch.device("cpu")
             x = torch.empty(tokens, h, dtype=t, device=dev)
@@ -475,8 +476,9 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
         if kind == "all_reduce":
             from commfuse import ops
 
-            c = ops._COMMUNICATORS.get(comm_name)
-            if c is None:
+            try:
+                c = ops.communicator(comm_name)
+            except LookupError:
                 return "unknown (no live Communicator)"
             dev = c.device
             x = torch.empty(tokens, h, dtype=t, device=dev)
@@ -485,7 +487,7 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
                           return_norm=bool(return_norm) and q is not None,
                           sf_layout=quant.sf_layout if quant is not None else "swizzled")
         else:
-            from commfuse import norm as local
+            from commfuse import local
 
             dev = G.device(norm.input) or torch.device("cpu")
             x = torch.empty(tokens, h, dtype=t, device=dev)

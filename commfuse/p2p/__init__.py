@@ -2,10 +2,10 @@
 
 This is the "one node, P2P between every pair" row of docs/design.md. The kernels are in
 csrc/p2p_allreduce.cu (its header comment has the device-side details and the memory-ordering
-argument). This package, one job a module: kernels.py (the variants built, their launch shapes, the
-kernel spec plan.py routes by, the protocol's error codes, call signatures and exceptions),
-workspace.py (the IPC buffers the kernels work in, and the launches), calibration.py (where each
-algorithm wins, measured and cached).
+argument). This package, one job a module: workspace.py (the IPC buffers the kernels work in),
+calibration.py (where each algorithm wins, measured and cached); the kernels' host half (variants,
+launch shapes and LaunchPlans, error codes, call signatures and the exceptions they become) is
+commfuse/kernels/p2p_allreduce.py.
 
 Workspace (class Workspace, one per Communicator, created collectively by every rank)
 - Per rank ONE device buffer (cuMemAlloc, exported as a CUDA IPC handle; handles all-gathered over
@@ -25,7 +25,7 @@ Workspace (class Workspace, one per Communicator, created collectively by every 
   4, 2 MiB for 8 (32 MiB more per rank); one-shot is a latency algorithm, and calibration found
   two-shot ahead from 16 MiB at 2 ranks. Both rounded up to a multiple of 4 KiB.
   A larger message runs two-shot in pieces of whole rows that fit max_bytes, one launch per piece
-  (plan.chunk_rows; 128-row multiples for swizzled NVFP4 scale factors): rows are independent, so
+  (p2p_allreduce.chunk_rows; 128-row multiples for swizzled scale factors): rows are independent, so
   each piece is a complete call of its own, and every launch keeps the protocol below unchanged.
 - Per rank, not shared: epochs[NBLOCKS] and a device error word (one small torch tensor), and one
   host-mapped pinned error word (cuMemHostAlloc) that a timed-out kernel writes and the host polls.
@@ -47,7 +47,7 @@ output, and the sum is fp32 in rank order, rounded to T once: bit-identical on e
 - one-shot (Lamport): each rank pushes its whole message into slot[rank] of every peer's Lamport
   half; each rank reads its slots as they fill (an empty word marks data not yet arrived, so there
   is no flag and no barrier), sums them with its own input, resets them to empty and runs the tail
-  (csrc/epilogue.cuh) on its rows. Messages up to lamport_bytes (plan.py sends larger ones
+  (csrc/epilogue.cuh) on its rows. Messages up to lamport_bytes (commfuse.routes sends larger ones
   two-shot, also when one-shot is forced).
 - two-shot: rows split into `world` contiguous segments. Phase 0 pushes each row to its segment
   owner; barrier; each rank reduces its own segment and pushes the T-rounded sums into every rank's
@@ -59,7 +59,7 @@ output, and the sum is fp32 in rank order, rounded to T once: bit-identical on e
   bandwidth, not NVLink bandwidth, the scarcer of the two.
 - plain all-reduce: the same kernels without a tail (QUANT = kQuantPlain); the flattened tensor is cut
   into rows of up to 2048 vectors so that every CTA gets work. Needs numel % 8 == 0 (16-byte
-  vectors; SPEC.rejects says so, and plan.py then takes NCCL).
+  vectors; P2P_ALLREDUCE.rejects says so, and commfuse.routes then takes NCCL).
 
 Bounded waits and errors: every cross-rank wait gives up after `timeout_s` (COMMFUSE_P2P_TIMEOUT_S,
 default 10 s); the kernel records the missing rank in the device and host error words and returns.
@@ -105,15 +105,8 @@ for every arch stays quick. The tail's numerics do not depend on these choices b
 the row's sum of squares (1 ulp of the norm at most, which the tolerances allow); for t < 256 the
 P2P tail runs the local tail kernel's configuration, so the two give the same bits.
 """
-from .calibration import calibration_sizes, default_limits, derive_limits
-from .kernels import (ALGORITHMS, DELAY_KERNEL, MAX_BLOCKS, MAX_THREADS, MAX_WORLD, PLAIN_MAX_ROW_VECS,
-                      PLAIN_MIN_ROW_VECS, PLAIN_ONESHOT_THREADS, SOURCE, SPEC, THREADS, VPT_BUCKETS, P2PError,
-                      P2PMismatchError, P2PTimeoutError, describe_signature, grid_limit, launch_config, name_expression,
-                      plain_rows, resident_ctas, variants, warmup)
+from .calibration import P2PLimits, calibration_sizes, default_limits, derive_limits
 from .workspace import ALIGN, Workspace, default_max_bytes, layout
 
-__all__ = ["Workspace", "P2PError", "P2PTimeoutError", "P2PMismatchError", "describe_signature", "SPEC", "ALGORITHMS",
-           "variants", "warmup", "launch_config", "derive_limits", "default_limits", "calibration_sizes",
-           "default_max_bytes", "layout", "name_expression", "plain_rows", "grid_limit", "resident_ctas", "ALIGN",
-           "DELAY_KERNEL", "MAX_BLOCKS", "MAX_THREADS", "MAX_WORLD", "PLAIN_MAX_ROW_VECS", "PLAIN_MIN_ROW_VECS",
-           "PLAIN_ONESHOT_THREADS", "SOURCE", "THREADS", "VPT_BUCKETS"]
+__all__ = ["Workspace", "P2PLimits", "derive_limits", "default_limits", "calibration_sizes", "default_max_bytes",
+           "layout", "ALIGN"]

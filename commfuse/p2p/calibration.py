@@ -15,13 +15,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import jit
 from ..distributed import gather_objects
-from ..plan import P2PLimits
-from .kernels import DELAY_KERNEL, SOURCE
+from ..kernels import jit
+from ..kernels.p2p_allreduce import ALGORITHMS, DELAY_KERNEL, SOURCE
 
 DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 _CAL_REPS = 3
 _CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
 
@@ -36,28 +35,51 @@ def calibration_sizes(max_bytes: int) -> List[int]:
     return sizes + [max_bytes, 2 * max_bytes]
 
 
+@dataclasses.dataclass(frozen=True)
+class P2PLimits:
+    """Where each P2P algorithm wins (bytes), measured per machine by calibration.
+
+    crossovers: (algorithm, the largest message it is the fastest route for), in ALGORITHMS' order: a
+    message goes to the first algorithm whose crossover it does not exceed, past the last one to NCCL.
+    Nothing larger than `oneshot_bytes` (the one-shot's own buffers; None: the workspace) goes one-shot,
+    even when forced. A message larger than `workspace_bytes` runs two-shot in pieces of whole rows that
+    fit it (p2p_allreduce.chunk_rows), or takes NCCL when not even one piece fits.
+    """
+
+    workspace_bytes: int
+    crossovers: Tuple[Tuple[str, int], ...]
+    oneshot_bytes: Optional[int] = None
+
+    def crossover(self, algorithm: str) -> int:
+        return dict(self.crossovers)[algorithm]
+
+
 def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], workspace_bytes: int,
                   oneshot_bytes: Optional[int] = None) -> P2PLimits:
-    """P2PLimits from times[i] = (one-shot, two-shot, NCCL) at sizes[i] (ascending, any unit; inf
-    where an algorithm cannot take the size).
+    """P2PLimits from times[i] = (each algorithm of ALGORITHMS, then NCCL) at sizes[i] (ascending, any
+    unit; inf where an algorithm cannot take the size).
 
-    twoshot_max: the largest size up to which min(one-shot, two-shot) < NCCL at every size (0: P2P
-    never); oneshot_max: the largest size <= twoshot_max up to which one-shot <= two-shot at every size.
+    The last algorithm's crossover: the largest size up to which the fastest algorithm beats NCCL at every
+    size (0: P2P never); each earlier one's: the largest size no larger than the next one's up to which it
+    is no slower than every later algorithm at every size.
     """
-    twoshot_max = oneshot_max = 0
-    for size, (one, two, nccl) in zip(sizes, times):
-        if not min(one, two) < nccl:
+    k = len(ALGORITHMS)
+    limits = [0] * k
+    for size, row in zip(sizes, times):
+        if not min(row[:k]) < row[k]:
             break
-        twoshot_max = size
-    for size, (one, two, _) in zip(sizes, times):
-        if size > twoshot_max or not one <= two:
-            break
-        oneshot_max = size
-    return P2PLimits(workspace_bytes, oneshot_max, twoshot_max, oneshot_bytes)
+        limits[k - 1] = size
+    for i in range(k - 2, -1, -1):
+        for size, row in zip(sizes, times):
+            if size > limits[i + 1] or not row[i] <= min(row[i + 1:k]):
+                break
+            limits[i] = size
+    return P2PLimits(workspace_bytes, tuple(zip(ALGORITHMS, limits)), oneshot_bytes)
 
 
 def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
-    return P2PLimits(max_bytes, min(DEFAULT_ONESHOT_MAX, oneshot_bytes), max_bytes, oneshot_bytes)
+    return P2PLimits(max_bytes, (("oneshot", min(DEFAULT_ONESHOT_MAX, oneshot_bytes)), ("twoshot", max_bytes)),
+                     oneshot_bytes)
 
 
 def _source_digest() -> str:
@@ -73,7 +95,7 @@ def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
         if json.dumps(entry["key"], sort_keys=True) != json.dumps(key, sort_keys=True):
             return None
         lim = entry["limits"]
-        return P2PLimits(int(lim["workspace_bytes"]), int(lim["oneshot_max"]), int(lim["twoshot_max"]))
+        return P2PLimits(int(lim["workspace_bytes"]), tuple((str(a), int(b)) for a, b in lim["crossovers"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or damaged: measure again
 
@@ -100,7 +122,7 @@ def calibrate(ws, topo) -> P2PLimits:
     # JSON round trip: tuples become lists, so the cached key compares equal.
     key = json.loads(json.dumps(key))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    path = jit._cache_dir() / f"p2p-limits-{digest}.json"
+    path = jit.cache_dir() / f"p2p-limits-{digest}.json"
     cached = _read_limits(path, key) if ws.rank == 0 else None
     cached = gather_objects(ws.group, cached)[0]
     if cached is not None:  # the buffers' size is this workspace's, never the file's
@@ -109,10 +131,9 @@ def calibrate(ws, topo) -> P2PLimits:
     limits = derive_limits(sizes, times, ws.max_bytes, ws.lamport_bytes)
     if ws.rank == 0:
         _write_limits(path, {"key": key, "sizes": sizes, "times_us": times,
-                             "columns": ["oneshot", "twoshot", "nccl"],
+                             "columns": [*ALGORITHMS, "nccl"],
                              "limits": {"workspace_bytes": limits.workspace_bytes,
-                                        "oneshot_max": limits.oneshot_max,
-                                        "twoshot_max": limits.twoshot_max}})
+                                        "crossovers": [list(c) for c in limits.crossovers]}})
     return limits
 
 def measure(ws, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[List[float]]]:
@@ -126,7 +147,7 @@ def measure(ws, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[
     x = torch.zeros(n_max, dtype=torch.bfloat16, device=ws.device)
     out = torch.empty_like(x)  # also NCCL's buffer: only the time is kept
     stream = torch.cuda.current_stream(ws.device)
-    delay = jit.kernel(SOURCE, DELAY_KERNEL, device=ws._index)
+    delay = jit.kernel(SOURCE, DELAY_KERNEL, device=ws.device_index)
     delay_params = struct.pack("<Q", _CAL_DELAY_NS)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -135,12 +156,12 @@ def measure(ws, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[
         n = size // 2
         # NCCL as the Communicator's NCCL route runs it: torch's all_reduce works in place, so the
         # route copies x first (x is the caller's): 2 x 112 MiB of HBM traffic at 112 MiB, ~55 us.
-        runs = (lambda: ws._launch_plain(x[:n], out[:n], "oneshot"),
-                lambda: ws._launch_plain(x[:n], out[:n], "twoshot"),
-                lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
+        launchers = [ws.plain_launcher((n,), torch.bfloat16, algo) for algo in ALGORITHMS]
+        runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers]
+        runs.append(lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
         calls = 8 if size <= 16 << 20 else 3
         row = []
-        for run in runs[size > ws.lamport_bytes:]:
+        for run in runs[size > ws.lamport_bytes:]:  # one-shot (the first) takes at most its buffers
             run()  # first use: loads kernels, sets NCCL up
             best = math.inf
             for _ in range(_CAL_REPS):
@@ -155,10 +176,10 @@ def measure(ws, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[
                 end.synchronize()
                 best = min(best, start.elapsed_time(end) * 1e3 / calls)
             row.append(best)
-        times.append([math.inf] * (3 - len(row)) + row)
+        times.append([math.inf] * (len(runs) - len(row)) + row)
     # A timeout during calibration must not pass silently, and must raise on every rank together.
     torch.cuda.synchronize(ws.device)
-    codes = gather_objects(ws.group, ws._error_code())
+    codes = gather_objects(ws.group, ws.error_code())
     if any(codes):
         ws.check_error()
         raise RuntimeError(f"P2P calibration: a kernel timed out on rank(s) "

@@ -11,15 +11,12 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .. import epilogue, ipc, jit, native, params
-from ..epilogue import CTYPE
+from .. import ipc
 from ..distributed import gather_objects
-from ..plan import chunk_rows
-from ..reference import Tail
-from . import calibration, kernels
-from .kernels import (_MISMATCH_CODE, _NO_TAIL, _TIMEOUT_CODE, ALGORITHMS, MAX_BLOCKS, MAX_WORLD,
-                      P2PMismatchError, P2PTimeoutError, _ALGO_ID, _tail_rows, describe_signature, launch_config,
-                      plain_rows, resident_ctas)
+from ..kernels import native, params
+from ..kernels.p2p_allreduce import (MAX_BLOCKS, MAX_WORLD, P2P_ALLREDUCE, P2PMismatchError, P2PTimeoutError,
+                                     describe_signature, resident_ctas)
+from . import calibration
 
 ALIGN = 4096
 DEFAULT_BUDGET = 192 << 20        # default max_bytes = DEFAULT_BUDGET / (world + 1)
@@ -117,7 +114,7 @@ class Workspace:
         self._state = self._fixed_params = None
         self._closed = False
         if topology is None:
-            from . import topology as topology_module
+            from .. import topology as topology_module
 
             topology = topology_module.detect(group)
         # Every rank lays its buffer out alike and launches the same grid: agree first.
@@ -233,7 +230,8 @@ class Workspace:
         """The address of the pinned host word check_error reads (0 while no error), for readers in C++."""
         return self._host_ptr or 0
 
-    def _error_code(self) -> int:
+    def error_code(self) -> int:
+        """The error word (0 while no kernel failed), a plain read of pinned host memory."""
         return 0 if self._host_ptr is None else ctypes.c_int32.from_address(self._host_ptr).value
 
     def check_error(self) -> None:
@@ -242,11 +240,11 @@ class Workspace:
         later check)."""
         if self._closed:
             raise RuntimeError("this P2P workspace is closed")
-        code = self._error_code()
+        code = self.error_code()
         if code:
-            if code >> 16 == _TIMEOUT_CODE >> 16:
+            if code >> 16 == params.TIMEOUT_CODE >> 16:
                 raise P2PTimeoutError(self.rank, code & 0xFF, (code >> 8) & 0xFF, self.timeout_s)
-            if code >> 16 == _MISMATCH_CODE >> 16:
+            if code >> 16 == params.MISMATCH_CODE >> 16:
                 words = (ctypes.c_uint32 * _HOST_WORDS).from_address(self._host_ptr)
                 raise P2PMismatchError(self.rank, code & 0xFF, describe_signature(words[8:12]),
                                        describe_signature(words[4:8]))
@@ -259,135 +257,19 @@ class Workspace:
 
     # ---------------------------------------------------------------- launches
 
-    def _check_call(self, x: torch.Tensor, algo: str) -> None:
-        self.check_error()
-        if algo not in _ALGO_ID:
-            raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
-        if x.device != self.device:
-            raise ValueError(f"x is on {x.device}, the P2P workspace on {self.device}")
-        if x.dtype not in CTYPE:
-            raise TypeError(f"P2P all-reduce takes float16/bfloat16, got {x.dtype}")
-        size = x.numel() * x.element_size()
-        if algo == "oneshot" and size > self.lamport_bytes:
-            raise ValueError(f"message of {size} B > the one-shot buffers of {self.lamport_bytes} B: use twoshot")
+    @property
+    def device_index(self) -> int:
+        return self._index
 
-    def _launch(self, kernel: jit.Kernel, threads: int, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int,
-                rows: int, row_vecs: int, row_slots: int) -> None:
-        kernel.launch((self.nblocks, 1, 1), (threads, 1, 1),
-                      self._pack(tail, x_ptr, out_ptr, total_vecs, rows, row_vecs, row_slots))
-
-    def _pack(self, tail: tuple, x_ptr: int, out_ptr: int, total_vecs: int, rows: int, row_vecs: int,
-              row_slots: int) -> bytes:
-        """P2PParams of a launch on this workspace (the native launchers patch x_ptr / out_ptr / the tail's
-        pointers in per call)."""
-        return params.P2P.pack(*tail, x_ptr, out_ptr, *self._fixed_params, total_vecs, rows, row_vecs, row_slots,
+    def params(self, tail: tuple, total_vecs: int, rows: int, row_vecs: int, row_slots: int) -> bytes:
+        """P2PParams of a launch on this workspace, x and out 0 (the launchers patch them, and the tail's
+        pointers, per call): what commfuse.kernels.p2p_allreduce's LaunchPlans hold."""
+        return params.P2P.pack(*tail, 0, 0, *self._fixed_params, total_vecs, rows, row_vecs, row_slots,
                                self.world, self.rank, 0)
 
-    def _launch_plain(self, x_flat: torch.Tensor, out: torch.Tensor, algo: str) -> None:
-        """out = the sum of x_flat (contiguous, any shape, numel % 8 == 0; out: contiguous, as many
-        elements), in pieces of max_bytes (a multiple of 4 KiB, so
-        whole vectors) if larger."""
-        kernel = kernels._kernel(x_flat.dtype, "plain", 0, algo, self._index)
-        n, elt = x_flat.numel(), x_flat.element_size()
-        x_ptr, out_ptr, piece = x_flat.data_ptr(), out.data_ptr(), self.max_bytes // elt
-        for begin in range(0, n, piece):
-            vecs = min(piece, n - begin) // 8
-            row_vecs, rows, threads = plain_rows(vecs, self.nblocks, algo)
-            self._launch(kernel, threads, _NO_TAIL, x_ptr + begin * elt, out_ptr + begin * elt, vecs, rows, row_vecs,
-                         rows)
-
-    def all_reduce(self, x: torch.Tensor, algo: str, *, out: Optional[torch.Tensor] = None,
-                   checked: bool = False) -> torch.Tensor:
-        """Sum of x over the group (fp32 in rank order, rounded to T once), in a new tensor of x's
-        shape. x: fp16/bf16 on this workspace's device, numel % 8 == 0; messages larger than max_bytes
-        run two-shot in pieces of max_bytes (one launch each), one-shot ones take at most lamport_bytes.
-        checked: the caller has validated x and algo and called check_error (the Communicator's
-        cached plan has): skip those checks on this hot path."""
-        n = x.numel()
-        if not checked:
-            self._check_call(x, algo)
-            if n % 8:
-                raise ValueError(f"P2P plain all-reduce needs a multiple of 8 elements, got {n}")
-            if out is not None:
-                epilogue.check_like(out, x)
-        if out is None:
-            out = epilogue._empty_like(x, memory_format=torch.contiguous_format)
-        elif out.data_ptr() % 16:  # checked once per signature, which holds no address
-            raise ValueError("out must be 16-byte aligned")
-        if n:  # the launch reads pointers and sizes only: no flattened views (each costs microseconds)
-            self._launch_plain(epilogue.aligned(x.contiguous()), out, algo)
-        return out
-
-    def plain_launcher(self, x: torch.Tensor, algo: str):
-        """A native launcher (commfuse.native) of `all_reduce(x, algo)` for checked calls of x's shape
-        and dtype, called as launcher(x, None, None, None, out) -> the sum; None where it takes
-        pieces (or no launch)."""
-        n, elt = x.numel(), x.element_size()
-        if not n or n * elt > self.max_bytes:
-            return None
-        vecs = n // 8
-        row_vecs, rows, threads = plain_rows(vecs, self.nblocks, algo)
-        blob = self._pack(_NO_TAIL, 0, 0, vecs, rows, row_vecs, rows)
-        patches = [(params.P2P.offsets["x"], native.X), (params.P2P.offsets["out"], native.OUT)]
-        spec = native.spec_of((tuple(x.shape), x.dtype))
-        return native.launcher(kernels._kernel(x.dtype, "plain", 0, algo, self._index), self.nblocks,
-                               threads, blob, patches, [spec], False, self._index)
-
-    def launcher(self, dtype: torch.dtype, t: int, h: int, eps: float, quant: Optional[str], return_norm: bool,
-                 sf_layout: str, algo: str, weight_offset: float, scale_layout: str, scale_ue8m0: bool):
-        """A native launcher of `fused_all_reduce` for checked calls of t rows of h, called as
-        launcher(x, residual, weight, scale, out) -> the five outputs; None where it takes pieces."""
-        if not t or t * h * dtype.itemsize > self.max_bytes:
-            return None
-        vpt, threads = launch_config(h, quant)
-        slots = epilogue.row_slots(t, quant, sf_layout, scale_layout)
-        fields = epilogue.tail_fields(t, h, eps, quant, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        blob = self._pack(fields, 0, 0, t * h // 8, t, h // 8, slots)
-        patches = native.tail_patches(params.P2P.offsets["tail"]) + [(params.P2P.offsets["x"], native.X)]
-        specs = epilogue.output_specs(t, h, dtype, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
-        return native.launcher(kernels._kernel(dtype, quant, vpt, algo, self._index), self.nblocks, threads,
-                               blob, patches, [native.spec_of(s) for s in specs], True, self._index)
-
-    def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                         quant: Optional[str], scale: Optional[torch.Tensor], return_norm: bool, sf_layout: str,
-                         algo: str, *, out: Optional[Tail] = None, checked: bool = False, weight_offset: float = 0.0,
-                         scale_layout: str = "row", scale_ue8m0: bool = False) -> Tail:
-        """All-reduce of x with the tail fused (reference.fused_tail's semantics and outputs).
-
-        x, residual: T[..., h] (fp16/bf16), weight T[h], scale: float32 tensor of one element (with
-        quant "fp8" / "nvfp4"; None for the computed-scale kinds), all on this workspace's device;
-        h % 8 == 0 (16 for nvfp4, 128 for fp8_block), h <= epilogue.MAX_HIDDEN. weight_offset,
-        scale_layout, scale_ue8m0: as for reference.fused_tail.
-        A message larger than max_bytes runs two-shot in pieces of whole rows (plan.chunk_rows), one
-        launch each. Returns a Tail of fresh [t, h] tensors (see fused_tail.run). checked: as for
-        `all_reduce`.
-        """
-        h, elt = x.shape[-1], x.element_size()
-        if not checked:
-            self._check_call(x, algo)
-            epilogue.check(x, residual, weight, quant, scale, sf_layout, scale_layout, scale_ue8m0)
-            if out is not None:
-                epilogue.check_out(out, x.numel() // h, h, x.dtype, x.device, quant, return_norm, sf_layout,
-                                   scale_layout, scale_ue8m0)
-            if x.numel() * elt > self.max_bytes and not chunk_rows(h * elt, quant, sf_layout, self.max_bytes):
-                raise ValueError(f"the P2P workspace of {self.max_bytes} B holds no piece of this message (a row "
-                                 f"of {h} elements, 128 rows for swizzled NVFP4): use NCCL")
-        x2, t, out, fields, row_slots = epilogue.prepare(x, residual, weight, eps, quant, scale, return_norm,
-                                                         sf_layout, out, None, weight_offset, scale_layout,
-                                                         scale_ue8m0)
-        if not row_slots:
-            return out
-        vpt, threads = launch_config(h, quant)
-        kernel = kernels._kernel(x.dtype, quant, vpt, algo, self._index)
-        if t * h * elt <= self.max_bytes:
-            self._launch(kernel, threads, fields, x2.data_ptr(), 0, t * h // 8, t, h // 8, row_slots)
-            return out
-        piece = chunk_rows(h * elt, quant, sf_layout, self.max_bytes)
-        for begin in range(0, t, piece):
-            end = min(t, begin + piece)
-            slots = end - begin if end < t else row_slots - begin  # the last piece zeroes the padding
-            self._launch(kernel, threads, _tail_rows(fields, out, row_slots, begin, end),
-                         x2.data_ptr() + begin * h * elt, 0, (end - begin) * h // 8, end - begin, h // 8, slots)
-        return out
+    def plain_launcher(self, shape: tuple, dtype: torch.dtype, algo: str):
+        """A launcher of the plain sum of tensors of `shape` and `dtype` (numel % 8 == 0) with `algo`:
+        launcher(x, out=None) -> the sum (commfuse.kernels.launch)."""
+        return native.launcher(P2P_ALLREDUCE.plan_plain(self, dtype, tuple(shape), algo))
 
     # ---------------------------------------------------------------- calibration

@@ -12,10 +12,27 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple, Union
 
-__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MAX_WORLD", "HEADER_NAME", "header"]
+from ..tail import formats
+
+__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
+           "SCALE_UE8M0", "TIMEOUT_CODE", "MISMATCH_CODE", "CONSTANTS", "HEADER_NAME", "header"]
 
 HEADER_NAME = "commfuse_params.cuh"
-MAX_WORLD = 8  # kMaxWorld in csrc/p2p_allreduce.cu: the size of P2PParams::peers
+MAX_WORLD = 8          # the size of P2PParams::peers
+NO_TAIL = -1           # QUANT of the P2P plain all-reduce: no tail, the sum is the output
+SCALE_MN_MAJOR = 1     # TailParams.scale_layout bits: MN-major storage,
+SCALE_UE8M0 = 2        # UE8M0 exponent bytes
+TIMEOUT_CODE = 1 << 16   # P2P error words: | phase << 8 | missing rank
+MISMATCH_CODE = 2 << 16  # | rank whose call signature differs
+# Every constant of the header: (C++ name, value, comment).
+CONSTANTS = tuple((f"kQuant{f.cname}", f.id, f"quant={f.name!r}") for f in formats.FORMATS) + (
+    ("kQuantPlain", NO_TAIL, "the P2P plain all-reduce: no tail"),
+    ("kScaleMnMajor", SCALE_MN_MAJOR, "TailParams::scale_layout bit: MN-major storage"),
+    ("kScaleUe8m0", SCALE_UE8M0, "TailParams::scale_layout bit: UE8M0 exponent bytes"),
+    ("kTimeoutCode", TIMEOUT_CODE, "P2P error word: | phase << 8 | missing rank"),
+    ("kMismatchCode", MISMATCH_CODE, "P2P error word: | rank whose call signature differs"),
+    ("kMaxWorld", MAX_WORLD, "the size of P2PParams::peers"),
+)
 
 # Scalar kinds: struct format character and size (= alignment) in bytes.
 _SCALARS = {"ptr": ("Q", 8), "f32": ("f", 4), "i32": ("i", 4), "u64": ("Q", 8), "i64": ("q", 8)}
@@ -93,10 +110,10 @@ TAIL = Struct("TailParams", [
     Field("eps", "float", "f32"),
     Field("h", "int", "i32"),
     Field("t", "int", "i32"),
-    Field("sf_swizzled", "int", "i32", comment="1: 128x4 swizzled layout, 0: linear [t, h/16]"),
+    Field("sf_swizzled", "int", "i32", comment="1: block scales in the 128x4 swizzled layout, 0: row-major"),
     Field("scales_out", "void*", "ptr", comment="computed FP8 scales (fp8_per_token, fp8_block); else unused"),
     Field("weight_offset", "float", "f32", comment="added to the weight in fp32; -0.0 for none (see norm_round)"),
-    Field("scale_layout", "int", "i32", comment="fp8_block: kScaleMnMajor | kScaleUe8m0 bits; else 0"),
+    Field("scale_layout", "int", "i32", comment="kScaleMnMajor | kScaleUe8m0 bits of the block scales"),
     Field("scale_stride", "long long", "i64", comment="MN-major column stride: roundup(t, 4) of the whole call"),
 ])
 
@@ -138,7 +155,9 @@ P2P = Struct("P2PParams", [
 
 
 def header() -> str:
-    """The C header of every struct above (what NVRTC includes as HEADER_NAME)."""
+    """The C header of every constant and struct above (what NVRTC includes as HEADER_NAME)."""
+    constants = "\n".join(f"constexpr int {name} = {value};  // {comment}" for name, value, comment in CONSTANTS)
     body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P))
-    return ("// Generated from commfuse/params.py, the one declaration of the kernels' parameter structs.\n"
-            "#pragma once\n\nnamespace commfuse {\n\n" + body + "\n\n}  // namespace commfuse\n")
+    return ("// Generated from commfuse/kernels/params.py: the one declaration of the kernels' constants and\n"
+            "// parameter structs.\n#pragma once\n\nnamespace commfuse {\n\n" + constants + "\n\n" + body
+            + "\n\n}  // namespace commfuse\n")

@@ -24,7 +24,7 @@ Environment:
 
 CUDA graphs: compiling and loading a kernel cannot happen while a stream is capturing (loading a
 module is not a capturable operation), so the first call of each variant must happen eagerly,
-or through a warm-up helper (e.g. :func:`commfuse.fused_tail.warmup`), before capture.
+or through a warm-up helper (e.g. :func:`commfuse.kernels.fused_tail.warmup`), before capture.
 """
 from __future__ import annotations
 
@@ -58,6 +58,12 @@ __all__ = [
     "nvrtc_version",
     "supported_archs",
     "CSRC_DIR",
+    "disable_pdl",
+    "on_pdl_off",
+    "pdl_off",
+    "device_index",
+    "cache_dir",
+    "write_atomic",
 ]
 
 
@@ -66,7 +72,7 @@ class JitError(RuntimeError):
 
 
 def _find_csrc() -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the commfuse package
     # Installed wheel: the package data lives in commfuse/csrc; source checkout: ../csrc.
     for candidate in (here / "csrc", here.parent / "csrc"):
         if (candidate / "epilogue.cuh").is_file():
@@ -174,7 +180,8 @@ def compile_options(arch: str, source_dir: Optional[Path] = None) -> Tuple[str, 
 # --------------------------------------------------------------------------- disk cache
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """COMMFUSE_CACHE_DIR, else ~/.cache/commfuse: where cubins, the native extension and the calibration go."""
     return Path(os.environ.get("COMMFUSE_CACHE_DIR") or Path.home() / ".cache" / "commfuse")
 
 
@@ -215,7 +222,7 @@ def cache_path(source_file: str, name_expressions: Sequence[str], arch: str) -> 
 
 
 def _entry(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]) -> Path:
-    return _cache_dir() / f"{path.stem}-{arch}-{_key(path, names, arch, options)}.cubin"
+    return cache_dir() / f"{path.stem}-{arch}-{_key(path, names, arch, options)}.cubin"
 
 
 def _read_cache(path: Path, names: Tuple[str, ...]):
@@ -240,7 +247,7 @@ def _write_cache(path: Path, cubin: bytes, lowered: dict) -> None:
 
 
 def write_atomic(path: Path, data: bytes, what: str) -> None:
-    """Write a cache entry (the cubin cache, p2p.py's calibration cache) through a temporary file
+    """Write a cache entry (the cubin cache, the P2P calibration cache) through a temporary file
     and a rename, so ranks writing at once never leave a torn file: a reader sees the old entry or
     the whole new one. A failure only warns: the entry is recomputed next time."""
     tmp = None
@@ -332,7 +339,7 @@ def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str) 
 
 
 def _driver():
-    from .ipc import driver
+    from ..ipc import driver
 
     return driver
 
@@ -341,7 +348,7 @@ def _cu_check(result, what: str):
     """The outputs of a cuda.bindings.driver call's result tuple; JitError saying `what` on failure."""
     err = result[0]
     if err != _driver().CUresult.CUDA_SUCCESS:
-        from .ipc import describe
+        from ..ipc import describe
 
         code, detail = describe(err)
         raise JitError(f"{what}: {code}: {detail}")
@@ -395,15 +402,23 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 _PDL_OFF: Optional[str] = None  # why programmatic dependent launch is off in this process, if it is
+_PDL_LISTENERS: list = []       # other launchers' switches (commfuse.kernels.native's), told when it goes off
 
 
 def disable_pdl(reason: str) -> None:
     """Launch every kernel of this process without programmatic dependent launch from now on."""
     global _PDL_OFF
     _PDL_OFF = reason
-    from . import native  # its launches too (a cycle at import time otherwise)
+    for listener in _PDL_LISTENERS:
+        listener(False)
 
-    native.set_pdl(False)
+
+def on_pdl_off(listener) -> None:
+    """Call listener(False) when disable_pdl runs (and now, if it already has): for launchers outside
+    this module."""
+    _PDL_LISTENERS.append(listener)
+    if _PDL_OFF is not None:
+        listener(False)
 
 
 def pdl_off() -> Optional[str]:
@@ -443,6 +458,11 @@ class Kernel:
         self._launch = driver.cuLaunchKernel
         self._launch_ex = driver.cuLaunchKernelEx
 
+    @property
+    def function(self) -> int:
+        """The CUfunction handle, for launchers outside Python (commfuse.kernels.native)."""
+        return int(self._function)
+
     def launch(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], params: bytes = b"",
                shared_mem: int = 0, stream: Optional[int] = None) -> None:
         """Launch on `stream` (a raw cudaStream_t as int; default: torch's current stream of the
@@ -473,7 +493,8 @@ class Kernel:
         return f"Kernel({self.name!r}, arch={self.arch!r}, device={self.device_index})"
 
 
-def _device_index(device) -> int:
+def device_index(device) -> int:
+    """The CUDA device index of `device` (an int, a torch.device or a string; None: the current device)."""
     if device is None:
         return torch.cuda.current_device()
     if isinstance(device, int):
@@ -489,7 +510,7 @@ def kernel(source_file: str, name_expression: str, arch: Optional[str] = None, d
     and arch (and once per machine through the disk cache), loaded once per device.
     pdl: the kernel calls pdl_wait() (csrc/pdl.cuh) before touching memory, so it is launched as a
     programmatic dependent launch where the device has it (SM 9.0+)."""
-    index = _device_index(device)
+    index = device_index(device)
     return _kernel(source_file, name_expression, arch or device_arch(index), index, pdl)
 
 
@@ -499,7 +520,7 @@ def _kernel(source_file: str, name_expression: str, arch: str, device_index: int
         raise JitError(
             f"{name_expression} is not compiled/loaded yet and the current CUDA stream is capturing a "
             "graph, where loading a module is not allowed: call the op once eagerly (or its warmup "
-            "helper, e.g. commfuse.fused_tail.warmup) before capture"
+            "helper, e.g. commfuse.kernels.fused_tail.warmup) before capture"
         )
     cubin, lowered = build(source_file, (name_expression,), arch)
     return Kernel(name_expression, lowered[name_expression], arch, cubin, device_index, pdl)

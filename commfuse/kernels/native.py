@@ -1,20 +1,23 @@
-"""The eager hot path in C++ (csrc/host_launch.cpp), built on first use with the host's C++ compiler.
+"""The eager hot path in C++ (csrc/host_launch.cpp), built on first use with the host's C++ compiler,
+and the one place that picks it or its Python stand-in.
 
 Why: on an H200 host one torch elementwise op costs 6-10 us from Python, and a fused all-reduce
 call in Python cost 3-6 times that: making output tensors (2-4 us each), reading pointers and
 packing the parameter struct, the driver binding's argument conversion for cuLaunchKernel (~7 us).
-The Communicator settles a call signature once (checks, plan, kernel, launch shape, the parameter
-bytes but for their pointers) and keeps a `Launcher` for it; a call then costs one C++ call that
-allocates the outputs, patches their pointers in, and enqueues ncclAllReduce and/or the kernel on
-torch's current stream (capturable in CUDA graphs: nothing synchronizes).
+A call signature is planned once (checks, route, its LaunchPlan: kernels, launch shapes, parameter
+bytes but for their pointers); the extension's `Launcher` then runs a call of it in one C++ call
+(outputs, pointers, ncclAllReduce and/or the kernels on torch's current stream: capturable in CUDA
+graphs, nothing synchronizes), and its `Table` (commfuse.kernels.table describes the interface) finds
+the signature's launcher without Python; the op kernels it registers for CUDA tensors
+(commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm, gated_rmsnorm) look the table up too.
 
-    launcher = native.launcher(kernel, grid, block, blob, patches, specs, True, device_index)
-    outputs = launcher(x, residual, weight, scale, out)  # 5 tensors or None
+    launcher = native.launcher(plan)        # a C++ Launcher, or launch.PyLauncher where unavailable
+    table = native.table(name, error_word, FusedResult, Tail, Quantized)   # native.Table, or table.PyTable
 
 Where the module cannot be built (no CUDA torch, no compiler, CUDA headers missing) or
-COMMFUSE_NATIVE=0, `unavailable()` says why and the Communicator launches from Python (the same
-kernels and parameter values, epilogue.prepare + jit.Kernel.launch). The build is cached in
-COMMFUSE_CACHE_DIR under a hash of the source, torch's and Python's versions and the flags.
+COMMFUSE_NATIVE=0, `unavailable()` says why and the stand-ins serve, with the same kernels and
+parameter values. The build is cached in COMMFUSE_CACHE_DIR under a hash of the source, torch's and
+Python's versions and the flags.
 
 Environment (docs/environment.md):
 - COMMFUSE_NATIVE: `0` keeps every launch in Python.
@@ -32,23 +35,17 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from . import epilogue, jit, params
+from . import jit, launch
+from .launch import LaunchPlan, PyLauncher
+from .table import PyTable
 
-__all__ = ["SOURCE", "unavailable", "module", "launcher", "tail_patches", "set_poison", "X", "RESIDUAL", "WEIGHT",
-           "SCALE", "OUT", "SUM", "NcclFailure"]
+__all__ = ["SOURCE", "unavailable", "module", "launcher", "table", "NcclFailure"]
 
 SOURCE = "host_launch.cpp"
-# Pointer sources of a patch (enum Source in host_launch.cpp): the call's arguments, its outputs
-# OUT + i (residual, norm, quant, scale_factors, scales; a plain all-reduce's output is OUT), and
-# the NCCL route's sum buffer.
-X, RESIDUAL, WEIGHT, SCALE, OUT, SUM = 0, 1, 2, 3, 4, 9
-# TailParams' pointer fields and where each comes from.
-_TAIL_POINTERS = {"residual_in": RESIDUAL, "residual_out": OUT, "weight": WEIGHT, "norm_out": OUT + 1,
-                  "quant_out": OUT + 2, "sf_out": OUT + 3, "scale": SCALE, "scales_out": OUT + 4}
 
 
 class NcclFailure(RuntimeError):
@@ -82,7 +79,7 @@ def _build() -> Path:
     for part in (source.read_bytes(), torch.__version__.encode(), sys.version.encode(), cxx.encode(),
                  "\n".join(compile_flags + link_flags).encode()):
         h.update(len(part).to_bytes(8, "little") + part)
-    target = jit._cache_dir() / f"commfuse_host-{h.hexdigest()[:32]}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    target = jit.cache_dir() / f"commfuse_host-{h.hexdigest()[:32]}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +113,12 @@ def _load():
         loader.exec_module(mod)
     except Exception as e:  # noqa: BLE001 (a probe: whatever stops the build or the import, say it, launch from Python)
         return None, f"{SOURCE} not built: {type(e).__name__}: {e}"
-    mod.set_pdl(jit.pdl_off() is None)
+    # The pointer sources are numbered in launch.py; the C++ enum must agree, or no launch is right.
+    sources = {name: getattr(launch, name) for name in ("X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "OUT", "SUM")}
+    if dict(mod.SOURCES) != sources:
+        return None, f"{SOURCE} numbers its pointer sources {dict(mod.SOURCES)}, launch.py {sources}"
+    jit.on_pdl_off(mod.set_pdl)
+    launch.on_poison(lambda byte: mod.set_poison(-1 if byte is None else int(byte)))
     global NcclFailure
     NcclFailure = mod.NcclFailure
     return mod, None
@@ -135,48 +137,31 @@ def module():
     return mod
 
 
-def set_pdl(on: bool) -> None:
-    """Programmatic dependent launch for the native launches (jit.disable_pdl turns it off)."""
-    if _load.cache_info().currsize:  # not built yet: _load reads jit's state when it is
-        mod = _load()[0]
-        if mod is not None:
-            mod.set_pdl(on)
-
-
-def set_poison(byte: Optional[int]) -> None:
-    """Fill every output the native launchers allocate with `byte` (the GPU tests' check that a kernel
-    writes every element, tests/compare.py); None: plain uninitialised outputs."""
-    mod = _load()[0]
-    if mod is not None:
-        mod.set_poison(-1 if byte is None else int(byte))
-
-
-def tail_patches(base: int) -> list:
-    """(offset, source) of each TailParams pointer, for a TailParams at byte `base` of the struct."""
-    return [(base + params.TAIL.offsets[name], source) for name, source in _TAIL_POINTERS.items()]
-
-
-def spec_of(spec):
-    """An epilogue.output_specs entry as the launcher takes it: (sizes, strides or None, storage
-    elements, an empty CPU tensor of the dtype), or None where the output is absent."""
+def _spec(spec):
+    """An OutputSpec as the C++ Launcher takes it: (sizes, strides or None, storage elements, an empty CPU
+    tensor of the dtype), or None where the output is absent."""
     if spec is None:
         return None
-    shape, dtype = spec[0], spec[1]
-    strides = spec[2] if len(spec) > 2 else None
-    return (list(shape), None if strides is None else list(strides), epilogue.storage_numel(shape, strides),
-            torch.empty(0, dtype=dtype))
+    return (list(spec.shape), None if spec.strides is None else list(spec.strides), spec.storage_numel,
+            torch.empty(0, dtype=spec.dtype))
 
 
-def launcher(kernel: Optional[jit.Kernel], grid: int, block: int, blob: bytes, patches: Sequence,
-             specs: Sequence, fused: bool, device_index: int, nccl: Optional[Tuple[int, int, int, int]] = None):
-    """A C++ launcher of one planned call: `kernel` (a jit.Kernel, or None for NCCL alone) on a grid of
-    `grid` x `block` threads with parameter bytes `blob`, its pointers patched at `patches` ((offset,
-    source) pairs); outputs by `specs` (spec_of's, five for a fused call, one otherwise); nccl:
-    (ncclAllReduce's address, the communicator handle, the NCCL dtype, the element count) to enqueue
-    first, summing x into the residual output. Raises RuntimeError when the native path is off."""
-    name = kernel.name if kernel is not None else "ncclAllReduce"
-    function = int(kernel._function) if kernel is not None else 0
-    pdl = kernel is not None and kernel.pdl
-    nccl_fn, comm, dtype, count = nccl if nccl is not None else (0, 0, 0, 0)
-    return module().Launcher(name, function, pdl, grid, block, blob, list(patches), list(specs), fused, nccl_fn,
-                             comm, dtype, count, device_index)
+def launcher(plan: LaunchPlan):
+    """The executor of a LaunchPlan: the C++ Launcher, or launch.PyLauncher where the extension is off.
+    Both are called as launcher(x, residual, weight, scale, out, z) (commfuse.kernels.launch)."""
+    mod = _load()[0]
+    if mod is None:
+        return PyLauncher(plan)
+    launches = [(l.kernel.function, l.kernel.pdl, l.grid, l.block, l.params, list(l.patches)) for l in plan.launches]
+    nccl = plan.nccl.native_args(plan.outputs[0].dtype, plan.count) if plan.nccl is not None else None
+    return mod.Launcher(plan.name, launches, [_spec(s) for s in plan.outputs], plan.fused, nccl, plan.device_index)
+
+
+def table(name: str, error_word: int, fused_type, tail_type, quantized_type):
+    """A plan table (commfuse.kernels.table): native.Table, or table.PyTable where the extension is off.
+    name: the ops' name for it (a Communicator's name, or "local"); error_word: the address of a P2P
+    workspace's pinned error word (0: none)."""
+    mod = _load()[0]
+    if mod is None:
+        return PyTable(name, error_word, fused_type, tail_type, quantized_type)
+    return mod.Table(name, error_word, fused_type, tail_type, quantized_type)

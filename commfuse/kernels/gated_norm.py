@@ -1,0 +1,120 @@
+"""The gated RMSNorm kernel (csrc/gated_rmsnorm.cu): Mamba2 / Nemotron-H's gated RMSNorm and the
+tail's optional quantization (every format of commfuse.tail.formats) in one kernel.
+
+Semantics: commfuse.local.gated_reference, then the reference quantizers on its T-rounded output; see
+docs/semantics.md (gated RMSNorm). silu goes through exp, which torch's GPU kernels and the CPU
+compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
+
+Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail);
+the row lives in registers, VPT vectors of 8 elements per thread, as fused_tail's register variants
+choose them (fused_tail.launch_config). There is no looped variant: rows the throughput
+configuration would loop over take the few-rows one (VPT 2, up to 1024 threads), so h <= MAX_HIDDEN
+= 16384; longer rows take the separated ops (commfuse.routes says so).
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..reference import Tail
+from ..tail import checks
+from ..tail.formats import FORMATS, Format
+from ..tail.spec import TailSpec
+from . import fused_tail, native, params
+from .family import CTYPE, Family, Limits
+from .launch import X, Z, Launch, LaunchPlan, tail_fields, tail_patches
+
+__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "MAX_HIDDEN", "GROUP_MULTIPLE"]
+
+SOURCE = "gated_rmsnorm.cu"
+VPT_BUCKETS = (1, 2, 4)
+MAX_THREADS = {v: fused_tail.MAX_THREADS[v] for v in VPT_BUCKETS}  # kMaxThreads<VPT> in gated_rmsnorm.cu
+MAX_HIDDEN = 8 * max(v * MAX_THREADS[v] for v in VPT_BUCKETS)
+GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
+
+
+def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
+    """(vpt, threads per CTA) for `tokens` rows of `hidden` <= MAX_HIDDEN elements."""
+    vpt, threads = fused_tail.launch_config(hidden, tokens)
+    return (vpt, threads) if vpt else fused_tail.launch_config(hidden, 1)
+
+
+class GatedNorm(Family):
+    name = "gated_rmsnorm"
+    source = SOURCE
+    limits = Limits(max_hidden=MAX_HIDDEN)
+
+    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int) -> str:
+        return f"commfuse::gated_rmsnorm<{CTYPE[dtype]}, {fmt.id}, {vpt}>"
+
+    def variants(self) -> List[str]:
+        return [self.name_expression(d, f, v) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS]
+
+    def configs(self, dtype, spec, hidden):
+        if not 0 < hidden <= MAX_HIDDEN:
+            raise ValueError(f"no gated RMSNorm kernel for hidden={hidden} (at most {MAX_HIDDEN})")
+        return [self.name_expression(dtype, spec.format, launch_config(hidden, t)[0])
+                for t in (1, fused_tail.LATENCY_TOKENS)]
+
+    def rejects(self, dtype, sm, hidden, tokens, spec, world_size=1, group_size: Optional[int] = None):
+        why = super().rejects(dtype, sm, hidden, tokens, spec, world_size)
+        if why is None and group_size is not None and group_size % GROUP_MULTIPLE:
+            return (f"group_size {group_size} is not a multiple of {GROUP_MULTIPLE}: the gated RMSNorm kernel's "
+                    "groups are whole 16-byte vectors")
+        return why
+
+    def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, group_size: int, norm_before_gate: bool,
+             device_index: int) -> LaunchPlan:
+        """The LaunchPlan of t rows of h: x and z (or no gate) as the call's sources X and Z."""
+        launches = ()
+        if t:
+            vpt, threads = launch_config(h, t)
+            blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate))
+            patches = tail_patches(params.GATED_NORM.offsets["tail"])
+            patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
+            launches = (Launch(self.kernel(self.name_expression(dtype, spec.format, vpt), device_index),
+                               spec.row_slots(t), threads, blob, tuple(patches)),)
+        return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
+
+
+GATED_NORM = GatedNorm()
+
+
+def variants() -> List[str]:
+    """Every name expression the library may launch (the CPU build test compiles them all)."""
+    return GATED_NORM.variants()
+
+
+def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
+    """Compile and load the variants `run` uses for (dtype, quant, hidden), any number of tokens, on
+    `device` (default: current), so later calls can be captured in a CUDA graph."""
+    GATED_NORM.warmup(dtype, TailSpec.of(quant), hidden, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launcher(dtype, t, h, spec, group_size, norm_before_gate, device_index):
+    return native.launcher(GATED_NORM.plan(dtype, t, h, spec, group_size, norm_before_gate, device_index))
+
+
+def run(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: float, group_size: int,
+        norm_before_gate: bool, quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
+        return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
+        scale_ue8m0: bool = False) -> Tail:
+    """The gated RMSNorm (+ quantization) as one kernel on torch's current stream (the kernel alone, as
+    fused_tail.run): x [..., h] fp16/bf16 CUDA, z x's shape and dtype or None, weight [h], group_size a
+    multiple of 8 dividing h, h <= MAX_HIDDEN (and the format's multiple); quant, scale, sf_layout,
+    scale_layout, scale_ue8m0 as in fused_tail.run. Returns a Tail with residual None (norm, quant,
+    scale_factors, scales as fused_tail.run's)."""
+    spec = TailSpec.of(quant, return_norm=return_norm, eps=eps, sf_layout=sf_layout, scale_layout=scale_layout,
+                       scale_ue8m0=scale_ue8m0)
+    h = checks.gated(x, z, weight, scale, spec, group_size, norm_before_gate, x.device)
+    t = x.numel() // h
+    why = None if x.is_cuda else "x must be a CUDA tensor"
+    why = why or GATED_NORM.rejects(x.dtype, torch.cuda.get_device_capability(x.device), h, t, spec,
+                                    group_size=group_size)
+    if why:
+        raise ValueError(f"gated_norm.run: {why}")
+    launcher = _launcher(x.dtype, t, h, spec, group_size, norm_before_gate, x.get_device())
+    return Tail(*launcher(x, None, weight, scale, None, z))

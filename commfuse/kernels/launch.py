@@ -1,0 +1,192 @@
+"""Launch plans: what one call of a planned signature launches, as data, and its Python executor.
+
+A LaunchPlan is made once per call signature (by the route's kernel family): the kernels with their
+launch shapes and parameter bytes (every pointer field 0), where each pointer comes from (a patch: the
+field's byte offset, a source, a byte delta), the outputs to allocate, and an optional NCCL all-reduce
+before the kernels. Two executors take the same plan with the same call, `launcher(x, residual, weight,
+scale, out, z)`: the C++ Launcher of commfuse.kernels.native (the hot path) and `PyLauncher` here,
+which stands in where the extension cannot be built. Both return the five outputs of a tail
+(reference.Tail's order, None where absent), or the sum of a plain all-reduce.
+
+Per call, either executor: copies strided or misaligned operands (the kernels read dense rows of
+16-byte vectors), allocates the outputs the caller did not give (out: None, a tensor for a plain
+all-reduce, or the five fields; a field None is allocated), checks the caller's outputs' alignment and
+an MN-major view's room (the plan's key holds no addresses), runs ncclAllReduce of x into the residual
+output (a scratch buffer where that output is the residual input itself), then each kernel with its
+pointers patched in: source address + delta, or 0 where the source is absent.
+"""
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..tail.checks import fields_of, storage_room
+from ..tail.formats import Layout
+from ..tail.spec import OutputSpec, TailSpec
+from . import params
+
+__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "OUT", "SUM", "SOURCES", "Launch", "LaunchPlan", "PyLauncher",
+           "tail_fields", "tail_patches", "operand", "allocate", "set_poison", "on_poison", "pieces"]
+
+# Where a patched pointer comes from: the call's arguments, its outputs OUT + i (residual, norm, quant,
+# scale_factors, scales; a plain all-reduce's sum is OUT), and the NCCL route's sum buffer.
+X, RESIDUAL, WEIGHT, SCALE, Z, OUT, SUM = 0, 1, 2, 3, 4, 5, 10
+SOURCES = SUM + 1
+# TailParams' pointer fields and where each comes from.
+_TAIL_POINTERS = {"residual_in": RESIDUAL, "residual_out": OUT, "weight": WEIGHT, "norm_out": OUT + 1,
+                  "quant_out": OUT + 2, "sf_out": OUT + 3, "scale": SCALE, "scales_out": OUT + 4}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: a jit.Kernel on `grid` x `block` threads, its parameter bytes with every
+    pointer 0, and the patches ((offset, source, delta) triples) that fill the pointers in."""
+
+    kernel: object
+    grid: int
+    block: int
+    params: bytes
+    patches: Tuple[Tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one call of a signature launches. outputs: five OutputSpecs (None where absent) for a
+    tail, one for a plain all-reduce; nccl: the NcclComm whose ncclAllReduce sums x (count elements)
+    into the residual output first, or None; device_index: the CUDA device."""
+
+    name: str
+    launches: Tuple[Launch, ...]
+    outputs: Tuple[Optional[OutputSpec], ...]
+    device_index: int
+    nccl: Optional[object] = None
+    count: int = 0
+
+    @property
+    def fused(self) -> bool:
+        return len(self.outputs) == 5
+
+
+def _offset_field(weight_offset: float) -> float:
+    """TailParams.weight_offset: the offset rounded to fp32, and -0.0 for one that rounds to 0 (the
+    kernel adds it unconditionally; w + -0.0 is w, bit for bit)."""
+    return -0.0 if weight_offset == 0 else _f32(float(weight_offset))
+
+
+@functools.lru_cache(maxsize=64)
+def _f32(v: float) -> float:
+    v = torch.tensor(v, dtype=torch.float32).item()
+    return v if v != 0 else -0.0
+
+
+def tail_fields(spec: TailSpec, t: int, h: int, rows: Optional[int] = None) -> tuple:
+    """TailParams' fields in declaration order (params.TAIL) for a call of t rows of h, every pointer 0;
+    rows: those of this launch (a piece of the call), default t. MN-major scales keep the whole call's
+    column stride, roundup(t, 4)."""
+    bits = (params.SCALE_MN_MAJOR if spec.layout == Layout.MN_MAJOR else 0) | (params.SCALE_UE8M0 if spec.ue8m0 else 0)
+    return ((0,) * 7 + (float(spec.eps), h, t if rows is None else rows, int(spec.layout == Layout.SWIZZLED), 0,
+                        _offset_field(spec.weight_offset), bits, -(-t // 4) * 4))
+
+
+def tail_patches(base: int, deltas: Optional[dict] = None) -> list:
+    """The patches of a TailParams at byte `base` of a struct; deltas: a byte delta per source."""
+    deltas = deltas or {}
+    return [(base + params.TAIL.offsets[name], source, deltas.get(source, 0)) for name, source in _TAIL_POINTERS.items()]
+
+
+# ---------------------------------------------------------------- per call
+
+_POISON: Optional[int] = None
+_POISON_LISTENERS: list = []
+
+
+def set_poison(byte: Optional[int]) -> None:
+    """Fill every output a launcher allocates with `byte` from now on (the GPU tests' check that a
+    kernel writes every element); None: plain uninitialised outputs."""
+    global _POISON
+    _POISON = byte
+    for listener in _POISON_LISTENERS:
+        listener(byte)
+
+
+def on_poison(listener) -> None:
+    """Call listener(byte) whenever set_poison runs (commfuse.kernels.native's launchers)."""
+    _POISON_LISTENERS.append(listener)
+
+
+def allocate(spec: OutputSpec, device) -> torch.Tensor:
+    """A tensor of `spec` on `device`: a strided spec gets a view of a storage holding its padding too."""
+    if spec.strides is None:
+        out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    else:
+        out = torch.empty((spec.storage_numel,), dtype=spec.dtype, device=device)
+    if _POISON is not None:
+        out.view(torch.uint8).fill_(_POISON)
+    return out if spec.strides is None else out.as_strided(spec.shape, spec.strides)
+
+
+def operand(t: torch.Tensor) -> torch.Tensor:
+    # The kernels read dense rows of 16-byte vectors: a strided or misaligned view gets a copy.
+    c = t.contiguous()
+    return c if not c.data_ptr() % 16 else c.clone()
+
+
+_FIELD_NAMES = ("residual", "norm", "quant", "scale_factors", "scales")
+_POINTER = struct.Struct("<Q")
+
+
+class PyLauncher:
+    """The Python executor of a LaunchPlan (see the module docstring); the C++ Launcher's stand-in."""
+
+    __slots__ = ("plan", "_device")
+
+    def __init__(self, plan: LaunchPlan):
+        self.plan = plan
+        self._device = torch.device("cuda", plan.device_index)
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        plan = self.plan
+        t = [None] * SOURCES
+        t[X] = operand(x)
+        t[RESIDUAL] = None if residual is None else operand(residual)
+        t[WEIGHT] = None if weight is None else operand(weight)
+        t[SCALE] = scale
+        t[Z] = None if z is None else operand(z)
+        given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
+        for i, spec in enumerate(plan.outputs):
+            if spec is None:
+                continue
+            o = given[i]
+            if o is None:
+                o = allocate(spec, self._device)
+            else:
+                field = f"out.{_FIELD_NAMES[i]}" if plan.fused else "out"
+                if o.data_ptr() % 16:
+                    raise ValueError(f"{field} must be 16-byte aligned")
+                if spec.strides is not None and storage_room(o) < spec.storage_numel:
+                    raise ValueError(f"{field} must be a view of a storage of {spec.storage_numel} elements "
+                                     "(padding rows included)")
+            t[OUT + i] = o
+        if plan.nccl is not None:
+            # The sum goes into the residual output, which the tail then updates in place (each element
+            # read before it is written, by the same thread); a scratch buffer where that output is the
+            # residual input itself.
+            aliased = plan.fused and residual is not None and t[OUT].data_ptr() == residual.data_ptr()
+            t[SUM] = allocate(plan.outputs[0], self._device) if aliased else t[OUT]
+            plan.nccl.all_reduce(t[X], t[SUM])
+        for launch in plan.launches:
+            buf = bytearray(launch.params)
+            for offset, source, delta in launch.patches:
+                p = t[source]
+                _POINTER.pack_into(buf, offset, p.data_ptr() + delta if p is not None else 0)
+            launch.kernel.launch((launch.grid, 1, 1), (launch.block, 1, 1), bytes(buf))
+        return tuple(t[OUT:OUT + 5]) if plan.fused else t[OUT]
+
+
+def pieces(total: int, piece: int) -> Sequence[Tuple[int, int]]:
+    """[begin, end) ranges of `piece` (the last one shorter) covering range(total)."""
+    return [(b, min(total, b + piece)) for b in range(0, total, piece)]

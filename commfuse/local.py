@@ -1,0 +1,226 @@
+"""Local fused ops (no collective): the all-reduce tail's epilogue on a tensor this rank already has.
+
+    t = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-6, quant="fp8", scale=scale)
+    t.residual, t.norm, t.quant, t.scale_factors, t.scales   # a commfuse.reference.Tail
+    t = commfuse.fused_add_rmsnorm(x, None, weight, 1e-6)               # plain RMSNorm (t.residual is None)
+    g = commfuse.gated_rmsnorm(x, z, weight, 1e-5, group_size=1024, norm_before_gate=False)
+    q = commfuse.quantize(x, "nvfp4", scale)                          # quantization alone: Quantized
+
+The same numbers as the tail of `Communicator.fused_all_reduce` (docs/semantics.md, sections 2-5),
+without the sum: `fused_add_rmsnorm(x, residual, ...)` is `reference.fused_tail(x, residual, ...)`.
+Each is also a torch.library custom op (commfuse.ops), so models compiled with torch.compile keep it
+whole (no graph break, dynamic token counts, CUDA graphs); these functions call the op while dynamo
+traces, and run it directly otherwise.
+
+Routes (commfuse.routes): `fused_add_rmsnorm` runs the fused_tail kernel (one launch; without a
+residual it reads and writes none) where the fused tail's guards hold: CUDA tensors on SM 8.0+,
+float16/bfloat16, h % 8 == 0 (and the format's multiple), stride 1 on the last dims, the scale a
+float32 tensor on x's device, fusion not disabled (`COMMFUSE_DISABLE_FUSION=1`). `gated_rmsnorm` runs
+the gated RMSNorm kernel under the same guards plus group_size % 8 == 0 and h <= 16384. Everything else
+takes the separated ops of commfuse.reference (the same semantics); `quantize` has no kernel yet and
+always does. `plan(...)` / `plan_gated(...)` say which route a call takes and why, without running it (a
+commfuse.Plan with collective "none"). A call signature is planned once: the process's local plan
+table (commfuse.kernels.table, name "local") holds its launcher, and commfuse.ops' C++ kernels for CUDA
+tensors look it up too.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import routes
+from .kernels import native
+from .reference import Tail
+from .routes import Call, Machine, Plan, Resources
+from .tail import checks
+from .tail.spec import TailSpec
+
+__all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "Quantized"]
+
+_WHERE = "x is on"
+
+
+class Quantized(NamedTuple):
+    """Outputs of `quantize`: the codes, and the block scales in the field the format keeps them in
+    (scale_factors: NVFP4's; scales: the computed FP8 scales), None where it has none."""
+
+    quant: Tensor
+    scale_factors: Optional[Tensor]
+    scales: Optional[Tensor] = None
+
+
+@functools.cache
+def _table():
+    return native.table("local", 0, Tail, Tail, Quantized)
+
+
+def _compiling() -> bool:
+    # Under torch.compile dynamo may trace Python floats as SymFloats: the functions then only call the
+    # op (a check would break the graph, float() would specialise it); the op's kernel checks at run time.
+    return torch.compiler.is_compiling()
+
+
+def _planned(op: str, args: tuple, call: Call, device: torch.device):
+    """Plan a call, put its launcher in the local table, and return (plan, launcher)."""
+    p = routes.plan(call, Machine.local(device))
+    launcher = routes.launcher(call, p, Resources(device=device))
+    _table().insert(op, args, p, launcher)
+    return p, launcher
+
+
+def _tail_spec(quant, return_norm, eps, weight_offset, sf_layout, scale_layout, scale_ue8m0) -> TailSpec:
+    return TailSpec.of(quant, return_norm=return_norm, eps=eps, weight_offset=weight_offset, sf_layout=sf_layout,
+                       scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+
+
+def _local_call(x, residual, weight, scale, out, spec) -> Call:
+    h = checks.tail(x, residual, weight, scale, spec, x.device, residual_optional=True, where=_WHERE)
+    if out is not None:
+        checks.out(out, spec.outputs(x.numel() // h, h, x.dtype, residual is not None), x.device)
+    return Call.of("local", x, residual, weight, scale, spec=spec)
+
+
+def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *,
+                      quant: Optional[str] = None, scale: Union[Tensor, float, None] = None,
+                      return_norm: bool = False, sf_layout: str = "swizzled", weight_offset: float = 0.0,
+                      scale_layout: str = "row", scale_ue8m0: bool = False, out=None) -> Tail:
+    """residual = round_T(x + residual), then RMSNorm and an optional quantization of it.
+
+    x: T[..., h] (T float16, bfloat16 or float32); residual: x's shape and dtype, or None for a plain
+    RMSNorm of x (+ quant); weight: T[h]; eps: a number >= 0. quant: None, "fp8", "nvfp4" (with
+    scale the dequant scale: a float32 tensor of one element on x's device; a Python float is taken
+    and rounded to fp32, on the separated route), or "fp8_per_token" / "fp8_block", which compute
+    their scales (scale None; reference.quantize_fp8_per_token / quantize_fp8_block, whose layout
+    scale_layout "row" / "mn_major" and scale_ue8m0 choose). return_norm: also return the norm when
+    quantizing. sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear". weight_offset: the norm
+    multiplies by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
+
+    out: caller-owned outputs, as for Communicator.fused_all_reduce: a commfuse.reference.Tail (or a
+    tuple in its order: residual, norm, quant, scale_factors, scales) of tensors or None; a tensor is
+    checked (the output's exact shape, dtype, strides, device; 16-byte aligned) and written in place,
+    None is allocated as usual, a tensor for an output the call does not produce raises. out.residual
+    may be the residual input itself (an in-place update: out=Tail(residual, None, None, None)).
+
+    Returns a Tail of [t, h] tensors (scale factors as in Communicator.fused_all_reduce): residual
+    (None without a residual), norm (None when quantizing without return_norm), quant, scale_factors
+    (NVFP4 only), scales (the computed FP8 scales only). Semantics: docs/semantics.md sections 2-5
+    and 11 (the tail of fused_all_reduce on x).
+    """
+    if _compiling():
+        if out is not None:
+            raise TypeError("fused_add_rmsnorm: out= is for eager calls (a compiled model's outputs are its own)")
+        outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, quant or "", return_norm,
+                                                    sf_layout, weight_offset, scale_layout, scale_ue8m0)
+        spec = TailSpec.of(quant, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
+                           scale_ue8m0=scale_ue8m0)
+        return Tail(*spec.keep(outs, residual is not None))
+    args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
+            scale_ue8m0)
+    r = _table().local(*args)
+    if r is not None:
+        return r
+    spec = _tail_spec(quant, return_norm, eps, weight_offset, sf_layout, scale_layout, scale_ue8m0)
+    _, launcher = _planned("local", args, _local_call(x, residual, weight, scale, out, spec), x.device)
+    return Tail(*launcher(x, residual, weight, scale, out))
+
+
+def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: Optional[int],
+                  norm_before_gate: bool, *, quant: Optional[str] = None, scale: Optional[Tensor] = None,
+                  return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
+                  scale_ue8m0: bool = False) -> Tail:
+    """The gated RMSNorm of Mamba2 / Nemotron-H (reference.gated_rmsnorm has the exact formula), then
+    an optional quantization of its T-rounded output (commfuse.reference's quantizers).
+
+    x: T[..., h]; z: x's shape and dtype, or None (no gate); weight: T[h]; eps >= 0; group_size: the
+    elements normalised together, dividing h (None: h, one group); norm_before_gate: False gates x by
+    silu(z) before the norm (HF Mamba2), True gates the weighted norm after it (mamba_ssm's default).
+    quant, scale, return_norm, sf_layout, scale_layout, scale_ue8m0 as in `fused_add_rmsnorm`.
+
+    Route: the gated RMSNorm kernel (one launch) where its guards hold (fused_add_rmsnorm's,
+    group_size % 8 == 0, h <= 16384), else the separated ops (fp32 torch) on x's device; `plan_gated`
+    says which. silu goes through exp, which the GPU and the CPU round differently: the kernel matches
+    the reference run on the same GPU (docs/semantics.md). Returns a Tail with residual None: norm
+    [t, h] (None when quantizing without return_norm), quant, scale_factors, scales."""
+    if group_size is None and isinstance(x, Tensor) and x.dim():
+        group_size = x.shape[-1]
+    if _compiling():
+        spec = TailSpec.of(quant, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
+                           scale_ue8m0=scale_ue8m0)
+        outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant or "",
+                                                return_norm, sf_layout, scale_layout, scale_ue8m0)
+        return Tail(*spec.keep((None, *outs), False))
+    args = (x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout,
+            scale_ue8m0)
+    r = _table().gated(*args)
+    if r is not None:
+        return r
+    call = _gated_call(x, z, weight, eps, group_size, norm_before_gate, quant, scale, return_norm, sf_layout,
+                       scale_layout, scale_ue8m0)
+    _, launcher = _planned("gated", args, call, x.device)
+    return Tail(*launcher(x, None, weight, scale, None, z))
+
+
+def _gated_call(x, z, weight, eps, group_size, norm_before_gate, quant, scale, return_norm, sf_layout, scale_layout,
+                scale_ue8m0) -> Call:
+    spec = TailSpec.of(quant, return_norm=return_norm, eps=eps, sf_layout=sf_layout, scale_layout=scale_layout,
+                       scale_ue8m0=scale_ue8m0)
+    checks.x_hidden(x, x.device if isinstance(x, Tensor) else torch.device("cpu"), _WHERE)
+    checks.gated(x, z, weight, scale, spec, group_size, norm_before_gate, x.device)
+    return Call.of("gated", x, None, weight, scale, z, spec, group_size, norm_before_gate)
+
+
+def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: str = "swizzled", *,
+             scale_layout: str = "row", scale_ue8m0: bool = False) -> Quantized:
+    """The quantization `quant` of x alone (docs/semantics.md sections 4-5 and 10-11; commfuse.reference).
+
+    x: T[..., h]; quant: any format ("fp8", "nvfp4", "fp8_per_token", "fp8_block"); scale: the dequant
+    scale, a float32 tensor of one element on x's device, for the formats that take one; sf_layout,
+    scale_layout, scale_ue8m0: the layout of the block scales, as in `fused_add_rmsnorm`. Returns
+    Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). No kernel yet
+    (separated ops); the fusion pass folds this op into a fused tail that produces x."""
+    if _compiling():
+        spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+        q, sf, s = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
+        return Quantized(*spec.keep((None, None, q, sf, s), False)[2:])
+    args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
+    r = _table().quantize(*args)
+    if r is not None:
+        return r
+    _, launcher = _planned("quantize", args, _quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0),
+                           x.device)
+    outs = launcher(x, None, None, scale, None)
+    return Quantized(outs[2], outs[3], outs[4])
+
+
+def _quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0) -> Call:
+    if quant is None:
+        raise ValueError("quant must name a format, got None")
+    spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    h = checks.x_hidden(x, x.device if isinstance(x, Tensor) else torch.device("cpu"), _WHERE)
+    checks.scale(spec, scale, h, x.device)
+    return Call.of("quantize", x, scale=scale, spec=spec)
+
+
+def plan(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *, quant: Optional[str] = None,
+         scale: Union[Tensor, float, None] = None, return_norm: bool = False, sf_layout: str = "swizzled",
+         weight_offset: float = 0.0, scale_layout: str = "row", scale_ue8m0: bool = False, out=None) -> Plan:
+    """The route `fused_add_rmsnorm(...)` takes with these arguments, without running it: a
+    commfuse.Plan with collective "none", tail "fused" (kernel fused_tail) or "separated" and the reason.
+    Raises on the same argument errors as the call."""
+    spec = _tail_spec(quant, return_norm, eps, weight_offset, sf_layout, scale_layout, scale_ue8m0)
+    return routes.plan(_local_call(x, residual, weight, scale, out, spec), Machine.local(x.device))
+
+
+def plan_gated(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: Optional[int],
+               norm_before_gate: bool, *, quant: Optional[str] = None, scale: Optional[Tensor] = None,
+               return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
+               scale_ue8m0: bool = False) -> Plan:
+    """The route `gated_rmsnorm(...)` takes, without running it (as `plan`; kernel gated_rmsnorm)."""
+    if group_size is None and isinstance(x, Tensor) and x.dim():
+        group_size = x.shape[-1]
+    call = _gated_call(x, z, weight, eps, group_size, norm_before_gate, quant, scale, return_norm, sf_layout,
+                       scale_layout, scale_ue8m0)
+    return routes.plan(call, Machine.local(x.device))

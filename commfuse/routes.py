@@ -1,0 +1,582 @@
+"""Routes: which way a call runs, and why. Each route is one entry that says whether it takes a call
+(and why not, in words: the plan's reasons), how it is calibrated, and how it makes the call's launcher.
+
+The collective routes, in the order they are tried (the strategy= names come from them):
+
+| route | strategy= | collective | tail | calibrated by |
+|---|---|---|---|---|
+| p2p_oneshot | "oneshot" | the P2P one-shot kernel | fused into it | its crossover (p2p.calibration) |
+| p2p_twoshot | "twoshot" | the P2P two-shot kernel (in pieces past the workspace) | fused into it | its crossover |
+| nccl | "nccl" | ncclAllReduce (commfuse.nccl, else torch.distributed) | the fused_tail kernel after it | - |
+| gloo | - | gloo's all-gather and the exact fp32 sum | the fused_tail kernel (CUDA tensors) | - |
+
+and for commfuse.local's calls: local (the fused_tail kernel alone), gated (the gated RMSNorm kernel).
+Where the fused tail's guards do not hold (dtype, layout, sizes, SM, CPU tensors, fusion disabled), the
+tail is `separated`: commfuse.reference's ops after the collective route's plain all-reduce (or on the
+local op's input): the same results, slower.
+
+Deciding is a pure function of tensor metadata, the tail spec and the machine's facts (`Machine`), so
+every decision is tested on a CPU by simulating them (tests/test_routes.py). A guard that fails never
+raises: the call takes the next route, and the plan records why.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+from .kernels import native
+from .kernels.family import CTYPE, Family
+from .kernels.fused_tail import FUSED_TAIL
+from .kernels.gated_norm import GATED_NORM
+from .kernels.launch import LaunchPlan
+from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
+from .p2p.calibration import P2PLimits
+from .tail.checks import fields_of
+from .tail.spec import OutputSpec, TailSpec
+from .topology import MIN_FUSED_SM
+
+__all__ = ["TensorMeta", "Call", "Machine", "Collective", "TailRoute", "Plan", "Route", "ROUTES", "STRATEGIES",
+           "Resources", "plan", "tail_guard", "launcher", "FUSED_DTYPES", "MIN_FUSED_SM"]
+
+FUSED_DTYPES = tuple(CTYPE)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the routes need to know about a tensor, without touching its data."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    contiguous: bool
+    last_stride: int
+
+    @classmethod
+    def of(cls, t: Optional[torch.Tensor]) -> Optional["TensorMeta"]:
+        if not isinstance(t, torch.Tensor):
+            return None
+        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.stride(-1) if t.dim() else 1)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the routes see it. op: commfuse.kernels.table's (plain, fused, local, gated,
+    quantize); spec: the tail (None: the plain all-reduce); scale None also when it is a Python
+    number (scale_number); group_size, norm_before_gate: the gated norm's."""
+
+    op: str
+    x: TensorMeta
+    residual: Optional[TensorMeta] = None
+    weight: Optional[TensorMeta] = None
+    scale: Optional[TensorMeta] = None
+    z: Optional[TensorMeta] = None
+    spec: Optional[TailSpec] = None
+    scale_number: bool = False
+    group_size: int = 0
+    norm_before_gate: bool = False
+
+    @classmethod
+    def of(cls, op: str, x, residual=None, weight=None, scale=None, z=None, spec=None, group_size: int = 0,
+           norm_before_gate: bool = False) -> "Call":
+        return cls(op, TensorMeta.of(x), TensorMeta.of(residual), TensorMeta.of(weight), TensorMeta.of(scale),
+                   TensorMeta.of(z), spec, scale is not None and not isinstance(scale, torch.Tensor), group_size,
+                   norm_before_gate)
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[-1] if self.x.shape else 1
+
+    @property
+    def tokens(self) -> int:
+        return self.x.numel // max(self.hidden, 1)
+
+    @property
+    def message_bytes(self) -> int:
+        return self.x.numel * self.x.dtype.itemsize
+
+    @property
+    def pattern(self) -> str:
+        """Benchmark-style pattern name, e.g. residual_rmsnorm_nvfp4_out."""
+        if self.spec is None:
+            return "allreduce"
+        name = "residual_rmsnorm" + (f"_{self.spec.quant}" if self.spec.quant else "")
+        return name + ("_out" if self.spec.quant and self.spec.return_norm else "")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The facts a route reads besides the call: the topology's mode ("p2p", "fallback", "cpu"; "local"
+    for commfuse.local's calls) and its reasons, the torch.distributed backend, this rank's SM (None
+    without a GPU), the world size, the strategy, whether fusion is on (COMMFUSE_DISABLE_FUSION), the P2P
+    workspace's crossovers (None: no workspace)."""
+
+    mode: str
+    backend: str = ""
+    sm: Optional[tuple] = None
+    world_size: int = 1
+    strategy: str = "auto"
+    fusion: bool = True
+    limits: Optional[P2PLimits] = None
+    mode_reasons: tuple = ()
+
+    @classmethod
+    def local(cls, device: torch.device, sm: Optional[tuple] = None) -> "Machine":
+        """The machine of commfuse.local's calls on `device` (sm None: read from torch.cuda for CUDA)."""
+        if sm is None and device.type == "cuda":
+            sm = torch.cuda.get_device_capability(device)
+        return cls("local", sm=sm, fusion=os.environ.get("COMMFUSE_DISABLE_FUSION") != "1")
+
+
+class Collective(str, Enum):
+    """Which collective a call runs (a str: compares equal to, and prints as, its value)."""
+
+    P2P_ONESHOT = "p2p_oneshot"  # the P2P kernels, tail fused where the tail guards hold
+    P2P_TWOSHOT = "p2p_twoshot"
+    NCCL = "nccl"                # NCCL's all-reduce
+    GLOO = "gloo"                # gloo: every rank's x gathered and summed exactly (CPU, or ranks sharing a GPU)
+    NONE = "none"                # no collective: commfuse.local's ops
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def algorithm(self) -> Optional[str]:
+        """"oneshot" / "twoshot" for the P2P collectives, else None."""
+        return self.value[len("p2p_"):] if self.value.startswith("p2p_") else None
+
+    @classmethod
+    def of_backend(cls, backend: str) -> "Collective":
+        """The collective of a torch.distributed backend; ValueError for one commfuse does not drive."""
+        if backend not in (cls.NCCL.value, cls.GLOO.value):
+            raise ValueError(f"commfuse runs over the nccl or gloo backend, not {backend!r}")
+        return cls(backend)
+
+
+class TailRoute(str, Enum):
+    """How the tail runs (a str, as Collective)."""
+
+    FUSED = "fused"          # in the P2P kernel, or one local kernel (after the collective)
+    SEPARATED = "separated"  # plain torch ops of commfuse.reference
+    NONE = "none"            # a plain all-reduce: no tail
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The route of one call.
+
+    collective: a Collective; tail: a TailRoute; kernel: the kernel family that runs the fused part, if
+    any; reasons: why, in words: every guard that failed, and what chose the collective; route: the
+    ROUTES entry that makes its launcher. algorithm: collective.algorithm, kept here (read on the hot path).
+    """
+
+    collective: Collective
+    tail: TailRoute
+    kernel: Optional[str] = None
+    reasons: tuple = field(default_factory=tuple)
+    route: str = field(default="", compare=False)
+    algorithm: Optional[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "algorithm", self.collective.algorithm)
+
+    def __str__(self) -> str:
+        head = f"{self.collective} + {self.tail} tail" + (f" [{self.kernel}]" if self.kernel else "")
+        return head + "".join(f"\n  - {r}" for r in self.reasons)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the launchers work with: the group, the device, the P2P workspace and commfuse.nccl's
+    communicator of a Communicator (None where it has none)."""
+
+    group: object = None
+    device: torch.device = torch.device("cpu")
+    workspace: object = None
+    nccl: object = None
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def tail_guard(call: Call, m: Machine) -> Optional[str]:
+    """Why the fused tail of any kernel cannot take `call` (None when it can): what every fused route
+    needs before its own kernel's limits."""
+    spec = call.spec
+    if not m.fusion:
+        return "COMMFUSE_DISABLE_FUSION=1: separated ops"
+    if call.x.device.type != "cuda" or m.sm is None:
+        return f"tensors on {call.x.device.type}: fused kernels need CUDA tensors"
+    if tuple(m.sm) < MIN_FUSED_SM:
+        return f"SM {m.sm[0]}.{m.sm[1]} < {MIN_FUSED_SM[0]}.{MIN_FUSED_SM[1]}: no fused kernels"
+    if call.x.dtype not in FUSED_DTYPES:
+        return f"dtype {call.x.dtype}: fused kernels take float16 and bfloat16"
+    for name, meta in (("x", call.x), ("residual", call.residual), ("weight", call.weight), ("z", call.z)):
+        if meta is not None and meta.last_stride != 1:
+            return f"{name} has stride {meta.last_stride} on its last dim: fused kernels need stride 1"
+    if spec.format.takes_scale and call.scale is None:
+        return "scale given as a Python float: fused kernels take a float32 CUDA tensor"
+    if call.scale is not None and not call.scale.contiguous:
+        return "scale is not contiguous"
+    multiple = max(8, spec.hidden_multiple)
+    if call.hidden % multiple:
+        block = spec.format.block
+        why = f"hidden size {call.hidden} is not a multiple of {multiple}"
+        if block and multiple == block:
+            why += (f": quant={spec.quant!r} has one scale per {block} consecutive elements of a row (the "
+                    "separated ops raise ValueError on it too)")
+        return why
+    return None
+
+
+def _rejects(family: Family, call: Call, m: Machine, spec: Optional[TailSpec], **extra) -> Optional[str]:
+    return family.rejects(call.x.dtype, m.sm or (0, 0), call.hidden, call.tokens, spec, m.world_size, **extra)
+
+
+# --------------------------------------------------------------------------- the routes
+
+
+class Route:
+    """One way to run a call. name: its ROUTES key; strategy: the strategy= value that forces it (None:
+    not forceable); collective: what it reports; kernel: the family that runs its fused part."""
+
+    name = ""
+    strategy: Optional[str] = None
+    collective = Collective.NONE
+    kernel: Optional[Family] = None
+
+    def accepts(self, call: Call, m: Machine, fused: bool) -> Optional[Sequence[str]]:
+        """None when the route takes the call (fused: with the tail in its kernel), else the reasons
+        it does not (empty: nothing worth saying, e.g. the other backend's route)."""
+        raise NotImplementedError
+
+    def launcher(self, call: Call, plan: Plan, res: Resources) -> Callable:
+        """The call's launcher: launcher(x, residual, weight, scale, out, z) -> the sum (plain) or the
+        five outputs (commfuse.kernels.launch)."""
+        raise NotImplementedError
+
+
+class P2PRoute(Route):
+    """The P2P all-reduce kernels over the workspace's IPC buffers, one algorithm each. Calibrated: the
+    workspace measures where each algorithm beats the next and NCCL (p2p.calibration); `auto` takes an
+    algorithm up to its crossover."""
+
+    kernel = P2P_ALLREDUCE
+
+    def __init__(self, algorithm: str):
+        self.algorithm = algorithm
+        self.name = f"p2p_{algorithm}"
+        self.strategy = algorithm
+        self.collective = Collective(self.name)
+
+    def accepts(self, call, m, fused):
+        if m.strategy == "nccl":
+            return ("strategy 'nccl': P2P all-reduce not used",)
+        if m.mode != "p2p":
+            return tuple(m.mode_reasons) or (f"topology mode {m.mode!r}: no P2P all-reduce",)
+        limits = m.limits
+        if limits is None:
+            return ("no P2P workspace",)
+        if call.x.device.type != "cuda":
+            return ()
+        why = _rejects(self.kernel, call, m, call.spec if fused else None, numel=call.x.numel)
+        if why:
+            return (why,)
+        size = call.message_bytes
+        # A separated tail leaves the P2P kernel a plain all-reduce, cut into pieces of any 16 bytes.
+        row_bytes = call.hidden * call.x.dtype.itemsize if fused else 16
+        if size > limits.workspace_bytes and not chunk_rows(row_bytes, call.spec if fused else None,
+                                                            limits.workspace_bytes):
+            return (f"message {size} B > P2P workspace {limits.workspace_bytes} B, which holds no piece of it "
+                    "(a row, or 128 rows for swizzled scale factors): NCCL",)
+        # The one-shot's buffers bound it whatever the crossovers say: a larger message would overrun them.
+        oneshot_bytes = limits.oneshot_bytes if limits.oneshot_bytes is not None else limits.workspace_bytes
+        forced = m.strategy in ("oneshot", "twoshot")
+        if self.algorithm == "oneshot":
+            if m.strategy == "twoshot":
+                return ()
+            if size > oneshot_bytes:
+                return (f"message {size} B > one-shot buffers {oneshot_bytes} B: two-shot",) if forced else ()
+            if forced or size <= limits.crossover("oneshot"):
+                return None
+            return ()
+        if forced or size <= limits.crossover(self.algorithm):
+            return None
+        return (f"message {size} B above the measured P2P crossover {limits.crossover(self.algorithm)} B: NCCL",)
+
+    def launcher(self, call, plan, res):
+        ws = res.workspace
+        if call.spec is None:
+            return native.launcher(self.kernel.plan_plain(ws, call.x.dtype, call.x.shape, self.algorithm))
+        return native.launcher(self.kernel.plan_fused(ws, call.x.dtype, call.tokens, call.hidden, call.spec,
+                                                      self.algorithm))
+
+
+class NcclRoute(Route):
+    """NCCL's all-reduce (in T, in NCCL's order: the semantics accept it on this route), through
+    commfuse.nccl's own communicator where it loads (x summed straight into the residual output, which
+    the fused_tail kernel then updates in place), else torch.distributed on a copy of x."""
+
+    name = strategy = "nccl"
+    collective = Collective.NCCL
+    kernel = FUSED_TAIL
+
+    def accepts(self, call, m, fused):
+        return None if m.backend == "nccl" else ()
+
+    def launcher(self, call, plan, res):
+        x = call.x
+        fused = call.spec is not None
+        if res.nccl is not None:
+            if fused:
+                return native.launcher(FUSED_TAIL.plan(x.dtype, call.tokens, call.hidden, call.spec,
+                                                       res.device.index, nccl=res.nccl))
+            return native.launcher(LaunchPlan("ncclAllReduce", (), (OutputSpec(x.shape, x.dtype),), res.device.index,
+                                              res.nccl, x.numel))
+        first = _TorchAllReduce(res.group)
+        return _Then(first, _tail_kernel(call, res)) if fused else first
+
+
+class GlooRoute(Route):
+    """gloo (CPU tensors, or ranks sharing a GPU): every rank's x all-gathered and summed in fp32 in rank
+    order, rounded once, so every rank gets the reference's bits; then the fused_tail kernel on CUDA
+    tensors. Not capturable in a CUDA graph (gloo works on the host)."""
+
+    name = "gloo"
+    collective = Collective.GLOO
+    kernel = FUSED_TAIL
+
+    def accepts(self, call, m, fused):
+        return None if m.backend == "gloo" else ()
+
+    def launcher(self, call, plan, res):
+        first = _GlooSum(res.group)
+        return _Then(first, _tail_kernel(call, res)) if call.spec is not None else first
+
+
+class LocalRoute(Route):
+    """commfuse.local's fused_add_rmsnorm: the fused_tail kernel on x itself (no collective; without a
+    residual a plain RMSNorm + quantization)."""
+
+    name = "local"
+    kernel = FUSED_TAIL
+
+    def accepts(self, call, m, fused):
+        why = tail_guard(call, m) or _rejects(self.kernel, call, m, call.spec)
+        return (why,) if why else None
+
+    def launcher(self, call, plan, res):
+        return native.launcher(self.kernel.plan(call.x.dtype, call.tokens, call.hidden, call.spec,
+                                                call.x.device.index, residual=call.residual is not None))
+
+
+class GatedRoute(Route):
+    """commfuse.local's gated_rmsnorm: the gated RMSNorm kernel (h <= 16384, whole-vector groups)."""
+
+    name = "gated"
+    kernel = GATED_NORM
+
+    def accepts(self, call, m, fused):
+        why = tail_guard(call, m) or _rejects(self.kernel, call, m, call.spec, group_size=call.group_size)
+        return (why,) if why else None
+
+    def launcher(self, call, plan, res):
+        return native.launcher(self.kernel.plan(call.x.dtype, call.tokens, call.hidden, call.spec, call.group_size,
+                                                call.norm_before_gate, call.x.device.index))
+
+
+class SeparatedRoute(Route):
+    """commfuse.reference's ops: after the collective route's plain all-reduce, or on a local op's input.
+    Takes every call: it is the oracle."""
+
+    name = "separated"
+
+    def accepts(self, call, m, fused):
+        return None
+
+    def launcher(self, call, plan, res):
+        spec = call.spec
+        if call.op == "gated":
+            tail = _SeparatedGated(spec, call.group_size, call.norm_before_gate)
+        elif call.op == "quantize":
+            tail = _SeparatedQuantize(spec)
+        else:
+            tail = _SeparatedTail(spec)
+        if plan.collective is Collective.NONE:
+            return tail
+        plain = Call("plain", call.x)  # the collective route's plain all-reduce of x
+        return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail)
+
+
+_P2P_ROUTES = (P2PRoute("oneshot"), P2PRoute("twoshot"))
+COLLECTIVE_ROUTES: Tuple[Route, ...] = _P2P_ROUTES + (NcclRoute(), GlooRoute())
+ROUTES = {r.name: r for r in COLLECTIVE_ROUTES + (LocalRoute(), GatedRoute(), SeparatedRoute())}
+# strategy=: "auto" (the routes in order, P2P up to its crossovers), or a forceable route's name.
+STRATEGIES = ("auto",) + tuple(r.strategy for r in COLLECTIVE_ROUTES if r.strategy)
+_LOCAL_ROUTES = {"local": ROUTES["local"], "gated": ROUTES["gated"]}
+
+
+def plan(call: Call, m: Machine) -> Plan:
+    """The route of `call` on machine `m`, with the reasons."""
+    reasons: list = []
+    if call.op in ("plain", "fused"):
+        return _collective_plan(call, m, reasons)
+    first = _LOCAL_ROUTES.get(call.op)
+    why = first.accepts(call, m, True) if first is not None else ("quantize has no kernel: separated ops",)
+    if why is None:
+        return Plan(Collective.NONE, TailRoute.FUSED, first.kernel.name, (), first.name)
+    return Plan(Collective.NONE, TailRoute.SEPARATED, None, tuple(why), "separated")
+
+
+def _collective_plan(call: Call, m: Machine, reasons: list) -> Plan:
+    fused = False
+    if call.spec is not None:
+        why = tail_guard(call, m)
+        if why:
+            reasons.append(why)
+        fused = why is None
+    for route in COLLECTIVE_ROUTES:
+        why = route.accepts(call, m, fused)
+        if why is None:
+            break
+        reasons.extend(why)
+    else:  # pragma: no cover - the backend's route takes every call
+        raise RuntimeError(f"no route takes a call over the {m.backend!r} backend")
+    reasons = tuple(dict.fromkeys(reasons))  # the P2P routes share their first reasons
+    p2p = isinstance(route, P2PRoute)
+    if call.spec is None:
+        return Plan(route.collective, TailRoute.NONE, route.kernel.name if p2p else None, reasons, route.name)
+    if p2p:
+        tail = TailRoute.FUSED if fused else TailRoute.SEPARATED
+        return Plan(route.collective, tail, route.kernel.name, reasons, route.name if fused else "separated")
+    why = _rejects(route.kernel, call, m, call.spec) if fused else None
+    if fused and why is None:
+        return Plan(route.collective, TailRoute.FUSED, route.kernel.name, reasons, route.name)
+    return Plan(route.collective, TailRoute.SEPARATED, None, reasons + ((why,) if why else ()), "separated")
+
+
+def launcher(call: Call, plan: Plan, res: Resources) -> Callable:
+    """The launcher of a planned call (the plan's route makes it)."""
+    return ROUTES[plan.route].launcher(call, plan, res)
+
+
+# --------------------------------------------------------------------------- the launchers without kernels
+
+
+def _tail_kernel(call: Call, res: Resources):
+    """The fused_tail kernel's launcher, reading the collective's sum as x."""
+    return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index))
+
+
+class _Then:
+    """A collective's plain all-reduce, then a tail on its sum."""
+
+    __slots__ = ("first", "tail")
+
+    def __init__(self, first, tail):
+        self.first, self.tail = first, tail
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        return self.tail(self.first(x), residual, weight, scale, out, z)
+
+
+class _TorchAllReduce:
+    """torch.distributed's all_reduce, which works in place: on a copy of x (x is the caller's)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        out = x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class _GlooSum:
+    """Every rank's x, gathered and summed in fp32 in rank order (reference.all_reduce_sum)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        xs = [torch.empty_like(x, memory_format=torch.contiguous_format)
+              for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(xs, x.contiguous(), group=self.group)
+        total = reference.all_reduce_sum(xs)
+        return total if out is None else out.copy_(total)
+
+
+def _write_out(outputs: tuple, out) -> tuple:
+    """The outputs, copied into the caller's tensors of `out` where it gives one (computed whole first:
+    out.residual may be the residual input). An MN-major view gets its whole storage: the fused kernels
+    write its padding too."""
+    if out is None:
+        return outputs
+    written = []
+    for mine, theirs in zip(fields_of(out), outputs):
+        if mine is None or theirs is None:
+            written.append(theirs)
+            continue
+        if mine.is_contiguous() or mine.dim() != 2:
+            mine.copy_(theirs)
+        else:
+            n = mine.shape[1] * mine.stride(1)
+            torch.as_strided(mine, (n,), (1,)).copy_(torch.as_strided(theirs, (n,), (1,)))
+        written.append(mine)
+    return tuple(written)
+
+
+class _SeparatedTail:
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: TailSpec):
+        self.spec = spec
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        s = self.spec
+        tail = reference.fused_tail(x, residual, weight, s.eps, scale=scale, **s.reference_kwargs())
+        return _write_out(tuple(tail), out)
+
+
+class _SeparatedGated:
+    __slots__ = ("spec", "group_size", "norm_before_gate")
+
+    def __init__(self, spec: TailSpec, group_size: int, norm_before_gate: bool):
+        self.spec, self.group_size, self.norm_before_gate = spec, group_size, norm_before_gate
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        s = self.spec
+        norm = reference.gated_rmsnorm(x, z, weight, s.eps, self.group_size, self.norm_before_gate)
+        if s.quant is None:
+            return None, norm, None, None, None
+        q, sf, scales = reference.quantize(norm, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
+        return None, norm if s.return_norm else None, q, sf, scales
+
+
+class _SeparatedQuantize:
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: TailSpec):
+        self.spec = spec
+
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        s = self.spec
+        q, sf, scales = reference.quantize(x, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
+        return None, None, q, sf, scales

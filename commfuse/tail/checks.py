@@ -1,0 +1,177 @@
+"""The argument checks of every call, in one place: a request that has no meaning raises, naming the
+argument (TypeError for a wrong type, ValueError for a wrong value). What the fused routes need beyond
+that is not checked here: a call they cannot take goes to the separated ops (commfuse.routes says why).
+
+`device` is where the call's tensors must be: the communicator's device, or x's for the local ops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .spec import Outputs, TailSpec
+
+__all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "scale", "out", "out_like", "same_device",
+           "fields_of", "storage_room"]
+
+# What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
+# or a float64 tensor.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OUT_FIELDS = Outputs._fields
+
+
+def same_device(name: str, t: Tensor, device: torch.device, where: str = "this communicator works on") -> None:
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        raise ValueError(f"{name} is on {t.device}, but {where} {device}")
+
+
+def _tensor(name: str, t) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def x_hidden(x, device: torch.device, where: str = "this communicator works on") -> int:
+    """h of x [..., h], checked: a tensor of fp16 / bf16 / fp32 with h > 0 on `device`."""
+    _tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    same_device("x", x, device, where)
+    return x.shape[-1]
+
+
+def _like_x(name: str, t, x: Tensor, device: torch.device, where: str) -> None:
+    _tensor(name, t)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    same_device(name, t, device, where)
+
+
+def _weight(weight, x: Tensor, h: int, device: torch.device, where: str) -> None:
+    _tensor("weight", weight)
+    if weight.dim() != 1 or weight.numel() != h:
+        raise ValueError(f"weight must have shape [{h}] (x's hidden size), got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    same_device("weight", weight, device, where)
+
+
+def scale(spec: TailSpec, s, h: int, device: torch.device) -> None:
+    """The scale argument against the format: a float32 tensor of one element on `device` (or a
+    Python number, which the separated ops round to fp32) where the format takes one, else None;
+    and h a multiple of the format's block."""
+    f = spec.format
+    if f.block and h % f.block:
+        raise ValueError(f"quant={f.name!r} needs x's hidden size to be a multiple of {f.block} (one scale per "
+                         f"{f.block} consecutive elements of a row), got {h}")
+    if not f.takes_scale:
+        if s is not None:
+            raise ValueError(f"quant={f.name!r} computes its scales: scale must be None" if f.computes_scales
+                             else "scale is only meaningful with a quant that takes one (fp8, nvfp4)")
+        return
+    if s is None:
+        raise ValueError(f"quant={f.name!r} needs scale (the dequant scale, fp32 tensor of one element)")
+    if isinstance(s, Tensor):
+        if s.numel() != 1:
+            raise ValueError(f"scale must have one element, got shape {tuple(s.shape)}")
+        if s.dtype != torch.float32:
+            raise TypeError(f"scale must be float32, got {s.dtype}")
+        if s.device != device and not (device.index is None and s.device.type == device.type):
+            raise ValueError(f"scale is on {s.device}, but x is on {device}")
+    elif isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(s).__name__}")
+
+
+def tail(x, residual, weight, s, spec: TailSpec, device: torch.device, *, residual_optional: bool = False,
+         where: str = "this communicator works on") -> int:
+    """A tail call's tensors (fused_all_reduce, fused_add_rmsnorm): h, checked."""
+    h = x_hidden(x, device, where)
+    if residual is None:
+        if not residual_optional:
+            raise TypeError("residual must be a tensor of x's shape (all_reduce is the call without a tail)")
+    else:
+        _like_x("residual", residual, x, device, where)
+    _weight(weight, x, h, device, where)
+    scale(spec, s, h, device)
+    return h
+
+
+def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate, device: torch.device) -> int:
+    """gated_rmsnorm's tensors and its group: h, checked."""
+    where = "x is on"
+    h = x_hidden(x, device, where)
+    if z is not None:
+        _like_x("z", z, x, device, where)
+    _weight(weight, x, h, device, where)
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size <= 0 or h % group_size:
+        raise ValueError(f"group_size must be a positive divisor of h={h}, got {group_size!r}")
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    scale(spec, s, h, device)
+    return h
+
+
+def storage_room(t: Tensor) -> int:
+    """Elements of t's storage from t's first element on."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+
+
+def fields_of(out) -> tuple:
+    """The five output fields of `out`: a reference.Tail, a commfuse.FusedResult, or a tuple in Tail's
+    order (4 fields: no scales)."""
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        if len(out) not in (4, 5):
+            raise TypeError(f"out must be a commfuse.reference.Tail (or a tuple of its {len(OUT_FIELDS)} fields: "
+                            f"{', '.join(OUT_FIELDS)}), got a tuple of {len(out)}")
+        return tuple(out) + (None,) * (5 - len(out))
+    if not all(hasattr(out, f) for f in OUT_FIELDS[:4]):
+        raise TypeError(f"out must be a commfuse.reference.Tail or commfuse.FusedResult (fields "
+                        f"{', '.join(OUT_FIELDS)}), got {type(out).__name__}")
+    return tuple(getattr(out, f, None) for f in OUT_FIELDS)
+
+
+def out(o, outputs: Outputs, device: torch.device) -> None:
+    """Raise unless `o` (see fields_of) fits the call's outputs: each field a caller-owned tensor of
+    exactly the output's shape, dtype and strides (contiguous, or for MN-major scales the reference's
+    strides over a storage holding the padding rows), on `device`, 16-byte aligned, written in place; or
+    None, which is allocated as usual. A tensor for an output the call does not produce raises.
+    out.residual may be the residual input itself (an in-place update: every kernel reads each residual
+    element before it writes it, in the same thread)."""
+    for name, spec, t in zip(OUT_FIELDS, outputs, fields_of(o)):
+        if t is None:
+            continue
+        if spec is None:
+            raise ValueError(f"out.{name} must be None: this call has no such output")
+        if not isinstance(t, Tensor):
+            raise TypeError(f"out.{name} must be a tensor or None, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
+            raise ValueError(f"out.{name} must have shape {list(spec.shape)} and dtype {spec.dtype}, got "
+                             f"{list(t.shape)} {t.dtype}")
+        if spec.strides is not None:
+            if tuple(t.stride()) != spec.strides or storage_room(t) < spec.storage_numel:
+                raise ValueError(f"out.{name} must be an MN-major view with strides {spec.strides} of a storage of "
+                                 f"{spec.storage_numel} elements (padding rows included), got strides "
+                                 f"{tuple(t.stride())} and room for {storage_room(t)}")
+        if t.device != device or not (spec.strides is not None or t.is_contiguous()) or t.data_ptr() % 16:
+            raise ValueError(f"out.{name} must be contiguous, 16-byte aligned and on {device}, got a tensor on "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def out_like(o, x: Tensor) -> None:
+    """Raise unless `o` can take a plain all-reduce of x: x's shape and dtype, on x's device,
+    contiguous, 16-byte aligned."""
+    if not isinstance(o, Tensor):
+        raise TypeError(f"out must be a tensor, got {type(o).__name__}")
+    if o.shape != x.shape or o.dtype != x.dtype or o.device != x.device:
+        raise ValueError(f"out must have x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, got "
+                         f"{list(o.shape)} {o.dtype} on {o.device}")
+    if not o.is_contiguous() or o.data_ptr() % 16:
+        raise ValueError("out must be contiguous and 16-byte aligned")

@@ -1,0 +1,222 @@
+"""TailSpec: what a call asks of the tail, as one frozen value made at the public boundary.
+
+The public calls keep their keyword arguments (quant, return_norm, eps, weight_offset, sf_layout,
+scale_layout, scale_ue8m0); `TailSpec.of` checks them once, naming the argument, and everything below
+takes the spec: the output shapes (`outputs`), the rows a kernel's grid covers (`row_slots`), the
+layout the kernels are told (`layout`, `ue8m0`), and the keyword arguments back for commfuse.reference
+(`reference_kwargs`).
+
+The rule for layout options: each format says which keyword chooses its scales' layout (sf_layout for
+NVFP4, scale_layout and scale_ue8m0 for fp8_block); the others must keep their defaults, else a
+ValueError names the option and the formats it applies to.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import formats as F
+from .formats import Format, Layout
+
+__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES"]
+
+FP8_CODES = torch.float8_e4m3fn
+_SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "f32": torch.float32, "ue8m0": torch.uint8}
+
+
+class OutputSpec(NamedTuple):
+    """One output tensor: its shape and dtype, and strides where it is a view of a larger storage
+    (MN-major scales: the padding rows), None when contiguous."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    strides: Optional[Tuple[int, ...]] = None
+
+    @property
+    def storage_numel(self) -> int:
+        """Elements of the storage behind it (an MN-major view's padding rows included)."""
+        return math.prod(self.shape) if self.strides is None else self.shape[1] * self.strides[1]
+
+
+class Outputs(NamedTuple):
+    """The specs of a tail's outputs, in reference.Tail's order; None where the call has no such output."""
+
+    residual: Optional[OutputSpec]
+    norm: Optional[OutputSpec]
+    quant: Optional[OutputSpec]
+    scale_factors: Optional[OutputSpec]
+    scales: Optional[OutputSpec]
+
+
+def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v) or (minimum is not None and v < minimum):
+        raise ValueError(f"{name} must be a finite number" + (f" >= {minimum:g}" if minimum is not None else "")
+                         + f", got {v!r}")
+    return v
+
+
+def _flag(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def _layout_options(fmt: Format, sf_layout, scale_layout, scale_ue8m0) -> Tuple[Layout, bool]:
+    """(layout, ue8m0) of fmt from the three keywords; raises on a value the format cannot take."""
+    given = {"sf_layout": sf_layout, "scale_layout": scale_layout}
+    for arg, value in given.items():
+        if not isinstance(value, str):
+            raise TypeError(f"{arg} must be a str, got {type(value).__name__}")
+        if value not in F.LAYOUT_ARGS[arg]:
+            raise ValueError(f"{arg} must be one of {tuple(F.LAYOUT_ARGS[arg])}, got {value!r}")
+    _flag("scale_ue8m0", scale_ue8m0)
+    for arg, value in (*given.items(), ("scale_ue8m0", scale_ue8m0)):
+        applies = arg == fmt.layout_arg or (arg == "scale_ue8m0" and fmt.ue8m0 == "option")
+        if not applies and value != F.DEFAULTS[arg]:
+            users = [f.name for f in F.FORMATS if f.layout_arg == arg or (arg == "scale_ue8m0" and f.ue8m0 == "option")]
+            raise ValueError(f"{arg}={value!r} applies to quant {' / '.join(map(repr, users))} only, got "
+                             f"quant={fmt.name!r} (leave {arg} at its default {F.DEFAULTS[arg]!r})")
+    layouts = dict(fmt.layouts)
+    if fmt.layout_arg is not None:
+        layout = layouts[given[fmt.layout_arg]] if given[fmt.layout_arg] in layouts else None
+        if layout is None:
+            raise ValueError(f"quant={fmt.name!r} takes {fmt.layout_arg} in {tuple(layouts)}, got {given[fmt.layout_arg]!r}")
+    else:
+        layout = next(iter(layouts.values()), Layout.NONE)
+    ue8m0 = fmt.ue8m0 == "always" or (fmt.ue8m0 == "option" and scale_ue8m0)
+    return layout, ue8m0
+
+
+@dataclass(frozen=True)
+class TailSpec:
+    """The tail of one call: the quantization format and its layout, whether the norm is returned, eps,
+    and the weight offset (Gemma's (1 + w): 1.0). Make it with `TailSpec.of(...)` from the public
+    keyword arguments; compare and hash it as a value."""
+
+    format: Format = F.NONE
+    layout: Layout = Layout.NONE
+    ue8m0: bool = False
+    return_norm: bool = False
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+
+    @classmethod
+    def of(cls, quant: Optional[str] = None, *, return_norm: bool = False, eps: float = 1e-6,
+           weight_offset: float = 0.0, sf_layout: str = "swizzled", scale_layout: str = "row",
+           scale_ue8m0: bool = False) -> "TailSpec":
+        """The spec of the public keyword arguments; TypeError / ValueError naming the argument."""
+        fmt = F.by_name(quant)
+        layout, ue8m0 = _layout_options(fmt, sf_layout, scale_layout, scale_ue8m0)
+        return cls(fmt, layout, ue8m0, _flag("return_norm", return_norm), _number("eps", eps, minimum=0.0),
+                   _number("weight_offset", weight_offset))
+
+    # ---------------------------------------------------------------- the public names back
+
+    @property
+    def quant(self) -> Optional[str]:
+        return self.format.name
+
+    @property
+    def sf_layout(self) -> str:
+        return self._public("sf_layout")
+
+    @property
+    def scale_layout(self) -> str:
+        return self._public("scale_layout")
+
+    @property
+    def scale_ue8m0(self) -> bool:
+        return self.ue8m0 and self.format.ue8m0 == "option"
+
+    def _public(self, arg: str) -> str:
+        if self.format.layout_arg == arg:
+            return next(name for name, layout in self.format.layouts if layout == self.layout)
+        return F.DEFAULTS[arg]
+
+    def reference_kwargs(self) -> dict:
+        """The keyword arguments of commfuse.reference.fused_tail (and of the public calls) for this spec."""
+        return dict(quant=self.quant, return_norm=self.return_norm, sf_layout=self.sf_layout,
+                    weight_offset=self.weight_offset, scale_layout=self.scale_layout, scale_ue8m0=self.scale_ue8m0)
+
+    # ---------------------------------------------------------------- what the tail produces
+
+    @property
+    def has_norm(self) -> bool:
+        """Whether the norm is an output: without quantization, or asked for."""
+        return self.format.codes is None or self.return_norm
+
+    @property
+    def hidden_multiple(self) -> int:
+        return self.format.h_multiple
+
+    def scales_spec(self, t: int, h: int) -> Optional[OutputSpec]:
+        """The stored block scales of t rows of h (K = h / block blocks a row), None where none are stored."""
+        f = self.format
+        if f.block is None:
+            return None
+        dtype = torch.uint8 if self.ue8m0 else _SCALE_DTYPES[f.scale_code]
+        if f.block == 0:
+            return OutputSpec((t,), dtype)
+        K = h // f.block
+        if self.layout == Layout.SWIZZLED:
+            return OutputSpec((-(-t // 128) * 128 * (-(-K // 4) * 4),), dtype)
+        if self.layout == Layout.MN_MAJOR:
+            tp = -(-t // 4) * 4
+            if self.ue8m0:  # four exponent bytes an int32
+                return OutputSpec((t, -(-K // 4)), torch.int32, (1, tp))
+            return OutputSpec((t, K), dtype, (1, tp))
+        return OutputSpec((t, K), dtype)
+
+    def outputs(self, t: int, h: int, dtype: torch.dtype, residual: bool = True) -> Outputs:
+        """The outputs of a tail of t rows of h in `dtype` (residual False: no residual, a plain RMSNorm)."""
+        f = self.format
+        codes = None
+        if f.codes == "e4m3":
+            codes = OutputSpec((t, h), FP8_CODES)
+        elif f.codes == "e2m1":
+            codes = OutputSpec((t, h // 2), torch.uint8)
+        stored = self.scales_spec(t, h)
+        return Outputs(OutputSpec((t, h), dtype) if residual else None,
+                       OutputSpec((t, h), dtype) if self.has_norm else None, codes,
+                       stored if f.scale_field == "scale_factors" else None,
+                       stored if f.scale_field == "scales" else None)
+
+    def keep(self, outs, residual: bool = True) -> tuple:
+        """An op's five outputs (empty tensors where absent: ops return tensors) with None where this
+        spec's call has no such output (residual False: a call without a residual)."""
+        f = self.format
+        present = (residual, self.has_norm, f.codes is not None, f.scale_field == "scale_factors",
+                   f.scale_field == "scales")
+        return tuple(o if p else None for o, p in zip(outs, present))
+
+    def row_slots(self, t: int) -> int:
+        """Rows a tail kernel's grid covers: t, and the padding rows whose scale storage it zeroes
+        (roundup(t, 128) for the swizzled layout, roundup(t, 4) for MN-major)."""
+        if t == 0:
+            return 0
+        if self.layout == Layout.SWIZZLED:
+            return -(-t // 128) * 128
+        if self.layout == Layout.MN_MAJOR:
+            return -(-t // 4) * 4
+        return t
+
+    @property
+    def row_tile(self) -> int:
+        """Rows that must stay together when a call is cut into pieces: a swizzled tile's 128."""
+        return 128 if self.layout == Layout.SWIZZLED else 1
+
+    def __str__(self) -> str:
+        parts = [str(self.format)]
+        if self.format.layout_arg or self.ue8m0:
+            parts.append(self.layout.name.lower() + (" ue8m0" if self.ue8m0 else ""))
+        if self.return_norm and self.format.codes:
+            parts.append("norm out")
+        if self.weight_offset:
+            parts.append(f"weight offset {self.weight_offset:g}")
+        return ", ".join(parts)
