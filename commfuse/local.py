@@ -35,7 +35,7 @@ from . import routes
 from .kernels import native
 from .reference import Tail
 from .routes import Call, Machine, Plan, Resources
-from .tail import checks
+from .tail import checks, formats
 from .tail.spec import TailSpec
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "Quantized"]
@@ -63,6 +63,12 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def traced_spec(quant, return_norm) -> TailSpec:
+    """The spec of a call dynamo traces, for the outputs it has (its op's kernel checks the arguments when
+    it runs: a check here would break the graph)."""
+    return TailSpec(formats.by_name(quant or None), return_norm=bool(return_norm))
+
+
 def _planned(op: str, args: tuple, call: Call, device: torch.device):
     """Plan a call, put its launcher in the local table, and return (plan, launcher)."""
     p = routes.plan(call, Machine.local(device))
@@ -77,7 +83,7 @@ def _tail_spec(quant, return_norm, eps, weight_offset, sf_layout, scale_layout, 
 
 
 def _local_call(x, residual, weight, scale, out, spec) -> Call:
-    h = checks.tail(x, residual, weight, scale, spec, x.device, residual_optional=True, where=_WHERE)
+    h = checks.tail(x, residual, weight, scale, spec, None, residual_optional=True, where=_WHERE)
     if out is not None:
         checks.out(out, spec.outputs(x.numel() // h, h, x.dtype, residual is not None), x.device)
     return Call.of("local", x, residual, weight, scale, spec=spec)
@@ -114,9 +120,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
             raise TypeError("fused_add_rmsnorm: out= is for eager calls (a compiled model's outputs are its own)")
         outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, quant or "", return_norm,
                                                     sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        spec = TailSpec.of(quant, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
-                           scale_ue8m0=scale_ue8m0)
-        return Tail(*spec.keep(outs, residual is not None))
+        return Tail(*traced_spec(quant, return_norm).keep(outs, residual is not None))
     args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
             scale_ue8m0)
     r = _table().local(*args)
@@ -147,11 +151,9 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     if group_size is None and isinstance(x, Tensor) and x.dim():
         group_size = x.shape[-1]
     if _compiling():
-        spec = TailSpec.of(quant, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
-                           scale_ue8m0=scale_ue8m0)
         outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant or "",
                                                 return_norm, sf_layout, scale_layout, scale_ue8m0)
-        return Tail(*spec.keep((None, *outs), False))
+        return Tail(*traced_spec(quant, return_norm).keep((None, *outs), False))
     args = (x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout,
             scale_ue8m0)
     r = _table().gated(*args)
@@ -167,8 +169,7 @@ def _gated_call(x, z, weight, eps, group_size, norm_before_gate, quant, scale, r
                 scale_ue8m0) -> Call:
     spec = TailSpec.of(quant, return_norm=return_norm, eps=eps, sf_layout=sf_layout, scale_layout=scale_layout,
                        scale_ue8m0=scale_ue8m0)
-    checks.x_hidden(x, x.device if isinstance(x, Tensor) else torch.device("cpu"), _WHERE)
-    checks.gated(x, z, weight, scale, spec, group_size, norm_before_gate, x.device)
+    checks.gated(x, z, weight, scale, spec, group_size, norm_before_gate)
     return Call.of("gated", x, None, weight, scale, z, spec, group_size, norm_before_gate)
 
 
@@ -182,9 +183,8 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). No kernel yet
     (separated ops); the fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
-        spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
         q, sf, s = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
-        return Quantized(*spec.keep((None, None, q, sf, s), False)[2:])
+        return Quantized(*traced_spec(quant, False).keep((None, None, q, sf, s), False)[2:])
     args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
     r = _table().quantize(*args)
     if r is not None:
@@ -199,7 +199,7 @@ def _quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0) -> Cal
     if quant is None:
         raise ValueError("quant must name a format, got None")
     spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
-    h = checks.x_hidden(x, x.device if isinstance(x, Tensor) else torch.device("cpu"), _WHERE)
+    h = checks.x_hidden(x, None)
     checks.scale(spec, scale, h, x.device)
     return Call.of("quantize", x, scale=scale, spec=spec)
 

@@ -95,7 +95,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
         raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
-        r = comm.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out, **kw)
+        r = comm.fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout, out=out, **kw)
         return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
     scalars = (float(weight_offset), scale_layout, bool(scale_ue8m0))
     if out is not None:
@@ -105,9 +105,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
         return Tail(*outs)
     outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "", bool(return_norm),
                                                sf_layout, comm.name, *scalars)
-    spec = TailSpec.of(quant, return_norm=bool(return_norm), sf_layout=sf_layout, scale_layout=scale_layout,
-                       scale_ue8m0=bool(scale_ue8m0))
-    return Tail(*spec.keep(outs))
+    return Tail(*local.traced_spec(quant, return_norm).keep(outs))
 
 
 # The ops are declared with torch.library.Library rather than torch.library.custom_op: a custom_op call

@@ -164,12 +164,12 @@ def _scales_same(g: torch.Tensor, w: torch.Tensor, spec: TailSpec, dtype: torch.
     nan_g, nan_w = ge == 0xFF, we == 0xFF
     same = ge == we
     if not torch.equal(nan_g, nan_w):
-        return f"{what} (UE8M0): 0xFF at {int((nan_g ^ nan_w).sum())} places where the reference differs", same
+        return f"{what}: 0xFF at {int((nan_g ^ nan_w).sum())} places where the reference differs", same
     if ((ge.int() - we.int()).abs() > 1).any():
-        return f"{what} (UE8M0): exponents more than one from the reference", same
+        return f"{what}: exponents more than one from the reference", same
     frac = 1.0 - same.float().mean().item() if same.numel() else 0.0
     if frac > max_frac:
-        return f"{what} (UE8M0): {frac:.2e} differ (at most {max_frac} may be neighbours)", same
+        return f"{what}: {frac:.2e} differ (at most {max_frac} may be neighbours)", same
     return None, same
 
 
@@ -221,18 +221,19 @@ def spec_mismatch(got: reference.Tail, want: reference.Tail, spec: TailSpec, max
     K = h // block
     gs, ws = getattr(got, field), getattr(want, field)
     if spec.layout == Layout.MN_MAJOR and gs.stride() != ws.stride():
-        return f"{what} {field}: strides {gs.stride()}, expected {ws.stride()} (MN-major, padded rows)"
+        return f"{what} {field.replace('_', ' ')}: strides {gs.stride()}, expected {ws.stride()} (MN-major, padded rows)"
     if spec.layout == Layout.MN_MAJOR:
         ws = reference.mn_major_storage(ws, t, K, spec.ue8m0).to(dev)
     else:
         ws = ws.to(dev)
-    why, g = _scale_grid(gs, spec, t, K, f"{what} {field}")
+    label = f"{what} {'UE8M0 ' if spec.ue8m0 else ''}{field.replace('_', ' ')}"
+    why, g = _scale_grid(gs, spec, t, K, label)
     if why:
         return why
-    _, w = _scale_grid(ws, spec, t, K, f"{what} {field} (reference)")
+    _, w = _scale_grid(ws, spec, t, K, f"{label} (reference)")
     # T: the computed scales' tolerance follows a norm one ulp of T off (bf16's, the coarser, without one).
     dtype = next((v.dtype for v in (want.residual, want.norm) if v is not None), torch.bfloat16)
-    why, same = _scales_same(g, w, spec, dtype, max_frac, f"{what} {field}")
+    why, same = _scales_same(g, w, spec, dtype, max_frac, label)
     if why:
         return why
     same = same.reshape(t, K)

@@ -1,4 +1,4 @@
-"""Benchmark rows for the local ops (commfuse.norm) against the same computation in torch eager and
+"""Benchmark rows for the local ops (commfuse.local) against the same computation in torch eager and
 torch.compile.
 
     python examples/bench_local_ops.py                          # GPU: CUDA-graph and eager timings
@@ -10,7 +10,7 @@ Rows, per (pattern, tokens x hidden, dtype):
   else the separated ops);
 - torch eager: the same tail written in torch as models write it (residual add, HF-style RMSNorm in
   float32 with the weight in float32, FP8 as (n / s).clamp(-448, 448).to(float8_e4m3fn); NVFP4 and the
-  gated norm as commfuse.reference / commfuse.norm.gated_reference compute them);
+  gated norm as commfuse.reference's fused_tail / gated_rmsnorm compute them);
 - torch.compile: that torch function through torch.compile (inductor on CUDA, --compile-backend).
 
 Correct before fast: every row is first compared with commfuse.reference (commfuse.tolerance's
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import commfuse  # noqa: E402
-from commfuse import norm, reference, tolerance  # noqa: E402
+from commfuse import local, reference, tolerance  # noqa: E402
 
 PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "gated_rmsnorm")
 SCALES = {"fp8": 0.02, "nvfp4": 0.004}
@@ -61,14 +61,14 @@ def make_case(pattern, t, h, dtype, device, gen):
     if pattern == "gated_rmsnorm":
         group = 128 if h % 128 == 0 else h
         ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, group, False).norm,)  # noqa: E731
-        theirs = lambda: (norm.gated_reference(x, r, w, 1e-5, group, False),)  # noqa: E731
+        theirs = lambda: (reference.gated_rmsnorm(x, r, w, 1e-5, group, False),)  # noqa: E731
         want = theirs()
-        route = "; ".join(s.strip(" -") for s in str(norm.plan_gated(x, r, w, 1e-5, group, False)).splitlines())
+        route = "; ".join(s.strip(" -") for s in str(local.plan_gated(x, r, w, 1e-5, group, False)).splitlines())
         return ours, theirs, want, route, None
     if pattern == "rmsnorm":  # no residual: the RMSNorm of x itself
         r = None
     ours_fn = lambda: commfuse.fused_add_rmsnorm(x, r, w, 1e-5, quant=quant, scale=scale)  # noqa: E731
-    route = "; ".join(s.strip(" -") for s in str(norm.plan(x, r, w, 1e-5, quant=quant, scale=scale)).splitlines())
+    route = "; ".join(s.strip(" -") for s in str(local.plan(x, r, w, 1e-5, quant=quant, scale=scale)).splitlines())
     want = reference.fused_tail(x, r, w, 1e-5, quant, scale) if r is not None else (reference.rmsnorm(x, w, 1e-5),)
 
     def ours():

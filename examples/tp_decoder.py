@@ -15,7 +15,7 @@ or `commfuse` for the other spellings); the embedding and LM head are replicated
 as HF Llama writes it (`--norm hf`: float32 math, the weight multiply after the cast back) or as
 `torch.nn.functional.rms_norm` (`--norm torch`). `--quant fp8` makes the QKV and gate/up
 projections static-FP8 linears ((n / s).clamp(-448, 448).to(float8_e4m3fn) -> torch._scaled_mm);
-`--quant nvfp4` quantizes their inputs with commfuse.norm.quantize (and dequantizes for a bf16 GEMM:
+`--quant nvfp4` quantizes their inputs with commfuse.quantize (and dequantizes for a bf16 GEMM:
 no NVFP4 GEMM here).
 
 Each variant runs a prefill of --tokens tokens and --decode-steps decode steps (teacher-forced: the
@@ -56,7 +56,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import commfuse  # noqa: E402
 import commfuse.fusion  # noqa: E402
-import commfuse.norm  # noqa: E402
 
 
 @dataclass
@@ -140,7 +139,7 @@ class Linear(torch.nn.Module):
             q = (x2 / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             y = torch._scaled_mm(q, self.weight.t(), scale_a=self.x_scale, scale_b=self.w_scale, out_dtype=self.dtype)
         else:
-            q, sf = commfuse.norm.quantize(x2, "nvfp4", self.x_scale, sf_layout="linear")
+            q, sf, _ = commfuse.quantize(x2, "nvfp4", self.x_scale, sf_layout="linear")
             deq = _dequant_nvfp4(q, sf, self.x_scale).to(self.dtype)
             y = F.linear(deq, self.weight)
         return y.view(*x.shape[:-1], -1)

@@ -5,7 +5,7 @@ Usage: python launch/host_profile.py [--tokens 16] [--hidden 4096] [--calls 20] 
 over repeats of --calls back-to-back calls timed by the host clock around the loop, no GPU wait inside
 (the benchmark's host mode), in microseconds per call, next to torch.add(out=) of the same run, the
 yardstick of one torch elementwise op. `--cprofile N` also prints cProfile's top functions over N
-fused_all_reduce calls. The breakdown of a run is written up in bench/p2p_notes.md.
+fused_all_reduce calls. The breakdown of a run is written up in the benchmark's journal.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse import epilogue, fused_tail, jit, native, params
-from commfuse.communicator import _key
+from commfuse.kernels import fused_tail, jit, launch, native, params
+from commfuse.kernels.fused_tail import FUSED_TAIL
+from commfuse.tail.spec import OutputSpec, TailSpec
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:
@@ -68,11 +69,10 @@ def rows(comm, t: int, h: int):
     yield "x.contiguous()", lambda: x.contiguous()
     yield "x.data_ptr()", lambda: x.data_ptr()
     yield "x.shape / x.stride() / x.dtype / x.device", lambda: (x.shape, x.stride(), x.dtype, x.device)
-    yield "communicator._key(x)", lambda: _key(x)
     for quant in (None, "fp8"):
         sc = scale if quant else None
-        yield f"comm.plan (cached) quant={quant}", lambda sc=sc, q=quant: comm.plan(x, r, w, eps=1e-6, quant=q,
-                                                                                 scale=sc)
+        yield f"comm.plan quant={quant}", lambda sc=sc, q=quant: comm.plan(x, r, w, eps=1e-6, quant=q, scale=sc)
+        yield f"TailSpec.of quant={quant}", lambda q=quant: TailSpec.of(q, eps=1e-6)
     yield "dist.all_reduce(buf)", lambda: dist.all_reduce(buf)
     try:
         from commfuse import nccl
@@ -84,9 +84,9 @@ def rows(comm, t: int, h: int):
     if cuda:
         yield "torch._C._cuda_getCurrentRawStream", lambda: jit._current_raw_stream(0)
         yield "torch._C._cuda_getDevice", lambda: jit._current_device()
-        k = fused_tail._kernel(dt, None, fused_tail.launch_config(h, t)[0], 0)
-        prepared = epilogue.prepare(x, r, w, 1e-6, None, None, False, "swizzled")  # (a, [t,] outs, fields, rows)
-        fields = prepared[-2]
+        none = TailSpec.of(None)
+        k = FUSED_TAIL.kernel(FUSED_TAIL.name_expression(dt, none.format, fused_tail.launch_config(h, t)[0]), 0)
+        fields = launch.tail_fields(none, t, h)
         yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(x.data_ptr(), *fields)
         blob = params.FUSED_TAIL.pack(x.data_ptr(), *fields)
         threads = fused_tail.launch_config(h, t)[1]
@@ -97,30 +97,29 @@ def rows(comm, t: int, h: int):
         yield "cuda.bindings cuLaunchKernel (bare)", lambda: k._launch(k._function, t, 1, 1, threads, 1, 1, 0,
                                                                         stream, slot.argv_addr, 0)
         libcuda = ctypes.CDLL("libcuda.so.1")
-        launch = libcuda.cuLaunchKernel
-        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        fn = int(k._function)
-        yield "ctypes libcuda cuLaunchKernel (bare)", lambda: launch(fn, t, 1, 1, threads, 1, 1, 0, stream,
-                                                                     slot.argv_addr, None)
+        cu_launch = libcuda.cuLaunchKernel
+        cu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        fn = k.function
+        yield "ctypes libcuda cuLaunchKernel (bare)", lambda: cu_launch(fn, t, 1, 1, threads, 1, 1, 0, stream,
+                                                                        slot.argv_addr, None)
+        fp8_plan = FUSED_TAIL.plan(dt, t, h, TailSpec.of("fp8"), 0)
+        python = launch.PyLauncher(fp8_plan)
+        yield "launch.PyLauncher tail fp8 (allocating)", lambda: python(x, r, w, scale, None)
         if native.unavailable() is None:
-            # The C++ launchers the Communicator keeps per call signature (commfuse.native), alone.
-            tail = fused_tail.launcher(dt, t, h, 1e-6, "fp8", False, "swizzled", 0.0, "row", False, 0)
+            # The C++ launchers the plan tables keep per call signature, alone.
+            tail = native.launcher(fp8_plan)
             owned = commfuse.reference.Tail(*tail(x, r, w, scale, None))
             yield "native tail launcher fp8 (allocating)", lambda: tail(x, r, w, scale, None)
             yield "native tail launcher fp8 (out=)", lambda: tail(x, r, w, scale, owned)
             if comm._nccl is not None:
-                both = fused_tail.launcher(dt, t, h, 1e-6, "fp8", False, "swizzled", 0.0, "row", False, 0,
-                                           comm._nccl.native_args(dt, x.numel()))
+                both = native.launcher(FUSED_TAIL.plan(dt, t, h, TailSpec.of("fp8"), 0, nccl=comm._nccl))
                 yield "native NCCL + tail launcher fp8 (allocating)", lambda: both(x, r, w, scale, None)
-                alone = native.launcher(None, 0, 0, b"", [], [native.spec_of(((t, h), dt))], False, 0,
-                                        comm._nccl.native_args(dt, x.numel()))
+                alone = native.launcher(launch.LaunchPlan("ncclAllReduce", (), (OutputSpec((t, h), dt),), 0,
+                                                          comm._nccl, t * h))
                 yield "native NCCL launcher (out=)", lambda: alone(x, None, None, None, buf)
         for quant in (None, "fp8", "nvfp4"):
             sc = scale if quant else None
-            yield f"epilogue.prepare quant={quant}", lambda sc=sc, q=quant: epilogue.prepare(
-                x, r, w, 1e-6, q, sc, False, "swizzled")
-            yield f"fused_tail.run quant={quant}", lambda sc=sc, q=quant: fused_tail.run(
-                x, r, w, 1e-6, q, sc, checked=True)
+            yield f"fused_tail.run quant={quant}", lambda sc=sc, q=quant: fused_tail.run(x, r, w, 1e-6, q, sc)
     yield "torch.compiler.is_compiling()", torch.compiler.is_compiling
     yield "comm.all_reduce(x)", lambda: comm.all_reduce(x)
     yield "comm.all_reduce(x, out=buf)", lambda: comm.all_reduce(x, out=buf)
@@ -136,11 +135,17 @@ def rows(comm, t: int, h: int):
         yield f"torch.ops.commfuse.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: (
             torch.ops.commfuse.fused_all_reduce(x, r, w, sc, 1e-6, q or "", False, "swizzled", comm.name))
     yield "torch.ops.commfuse.all_reduce", lambda: torch.ops.commfuse.all_reduce(x, comm.name)
+    for quant in (None, "fp8"):
+        sc = scale if quant else None
+        yield f"commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, q=quant: commfuse.fused_add_rmsnorm(
+            x, r, w, quant=q, scale=sc)
+        yield f"torch.ops.commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, q=quant: (
+            torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, q or "", False, "swizzled", 0.0))
 
 
 def python_op_calls() -> dict:
     """Counts the calls of commfuse.ops' Python kernels (on CUDA the C++ kernels' misses)."""
-    counts = {"_fused_all_reduce": 0, "_all_reduce": 0}
+    counts = {"_fused_all_reduce": 0, "_all_reduce": 0, "_fused_add_rmsnorm": 0}
     for name in counts:
         kernel = getattr(commfuse.ops, name)
 

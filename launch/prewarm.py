@@ -2,7 +2,7 @@
 
 Ranks that start together would each compile the same variants on first use (N times the NVRTC
 work); launch/device.sh runs this once before its multi-rank stages. It builds the native hot path
-(commfuse.native) too. Usage: python3 launch/prewarm.py
+(commfuse.kernels.native) too. Usage: python3 launch/prewarm.py
 """
 import os
 import sys
@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commfuse import fused_tail, jit, native, p2p  # noqa: E402
+from commfuse.kernels import fused_tail, gated_norm, jit, native, p2p_allreduce  # noqa: E402
 
 
 def build(job):
@@ -21,11 +21,10 @@ def build(job):
 
 def main():
     arch = jit.device_arch(0)
-    jobs = [(fused_tail.SOURCE, n, arch) for n in fused_tail.variants()]
-    jobs += [(p2p.SOURCE, n, arch) for n in p2p.variants()]
+    jobs = [(m.SOURCE, n, arch) for m in (fused_tail, gated_norm, p2p_allreduce) for n in m.variants()]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         done = list(pool.map(build, jobs))
-    print(f"prewarm: {len(done)} kernel variants for {arch} in {jit._cache_dir()}")
+    print(f"prewarm: {len(done)} kernel variants for {arch} in {jit.cache_dir()}")
     print(f"prewarm: native hot path {native.unavailable() or 'built'}")
 
 

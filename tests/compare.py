@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from commfuse import native, tolerance
+from commfuse import tolerance
+from commfuse.kernels import launch
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -41,32 +42,15 @@ def assert_tail_close(tail, ref, quant, sf_layout="swizzled", exact=False) -> No
 POISONS = (0xA5, 0x5A)
 
 
-def poisoned_runs(monkeypatch, modules, fn) -> list:
-    """[fn() for each of POISONS], with the `_empty` / `_empty_like` output allocators of every module in `modules`
-    (commfuse.epilogue: every kernel's outputs) swapped for one that fills the new tensor with that poison
-    byte, and commfuse.native's launchers told to do the same: an output element a kernel never writes
-    then differs between the two results."""
+def poisoned_runs(fn) -> list:
+    """[fn() for each of POISONS], with every output a launcher allocates (the C++ ones and
+    commfuse.kernels.launch's Python ones) filled with that poison byte first: an output element a
+    kernel never writes then differs between the two results."""
     results = []
     for poison in POISONS:
-        def empty(*shape, dtype, device, _poison=poison):
-            x = torch.empty(*shape, dtype=dtype, device=device)
-            x.view(torch.uint8).fill_(_poison)
-            return x
-
-        def empty_like(x, *, dtype=None, memory_format=torch.preserve_format, _poison=poison):
-            y = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
-            y.view(torch.uint8).fill_(_poison)
-            return y
-
-        for module in modules:
-            monkeypatch.setattr(module, "_empty", empty)
-            monkeypatch.setattr(module, "_empty_like", empty_like)
-        native.set_poison(poison)  # the outputs the C++ launchers allocate
+        launch.set_poison(poison)
         try:
             results.append(fn())
         finally:
-            native.set_poison(None)
-    for module in modules:
-        monkeypatch.setattr(module, "_empty", torch.empty)
-        monkeypatch.setattr(module, "_empty_like", torch.empty_like)
+            launch.set_poison(None)
     return results

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import commfuse.communicator
-from commfuse import Communicator, epilogue, native, nccl, reference, tolerance
+from commfuse import Communicator, nccl, reference, tolerance
+from commfuse.kernels import native, table
 
 from compare import assert_tail_close, assert_within_ulp, poisoned_runs
 from inputs import rank_inputs, tail_inputs
@@ -154,12 +155,12 @@ def test_cached_plans_still_check_every_call(comm, gen):
     x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
     residual, weight, scale = tail_inputs(comm, gen, 4, 64, torch.bfloat16, "fp8")
     good = comm.plan(x, residual, weight, quant="fp8", scale=scale)
-    assert comm.plan(x, residual, weight, quant="fp8", scale=scale) is good  # one signature, one plan
+    assert comm.plan(x, residual, weight, quant="fp8", scale=scale) == good  # one signature, one plan
     with pytest.raises(TypeError, match="weight dtype"):
         comm.plan(x, residual, weight.half(), quant="fp8", scale=scale)
     with pytest.raises(ValueError, match="eps"):
         comm.plan(x, residual, weight, eps=-1.0, quant="fp8", scale=scale)
-    with pytest.raises(ValueError, match="quant must be one of"):
+    with pytest.raises(TypeError, match="quant must be None or one of"):
         comm.plan(x, residual, weight, quant=["fp8"], scale=scale)
     strided = torch.empty(4, 128, dtype=x.dtype, device=x.device)[:, ::2]
     p = comm.plan(strided, residual, weight, quant="fp8", scale=scale)
@@ -208,8 +209,12 @@ def test_caller_owned_outputs_are_checked(comm, gen):
     with pytest.raises(ValueError, match=r"out.quant must have shape \[4, 64\] and dtype torch.float8_e4m3fn"):
         comm.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale,
                               out=reference.Tail(torch.empty_like(x), None, q.view(torch.uint8), None))
-    with pytest.raises(TypeError, match="out.residual must be a tensor"):
-        comm.fused_all_reduce(x, residual, weight, out=reference.Tail(None, torch.empty_like(x), None, None))
+    with pytest.raises(TypeError, match="out.residual must be a tensor or None"):
+        comm.fused_all_reduce(x, residual, weight, out=reference.Tail(3, torch.empty_like(x), None, None))
+    norm = torch.empty_like(x)  # a field None is allocated: one rule with the local ops
+    r = comm.fused_all_reduce(x, residual, weight, out=reference.Tail(None, norm, None, None))
+    assert r.norm is norm and r.residual is not None and torch.equal(r.residual, comm.fused_all_reduce(
+        x, residual, weight).residual)
     with pytest.raises(ValueError, match="contiguous"):
         comm.fused_all_reduce(x, residual, weight,
                               out=reference.Tail(torch.empty(64, 4, dtype=x.dtype, device=x.device).t(),
@@ -272,7 +277,7 @@ def test_computed_scale_fp8_arguments_are_checked(comm, gen):
         comm.fused_all_reduce(x, residual, weight, quant="fp8_block")
     with pytest.raises(ValueError, match="computes its scales"):
         comm.fused_all_reduce(x, residual, weight, quant="fp8_per_token", scale=scale)
-    with pytest.raises(ValueError, match="apply to quant='fp8_block' only"):
+    with pytest.raises(ValueError, match="applies to quant 'fp8_block' only"):
         comm.fused_all_reduce(x, residual, weight, quant="fp8_per_token", scale_layout="mn_major")
     with pytest.raises(ValueError, match="weight_offset must be a finite number"):
         comm.fused_all_reduce(x, residual, weight, weight_offset=float("nan"))
@@ -350,28 +355,30 @@ def _native_on(comm) -> None:
 @pytest.mark.parametrize("quant, return_norm, sf_layout, scale_layout, scale_ue8m0, weight_offset", NATIVE_CASES)
 def test_native_launch_gives_the_python_launch_bits(comm, gen, monkeypatch, strategy, quant, return_norm, sf_layout,
                                                     scale_layout, scale_ue8m0, weight_offset):
-    """The C++ launcher of a route (allocating, poisoned, or into caller-owned outputs) writes the bits
-    the Python launch of the same route writes; the plain all-reduce too."""
+    """The C++ Launcher and Table of a route (allocating, poisoned, or into caller-owned outputs) write the
+    bits that the Python stand-ins (launch.PyLauncher, table.PyTable) write for the same LaunchPlans; the
+    plain all-reduce too."""
     _native_on(comm)
-    c = comm if strategy == "auto" else Communicator(comm.group, strategy=strategy)
+    monkeypatch.setenv("COMMFUSE_P2P_CALIBRATE", "0")  # the two communicators plan alike
+    c = Communicator(comm.group, strategy=strategy)
     t, h, dtype = 9, 512, torch.bfloat16
     x, _ = rank_inputs(c, gen, (t, h), dtype)
     residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
     kw = dict(eps=1e-5, quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout, weight_offset=weight_offset,
               scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
-    c._plans.clear()
-    runs = poisoned_runs(monkeypatch, [epilogue], lambda: (c.fused_all_reduce(x, residual, weight, **kw), c.all_reduce(x)))
-    fused_launch = [launch for plan, launch in c._plans.values() if plan is runs[0][0].plan]
+    runs = poisoned_runs(lambda: (c.fused_all_reduce(x, residual, weight, **kw), c.all_reduce(x)))
     owned = c.fused_all_reduce(x, residual, weight, out=reference.Tail(*(
         None if v is None else _zeros_over_storage(v) for v in (runs[0][0].residual, runs[0][0].norm, runs[0][0].quant,
                                                                  runs[0][0].scale_factors, runs[0][0].scales))), **kw)
-    c._plans.clear()
-    monkeypatch.setattr(native, "unavailable", lambda: "this test's Python launch")
-    python = (c.fused_all_reduce(x, residual, weight, **kw), c.all_reduce(x))
-    c._plans.clear()  # no Python-launch entry outlives the test
-    plan = runs[0][0].plan
-    native_route = plan.tail == "fused" and bool(plan.algorithm or c.nccl_binding.startswith("commfuse"))
-    assert fused_launch and (fused_launch[0] is not None) == native_route, (str(plan), c.nccl_binding)
+    c.close()
+    with monkeypatch.context() as m:
+        m.setattr(native, "_load", lambda: (None, "this test's Python launch"))
+        py = Communicator(comm.group, strategy=strategy)
+        assert isinstance(py.table, table.PyTable)
+        python = (py.fused_all_reduce(x, residual, weight, **kw), py.all_reduce(x))
+        py.close()
+    assert type(c.table).__module__ == "commfuse_host"  # the C++ table served the first runs
+    assert python[0].plan == runs[0][0].plan, (str(python[0].plan), str(runs[0][0].plan))
     for got in (runs[0], runs[1], (owned, runs[0][1])):
         for name in ("residual", "norm", "quant", "scale_factors", "scales"):
             mine, want = getattr(got[0], name), getattr(python[0], name)
@@ -420,12 +427,12 @@ def test_native_table_serves_repeated_signatures(comm, gen, monkeypatch):
              dict(quant="fp8_per_token", weight_offset=1.0), dict(eps=1e-3)]
     first = [c.fused_all_reduce(x, residual, weight, **kw) for kw in cases]
     first_sum = c.all_reduce(x)
-    entries = len(c._hot)
+    entries = len(c.table)
     with monkeypatch.context() as m:
-        m.setattr(c, "_planned", lambda *a, **k: pytest.fail("a repeated signature was planned in Python"))
+        m.setattr(c, "_first", lambda *a, **k: pytest.fail("a repeated signature was planned in Python"))
         again = [c.fused_all_reduce(x, residual, weight, **kw) for kw in cases]
         again_sum = c.all_reduce(x)
-    assert entries == len(cases) + 1 and len(c._hot) == entries
+    assert entries == len(cases) + 1 and len(c.table) == entries
     for kw, a, b in zip(cases, first, again):
         assert b.plan is a.plan, kw
         # The table fills the result's slots without __init__: the same class, and a complete object.
@@ -440,7 +447,7 @@ def test_native_table_serves_repeated_signatures(comm, gen, monkeypatch):
     # Another row count, dtype or layout is another signature: planned afresh, right shapes.
     longer = torch.cat([x, x])
     r = c.fused_all_reduce(longer, torch.cat([residual, residual]), weight, quant="fp8", scale=fp8_scale)
-    assert r.quant.shape == (2 * t, h) and len(c._hot) == entries + 1
+    assert r.quant.shape == (2 * t, h) and len(c.table) == entries + 1
     half = c.fused_all_reduce(x.half(), residual.half(), weight.half())
     assert half.residual.dtype == torch.float16 and half.plan is not first[0].plan
     assert c.all_reduce(longer).shape == longer.shape
@@ -458,19 +465,19 @@ def test_fused_all_reduce_needs_a_residual(comm, gen):
 
 @mpi
 def test_plan_then_call_then_close(comm, gen):
-    """plan() caches the route without loading anything for its launch (the first call does); close()
+    """plan() says the route without planting anything in the table (the first call does); close()
     forgets every plan (their launchers may hold the workspace or commfuse.nccl), and later calls take
     torch.distributed."""
     c = Communicator(comm.group)
     x, xs = rank_inputs(c, gen, (8, 256), torch.bfloat16)
     residual, weight, scale = tail_inputs(c, gen, 8, 256, torch.bfloat16, "fp8")
     p = c.plan(x, residual, weight, quant="fp8", scale=scale)
-    assert all(launch is commfuse.communicator._LATER for _, launch in c._plans.values())
+    assert len(c.table) == 0
     r = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale)
-    assert r.plan is p and c.plan(x, residual, weight, quant="fp8", scale=scale) is p
+    assert r.plan == p and c.plan(x, residual, weight, quant="fp8", scale=scale) == p and len(c.table) == 1
     before = c.all_reduce(x)
     c.close()
-    assert not c._plans and c._hot is None
+    assert len(c.table) == 0 and c.workspace is None
     after = c.all_reduce(x)
     if exact_sum(c):
         assert torch.equal(before, after) and torch.equal(after, reference.all_reduce_sum(xs))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commfuse import jit
+from commfuse.kernels import jit
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""GPU: the fused tail kernel (commfuse.fused_tail.run) against commfuse.reference.fused_tail fed
+"""GPU: the fused tail kernel (commfuse.kernels.fused_tail.run) against commfuse.reference.fused_tail fed
 the same all-reduced input, to the tolerances of commfuse.tolerance (docs/semantics.md):
 
 - residual: bit-identical (one fp32 add rounded to T, as the reference does);
@@ -16,8 +16,10 @@ import os
 import pytest
 import torch
 
-from commfuse import fused_tail as ft
-from commfuse import epilogue, jit
+from commfuse.kernels import fused_tail as ft
+from commfuse.kernels import jit
+from commfuse.tail.formats import NONE
+from commfuse.tail.spec import TailSpec
 from commfuse import reference as ref
 from commfuse import tolerance
 from commfuse.tolerance import signed_rank
@@ -99,7 +101,7 @@ def scale_for(quant, norm, special, big_col):
 
 def run_kernel(monkeypatch, *args, **kwargs):
     """ft.run with outputs poisoned, twice with different poisons; the runs must agree bytewise."""
-    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: ft.run(*args, **kwargs))
+    first, second = poisoned_runs(lambda: ft.run(*args, **kwargs))
     for name, x, y in zip(first._fields, first, second):
         assert (x is None) == (y is None), name
         if x is not None:
@@ -190,7 +192,7 @@ def check_nvfp4(k, e, kn, en, scale, t, h, layout):
     assert code_mism.sum().item() <= max(16, int(1e-3 * code_mism.numel()))
     if layout == "swizzled":
         flat = k.scale_factors.view(torch.uint8)
-        assert flat.numel() == epilogue.sf_numel(t, h, "swizzled")
+        assert flat.numel() == TailSpec.of("nvfp4").scales_spec(t, h).storage_numel
         pad = torch.ones_like(flat, dtype=torch.bool)
         m = torch.arange(t, device=flat.device).unsqueeze(1)
         kk = torch.arange(K, device=flat.device).unsqueeze(0)
@@ -371,7 +373,7 @@ def test_cuda_graph_capture_after_warmup():
 
 def test_first_use_inside_capture_raises():
     a, residual, weight, scale = _graph_inputs()
-    ft._kernel.cache_clear()
+    ft._launcher.cache_clear()
     jit._kernel.cache_clear()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(jit.JitError, match="eagerly"):
@@ -392,7 +394,8 @@ def test_chained_launches_see_the_previous_kernels_outputs():
     residuals = [torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16) for _ in range(calls)]
     a = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
     ft.warmup(torch.bfloat16, None, h)
-    kernel = ft._kernel(torch.bfloat16, None, ft.launch_config(h, t)[0], torch.cuda.current_device())
+    kernel = ft.FUSED_TAIL.kernel(ft.FUSED_TAIL.name_expression(torch.bfloat16, NONE, ft.launch_config(h, t)[0]),
+                                  torch.cuda.current_device())
     assert kernel.pdl == (torch.cuda.get_device_capability() >= (9, 0) and os.environ.get("COMMFUSE_PDL") != "0")
     outs, x = [], a
     for r in residuals:
@@ -420,7 +423,7 @@ def storage_bytes(x):
 
 def run_scaled(monkeypatch, *args, **kwargs):
     """run_kernel for outputs that may be strided views: whole storages compared across the poisons."""
-    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: ft.run(*args, **kwargs))
+    first, second = poisoned_runs(lambda: ft.run(*args, **kwargs))
     for name, x, y in zip(first._fields, first, second):
         assert (x is None) == (y is None), name
         if x is not None:

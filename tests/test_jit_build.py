@@ -6,8 +6,11 @@ No GPU needed; skipped with a reason when NVRTC cannot be loaded.
 import pytest
 import torch
 
-from commfuse import fused_tail, gated_norm, jit  # noqa: F401 (gated_norm registers its kernel)
-from commfuse.plan import Request, TensorMeta, make_plan, registered_kernels
+from commfuse import routes
+from commfuse.kernels import fused_tail, gated_norm, jit, params
+from commfuse.routes import Call, Machine, TensorMeta
+from commfuse.tail.formats import FORMATS
+from commfuse.tail.spec import TailSpec
 
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100a", "sm_120a")
 
@@ -46,7 +49,7 @@ def test_every_gated_variant_builds(arch, cache_dir):
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = gated_norm.variants()
-    assert len(names) == 2 * 5 * len(gated_norm.VPT_BUCKETS)
+    assert len(names) == 2 * len(FORMATS) * len(gated_norm.VPT_BUCKETS)
     built = jit.build(gated_norm.SOURCE, names, arch)
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
@@ -60,13 +63,13 @@ def test_gated_launch_configs_have_variants():
             vpt, threads = gated_norm.launch_config(hidden, tokens)
             assert vpt in gated_norm.VPT_BUCKETS and threads % 32 == 0 and threads <= gated_norm.MAX_THREADS[vpt]
             assert 8 * vpt * threads >= hidden
-            assert gated_norm.name_expression(torch.bfloat16, "fp8_block", vpt) in names
-    assert registered_kernels()["gated_rmsnorm"].kind == "norm"  # never picked as a collective's tail
+            for fmt in FORMATS:
+                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fmt, vpt) in names
 
 
 def test_variants_cover_every_launch_config():
     names = set(fused_tail.variants())
-    assert len(names) == 2 * 5 * (len(fused_tail.VPT_BUCKETS) + 1)
+    assert len(names) == 2 * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1)
     for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 8200, 16384, 16392, 32000, 65536):
         for tokens in (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192):
             vpt, threads = fused_tail.launch_config(hidden, tokens)
@@ -78,8 +81,8 @@ def test_variants_cover_every_launch_config():
             if vpt:
                 assert vpt * threads * 8 >= hidden and threads <= limit[vpt], (hidden, tokens)
             for dtype in (torch.float16, torch.bfloat16):
-                for quant in (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"):
-                    assert fused_tail.name_expression(dtype, quant, vpt) in names
+                for fmt in FORMATS:
+                    assert fused_tail.FUSED_TAIL.name_expression(dtype, fmt, vpt) in names
 
 
 def test_broken_source_raises_jit_error_with_log(tmp_path, cache_dir):
@@ -147,15 +150,14 @@ def _meta(shape, dtype=torch.bfloat16, device="cuda:0"):
     return TensorMeta(tuple(shape), dtype, torch.device(device), True, 1)
 
 
-def test_registered_with_plan():
-    spec = registered_kernels()["fused_tail"]
-    assert spec.kind == "tail" and spec.max_hidden == fused_tail.MAX_HIDDEN
+def test_the_routes_use_the_familys_limits():
+    assert fused_tail.FUSED_TAIL.limits.max_hidden == fused_tail.MAX_HIDDEN
     scale = _meta((1,), torch.float32)
 
     def plan(h, quant, sm=(9, 0)):
-        req = Request(_meta((64, h)), _meta((64, h)), _meta((h,)), scale if quant else None, quant)
-        return make_plan(req, mode="fallback", backend="nccl", sm=sm, world_size=2,
-                         kernels=registered_kernels())
+        c = Call("fused", _meta((64, h)), _meta((64, h)), _meta((h,)), scale if quant else None,
+                 spec=TailSpec.of(quant))
+        return routes.plan(c, Machine("fallback", "nccl", sm, 2))
 
     ok = plan(8192, "nvfp4")
     assert (ok.collective, ok.tail, ok.kernel) == ("nccl", "fused", "fused_tail")
@@ -166,11 +168,9 @@ def test_registered_with_plan():
 
 
 def test_parameter_structs_are_declared_once():
-    """The C structs come from commfuse/params.py: every field at its natural alignment (so C lays them
+    """The C structs come from commfuse/kernels/params.py: every field at its natural alignment (so C lays them
     out as the Python packing does), the header declares each field in order and asserts each size,
     and the kernels' sources hold no struct of their own."""
-    from commfuse import params
-
     for s in (params.TAIL, params.FUSED_TAIL, params.GATED_NORM, params.P2P):
         offset = 0
         for f in s.fields:
@@ -191,3 +191,15 @@ def test_parameter_structs_are_declared_once():
         assert not any(f"struct {s.name} {{" in text for s in structs), source
     with pytest.raises(ValueError, match="aligned"):
         params.Struct("Bad", [params.Field("a", "int", "i32"), params.Field("p", "void*", "ptr")])
+
+
+def test_constants_come_from_the_format_registry():
+    """The kernels' QUANT ids and the host's are one list: the header declares kQuant<Name> = id for
+    every format, and no kernel source defines one of its own."""
+    header = params.header()
+    for fmt in FORMATS:
+        assert f"constexpr int kQuant{fmt.cname} = {fmt.id};" in header
+    for name, value, _ in params.CONSTANTS:
+        assert f"constexpr int {name} = {value};" in header
+        for source in ("epilogue.cuh", "fused_tail.cu", "gated_rmsnorm.cu", "p2p_allreduce.cu"):
+            assert f"constexpr int {name} =" not in (jit.CSRC_DIR / source).read_text(), (name, source)

@@ -1,6 +1,6 @@
-"""commfuse.native on the CPU: the pointer patches cover every pointer of the parameter structs, and
-csrc/host_launch.cpp compiles against this torch's headers (syntax only: a CPU-only torch has no
-CUDA libraries to link). The launches themselves are GPU tests (test_communicator.py)."""
+"""commfuse.kernels.native on the CPU: csrc/host_launch.cpp compiles against this torch's headers (syntax
+only: a CPU-only torch has no CUDA libraries to link) and numbers its pointer sources as launch.py does.
+The launches themselves are GPU tests (test_communicator.py, test_launch.py)."""
 import glob
 import os
 import subprocess
@@ -8,19 +8,19 @@ import subprocess
 import pytest
 import torch
 
-from commfuse import jit, native, params
+import re
+
+from commfuse.kernels import jit, launch, native
 
 
-def test_tail_patches_cover_every_pointer_field():
-    """A pointer field added to TailParams without a source in native.py would be left 0 by the C++
-    launchers: every 'ptr' field has exactly one patch, at its offset."""
-    base = params.P2P.offsets["tail"] + 8  # any base: the offsets move with it
-    patched = dict(native.tail_patches(base))
-    pointers = {base + params.TAIL.offsets[f.name] for f in params.TAIL.fields if f.kind == "ptr"}
-    assert set(patched) == pointers
-    sources = list(patched.values())
-    assert len(set(sources)) == len(sources)
-    assert set(sources) <= {native.RESIDUAL, native.WEIGHT, native.SCALE} | {native.OUT + i for i in range(5)}
+def test_pointer_sources_are_numbered_alike():
+    """The C++ Launcher indexes the call's tensors by launch.py's source numbers (native.py also refuses
+    to load an extension whose numbers differ)."""
+    text = (jit.CSRC_DIR / native.SOURCE).read_text()
+    enum = dict(re.findall(r"\bk(\w+) = (\d+)", re.search(r"enum Source : int \{([^}]*)\}", text).group(1)))
+    names = {"X": "X", "Residual": "RESIDUAL", "Weight": "WEIGHT", "Scale": "SCALE", "Z": "Z", "Out0": "OUT",
+             "Sum": "SUM", "Sources": "SOURCES"}
+    assert {names[k]: int(v) for k, v in enum.items()} == {n: getattr(launch, n) for n in names.values()}
 
 
 def test_native_is_off_without_cuda_and_says_why(monkeypatch):

@@ -159,13 +159,13 @@ def first_plan_reasons(c, args) -> str:
 
 @mpi
 def test_cuda_op_kernels_serve_planned_calls_in_cpp(quiet_comm, gen, monkeypatch):
-    """On CUDA, torch.ops.commfuse's fused_all_reduce and all_reduce are C++ kernels (commfuse.native)
+    """On CUDA, torch.ops.commfuse's fused_all_reduce and all_reduce are C++ kernels (commfuse.kernels.native)
     that launch a signature the communicator has planned without calling Python, with the bits of the
     direct call; a signature not planned yet goes to the Python kernel, which plans it."""
     c = quiet_comm
     if c.device.type != "cuda":
         pytest.skip("the C++ op kernels are CUDA kernels: no GPU here")
-    from commfuse import native
+    from commfuse.kernels import native
     if native.unavailable() is not None:
         pytest.skip(f"native path off: {native.unavailable()}")
     t, h, dtype = 5, 512, torch.bfloat16
@@ -183,10 +183,9 @@ def test_cuda_op_kernels_serve_planned_calls_in_cpp(quiet_comm, gen, monkeypatch
         m.setattr(ops, "_fused_all_reduce", refuse)
         with pytest.raises(PythonKernelCalled):
             torch.ops.commfuse.fused_all_reduce(*args)
-    entries = len(c._hot)
+    entries = len(c.table)
     first = torch.ops.commfuse.fused_all_reduce(*args)  # the Python kernel plans it
-    if len(c._hot) == entries:
-        pytest.skip(f"this route has no native launcher: {first_plan_reasons(c, args)}")
+    assert len(c.table) == entries + 1, first_plan_reasons(c, args)
     plain_first = torch.ops.commfuse.all_reduce(x, c.name)
     with monkeypatch.context() as m:
         m.setattr(ops, "_fused_all_reduce", refuse)
@@ -198,7 +197,7 @@ def test_cuda_op_kernels_serve_planned_calls_in_cpp(quiet_comm, gen, monkeypatch
         assert bits_equal(u, v) and bits_equal(v, w)
     assert again[3].numel() == 0 and again[4].numel() == 0 and again[3] is not again[4]
     assert bits_equal(plain_first, plain_again)
-    # With the per-call check on, every call goes to Python (where the check runs).
+    # With the per-call check on, every call goes to Python (its launcher is the check's Python wrapper).
     c.check_calls = True
     try:
         with monkeypatch.context() as m:

@@ -31,8 +31,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfuse import Communicator, epilogue, fused_tail, jit, p2p, params, reference
-from commfuse.plan import P2PLimits, Request, TensorMeta, chunk_rows, make_plan, registered_kernels
+from commfuse import Communicator, p2p, reference, routes
+from commfuse.kernels import fused_tail, jit, launch, native, params
+from commfuse.kernels import p2p_allreduce as K
+from commfuse.kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows, register_vpts
+from commfuse.p2p import P2PLimits
+from commfuse.routes import Call, Machine, TensorMeta
+from commfuse.tail.formats import FORMATS, by_name
+from commfuse.tail.spec import TailSpec
 
 from compare import as_bytes, assert_tail_close, bits_equal, poisoned_runs
 from inputs import rank_inputs, tail_inputs
@@ -40,7 +46,7 @@ from test_jit_build import nvrtc_archs
 
 mpi = pytest.mark.mpi(min_size=2)
 DTYPES = [torch.bfloat16, torch.float16]
-ALGOS = list(p2p.ALGORITHMS)
+ALGOS = list(K.ALGORITHMS)
 PATTERNS = [  # (quant, return_norm, sf_layout)
     (None, False, "swizzled"),
     ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
@@ -58,17 +64,22 @@ EPS = 1e-5
 # =========================================================================== CPU
 
 
+def p2p_name(dtype, quant, vpt, algo):
+    """The P2P kernel's name expression; quant "plain" for the plain all-reduce."""
+    return P2P_ALLREDUCE.name_expression(dtype, None if quant == "plain" else by_name(quant), vpt, algo)
+
+
 def _subset():
     """For the other archs, one variant per pattern with dtypes, algorithms and both tail shapes
     mixed: the arch-specific code is epilogue.cuh's conversions, which every quant exercises."""
-    bf, hf, (v1, v2) = torch.bfloat16, torch.float16, p2p.VPT_BUCKETS
-    return [p2p.name_expression(bf, "plain", 0, "oneshot"), p2p.name_expression(hf, "plain", 0, "twoshot"),
-            p2p.name_expression(hf, None, v1, "oneshot"), p2p.name_expression(bf, None, 0, "twoshot"),
-            p2p.name_expression(bf, "fp8", v2, "twoshot"), p2p.name_expression(hf, "fp8", 0, "oneshot"),
-            p2p.name_expression(bf, "nvfp4", v1, "oneshot"), p2p.name_expression(hf, "nvfp4", v2, "twoshot"),
-            p2p.name_expression(hf, "fp8_per_token", v1, "twoshot"), p2p.name_expression(bf, "fp8_per_token", 0, "oneshot"),
-            p2p.name_expression(bf, "fp8_block", v1, "oneshot"), p2p.name_expression(hf, "fp8_block", 0, "twoshot"),
-            p2p.DELAY_KERNEL]
+    bf, hf, (v1, v2) = torch.bfloat16, torch.float16, K.VPT_BUCKETS
+    return [p2p_name(bf, "plain", 0, "oneshot"), p2p_name(hf, "plain", 0, "twoshot"),
+            p2p_name(hf, None, v1, "oneshot"), p2p_name(bf, None, 0, "twoshot"),
+            p2p_name(bf, "fp8", v2, "twoshot"), p2p_name(hf, "fp8", 0, "oneshot"),
+            p2p_name(bf, "nvfp4", v1, "oneshot"), p2p_name(hf, "nvfp4", v2, "twoshot"),
+            p2p_name(hf, "fp8_per_token", v1, "twoshot"), p2p_name(bf, "fp8_per_token", 0, "oneshot"),
+            p2p_name(bf, "fp8_block", v1, "oneshot"), p2p_name(hf, "fp8_block", 0, "twoshot"),
+            K.DELAY_KERNEL]
 
 
 # sm_90 (the machine the P2P row targets) builds every variant; sm_80 and sm_100a a subset, which
@@ -79,9 +90,9 @@ def test_variants_build(arch, names, tmp_path, monkeypatch):
     monkeypatch.delenv("COMMFUSE_JIT_DEBUG", raising=False)
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
-    names = p2p.variants() if names is None else _subset()
-    assert set(names) <= set(p2p.variants())
-    built = jit.build(p2p.SOURCE, names, arch)
+    names = K.variants() if names is None else _subset()
+    assert set(names) <= set(K.variants())
+    built = jit.build(K.SOURCE, names, arch)
     assert built.cubin[:4] == b"\x7fELF"
     for name in names:
         assert built.lowered[name].encode() in built.cubin, f"{name} missing from the {arch} cubin"
@@ -112,7 +123,7 @@ def _ptxas_resources(log):
 # ptxas, so without its -v report (seen on the GPU machine: an empty log on the second run).
 _PTXAS_PROBE = """
 import json, sys
-from commfuse import jit, p2p
+from commfuse.kernels import jit, p2p_allreduce as p2p
 path = jit._source_path(p2p.SOURCE)
 _, lowered, log = jit._nvrtc_compile(path, tuple(json.loads(sys.argv[1])),
                                      jit.compile_options("sm_90", path.parent) + ("--ptxas-options=-v",))
@@ -125,10 +136,11 @@ def test_1024_thread_variants_fit_without_spills():
     get <= 64 registers; ptxas must fit them without local memory (sm_90: the P2P machine)."""
     if 90 not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
-    plain_oneshot = [p2p.name_expression(d, "plain", 0, "oneshot") for d in DTYPES]
-    names = [n for n in p2p.variants() if n != p2p.DELAY_KERNEL and
-             p2p.MAX_THREADS.get(int(n.split(",")[2]), 0) > p2p.THREADS] + plain_oneshot
-    assert len(names) == 2 * 2 * (3 * len(p2p.VPT_BUCKETS) + 2) + 2  # computed-scale kinds: VPT 1 only
+    plain_oneshot = [p2p_name(d, "plain", 0, "oneshot") for d in DTYPES]
+    names = [n for n in K.variants() if n != K.DELAY_KERNEL and
+             K.MAX_THREADS.get(int(n.split(",")[2]), 0) > K.THREADS] + plain_oneshot
+    # each format's register tails (the computed-scale kinds: VPT 1 only), and the plain one-shot
+    assert len(names) == 2 * 2 * sum(len(register_vpts(f)) for f in FORMATS) + 2
     run = subprocess.run([sys.executable, "-c", _PTXAS_PROBE, json.dumps(names)], capture_output=True, text=True,
                          env={**os.environ, "CUDA_CACHE_DISABLE": "1"}, timeout=900)
     assert run.returncode == 0, run.stderr
@@ -142,47 +154,47 @@ def test_1024_thread_variants_fit_without_spills():
 
 
 def test_launch_configs_have_variants():
-    names = set(p2p.variants())
-    assert len(names) == 2 * 2 * (1 + 3 * (len(p2p.VPT_BUCKETS) + 1) + 2 * 2) + 1 == 57
-    assert p2p.VPT_BUCKETS == (1, 2) and p2p.MAX_THREADS == {1: 1024, 2: 1024, 0: p2p.THREADS}
-    most = 8 * max(v * p2p.MAX_THREADS[v] for v in p2p.VPT_BUCKETS)  # 16384
+    names = set(K.variants())
+    assert len(names) == 2 * 2 * (1 + sum(len(register_vpts(f)) + 1 for f in FORMATS)) + 1
+    assert K.VPT_BUCKETS == (1, 2) and K.MAX_THREADS == {1: 1024, 2: 1024, 0: K.THREADS}
+    most = 8 * max(v * K.MAX_THREADS[v] for v in K.VPT_BUCKETS)  # 16384
     for h in (16, 128, 1000, 2880, 4096, 7168, 8192, 8200, 12336, 16384, 16392, 20480, 65536):
-        vpt, threads = p2p.launch_config(h)
-        assert threads % 32 == 0 and 32 <= threads <= p2p.MAX_THREADS[vpt]
+        vpt, threads = K.launch_config(h)
+        assert threads % 32 == 0 and 32 <= threads <= K.MAX_THREADS[vpt]
         if vpt:
             assert vpt * threads * 8 >= h and (threads == 32 or vpt * (threads - 32) * 8 < h), h
             # the smallest VPT that fits: as fused_tail's few-rows configuration
-            assert vpt == min(v for v in p2p.VPT_BUCKETS if 8 * v * p2p.MAX_THREADS[v] >= h), h
+            assert vpt == min(v for v in K.VPT_BUCKETS if 8 * v * K.MAX_THREADS[v] >= h), h
             assert (vpt, threads) == fused_tail.launch_config(h, 1), h
         else:
-            assert h > most and threads == p2p.THREADS
-        for quant in (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"):
-            # the computed-scale kinds have no VPT 2 variant (register_vpts): their longer rows loop
-            qvpt, qthreads = p2p.launch_config(h, quant)
-            assert (qvpt, qthreads) == ((0, p2p.THREADS) if vpt == 2 and quant in ("fp8_per_token", "fp8_block") else (vpt, threads))
+            assert h > most and threads == K.THREADS
+        for fmt in FORMATS:
+            # formats without a VPT 2 variant (register_vpts): their longer rows loop
+            qvpt, qthreads = K.launch_config(h, fmt)
+            assert (qvpt, qthreads) == ((0, K.THREADS) if vpt == 2 and 2 not in register_vpts(fmt) else (vpt, threads))
             for dtype in DTYPES:
                 for algo in ALGOS:
-                    assert p2p.name_expression(dtype, quant, qvpt, algo) in names
+                    assert P2P_ALLREDUCE.name_expression(dtype, fmt, qvpt, algo) in names
     for dtype in DTYPES:
         for algo in ALGOS:
-            assert p2p.name_expression(dtype, "plain", 0, algo) in names
+            assert p2p_name(dtype, "plain", 0, algo) in names
 
 
 @pytest.mark.parametrize("total", [1, 255, 256, 257, 4096, 32768, 140000, 1 << 22, (64 << 20) // 16])
 @pytest.mark.parametrize("nblocks", [1, 132])
 @pytest.mark.parametrize("algo", ALGOS)
 def test_plain_rows_cover_the_message(total, nblocks, algo):
-    row_vecs, rows, threads = p2p.plain_rows(total, nblocks, algo)
-    most = p2p.PLAIN_MAX_ROW_VECS[algo]
-    assert p2p.PLAIN_MIN_ROW_VECS <= row_vecs <= most
+    row_vecs, rows, threads = K.plain_rows(total, nblocks, algo)
+    most = K.PLAIN_MAX_ROW_VECS[algo]
+    assert K.PLAIN_MIN_ROW_VECS <= row_vecs <= most
     assert (rows - 1) * row_vecs < total <= rows * row_vecs
     if algo == "oneshot":  # whole warps; one vector per thread while rows fit the CTA
-        assert row_vecs % 32 == 0 and threads == min(row_vecs, p2p.PLAIN_ONESHOT_THREADS)
+        assert row_vecs % 32 == 0 and threads == min(row_vecs, K.PLAIN_ONESHOT_THREADS)
     else:
-        assert row_vecs % p2p.THREADS == 0 and threads == p2p.THREADS
+        assert row_vecs % K.THREADS == 0 and threads == K.THREADS
     if total <= nblocks * most:
         assert rows <= nblocks  # no CTA has two rows while another has none
-    if total >= nblocks * p2p.PLAIN_MIN_ROW_VECS:
+    if total >= nblocks * K.PLAIN_MIN_ROW_VECS:
         assert 2 * rows >= nblocks  # at least half of the CTAs have work
 
 
@@ -224,14 +236,15 @@ def test_workspace_sizes():
 
 
 class _Recorder:
-    """A Workspace without buffers or GPU (CPU tensors): records what each launch would pass."""
+    """A jit.Kernel stand-in and a Workspace without buffers or GPU: records what each launch of a
+    P2P LaunchPlan passes (CPU tensors; every output given, so nothing is allocated)."""
 
     def __init__(self, max_bytes):
         self.launches = []
+        self.pdl = False
         ws = object.__new__(p2p.Workspace)
         ws.max_bytes, ws.nblocks, ws._index, ws.world, ws.rank = max_bytes, 132, 0, 2, 0
         ws._fixed_params = (0,) * 17
-        ws._closed, ws._host_ptr = False, None
         self.ws = ws
 
     def launch(self, grid, block, raw):
@@ -239,6 +252,16 @@ class _Recorder:
         n = len(params.TAIL.format)
         self.launches.append(dict(tail=f[:n], x=f[n], out=f[n + 1], total_vecs=f[n + 19], rows=f[n + 20],
                                   row_vecs=f[n + 21], row_slots=f[n + 22]))
+
+    def fused(self, x, residual, weight, scale, spec, algo, out=None):
+        t, h = x.shape
+        plan = P2P_ALLREDUCE.plan_fused(self.ws, x.dtype, t, h, spec, algo)
+        if out is None:
+            out = reference.Tail(*(None if o is None else launch.allocate(o, "cpu") for o in plan.outputs))
+        return reference.Tail(*launch.PyLauncher(plan)(x, residual, weight, scale, out))
+
+    def plain(self, x, algo, out):
+        return launch.PyLauncher(P2P_ALLREDUCE.plan_plain(self.ws, x.dtype, x.shape, algo))(x, out=out)
 
 
 @pytest.mark.parametrize("t, h, quant, sf_layout", [
@@ -249,10 +272,10 @@ class _Recorder:
 def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
     """The launches of a message over a 1 MiB workspace (CPU tensors, no kernel runs): consecutive row
     ranges of whole pieces, each output pointer at the piece's first row (computed independently of
-    the launcher: row slices, and the swizzled layout's index of (row, block 0)), the last piece
+    the plan: row slices, and the swizzled layout's index of (row, block 0)), the last piece
     zeroing the padding rows."""
     rec = _Recorder(1 << 20)
-    monkeypatch.setattr(p2p.kernels, "_kernel", lambda *args: rec)
+    monkeypatch.setattr(P2P_ALLREDUCE, "kernel", lambda *args: rec)
     g = torch.Generator().manual_seed(7)
     x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
     weight = torch.randn(h, generator=g).to(torch.bfloat16)
@@ -261,17 +284,17 @@ def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
     if quant in ("fp8_per_token", "fp8_block"):  # sf_layout here names the scales' layout
         scaled = dict(scale_layout=sf_layout.replace("_ue8m0", ""), scale_ue8m0=sf_layout.endswith("ue8m0"))
         sf_layout = "swizzled"
-    out = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, quant, scale, True, sf_layout, "twoshot", checked=True,
-                                  **scaled)
-    piece = chunk_rows(2 * h, quant, sf_layout, 1 << 20)
+    spec = TailSpec.of(quant, return_norm=True, eps=1e-5, sf_layout=sf_layout, **scaled)
+    out = rec.fused(x, residual, weight, scale, spec, "twoshot")
+    piece = chunk_rows(2 * h, spec, 1 << 20)
     begins = list(range(0, t, piece))
     assert len(rec.launches) == len(begins) == (1 if t * h * 2 <= 1 << 20 else -(-t // piece))
     k = h // 16
-    for begin, launch in zip(begins, rec.launches):
+    for begin, launch_ in zip(begins, rec.launches):
         end = min(t, begin + piece)
-        tail = launch["tail"]
-        assert launch["x"] == x[begin].data_ptr() and launch["rows"] == end - begin == tail[9]
-        assert launch["total_vecs"] == (end - begin) * h // 8 and launch["row_vecs"] == h // 8
+        tail = launch_["tail"]
+        assert launch_["x"] == x[begin].data_ptr() and launch_["rows"] == end - begin == tail[9]
+        assert launch_["total_vecs"] == (end - begin) * h // 8 and launch_["row_vecs"] == h // 8
         assert tail[0] == residual[begin].data_ptr() and tail[1] == out.residual[begin].data_ptr()
         assert tail[3] == out.norm[begin].data_ptr() and tail[2] == weight.data_ptr()
         if quant:
@@ -279,76 +302,77 @@ def test_pieces_cover_every_row_once(monkeypatch, t, h, quant, sf_layout):
         if quant == "nvfp4" and sf_layout == "swizzled":
             first = int(reference.swizzled_sf_index(torch.tensor(begin), torch.tensor(0), k))
             assert tail[5] == out.scale_factors.data_ptr() + first
-            assert launch["row_slots"] == (end - begin if end < t else -(-(t - begin) // 128) * 128)
+            assert launch_["row_slots"] == (end - begin if end < t else -(-(t - begin) // 128) * 128)
         elif quant == "nvfp4":
-            assert tail[5] == out.scale_factors[begin].data_ptr() and launch["row_slots"] == end - begin
+            assert tail[5] == out.scale_factors[begin].data_ptr() and launch_["row_slots"] == end - begin
         elif scaled.get("scale_layout") == "mn_major":  # one element per row; the whole call's column stride
             tp = -(-t // 4) * 4
             assert tail[11] == out.scales[begin].data_ptr() and tail[14] == tp == out.scales.stride(1)
-            assert launch["row_slots"] == (end - begin if end < t else tp - begin)
+            assert launch_["row_slots"] == (end - begin if end < t else tp - begin)
         elif scaled:
-            assert tail[11] == out.scales[begin].data_ptr() and launch["row_slots"] == end - begin
+            assert tail[11] == out.scales[begin].data_ptr() and launch_["row_slots"] == end - begin
     rec.launches.clear()
-    y = rec.ws.all_reduce(x, "twoshot", checked=True)
+    y = torch.empty_like(x)
+    assert rec.plain(x, "twoshot", y) is y
     n, elt = x.numel(), 2
     assert [(l["x"], l["out"], l["total_vecs"]) for l in rec.launches] == [
         (x.data_ptr() + b * elt, y.data_ptr() + b * elt, min(n - b, (1 << 20) // elt) // 8)
         for b in range(0, n, (1 << 20) // elt)]
 
 
+def _limits(workspace, oneshot, twoshot, oneshot_bytes=None):
+    return P2PLimits(workspace, (("oneshot", oneshot), ("twoshot", twoshot)), oneshot_bytes)
+
+
 def test_derive_limits():
     sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
     # (one-shot, two-shot, NCCL) microseconds
     times = [(5, 7, 12), (6, 8, 13), (9, 8, 14), (20, 15, 14), (40, 30, 20)]
-    assert p2p.derive_limits(sizes, times, 1 << 20) == P2PLimits(1 << 20, 16 << 10, 64 << 10)
+    assert p2p.derive_limits(sizes, times, 1 << 20) == _limits(1 << 20, 16 << 10, 64 << 10)
     # A win past the first loss does not count (monotone prefix), and one-shot never exceeds two-shot's range.
     times = [(5, 7, 12), (15, 16, 14), (5, 7, 12), (5, 7, 12), (5, 7, 12)]
-    assert p2p.derive_limits(sizes, times, 1 << 20) == P2PLimits(1 << 20, 4 << 10, 4 << 10)
-    assert p2p.derive_limits(sizes, [(20, 20, 10)] * 5, 1 << 20) == P2PLimits(1 << 20, 0, 0)
-    assert p2p.derive_limits(sizes, [(1, 2, 10)] * 5, 1 << 20) == P2PLimits(1 << 20, 1 << 20, 1 << 20)
+    assert p2p.derive_limits(sizes, times, 1 << 20) == _limits(1 << 20, 4 << 10, 4 << 10)
+    assert p2p.derive_limits(sizes, [(20, 20, 10)] * 5, 1 << 20) == _limits(1 << 20, 0, 0)
+    assert p2p.derive_limits(sizes, [(1, 2, 10)] * 5, 1 << 20) == _limits(1 << 20, 1 << 20, 1 << 20)
     # One-shot cannot take the sizes above its buffers (inf): two-shot from there.
     inf = float("inf")
     times = [(1, 2, 10)] * 3 + [(inf, 2, 10)] * 2
-    assert p2p.derive_limits(sizes, times, 1 << 20, 64 << 10) == P2PLimits(1 << 20, 64 << 10, 1 << 20, 64 << 10)
+    assert p2p.derive_limits(sizes, times, 1 << 20, 64 << 10) == _limits(1 << 20, 64 << 10, 1 << 20, 64 << 10)
 
 
 def _meta(shape, dtype=torch.bfloat16):
     return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0), True, 1)
 
 
-def test_registered_with_plan():
-    spec = registered_kernels()["p2p_allreduce"]
-    assert spec.kind == "p2p" and spec.plain and set(spec.algorithms) == {"oneshot", "twoshot"}
-    limits = P2PLimits(64 << 20, 512 << 10, 32 << 20)
-    kernels = {k.name: k for k in (spec, registered_kernels()["fused_tail"])}
+def test_routes_take_the_p2p_kernels_limits():
+    assert P2P_ALLREDUCE.limits.world_sizes == frozenset(range(2, 9))
+    limits = _limits(64 << 20, 512 << 10, 32 << 20)
 
-    def plan(req, world=2, **kw):
-        return make_plan(req, mode="p2p", backend="nccl", sm=(9, 0), world_size=world, kernels=kernels,
-                         p2p=limits, **kw)
+    def plan(c, world=2, limits=limits, **kw):
+        return routes.plan(c, Machine("p2p", "nccl", (9, 0), world, limits=limits, **kw))
 
-    fused = Request(_meta((64, 4096)), _meta((64, 4096)), _meta((4096,)), _meta((1,), torch.float32), "nvfp4")
+    fused = Call("fused", _meta((64, 4096)), _meta((64, 4096)), _meta((4096,)), _meta((1,), torch.float32),
+                 spec=TailSpec.of("nvfp4"))
     p = plan(fused)
     assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce")
-    assert plan(Request(_meta((1024, 8192)))).collective == "p2p_twoshot"
-    over = plan(Request(_meta((4097, 8192))))  # over the workspace and the measured crossover
+    assert plan(Call("plain", _meta((1024, 8192)))).collective == "p2p_twoshot"
+    over = plan(Call("plain", _meta((4097, 8192))))  # over the workspace and the measured crossover
     assert over.collective == "nccl" and any("crossover" in r for r in over.reasons)
-    assert plan(Request(_meta((4097, 8192))), strategy="twoshot").collective == "p2p_twoshot"  # in pieces
-    odd = plan(Request(_meta((3, 5))))
+    assert plan(Call("plain", _meta((4097, 8192))), strategy="twoshot").collective == "p2p_twoshot"  # in pieces
+    odd = plan(Call("plain", _meta((3, 5))))
     assert odd.collective == "nccl" and any("multiple of 8 elements" in r for r in odd.reasons)
-    assert plan(Request(_meta((64, 4096), torch.float32))).collective == "nccl"
+    assert plan(Call("plain", _meta((64, 4096), torch.float32))).collective == "nccl"
     assert plan(fused, world=9).collective == "nccl"
     assert plan(fused, world=8).collective == "p2p_oneshot"
     # A forced one-shot above the one-shot's buffers goes two-shot, and says why.
-    small = P2PLimits(64 << 20, 512 << 10, 32 << 20, 1 << 20)
-    forced = make_plan(Request(_meta((128, 8192))), mode="p2p", backend="nccl", sm=(9, 0), world_size=2,
-                       kernels=kernels, p2p=small, strategy="oneshot")
+    small = _limits(64 << 20, 512 << 10, 32 << 20, 1 << 20)
+    forced = plan(Call("plain", _meta((128, 8192))), limits=small, strategy="oneshot")
     assert forced.collective == "p2p_twoshot" and any("one-shot buffers" in r for r in forced.reasons), forced
-    assert make_plan(Request(_meta((64, 8192))), mode="p2p", backend="nccl", sm=(9, 0), world_size=2,
-                     kernels=kernels, p2p=small, strategy="oneshot").collective == "p2p_oneshot"
+    assert plan(Call("plain", _meta((64, 8192))), limits=small, strategy="oneshot").collective == "p2p_oneshot"
 
 
 def test_timeout_error_names_the_missing_rank():
-    e = p2p.P2PTimeoutError(rank=0, missing_rank=3, phase=1, timeout_s=2.5)
+    e = K.P2PTimeoutError(rank=0, missing_rank=3, phase=1, timeout_s=2.5)
     assert isinstance(e, RuntimeError)
     assert "rank 3 did not arrive" in str(e) and "2.5 s" in str(e) and "new one" in str(e)
 
@@ -356,9 +380,9 @@ def test_timeout_error_names_the_missing_rank():
 def test_timeout_error_is_exported():
     import commfuse
 
-    assert commfuse.P2PTimeoutError is p2p.P2PTimeoutError and "P2PTimeoutError" in commfuse.__all__
-    assert commfuse.P2PMismatchError is p2p.P2PMismatchError and issubclass(p2p.P2PMismatchError, p2p.P2PError)
-    assert issubclass(p2p.P2PTimeoutError, p2p.P2PError)
+    assert commfuse.P2PTimeoutError is K.P2PTimeoutError and "P2PTimeoutError" in commfuse.__all__
+    assert commfuse.P2PMismatchError is K.P2PMismatchError and issubclass(K.P2PMismatchError, K.P2PError)
+    assert issubclass(K.P2PTimeoutError, K.P2PError)
 
 
 def _signature(bf16, quant_id, algo, swizzled, norm, world, rows, row_vecs, total_vecs, scale_layout=0):
@@ -369,24 +393,24 @@ def _signature(bf16, quant_id, algo, swizzled, norm, world, rows, row_vecs, tota
 
 
 def test_describe_signature_names_every_field():
-    fused = p2p.describe_signature(_signature(True, 1, 1, False, True, 4, 16, 512, 16 * 512))
+    fused = K.describe_signature(_signature(True, 1, 1, False, True, 4, 16, 512, 16 * 512))
     assert fused == "bf16 tail + fp8 (norm out), [16, 4096], twoshot"
-    nv = p2p.describe_signature(_signature(False, 2, 0, True, False, 2, 7, 360, 7 * 360))
+    nv = K.describe_signature(_signature(False, 2, 0, True, False, 2, 7, 360, 7 * 360))
     assert nv == "fp16 tail + nvfp4 (swizzled scale factors), [7, 2880], oneshot"
-    plain = p2p.describe_signature(_signature(True, -1, 0, False, False, 8, 3, 256, 700))
+    plain = K.describe_signature(_signature(True, -1, 0, False, False, 8, 3, 256, 700))
     assert plain == "bf16 plain all-reduce of 5600 elements, oneshot"
-    assert p2p.describe_signature(_signature(True, 0, 1, False, True, 2, 1, 1, 1)) == "bf16 tail (norm out), [1, 8], twoshot"
-    block = p2p.describe_signature(_signature(True, 4, 0, False, False, 2, 3, 512, 3 * 512, scale_layout=3))
+    assert K.describe_signature(_signature(True, 0, 1, False, True, 2, 1, 1, 1)) == "bf16 tail (norm out), [1, 8], twoshot"
+    block = K.describe_signature(_signature(True, 4, 0, False, False, 2, 3, 512, 3 * 512, scale_layout=3))
     assert block == "bf16 tail + fp8_block (MN-major scales, UE8M0 scales), [3, 4096], oneshot"
-    assert p2p.describe_signature(_signature(False, 3, 1, False, True, 4, 2, 16, 32)) == \
+    assert K.describe_signature(_signature(False, 3, 1, False, True, 4, 2, 16, 32)) == \
         "fp16 tail + fp8_per_token (norm out), [2, 128], twoshot"
     # No signature word is ever the empty Lamport word (bit 31 clear in each).
     assert all(w < 1 << 31 for w in _signature(True, 2, 1, True, True, 8, (1 << 31) - 1, 1 << 30, (1 << 31) - 1))
 
 
 def test_mismatch_error_names_both_calls():
-    e = p2p.P2PMismatchError(rank=0, peer=3, mine="bf16 tail, [16, 4096], oneshot", theirs="bf16 tail, [8, 4096], oneshot")
-    assert isinstance(e, p2p.P2PError) and e.peer == 3
+    e = K.P2PMismatchError(rank=0, peer=3, mine="bf16 tail, [16, 4096], oneshot", theirs="bf16 tail, [8, 4096], oneshot")
+    assert isinstance(e, K.P2PError) and e.peer == 3
     assert "rank 3 made a different call" in str(e) and "[8, 4096]" in str(e) and "[16, 4096]" in str(e)
 
 
@@ -402,7 +426,7 @@ def test_mismatch_error_names_both_calls():
     (4, None, None, 8, 0),       # cannot fit: the workspace refuses (RuntimeError)
 ])
 def test_grid_fits_every_sharing_rank(sms, affinity, pct, sharers, expect):
-    n, how = p2p.grid_limit(sms, affinity, pct, sharers)
+    n, how = K.grid_limit(sms, affinity, pct, sharers)
     assert n == expect, how
     assert n * sharers <= sms
     if sharers > 1:
@@ -420,7 +444,7 @@ def _skip_unless_p2p(comm):
         pytest.skip(f"topology mode {comm.topology.mode!r}, no P2P: {'; '.join(comm.topology.reasons)}")
     if os.environ.get("COMMFUSE_STRATEGY", "auto") != "auto":
         pytest.skip(f"COMMFUSE_STRATEGY={os.environ['COMMFUSE_STRATEGY']} overrides the strategies tested here")
-    if comm._p2p is None:
+    if comm.workspace is None:
         pytest.skip(f"no P2P workspace for {comm.world_size} ranks")
 
 
@@ -491,11 +515,11 @@ def test_fused_matches_reference(comms, gen, monkeypatch, algo, dtype, quant, re
     x, xs = rank_inputs(c, gen, (t, h), dtype)
     residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
     saved = [v.clone() for v in (x, residual, weight)]
-    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: run_pattern(c, x, residual, weight, scale, pattern))
+    first, second = poisoned_runs(lambda: run_pattern(c, x, residual, weight, scale, pattern))
     digests = gather(c, digest(outputs(first)))
     c.check()
     # A forced one-shot above the one-shot's buffers (a world-size-dependent size) runs two-shot.
-    over = algo == "oneshot" and x.numel() * x.element_size() > c._p2p.lamport_bytes
+    over = algo == "oneshot" and x.numel() * x.element_size() > c.workspace.lamport_bytes
     assert first.plan.collective == ("p2p_twoshot" if over else f"p2p_{algo}"), str(first.plan)
     assert first.plan.tail == "fused", str(first.plan)
     for before, after in zip(saved, (x, residual, weight)):
@@ -515,11 +539,11 @@ def test_plain_matches_reference(comms, gen, monkeypatch, algo, t, h):
     c = comms[algo]
     dtype = torch.bfloat16 if (t + h) % 2 else torch.float16
     x, xs = rank_inputs(c, gen, (t, h), dtype)
-    first, second = poisoned_runs(monkeypatch, [epilogue], lambda: c.all_reduce(x))
+    first, second = poisoned_runs(lambda: c.all_reduce(x))
     digests = gather(c, digest([first]))
     c.check()
     # A forced one-shot above the one-shot's buffers runs two-shot (plan.py).
-    over = algo == "oneshot" and x.numel() * x.element_size() > c._p2p.lamport_bytes
+    over = algo == "oneshot" and x.numel() * x.element_size() > c.workspace.lamport_bytes
     assert c.plan(x).collective == ("p2p_twoshot" if over else f"p2p_{algo}")
     assert bits_equal(first, second), "elements left unwritten, or repeated calls differ"
     assert len(set(digests)) == 1, "ranks' outputs differ"
@@ -607,14 +631,14 @@ def test_outputs_written_over_nan_filled_allocator(comms, gen):
 def test_back_to_back_calls_of_changing_shapes_and_algorithms(comms, gen):
     """Many calls without synchronisation, alternating algorithms and row layouts: exercises the
     double buffering (a fast rank writes the next call's data while a peer still reads)."""
-    ws = comms["oneshot"]._p2p
+    ws = comms["oneshot"].workspace
     shapes = [(1, 128), (300, 4096), (7, 2880), (64, 8192), (1, 8), (1000, 1024), (133, 4096), (5, 16384)]
     # Inputs first: a copy from the host would synchronise the stream between the calls.
     inputs = [(ALGOS[(i // 2) % 2], *rank_inputs(comms["oneshot"], gen, shapes[i % len(shapes)], torch.bfloat16))
               for i in range(24)]
     torch.cuda.synchronize()
     # One-shot takes what its buffers hold (2 MiB at 8 ranks): larger ones go two-shot, as plan.py sends them.
-    calls = [(algo, xs, ws.all_reduce(x, "twoshot" if x.numel() * 2 > ws.lamport_bytes else algo))
+    calls = [(algo, xs, ws.plain_launcher(x.shape, x.dtype, "twoshot" if x.numel() * 2 > ws.lamport_bytes else algo)(x))
              for algo, x, xs in inputs]
     ws.check()
     bad = [(i, algo) for i, (algo, xs, y) in enumerate(calls) if not bits_equal(y, reference.all_reduce_sum(xs))]
@@ -680,7 +704,7 @@ def test_messages_at_and_over_the_workspace(comm, gen, monkeypatch, algo):
     c = _new_comm(comm, algo, COMMFUSE_P2P_WORKSPACE_MB=1)
     bf = torch.bfloat16
     try:
-        limit = c._p2p.max_bytes
+        limit = c.workspace.max_bytes
         h = 4096
         x, xs = rank_inputs(c, gen, (limit // (2 * h), h), bf)  # exactly the workspace
         residual, weight, scale = tail_inputs(c, gen, x.shape[0], h, bf, "nvfp4")
@@ -688,12 +712,12 @@ def test_messages_at_and_over_the_workspace(comm, gen, monkeypatch, algo):
         y = c.all_reduce(x)
         big, bigs = rank_inputs(c, gen, (300, h), bf)
         over_plan = c.plan(big)
-        over = poisoned_runs(monkeypatch, [epilogue], lambda: c.all_reduce(big))
+        over = poisoned_runs(lambda: c.all_reduce(big))
         cases = []
         for hh, pattern in OVER_CASES:
             xo, xos = rank_inputs(c, gen, (300, hh), bf)
             res, w, sc = tail_inputs(c, gen, 300, hh, bf, pattern[0])
-            runs = poisoned_runs(monkeypatch, [epilogue], lambda: run_pattern(c, xo, res, w, sc, pattern))
+            runs = poisoned_runs(lambda: run_pattern(c, xo, res, w, sc, pattern))
             cases.append((pattern, xos, res, w, sc, runs, gather(c, digest(outputs(runs[0])))))
         # Pieces inside a CUDA graph: captured once, replayed with new inputs.
         res_g, w_g, sc_g = tail_inputs(c, gen, 300, 3088, bf, "nvfp4")
@@ -762,12 +786,12 @@ def test_rank_skipping_a_call_makes_the_others_raise(comm, gen):
         c.fused_all_reduce(x, residual, weight)
         try:
             c.check()
-        except p2p.P2PTimeoutError as e:
+        except K.P2PTimeoutError as e:
             caught = e
         elapsed = time.monotonic() - start
         try:
             c.all_reduce(x)
-        except p2p.P2PTimeoutError as e:
+        except K.P2PTimeoutError as e:
             later = e
     c.close()  # collective: the skipper waits here for the others
     if rank != skipper:
@@ -805,20 +829,22 @@ def test_mismatched_calls_raise_naming_the_difference(comm, gen, case):
     x = torch.randn(shape, generator=gen).to(dtype).to(c.device)
     c.all_reduce(torch.ones(8, dtype=torch.bfloat16, device=c.device))  # one good call: the workspace works
     c.check()
-    ws, start, caught, later = c._p2p, time.monotonic(), None, None
+    ws, start, caught, later = c.workspace, time.monotonic(), None, None
     try:
+        # The workspace's launchers themselves: a Communicator call would route the odd call elsewhere.
         if fused:
             residual, weight, _ = tail_inputs(c, gen, shape[0], shape[1], dtype, None)
-            ws.fused_all_reduce(x, residual, weight, EPS, None, None, False, "swizzled", algo)
+            plan = P2P_ALLREDUCE.plan_fused(ws, dtype, shape[0], shape[1], TailSpec.of(None, eps=EPS), algo)
+            native.launcher(plan)(x, residual, weight, None, None)
         else:
-            ws.all_reduce(x, algo)
+            ws.plain_launcher(x.shape, dtype, algo)(x)
         c.check()
-    except p2p.P2PMismatchError as e:
+    except K.P2PMismatchError as e:
         caught = e
     elapsed = time.monotonic() - start
     try:
         c.all_reduce(x)
-    except p2p.P2PError as e:
+    except K.P2PError as e:
         later = e
     c.close()
     assert caught is not None, f"{case}: no P2PMismatchError"
@@ -839,7 +865,7 @@ def test_strategy_nccl_on_a_p2p_machine(comm, gen):
     residual, weight, scale = tail_inputs(c, gen, t, h, torch.bfloat16, "fp8")
     r = c.fused_all_reduce(x, residual, weight, eps=EPS, quant="fp8", scale=scale)
     a = c.all_reduce(x)
-    assert c._p2p is None
+    assert c.workspace is None
     assert r.plan.collective == c.backend and r.plan.tail == "fused"  # gloo where ranks share a GPU
     assert any("strategy 'nccl'" in s for s in r.plan.reasons)
     assert_tail_close(r, reference.fused_tail(a, residual, weight, EPS, "fp8", scale), "fp8")
@@ -850,11 +876,12 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     _skip_unless_p2p(comm)
     if comm.topology.shared_gpu:
         pytest.skip("ranks share a GPU: no calibration (crossovers need a GPU per rank)")
-    limits = gather(comm, comm._p2p.limits)
+    limits = gather(comm, comm.workspace.limits)
     assert len(set(limits)) == 1, f"ranks disagree on the limits: {limits}"
     lim = limits[0]
-    assert 0 <= lim.oneshot_max <= lim.twoshot_max <= 2 * lim.workspace_bytes == 2 * comm._p2p.max_bytes, lim
-    assert lim.oneshot_max <= lim.oneshot_bytes == comm._p2p.lamport_bytes, lim
+    one, two = lim.crossover("oneshot"), lim.crossover("twoshot")
+    assert 0 <= one <= two <= 2 * lim.workspace_bytes == 2 * comm.workspace.max_bytes, lim
+    assert one <= lim.oneshot_bytes == comm.workspace.lamport_bytes, lim
 
     monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))  # only rank 0 reads and writes it
     monkeypatch.delenv("COMMFUSE_P2P_CALIBRATE", raising=False)
@@ -874,7 +901,7 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
     finally:
         ws.close()
     files = list(tmp_path.glob("p2p-limits-*.json"))
-    assert 0 <= measured.oneshot_max <= measured.twoshot_max <= 2 * measured.workspace_bytes == 2 << 20
+    assert 0 <= measured.crossover("oneshot") <= measured.crossover("twoshot") <= 2 * measured.workspace_bytes == 2 << 20
     assert cached == measured
     if dist.get_rank(comm.group) == 0:
         assert len(files) == 1
@@ -884,21 +911,19 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
 def test_caller_owned_outputs_reach_the_launch(monkeypatch):
     """out=: the P2P launches write the caller's tensors (pointers in P2PParams), nothing is allocated."""
     rec = _Recorder(1 << 20)
-    monkeypatch.setattr(p2p.kernels, "_kernel", lambda *args: rec)
-    for allocator in ("_empty", "_empty_like"):
-        monkeypatch.setattr(epilogue, allocator, lambda *a, **k: pytest.fail("allocated although out= was given"))
+    monkeypatch.setattr(P2P_ALLREDUCE, "kernel", lambda *args: rec)
+    monkeypatch.setattr(launch, "allocate", lambda *a, **k: pytest.fail("allocated although out= was given"))
     g = torch.Generator().manual_seed(11)
     t, h = 16, 4096
     x, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
     weight = torch.randn(h, generator=g).to(torch.bfloat16)
     out = reference.Tail(torch.empty_like(x), torch.empty_like(x), torch.empty(t, h, dtype=torch.float8_e4m3fn), None)
-    got = rec.ws.fused_all_reduce(x, residual, weight, 1e-5, "fp8", torch.tensor([0.02]), True, "swizzled", "oneshot",
-                                  out=out, checked=True)
-    (launch,) = rec.launches
+    got = rec.fused(x, residual, weight, torch.tensor([0.02]), TailSpec.of("fp8", return_norm=True), "oneshot", out)
+    (launch_,) = rec.launches
     assert got.residual is out.residual and got.quant is out.quant
-    assert launch["tail"][1] == out.residual.data_ptr() and launch["tail"][3] == out.norm.data_ptr()
-    assert launch["tail"][4] == out.quant.data_ptr()
+    assert launch_["tail"][1] == out.residual.data_ptr() and launch_["tail"][3] == out.norm.data_ptr()
+    assert launch_["tail"][4] == out.quant.data_ptr()
     rec.launches.clear()
     y = torch.empty_like(x)
-    assert rec.ws.all_reduce(x, "twoshot", out=y, checked=True) is y
+    assert rec.plain(x, "twoshot", y) is y
     assert [l["out"] for l in rec.launches] == [y.data_ptr()]

@@ -670,7 +670,7 @@ def test_cuda_matches_cpu():
 def test_tail_mismatch_takes_a_communicators_result():
     """The tests hand tolerance.tail_mismatch a commfuse.FusedResult (a dataclass, not a tuple)."""
     from commfuse import FusedResult, tolerance
-    from commfuse.plan import Collective, Plan, TailRoute
+    from commfuse.routes import Collective, Plan, TailRoute
 
     g = torch.Generator().manual_seed(3)
     a, r, w = (torch.randn(4, 256, generator=g).to(torch.bfloat16) for _ in range(3))

@@ -109,7 +109,7 @@ def run(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: f
     scale_factors, scales as fused_tail.run's)."""
     spec = TailSpec.of(quant, return_norm=return_norm, eps=eps, sf_layout=sf_layout, scale_layout=scale_layout,
                        scale_ue8m0=scale_ue8m0)
-    h = checks.gated(x, z, weight, scale, spec, group_size, norm_before_gate, x.device)
+    h = checks.gated(x, z, weight, scale, spec, group_size, norm_before_gate)
     t = x.numel() // h
     why = None if x.is_cuda else "x must be a CUDA tensor"
     why = why or GATED_NORM.rejects(x.dtype, torch.cuda.get_device_capability(x.device), h, t, spec,

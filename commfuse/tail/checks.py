@@ -2,7 +2,8 @@
 argument (TypeError for a wrong type, ValueError for a wrong value). What the fused routes need beyond
 that is not checked here: a call they cannot take goes to the separated ops (commfuse.routes says why).
 
-`device` is where the call's tensors must be: the communicator's device, or x's for the local ops.
+`device` is where the call's tensors must be: the communicator's device, or None for the local ops:
+x's device.
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ def _tensor(name: str, t) -> Tensor:
     return t
 
 
-def x_hidden(x, device: torch.device, where: str = "this communicator works on") -> int:
-    """h of x [..., h], checked: a tensor of fp16 / bf16 / fp32 with h > 0 on `device`."""
+def x_hidden(x, device: Optional[torch.device], where: str = "this communicator works on") -> int:
+    """h of x [..., h], checked: a tensor of fp16 / bf16 / fp32 with h > 0 on `device` (None: any)."""
     _tensor("x", x)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     if x.dtype not in DTYPES:
         raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    same_device("x", x, device, where)
+    if device is not None:
+        same_device("x", x, device, where)
     return x.shape[-1]
 
 
@@ -88,10 +90,11 @@ def scale(spec: TailSpec, s, h: int, device: torch.device) -> None:
         raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(s).__name__}")
 
 
-def tail(x, residual, weight, s, spec: TailSpec, device: torch.device, *, residual_optional: bool = False,
+def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device], *, residual_optional: bool = False,
          where: str = "this communicator works on") -> int:
     """A tail call's tensors (fused_all_reduce, fused_add_rmsnorm): h, checked."""
     h = x_hidden(x, device, where)
+    device = x.device if device is None else device
     if residual is None:
         if not residual_optional:
             raise TypeError("residual must be a tensor of x's shape (all_reduce is the call without a tail)")
@@ -102,10 +105,11 @@ def tail(x, residual, weight, s, spec: TailSpec, device: torch.device, *, residu
     return h
 
 
-def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate, device: torch.device) -> int:
-    """gated_rmsnorm's tensors and its group: h, checked."""
+def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate) -> int:
+    """gated_rmsnorm's tensors and its group (on x's device): h, checked."""
     where = "x is on"
-    h = x_hidden(x, device, where)
+    h = x_hidden(x, None)
+    device = x.device
     if z is not None:
         _like_x("z", z, x, device, where)
     _weight(weight, x, h, device, where)

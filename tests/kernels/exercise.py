@@ -14,7 +14,10 @@ import sys
 
 import torch
 
-from commfuse import fused_tail, plan, reference, tolerance
+from commfuse import reference, tolerance
+from commfuse.kernels import fused_tail
+from commfuse.kernels.p2p_allreduce import chunk_rows
+from commfuse.tail.spec import TailSpec
 
 SHAPES = [(1, 16), (3, 40), (1, 4096), (130, 7168), (600, 4096), (7, 16384), (2, 32000)]
 # (quant, static scale, scale_layout, scale_ue8m0, weight_offset)
@@ -62,21 +65,22 @@ def fused_tails(g) -> int:
 def local_ops(a, z, weight, quant, scale, layout, scaled, what) -> int:
     """The tail kernel without a residual (a plain RMSNorm), and the gated RMSNorm kernel (rows it
     takes: h <= 16384) with the gate before and after the norm, against their references."""
-    from commfuse import gated_norm, norm
+    from commfuse.kernels import gated_norm
 
     scale_layout, ue8m0, _ = scaled
     kw = dict(scale_layout=scale_layout, scale_ue8m0=ue8m0)
     stand_in = a.reshape(-1, a.shape[-1])  # tail_mismatch compares a residual: x for both
     got = fused_tail.run(a, None, weight, 1e-6, quant, scale, True, layout, **kw)
-    want = norm._quantize_reference(reference.rmsnorm(a, weight, 1e-6), quant, scale, layout, scale_layout, ue8m0)
-    runs = [(got, reference.Tail(stand_in, reference.rmsnorm(a, weight, 1e-6), *want), "plain rmsnorm")]
+    want = reference.fused_tail(a, None, weight, 1e-6, quant, scale, True, layout, 0.0, scale_layout, ue8m0)
+    runs = [(got, want._replace(residual=stand_in), "plain rmsnorm")]
     h = a.shape[-1]
     if h <= gated_norm.MAX_HIDDEN:
         group = h // 2 if h % 16 == 0 else h
         for before in (False, True):
-            n_ref = norm.gated_reference(a, z, weight, 1e-5, group, before)
+            n_ref = reference.gated_rmsnorm(a, z, weight, 1e-5, group, before)
             got = gated_norm.run(a, z, weight, 1e-5, group, before, quant, scale, True, layout, **kw)
-            want = norm._quantize_reference(n_ref, quant, scale, layout, scale_layout, ue8m0)
+            want = ((None, None, None) if quant is None
+                    else reference.quantize(n_ref, quant, scale, layout, scale_layout, ue8m0))
             runs.append((got, reference.Tail(stand_in, n_ref, *want), f"gated rmsnorm (before={before})"))
     for got, want, name in runs:
         why = tolerance.tail_mismatch(got._replace(residual=stand_in), want, quant, layout, scale_layout=scale_layout,
@@ -99,10 +103,11 @@ def p2p_kernels(g) -> int:
             os.environ["COMMFUSE_P2P_WORKSPACE_MB"] = str(workspace_mb)
         comm = commfuse.Communicator(strategy=strategy)
         os.environ.pop("COMMFUSE_P2P_WORKSPACE_MB", None)
-        limit = comm._p2p.max_bytes
+        limit = comm.workspace.max_bytes
 
-        def launches(row_bytes, quant, t):
-            return 1 if t * row_bytes <= limit else -(-t // plan.chunk_rows(row_bytes, quant, "swizzled", limit))
+        def launches(row_bytes, quant, t, scaled=("row", False)):
+            spec = TailSpec.of(quant, scale_layout=scaled[0], scale_ue8m0=scaled[1]) if row_bytes > 16 else None
+            return 1 if t * row_bytes <= limit else -(-t // chunk_rows(row_bytes, spec, limit))
 
         for t, h in shapes:
             # Every rank makes every rank's x (same generator state) and keeps its own, so the sum
@@ -120,7 +125,7 @@ def p2p_kernels(g) -> int:
                 scale = None if s is None else torch.tensor([s], device="cuda")
                 r = comm.fused_all_reduce(xs[rank], residual, weight, 1e-6, quant, scale, True, "swizzled",
                                           scale_layout=scaled[0], scale_ue8m0=scaled[1], weight_offset=scaled[2])
-                n += launches(2 * h, quant, t)
+                n += launches(2 * h, quant, t, scaled)
                 if not r.plan.collective.startswith("p2p") or r.plan.tail != "fused":
                     sys.exit(f"{strategy} {t}x{h} {quant}: took {r.plan}, not a fused P2P kernel")
                 check(r, total, residual, weight, quant, scale, "swizzled", f"{strategy} {t}x{h} {quant} {scaled}",

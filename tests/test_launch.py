@@ -1,0 +1,152 @@
+"""CPU: LaunchPlans (commfuse.kernels.launch) and the Python plan table (commfuse.kernels.table), with
+stand-in kernels that record their launches: the pointer patches, the caller's outputs, the table's
+signatures. The C++ Launcher and Table run the same plans on a GPU (test_communicator.py)."""
+import ctypes
+import struct
+
+import pytest
+import torch
+
+from commfuse.kernels import launch, params, table
+from commfuse.kernels.launch import OUT, RESIDUAL, SCALE, WEIGHT, X, Launch, LaunchPlan, PyLauncher
+from commfuse.reference import Tail
+from commfuse.tail.spec import OutputSpec, TailSpec
+
+
+class Recorder:
+    """A jit.Kernel stand-in: keeps each launch's grid, block and parameter bytes."""
+
+    def __init__(self):
+        self.launches = []
+        self.pdl = False
+
+    def launch(self, grid, block, params=b"", shared_mem=0, stream=None):
+        self.launches.append((grid, block, params))
+
+
+def test_tail_patches_cover_every_pointer_field():
+    """A pointer field added to TailParams without a source would be left 0 by every launcher: every 'ptr'
+    field has exactly one patch, at its offset."""
+    base = params.P2P.offsets["tail"] + 8  # any base: the offsets move with it
+    patches = launch.tail_patches(base, {OUT + 1: 64})
+    pointers = {base + params.TAIL.offsets[f.name] for f in params.TAIL.fields if f.kind == "ptr"}
+    assert {o for o, _, _ in patches} == pointers
+    sources = [s for _, s, _ in patches]
+    assert len(set(sources)) == len(sources)
+    assert set(sources) <= {RESIDUAL, WEIGHT, SCALE} | {OUT + i for i in range(5)}
+    assert [d for _, s, d in patches if s == OUT + 1] == [64] and sum(d for _, _, d in patches) == 64
+
+
+def test_tail_fields_follow_the_spec():
+    f = dict(zip((fld.name for fld in params.TAIL.fields), launch.tail_fields(TailSpec.of("fp8_block",
+                 scale_layout="mn_major", scale_ue8m0=True, weight_offset=1.0, eps=1e-5), 6, 256, rows=3)))
+    assert (f["h"], f["t"], f["sf_swizzled"], f["scale_layout"], f["scale_stride"]) == (256, 3, 0, 3, 8)
+    assert f["weight_offset"] == 1.0 and f["eps"] == 1e-5 and not any(f[n] for n in ("weight", "residual_in"))
+    g = dict(zip((fld.name for fld in params.TAIL.fields), launch.tail_fields(TailSpec.of("nvfp4"), 5, 64)))
+    assert (g["sf_swizzled"], g["scale_layout"]) == (1, 0) and struct.pack("<f", g["weight_offset"]) == \
+        struct.pack("<f", -0.0)  # no offset: -0.0, which the kernel adds bit-exactly
+
+
+def _plan(kernel, patches, outputs, fused=True):
+    return LaunchPlan("test", (Launch(kernel, 3, 64, bytes(64), tuple(patches)),),
+                      tuple(outputs) + ((None,) * (5 - len(outputs)) if fused else ()), 0)
+
+
+def test_py_launcher_patches_pointers_of_the_call_and_the_callers_outputs():
+    rec = Recorder()
+    spec = (OutputSpec((4, 8), torch.bfloat16), OutputSpec((4, 8), torch.bfloat16))
+    plan = _plan(rec, [(0, X, 0), (8, RESIDUAL, 16), (16, WEIGHT, 0), (24, OUT, 32), (32, OUT + 1, 0),
+                       (40, OUT + 2, 0), (48, SCALE, 0)], spec)
+    x, residual = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    weight = torch.randn(8).bfloat16()
+    out = Tail(torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(4, 8, dtype=torch.bfloat16), None, None)
+    got = PyLauncher(plan)(x, residual, weight, None, out)
+    assert got[0] is out.residual and got[1] is out.norm and got[2:] == (None, None, None)
+    (grid, block, raw), = rec.launches
+    assert grid == (3, 1, 1) and block == (64, 1, 1)
+    ptrs = struct.unpack("<7Q", raw[:56])
+    assert ptrs == (x.data_ptr(), residual.data_ptr() + 16, weight.data_ptr(), out.residual.data_ptr() + 32,
+                    out.norm.data_ptr(), 0, 0)  # absent: 0
+    # A tuple in Tail's order serves as out too, and a misaligned caller tensor is refused per call.
+    PyLauncher(plan)(x, residual, weight, None, (out.residual, out.norm, None, None))
+    base = torch.empty(40, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out.norm must be 16-byte aligned"):
+        PyLauncher(plan)(x, residual, weight, None, Tail(out.residual, base[1:33].view(4, 8), None, None))
+
+
+def test_py_launcher_copies_strided_operands():
+    rec = Recorder()
+    plan = _plan(rec, [(0, X, 0), (8, OUT, 0)], (OutputSpec((4, 8), torch.bfloat16),), fused=False)
+    x = torch.randn(8, 4).bfloat16().t()  # not contiguous
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    assert PyLauncher(plan)(x, out=out) is out
+    x_ptr = struct.unpack("<Q", rec.launches[0][2][:8])[0]
+    assert x_ptr != x.data_ptr()  # a contiguous copy
+
+
+def _table(error_word=0):
+    return table.PyTable("t", error_word, Tail, Tail, Tail)
+
+
+def test_table_signatures_hold_metadata_and_exact_scalars():
+    t = _table()
+    calls = []
+
+    def launcher(*args):
+        calls.append(args)
+        return (args[0], None, None, None, None)
+
+    x = torch.randn(4, 8)
+    args = (x, None, x[0], None, None, 1e-6, None, False, "swizzled", 0.0, "row", False)
+    assert t.local(*args) is None  # a miss
+    assert t.insert("local", args, "plan", launcher) and len(t) == 1
+    r = t.local(torch.randn(4, 8), *args[1:])  # other data, same signature: a hit
+    assert isinstance(r, Tail) and r.norm is None and len(calls) == 1
+    for i, other in ((0, torch.randn(4, 16)), (0, torch.randn(8, 4).t()), (5, 1e-5), (8, "linear"), (7, True)):
+        changed = args[:i] + (other,) + args[i + 1:]
+        assert t.local(*changed) is None, i
+    assert t.local(*args[:5], 1, *args[6:]) is None  # an int eps is another signature than a float's
+    # A Python float scale is no key: every such call is a miss, and its insert says so.
+    unkeyable = args[:3] + (0.5,) + args[4:]
+    assert t.local(*unkeyable) is None and not t.insert("local", unkeyable, "plan", launcher)
+    t.clear()
+    assert len(t) == 0 and t.local(*args) is None
+
+
+def test_table_misses_while_the_error_word_is_set():
+    word = ctypes.c_int32(0)
+    t = _table(ctypes.addressof(word))
+    x = torch.randn(16)
+    t.insert("plain", (x, None), "plan", lambda *a: a[0] + 1)
+    assert torch.equal(t.plain(x, None), x + 1)
+    word.value = 1 << 16
+    assert t.plain(x, None) is None
+    word.value = 0
+    assert t.plain(x, None) is not None
+
+
+def test_table_results_have_the_ops_types():
+    from commfuse import FusedResult, Quantized
+
+    t = table.PyTable("t", 0, FusedResult, Tail, Quantized)
+    x = torch.randn(4, 8)
+    five = lambda *a: (a[0], a[0], None, None, None)  # noqa: E731
+    fused = (x, x, x[0], None, None, 1e-6, None, False, "swizzled", 0.0, "row", False)
+    t.insert("fused", fused, "the plan", five)
+    r = t.fused(*fused)
+    assert isinstance(r, FusedResult) and r.plan == "the plan" and r.residual is x
+    quantize = (x, None, "fp8_block", "swizzled", "row", False)
+    t.insert("quantize", quantize, "p", lambda *a: (None, None, a[0], None, a[0][:, 0]))
+    q = t.quantize(*quantize)
+    assert isinstance(q, Quantized) and q.quant is x and q.scale_factors is None
+    gated = (x, None, x[0], None, 1e-5, 4, False, None, False, "swizzled", "row", False)
+    t.insert("gated", gated, "p", lambda *a: (None, a[0], None, None, None))
+    assert t.gated(*gated).norm is x
+
+
+def test_table_is_cleared_when_full(monkeypatch):
+    monkeypatch.setattr(table, "MAX_ENTRIES", 3)
+    t = _table()
+    for n in range(1, 5):
+        t.insert("plain", (torch.randn(8 * n), None), "p", lambda *a: a[0])
+    assert len(t) == 1

@@ -1,0 +1,300 @@
+"""commfuse.routes on simulated hardware: argument errors, the fused tail's guards, the collective's choice."""
+import pytest
+import torch
+
+from commfuse import routes
+from commfuse.kernels.family import Family, Limits
+from commfuse.kernels.p2p_allreduce import chunk_rows
+from commfuse.p2p import P2PLimits
+from commfuse.routes import Call, Collective, Machine, TailRoute, TensorMeta
+from commfuse.tail import checks
+from commfuse.tail.spec import TailSpec
+
+CUDA = torch.device("cuda", 0)
+LIMITS = P2PLimits(64 << 20, (("oneshot", 1 << 20), ("twoshot", 32 << 20)))
+
+
+def meta(shape, dtype=torch.bfloat16, device=CUDA, contiguous=True, last_stride=1):
+    return TensorMeta(tuple(shape), dtype, device, contiguous, last_stride)
+
+
+def call(t=16, h=4096, dtype=torch.bfloat16, quant=None, device=CUDA, plain=False, x=None, scale="tensor", **spec):
+    x = x or meta((t, h), dtype, device)
+    if plain:
+        return Call("plain", x)
+    fmt_scale = TailSpec.of(quant).format.takes_scale
+    if scale == "tensor":
+        scale = meta((1,), torch.float32, device) if fmt_scale else None
+    return Call("fused", x, meta((t, h), dtype, device), meta((h,), dtype, device), scale,
+                spec=TailSpec.of(quant, **spec), scale_number=scale is None and fmt_scale)
+
+
+def plan(c, mode="fallback", sm=(9, 0), world=2, **kw):
+    kw.setdefault("backend", "nccl")
+    return routes.plan(c, Machine(mode, sm=sm, world_size=world, **kw))
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fallback_row_fuses_tail_when_guards_hold(quant, dtype):
+    p = plan(call(dtype=dtype, quant=quant))
+    assert (p.collective, p.tail, p.kernel, p.route) == ("nccl", "fused", "fused_tail", "nccl")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(quant="fp8_per_token"), dict(quant="fp8_block"), dict(quant="fp8_block", scale_layout="mn_major"),
+    dict(quant="fp8_block", scale_ue8m0=True), dict(quant="fp8_block", scale_layout="mn_major", scale_ue8m0=True),
+    dict(quant=None, weight_offset=1.0), dict(quant="fp8", weight_offset=1.0),
+])
+def test_computed_scale_fp8_and_weight_offset_fuse_on_every_route(kw):
+    c = call(**kw)
+    assert plan(c).tail == "fused"
+    p = plan(c, mode="p2p", limits=LIMITS)
+    assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce")
+
+
+def test_fp8_block_needs_whole_blocks():
+    p = plan(call(h=4104, quant="fp8_block"))
+    assert p.tail == "separated" and any("multiple of 128" in r and "fp8_block" in r for r in p.reasons), p.reasons
+
+
+@pytest.mark.parametrize("sm", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_nvfp4_fused_on_every_sm_from_8_0(sm):
+    assert plan(call(quant="nvfp4"), sm=sm).tail == "fused"
+
+
+@pytest.mark.parametrize("case, why", [
+    (dict(sm=(7, 5)), "SM 7.5"),
+    (dict(c=call(dtype=torch.float32)), "float32"),
+    (dict(c=call(device=torch.device("cpu")), sm=None, backend="gloo"), "cpu"),
+    (dict(c=call(h=4100)), "multiple of 8"),
+    (dict(c=call(x=meta((16, 4096), last_stride=2))), "stride 2"),
+    (dict(c=call(quant="fp8", scale=None)), "Python float"),
+    (dict(c=call(quant="fp8", scale=meta((1,), torch.float32, contiguous=False))), "not contiguous"),
+    (dict(fusion=False), "COMMFUSE_DISABLE_FUSION"),
+    (dict(c=call(h=1 << 17)), "hidden size 131072"),
+])
+def test_guard_failure_takes_separated_path_with_reason(case, why):
+    c = case.pop("c", call())
+    p = plan(c, **case)
+    assert (p.tail, p.kernel, p.route) == ("separated", None, "separated")
+    assert any(why in r for r in p.reasons), p.reasons
+
+
+def test_family_limits_reject_with_the_family_name():
+    class Small(Family):
+        name = "small"
+        limits = Limits(max_tokens=8)
+
+    spec = TailSpec.of("fp8")
+    assert Small().rejects(torch.bfloat16, (9, 0), 4096, 8, spec) is None
+    assert "9 tokens" in Small().rejects(torch.bfloat16, (9, 0), 4096, 9, spec)
+    assert "small: dtype" in Small().rejects(torch.float32, (9, 0), 4096, 1, spec)
+    assert "needs SM >= 8.0" in Small().rejects(torch.bfloat16, (7, 0), 4096, 1, spec)
+
+
+def test_plain_all_reduce_has_no_tail():
+    p = plan(call(plain=True))
+    assert (p.collective, p.tail) == ("nccl", "none")
+
+
+@pytest.mark.parametrize("t, expect", [(1, "p2p_oneshot"), (128, "p2p_oneshot"),
+                                       (129, "p2p_twoshot"), (4096, "p2p_twoshot"), (4097, "nccl")])
+def test_p2p_algorithm_follows_measured_crossovers(t, expect):
+    # bf16 x [t, 4096] is 8 KiB per token: 1 MiB one-shot limit = 128 tokens, 32 MiB = 4096 tokens.
+    p = plan(call(t=t), mode="p2p", limits=LIMITS)
+    assert p.collective == expect
+    assert p.tail == "fused" and p.kernel == ("fused_tail" if expect == "nccl" else "p2p_allreduce")
+
+
+# A 1 MiB workspace measured ahead of NCCL up to 2 MiB (two pieces); bf16 rows of 4096 are 8 KiB.
+OVER = P2PLimits(1 << 20, (("oneshot", 256 << 10), ("twoshot", 2 << 20)), oneshot_bytes=512 << 10)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "oneshot", "twoshot"])
+@pytest.mark.parametrize("c", [call(t=129), call(t=256, quant="nvfp4"), call(t=129, plain=True),
+                               call(t=200, quant="nvfp4", sf_layout="linear")],
+                         ids=["fused", "nvfp4-swizzled", "plain", "nvfp4-linear"])
+def test_message_over_workspace_goes_twoshot_in_pieces(strategy, c):
+    p = plan(c, mode="p2p", limits=OVER, strategy=strategy)
+    assert p.collective == "p2p_twoshot", str(p)
+
+
+def test_oneshot_never_exceeds_its_buffers():
+    # Crossovers that claim more than the buffers hold (a stale or edited calibration file): two-shot.
+    stale = P2PLimits(64 << 20, (("oneshot", 16 << 20), ("twoshot", 32 << 20)), oneshot_bytes=8 << 20)
+    assert plan(call(t=1024), mode="p2p", limits=stale).collective == "p2p_oneshot"  # 8 MiB
+    assert plan(call(t=1025), mode="p2p", limits=stale).collective == "p2p_twoshot"
+    forced = plan(call(t=1025), mode="p2p", limits=stale, strategy="oneshot")
+    assert forced.collective == "p2p_twoshot" and any("one-shot buffers" in r for r in forced.reasons)
+
+
+def test_message_over_the_measured_crossover_goes_to_nccl():
+    p = plan(call(t=257), mode="p2p", limits=OVER)
+    assert p.collective == "nccl" and "crossover" in " ".join(p.reasons)
+
+
+@pytest.mark.parametrize("t, h, quant, sf_layout, pieces", [
+    (129, 4096, None, "swizzled", 128), (129, 4096, "nvfp4", "swizzled", 128), (129, 4096, "nvfp4", "linear", 128),
+    (129, 6144, None, "swizzled", 85), (129, 6144, "nvfp4", "swizzled", 0), (100, 8192, "nvfp4", "swizzled", 0)])
+def test_chunk_rows(t, h, quant, sf_layout, pieces):
+    assert chunk_rows(h * 2, TailSpec.of(quant, sf_layout=sf_layout), 1 << 20) == pieces
+    c = call(t=t, h=h, quant=quant, sf_layout=sf_layout)
+    p = plan(c, mode="p2p", limits=OVER, strategy="twoshot")
+    if pieces:
+        assert p.collective == "p2p_twoshot", str(p)
+    else:  # 128 rows of swizzled NVFP4 scale factors do not fit: no piece, NCCL
+        assert p.collective == "nccl" and "holds no piece" in " ".join(p.reasons), str(p)
+    # With the tail separated the P2P kernel is a plain all-reduce: pieces of any 16 bytes fit.
+    p = plan(c, mode="p2p", limits=OVER, strategy="twoshot", fusion=False)
+    assert (p.collective, p.tail, p.route) == ("p2p_twoshot", "separated", "separated"), str(p)
+
+
+def test_strategy_nccl_forces_fallback_row_on_p2p_machine():
+    p = plan(call(), mode="p2p", limits=LIMITS, strategy="nccl")
+    assert (p.collective, p.tail, p.kernel) == ("nccl", "fused", "fused_tail")
+    assert p.reasons.count("strategy 'nccl': P2P all-reduce not used") == 1, p.reasons
+
+
+def test_forced_algorithm_wins_over_crossover():
+    assert plan(call(t=4096), mode="p2p", limits=LIMITS, strategy="oneshot").collective == "p2p_oneshot"
+    assert plan(call(t=1), mode="p2p", limits=LIMITS, strategy="twoshot").collective == "p2p_twoshot"
+
+
+def test_fusion_disabled_keeps_p2p_collective_but_separates_tail():
+    p = plan(call(), mode="p2p", limits=LIMITS, fusion=False)
+    assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "separated", "p2p_allreduce")
+
+
+def test_p2p_world_size_not_supported_goes_to_nccl():
+    p = plan(call(), mode="p2p", world=9, limits=LIMITS)
+    assert p.collective == "nccl" and any("world size 9" in r for r in p.reasons)
+
+
+def test_topology_reasons_are_carried():
+    p = plan(call(), mode="fallback", mode_reasons=("no P2P between ranks 0->1",))
+    assert "no P2P between ranks 0->1" in p.reasons and p.tail == "fused"
+
+
+def test_plan_str_names_route_and_reasons():
+    s = str(plan(call(), sm=(7, 0)))
+    assert s.startswith("nccl + separated tail") and "SM 7.0" in s
+
+
+def test_call_pattern_names():
+    assert call(plain=True).pattern == "allreduce"
+    assert call().pattern == "residual_rmsnorm"
+    assert call(quant="nvfp4", return_norm=True).pattern == "residual_rmsnorm_nvfp4_out"
+
+
+def test_strategies_and_routes_are_entries():
+    assert routes.STRATEGIES == ("auto", "oneshot", "twoshot", "nccl")
+    assert set(routes.ROUTES) == {"p2p_oneshot", "p2p_twoshot", "nccl", "gloo", "local", "gated", "separated"}
+    for name, route in routes.ROUTES.items():
+        assert route.name == name
+
+
+def test_ranks_sharing_a_gpu_plan_p2p_over_gloo_and_gloo_fallback():
+    """Ranks sharing a GPU: the group's backend is gloo, the topology mode p2p (same-device IPC):
+    the P2P kernels run, and the forced fallback row is gloo's sum + the fused tail kernel."""
+    limits = P2PLimits(64 << 20, (("oneshot", 512 << 10), ("twoshot", 64 << 20)))
+    kw = dict(mode="p2p", backend="gloo", world=4, limits=limits)
+    p = plan(call(quant="fp8"), **kw)
+    assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce"), str(p)
+    p = plan(call(quant="fp8"), **{**kw, "limits": None}, strategy="nccl")
+    assert (p.collective, p.tail, p.kernel) == ("gloo", "fused", "fused_tail"), str(p)
+    assert plan(call(plain=True), **kw).collective == "p2p_oneshot"
+
+
+def test_routes_are_typed():
+    p = plan(call(quant="fp8"))
+    assert isinstance(p.collective, Collective) and isinstance(p.tail, TailRoute)
+    assert p.collective is Collective.NCCL and p.tail is TailRoute.FUSED and p.collective.algorithm is p.algorithm is None
+    assert Collective.P2P_TWOSHOT.algorithm == "twoshot" and str(Collective.P2P_ONESHOT) == "p2p_oneshot"
+    assert str(p).startswith(f"nccl + fused tail [{p.kernel}]")
+    with pytest.raises(ValueError, match="nccl or gloo"):
+        Collective.of_backend("mpi")
+
+
+@pytest.mark.parametrize("op, guard", [("local", "fused_tail"), ("gated", "gated_rmsnorm")])
+def test_local_routes(op, guard):
+    x = meta((4, 256))
+    spec = TailSpec.of("fp8")
+    c = Call(op, x, None, meta((256,)), meta((1,), torch.float32), meta((4, 256)) if op == "gated" else None, spec,
+             group_size=64)
+    p = routes.plan(c, Machine("local", sm=(9, 0)))
+    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "fused", guard, op)
+    p = routes.plan(c, Machine("local", sm=(9, 0), fusion=False))
+    assert (p.tail, p.route) == ("separated", "separated") and "COMMFUSE_DISABLE_FUSION" in p.reasons[0]
+    if op == "gated":
+        p = routes.plan(Call(op, x, None, meta((256,)), meta((1,), torch.float32), None, spec, group_size=4),
+                        Machine("local", sm=(9, 0)))
+        assert p.tail == "separated" and "whole 16-byte vectors" in p.reasons[0]
+    q = routes.plan(Call("quantize", x, scale=meta((1,), torch.float32), spec=spec), Machine("local", sm=(9, 0)))
+    assert (q.tail, q.route) == ("separated", "separated") and "no kernel" in q.reasons[0]
+
+
+# ---- argument errors: every one names the argument --------------------------------------------
+
+CPU = torch.device("cpu")
+
+
+def args(t=4, h=64, dtype=torch.bfloat16, **kw):
+    base = dict(x=torch.randn(t, h).to(dtype), residual=torch.randn(t, h).to(dtype),
+                weight=torch.randn(h).to(dtype), quant=None, scale=None, sf_layout="swizzled", eps=1e-6)
+    base.update(kw)
+    return base
+
+
+def check(x, residual, weight, quant, scale, sf_layout, eps, device=CPU, **spec):
+    s = TailSpec.of(quant, sf_layout=sf_layout, eps=eps, **spec)
+    checks.tail(x, residual, weight, scale, s, device)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(residual=torch.randn(4, 32).bfloat16()), ValueError, "residual must have x's shape"),
+    (dict(residual=torch.randn(4, 64)), TypeError, "residual dtype"),
+    (dict(weight=torch.randn(32).bfloat16()), ValueError, r"weight must have shape \[64\]"),
+    (dict(weight=torch.randn(64).half()), TypeError, "weight dtype"),
+    (dict(eps=float("nan")), ValueError, "eps"),
+    (dict(eps=-1e-6), ValueError, "eps"),
+    (dict(eps="1e-6"), TypeError, "eps must be a number"),
+    (dict(quant="int4"), ValueError, "quant must be one of"),
+    (dict(quant=4), TypeError, "quant must be None or one of"),
+    (dict(sf_layout="tiled"), ValueError, "sf_layout"),
+    (dict(quant="fp8"), ValueError, "needs scale"),
+    (dict(quant="fp8", scale=torch.ones(2)), ValueError, "scale must have one element"),
+    (dict(quant="fp8", scale=torch.ones(1, dtype=torch.float64)), TypeError, "scale must be float32"),
+    (dict(quant="fp8", scale="1.0"), TypeError, "scale must be"),
+    (dict(scale=torch.ones(1)), ValueError, "scale is only meaningful"),
+    (dict(quant="fp8_per_token", scale=torch.ones(1)), ValueError, "computes its scales"),
+    (dict(quant="fp8", sf_layout="linear"), ValueError, "sf_layout='linear' applies to quant 'nvfp4'"),
+    (dict(quant="fp8", scale_ue8m0=True), ValueError, "scale_ue8m0=True applies to quant 'fp8_block'"),
+    (dict(quant="fp8_per_token", scale_layout="mn_major"), ValueError, "scale_layout='mn_major' applies"),
+    (dict(x=torch.randn(4, 40).bfloat16(), residual=torch.randn(4, 40).bfloat16(),
+          weight=torch.randn(40).bfloat16(), quant="nvfp4", scale=torch.ones(1)), ValueError, "multiple of 16"),
+])
+def test_bad_arguments_raise_naming_the_argument(bad, error, match):
+    with pytest.raises(error, match=match):
+        check(**args(**bad))
+
+
+def test_tensor_on_wrong_device_raises():
+    with pytest.raises(ValueError, match="x is on cpu, but this communicator works on cuda:0"):
+        check(**args(), device=CUDA)
+
+
+def test_good_arguments_pass():
+    check(**args(quant="nvfp4", scale=torch.ones(1)))
+    check(**args(quant="fp8", scale=0.5))
+    check(**args(quant="fp8_block", h=256, x=torch.randn(4, 256).bfloat16(), residual=torch.randn(4, 256).bfloat16(),
+                 weight=torch.randn(256).bfloat16(), scale_layout="mn_major", scale_ue8m0=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float64, torch.bool])
+def test_non_float_inputs_raise_type_error_naming_x(dtype):
+    x = torch.zeros(4, 64, dtype=dtype)
+    with pytest.raises(TypeError, match=r"x must be float16, bfloat16 or float32"):
+        checks.x_hidden(x, CPU)
+    with pytest.raises(TypeError, match=r"x must be"):
+        checks.tail(x, x, x[0], None, TailSpec(), CPU)
