@@ -35,8 +35,8 @@ from . import routes
 from .kernels import native
 from .reference import Tail
 from .routes import Call, Machine, Plan, Resources
-from .tail import checks, formats
-from .tail.spec import TailSpec
+from .tail import checks
+from .tail.spec import TailSpec, keep
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "Quantized"]
 
@@ -61,12 +61,6 @@ def _compiling() -> bool:
     # Under torch.compile dynamo may trace Python floats as SymFloats: the functions then only call the
     # op (a check would break the graph, float() would specialise it); the op's kernel checks at run time.
     return torch.compiler.is_compiling()
-
-
-def traced_spec(quant, return_norm) -> TailSpec:
-    """The spec of a call dynamo traces, for the outputs it has (its op's kernel checks the arguments when
-    it runs: a check here would break the graph)."""
-    return TailSpec(formats.by_name(quant or None), return_norm=bool(return_norm))
 
 
 def _planned(op: str, args: tuple, call: Call, device: torch.device):
@@ -120,7 +114,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
             raise TypeError("fused_add_rmsnorm: out= is for eager calls (a compiled model's outputs are its own)")
         outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, quant or "", return_norm,
                                                     sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        return Tail(*traced_spec(quant, return_norm).keep(outs, residual is not None))
+        return Tail(*keep(outs, quant, return_norm, residual is not None))
     args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
             scale_ue8m0)
     r = _table().local(*args)
@@ -153,7 +147,7 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     if _compiling():
         outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant or "",
                                                 return_norm, sf_layout, scale_layout, scale_ue8m0)
-        return Tail(*traced_spec(quant, return_norm).keep((None, *outs), False))
+        return Tail(*keep((None, *outs), quant, return_norm, False))
     args = (x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout,
             scale_ue8m0)
     r = _table().gated(*args)
@@ -184,7 +178,7 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     (separated ops); the fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
         q, sf, s = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
-        return Quantized(*traced_spec(quant, False).keep((None, None, q, sf, s), False)[2:])
+        return Quantized(*keep((None, None, q, sf, s), quant, False, False)[2:])
     args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
     r = _table().quantize(*args)
     if r is not None:

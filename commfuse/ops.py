@@ -40,7 +40,7 @@ import torch
 
 from . import local
 from .reference import Tail
-from .tail.spec import TailSpec
+from .tail.spec import TailSpec, keep
 
 __all__ = ["all_reduce", "fused_all_reduce"]
 
@@ -105,7 +105,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
         return Tail(*outs)
     outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "", bool(return_norm),
                                                sf_layout, comm.name, *scalars)
-    return Tail(*local.traced_spec(quant, return_norm).keep(outs))
+    return Tail(*keep(outs, quant, return_norm))
 
 
 # The ops are declared with torch.library.Library rather than torch.library.custom_op: a custom_op call

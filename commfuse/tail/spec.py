@@ -21,7 +21,7 @@ import torch
 from . import formats as F
 from .formats import Format, Layout
 
-__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES"]
+__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES", "keep"]
 
 FP8_CODES = torch.float8_e4m3fn
 _SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "f32": torch.float32, "ue8m0": torch.uint8}
@@ -190,10 +190,7 @@ class TailSpec:
     def keep(self, outs, residual: bool = True) -> tuple:
         """An op's five outputs (empty tensors where absent: ops return tensors) with None where this
         spec's call has no such output (residual False: a call without a residual)."""
-        f = self.format
-        present = (residual, self.has_norm, f.codes is not None, f.scale_field == "scale_factors",
-                   f.scale_field == "scales")
-        return tuple(o if p else None for o, p in zip(outs, present))
+        return keep(outs, self.quant, self.return_norm, residual)
 
     def row_slots(self, t: int) -> int:
         """Rows a tail kernel's grid covers: t, and the padding rows whose scale storage it zeroes
@@ -220,3 +217,16 @@ class TailSpec:
         if self.weight_offset:
             parts.append(f"weight offset {self.weight_offset:g}")
         return ", ".join(parts)
+
+
+# Which outputs each format's call has, as plain values: what keep() reads, also while dynamo traces a
+# model (it cannot trace Format or TailSpec objects made there).
+_HAS = {f.name: (f.codes is None, f.codes is not None, f.scale_field == "scale_factors", f.scale_field == "scales")
+        for f in F.FORMATS}
+
+
+def keep(outs, quant: Optional[str], return_norm: bool, residual: bool = True) -> tuple:
+    """The five outputs of an op (residual, norm, quant, scale_factors, scales; empty tensors where absent)
+    with None where a call of this quant ("" or None: none) and return_norm has no such output."""
+    no_codes, codes, sf, scales = _HAS[quant or None]
+    return tuple(o if p else None for o, p in zip(outs, (residual, no_codes or bool(return_norm), codes, sf, scales)))
