@@ -81,20 +81,29 @@ class Quant:
     commfuse.quantize: the op, read through getitem); views: the views between norm and quant."""
 
     quant: str
-    scale: Union[fx.Node, tuple]
+    scale: Union[fx.Node, tuple, None]
     sf_layout: str
     nodes: List[fx.Node]
     final: fx.Node
     views: List[fx.Node]
     spelling: str
     notes: List[str] = field(default_factory=list)
+    scale_layout: str = "row"
+    scale_ue8m0: bool = False
 
     @property
     def key(self) -> tuple:
-        return (self.quant, self.scale, self.sf_layout)
+        return (self.quant, self.scale, self.sf_layout, self.scale_layout, self.scale_ue8m0)
 
 
 # --------------------------------------------------------------------------- small helpers
+
+
+def _operand_or(n: fx.Node, i: int, name: str, default):
+    """Argument i (or keyword `name`) of n, or `default` where the call leaves it out."""
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
 
 
 def _single_user(n: fx.Node) -> Optional[fx.Node]:
@@ -512,7 +521,8 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
         if any(G.kind(u) != "getitem" for u in cur.users):
             return Mismatch(f"{cur.name}: its outputs are read other than by indexing")
         return Quant(quant=quant, scale=scale, sf_layout=layout, nodes=views + [cur], final=cur, views=views,
-                     spelling="commfuse.quantize")
+                     spelling="commfuse.quantize", scale_layout=_operand_or(cur, 4, "scale_layout", "row"),
+                     scale_ue8m0=_operand_or(cur, 5, "scale_ue8m0", False))
     # FP8: [float32(n)] / scale (or * 1/scale) -> clamp(-448, 448) -> .to(float8_e4m3fn)
     nodes = list(views)
     if _is_cast_to(cur, _F32) and len(cur.users) == 1:

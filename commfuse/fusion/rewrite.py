@@ -28,6 +28,7 @@ import torch.fx as fx
 from . import graph as G
 from . import patterns as P
 from .report import Fused, FusionReport, Skipped
+from ..tail.spec import TailSpec
 
 OPS = {
     "all_reduce": "commfuse::fused_all_reduce",
@@ -198,17 +199,18 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                 else quant.scale
         qname = quant.quant if quant is not None else ""
         layout = quant.sf_layout if quant is not None else "swizzled"
+        scale_layout = (quant.scale_layout, quant.scale_ue8m0) if quant is not None else ("row", False)
         rn = bool(return_norm) if quant is not None else False
         if kind == "all_reduce":
             xin = ar.x
             if not G.same_shape(ar.x, residual):
                 xin = g.call_method("reshape_as", (ar.x, residual))
-            args = (xin, residual, weight, scale, norm.eps, qname, rn, layout, comm_name)
+            args = (xin, residual, weight, scale, norm.eps, qname, rn, layout, comm_name, 0.0, *scale_layout)
         elif kind == "local":
-            args = (x, residual, weight, scale, norm.eps, qname, rn, layout, float(norm.weight_offset))
+            args = (x, residual, weight, scale, norm.eps, qname, rn, layout, float(norm.weight_offset), *scale_layout)
         else:
             args = (norm.input, norm.gate, weight, scale, norm.eps, norm.group_size or h, norm.norm_before_gate,
-                    qname, rn, layout)
+                    qname, rn, layout, *scale_layout)
         fused = g.call_function(targets[kind], args)
     base = 0 if kind != "gated" else -1  # gated_rmsnorm has no residual output
 
@@ -330,12 +332,16 @@ def _consumers(norm: P.Norm, h: int, report: FusionReport):
     (key, uses), = groups.items()
     quant = uses[0]
     bad = None
-    if quant.quant not in ("fp8", "nvfp4") or quant.sf_layout not in ("swizzled", "linear"):
-        bad = f"quant {quant.quant!r} / sf_layout {quant.sf_layout!r} not known to the fused ops"
-    elif quant.quant == "nvfp4" and h % 16:
-        bad = f"NVFP4 needs h % 16 == 0, h = {h}"
-    elif not isinstance(quant.scale, (fx.Node, tuple)):
-        bad = f"the scale {quant.scale!r} is not a tensor in the graph"
+    try:
+        spec = TailSpec.of(quant.quant, sf_layout=quant.sf_layout, scale_layout=quant.scale_layout,
+                           scale_ue8m0=quant.scale_ue8m0)
+    except (TypeError, ValueError) as e:
+        bad = f"quant {quant.quant!r} is not one the fused ops take ({e})"
+    else:
+        if h % spec.hidden_multiple:
+            bad = f"quant={quant.quant!r} needs h % {spec.hidden_multiple} == 0, h = {h}"
+        elif spec.format.takes_scale and not isinstance(quant.scale, (fx.Node, tuple)):
+            bad = f"the scale {quant.scale!r} is not a tensor in the graph"
     if bad:
         report.skipped.append(Skipped(quant.final.name, "quantization", bad + "; left unfused, the norm is returned",
                                       "guard"))
@@ -463,16 +469,9 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
         tokens, note = _tokens(norm.input, h)
         eps = norm.eps if isinstance(norm.eps, float) else 1e-6
         q = quant.quant if quant is not None else None
-        if kind == "gated":
-            from commfuse import local
-
-            dev = G.device(norm.input) or torch.device("cpu")
-            x = torch.empty(tokens, h, dtype=t, device=dev)
-            scale = torch.ones(1, dtype=torch.float32, device=dev) if q else None
-            plan = local.plan_gated(x, x if norm.gate is not None else None, torch.empty(h, dtype=t, device=dev), eps,
-                                    norm.group_size or h, bool(norm.norm_before_gate), quant=q, scale=scale,
-                                    sf_layout=quant.sf_layout if quant is not None else "swizzled")
-            return str(plan) + note
+        layouts = {} if quant is None else dict(sf_layout=quant.sf_layout, scale_layout=quant.scale_layout,
+                                                scale_ue8m0=quant.scale_ue8m0)
+        takes_scale = q is not None and TailSpec.of(q, **layouts).format.takes_scale
         if kind == "all_reduce":
             from commfuse import ops
 
@@ -481,20 +480,24 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
             except LookupError:
                 return "unknown (no live Communicator)"
             dev = c.device
-            x = torch.empty(tokens, h, dtype=t, device=dev)
-            scale = torch.ones(1, dtype=torch.float32, device=dev) if q else None
-            plan = c.plan(x, torch.empty_like(x), torch.empty(h, dtype=t, device=dev), eps=eps, quant=q, scale=scale,
-                          return_norm=bool(return_norm) and q is not None,
-                          sf_layout=quant.sf_layout if quant is not None else "swizzled")
+        else:
+            dev = G.device(norm.input) or torch.device("cpu")
+        x = torch.empty(tokens, h, dtype=t, device=dev)
+        w = torch.empty(h, dtype=t, device=dev)
+        scale = torch.ones(1, dtype=torch.float32, device=dev) if takes_scale else None
+        if kind == "gated":
+            from commfuse import local
+
+            plan = local.plan_gated(x, x if norm.gate is not None else None, w, eps, norm.group_size or h,
+                                    bool(norm.norm_before_gate), quant=q, scale=scale, **layouts)
+        elif kind == "all_reduce":
+            plan = c.plan(x, torch.empty_like(x), w, eps=eps, quant=q, scale=scale,
+                          return_norm=bool(return_norm) and q is not None, **layouts)
         else:
             from commfuse import local
 
-            dev = G.device(norm.input) or torch.device("cpu")
-            x = torch.empty(tokens, h, dtype=t, device=dev)
-            scale = torch.ones(1, dtype=torch.float32, device=dev) if q else None
-            plan = local.plan(x, torch.empty_like(x) if residual is not None else None,
-                              torch.empty(h, dtype=t, device=dev), eps, quant=q, scale=scale,
-                              weight_offset=norm.weight_offset)
+            plan = local.plan(x, torch.empty_like(x) if residual is not None else None, w, eps, quant=q, scale=scale,
+                              weight_offset=norm.weight_offset, **layouts)
         return str(plan) + note
     except Exception as e:  # noqa: BLE001 - the report must not break the pass
         return f"unknown ({type(e).__name__}: {e})"
