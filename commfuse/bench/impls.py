@@ -391,6 +391,8 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
         scales = f"{p.scale_layout} {'UE8M0' if p.scale_ue8m0 else 'float32'}"
         raise Skip(f"flashinfer {version} has no FP8 block pattern with {scales} scales (its per-token-group "
                    "FP8 pattern writes UE8M0 exponents packed MN-major only)")
+    if p.name not in _FI_PATTERN:
+        raise Skip(f"flashinfer fuses no {p.name} (no pattern of its all-reduce fusion computes it)")
     code = getattr(api["patterns"], _FI_PATTERN[p.name], None)
     if code is None:
         raise Skip(f"API mismatch: flashinfer {version} has no pattern {_FI_PATTERN[p.name]}")
