@@ -17,7 +17,7 @@
 //   NVFP4).
 // - Swizzled scale-factor padding: the owner of row m < t writes its row's padding columns;
 //   the rows in [t, roundup(t, 128)) are written by whoever the caller assigns (fused_tail.cu
-//   launches one extra CTA per padding row, which calls tail_sf_zero(p, row, 0)). The MN-major
+//   launches one extra CTA per padding row, which calls tail_sf_zero<QUANT>(p, row, 0)). The MN-major
 //   FP8 block scales are padded alike: row m's padding bytes (UE8M0, blocks K..roundup(K, 4)) by
 //   its owner, the rows in [t, roundup(t, 4)) by the caller's extra rows (tail_scale_zero(p, row, 0)).
 // - fp8_block: h % 128 == 0, so a block of 128 elements is 16 consecutive vectors, held by 16
@@ -39,7 +39,12 @@ constexpr int kFp8Block = 128;
 constexpr int kFp8BlockVectors = kFp8Block / 8;
 
 constexpr int kVecElems = 8;       // elements of T in one 16-byte vector
-constexpr int kSfBlock = 16;       // NVFP4 block size: two vectors
+// The formats whose block scales are scale factors in TailParams::sf_out, row-major or swizzled in
+// 128x4 tiles (sf_swizzled), and the elements each one covers (NVFP4: 16, two vectors).
+template <int QUANT>
+constexpr bool kScaleFactors = QUANT == kQuantNvfp4;
+template <int QUANT>
+constexpr int kSfBlock = 16;
 constexpr int kTailMaxWarps = 32;  // size of the reduction scratch callers provide
 
 
@@ -368,8 +373,9 @@ __device__ __forceinline__ unsigned abs_max_bits(const uint4& n) {
 }
 
 // Where row m's scale factors start; block k of the row is at sf_offset(p, base, k).
+template <int QUANT>
 __device__ __forceinline__ size_t sf_row_base(const TailParams& p, unsigned m) {
-  const unsigned K = static_cast<unsigned>(p.h) / kSfBlock;
+  const unsigned K = static_cast<unsigned>(p.h) / kSfBlock<QUANT>;
   if (!p.sf_swizzled) return static_cast<size_t>(m) * K;
   const unsigned k_tiles = (K + 3) / 4;
   return static_cast<size_t>(m / 128) * (static_cast<size_t>(k_tiles) * 512) + (m % 32) * 16 +
@@ -381,9 +387,10 @@ __device__ __forceinline__ size_t sf_offset(const TailParams& p, size_t row_base
 }
 
 // Zero the swizzled scale factors of row m for blocks [k_begin, roundup(K, 4)).
+template <int QUANT>
 __device__ __forceinline__ void tail_sf_zero(const TailParams& p, int m, int k_begin) {
-  const int k_end = ((p.h / kSfBlock) + 3) & ~3;
-  const size_t base = sf_row_base(p, m);
+  const int k_end = ((p.h / kSfBlock<QUANT>) + 3) & ~3;
+  const size_t base = sf_row_base<QUANT>(p, m);
   unsigned char* sf = static_cast<unsigned char*>(p.sf_out);
   for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) sf[sf_offset(p, base, k)] = 0;
 }
@@ -439,12 +446,6 @@ __device__ __forceinline__ void tail_scale_zero(const TailParams& p, int m, int 
   const int K = p.h / kFp8Block;
   const int k_end = (p.scale_layout & kScaleUe8m0) ? (K + 3) & ~3 : K;
   for (int k = k_begin + static_cast<int>(threadIdx.x); k < k_end; k += blockDim.x) store_block_scale(p, m, k, 0.f);
-}
-
-// Rows the grid must cover: padding rows of the swizzled layout need someone to zero them.
-template <int QUANT>
-__device__ __forceinline__ int tail_row_slots(const TailParams& p) {
-  return (QUANT == kQuantNvfp4 && p.sf_swizzled) ? (p.t + 127) / 128 * 128 : p.t;
 }
 
 // The scalar the quantizer needs: the dequant scale for FP8, S = 1/scale for NVFP4.
@@ -578,12 +579,12 @@ __device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) { ret
 
 // ------------------------------------------------------------------ whole rows
 
-// The padding entries row `row` owns in its scale storage: swizzled NVFP4 columns, MN-major UE8M0
-// bytes past the row's last block.
+// The padding entries row `row` owns in its scale storage: swizzled scale-factor columns, MN-major
+// UE8M0 bytes past the row's last block.
 template <int QUANT>
 __device__ __forceinline__ void tail_row_padding(const TailParams& p, int row) {
-  if constexpr (QUANT == kQuantNvfp4) {
-    if (p.sf_swizzled) tail_sf_zero(p, row, p.h / kSfBlock);
+  if constexpr (kScaleFactors<QUANT>) {
+    if (p.sf_swizzled) tail_sf_zero<QUANT>(p, row, p.h / kSfBlock<QUANT>);
   }
   if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, p.h / kFp8Block);
 }
@@ -591,7 +592,7 @@ __device__ __forceinline__ void tail_row_padding(const TailParams& p, int row) {
 // The padding rows [t, slots) a caller assigns beyond the data rows: their scale storage is zeroed.
 template <int QUANT>
 __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
-  if constexpr (QUANT == kQuantNvfp4) tail_sf_zero(p, row, 0);
+  if constexpr (kScaleFactors<QUANT>) tail_sf_zero<QUANT>(p, row, 0);
   if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, 0);
 }
 
@@ -602,7 +603,7 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
 template <typename T, int QUANT, int VPT>
 __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs) {
   const int nv = p.h / kVecElems;
-  const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
+  const size_t sf_base = kScaleFactors<QUANT> ? sf_row_base<QUANT>(p, row) : 0;
   if constexpr (QUANT == kQuantFp8PerToken) {
     unsigned m = 0;
 #pragma unroll
@@ -695,7 +696,7 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
   const int nv = p.h / kVecElems;
   const size_t row_base = static_cast<size_t>(row) * p.h;
   uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
-  const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
+  const size_t sf_base = kScaleFactors<QUANT> ? sf_row_base<QUANT>(p, row) : 0;
 
   uint4 y[VPT];  // round_T(a + residual) (or a): residual_out, and the norm's input
   float sumsq = 0.f;
@@ -740,7 +741,7 @@ __device__ __forceinline__ void tail_row_looped(const TailParams& p, int row, Lo
   uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  const size_t sf_base = QUANT == kQuantNvfp4 ? sf_row_base(p, row) : 0;
+  const size_t sf_base = kScaleFactors<QUANT> ? sf_row_base<QUANT>(p, row) : 0;
   const bool has_residual = !kMayLackResidual || p.residual_in != nullptr;
   // Vector v of the norm's input, in the passes after the first.
   const auto load_input = [&](int v) { return has_residual ? __ldcg(res_out + v) : load_a(v); };

@@ -812,7 +812,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
       tail.emit(p, r, [g, first](int i) { return __ldcg(g + first + i); }, red);
     }
   }
-  if constexpr (QUANT == kQuantNvfp4) {
+  if constexpr (kScaleFactors<QUANT>) {
     if (p.tail.sf_swizzled) zero_padding_rows<QUANT>(p);
   } else if constexpr (QUANT == kQuantFp8Block) {
     zero_padding_rows<QUANT>(p);
