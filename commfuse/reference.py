@@ -34,6 +34,11 @@ Conventions (docs/semantics.md has every formula in order):
   Scale layouts: ``"row"`` and the MN-major ``"mn_major"`` (DeepGEMM / CUTLASS on
   Hopper: float32; packed UE8M0 int32 for Blackwell), see :func:`mn_major_index`
   and :func:`packed_ue8m0_byte_index`; docs/semantics.md sections 10 and 11.
+* MXFP8 (``quant="mxfp8"``, the OCP MX format Blackwell's block-scaled GEMMs take): e4m3 codes
+  with one computed scale per 32 consecutive elements of a row, a power of two stored as its UE8M0
+  exponent byte: the fp8_block UE8M0 scale of the block (the amax scale rounded up, so no element
+  saturates), in the scale-factor layouts of NVFP4 (``"swizzled"`` 128x4 tiles or ``"linear"``
+  ``[t, h/32]``); see :func:`quantize_mxfp8`.
 * Shapes ``[..., h]`` are accepted and flattened to ``[t, h]`` where noted.
 """
 from __future__ import annotations
@@ -63,6 +68,8 @@ __all__ = [
     "dequantize_fp8_per_token",
     "quantize_fp8_block",
     "dequantize_fp8_block",
+    "quantize_mxfp8",
+    "dequantize_mxfp8",
     "ue8m0_from_scale",
     "ue8m0_to_scale",
     "mn_major_index",
@@ -81,6 +88,7 @@ __all__ = [
     "E2M1_MAX",
     "NVFP4_BLOCK",
     "FP8_BLOCK",
+    "MXFP8_BLOCK",
     "FP8_MIN_SCALE",
 ]
 
@@ -91,8 +99,9 @@ E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
 _FP8_NAN = 0x7F
 _SF_LAYOUTS = ("swizzled", "linear")
-_QUANTS = (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block")
+_QUANTS = (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block", "mxfp8")
 FP8_BLOCK = 128
+MXFP8_BLOCK = 32
 # The smallest positive normal fp32, 2^-126: the lower bound of computed FP8 scales (zero rows).
 FP8_MIN_SCALE = torch.finfo(torch.float32).tiny
 _SCALE_LAYOUTS = ("row", "mn_major")
@@ -590,6 +599,47 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     return y.to(x.dtype)
 
 
+# --------------------------------------------------------------------------- MXFP8
+
+
+def quantize_mxfp8(x: Tensor, sf_layout: str = "swizzled") -> Tuple[Tensor, Tensor]:
+    """MXFP8: e4m3 codes with one power-of-two scale per block of 32 consecutive elements of a row.
+
+    x: [..., h] fp16/bf16/fp32 tensor (flattened to [t, h]), h % 32 == 0, any device.
+    Per block, the scale rule of the GEMM libraries' MXFP8 quantizers (TransformerEngine, FlashInfer /
+    TensorRT-LLM: amax / 448 rounded up to a power of two, so no element saturates; OCP's rule takes
+    2^(floor(log2 amax) - 8) instead, which clamps blocks whose amax lies above 1.75 * 2^e): exactly
+    :func:`quantize_fp8_block`'s UE8M0 scale with blocks of 32: s = max(RN(amax / 448), 2^-126), its
+    UE8M0 byte E = e + (mantissa != 0) (0xFF for NaN, +Inf and above 2^127), codes =
+    e4m3(RN(x / 2^(E-127))), +-Inf in a block of scale +Inf giving +-448 and a NaN block NaN codes.
+    A block of zeros gets E = 1 (2^-126), where those quantizers write 0: the codes and the
+    dequantized values are the same.
+    sf_layout: "swizzled" (the 128x4 tiles of NVFP4's scale factors, K = h / 32 blocks a row,
+    roundup(t, 128) * roundup(K, 4) bytes, padding 0) or "linear" ([t, K]).
+    Returns (codes float8_e4m3fn [t, h], exponent bytes uint8 in sf_layout) on x's device;
+    value = code * 2^(E - 127) (:func:`dequantize_mxfp8`).
+    """
+    _check_sf_layout(sf_layout)
+    h = x.shape[-1]
+    if h % MXFP8_BLOCK:
+        raise ValueError(f"MXFP8 needs h % {MXFP8_BLOCK} == 0, got h={h}")
+    xf = x.reshape(-1, h).float()
+    t, K = xf.shape[0], h // MXFP8_BLOCK
+    codes, _, E = _fp8_groups(xf.reshape(t, K, MXFP8_BLOCK), ue8m0=True)
+    return codes.reshape(t, h), swizzle_scale_factors(E) if sf_layout == "swizzled" else E
+
+
+def dequantize_mxfp8(codes: Tensor, scale_factors: Tensor, sf_layout: str = "swizzled") -> Tensor:
+    """Inverse of :func:`quantize_mxfp8`: float(code) * 2^(E - 127) of its block (0xFF: NaN), in fp32.
+
+    codes: float8_e4m3fn [t, h]; scale_factors: uint8 in sf_layout; one device. Returns fp32 [t, h]."""
+    _check_sf_layout(sf_layout)
+    t, h = codes.shape
+    K = h // MXFP8_BLOCK
+    E = unswizzle_scale_factors(scale_factors, t, K) if sf_layout == "swizzled" else scale_factors.reshape(t, K)
+    return (codes.float().reshape(t, K, MXFP8_BLOCK) * ue8m0_to_scale(E).unsqueeze(-1)).reshape(t, h)
+
+
 # --------------------------------------------------------------------------- scale helpers
 
 
@@ -638,9 +688,9 @@ def quantize(
     """The quantization `quant` of x [..., h] (flattened to [t, h]), by the format's function above.
 
     scale: the dequant scale of "fp8" and "nvfp4" (None for the kinds that compute their scales);
-    sf_layout: NVFP4's scale-factor layout; scale_layout, scale_ue8m0: fp8_block's (see
+    sf_layout: the scale-factor layout of nvfp4 and mxfp8; scale_layout, scale_ue8m0: fp8_block's (see
     :func:`quantize_fp8_block`). Returns (codes, scale_factors, scales), None where the format has none:
-    scale_factors for nvfp4, scales for fp8_per_token and fp8_block.
+    scale_factors for nvfp4 and mxfp8, scales for fp8_per_token and fp8_block.
     """
     if quant not in _QUANTS[1:]:
         raise ValueError(f"quant must be one of {_QUANTS[1:]}, got {quant!r}")
@@ -648,7 +698,7 @@ def quantize(
     _check_scale_layout(scale_layout)
     if quant in ("fp8", "nvfp4") and scale is None:
         raise ValueError(f"quant={quant!r} needs a scale")
-    if quant in ("fp8_per_token", "fp8_block") and scale is not None:
+    if quant in ("fp8_per_token", "fp8_block", "mxfp8") and scale is not None:
         raise ValueError(f"quant={quant!r} computes its own scales: scale must be None")
     if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
         raise ValueError(f"scale_layout={scale_layout!r}, scale_ue8m0={scale_ue8m0!r}: other than "
@@ -663,6 +713,9 @@ def quantize(
     if quant == "fp8_per_token":
         q, s = quantize_fp8_per_token(x)
         return q, None, s
+    if quant == "mxfp8":
+        q, sf = quantize_mxfp8(x, sf_layout)
+        return q, sf, None
     q, s = quantize_fp8_block(x, FP8_BLOCK, scale_layout, scale_ue8m0)
     return q, None, s
 
@@ -685,7 +738,7 @@ def fused_tail(
     a: [..., h] all-reduced activations, dtype T. residual: same shape/dtype/device, or None: no
     residual add (the norm's input is a itself, and there is no residual output).
     weight: [h] RMSNorm weight, on a's device. eps: python float.
-    quant: None, "fp8", "nvfp4", "fp8_per_token" or "fp8_block" (:func:`quantize`).
+    quant: None, "fp8", "nvfp4", "fp8_per_token", "fp8_block" or "mxfp8" (:func:`quantize`).
     scale: dequant scale (fp32 1-element tensor or float), needed for "fp8" and "nvfp4";
     must be None for "fp8_per_token" / "fp8_block", which compute their scales.
     sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear".

@@ -42,9 +42,9 @@ constexpr int kVecElems = 8;       // elements of T in one 16-byte vector
 // The formats whose block scales are scale factors in TailParams::sf_out, row-major or swizzled in
 // 128x4 tiles (sf_swizzled), and the elements each one covers (NVFP4: 16, two vectors).
 template <int QUANT>
-constexpr bool kScaleFactors = QUANT == kQuantNvfp4;
+constexpr bool kScaleFactors = QUANT == kQuantNvfp4 || QUANT == kQuantMxfp8;
 template <int QUANT>
-constexpr int kSfBlock = 16;
+constexpr int kSfBlock = QUANT == kQuantMxfp8 ? 32 : 16;
 constexpr int kTailMaxWarps = 32;  // size of the reduction scratch callers provide
 
 
@@ -474,8 +474,8 @@ __device__ __forceinline__ float block_scale(const TailParams& p, unsigned m) {
 }
 
 // Stores, and quantization, of vector v of row `row`, given its T-rounded norm n. Every lane of
-// the warp must call it (NVFP4 pairs lanes through a shuffle); `active` is false for lanes past the
-// row's end, whose inputs are zero. sf_base: sf_row_base(p, row). qs: quant_scalar<QUANT>, for
+// the warp must call it (NVFP4 pairs lanes through a shuffle, MXFP8 joins four); `active` is false for
+// lanes past the row's end, whose inputs are zero. sf_base: sf_row_base(p, row). qs: quant_scalar<QUANT>, for
 // fp8_per_token the row's scale, for fp8_block the block's (block_scale; the caller stores it).
 // kGivenReciprocal: qr is fp8_reciprocal(qs), computed by the caller; else it is computed here.
 template <typename T, int QUANT, bool kGivenReciprocal = false>
@@ -509,6 +509,21 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
     if (active) {
       reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + row_base / 2)[v] = codes;
       if ((v & 1) == 0) static_cast<unsigned char*>(p.sf_out)[sf_offset(p, sf_base, v / 2)] = sf;
+    }
+  } else if constexpr (QUANT == kQuantMxfp8) {
+    // A block of 32 is vectors 4j..4j+3: lanes 4j..4j+3 of one warp (blockDim.x % 32 == 0, h % 32 == 0,
+    // so a block's lanes are all inside the row or all past it). Its scale is fp8_block's rounded up
+    // to a power of two (the UE8M0 bit is set for MXFP8), its byte the scale's exponent bits.
+    unsigned m = abs_max_bits(n);
+    m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float s = block_scale<T>(p, m);
+    const uint2 q = quant_fp8<T, true>(n, s, fp8_reciprocal(s), true);
+    if (active) {
+      reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + row_base)[v] = q;
+      if ((v & 3) == 0)
+        static_cast<unsigned char*>(p.sf_out)[sf_offset(p, sf_base, v / 4)] =
+            static_cast<unsigned char>(__float_as_uint(s) >> 23);
     }
   }
 }

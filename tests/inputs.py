@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 # dequant scales for the tails' quant patterns (the computed-scale kinds take none)
-SCALES = {None: None, "fp8": 0.02, "nvfp4": 0.004, "fp8_per_token": None, "fp8_block": None}
+SCALES = {None: None, "fp8": 0.02, "nvfp4": 0.004, "fp8_per_token": None, "fp8_block": None, "mxfp8": None}
 
 
 def rank_inputs(comm, gen, shape, dtype):

@@ -572,3 +572,22 @@ def test_new_patterns_run_on_request_only():
     assert cli.parse_args([]).pattern_list == list(cases.DEFAULT_PATTERNS)
     assert set(cases.DEFAULT_PATTERNS) < set(cases.PATTERNS)
     assert cli.parse_args(["--patterns", ",".join(NEW_PATTERNS)]).pattern_list == list(NEW_PATTERNS)
+
+
+def test_mxfp8_pattern_verifies_and_wrong_scale_factors_are_rejected():
+    """The MXFP8 pattern (from the format registry): its tail-eager row passes the gate; a UE8M0 scale
+    factor two exponents off, or a swizzle padding byte not 0, is rejected; its bytes are counted."""
+    ctx = _ctx()
+    p = cases.PATTERNS["residual_rmsnorm_mxfp8"]
+    case = cases.make_case(ctx, p, "bf16", 5, 256)
+    assert case.scale is None
+    impl = impls.IMPLS["tail-eager"]
+    step = impl.prepare(ctx, case)
+    verdict, res = cases.gate(ctx, step.call, lambda r: impl.mismatch(case, r))
+    assert verdict is OK and res.sf.dtype == torch.uint8 and res.scales is None
+    for index, change, why in ((0, 2, "UE8M0 scale factors"), (res.sf.numel() - 1, 1, "swizzle padding not 0")):
+        r = step.call(0)
+        r.sf = r.sf.clone()
+        r.sf[index] += change
+        assert why in impl.mismatch(case, r)
+    assert cases.tail_bytes(p, 5, 256, 2) == 3 * 5 * 256 * 2 + 256 * 2 + 5 * 256 + 128 * 8

@@ -24,6 +24,7 @@ PATTERNS = [  # (quant, return_norm, sf_layout)
     (None, False, "swizzled"),
     ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
     ("nvfp4", False, "swizzled"), ("nvfp4", True, "swizzled"), ("nvfp4", False, "linear"),
+    ("mxfp8", False, "swizzled"), ("mxfp8", True, "linear"),
 ]
 
 

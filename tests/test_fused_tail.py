@@ -515,3 +515,38 @@ def test_computed_scales_in_a_cuda_graph():
     assert torch.equal(storage_bytes(block.scales).cpu(), storage_bytes(s))
     q, s = ref.quantize_fp8_per_token(token.norm.cpu())
     assert torch.equal(token.quant.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(token.scales.cpu(), s)
+
+
+# --------------------------------------------------------------------------- MXFP8
+
+
+@pytest.mark.parametrize("weight_offset", (0.0, 1.0))
+@pytest.mark.parametrize("sf_layout", ("swizzled", "linear"))
+@pytest.mark.parametrize("hidden", (32, 96, 2880, 4096, 7168, 16384, 32768))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_mxfp8_matches_reference(dtype, hidden, sf_layout, weight_offset, monkeypatch):
+    """MXFP8 (a power-of-two scale per 32 elements as UE8M0 bytes, in NVFP4's scale-factor layouts): within
+    the tolerances of the reference tail, and bit for bit the CPU reference quantizer over the kernel's
+    own norm, every output byte written (two poisons), the swizzled padding 0. 96 and 2880: K = h/32 not a
+    multiple of 4 (padding columns); 130 rows: a second 128-row tile; 600: the many-rows configuration;
+    32768: the looped variant. The special rows: NaN (a NaN block), Inf, zeros, and the big column."""
+    for tokens in (1, 7, 130, 600):
+        a, residual, weight, _, _ = make_inputs(tokens, hidden, dtype, hidden * 13 + tokens)
+        kw = dict(weight_offset=weight_offset)
+        return_norm = tokens % 2 == 1
+        k = run_scaled(monkeypatch, a, residual, weight, EPS, "mxfp8", None, return_norm, sf_layout, **kw)
+        e = ref.fused_tail(a, residual, weight, EPS, "mxfp8", None, return_norm, sf_layout, weight_offset)
+        for name, x, y in zip(k._fields, k, e):
+            assert (x is None) == (y is None), name
+        assert_residual(k.residual, e.residual)
+        why = tolerance.tail_mismatch(k, e, "mxfp8", sf_layout)
+        assert why is None, why
+        kn = k.norm if return_norm else ft.run(a, residual, weight, EPS, "mxfp8", None, True, sf_layout, **kw).norm
+        q, sf = ref.quantize_mxfp8(kn.cpu(), sf_layout)
+        assert torch.equal(k.quant.cpu().view(torch.uint8), q.view(torch.uint8)), "codes differ"
+        assert k.scale_factors.dtype == torch.uint8 and torch.equal(k.scale_factors.cpu(), sf), "scale factors differ"
+        if tokens > NAN_ROW:  # a NaN makes the row's norm NaN: UE8M0 0xFF (NaN) for every block, NaN codes
+            K = hidden // 32
+            row_sf = ref.unswizzle_scale_factors(k.scale_factors, tokens, K) if sf_layout == "swizzled" \
+                else k.scale_factors
+            assert (row_sf[NAN_ROW] == 0xFF).all() and (k.quant[NAN_ROW].view(torch.uint8) == 0x7F).all()

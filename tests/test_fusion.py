@@ -312,6 +312,33 @@ def test_nvfp4_through_commfuse_quantize(quiet_comm, gen, sf_layout):
 
 
 @mpi
+@pytest.mark.parametrize("quant, kw", [("mxfp8", dict(sf_layout="linear")), ("mxfp8", {}),
+                                       ("fp8_block", dict(scale_layout="mn_major", scale_ue8m0=True))])
+def test_computed_scale_formats_through_commfuse_quantize(quiet_comm, gen, quant, kw):
+    """A format that computes its scales (no scale in the graph), with its layout options, is fused into the
+    all-reduce tail as commfuse.quantize states it: every output of the quantize op is the fused op's."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(128, eps=1e-5, dtype=BF16, device=c.device)
+            self.norm.weight.copy_(weight)
+
+        def forward(self, x, residual, wo):
+            y = commfuse.ops.all_reduce(c, F.linear(x, wo))
+            h = y + residual
+            q, sf, s = commfuse.quantize(self.norm(h), quant, **kw)
+            return q, sf if sf is not None else s, h
+
+    gm, report, want, got = fuse_and_run(Block(), (x, residual, wo), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert report.fused[0].quant == quant, report
+    assert_same(got, want)
+
+
+@mpi
 def test_view_reshape_and_no_op_cast_chains(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8", shape=(2, 3, 128))

@@ -25,12 +25,14 @@ def inputs(gen, t, h, dtype, device="cpu", quant=None):
     x = (torch.randn(t, h, generator=gen) * 3).to(dtype).to(device)
     residual = torch.randn(t, h, generator=gen).to(dtype).to(device)
     weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(device)
-    scale = None if quant is None else torch.tensor([{"fp8": 0.02, "nvfp4": 0.004}[quant]], device=device)
+    scale = {"fp8": 0.02, "nvfp4": 0.004}.get(quant)
+    scale = None if scale is None else torch.tensor([scale], device=device)
     return x, residual, weight, scale
 
 
 PATTERNS = [(None, False, "swizzled"), ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
-            ("nvfp4", False, "swizzled"), ("nvfp4", True, "linear")]
+            ("nvfp4", False, "swizzled"), ("nvfp4", True, "linear"), ("mxfp8", False, "swizzled"),
+            ("mxfp8", True, "linear")]
 
 
 @pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
@@ -344,7 +346,8 @@ def test_opcheck_computed_kinds(gen, quant, scale_layout, scale_ue8m0, with_resi
                            scale_ue8m0))
 
 
-@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", [(None, "row", False), ("nvfp4", "row", False)] + COMPUTED)
+@pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", [(None, "row", False), ("nvfp4", "row", False),
+                                                             ("mxfp8", "row", False)] + COMPUTED)
 def test_fakes_have_the_real_shapes(gen, quant, scale_layout, scale_ue8m0):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -370,7 +373,8 @@ def test_fakes_have_the_real_shapes(gen, quant, scale_layout, scale_ue8m0):
 ALL_QUANTS = [(None, False, "swizzled", "row", False), ("fp8", False, "swizzled", "row", False),
               ("fp8", True, "swizzled", "row", False), ("nvfp4", False, "swizzled", "row", False),
               ("nvfp4", True, "linear", "row", False), ("fp8_per_token", False, "swizzled", "row", False),
-              ("fp8_block", True, "swizzled", "row", False), ("fp8_block", False, "swizzled", "mn_major", True)]
+              ("fp8_block", True, "swizzled", "row", False), ("fp8_block", False, "swizzled", "mn_major", True),
+              ("mxfp8", False, "swizzled", "row", False), ("mxfp8", True, "linear", "row", False)]
 
 
 def _assert_local_close(got, want, x, quant, sf_layout, scale_layout, scale_ue8m0):

@@ -17,7 +17,7 @@ from inputs import rank_inputs, tail_inputs
 mpi = pytest.mark.mpi  # any world size, one process too (under mpirun)
 PATTERNS = [  # (quant, return_norm, sf_layout)
     (None, False, "swizzled"), ("fp8", False, "swizzled"), ("fp8", True, "swizzled"),
-    ("nvfp4", False, "swizzled"), ("nvfp4", True, "linear"),
+    ("nvfp4", False, "swizzled"), ("nvfp4", True, "linear"), ("mxfp8", True, "swizzled"),
 ]
 
 

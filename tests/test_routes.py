@@ -44,7 +44,8 @@ def test_fallback_row_fuses_tail_when_guards_hold(quant, dtype):
 @pytest.mark.parametrize("kw", [
     dict(quant="fp8_per_token"), dict(quant="fp8_block"), dict(quant="fp8_block", scale_layout="mn_major"),
     dict(quant="fp8_block", scale_ue8m0=True), dict(quant="fp8_block", scale_layout="mn_major", scale_ue8m0=True),
-    dict(quant=None, weight_offset=1.0), dict(quant="fp8", weight_offset=1.0),
+    dict(quant=None, weight_offset=1.0), dict(quant="fp8", weight_offset=1.0), dict(quant="mxfp8"),
+    dict(quant="mxfp8", sf_layout="linear"),
 ])
 def test_computed_scale_fp8_and_weight_offset_fuse_on_every_route(kw):
     c = call(**kw)
@@ -271,6 +272,10 @@ def check(x, residual, weight, quant, scale, sf_layout, eps, device=CPU, **spec)
     (dict(quant="fp8", sf_layout="linear"), ValueError, "sf_layout='linear' applies to quant 'nvfp4'"),
     (dict(quant="fp8", scale_ue8m0=True), ValueError, "scale_ue8m0=True applies to quant 'fp8_block'"),
     (dict(quant="fp8_per_token", scale_layout="mn_major"), ValueError, "scale_layout='mn_major' applies"),
+    (dict(quant="mxfp8", scale=torch.ones(1)), ValueError, "computes its scales"),
+    (dict(quant="mxfp8", scale_ue8m0=True), ValueError, "scale_ue8m0=True applies to quant 'fp8_block'"),
+    (dict(x=torch.randn(4, 48).bfloat16(), residual=torch.randn(4, 48).bfloat16(),
+          weight=torch.randn(48).bfloat16(), quant="mxfp8"), ValueError, "multiple of 32"),
     (dict(x=torch.randn(4, 40).bfloat16(), residual=torch.randn(4, 40).bfloat16(),
           weight=torch.randn(40).bfloat16(), quant="nvfp4", scale=torch.ones(1)), ValueError, "multiple of 16"),
 ])

@@ -90,6 +90,8 @@ FORMATS: Tuple[Format, ...] = (
     Format("fp8_block", 4, "Fp8Block", h_multiple=128, codes="e4m3", block=128, scale_field="scales",
            scale_code="f32", ue8m0="option", layout_arg="scale_layout", layouts=tuple(SCALE_LAYOUTS.items()),
            hw_sm=(8, 9), p2p_register_vpts=(1,)),
+    Format("mxfp8", 5, "Mxfp8", h_multiple=32, codes="e4m3", block=32, scale_field="scale_factors",
+           scale_code="ue8m0", ue8m0="always", layout_arg="sf_layout", layouts=_SF, hw_sm=(8, 9)),
 )
 NONE = FORMATS[0]
 _BY_NAME = {f.name: f for f in FORMATS}

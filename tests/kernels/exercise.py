@@ -24,11 +24,11 @@ SHAPES = [(1, 16), (3, 40), (1, 4096), (130, 7168), (600, 4096), (7, 16384), (2,
 PATTERNS = [(None, None, "row", False, 0.0), ("fp8", 0.02, "row", False, 0.0), ("nvfp4", 0.004, "row", False, 0.0),
             ("fp8_per_token", None, "row", False, 1.0), ("fp8_block", None, "row", False, 0.0),
             ("fp8_block", None, "mn_major", False, 0.0), ("fp8_block", None, "mn_major", True, 1.0),
-            ("fp8_block", None, "row", True, 0.0)]
+            ("fp8_block", None, "row", True, 0.0), ("mxfp8", None, "row", False, 1.0)]
 
 
 def skip(quant, h) -> bool:
-    return (quant == "nvfp4" and h % 16 > 0) or (quant == "fp8_block" and h % 128 > 0)
+    return h % TailSpec.of(quant).hidden_multiple > 0
 
 
 def inputs(g, t, h, dtype):
@@ -53,7 +53,7 @@ def fused_tails(g) -> int:
                     continue
                 scale = None if s is None else torch.tensor([s], device="cuda")
                 kw = dict(scale_layout=scaled[0], scale_ue8m0=scaled[1], weight_offset=scaled[2])
-                for layout in ("swizzled", "linear") if quant == "nvfp4" else ("swizzled",):
+                for layout in ("swizzled", "linear") if quant in ("nvfp4", "mxfp8") else ("swizzled",):
                     got = fused_tail.run(a, residual, weight, 1e-6, quant, scale, True, layout, **kw)
                     check(got, a, residual, weight, quant, scale, layout, f"fused_tail {t}x{h} {dtype} {quant} {layout}",
                           scaled)
