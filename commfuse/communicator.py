@@ -222,10 +222,10 @@ class Communicator:
         """
         try:
             y = self.table.plain(x, out)
-            if y is not None:
-                return y
-            _, launcher = self._first("plain", (x, out), self._call(x, None, None, None, out, None))
-            return launcher(x, None, None, None, out)
+            if y is None:
+                _, launcher = self._first("plain", (x, out), self._call(x, None, None, None, out, None))
+                y = launcher(x, None, None, None, out)
+            return y
         except native.NcclFailure as e:
             raise self._nccl.error(int(e.args[0])) from None
 
@@ -252,15 +252,16 @@ class Communicator:
         may be `residual` itself: the residual is updated in place (every route reads each residual
         element before it writes it).
         """
-        args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
-                scale_ue8m0)
         try:
-            r = self.table.fused(*args)
-            if r is not None:
-                return r
-            spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-            p, launcher = self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
-            return FusedResult(*launcher(x, residual, weight, scale, out), plan=p)
+            r = self.table.fused(x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                                 scale_layout, scale_ue8m0)
+            if r is None:
+                args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                        scale_layout, scale_ue8m0)
+                spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+                p, launcher = self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
+                r = FusedResult(*launcher(x, residual, weight, scale, out), plan=p)
+            return r
         except native.NcclFailure as e:
             raise self._nccl.error(int(e.args[0])) from None
 

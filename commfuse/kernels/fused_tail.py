@@ -126,6 +126,14 @@ def _launcher(dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: 
     return native.launcher(FUSED_TAIL.plan(dtype, t, h, spec, device_index, residual=residual))
 
 
+_RUNS: dict = {}  # run()'s checked signatures (its arguments' metadata and values) -> (launcher, outputs)
+
+
+def _signature(a, residual, weight, scale, args) -> tuple:
+    return (*((v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else (type(v), v)
+              for v in (a, residual, weight, scale)), *args)
+
+
 def run(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
         quant: Optional[str] = None, scale: Optional[torch.Tensor] = None, return_norm: bool = False,
         sf_layout: str = "swizzled", *, out=None, weight_offset: float = 0.0, scale_layout: str = "row",
@@ -138,18 +146,29 @@ def run(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
     weight_offset, scale_layout, scale_ue8m0: as for commfuse.reference.fused_tail (scale: a float32
     CUDA tensor of one element where the format takes one). h a multiple of 8 (and of the format's
     block), h <= MAX_HIDDEN. out: the caller's output tensors, as for Communicator.fused_all_reduce.
-    Returns a reference.Tail of the outputs ([t, h] rows; see Communicator.fused_all_reduce).
+    Returns a reference.Tail of the outputs ([t, h] rows; see Communicator.fused_all_reduce). The
+    checks run once per signature (what they read: the tensors' metadata, the other arguments).
     """
-    spec = TailSpec.of(quant, return_norm=return_norm, eps=eps, weight_offset=weight_offset, sf_layout=sf_layout,
-                       scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
-    h = checks.tail(a, residual, weight, scale, spec, a.device, residual_optional=True, where="a is on")
-    t = a.numel() // h
-    why = None if a.is_cuda else "a must be a CUDA tensor"
-    why = why or FUSED_TAIL.rejects(a.dtype, torch.cuda.get_device_capability(a.device), h, t, spec)
-    if why is None and spec.format.takes_scale and not isinstance(scale, torch.Tensor):
-        why = "scale must be a float32 CUDA tensor"
-    if why:
-        raise ValueError(f"fused_tail.run: {why}")
+    key = _signature(a, residual, weight, scale, (eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
+                                                  scale_ue8m0))
+    entry = _RUNS.get(key)
+    if entry is None:
+        spec = TailSpec.of(quant, return_norm=return_norm, eps=eps, weight_offset=weight_offset, sf_layout=sf_layout,
+                           scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+        h = checks.tail(a, residual, weight, scale, spec, a.device, residual_optional=True, where="a is on")
+        t = a.numel() // h
+        why = None if a.is_cuda else "a must be a CUDA tensor"
+        why = why or FUSED_TAIL.rejects(a.dtype, torch.cuda.get_device_capability(a.device), h, t, spec)
+        if why is None and spec.format.takes_scale and not isinstance(scale, torch.Tensor):
+            why = "scale must be a float32 CUDA tensor"
+        if why:
+            raise ValueError(f"fused_tail.run: {why}")
+        entry = (_launcher(a.dtype, t, h, spec, a.get_device(), residual is not None),
+                 spec.outputs(t, h, a.dtype, residual is not None))
+        if len(_RUNS) >= 4096:
+            _RUNS.clear()
+        _RUNS[key] = entry
+    launcher, outputs = entry
     if out is not None:
-        checks.out(out, spec.outputs(t, h, a.dtype, residual is not None), a.device)
-    return Tail(*_launcher(a.dtype, t, h, spec, a.get_device(), residual is not None)(a, residual, weight, scale, out))
+        checks.out(out, outputs, a.device)
+    return Tail(*launcher(a, residual, weight, scale, out))

@@ -32,7 +32,7 @@ LAYOUT_ARGS = {"sf_layout": SF_LAYOUTS, "scale_layout": SCALE_LAYOUTS}
 DEFAULTS = {"sf_layout": "swizzled", "scale_layout": "row", "scale_ue8m0": False}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # each format is one registry entry: compared and hashed as that object
 class Format:
     """One quantization format.
 
