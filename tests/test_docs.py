@@ -43,6 +43,9 @@ FOREIGN_PATHS = {
     "csrc/trtllm_allreduce_fusion.cu",            # FlashInfer
 }
 
+# commfuse/params.py generates this header for NVRTC at run time: it is never a file of the repository.
+GENERATED_FILES = {importlib.import_module("commfuse.params").HEADER_NAME}
+
 CODE_FENCES = {"bash", "sh", "shell", "python", "py"}
 # `.h`, `.so`, `.json` names in the docs are the CUDA toolkit's, NCCL's, FlashInfer's or placeholders.
 PROJECT_EXTENSIONS = ("py", "cu", "cuh", "cpp", "c", "sh", "md", "toml")
@@ -58,15 +61,16 @@ def _ignored_top_level():
 IGNORED = _ignored_top_level()
 
 
-def _project_files():
-    """Every file of the project: hidden, ignored and cache folders (a CI .venv among them) left out."""
-    files = []
+def _files_by_name():
+    """{file name: paths} of the project's files: hidden, ignored and cache folders (CI's .venv) left out."""
+    found = {}
     for folder, subfolders, names in os.walk(REPO):
         top = Path(folder) == REPO
         subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "__pycache__"
                          and not d.endswith(".egg-info") and not (top and d in IGNORED)]
-        files += [Path(folder) / n for n in names]
-    return files
+        for n in names:
+            found.setdefault(n, []).append(Path(folder) / n)
+    return found
 
 
 def _roots():
@@ -90,9 +94,7 @@ def _modules():
 
 ROOTS = _roots()
 MODULES = _modules()
-FILES_BY_NAME = {}
-for _f in _project_files():
-    FILES_BY_NAME.setdefault(_f.name, []).append(_f)
+FILES_BY_NAME = _files_by_name()
 
 URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
@@ -101,7 +103,8 @@ PATH = re.compile(r"(?<![\w./~$<-])(?:\./)?((?:%s)/(?:[\w.*?/-]|\{[^{}\s]*\})*)"
                   "|".join(sorted(map(re.escape, ROOTS), key=len, reverse=True)))
 PYTEST_ID = re.compile(r"::(\w+)")
 DOTTED = re.compile(r"(?<![\w.])commfuse(?:\.[A-Za-z_]\w*)+")
-TORCH_OP = re.compile(r"(?:(?<![\w.])torch\.ops\.commfuse\.|(?<![\w:])commfuse::)([A-Za-z_]\w*)")
+# `commfuse::name<...>` is a kernel template of csrc/ (the kernels' C++ namespace), not an op.
+TORCH_OP = re.compile(r"(?:(?<![\w.])torch\.ops\.commfuse\.|(?<![\w:])commfuse::)([A-Za-z_]\w*)(?![\w<])")
 MODULE_ATTR = re.compile(r"(?<![\w./-])([a-z_][a-z0-9_]*)((?:\.[A-Za-z_]\w*)+)")
 BARE_FILE = re.compile(r"[\w.-]+\.(?:%s)" % "|".join(PROJECT_EXTENSIONS))
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
@@ -167,6 +170,8 @@ def _check_path(raw, after):
 def _check_bare_file(span):
     name, _, test = span.partition("::")
     files = FILES_BY_NAME.get(name)
+    if name in GENERATED_FILES:
+        return None
     if not files:
         return "no file of that name in the repository"
     return _missing_test(files, test) if test else None
@@ -293,7 +298,8 @@ def test_checker_leaves_what_names_nothing_alone():
     page = (
         "See https://github.com/org/repo/blob/main/docs/gone.md and `bench/results/<file>` or\n"
         "`bench-<machine>.json`; `COMMFUSE_CHECK=1`, `kQuantFp8`, `TailParams.residual_in`,\n"
-        "`torch.distributed.all_reduce`, `x.pow(2)`, `cuda_fp16.h`, DeepGEMM's `csrc/apis/layout.hpp`.\n"
+        "`torch.distributed.all_reduce`, `x.pow(2)`, `cuda_fp16.h`, DeepGEMM's `csrc/apis/layout.hpp`,\n"
+        "the kernel `commfuse::fused_tail<__nv_bfloat16, 2, 1>` and its generated `commfuse_params.cuh`.\n"
         "```\n"
         "commfuse.fusion.no_such_report: commfuse/no_such_output.py\n"
         "```\n"
