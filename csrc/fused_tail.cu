@@ -25,7 +25,7 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 // CTAs become resident (and wait) while this one's run; with 3 slots per SM they crowded this
 // kernel out: at 256 rows the bf16 tail took 6.0 us with PDL against 4.8 us without, and 4.8 us
 // with PDL and 4 slots (H200). The bf16 FP8 variant then spills 4 bytes, which costs it 1-6% at
-// h = 4096 (bench/tail_notes.md).
+// h = 4096 (bench/journal.md).
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 

@@ -5,7 +5,7 @@ Usage: python launch/host_profile.py [--tokens 16] [--hidden 4096] [--calls 20] 
 over repeats of --calls back-to-back calls timed by the host clock around the loop, no GPU wait inside
 (the benchmark's host mode), in microseconds per call, next to torch.add(out=) of the same run, the
 yardstick of one torch elementwise op. `--cprofile N` also prints cProfile's top functions over N
-fused_all_reduce calls. The breakdown of a run is written up in the benchmark's journal.
+fused_all_reduce calls. The breakdown of a run is written up in bench/journal.md.
 """
 from __future__ import annotations
 
