@@ -36,11 +36,13 @@ class FusedResult:
 
     residual: T[t, h], allreduce(x) + residual, rounded to T.
     norm: T[t, h], RMSNorm of `residual`; None when quant is set and return_norm is False.
-    quant: float8_e4m3fn[t, h] (the FP8 formats) or uint8[t, h/2] (nvfp4, even index in the low nibble).
-    scale_factors: the block scales of nvfp4 (float8_e4m3fn): swizzled 128x4 flat, or linear [t, h/16].
-    scales: the dequant scales the FP8 kinds with computed scales produce: float32[t] (fp8_per_token),
+    quant: the codes: float8_e4m3fn[t, h] (the e4m3 formats: fp8, fp8_per_token, fp8_block, mxfp8) or
+        uint8[t, h/2] (nvfp4, two e2m1 codes a byte, even index in the low nibble); None without quant.
+    scale_factors: the block scales of nvfp4 (float8_e4m3fn) and mxfp8 (uint8 UE8M0 exponents), in the
+        swizzled 128x4 tiles (flat) or linear [t, h / block]; None for the other formats.
+    scales: the dequant scales the FP8 formats with computed scales produce: float32[t] (fp8_per_token),
         float32[t, h/128] row-major or MN-major, or UE8M0 bytes (fp8_block; reference.quantize_fp8_block);
-        None otherwise.
+        None otherwise. Every format's fields are its registry entry's (commfuse.tail.formats).
     plan: the route this call took.
     """
 

@@ -45,7 +45,8 @@ _WHERE = "x is on"
 
 class Quantized(NamedTuple):
     """Outputs of `quantize`: the codes, and the block scales in the field the format keeps them in
-    (scale_factors: NVFP4's; scales: the computed FP8 scales), None where it has none."""
+    (its registry entry's scale_field: scale_factors for NVFP4 and MXFP8, scales for the computed FP8
+    scales), None where it has none."""
 
     quant: Tensor
     scale_factors: Optional[Tensor]
@@ -90,12 +91,12 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     """residual = round_T(x + residual), then RMSNorm and an optional quantization of it.
 
     x: T[..., h] (T float16, bfloat16 or float32); residual: x's shape and dtype, or None for a plain
-    RMSNorm of x (+ quant); weight: T[h]; eps: a number >= 0. quant: None, "fp8", "nvfp4" (with
-    scale the dequant scale: a float32 tensor of one element on x's device; a Python float is taken
-    and rounded to fp32, on the separated route), or "fp8_per_token" / "fp8_block", which compute
-    their scales (scale None; reference.quantize_fp8_per_token / quantize_fp8_block, whose layout
-    scale_layout "row" / "mn_major" and scale_ue8m0 choose). return_norm: also return the norm when
-    quantizing. sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear". weight_offset: the norm
+    RMSNorm of x (+ quant); weight: T[h]; eps: a number >= 0. quant: None or a format of
+    commfuse.tail.formats.FORMATS: "fp8" and "nvfp4" take scale, the dequant scale (a float32 tensor
+    of one element on x's device; a Python float is taken and rounded to fp32, on the separated route);
+    "fp8_per_token", "fp8_block" and "mxfp8" compute their scales (scale None; docs/semantics.md).
+    return_norm: also return the norm when quantizing. sf_layout: the scale-factor layout of NVFP4 and
+    MXFP8, "swizzled" or "linear"; scale_layout ("row" / "mn_major") and scale_ue8m0: fp8_block's. weight_offset: the norm
     multiplies by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
 
     out: caller-owned outputs, as for Communicator.fused_all_reduce: a commfuse.reference.Tail (or a
@@ -171,10 +172,10 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
              scale_layout: str = "row", scale_ue8m0: bool = False) -> Quantized:
     """The quantization `quant` of x alone (docs/semantics.md sections 4-5 and 10-11; commfuse.reference).
 
-    x: T[..., h]; quant: any format ("fp8", "nvfp4", "fp8_per_token", "fp8_block"); scale: the dequant
+    x: T[..., h]; quant: any format of commfuse.tail.formats.FORMATS but None; scale: the dequant
     scale, a float32 tensor of one element on x's device, for the formats that take one; sf_layout,
     scale_layout, scale_ue8m0: the layout of the block scales, as in `fused_add_rmsnorm`. Returns
-    Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). No kernel yet
+    Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). No kernel
     (separated ops); the fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
         q, sf, s = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)

@@ -20,7 +20,7 @@ fallback row is gloo's exact sum followed by the fused tail kernel. A correctnes
 speed mode: the reasons say so.
 
 Overrides: COMMFUSE_PRETEND_NO_P2P=1 makes the mode "fallback" on a P2P machine (to exercise that row).
-strategy="nccl" / COMMFUSE_STRATEGY act in the Communicator and plan.py, after the mode.
+strategy="nccl" / COMMFUSE_STRATEGY act in the Communicator and commfuse.routes, after the mode.
 A failing driver, NVML or IPC call never raises here: it becomes False/None plus a line in `notes`.
 """
 from __future__ import annotations

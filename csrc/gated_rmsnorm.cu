@@ -1,4 +1,4 @@
-// Gated RMSNorm of Mamba2 / Nemotron-H (commfuse.norm.gated_reference), then the tail's optional
+// Gated RMSNorm of Mamba2 / Nemotron-H (commfuse.reference.gated_rmsnorm), then the tail's optional
 // quantization: the norm is rounded to T once and handed to epilogue.cuh's emit_row, so every
 // quantization kind (FP8 with a static or computed scale, NVFP4) is the tail's, bit for bit.
 //

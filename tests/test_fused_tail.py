@@ -373,6 +373,7 @@ def test_cuda_graph_capture_after_warmup():
 
 def test_first_use_inside_capture_raises():
     a, residual, weight, scale = _graph_inputs()
+    ft._RUNS.clear()  # run()'s per-signature entries hold loaded launchers too
     ft._launcher.cache_clear()
     jit._kernel.cache_clear()
     graph = torch.cuda.CUDAGraph()

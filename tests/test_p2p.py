@@ -545,7 +545,7 @@ def test_plain_matches_reference(comms, gen, monkeypatch, algo, t, h):
     first, second = poisoned_runs(lambda: c.all_reduce(x))
     digests = gather(c, digest([first]))
     c.check()
-    # A forced one-shot above the one-shot's buffers runs two-shot (plan.py).
+    # A forced one-shot above the one-shot's buffers runs two-shot (commfuse.routes).
     over = algo == "oneshot" and x.numel() * x.element_size() > c.workspace.lamport_bytes
     assert c.plan(x).collective == ("p2p_twoshot" if over else f"p2p_{algo}")
     assert bits_equal(first, second), "elements left unwritten, or repeated calls differ"
@@ -640,7 +640,7 @@ def test_back_to_back_calls_of_changing_shapes_and_algorithms(comms, gen):
     inputs = [(ALGOS[(i // 2) % 2], *rank_inputs(comms["oneshot"], gen, shapes[i % len(shapes)], torch.bfloat16))
               for i in range(24)]
     torch.cuda.synchronize()
-    # One-shot takes what its buffers hold (2 MiB at 8 ranks): larger ones go two-shot, as plan.py sends them.
+    # One-shot takes what its buffers hold (2 MiB at 8 ranks): larger ones go two-shot, as commfuse.routes sends them.
     calls = [(algo, xs, ws.plain_launcher(x.shape, x.dtype, "twoshot" if x.numel() * 2 > ws.lamport_bytes else algo)(x))
              for algo, x, xs in inputs]
     ws.check()

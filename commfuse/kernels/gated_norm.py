@@ -1,7 +1,7 @@
 """The gated RMSNorm kernel (csrc/gated_rmsnorm.cu): Mamba2 / Nemotron-H's gated RMSNorm and the
 tail's optional quantization (every format of commfuse.tail.formats) in one kernel.
 
-Semantics: commfuse.local.gated_reference, then the reference quantizers on its T-rounded output; see
+Semantics: commfuse.reference.gated_rmsnorm, then the reference quantizers on its T-rounded output; see
 docs/semantics.md (gated RMSNorm). silu goes through exp, which torch's GPU kernels and the CPU
 compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
 

@@ -83,24 +83,27 @@ NCCL plain bf16 all-reduces (NCCL with the copy of x that the NCCL route makes) 
 (two-shot in two pieces there; one-shot up to lamport_bytes). Each timing is
 GPU time of back-to-back eager calls held behind a short delay kernel (so Python launch overhead
 does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is taken so every rank
-decides the same. twoshot_max is the largest size up to which P2P (the better algorithm) beats NCCL
-at every measured size; oneshot_max the largest size up to which one-shot also beats two-shot.
+decides the same. Two-shot's crossover is the largest size up to which P2P (the better algorithm)
+beats NCCL at every measured size; one-shot's the largest size up to which one-shot also beats
+two-shot (P2PLimits.crossovers).
 Between measured sizes the smaller one's decision applies (conservative), and above the largest
 measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
 JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size,
 NVLink/P2P matrices, torch/CUDA/NCCL/driver versions, workspace size, grid and kernel source;
 rank 0 reads and writes it, every rank takes rank 0's answer. It takes well under 2 s (plus the
 first compilation of the plain kernels). COMMFUSE_P2P_CALIBRATE=0 skips it and uses
-oneshot_max = 512 KiB, twoshot_max = max_bytes.
+the crossovers one-shot up to 512 KiB, two-shot up to max_bytes.
 
-Kernel variants: T (fp16, bf16) x QUANT (plain, none, fp8, nvfp4) x algorithm, and for the tails three
-row shapes (launch_config): VPT = 1 (rows of up to 8192 elements, 32..1024 threads), VPT = 2 (up to
-16384, 1024 threads at most) and the looped tail (longer rows, 256 threads). This is
+Kernel variants: T (fp16, bf16) x QUANT (the plain all-reduce, and every format of the registry,
+commfuse.tail.formats) x algorithm, and for the tails up to three row shapes (launch_config): VPT = 1
+(rows of up to 8192 elements, 32..1024 threads), VPT = 2 (up to 16384, 1024 threads at most; not for
+the formats whose p2p_register_vpts leave it out, which would spill at 64 registers) and the looped
+tail (longer rows, 256 threads). This is
 fused_tail.launch_config's few-rows rule, taken for every row count: the P2P grid is one CTA per SM
 whatever t is, so the reason the local tail takes fewer threads for many rows (several CTAs per SM
 overlapping each other) does not apply, and 4 x 256 (its throughput shape) is not built. The world
 size is a run-time argument (loops over ranks unrolled to 8 with uniform predicates) rather than a
-template argument: 41 variants instead of several hundred, so that the CPU build of every variant
+template argument: 69 variants instead of several hundred, so that the CPU build of every variant
 for every arch stays quick. The tail's numerics do not depend on these choices beyond the order of
 the row's sum of squares (1 ulp of the norm at most, which the tolerances allow); for t < 256 the
 P2P tail runs the local tail kernel's configuration, so the two give the same bits.

@@ -82,7 +82,7 @@ class Workspace:
     measure the crossovers (else default_limits; COMMFUSE_P2P_CALIBRATE=0 also turns it off);
     topology: the group's Topology, for the calibration cache key (default: topology.detect(group)).
     Every rank must use the same max_bytes and calibrate setting (checked: all ranks raise).
-    Attributes: limits (P2PLimits for plan.py), max_bytes, lamport_bytes (the largest one-shot
+    Attributes: limits (P2PLimits, which commfuse.routes reads), max_bytes, lamport_bytes (the largest one-shot
     message), nblocks, world, rank, device.
     """
 

@@ -7,7 +7,7 @@ layout the kernels are told (`layout`, `ue8m0`), and the keyword arguments back 
 (`reference_kwargs`).
 
 The rule for layout options: each format says which keyword chooses its scales' layout (sf_layout for
-NVFP4, scale_layout and scale_ue8m0 for fp8_block); the others must keep their defaults, else a
+NVFP4 and MXFP8, scale_layout and scale_ue8m0 for fp8_block); the others must keep their defaults, else a
 ValueError names the option and the formats it applies to.
 """
 from __future__ import annotations
