@@ -36,7 +36,8 @@ class Norm:
     consumers read; weight: a Node, or ("module", "path.weight") for an nn.RMSNorm call_module; eps:
     a float, or a Node holding a SymFloat (dynamo lifts some float attributes); nodes: every node of
     the norm after `input` up to `output` (all replaced); gate: z of a gated norm (norm_before_gate
-    says where silu(z) multiplies); group_size: elements normalised together (None: the row)."""
+    says where silu(z) multiplies); group_size: elements normalised together (None: the row);
+    weight_dtype: the weight's dtype where the graph says (the rewrite needs the activations')."""
 
     input: fx.Node
     output: fx.Node
@@ -49,6 +50,7 @@ class Norm:
     norm_before_gate: bool = False
     group_size: Optional[int] = None
     notes: List[str] = field(default_factory=list)
+    weight_dtype: Optional[torch.dtype] = None
 
     @property
     def gated(self) -> bool:
@@ -237,9 +239,8 @@ def _match_rms_op(n: fx.Node) -> Union[Norm, Mismatch]:
         eps = G.number(eps)
     elif not isinstance(eps, fx.Node):
         return Mismatch(f"{spelling}: eps {eps!r} is not a number")
-    norm = Norm(input=x, output=n, weight=weight, eps=eps, nodes=[n], spelling=spelling, notes=notes)
-    norm._weight_dtype = wdtype  # type: ignore[attr-defined]
-    return norm
+    return Norm(input=x, output=n, weight=weight, eps=eps, nodes=[n], spelling=spelling, notes=notes,
+                weight_dtype=wdtype)
 
 
 def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
@@ -384,11 +385,9 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
                         f"({u.name} is {G.kind(u) or u.target})", "guard")
     if gate is not None and G.dtype(gate) != t:
         return Mismatch(f"gated RMSNorm at {r.name}: z is {G.dtype(gate)}, x is {t}")
-    norm = Norm(input=h_in, output=output, weight=weight, eps=eps, nodes=_dedupe(nodes), spelling=spelling,
+    return Norm(input=h_in, output=output, weight=weight, eps=eps, nodes=_dedupe(nodes), spelling=spelling,
                 weight_offset=offset, gate=gate, norm_before_gate=norm_before_gate, group_size=group_size,
-                notes=notes)
-    norm._weight_dtype = G.dtype(weight)  # type: ignore[attr-defined]
-    return norm
+                notes=notes, weight_dtype=G.dtype(weight))
 
 
 def _dedupe(nodes):

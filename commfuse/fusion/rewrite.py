@@ -121,7 +121,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         if h is None:
             raise _Skip(norm.output.name, "rmsnorm", "the hidden size is symbolic: the fused ops need a fixed one",
                         "pattern")
-        wdtype = getattr(norm, "_weight_dtype", None)
+        wdtype = norm.weight_dtype
         if wdtype != t:
             raise _Skip(norm.output.name, "rmsnorm", f"the weight is {wdtype}, the activations {t}: the fused ops "
                                                      "take a weight of the activations' dtype")
