@@ -579,21 +579,13 @@ class Table {
     return hit(c, x, py::none(), py::none(), py::none(), out, py::none());
   }
 
-  py::object fused(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
-                   py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
-                   py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
+  // fused (a Communicator's fused_all_reduce) and local (fused_add_rmsnorm) take the same arguments.
+  template <Op kOp>
+  py::object tail(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
+                  py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
+                  py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
     Call c;
-    if (!tail_call(c, kFused, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
-                   scale_layout, scale_ue8m0))
-      return py::none();
-    return hit(c, x, residual, weight, scale, out, py::none());
-  }
-
-  py::object local(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
-                   py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
-                   py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
-    Call c;
-    if (!tail_call(c, kLocal, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+    if (!tail_call(c, kOp, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                    scale_layout, scale_ue8m0))
       return py::none();
     return hit(c, x, residual, weight, scale, out, py::none());
@@ -902,8 +894,8 @@ PYBIND11_MODULE(commfuse_host, m) {
   py::class_<Table>(m, "Table")
       .def(py::init<std::string, uintptr_t, py::object, py::object, py::object>())
       .def("plain", &Table::plain)
-      .def("fused", &Table::fused)
-      .def("local", &Table::local)
+      .def("fused", &Table::tail<kFused>)
+      .def("local", &Table::tail<kLocal>)
       .def("gated", &Table::gated)
       .def("quantize", &Table::quantize)
       .def("insert", &Table::insert)
