@@ -76,16 +76,17 @@ def _fake_tree(root: pathlib.Path) -> None:
 
 
 def test_ab_sh_runs_each_tree_with_its_own_commfuse(tmp_path):
-    """launch/ab.sh started from this tree's root: the base half must import the base tree's commfuse,
-    not the working directory's (python -m puts it first on sys.path), and the other half this tree's."""
+    """launch/ab.sh started from this tree's root: the base runs must import the base tree's commfuse,
+    not the working directory's (python -m puts it first on sys.path), and the other two this tree's."""
     base = tmp_path / "base"
     _fake_tree(base)
     out = tmp_path / "out"
     p = subprocess.run(["bash", str(ROOT / "launch" / "ab.sh"), str(base), "1", str(out), "--help"], cwd=ROOT,
                        env=_child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert (out / "base" / "tree.txt").read_text().startswith(str(base)), "the base half ran another tree"
-    assert "usage:" in p.stdout and not (out / "new" / "tree.txt").exists()
+    for half in ("base", "base-2"):  # the order is base, new, new, base
+        assert (out / half / "tree.txt").read_text().startswith(str(base)), f"the {half} run ran another tree"
+    assert p.stdout.count("usage:") == 2 and not any((out / half / "tree.txt").exists() for half in ("new", "new-2"))
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH (bench.sh) needs Python 3.11")
