@@ -107,8 +107,8 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
 
     Returns a Tail of [t, h] tensors (scale factors as in Communicator.fused_all_reduce): residual
     (None without a residual), norm (None when quantizing without return_norm), quant, scale_factors
-    (NVFP4 only), scales (the computed FP8 scales only). Semantics: docs/semantics.md sections 2-5
-    and 11 (the tail of fused_all_reduce on x).
+    (NVFP4's and MXFP8's), scales (the computed FP8 scales only). Semantics: docs/semantics.md
+    sections 2-5, 10, 11 and 13 (the tail of fused_all_reduce on x).
     """
     if _compiling():
         if out is not None:

@@ -740,14 +740,14 @@ def fused_tail(
     weight: [h] RMSNorm weight, on a's device. eps: python float.
     quant: None, "fp8", "nvfp4", "fp8_per_token", "fp8_block" or "mxfp8" (:func:`quantize`).
     scale: dequant scale (fp32 1-element tensor or float), needed for "fp8" and "nvfp4";
-    must be None for "fp8_per_token" / "fp8_block", which compute their scales.
-    sf_layout: NVFP4 scale-factor layout, "swizzled" or "linear".
+    must be None for "fp8_per_token", "fp8_block" and "mxfp8", which compute their scales.
+    sf_layout: the scale-factor layout of nvfp4 and mxfp8, "swizzled" or "linear".
     weight_offset: python float added to the weight in fp32 (Gemma: 1), see :func:`rmsnorm`.
     scale_layout ("row" or "mn_major") and scale_ue8m0: the layout of the computed scales,
     "fp8_block" only (see :func:`quantize_fp8_block`); "fp8_per_token" takes "row", False.
     Returns Tail(residual [t,h] T or None, norm [t,h] T or None, quant, scale_factors, scales):
-    quant is float8_e4m3fn [t,h] (the FP8 kinds) or uint8 [t,h/2] (nvfp4); norm is given
-    when quant is None or return_norm; scale_factors only for nvfp4; scales only for
+    quant is float8_e4m3fn [t,h] (the e4m3 formats) or uint8 [t,h/2] (nvfp4); norm is given
+    when quant is None or return_norm; scale_factors only for nvfp4 and mxfp8; scales only for
     fp8_per_token (float32 [t]) and fp8_block. The quantized value is that of the T-rounded norm.
     """
     if quant is not None and quant not in _QUANTS:

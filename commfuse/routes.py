@@ -38,7 +38,8 @@ from .kernels.gated_norm import GATED_NORM
 from .kernels.launch import LaunchPlan
 from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
 from .p2p.calibration import P2PLimits
-from .tail.checks import fields_of
+from .tail.checks import OUT_FIELDS, fields_of
+from .tail.formats import Layout
 from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
 
@@ -73,7 +74,7 @@ class TensorMeta:
 class Call:
     """One call as the routes see it. op: commfuse.kernels.table's (plain, fused, local, gated,
     quantize); spec: the tail (None: the plain all-reduce); scale None also when it is a Python
-    number (scale_number); group_size, norm_before_gate: the gated norm's."""
+    number; group_size, norm_before_gate: the gated norm's."""
 
     op: str
     x: TensorMeta
@@ -82,7 +83,6 @@ class Call:
     scale: Optional[TensorMeta] = None
     z: Optional[TensorMeta] = None
     spec: Optional[TailSpec] = None
-    scale_number: bool = False
     group_size: int = 0
     norm_before_gate: bool = False
 
@@ -90,8 +90,7 @@ class Call:
     def of(cls, op: str, x, residual=None, weight=None, scale=None, z=None, spec=None, group_size: int = 0,
            norm_before_gate: bool = False) -> "Call":
         return cls(op, TensorMeta.of(x), TensorMeta.of(residual), TensorMeta.of(weight), TensorMeta.of(scale),
-                   TensorMeta.of(z), spec, scale is not None and not isinstance(scale, torch.Tensor), group_size,
-                   norm_before_gate)
+                   TensorMeta.of(z), spec, group_size, norm_before_gate)
 
     @property
     def hidden(self) -> int:
@@ -180,7 +179,7 @@ class Plan:
 
     collective: a Collective; tail: a TailRoute; kernel: the kernel family that runs the fused part, if
     any; reasons: why, in words: every guard that failed, and what chose the collective; route: the
-    ROUTES entry that makes its launcher. algorithm: collective.algorithm, kept here (read on the hot path).
+    ROUTES entry that makes its launcher.
     """
 
     collective: Collective
@@ -188,10 +187,6 @@ class Plan:
     kernel: Optional[str] = None
     reasons: tuple = field(default_factory=tuple)
     route: str = field(default="", compare=False)
-    algorithm: Optional[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "algorithm", self.collective.algorithm)
 
     def __str__(self) -> str:
         head = f"{self.collective} + {self.tail} tail" + (f" [{self.kernel}]" if self.kernel else "")
@@ -523,22 +518,22 @@ class _GlooSum:
         return total if out is None else out.copy_(total)
 
 
-def _write_out(outputs: tuple, out) -> tuple:
+def _write_out(outputs: tuple, out, spec: TailSpec) -> tuple:
     """The outputs, copied into the caller's tensors of `out` where it gives one (computed whole first:
-    out.residual may be the residual input). An MN-major view gets its whole storage: the fused kernels
-    write its padding too."""
+    out.residual may be the residual input). MN-major scales get their whole storage, padding rows
+    included, as the fused kernels write it (a view of one column reads as contiguous: the layout says)."""
     if out is None:
         return outputs
     written = []
-    for mine, theirs in zip(fields_of(out), outputs):
+    for name, mine, theirs in zip(OUT_FIELDS, fields_of(out), outputs):
         if mine is None or theirs is None:
             written.append(theirs)
             continue
-        if mine.is_contiguous() or mine.dim() != 2:
-            mine.copy_(theirs)
-        else:
+        if name == "scales" and spec.layout == Layout.MN_MAJOR:
             n = mine.shape[1] * mine.stride(1)
             torch.as_strided(mine, (n,), (1,)).copy_(torch.as_strided(theirs, (n,), (1,)))
+        else:
+            mine.copy_(theirs)
         written.append(mine)
     return tuple(written)
 
@@ -552,7 +547,7 @@ class _SeparatedTail:
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         s = self.spec
         tail = reference.fused_tail(x, residual, weight, s.eps, scale=scale, **s.reference_kwargs())
-        return _write_out(tuple(tail), out)
+        return _write_out(tuple(tail), out, s)
 
 
 class _SeparatedGated:

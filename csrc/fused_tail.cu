@@ -1,8 +1,8 @@
 // Local fused tail, launched after NCCL's all-reduce: one kernel for residual add, RMSNorm and
-// optional FP8/NVFP4 quantization (the device code lives in epilogue.cuh). With residual_in
+// optional quantization (the device code lives in epilogue.cuh). With residual_in
 // nullptr it is a plain RMSNorm (+ quantization) of a, commfuse.local's fused_add_rmsnorm(x, None, ...).
 //
-// Grid: one CTA per row, plus (NVFP4, swizzled layout) one per padding row of the last 128-row
+// Grid: one CTA per row, plus (swizzled scale factors: NVFP4, MXFP8) one per padding row of the last 128-row
 // tile, which only zeroes that row's scale factors (FP8 block scales, MN-major: the same for the
 // rows up to roundup(t, 4)). Rows go on gridDim.x (up to 2^31 - 1).
 // Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/fused_tail.py:

@@ -1,6 +1,6 @@
 // Gated RMSNorm of Mamba2 / Nemotron-H (commfuse.reference.gated_rmsnorm), then the tail's optional
 // quantization: the norm is rounded to T once and handed to epilogue.cuh's emit_row, so every
-// quantization kind (FP8 with a static or computed scale, NVFP4) is the tail's, bit for bit.
+// quantization format (FP8 with a static or computed scale, NVFP4, MXFP8) is the tail's, bit for bit.
 //
 // Per row, groups of group_size consecutive elements (group_size % 8 == 0, dividing h) are
 // normalised separately; silu(z) gates x before the norm (norm_before_gate 0) or the weighted norm

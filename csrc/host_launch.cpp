@@ -108,14 +108,28 @@ at::Tensor operand(const at::Tensor& t) {
   return address(c) % 16 ? c.clone() : c;
 }
 
-// Field i of a caller's `out`: a tuple in reference.Tail's order (Tail itself is one), or an object with
-// the five fields (commfuse.FusedResult); None where it has none.
+// Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a plain tuple in
+// reference.Tail's order, else the object's attribute (a reference.Tail, a commfuse.FusedResult); None
+// where it has none.
 py::object out_field(py::handle out, int i) {
-  if (PyTuple_Check(out.ptr())) {
+  if (PyTuple_CheckExact(out.ptr())) {
     const Py_ssize_t n = PyTuple_GET_SIZE(out.ptr());
     return i < n ? py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(out.ptr(), i)) : py::none();
   }
   return py::getattr(out, kOutNames[i], py::none());
+}
+
+// Whether `out` is one fields_of takes (a plain tuple of 4 or 5 fields, or an object with the first
+// four): only those have a key; any other misses, and the checks raise.
+bool out_has_fields(py::handle out) {
+  if (PyTuple_CheckExact(out.ptr())) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(out.ptr());
+    return n == kOutputs - 1 || n == kOutputs;
+  }
+  for (int i = 0; i < kOutputs - 1; ++i) {
+    if (!py::hasattr(out, kOutNames[i])) return false;
+  }
+  return true;
 }
 
 struct Patch {
@@ -253,9 +267,6 @@ class Launcher {
     }
     for (const KernelLaunch& k : launches_) launch(k, t);
   }
-
-  bool fused() const { return fused_; }
-  bool present(int i) const { return specs_[i].present; }
 
  private:
   int outputs() const { return fused_ ? kOutputs : 1; }
@@ -462,6 +473,7 @@ bool from_out(py::handle out, bool fused, Call& c) {
   c.has_out = !out.is_none();
   if (!c.has_out) return true;
   if (!fused) return from_tensor(out, c.outs[0], false);
+  if (!out_has_fields(out)) return false;
   for (int i = 0; i < kOutputs; ++i) {
     c.held[i] = out_field(out, i);
     if (!from_tensor(c.held[i], c.outs[i], true)) return false;

@@ -1,4 +1,4 @@
-// Programmatic dependent launch (PDL), for kernels that commfuse/jit.py launches with the
+// Programmatic dependent launch (PDL), for kernels that commfuse/kernels/jit.py launches with the
 // programmatic-stream-serialization attribute (SM 9.0 and newer; elsewhere both are no-ops and the
 // launch is an ordinary one).
 //

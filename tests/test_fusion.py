@@ -575,7 +575,7 @@ def test_unclamped_fp8_cast_and_python_scale_are_not_fused(quiet_comm, gen):
 
 
 @mpi
-def test_gemma_norm_keeps_the_all_reduce(quiet_comm, gen):
+def test_gemma_norm_fuses_with_the_all_reduce(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, _, wo = setup(c, gen)
 
@@ -586,10 +586,9 @@ def test_gemma_norm_keeps_the_all_reduce(quiet_comm, gen):
         return gemma_norm(h, weight), h
 
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
-    assert counts(gm) == {LOCAL: 1}, report
-    assert any("Gemma" in r for r in _skip_reasons(report, "all-reduce")), report
-    node = next(n for n in gm.graph.nodes if n.target is LOCAL)
-    assert node.args[8] == 1.0  # weight_offset
+    assert counts(gm) == {FUSED_AR: 1}, report
+    node = next(n for n in gm.graph.nodes if n.target is FUSED_AR)
+    assert node.args[9] == 1.0  # weight_offset
     assert_same(got, want)
 
 

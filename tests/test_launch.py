@@ -113,6 +113,19 @@ def test_table_signatures_hold_metadata_and_exact_scalars():
     assert len(t) == 0 and t.local(*args) is None
 
 
+def test_table_keys_only_outs_the_checks_take():
+    """A hit skips the checks, so an `out` they would reject must miss: a tuple of another length than
+    reference.Tail's 4 or 5 fields, an object without the fields."""
+    t = _table()
+    x = torch.randn(4, 8)
+    args = (x, None, x[0], None, Tail(None, None, None, None, None), 1e-6, None, False, "swizzled", 0.0, "row", False)
+    assert t.insert("local", args, "plan", lambda *a: (a[0],) + (None,) * 4)
+    assert t.local(*args) is not None
+    assert t.local(*args[:4], (None,) * 4, *args[5:]) is not None  # the same fields, scales left out
+    for out in ((None,) * 3, (None,) * 6, 42, object()):
+        assert t.local(*args[:4], out, *args[5:]) is None, out
+
+
 def test_table_misses_while_the_error_word_is_set():
     word = ctypes.c_int32(0)
     t = _table(ctypes.addressof(word))

@@ -83,7 +83,7 @@ def _local_plan(op="local", dtype=BF16, h=64, quant="fp8", residual=True, scale=
     spec = TailSpec.of(quant)
     c = Call(op, m((4, h)), m((4, h)) if residual and op == "local" else None, m((h,)),
              TensorMeta((1,), torch.float32, cuda, True, 1) if scale and spec.format.takes_scale else None,
-             m((4, h)) if op == "gated" else None, spec, scale_number=not scale and spec.format.takes_scale,
+             m((4, h)) if op == "gated" else None, spec,
              group_size=group_size)
     return routes.plan(c, Machine("local", sm=sm))
 
@@ -148,6 +148,21 @@ def test_out_tensors_are_written_in_place(gen):
     for exc, match, out in bad:
         with pytest.raises(exc, match=match):
             commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=scale, return_norm=True, out=out)
+
+
+def test_separated_out_writes_mn_major_padding_rows(gen):
+    """On the separated route (CPU), caller-owned MN-major scales get the padding rows of their storage
+    written, as the fused kernels write them: a view of one column (h = 128) reads as contiguous."""
+    t, h = 5, 128
+    x, residual, weight, _ = inputs(gen, t, h, BF16)
+    want = reference.fused_tail(x, residual, weight, 1e-6, "fp8_block", scale_layout="mn_major")
+    n = want.scales.shape[1] * want.scales.stride(1)  # roundup(t, 4) rows: 3 of padding
+    storage = torch.full((n,), 7.0)
+    scales = storage.as_strided(want.scales.shape, want.scales.stride())
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8_block", scale_layout="mn_major",
+                                     out=Tail(None, None, None, None, scales))
+    assert got.scales is scales and bits_equal(got.quant, want.quant)
+    assert bits_equal(storage, torch.as_strided(want.scales, (n,), (1,)))
 
 
 def _mamba_ssm_rms_norm_ref(x, weight, z, eps, group_size, norm_before_gate):

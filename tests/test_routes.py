@@ -26,7 +26,7 @@ def call(t=16, h=4096, dtype=torch.bfloat16, quant=None, device=CUDA, plain=Fals
     if scale == "tensor":
         scale = meta((1,), torch.float32, device) if fmt_scale else None
     return Call("fused", x, meta((t, h), dtype, device), meta((h,), dtype, device), scale,
-                spec=TailSpec.of(quant, **spec), scale_number=scale is None and fmt_scale)
+                spec=TailSpec.of(quant, **spec))
 
 
 def plan(c, mode="fallback", sm=(9, 0), world=2, **kw):
@@ -210,7 +210,7 @@ def test_ranks_sharing_a_gpu_plan_p2p_over_gloo_and_gloo_fallback():
 def test_routes_are_typed():
     p = plan(call(quant="fp8"))
     assert isinstance(p.collective, Collective) and isinstance(p.tail, TailRoute)
-    assert p.collective is Collective.NCCL and p.tail is TailRoute.FUSED and p.collective.algorithm is p.algorithm is None
+    assert p.collective is Collective.NCCL and p.tail is TailRoute.FUSED and p.collective.algorithm is None
     assert Collective.P2P_TWOSHOT.algorithm == "twoshot" and str(Collective.P2P_ONESHOT) == "p2p_oneshot"
     assert str(p).startswith(f"nccl + fused tail [{p.kernel}]")
     with pytest.raises(ValueError, match="nccl or gloo"):

@@ -147,7 +147,7 @@ def test_fusion_capability(sm, fp8, nvfp4):
     # every format's pattern: e4m3 conversions in hardware from SM 8.9, e2m1 from 10.0
     assert fusion_capability(sm) == {"residual_rmsnorm": "fused-hw", "residual_rmsnorm_fp8": fp8,
                                      "residual_rmsnorm_nvfp4": nvfp4, "residual_rmsnorm_fp8_per_token": fp8,
-                                     "residual_rmsnorm_fp8_block": fp8}
+                                     "residual_rmsnorm_fp8_block": fp8, "residual_rmsnorm_mxfp8": fp8}
 
 
 @pytest.mark.parametrize("sm", [(7, 5), (7, 0), None])

@@ -5,11 +5,15 @@ the all-reduce before that are collected; then one node is inserted before the a
 norm where there is no add):
 
 - with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight,
-  scale, eps, quant, return_norm, sf_layout, comm)`, x being the all-reduce's input;
+  scale, eps, quant, return_norm, sf_layout, comm, weight_offset, scale_layout, scale_ue8m0)`, x being the
+  all-reduce's input;
 - without one: `torch.ops.commfuse.fused_add_rmsnorm.default(x, residual or None, weight, scale, eps,
-  quant, return_norm, sf_layout, weight_offset)` (scale_layout, scale_ue8m0 left at their defaults);
+  quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)`;
 - a gated norm: `torch.ops.commfuse.gated_rmsnorm.default(x, z, weight, scale, eps, group_size,
-  norm_before_gate, quant, return_norm, sf_layout)`.
+  norm_before_gate, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)`.
+
+scale_layout and scale_ue8m0 are those of the commfuse.quantize op the norm feeds (the defaults for
+the other quantizations).
 
 The users of the add (the residual used later), of the norm (return_norm when it has users other
 than the quantization) and of the quantized codes are re-pointed at the op's outputs, viewed back to
@@ -205,7 +209,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             xin = ar.x
             if not G.same_shape(ar.x, residual):
                 xin = g.call_method("reshape_as", (ar.x, residual))
-            args = (xin, residual, weight, scale, norm.eps, qname, rn, layout, comm_name, 0.0, *scale_layout)
+            args = (xin, residual, weight, scale, norm.eps, qname, rn, layout, comm_name, float(norm.weight_offset),
+                    *scale_layout)
         elif kind == "local":
             args = (x, residual, weight, scale, norm.eps, qname, rn, layout, float(norm.weight_offset), *scale_layout)
         else:
@@ -360,9 +365,6 @@ def _scale_name(s) -> str:
 
 
 def _all_reduce_guard(ar: P.AllReduce, comm, norm: P.Norm) -> Optional[str]:
-    if norm.weight_offset != 0:
-        return (f"the norm adds {norm.weight_offset:g} to its weight (Gemma's 1 + w): commfuse::fused_all_reduce "
-                "takes no weight offset")
     if G.dtype(ar.x) != G.dtype(norm.input):
         return f"the all-reduce sums {G.dtype(ar.x)}, the add is {G.dtype(norm.input)}"
     return _group_guard(ar, comm)
@@ -435,8 +437,6 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
     if residual is None:
         why = "commfuse::fused_add_rmsnorm without a residual: commfuse::fused_all_reduce needs one"
-    elif offset != 0:
-        why = f"weight_offset {offset}: commfuse::fused_all_reduce takes no weight offset"
     elif G.dtype(ar.x) != G.dtype(x):
         why = f"the all-reduce sums {G.dtype(ar.x)}, the op reads {G.dtype(x)}"
     else:
@@ -449,7 +449,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     with g.inserting_before(node):
         xin = ar.x if G.same_shape(ar.x, residual) else g.call_method("reshape_as", (ar.x, residual))
         new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, quant, return_norm,
-                                                      sf_layout, comm_name, 0.0, scale_layout, scale_ue8m0))
+                                                      sf_layout, comm_name, offset, scale_layout, scale_ue8m0))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     doomed = [node] + ar.chain + ar.nodes
@@ -492,7 +492,7 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
                                     bool(norm.norm_before_gate), quant=q, scale=scale, **layouts)
         elif kind == "all_reduce":
             plan = c.plan(x, torch.empty_like(x), w, eps=eps, quant=q, scale=scale,
-                          return_norm=bool(return_norm) and q is not None, **layouts)
+                          return_norm=bool(return_norm) and q is not None, weight_offset=norm.weight_offset, **layouts)
         else:
             from commfuse import local
 

@@ -36,8 +36,8 @@ class Limits:
 class Family:
     """One kernel template (`source` in csrc/) and its instantiations; see the module docstring.
 
-    Subclasses define `name_expression(...)`, `variants()` and `configs(spec, hidden)` (the name
-    expressions a (dtype, spec, hidden) may launch, for warmup)."""
+    Subclasses define `name_expression(...)`, `variants()` and `configs(dtype, spec, hidden)` (the
+    name expressions a (dtype, spec, hidden) may launch, for warmup)."""
 
     name: str = ""
     source: str = ""

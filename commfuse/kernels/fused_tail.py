@@ -130,8 +130,9 @@ _RUNS: dict = {}  # run()'s checked signatures (its arguments' metadata and valu
 
 
 def _signature(a, residual, weight, scale, args) -> tuple:
-    return (*((v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else (type(v), v)
-              for v in (a, residual, weight, scale)), *args)
+    # Scalars by type and value: True == 1 and 0.0 == False, which the checks tell apart.
+    return tuple((v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else (type(v), v)
+                 for v in (a, residual, weight, scale, *args))
 
 
 def run(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,

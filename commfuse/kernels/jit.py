@@ -60,7 +60,6 @@ __all__ = [
     "CSRC_DIR",
     "disable_pdl",
     "on_pdl_off",
-    "pdl_off",
     "device_index",
     "cache_dir",
     "write_atomic",
@@ -276,7 +275,7 @@ def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...])
     """Compile `path` with NVRTC: (cubin bytes, {name expression: lowered name}, the compile log)."""
     nvrtc = _nvrtc()
     what = f"NVRTC compile of {path.name} [{', '.join(names)}]"
-    # The parameter structs' header is generated (commfuse/params.py), handed to NVRTC from memory.
+    # The parameter structs' header is generated (commfuse/kernels/params.py), handed to NVRTC from memory.
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 1, [params.header().encode()],
                                                  [params.HEADER_NAME.encode()]), what)
     try:
@@ -419,11 +418,6 @@ def on_pdl_off(listener) -> None:
     _PDL_LISTENERS.append(listener)
     if _PDL_OFF is not None:
         listener(False)
-
-
-def pdl_off() -> Optional[str]:
-    """Why programmatic dependent launch is off in this process, or None."""
-    return _PDL_OFF
 
 
 class Kernel:

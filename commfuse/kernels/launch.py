@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..tail.checks import fields_of, storage_room
+from ..tail.checks import OUT_FIELDS, fields_of, storage_room
 from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
@@ -114,8 +114,10 @@ def set_poison(byte: Optional[int]) -> None:
 
 
 def on_poison(listener) -> None:
-    """Call listener(byte) whenever set_poison runs (commfuse.kernels.native's launchers)."""
+    """Call listener(byte) now and whenever set_poison runs (commfuse.kernels.native's launchers, which
+    may load after the poison was set)."""
     _POISON_LISTENERS.append(listener)
+    listener(_POISON)
 
 
 def allocate(spec: OutputSpec, device) -> torch.Tensor:
@@ -135,7 +137,6 @@ def operand(t: torch.Tensor) -> torch.Tensor:
     return c if not c.data_ptr() % 16 else c.clone()
 
 
-_FIELD_NAMES = ("residual", "norm", "quant", "scale_factors", "scales")
 _POINTER = struct.Struct("<Q")
 
 
@@ -164,7 +165,7 @@ class PyLauncher:
             if o is None:
                 o = allocate(spec, self._device)
             else:
-                field = f"out.{_FIELD_NAMES[i]}" if plan.fused else "out"
+                field = f"out.{OUT_FIELDS[i]}" if plan.fused else "out"
                 if o.data_ptr() % 16:
                     raise ValueError(f"{field} must be 16-byte aligned")
                 if spec.strides is not None and storage_room(o) < spec.storage_numel:

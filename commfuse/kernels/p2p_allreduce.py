@@ -65,7 +65,7 @@ def describe_signature(words: Sequence[int]) -> str:
     """A call signature as the kernels write it (call_signature in csrc/p2p_allreduce.cu), in words."""
     kind, rows, row_vecs, total_vecs = (int(w) & 0xFFFFFFFF for w in words)
     dtype = "bf16" if kind & 1 else "fp16"
-    code = (kind >> 1) & 0xF  # 0: the plain all-reduce, else a format's signature_code
+    code = (kind >> 1) & 0xF  # 0: the plain all-reduce, else a format's id + 1
     fmt = formats.by_id(code - 1)
     what = "plain all-reduce" if code == 0 else f"pattern {code}" if fmt is None else \
         "tail" if fmt.codes is None else f"tail + {fmt.name}"

@@ -95,7 +95,7 @@ class Struct:
             comment = f"  // {f.comment}" if f.comment else ""
             lines.append(f"  {f.ctype} {f.name}{array};{comment}")
         lines.append("};")
-        lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name}: layout of commfuse/params.py");')
+        lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name}: layout of commfuse/kernels/params.py");')
         return "\n".join(lines)
 
 

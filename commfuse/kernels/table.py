@@ -8,7 +8,8 @@ commfuse.ops' collective ops; the process's local table (name "local") serves co
 
 The signature (the key) is everything the checks and routes read of a call: the op, each tensor
 argument's dtype, device, shape and strides (None where absent), the caller's outputs' too, and the
-scalar arguments by exact value and type (a float, an int, a bool or a str; None). A call the key cannot
+scalar arguments by value and type (a float, an int, a bool or a str; None; the C++ table reads an int
+eps or weight_offset as the float it equals, which the checks take alike). A call the key cannot
 hold (a Python float scale, an argument of another type) is a miss every time: the caller then checks
 and plans it, and its insert returns False. While the table's error word (a P2P workspace's pinned host
 word) is not 0 every lookup misses, so that the caller raises the workspace's error.
@@ -29,11 +30,12 @@ from typing import Optional
 
 import torch
 
+from ..tail.checks import fields_of
+
 __all__ = ["OPS", "PyTable", "MAX_ENTRIES"]
 
 OPS = ("plain", "fused", "local", "gated", "quantize")
 MAX_ENTRIES = 4096  # then the table is cleared: a decode loop repeats a handful of signatures
-_OUT_FIELDS = ("residual", "norm", "quant", "scale_factors", "scales")
 
 
 class _Unkeyable(Exception):
@@ -59,9 +61,11 @@ def _out(op: str, out):
         return None
     if op == "plain":
         return _tensor(out)
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return ("tuple",) + tuple(_tensor(o) for o in out)
-    return tuple(_tensor(getattr(out, f, None)) for f in _OUT_FIELDS)
+    try:  # only what the checks take has a key: anything else misses, and the checks raise
+        fields = fields_of(out)
+    except TypeError:
+        raise _Unkeyable from None
+    return tuple(_tensor(f) for f in fields)
 
 
 def key(op: str, x, residual=None, weight=None, scale=None, z=None, out=None, eps=None, quant=None, return_norm=None,

@@ -37,7 +37,7 @@ class Format:
     """One quantization format.
 
     name: the public `quant=` value (None: no quantization). id: the kernels' QUANT template argument,
-    whose C++ constant is kQuant<cname>; the P2P call signature carries id + 1 (`signature_code`).
+    whose C++ constant is kQuant<cname>; the P2P call signature carries id + 1 (0: the plain all-reduce).
     h_multiple: what the hidden size must be a multiple of (16-byte vectors of 8 elements, or the block).
     takes_scale: the caller gives the dequant scale (a float32 tensor of one element); otherwise the tail
     computes its scales, or has none. codes: "e4m3" (float8_e4m3fn [t, h]) or "e2m1" (uint8 [t, h/2],
@@ -65,10 +65,6 @@ class Format:
     layouts: Tuple[Tuple[str, Layout], ...] = ()
     hw_sm: Tuple[int, int] = (8, 0)
     p2p_register_vpts: Tuple[int, ...] = (1, 2)
-
-    @property
-    def signature_code(self) -> int:
-        return self.id + 1
 
     @property
     def computes_scales(self) -> bool:
