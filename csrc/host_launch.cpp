@@ -119,19 +119,6 @@ py::object out_field(py::handle out, int i) {
   return py::getattr(out, kOutNames[i], py::none());
 }
 
-// Whether `out` is one fields_of takes (a plain tuple of 4 or 5 fields, or an object with the first
-// four): only those have a key; any other misses, and the checks raise.
-bool out_has_fields(py::handle out) {
-  if (PyTuple_CheckExact(out.ptr())) {
-    const Py_ssize_t n = PyTuple_GET_SIZE(out.ptr());
-    return n == kOutputs - 1 || n == kOutputs;
-  }
-  for (int i = 0; i < kOutputs - 1; ++i) {
-    if (!py::hasattr(out, kOutNames[i])) return false;
-  }
-  return true;
-}
-
 struct Patch {
   int offset;
   int source;
@@ -473,9 +460,22 @@ bool from_out(py::handle out, bool fused, Call& c) {
   c.has_out = !out.is_none();
   if (!c.has_out) return true;
   if (!fused) return from_tensor(out, c.outs[0], false);
-  if (!out_has_fields(out)) return false;
+  // Only an `out` that fields_of takes (tail/checks.py) has a key: a plain tuple of 4 or 5 fields, or an
+  // object with the first four; any other misses, and the checks raise.
+  const bool tuple = PyTuple_CheckExact(out.ptr());
+  if (tuple && PyTuple_GET_SIZE(out.ptr()) != kOutputs - 1 && PyTuple_GET_SIZE(out.ptr()) != kOutputs) return false;
   for (int i = 0; i < kOutputs; ++i) {
-    c.held[i] = out_field(out, i);
+    if (tuple) {
+      c.held[i] = out_field(out, i);
+    } else {
+      PyObject* field = PyObject_GetAttrString(out.ptr(), kOutNames[i]);
+      if (field == nullptr) {
+        PyErr_Clear();
+        if (i < kOutputs - 1) return false;
+        field = Py_NewRef(Py_None);
+      }
+      c.held[i] = py::reinterpret_steal<py::object>(field);
+    }
     if (!from_tensor(c.held[i], c.outs[i], true)) return false;
   }
   return true;
