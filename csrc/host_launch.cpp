@@ -778,28 +778,41 @@ std::optional<std::string_view> op_quant(std::string_view quant) {
   return quant.empty() ? std::nullopt : std::optional<std::string_view>(quant);
 }
 
-Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
-                            bool return_norm, std::string_view sf_layout, std::string_view comm, double weight_offset,
-                            std::string_view scale_layout, bool scale_ue8m0) {
+// The Call of a tail op's arguments (the op's own scalars, weight_offset and the gated norm's group, are
+// the caller's to set), with its operands in t. residual, z: nullptr where the op has none.
+Call op_call(Op op, at::Tensor (&t)[kSources], const at::Tensor& x, const at::Tensor* residual,
+             const at::Tensor& weight, const std::optional<at::Tensor>& scale, const at::Tensor* z, double eps,
+             std::string_view quant, bool return_norm, std::string_view sf_layout, std::string_view scale_layout,
+             bool scale_ue8m0) {
   Call c;
-  c.op = kFused;
+  c.op = op;
   c.x = &x;
-  c.residual = &residual;
+  c.residual = residual;
   c.weight = &weight;
   c.scale = scale.has_value() ? &*scale : nullptr;
+  c.z = z;
   c.eps = eps;
   c.quant = op_quant(quant);
   c.return_norm = return_norm;
   c.sf_layout = sf_layout;
-  c.weight_offset = weight_offset;
   c.scale_layout = scale_layout;
   c.scale_ue8m0 = scale_ue8m0;
-  at::Tensor t[kSources];
   t[kX] = x;
-  t[kResidual] = residual;
+  if (residual != nullptr) t[kResidual] = *residual;
   t[kWeight] = weight;
   if (scale.has_value()) t[kScale] = *scale;
+  if (z != nullptr) t[kZ] = *z;
+  return c;
+}
+
+Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
+                            bool return_norm, std::string_view sf_layout, std::string_view comm, double weight_offset,
+                            std::string_view scale_layout, bool scale_ue8m0) {
+  at::Tensor t[kSources];
+  Call c = op_call(kFused, t, x, &residual, weight, scale, nullptr, eps, quant, return_norm, sf_layout, scale_layout,
+                   scale_ue8m0);
+  c.weight_offset = weight_offset;
   if (run_op(comm, c, t)) return op_outputs(t, x);
   py::gil_scoped_acquire gil;
   return tuple_back(py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
@@ -822,24 +835,10 @@ Outputs fused_add_rmsnorm_op(const at::Tensor& x, const std::optional<at::Tensor
                              const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
                              bool return_norm, std::string_view sf_layout, double weight_offset,
                              std::string_view scale_layout, bool scale_ue8m0) {
-  Call c;
-  c.op = kLocal;
-  c.x = &x;
-  c.residual = residual.has_value() ? &*residual : nullptr;
-  c.weight = &weight;
-  c.scale = scale.has_value() ? &*scale : nullptr;
-  c.eps = eps;
-  c.quant = op_quant(quant);
-  c.return_norm = return_norm;
-  c.sf_layout = sf_layout;
-  c.weight_offset = weight_offset;
-  c.scale_layout = scale_layout;
-  c.scale_ue8m0 = scale_ue8m0;
   at::Tensor t[kSources];
-  t[kX] = x;
-  if (residual.has_value()) t[kResidual] = *residual;
-  t[kWeight] = weight;
-  if (scale.has_value()) t[kScale] = *scale;
+  Call c = op_call(kLocal, t, x, residual.has_value() ? &*residual : nullptr, weight, scale, nullptr, eps, quant,
+                   return_norm, sf_layout, scale_layout, scale_ue8m0);
+  c.weight_offset = weight_offset;
   if (run_op("local", c, t)) {
     // Outputs may not alias inputs: the kernel wrote fresh tensors (the op takes no out=).
     return op_outputs(t, x);
@@ -855,25 +854,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_rmsnorm_op(
     const std::optional<at::Tensor>& scale, double eps, int64_t group_size, bool norm_before_gate,
     std::string_view quant, bool return_norm, std::string_view sf_layout, std::string_view scale_layout,
     bool scale_ue8m0) {
-  Call c;
-  c.op = kGated;
-  c.x = &x;
-  c.z = z.has_value() ? &*z : nullptr;
-  c.weight = &weight;
-  c.scale = scale.has_value() ? &*scale : nullptr;
-  c.eps = eps;
+  at::Tensor t[kSources];
+  Call c = op_call(kGated, t, x, nullptr, weight, scale, z.has_value() ? &*z : nullptr, eps, quant, return_norm,
+                   sf_layout, scale_layout, scale_ue8m0);
   c.group_size = group_size;
   c.norm_before_gate = norm_before_gate;
-  c.quant = op_quant(quant);
-  c.return_norm = return_norm;
-  c.sf_layout = sf_layout;
-  c.scale_layout = scale_layout;
-  c.scale_ue8m0 = scale_ue8m0;
-  at::Tensor t[kSources];
-  t[kX] = x;
-  if (z.has_value()) t[kZ] = *z;
-  t[kWeight] = weight;
-  if (scale.has_value()) t[kScale] = *scale;
   if (run_op("local", c, t)) {
     const Outputs o = op_outputs(t, x);
     return {std::get<1>(o), std::get<2>(o), std::get<3>(o), std::get<4>(o)};
