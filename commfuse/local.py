@@ -96,8 +96,9 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     of one element on x's device; a Python float is taken and rounded to fp32, on the separated route);
     "fp8_per_token", "fp8_block" and "mxfp8" compute their scales (scale None; docs/semantics.md).
     return_norm: also return the norm when quantizing. sf_layout: the scale-factor layout of NVFP4 and
-    MXFP8, "swizzled" or "linear"; scale_layout ("row" / "mn_major") and scale_ue8m0: fp8_block's. weight_offset: the norm
-    multiplies by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's (1 + w) (reference.rmsnorm).
+    MXFP8, "swizzled" or "linear"; scale_layout ("row" / "mn_major") and scale_ue8m0: fp8_block's.
+    weight_offset: the norm multiplies by (float(weight) + weight_offset) in fp32: 1.0 for Gemma's
+    (1 + w) (reference.rmsnorm).
 
     out: caller-owned outputs, as for Communicator.fused_all_reduce: a commfuse.reference.Tail (or a
     tuple in its order: residual, norm, quant, scale_factors, scales) of tensors or None; a tensor is
