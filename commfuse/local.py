@@ -17,9 +17,10 @@ residual it reads and writes none) where the fused tail's guards hold: CUDA tens
 float16/bfloat16, h % 8 == 0 (and the format's multiple), stride 1 on the last dims, the scale a
 float32 tensor on x's device, fusion not disabled (`COMMFUSE_DISABLE_FUSION=1`). `gated_rmsnorm` runs
 the gated RMSNorm kernel under the same guards plus group_size % 8 == 0 and h <= 16384. Everything else
-takes the separated ops of commfuse.reference (the same semantics); `quantize` has no kernel yet and
-always does. `plan(...)` / `plan_gated(...)` say which route a call takes and why, without running it (a
-commfuse.Plan with collective "none"). A call signature is planned once: the process's local plan
+takes the separated ops of commfuse.reference (the same semantics). `quantize` runs the quantize kernel
+under the same guards as fused_add_rmsnorm's plus h <= 16384 (the row lives in registers).
+`plan(...)` / `plan_gated(...)` / `plan_quantize(...)` say which route a call takes and why, without
+running it (a commfuse.Plan with collective "none"). A call signature is planned once: the process's local plan
 table (commfuse.kernels.table, name "local") holds its launcher, and commfuse.ops' C++ kernels for CUDA
 tensors look it up too.
 """
@@ -38,7 +39,7 @@ from .routes import Call, Machine, Plan, Resources
 from .tail import checks
 from .tail.spec import TailSpec, keep
 
-__all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "Quantized"]
+__all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "plan_quantize", "Quantized"]
 
 _WHERE = "x is on"
 
@@ -176,8 +177,9 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     x: T[..., h]; quant: any format of commfuse.tail.formats.FORMATS but None; scale: the dequant
     scale, a float32 tensor of one element on x's device, for the formats that take one; sf_layout,
     scale_layout, scale_ue8m0: the layout of the block scales, as in `fused_add_rmsnorm`. Returns
-    Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). No kernel
-    (separated ops); the fusion pass folds this op into a fused tail that produces x."""
+    Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). Route: the quantize
+    kernel (one launch; reference.quantize's bits) where its guards hold, else the separated ops;
+    `plan_quantize` says which. The fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
         q, sf, s = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
         return Quantized(*keep((None, None, q, sf, s), quant, False, False)[2:])
@@ -220,3 +222,9 @@ def plan_gated(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group
     call = _gated_call(x, z, weight, eps, group_size, norm_before_gate, quant, scale, return_norm, sf_layout,
                        scale_layout, scale_ue8m0)
     return routes.plan(call, Machine.local(x.device))
+
+
+def plan_quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: str = "swizzled", *,
+                  scale_layout: str = "row", scale_ue8m0: bool = False) -> Plan:
+    """The route `quantize(...)` takes, without running it (as `plan`; kernel quantize)."""
+    return routes.plan(_quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0), Machine.local(x.device))

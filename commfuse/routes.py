@@ -10,7 +10,8 @@ The collective routes, in the order they are tried (the strategy= names come fro
 | nccl | "nccl" | ncclAllReduce (commfuse.nccl, else torch.distributed) | the fused_tail kernel after it | - |
 | gloo | - | gloo's all-gather and the exact fp32 sum | the fused_tail kernel (CUDA tensors) | - |
 
-and for commfuse.local's calls: local (the fused_tail kernel alone), gated (the gated RMSNorm kernel).
+and for commfuse.local's calls: local (the fused_tail kernel alone), gated (the gated RMSNorm kernel),
+quantize (the quantize kernel).
 Where the fused tail's guards do not hold (dtype, layout, sizes, SM, CPU tensors, fusion disabled), the
 tail is `separated`: commfuse.reference's ops after the collective route's plain all-reduce (or on the
 local op's input): the same results, slower.
@@ -37,6 +38,7 @@ from .kernels.fused_tail import FUSED_TAIL
 from .kernels.gated_norm import GATED_NORM
 from .kernels.launch import LaunchPlan
 from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
+from .kernels.quantize import QUANTIZE
 from .p2p.calibration import P2PLimits
 from .tail.checks import OUT_FIELDS, fields_of
 from .tail.formats import Layout
@@ -393,6 +395,21 @@ class GatedRoute(Route):
                                                 call.norm_before_gate, call.x.device.index))
 
 
+class QuantizeRoute(Route):
+    """commfuse.local's quantize: the quantize kernel (h <= 16384)."""
+
+    name = "quantize"
+    kernel = QUANTIZE
+
+    def accepts(self, call, m, fused):
+        why = tail_guard(call, m) or _rejects(self.kernel, call, m, call.spec)
+        return (why,) if why else None
+
+    def launcher(self, call, plan, res):
+        return native.launcher(self.kernel.plan(call.x.dtype, call.tokens, call.hidden, call.spec,
+                                                call.x.device.index))
+
+
 class SeparatedRoute(Route):
     """commfuse.reference's ops: after the collective route's plain all-reduce, or on a local op's input.
     Takes every call: it is the oracle."""
@@ -418,10 +435,9 @@ class SeparatedRoute(Route):
 
 _P2P_ROUTES = (P2PRoute("oneshot"), P2PRoute("twoshot"))
 COLLECTIVE_ROUTES: Tuple[Route, ...] = _P2P_ROUTES + (NcclRoute(), GlooRoute())
-ROUTES = {r.name: r for r in COLLECTIVE_ROUTES + (LocalRoute(), GatedRoute(), SeparatedRoute())}
+ROUTES = {r.name: r for r in COLLECTIVE_ROUTES + (LocalRoute(), GatedRoute(), QuantizeRoute(), SeparatedRoute())}
 # strategy=: "auto" (the routes in order, P2P up to its crossovers), or a forceable route's name.
 STRATEGIES = ("auto",) + tuple(r.strategy for r in COLLECTIVE_ROUTES if r.strategy)
-_LOCAL_ROUTES = {"local": ROUTES["local"], "gated": ROUTES["gated"]}
 
 
 def plan(call: Call, m: Machine) -> Plan:
@@ -429,10 +445,10 @@ def plan(call: Call, m: Machine) -> Plan:
     reasons: list = []
     if call.op in ("plain", "fused"):
         return _collective_plan(call, m, reasons)
-    first = _LOCAL_ROUTES.get(call.op)
-    why = first.accepts(call, m, True) if first is not None else ("quantize has no kernel: separated ops",)
+    route = ROUTES[call.op]  # a local op's route has the op's name
+    why = route.accepts(call, m, True)
     if why is None:
-        return Plan(Collective.NONE, TailRoute.FUSED, first.kernel.name, (), first.name)
+        return Plan(Collective.NONE, TailRoute.FUSED, route.kernel.name, (), route.name)
     return Plan(Collective.NONE, TailRoute.SEPARATED, None, tuple(why), "separated")
 
 

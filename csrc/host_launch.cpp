@@ -733,7 +733,7 @@ class Table {
 
 // ------------------------------------------------------------------ the op kernels
 
-// commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm and gated_rmsnorm for CUDA tensors: a call
+// commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm, gated_rmsnorm and quantize for CUDA tensors: a call
 // whose signature has a C++ launcher in its table runs here without Python; the others go to the
 // Python kernels of commfuse/ops.py (which plan them), as every other device's calls do (torch's
 // dispatcher calling a Python kernel costs ~12 us of host time a call on an H200 host).
@@ -870,6 +870,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_rmsnorm_op(
   return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3])};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_op(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                          std::string_view quant, std::string_view sf_layout,
+                                                          std::string_view scale_layout, bool scale_ue8m0) {
+  at::Tensor t[kSources];
+  Call c;
+  c.op = kQuantize;
+  c.x = &x;
+  c.scale = scale.has_value() ? &*scale : nullptr;
+  c.quant = op_quant(quant);
+  c.sf_layout = sf_layout;
+  c.scale_layout = scale_layout;
+  c.scale_ue8m0 = scale_ue8m0;
+  t[kX] = x;
+  if (scale.has_value()) t[kScale] = *scale;
+  if (run_op("local", c, t)) {
+    const Outputs o = op_outputs(t, x);
+    return {std::get<2>(o), std::get<3>(o), std::get<4>(o)};
+  }
+  py::gil_scoped_acquire gil;
+  const py::tuple r = py::module_::import("commfuse.ops").attr("_quantize")(
+      wrap(x), optional_wrap(scale), std::string(quant), std::string(sf_layout), std::string(scale_layout),
+      scale_ue8m0);
+  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2])};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
@@ -877,6 +902,7 @@ TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
   m.impl("all_reduce", all_reduce_op);
   m.impl("fused_add_rmsnorm", fused_add_rmsnorm_op);
   m.impl("gated_rmsnorm", gated_rmsnorm_op);
+  m.impl("quantize", quantize_op);
 }
 
 PYBIND11_MODULE(commfuse_host, m) {

@@ -34,7 +34,13 @@ def families():
     except ImportError:  # a checkout from before commfuse/kernels/
         from commfuse import fused_tail, gated_norm
         from commfuse.p2p import kernels as p2p_allreduce
-    return [(m.SOURCE, m.variants()) for m in (fused_tail, gated_norm, p2p_allreduce)]
+    modules = [fused_tail, gated_norm, p2p_allreduce]
+    try:
+        from commfuse.kernels import quantize
+        modules.append(quantize)
+    except ImportError:  # a checkout from before the quantize kernel
+        pass
+    return [(m.SOURCE, m.variants()) for m in modules]
 
 
 def main(archs):

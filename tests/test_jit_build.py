@@ -1,4 +1,4 @@
-"""CPU (CI): every fused-tail kernel variant compiles with NVRTC for every supported arch, NVRTC
+"""CPU (CI): every kernel variant (fused tail, gated RMSNorm, quantize) compiles with NVRTC for every supported arch, NVRTC
 failures become JitErrors that say which kernel and why, and the cubin cache keys and hits.
 
 No GPU needed; skipped with a reason when NVRTC cannot be loaded.
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commfuse import routes
-from commfuse.kernels import fused_tail, gated_norm, jit, params
+from commfuse.kernels import fused_tail, gated_norm, jit, params, quantize
 from commfuse.routes import Call, Machine, TensorMeta
 from commfuse.tail.formats import FORMATS
 from commfuse.tail.spec import TailSpec
@@ -44,27 +44,33 @@ def test_every_variant_builds(arch, cache_dir):
         assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
 
 
+# The register-only families: the gated RMSNorm (every format, None included) and quantize (every format but None).
+REGISTER_FAMILIES = [(gated_norm, gated_norm.GATED_NORM, FORMATS), (quantize, quantize.QUANTIZE, FORMATS[1:])]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_gated_variant_builds(arch, cache_dir):
+@pytest.mark.parametrize("module, family, formats", REGISTER_FAMILIES)
+def test_every_register_only_variant_builds(arch, module, family, formats, cache_dir):
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
-    names = gated_norm.variants()
-    assert len(names) == 2 * len(FORMATS) * len(gated_norm.VPT_BUCKETS)
-    built = jit.build(gated_norm.SOURCE, names, arch)
+    names = module.variants()
+    assert len(names) == 2 * len(formats) * len(module.VPT_BUCKETS)
+    built = jit.build(module.SOURCE, names, arch)
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
         assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
 
 
-def test_gated_launch_configs_have_variants():
-    names = set(gated_norm.variants())
+@pytest.mark.parametrize("module, family, formats", REGISTER_FAMILIES)
+def test_register_only_launch_configs_have_variants(module, family, formats):
+    names = set(module.variants())
     for hidden in (8, 128, 1024, 2880, 4096, 8192, 8200, 12336, 16384):
         for tokens in (1, 255, 256, 8192):
-            vpt, threads = gated_norm.launch_config(hidden, tokens)
-            assert vpt in gated_norm.VPT_BUCKETS and threads % 32 == 0 and threads <= gated_norm.MAX_THREADS[vpt]
+            vpt, threads = module.launch_config(hidden, tokens)
+            assert vpt in module.VPT_BUCKETS and threads % 32 == 0 and threads <= module.MAX_THREADS[vpt]
             assert 8 * vpt * threads >= hidden
-            for fmt in FORMATS:
-                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fmt, vpt) in names
+            for fmt in formats:
+                assert family.name_expression(torch.bfloat16, fmt, vpt) in names
 
 
 def test_variants_cover_every_launch_config():

@@ -215,6 +215,8 @@ def test_quantize_alone(gen):
     q = commfuse.quantize(x, "fp8_block", scale_layout="mn_major", scale_ue8m0=True)
     want = reference.quantize_fp8_block(x, 128, "mn_major", True)
     assert bits_equal(q.quant, want[0]) and bits_equal(q.scales, want[1]) and q.scales.stride() == want[1].stride()
+    p = local.plan_quantize(x, "fp8_block")
+    assert (p.collective, p.tail, p.route) == ("none", "separated", "separated") and "tensors on cpu" in p.reasons[0]
     with pytest.raises(ValueError, match="quant must name a format"):
         commfuse.quantize(x, None, scale)
     with pytest.raises(ValueError, match="computes its scales"):
@@ -462,6 +464,46 @@ def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
     n = reference.gated_rmsnorm(x, z, weight, 1e-5, group_size, norm_before_gate).cpu()
     _assert_local_close(runs[0], _want(n, quant, None if scale is None else scale.cpu(), return_norm, sf_layout, scale_layout,
                                        scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant, sf_layout, scale_layout, scale_ue8m0",
+                         sorted({q[:1] + q[2:] for q in ALL_QUANTS if q[0]}, key=str))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, h", [(1, 4096), (7, 2944), (300, 8192), (130, 7168), (3, 16384)])
+def test_gpu_quantize_kernel(gen, quant, sf_layout, scale_layout, scale_ue8m0, dtype, t, h):
+    """The quantize kernel gives reference.quantize's bits: it runs the tail's quantization code on x
+    itself, whose values are already T (no norm to differ by an ulp)."""
+    if h % TailSpec.of(quant).hidden_multiple:
+        pytest.skip(f"{quant} needs h % {TailSpec.of(quant).hidden_multiple} == 0")
+    x = (torch.randn(t, h, generator=gen) * 3).to(dtype).to("cuda")
+    x[0, :64] = -0.0
+    x[-1, 128:160] = 0.0  # a block of zeros: the smallest scale
+    scale = torch.tensor([0.02 if quant == "fp8" else 0.004], device="cuda") if quant in ("fp8", "nvfp4") else None
+    kw = dict(sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    p = local.plan_quantize(x, quant, scale, **kw)
+    assert (p.tail, p.kernel) == ("fused", "quantize"), p
+    runs = poisoned_runs(lambda: commfuse.quantize(x, quant, scale, **kw))
+    for a, b in zip(*runs):
+        assert bits_equal(a, b), "an output element is left unwritten"
+    want = reference.quantize(x.cpu(), quant, None if scale is None else scale.cpu(), **kw)
+    for got, ref in zip(runs[0], want):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            assert got.shape == ref.shape and got.stride() == ref.stride() and bits_equal(got.cpu(), ref)
+    op = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)  # the C++ op kernel
+    for got, ref in zip(op, runs[0]):
+        assert bits_equal(got, ref) if ref is not None else got.numel() == 0
+
+
+@needs_gpu
+def test_gpu_quantize_long_rows_take_the_separated_ops(gen):
+    x = torch.randn(2, 20480, generator=gen).to(BF16).to("cuda")
+    p = local.plan_quantize(x, "fp8_per_token")
+    assert p.tail == "separated" and "16384" in p.reasons[0]
+    q = commfuse.quantize(x, "fp8_per_token")
+    want = reference.quantize_fp8_per_token(x.cpu())
+    assert bits_equal(q.quant.cpu(), want[0]) and bits_equal(q.scales.cpu(), want[1])
 
 
 @needs_gpu

@@ -190,7 +190,8 @@ def test_call_pattern_names():
 
 def test_strategies_and_routes_are_entries():
     assert routes.STRATEGIES == ("auto", "oneshot", "twoshot", "nccl")
-    assert set(routes.ROUTES) == {"p2p_oneshot", "p2p_twoshot", "nccl", "gloo", "local", "gated", "separated"}
+    assert set(routes.ROUTES) == {"p2p_oneshot", "p2p_twoshot", "nccl", "gloo", "local", "gated", "quantize",
+                                  "separated"}
     for name, route in routes.ROUTES.items():
         assert route.name == name
 
@@ -231,8 +232,21 @@ def test_local_routes(op, guard):
         p = routes.plan(Call(op, x, None, meta((256,)), meta((1,), torch.float32), None, spec, group_size=4),
                         Machine("local", sm=(9, 0)))
         assert p.tail == "separated" and "whole 16-byte vectors" in p.reasons[0]
-    q = routes.plan(Call("quantize", x, scale=meta((1,), torch.float32), spec=spec), Machine("local", sm=(9, 0)))
-    assert (q.tail, q.route) == ("separated", "separated") and "no kernel" in q.reasons[0]
+
+
+def test_quantize_route():
+    on_gpu = Machine("local", sm=(9, 0))
+    scale = meta((1,), torch.float32)
+    q = routes.plan(Call("quantize", meta((4, 256)), scale=scale, spec=TailSpec.of("fp8")), on_gpu)
+    assert (q.collective, q.tail, q.kernel, q.route, q.reasons) == ("none", "fused", "quantize", "quantize", ())
+    q = routes.plan(Call("quantize", meta((4, 16384)), spec=TailSpec.of("fp8_block")), on_gpu)
+    assert q.route == "quantize"
+    q = routes.plan(Call("quantize", meta((4, 16384 + 128)), spec=TailSpec.of("fp8_block")), on_gpu)
+    assert q.route == "separated" and "16384" in q.reasons[0]  # rows live in registers
+    q = routes.plan(Call("quantize", meta((4, 256), torch.float32), scale=scale, spec=TailSpec.of("nvfp4")), on_gpu)
+    assert q.route == "separated" and "float16 and bfloat16" in q.reasons[0]
+    q = routes.plan(Call("quantize", meta((4, 40)), spec=TailSpec.of("mxfp8")), on_gpu)
+    assert q.route == "separated" and "multiple of 32" in q.reasons[0]
 
 
 # ---- argument errors: every one names the argument --------------------------------------------

@@ -1,6 +1,6 @@
 """A kernel family: one kernel template of csrc/ with its instantiations, what it takes, its kernels'
 cache, and the warm-up that loads them before CUDA graph capture. Each family module
-(fused_tail.py, gated_norm.py, p2p_allreduce.py) is one subclass: its name expressions, launch
+(fused_tail.py, gated_norm.py, quantize.py, p2p_allreduce.py) is one subclass: its name expressions, launch
 configuration and LaunchPlans.
 """
 from __future__ import annotations

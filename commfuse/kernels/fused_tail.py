@@ -36,7 +36,8 @@ from . import native, params
 from .family import CTYPE, MAX_HIDDEN, MAX_TOKENS, Family, Limits
 from .launch import SUM, X, Launch, LaunchPlan, tail_fields, tail_patches
 
-__all__ = ["FUSED_TAIL", "run", "warmup", "variants", "launch_config", "MAX_HIDDEN", "MAX_TOKENS"]
+__all__ = ["FUSED_TAIL", "run", "warmup", "variants", "launch_config", "register_config", "MAX_HIDDEN",
+           "MAX_TOKENS"]
 
 SOURCE = "fused_tail.cu"
 VPT_BUCKETS = (1, 2, 4)  # vectors of 8 elements per thread on the register path
@@ -49,6 +50,13 @@ LATENCY_TOKENS = 256      # below this many rows, a row gets as many threads as 
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     """(vpt, threads per CTA) for `tokens` rows of `hidden` elements; vpt 0 is the looped variant."""
     return row_config(hidden, tokens < LATENCY_TOKENS)
+
+
+def register_config(hidden: int, tokens: int) -> Tuple[int, int]:
+    """launch_config for kernels without a looped variant (the gated RMSNorm, quantize): rows the
+    throughput rule would loop over take the few-rows one (VPT 2, up to 1024 threads: h <= 16384)."""
+    vpt, threads = launch_config(hidden, tokens)
+    return (vpt, threads) if vpt else row_config(hidden, True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,8 +37,7 @@ GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
 
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     """(vpt, threads per CTA) for `tokens` rows of `hidden` <= MAX_HIDDEN elements."""
-    vpt, threads = fused_tail.launch_config(hidden, tokens)
-    return (vpt, threads) if vpt else fused_tail.launch_config(hidden, 1)
+    return fused_tail.register_config(hidden, tokens)
 
 
 class GatedNorm(Family):

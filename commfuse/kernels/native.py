@@ -9,7 +9,8 @@ bytes but for their pointers); the extension's `Launcher` then runs a call of it
 (outputs, pointers, ncclAllReduce and/or the kernels on torch's current stream: capturable in CUDA
 graphs, nothing synchronizes), and its `Table` (commfuse.kernels.table describes the interface) finds
 the signature's launcher without Python; the op kernels it registers for CUDA tensors
-(commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm, gated_rmsnorm) look the table up too.
+(commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm, gated_rmsnorm, quantize) look the table up
+too.
 
     launcher = native.launcher(plan)        # a C++ Launcher, or launch.PyLauncher where unavailable
     table = native.table(name, error_word, FusedResult, Tail, Quantized)   # native.Table, or table.PyTable

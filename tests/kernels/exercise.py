@@ -3,7 +3,7 @@
 One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
 1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale(-factor)
 layout, token counts with and without swizzle padding rows; the same without a residual (a plain
-RMSNorm) and the gated RMSNorm kernel. Under mpirun with 2+ GPUs, also the
+RMSNorm), the gated RMSNorm kernel and the quantize kernel. Under mpirun with 2+ GPUs, also the
 P2P kernels (one-shot and two-shot, plain and fused; and two-shot in pieces over a 1 MiB workspace)
 through a Communicator. The outputs are checked
 against commfuse.reference as in the tests (tolerance.tail_mismatch), so a run that the sanitizer
@@ -87,7 +87,25 @@ def local_ops(a, z, weight, quant, scale, layout, scaled, what) -> int:
                                       scale_ue8m0=ue8m0)
         if why:
             sys.exit(f"{name} {what}: {why}")
-    return len(runs)
+    return len(runs) + quantize_alone(a, quant, scale, layout, kw, what)
+
+
+def quantize_alone(a, quant, scale, layout, kw, what) -> int:
+    """The quantize kernel (rows it takes: h <= 16384) against reference.quantize, bit for bit."""
+    from commfuse import local
+    from commfuse.kernels import quantize
+
+    if quant is None or a.shape[-1] > quantize.MAX_HIDDEN:
+        return 0
+    got = local.quantize(a, quant, scale, layout, **kw)
+    want = reference.quantize(a, quant, scale, layout, **kw)
+    def bits(v):
+        return v.contiguous().view(torch.uint8)
+
+    for g, w in zip(got, want):
+        if (g is None) != (w is None) or (g is not None and not torch.equal(bits(g), bits(w))):
+            sys.exit(f"quantize {what}: differs from reference.quantize")
+    return 1
 
 
 def p2p_kernels(g) -> int:
