@@ -141,11 +141,41 @@ def rows(comm, t: int, h: int):
             x, r, w, quant=q, scale=sc)
         yield f"torch.ops.commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, q=quant: (
             torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, q or "", False, "swizzled", 0.0))
+    yield "commfuse.gated_rmsnorm group=h/4", lambda: commfuse.gated_rmsnorm(x, r, w, 1e-5, h // 4, False)
+    yield "torch.ops.commfuse.gated_rmsnorm group=h/4", lambda: torch.ops.commfuse.gated_rmsnorm(
+        x, r, w, None, 1e-5, h // 4, False, "", False, "swizzled")
+    for quant in ("fp8", "nvfp4"):
+        yield f"commfuse.quantize quant={quant}", lambda q=quant: commfuse.quantize(x, q, scale)
+        yield f"torch.ops.commfuse.quantize quant={quant}", lambda q=quant: torch.ops.commfuse.quantize(
+            x, scale, q, "swizzled")
+    # Compiled (inductor, default mode): the local op inside a compiled function against inductor's own
+    # kernel for the same tail written in torch; each call is the compiled function's whole host path.
+    for quant in (None, "fp8"):
+        sc = scale if quant else None
+        yield f"torch.compile: commfuse.fused_add_rmsnorm quant={quant}", _compiled(
+            lambda x, r, w, sc, q=quant: commfuse.fused_add_rmsnorm(x, r, w, quant=q, scale=sc), x, r, w, sc)
+        yield f"torch.compile: the torch tail quant={quant}", _compiled(
+            lambda x, r, w, sc, q=quant: torch_tail(x, r, w, q, sc), x, r, w, sc)
+
+
+def torch_tail(x, r, w, quant, scale, eps=1e-6):
+    """residual add + RMSNorm (+ static FP8) as a model writes it in torch: what inductor fuses itself."""
+    h = x + r
+    hf = h.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    if quant == "fp8":
+        return h, (n.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return h, n
+
+
+def _compiled(fn, *args):
+    compiled = torch.compile(fn, dynamic=False)
+    return lambda: compiled(*args)
 
 
 def python_op_calls() -> dict:
     """Counts the calls of commfuse.ops' Python kernels (on CUDA the C++ kernels' misses)."""
-    counts = {"_fused_all_reduce": 0, "_all_reduce": 0, "_fused_add_rmsnorm": 0}
+    counts = {"_fused_all_reduce": 0, "_all_reduce": 0, "_fused_add_rmsnorm": 0, "_gated_rmsnorm": 0, "_quantize": 0}
     for name in counts:
         kernel = getattr(commfuse.ops, name)
 
