@@ -434,6 +434,9 @@ def test_fp32_activations_are_skipped(quiet_comm, gen):
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
     assert not counts(gm) and not report.fused, report
     assert any("float32 activations" in r for r in _skip_reasons(report)), report
+    # Every reason is true: a norm reads the all-reduce's sum, so the all-reduce's line says why it is not fused.
+    (ar,) = _skip_reasons(report, "all-reduce")
+    assert "feeds a residual add + RMSNorm" in ar and "float32 activations" in ar and "no residual" not in ar, report
     assert_same(got, want)
 
 

@@ -22,10 +22,12 @@ _F32 = torch.float32
 @dataclass
 class Mismatch:
     """Why a candidate is not fused. kind: "pattern" (not the pattern, or not as the fused op
-    computes it) or "guard" (the pattern, but a condition the fused ops need fails)."""
+    computes it) or "guard" (the pattern, but a condition the fused ops need fails); norm_input: a
+    rejected RMSNorm's input where known (the all-reduce feeding it is reported with this reason)."""
 
     reason: str
     kind: str = "pattern"
+    norm_input: Optional[fx.Node] = None
 
 
 @dataclass
@@ -314,7 +316,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     if h_in is None:
         if G.dtype(base) == _F32:
             return Mismatch(f"RMSNorm at {r.name} of float32 activations: commfuse's fused ops take float16/bfloat16",
-                            "guard")
+                            "guard", base)
         return Mismatch(f"RMSNorm at {r.name}: what is normalised ({base.name}) is not a float32 cast of a "
                         f"float16/bfloat16 tensor")
     cast_in = [base] if gate is None else prefix

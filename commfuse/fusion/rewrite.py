@@ -78,6 +78,9 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None) -> FusionReport:
             continue
         if isinstance(match, P.Mismatch):
             report.skipped.append(Skipped(node.name, "rmsnorm", match.reason, match.kind))
+            if match.norm_input is not None:
+                _skip_feeding_all_reduce(match.norm_input, node.name, match.reason, match.kind, report,
+                                         seen_all_reduce)
             continue
         _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce)
     for node in gm.graph.nodes:
@@ -136,6 +139,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             raise _Skip(norm.output.name, "rmsnorm", f"eps {norm.eps} is not finite")
     except _Skip as s:
         report.skipped.append(s.skipped)
+        if not norm.gated:
+            _skip_feeding_all_reduce(norm.input, norm.output.name, s.skipped.reason, s.skipped.kind, report,
+                                     seen_all_reduce)
         return
 
     quant, others = _consumers(norm, h, report)
@@ -287,6 +293,27 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
 
 def _early(n, positions, anchor) -> bool:
     return not isinstance(n, fx.Node) or positions[n] < positions[anchor]
+
+
+def _skip_feeding_all_reduce(norm_input: fx.Node, norm_name: str, reason: str, kind: str, report: FusionReport,
+                             seen_all_reduce: set) -> None:
+    """A norm rejected before its inputs were looked at: the all-reduce whose sum its residual add
+    (norm_input, or a float32 cast of it) reads is skipped for the norm's reason, so that its report line
+    does not say that no norm reads it."""
+    add = norm_input
+    if G.passthrough(add) and G.source(add) is not None and P.match_residual_add(add) is None:
+        add = G.source(add)  # the norm's float32 cast of the sum
+    pair = P.match_residual_add(add)
+    if pair is None:
+        return
+    positions = G.order(add.graph)
+    for xa in pair:
+        if P.trace_all_reduce(xa, add, positions) is None:
+            continue
+        _mark_all_reduce(xa, seen_all_reduce)
+        report.skipped.append(Skipped(add.name, "all-reduce", f"its sum feeds a residual add + RMSNorm ({norm_name}) "
+                                      f"that is not fused: {reason}", kind))
+        return
 
 
 def _mark_all_reduce(v: fx.Node, seen: set) -> None:
