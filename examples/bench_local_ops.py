@@ -6,8 +6,9 @@ torch.compile.
 
 Rows, per (pattern, tokens x hidden, dtype):
 - commfuse: commfuse.fused_add_rmsnorm (with a residual, or without: pattern "rmsnorm") /
-  commfuse.gated_rmsnorm (its route is printed: the fused tail or gated kernel where the guards hold,
-  else the separated ops);
+  commfuse.gated_rmsnorm (pattern "gated_rmsnorm:G": groups of G) / commfuse.quantize (patterns
+  "quantize_fp8", "quantize_nvfp4"; its route is printed: the kernel where the guards hold, else the
+  separated ops);
 - torch eager: the same tail written in torch as models write it (residual add, HF-style RMSNorm in
   float32 with the weight in float32, FP8 as (n / s).clamp(-448, 448).to(float8_e4m3fn); NVFP4 and the
   gated norm as commfuse.reference's fused_tail / gated_rmsnorm compute them);
@@ -34,7 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import commfuse  # noqa: E402
 from commfuse import local, reference, tolerance  # noqa: E402
 
-PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "gated_rmsnorm")
+# gated_rmsnorm:G normalises groups of G elements (gated_rmsnorm alone: 128, or h where 128 does not divide it).
+PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "gated_rmsnorm", "quantize_fp8",
+            "quantize_nvfp4")
 SCALES = {"fp8": 0.02, "nvfp4": 0.004}
 
 
@@ -52,14 +55,28 @@ def torch_tail(x, residual, weight, eps, quant, scale):
     return h, n
 
 
+def torch_quantize(x, quant, scale):
+    """The quantization alone as torch code writes it: FP8 as in torch_tail, NVFP4 as the reference."""
+    if quant == "fp8":
+        return ((x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn),)
+    return reference.quantize_nvfp4(x, scale)
+
+
 def make_case(pattern, t, h, dtype, device, gen):
     x = torch.randn(t, h, generator=gen).to(dtype).to(device)
     r = torch.randn(t, h, generator=gen).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(device)
-    quant = {"add_rmsnorm_fp8": "fp8", "add_rmsnorm_nvfp4": "nvfp4"}.get(pattern)
+    quant = {"add_rmsnorm_fp8": "fp8", "add_rmsnorm_nvfp4": "nvfp4", "quantize_fp8": "fp8",
+             "quantize_nvfp4": "nvfp4"}.get(pattern)
     scale = torch.tensor([SCALES[quant]], device=device) if quant else None
-    if pattern == "gated_rmsnorm":
-        group = 128 if h % 128 == 0 else h
+    if pattern.startswith("quantize_"):
+        ours = lambda: tuple(v for v in commfuse.quantize(x, quant, scale) if v is not None)  # noqa: E731
+        theirs = lambda: torch_quantize(x, quant, scale)  # noqa: E731
+        want = tuple(v for v in reference.quantize(x, quant, scale) if v is not None)
+        route = "; ".join(s.strip(" -") for s in str(local.plan_quantize(x, quant, scale)).splitlines())
+        return ours, theirs, want, route, quant
+    if pattern.startswith("gated_rmsnorm"):
+        group = int(pattern.split(":")[1]) if ":" in pattern else 128 if h % 128 == 0 else h
         ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, group, False).norm,)  # noqa: E731
         theirs = lambda: (reference.gated_rmsnorm(x, r, w, 1e-5, group, False),)  # noqa: E731
         want = theirs()
@@ -79,7 +96,12 @@ def make_case(pattern, t, h, dtype, device, gen):
     return ours, theirs, tuple(v for v in want if v is not None), route, quant
 
 
-def check(got, want, quant) -> str:
+def check(got, want, quant, pattern="") -> str:
+    if pattern.startswith("quantize_"):  # the kernel gives the reference's bits
+        for g, w in zip(got, want):
+            if g.shape != w.shape or not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
+                return "codes or scale factors differ from reference.quantize"
+        return ""
     if quant is None or len(want) == 1:
         for g, w in zip(got, want):
             why = tolerance.within_ulp(g, w, 1, "output")
@@ -166,7 +188,7 @@ def main(argv=None) -> dict:
                     compiled = torch.compile(theirs, backend=backend)
                     row = {"pattern": pattern, "shape": shape, "dtype": dt, "route": route}
                     for name, fn in (("commfuse", ours), ("torch eager", theirs), ("torch.compile", compiled)):
-                        why = check(fn(), want, quant)
+                        why = check(fn(), want, quant, pattern)
                         row[name] = {"rejected": why} if why else time_us(fn, cuda, args.calls, args.repeats)
                     rows.append(row)
     key = "graph" if cuda else "host"
