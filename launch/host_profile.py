@@ -88,8 +88,15 @@ def rows(comm, t: int, h: int):
         k = FUSED_TAIL.kernel(FUSED_TAIL.name_expression(dt, none.format, fused_tail.launch_config(h, t)[0]), 0)
         fields = launch.tail_fields(none, t, h)
         yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(x.data_ptr(), *fields)
-        blob = params.FUSED_TAIL.pack(x.data_ptr(), *fields)
-        threads = fused_tail.launch_config(h, t)[1]
+        # A plain RMSNorm of x into norm_buf: the plan's bytes with its pointers patched in, as a launcher does.
+        (one,) = FUSED_TAIL.plan(dt, t, h, none, 0, residual=False).launches
+        norm_buf = torch.empty_like(x)
+        pointers = {launch.X: x.data_ptr(), launch.WEIGHT: w.data_ptr(), launch.OUT + 1: norm_buf.data_ptr()}
+        blob = bytearray(one.params)
+        for offset, source, delta in one.patches:
+            blob[offset:offset + 8] = (pointers[source] + delta if source in pointers else 0).to_bytes(8, "little")
+        blob = bytes(blob)
+        threads = one.block
         yield "Kernel.launch (fused tail, packed bytes)", lambda: k.launch((t, 1, 1), (threads, 1, 1), blob)
         stream = jit._current_raw_stream(0)
         slot = jit._SLOT
