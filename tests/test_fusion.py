@@ -728,6 +728,80 @@ def test_gated_rmsnorm_is_found(gen, form):
         assert_rounding_order_close(got, want, ["norm"])
 
 
+# ---- rewrite="auto": a local pattern is left to Inductor where commfuse.fusion.evidence says it does as well
+
+
+def _local_graphs(gen):
+    """(name, function, inputs) of a local add + norm + FP8, a gated norm, and a norm quantized by
+    commfuse.quantize."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def add_norm_fp8(x, residual, weight, scale):
+        h = x + residual
+        return fp8(hf_norm(h, weight), scale), h
+
+    def gated(x, z, weight):
+        return (mamba2_gated_norm(x, z, weight, 16),)
+
+    def nvfp4_op(x, weight, scale):
+        q, sf, _ = commfuse.quantize(F.rms_norm(x, (64,), weight, 1e-6), "nvfp4", scale)
+        return q, sf
+
+    return [("add_norm_fp8", add_norm_fp8, (x, residual, weight, scale)), ("gated", gated, (x, residual, weight)),
+            ("nvfp4_op", nvfp4_op, (x, weight, scale))]
+
+
+@pytest.mark.parametrize("case", ["add_norm_fp8", "gated", "nvfp4_op"])
+def test_auto_leaves_local_patterns_to_inductor(gen, case):
+    name, f, args = next(c for c in _local_graphs(gen) if c[0] == case)
+    gm, inputs = capture(f, *args)
+    want = gm(*_cloned(inputs))
+    report = fusion.fuse(gm, None, compiler="inductor")
+    if case == "nvfp4_op":  # two commfuse launches become one: it always pays
+        assert counts(gm) == {LOCAL: 1} and not report.skipped, report
+        return
+    assert not counts(gm) and not report.fused, report
+    (skip,) = report.skipped
+    assert skip.kind == "evidence" and skip.reason.startswith("left to Inductor") and " us " in skip.reason, report
+    assert "rewrite='all'" in skip.reason and "evidence" in str(report)
+    assert all(bits_equal(a, b) for a, b in zip(gm(*_cloned(inputs)), want))  # the graph is untouched
+    forced = fusion.fuse(gm, None, compiler="inductor", rewrite="all")
+    assert counts(gm) == {GATED if case == "gated" else LOCAL: 1} and not forced.skipped, forced
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager", "eager"])
+def test_auto_rewrites_local_patterns_for_other_compilers(gen, compiler):
+    for name, f, args in _local_graphs(gen):
+        gm, _ = capture(f, *args)
+        report = fusion.fuse(gm, None, compiler=compiler)
+        assert report.count() == 1 and not report.skipped, (name, report)
+
+
+def test_rewrite_value_is_checked(gen):
+    _, f, args = _local_graphs(gen)[0]
+    gm, _ = capture(f, *args)
+    with pytest.raises(ValueError, match="rewrite must be one of"):
+        fusion.fuse(gm, None, rewrite="some")
+    with pytest.raises(ValueError, match="rewrite must be one of"):
+        fusion.backend(None, rewrite="none")
+
+
+@mpi
+def test_auto_rewrites_collective_tails_for_inductor(quiet_comm, gen):
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        return fp8(hf_norm(h, weight), scale), h
+
+    gm, inputs = capture(layer, x, residual, weight, wo, scale)
+    report = fusion.fuse(gm, c, compiler="inductor")
+    assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+
+
 def test_aten_level_graph_from_make_fx(gen):
     """The same pattern as torch.compile decomposes it (aten ops, _to_copy to float8)."""
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -29,6 +29,7 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
+from .evidence import REWRITES
 from .report import FusionReport
 from .rewrite import fuse
 
@@ -69,18 +70,23 @@ def _compile_id():
 
 def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Optional[str] = None,
             options: Optional[dict] = None, dynamic: Optional[bool] = None,
-            reports: Optional[List[FusionReport]] = None, verbose: bool = False) -> Callable:
+            reports: Optional[List[FusionReport]] = None, verbose: bool = False, rewrite: str = "auto") -> Callable:
     """A dynamo backend: `fuse(gm, comm)` on each graph dynamo captures, then the inner backend.
 
     comm: the Communicator of the model's tensor-parallel group (None: only commfuse.ops all-reduces
     and the local patterns fuse). inner: the backend that compiles the rewritten graph (default:
     inductor on CUDA, aot_eager otherwise). mode, options, dynamic: as torch.compile's, for Inductor
     (pass them here, or to torch.compile, which forwards mode and options to this backend).
-    reports: a list each graph's FusionReport is appended to. verbose: print each report."""
+    reports: a list each graph's FusionReport is appended to. verbose: print each report.
+    rewrite: "auto" (every collective tail; a local pattern where it beats what the inner backend does
+    with it, commfuse.fusion.evidence) or "all" (every match)."""
+    if rewrite not in REWRITES:
+        raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     collected = reports if reports is not None else []
+    target = inner if inner is not None else _default_inner(comm)
 
     def commfuse_fusion(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        report = fuse(gm, comm)
+        report = fuse(gm, comm, rewrite=rewrite, compiler=target if isinstance(target, str) else None)
         report.level = "dynamo graph"
         report.compile_id = _compile_id()
         # dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a float):
@@ -93,7 +99,6 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
             print(report)
         m = kwargs.get("mode", mode)
         o = kwargs.get("options", options)
-        target = inner if inner is not None else _default_inner(comm)
         return _inner_compiler(target, m, o, dynamic)(gm, example_inputs)
 
     commfuse_fusion.reports = collected  # type: ignore[attr-defined]
@@ -102,17 +107,17 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
 
 def compile(model, comm=None, *, backend: Union[str, Callable, None] = None, mode: Optional[str] = None,
             options: Optional[dict] = None, dynamic: Optional[bool] = None, fullgraph: bool = False,
-            verbose: bool = False, **torch_compile_kwargs):
+            verbose: bool = False, rewrite: str = "auto", **torch_compile_kwargs):
     """torch.compile(model, ...) with commfuse's fusion pass on every graph dynamo captures.
 
     comm: the model's Communicator (see `backend`). backend: the inner backend compiling the rewritten
     graph ("inductor", "aot_eager", ... or a callable; default: inductor on CUDA, aot_eager without).
     mode ("reduce-overhead", "max-autotune", ...), options, dynamic, fullgraph and any other keyword:
-    as torch.compile's. Returns the compiled model; its `fusion_reports` attribute is the list of
+    as torch.compile's. rewrite: "auto" or "all", as for `backend`. Returns the compiled model; its `fusion_reports` attribute is the list of
     FusionReports, one per graph compiled (a recompilation adds one)."""
     reports: List[FusionReport] = []
     fn = globals()["backend"](comm, inner=backend, mode=mode, options=options, dynamic=dynamic, reports=reports,
-                              verbose=verbose)
+                              verbose=verbose, rewrite=rewrite)
     compiled = torch.compile(model, backend=fn, dynamic=dynamic, fullgraph=fullgraph, **torch_compile_kwargs)
     try:
         object.__setattr__(compiled, "fusion_reports", reports)

@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from . import graph as G
 from . import patterns as P
+from .evidence import REWRITES, local_rewrite
 from .report import Fused, FusionReport, Skipped
 from ..tail.spec import TailSpec
 
@@ -51,8 +52,9 @@ def _targets():
     }
 
 
-def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None) -> FusionReport:
-    """Rewrite every match in `gm` in place; return the report.
+def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "auto",
+         compiler: Optional[str] = None) -> FusionReport:
+    """Rewrite the matches in `gm` in place; return the report.
 
     gm: a torch-level FX graph: dynamo's (what a torch.compile backend receives), torch.fx.symbolic_trace's,
     or make_fx's (aten level) - the matchers read every spelling. Nodes need shape/dtype metadata
@@ -60,7 +62,12 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None) -> FusionReport:
     tensors first. comm: the commfuse.Communicator whose group the model's torch.distributed /
     functional all-reduces use (they fuse only when their group is comm's); commfuse.ops.all_reduce
     calls name their own communicator. None: only those, and the local ops.
+    rewrite: "auto" rewrites every collective tail and the local patterns where they pay given
+    `compiler`, what compiles the graph after the pass ("inductor", another backend, None: nothing);
+    "all" rewrites every match (commfuse.fusion.evidence has the rule and its measurements).
     """
+    if rewrite not in REWRITES:
+        raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     if example_inputs is not None and not _has_meta(gm):
         _propagate(gm, example_inputs)
     targets = _targets()
@@ -82,7 +89,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None) -> FusionReport:
                 _skip_feeding_all_reduce(match.norm_input, node.name, match.reason, match.kind, report,
                                          seen_all_reduce)
             continue
-        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce)
+        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler))
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
             report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm reads its sum",
@@ -116,7 +123,8 @@ class _Skip(Exception):
         self.skipped = Skipped(where, what, reason, kind)
 
 
-def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: set, seen_all_reduce: set) -> None:
+def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: set, seen_all_reduce: set,
+               policy: tuple) -> None:
     g = gm.graph
     try:
         t = G.dtype(norm.input)
@@ -176,6 +184,13 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     kind = "gated" if norm.gated else "all_reduce" if ar is not None else "local"
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
+    if kind != "all_reduce":
+        quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
+        rewrite, compiler = policy
+        why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite)
+        if why:
+            report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
+            return
 
     # Where the op goes: before the add (its outputs replace it), else before the norm's first node.
     anchor = norm.input if residual is not None else min(norm.nodes, key=lambda n: positions[n])
