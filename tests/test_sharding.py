@@ -1,0 +1,87 @@
+"""commfuse.sharding on transformers' own decoder classes (tiny configs, random weights), 2+ ranks on
+CPU over gloo: the sharded model computes the unsharded one's logits, and commfuse.fusion fuses every
+all-reduce tail of it. Skipped with a reason where transformers is not installed."""
+import pytest
+import torch
+
+import commfuse
+from commfuse import fusion
+from commfuse.sharding import RowParallelLinear, shard_decoder
+
+transformers = pytest.importorskip("transformers", reason="the sharding tests need transformers (pip install transformers)")
+
+mpi = pytest.mark.mpi(min_size=2)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+}
+LAYERS = 2
+
+
+def tiny(family, dtype, seed=0):
+    """Two key-value heads per rank (at least two in all), two query heads per key-value head."""
+    import torch.distributed as dist
+
+    config_name, model_name, extra = FAMILIES[family]
+    kv = 2 * dist.get_world_size()
+    config = getattr(transformers, config_name)(hidden_size=2 * kv * 16, intermediate_size=128 * kv,
+                                                num_hidden_layers=LAYERS, num_attention_heads=2 * kv,
+                                                num_key_value_heads=kv, head_dim=16, vocab_size=128,
+                                                max_position_embeddings=64, **extra)
+    torch.manual_seed(seed)  # the same weights on every rank
+    return getattr(transformers, model_name)(config).to(dtype).eval()
+
+
+def tokens(seed=1):
+    return torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+@mpi
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sharded_model_computes_the_unsharded_logits(comm, family):
+    ids = tokens()
+    with torch.inference_mode():
+        want = tiny(family, torch.float32)(ids, use_cache=False).logits
+        model = shard_decoder(tiny(family, torch.float32))
+        got = model(ids, use_cache=False).logits
+    rows = sum(isinstance(m, RowParallelLinear) for m in model.modules())
+    assert rows == 2 * LAYERS
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.out_features == model.config.num_attention_heads * 16 // comm.world_size
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@mpi
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fusion_fuses_every_all_reduce_tail(comm, family):
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    torch._dynamo.reset()
+    ids = tokens(2)
+    with torch.inference_mode():
+        model = shard_decoder(tiny(family, torch.bfloat16))
+        want = model(ids, use_cache=False).logits.float()
+        compiled = fusion.compile(model, c, backend="aot_eager")
+        got = compiled(ids, use_cache=False).logits.float()
+    reports = compiled.fusion_reports
+    fused = sum(r.count("commfuse::fused_all_reduce") for r in reports)
+    assert fused == 2 * LAYERS, "\n".join(map(str, reports))  # o_proj's and down_proj's: every one
+    assert not any(s.what == "all-reduce" for r in reports for s in r.skipped), "\n".join(map(str, reports))
+    # The fused norms round once where the model's round twice (docs/fusion.md, Tolerances).
+    err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+    assert err < 0.03, f"relative RMS error {err:.3g}"
+
+
+@mpi
+def test_shard_decoder_errors(comm):
+    if comm.world_size < 2:
+        pytest.skip("needs 2+ ranks")
+    model = tiny("llama", torch.float32)
+    model.config.num_key_value_heads = comm.world_size + 1
+    with pytest.raises(ValueError, match="num_key_value_heads = [0-9]+ does not divide"):
+        shard_decoder(model)
+    with pytest.raises(ValueError, match="not a decoder"):
+        shard_decoder(torch.nn.Linear(4, 4))
