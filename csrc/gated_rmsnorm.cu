@@ -25,28 +25,52 @@ constexpr int kMinBlocks = VPT == 4 ? 2 : 1;
 // division: the reference run on the same GPU gives the same bits (exp is not pinned across devices).
 __device__ __forceinline__ float silu(float z) { return __fdiv_rn(z, __fadd_rn(1.f, expf(-z))); }
 
-// The sum of squares of 8 elements of the norm's input: x, or RN(x * silu(z)) when gated first.
+// A vector's 8 norm inputs as fp32: x widened, or (gated first) the fp32 values gate_first_in_place
+// left in the registers of x and z.
 template <typename T>
-__device__ __forceinline__ float gated_squares(const uint4& x, const uint4& z, bool gate_first) {
+__device__ __forceinline__ void norm_inputs(const uint4& x, const uint4& z, bool gate_first, float (&v)[8]) {
+  if (gate_first) {
+    const unsigned w[8] = {x.x, x.y, x.z, x.w, z.x, z.y, z.z, z.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(w[j]);
+  } else {
+    unpack8<T>(x, v);
+  }
+}
+
+// Gated first: v = RN(x * silu(z)) for 8 elements, computed once and kept as fp32 bits in the registers
+// that held x and z (floats 0-3 in x, 4-7 in z): silu's accurate expf and IEEE division are the
+// kernel's costliest steps, and recomputing them for the norm doubled them (the same bits either way).
+template <typename T>
+__device__ __forceinline__ void gate_first_in_place(uint4& x, uint4& z) {
   float fx[8], fz[8];
   unpack8<T>(x, fx);
   unpack8<T>(z, fz);
+  unsigned v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = __float_as_uint(__fmul_rn(fx[j], silu(fz[j])));
+  x = make_uint4(v[0], v[1], v[2], v[3]);
+  z = make_uint4(v[4], v[5], v[6], v[7]);
+}
+
+// The sum of squares of a vector's 8 norm inputs (norm_inputs).
+template <typename T>
+__device__ __forceinline__ float gated_squares(const uint4& x, const uint4& z, bool gate_first) {
+  float v[8];
+  norm_inputs<T>(x, z, gate_first, v);
   float s = 0.f;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float v = gate_first ? __fmul_rn(fx[j], silu(fz[j])) : fx[j];
-    s = fmaf(v, v, s);
-  }
+  for (int j = 0; j < 8; ++j) s = fmaf(v[j], v[j], s);
   return s;
 }
 
 // round_T(y) of gated_reference for 8 elements: y = RN(RN(v * inv) * w), times silu(z) when gated
-// after the norm. silu is recomputed rather than kept from gated_squares: 8 registers per vector.
+// after the norm (z is then still the gate: silu is computed once in either order).
 template <typename T>
 __device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z, const uint4& w, float inv,
                                                   bool gate_first, bool gate_after) {
-  float fx[8], fz[8], fw[8];
-  unpack8<T>(x, fx);
+  float v[8], fz[8], fw[8];
+  norm_inputs<T>(x, z, gate_first, v);
   unpack8<T>(z, fz);
   unpack8<T>(w, fw);
   unsigned out[4];
@@ -56,8 +80,7 @@ __device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int e = 2 * j + k;
-      const float v = gate_first ? __fmul_rn(fx[e], silu(fz[e])) : fx[e];
-      y[k] = __fmul_rn(__fmul_rn(v, inv), fw[e]);
+      y[k] = __fmul_rn(__fmul_rn(v[e], inv), fw[e]);
       if (gate_after) y[k] = __fmul_rn(y[k], silu(fz[e]));
     }
     out[j] = Pack<T>::pack(y[0], y[1]);
@@ -98,6 +121,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
+    if (gate_first) gate_first_in_place<T>(xv[i], zv[i]);
     if (v < nv) part[v] = gated_squares<T>(xv[i], zv[i], gate_first);
   }
   __syncthreads();
