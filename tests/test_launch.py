@@ -163,3 +163,34 @@ def test_table_is_cleared_when_full(monkeypatch):
     for n in range(1, 5):
         t.insert("plain", (torch.randn(8 * n), None), "p", lambda *a: a[0])
     assert len(t) == 1
+
+
+@pytest.mark.parametrize("family", ["fused_tail", "gated_norm", "quantize"])
+@pytest.mark.parametrize("t, h, quant", [(1, 4096, "nvfp4"), (300, 7168, "fp8_block"), (130, 8192, "mxfp8")])
+def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h, quant):
+    """Each tail-row family's LaunchPlan: the variant of its launch configuration, one CTA per row and
+    padding row, its struct's bytes with the pointers patched from the call's sources."""
+    from commfuse.kernels import fused_tail, gated_norm, quantize
+
+    module = {"fused_tail": fused_tail, "gated_norm": gated_norm, "quantize": quantize}[family]
+    fam = {"fused_tail": fused_tail.FUSED_TAIL, "gated_norm": gated_norm.GATED_NORM, "quantize": quantize.QUANTIZE}[family]
+    loaded = []
+    monkeypatch.setattr(fam, "kernel", lambda name, device: loaded.append(name) or Recorder())
+    spec = TailSpec.of(quant)
+    if family == "gated_norm":
+        plan, struct_ = fam.plan(torch.bfloat16, t, h, spec, 512, False, 0), params.GATED_NORM
+        inputs = {"x": X, "z": launch.Z}
+    else:  # fused_tail and quantize: FusedTailParams, x as its input a
+        plan, struct_ = fam.plan(torch.bfloat16, t, h, spec, 0), params.FUSED_TAIL
+        inputs = {"a": X}
+    (one,) = plan.launches
+    vpt, threads = module.launch_config(h, t)
+    assert loaded == [fam.name_expression(torch.bfloat16, spec.format, vpt)]
+    assert (one.grid, one.block, len(one.params)) == (spec.row_slots(t), threads, struct_.size)
+    patched = {offset: source for offset, source, _ in one.patches}
+    for field, source in inputs.items():
+        assert patched[struct_.offsets[field]] == source
+    outputs = spec.outputs(t, h, torch.bfloat16, residual=family == "fused_tail")
+    assert plan.outputs == tuple(outputs)
+    if family != "fused_tail":  # no residual, no norm: quant, scale_factors / scales only
+        assert plan.outputs[0] is None and plan.outputs[1] is None and plan.outputs[2] is not None

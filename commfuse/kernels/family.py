@@ -12,6 +12,7 @@ import torch
 
 from ..tail.spec import TailSpec
 from . import jit
+from .launch import Launch
 
 __all__ = ["Limits", "Family", "CTYPE", "MAX_HIDDEN", "MAX_TOKENS"]
 
@@ -66,6 +67,13 @@ class Family:
         """The instantiation, compiled (once per machine: the disk cache) and loaded on the device; every
         commfuse kernel starts with pdl_wait(), so it is launched as a programmatic dependent launch."""
         return jit.kernel(self.source, name_expression, device=device_index, pdl=True)
+
+    def row_launch(self, dtype: torch.dtype, spec: TailSpec, t: int, vpt: int, threads: int, blob: bytes,
+                   patches, device_index: int) -> Launch:
+        """The launch of a tail kernel with one CTA per row: the (dtype, format, vpt) variant over t rows
+        and their scale storage's padding rows (spec.row_slots)."""
+        return Launch(self.kernel(self.name_expression(dtype, spec.format, vpt), device_index), spec.row_slots(t),
+                      threads, blob, tuple(patches))
 
     def variants(self) -> List[str]:
         raise NotImplementedError

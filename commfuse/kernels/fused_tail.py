@@ -34,7 +34,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import native, params
 from .family import CTYPE, MAX_HIDDEN, MAX_TOKENS, Family, Limits
-from .launch import SUM, X, Launch, LaunchPlan, tail_fields, tail_patches
+from .launch import SUM, X, LaunchPlan, tail_fields, tail_patches
 
 __all__ = ["FUSED_TAIL", "run", "warmup", "variants", "launch_config", "register_config", "MAX_HIDDEN",
            "MAX_TOKENS"]
@@ -109,8 +109,7 @@ class FusedTail(Family):
             blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
             patches = [(params.FUSED_TAIL.offsets["a"], SUM if nccl is not None else X, 0)]
             patches += tail_patches(params.FUSED_TAIL.offsets["tail"])
-            launches = (Launch(self.kernel(self.name_expression(dtype, spec.format, vpt), device_index),
-                               spec.row_slots(t), threads, blob, tuple(patches)),)
+            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index),)
         name = ("ncclAllReduce + " if nccl is not None else "") + self.name
         return LaunchPlan(name, launches, tuple(spec.outputs(t, h, dtype, residual)), device_index, nccl, t * h)
 

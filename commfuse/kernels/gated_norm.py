@@ -24,7 +24,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import X, Z, Launch, LaunchPlan, tail_fields, tail_patches
+from .launch import X, Z, LaunchPlan, tail_fields, tail_patches
 
 __all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "MAX_HIDDEN", "GROUP_MULTIPLE"]
 
@@ -73,8 +73,7 @@ class GatedNorm(Family):
             blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate))
             patches = tail_patches(params.GATED_NORM.offsets["tail"])
             patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-            launches = (Launch(self.kernel(self.name_expression(dtype, spec.format, vpt), device_index),
-                               spec.row_slots(t), threads, blob, tuple(patches)),)
+            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
 

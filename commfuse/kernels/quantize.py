@@ -17,7 +17,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, params
 from .family import CTYPE, Family, Limits
-from .launch import X, Launch, LaunchPlan, tail_fields, tail_patches
+from .launch import X, LaunchPlan, tail_fields, tail_patches
 
 __all__ = ["QUANTIZE", "variants", "warmup", "launch_config", "MAX_HIDDEN"]
 
@@ -53,8 +53,7 @@ class Quantize(Family):
             vpt, threads = launch_config(h, t)
             blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
             patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
-            launches = (Launch(self.kernel(self.name_expression(dtype, spec.format, vpt), device_index),
-                               spec.row_slots(t), threads, blob, tuple(patches)),)
+            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
 
