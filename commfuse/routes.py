@@ -40,7 +40,7 @@ from .kernels.launch import LaunchPlan
 from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
 from .kernels.quantize import QUANTIZE
 from .p2p.calibration import P2PLimits
-from .tail.checks import OUT_FIELDS, fields_of
+from .tail.checks import OUT_FIELDS, fields_of, scale_value
 from .tail.formats import Layout
 from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
@@ -562,6 +562,8 @@ class _SeparatedTail:
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         s = self.spec
+        if scale is not None:
+            scale_value(scale)  # a CPU tensor's value, which a later call of the signature may change
         tail = reference.fused_tail(x, residual, weight, s.eps, scale=scale, **s.reference_kwargs())
         return _write_out(tuple(tail), out, s)
 
@@ -574,6 +576,8 @@ class _SeparatedGated:
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         s = self.spec
+        if scale is not None:
+            scale_value(scale)
         norm = reference.gated_rmsnorm(x, z, weight, s.eps, self.group_size, self.norm_before_gate)
         if s.quant is None:
             return None, norm, None, None, None
@@ -589,5 +593,7 @@ class _SeparatedQuantize:
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         s = self.spec
+        if scale is not None:
+            scale_value(scale)
         q, sf, scales = reference.quantize(x, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
         return None, None, q, sf, scales

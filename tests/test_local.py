@@ -540,3 +540,19 @@ def test_gpu_kernels_in_a_cuda_graph(gen):
         for a, b in zip(c, e):
             assert bits_equal(a, b)
     assert not bits_equal(eager[0].quant, again[0].quant)  # the replay saw the new x
+
+
+@pytest.mark.parametrize("bad", [-0.02, 0.0, float("nan"), float("inf")])
+def test_a_scale_that_is_not_positive_and_finite_raises(gen, bad):
+    """A CPU scale is read at every call (its value may change between calls of one signature), a Python
+    number at its plan; a GPU scale is not read (docs/guards.md)."""
+    x, residual, weight, scale = inputs(gen, 4, 64, BF16, quant="fp8")
+    with pytest.raises(ValueError, match="scale must be positive and finite"):
+        commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=bad)
+    commfuse.fused_add_rmsnorm(x, residual, weight, quant="nvfp4", scale=scale)  # the signature, planned
+    for call in (lambda s: commfuse.fused_add_rmsnorm(x, residual, weight, quant="nvfp4", scale=s),
+                 lambda s: commfuse.quantize(x, "nvfp4", s),
+                 lambda s: commfuse.gated_rmsnorm(x, residual, weight, 1e-5, 16, False, quant="fp8", scale=s)):
+        call(scale)
+        with pytest.raises(ValueError, match="scale must be positive and finite"):
+            call(torch.tensor([bad]))

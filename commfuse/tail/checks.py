@@ -7,6 +7,8 @@ x's device.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -88,6 +90,19 @@ def scale(spec: TailSpec, s, h: int, device: torch.device) -> None:
             raise ValueError(f"scale is on {s.device}, but x is on {device}")
     elif isinstance(s, bool) or not isinstance(s, (int, float)):
         raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(s).__name__}")
+    scale_value(s)
+
+
+def scale_value(s) -> None:
+    """Raise unless a dequant scale is positive and finite, where reading it costs nothing: a Python number
+    or a CPU tensor (a negative scale would flip every code's sign, zero or NaN make every code NaN or
+    Inf). A GPU tensor's value is not read: that would synchronise with the GPU at every call."""
+    if isinstance(s, Tensor):
+        if s.device.type != "cpu":
+            return
+        s = float(s)
+    if not (0 < s < math.inf):
+        raise ValueError(f"scale must be positive and finite (the dequant scale), got {s}")
 
 
 def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device], *, residual_optional: bool = False,
