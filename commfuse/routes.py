@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Optional, Sequence, Tuple
@@ -46,6 +47,7 @@ from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
 
 __all__ = ["TensorMeta", "Call", "Machine", "Collective", "TailRoute", "Plan", "Route", "ROUTES", "STRATEGIES",
+           "CallMismatchError", "describe",
            "Resources", "plan", "tail_guard", "launcher", "FUSED_DTYPES", "MIN_FUSED_SM"]
 
 FUSED_DTYPES = tuple(CTYPE)
@@ -360,7 +362,7 @@ class GlooRoute(Route):
         return None if m.backend == "gloo" else ()
 
     def launcher(self, call, plan, res):
-        first = _GlooSum(res.group)
+        first = _GlooSum(res.group, describe(call, plan))
         return _Then(first, _tail_kernel(call, res)) if call.spec is not None else first
 
 
@@ -429,6 +431,8 @@ class SeparatedRoute(Route):
             tail = _SeparatedTail(spec)
         if plan.collective is Collective.NONE:
             return tail
+        if plan.collective is Collective.GLOO:  # its exchange checks the whole call, tail included
+            return _Then(_GlooSum(res.group, describe(call, plan)), tail)
         plain = Call("plain", call.x)  # the collective route's plain all-reduce of x
         return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail)
 
@@ -518,15 +522,47 @@ class _TorchAllReduce:
         return out
 
 
+def describe(call: Call, plan: Plan) -> str:
+    """The call as every rank must make it alike: op, dtype, shape, tail spec and route, in words."""
+    tail = "" if call.spec is None else f", {call.spec}, eps {call.spec.eps!r}"
+    return f"{call.op}({call.x.dtype}, {list(call.x.shape)}{tail}) on {plan.collective} + {plan.tail} tail"
+
+
+class CallMismatchError(ValueError):
+    """Ranks made different calls at the same point of a collective sequence (every rank raises it,
+    with every rank's call in the message)."""
+
+
 class _GlooSum:
-    """Every rank's x, gathered and summed in fp32 in rank order (reference.all_reduce_sum)."""
+    """Every rank's x, gathered and summed in fp32 in rank order (reference.all_reduce_sum).
 
-    __slots__ = ("group",)
+    The ranks first exchange the call's signature (`describe`'s text as a CRC and x's size: 2 words):
+    gloo would abort on payloads of different sizes and sum payloads of different shapes or dtypes as
+    if they matched, so a mismatched call raises CallMismatchError on every rank instead. That is a
+    second collective per call (a gloo round trip); COMMFUSE_GLOO_CHECK=0, read when the signature is
+    planned, leaves it out."""
 
-    def __init__(self, group):
-        self.group = group
+    __slots__ = ("group", "text", "signature", "checked")
+
+    def __init__(self, group, text: str):
+        self.group, self.text = group, text
+        self.signature = torch.tensor([zlib.crc32(text.encode()), 0], dtype=torch.int64)
+        self.checked = os.environ.get("COMMFUSE_GLOO_CHECK") != "0"
+
+    def check(self, x) -> None:
+        world = dist.get_world_size(self.group)
+        mine = self.signature.clone()
+        mine[1] = x.numel() * x.element_size()
+        sigs = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(sigs, mine, group=self.group)
+        if any(not torch.equal(s, sigs[0]) for s in sigs):
+            texts: list = [None] * world
+            dist.all_gather_object(texts, f"{self.text}, {int(mine[1])} bytes", group=self.group)
+            raise CallMismatchError("ranks disagree on the call: " + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)))
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        if self.checked:
+            self.check(x)
         xs = [torch.empty_like(x, memory_format=torch.contiguous_format)
               for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(xs, x.contiguous(), group=self.group)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Usage: launch/test.sh [N] [pytest args...]
 # Runs the test suite on N ranks (default 4): mpirun -n N python -m pytest --with-mpi tests.
-# Each rank logs to $COMMFUSE_TEST_LOGS/rank<i>.log (a temporary folder by default); rank 0's log is
-# printed whole, the other ranks' summaries after it. Fails if any rank fails or no test passed.
+# Each rank logs to $COMMFUSE_TEST_LOGS/rank<i>.log (a temporary folder by default); rank 0's lines are
+# printed while it runs, the other ranks' summaries after it. Fails if any rank fails or no test passed.
 set -uo pipefail
 n=4
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
@@ -15,15 +15,20 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export COMMFUSE_TEST_LOGS=$logs PYTHONUNBUFFERED=1
 
 # Each rank runs pytest under bash so that its exit status is recorded rather than making mpirun
-# tear the job down: a failing rank must not hide the other ranks' reports.
+# tear the job down: a failing rank must not hide the other ranks' reports. Rank 0's lines are shown
+# as they come (its log keeps them too); the other ranks' summaries follow at the end.
 timeout --kill-after=30 "${COMMFUSE_TEST_TIMEOUT:-1800}" \
   mpirun -n "$n" --oversubscribe bash -c '
     r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
-    python -m pytest --with-mpi -p no:cacheprovider -rfEs "$@" > "$COMMFUSE_TEST_LOGS/rank$r.log" 2>&1
-    echo $? > "$COMMFUSE_TEST_LOGS/rank$r.rc"' bash "${@:-tests}"
+    log=$COMMFUSE_TEST_LOGS/rank$r.log
+    if [[ $r == 0 ]]; then
+      python -m pytest --with-mpi -p no:cacheprovider -rfEs "$@" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+    else
+      python -m pytest --with-mpi -p no:cacheprovider -rfEs "$@" > "$log" 2>&1; rc=$?
+    fi
+    echo $rc > "$COMMFUSE_TEST_LOGS/rank$r.rc"' bash "${@:-tests}"
 mpirun_rc=$?
 
-cat "$logs/rank0.log" 2>/dev/null
 status=0
 for ((r = 0; r < n; r++)); do
   rc=$(cat "$logs/rank$r.rc" 2>/dev/null || echo missing)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse.communicator
+import commfuse.routes
 from commfuse import Communicator, nccl, reference, tolerance
 from commfuse.kernels import native, table
 
@@ -121,6 +122,43 @@ def test_ranks_passing_different_shapes_raise_instead_of_hanging(comm, gen):
     with pytest.raises(ValueError, match="ranks disagree"):
         comm.fused_all_reduce(x[:4], residual, weight, quant=quant,
                               scale=torch.ones(1, device=comm.device) if quant else None)
+
+
+MISMATCHES = {  # kind: (rank 0's call, every other rank's) as (shape, dtype, quant)
+    "tokens": (((8, 256), torch.bfloat16, None), ((4, 256), torch.bfloat16, None)),
+    "same bytes, other shape": (((8, 256), torch.bfloat16, None), ((4, 512), torch.bfloat16, None)),
+    "hidden": (((8, 256), torch.bfloat16, None), ((8, 128), torch.bfloat16, None)),
+    "dtype": (((8, 256), torch.bfloat16, None), ((8, 256), torch.float16, None)),
+    "dtype and hidden, same bytes": (((8, 256), torch.bfloat16, None), ((8, 128), torch.float32, None)),
+    "quant": (((8, 256), torch.bfloat16, None), ((8, 256), torch.bfloat16, "fp8")),
+    "plain against fused": (((8, 256), torch.bfloat16, "plain"), ((8, 256), torch.bfloat16, None)),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", sorted(MISMATCHES))
+def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
+    """Without COMMFUSE_CHECK, the gloo route's exchange compares the call's signature first: every
+    rank raises, naming every rank's call, and the group still works afterwards."""
+    c = Communicator(comm.group)
+    c.check_calls = False
+    rank = dist.get_rank(c.group)
+    shape, dtype, quant = MISMATCHES[kind][min(rank, 1)]
+    x = torch.randn(*shape, generator=gen).to(dtype).to(c.device)
+    if c.plan(x).collective != "gloo":
+        pytest.skip(f"the call takes {c.plan(x).collective}: the signature check is the gloo route's")
+    residual, weight, scale = tail_inputs(c, gen, shape[0], shape[1], dtype, None if quant == "plain" else quant)
+    with pytest.raises(commfuse.routes.CallMismatchError, match="ranks disagree on the call") as info:
+        if quant == "plain":
+            c.all_reduce(x)
+        else:
+            c.fused_all_reduce(x, residual, weight, quant=quant, scale=scale)
+    msg = str(info.value)
+    assert all(f"rank {r}:" in msg for r in range(c.world_size)), msg
+    (s0, d0, _), (s1, d1, _) = MISMATCHES[kind]
+    assert str(list(s0)) in msg and str(list(s1)) in msg and str(d0) in msg and str(d1) in msg, msg
+    y = torch.full((2, 64), float(rank + 1), dtype=torch.bfloat16, device=c.device)
+    assert torch.equal(c.all_reduce(y).float(), torch.full((2, 64), c.world_size * (c.world_size + 1) / 2))
 
 
 @mpi
