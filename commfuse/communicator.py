@@ -9,6 +9,7 @@ csrc/epilogue.cuh.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -28,6 +29,7 @@ from .tail.spec import TailSpec
 __all__ = ["Communicator", "FusedResult", "STRATEGIES"]
 
 STRATEGIES = routes.STRATEGIES
+GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_GLOO_TIMEOUT_S)
 
 
 @dataclass(slots=True)  # slots: the plan table sets the fields of a hit's result without __init__
@@ -129,11 +131,23 @@ class Communicator:
                                 os.environ.get("COMMFUSE_DISABLE_FUSION") != "1",
                                 self.workspace.limits if self.workspace is not None else None,
                                 tuple(self.topology.reasons))
-        self._resources = Resources(self.group, self.device, self.workspace, self._nccl)
+        self._check_group = self._open_check_group() if self.backend == "gloo" else None
+        self._resources = Resources(self.group, self.device, self.workspace, self._nccl, self._check_group)
         # A hit must not skip the P2P error check: the table reads the workspace's error word itself.
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
         self._check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
+
+    def _open_check_group(self):
+        """The gloo route's signature exchange runs over a gloo group of its own whose timeout,
+        COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P route's), bounds how long a call waits for a
+        rank that skipped it or died; the group's own timeout stays the caller's for everything else.
+        Only this group's ranks take part in making it."""
+        timeout = float(os.environ.get("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S))
+        if not timeout > 0:
+            raise ValueError(f"COMMFUSE_GLOO_TIMEOUT_S must be a positive number of seconds, got {timeout}")
+        return dist.new_group(dist.get_process_group_ranks(self.group), timeout=datetime.timedelta(seconds=timeout),
+                              backend="gloo", use_local_synchronization=True)
 
     def _open_nccl(self) -> None:
         """The NCCL route's own NCCL communicator (commfuse.nccl): torch.distributed's all_reduce and
@@ -285,7 +299,7 @@ class Communicator:
         self._nccl = None
         self.nccl_binding = "torch.distributed (closed)"
         self._machine = dataclasses.replace(self._machine, limits=None)
-        self._resources = Resources(self.group, self.device)
+        self._resources = Resources(self.group, self.device, check_group=self._check_group)
 
     def check_same_call(self, signature: tuple) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang):

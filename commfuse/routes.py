@@ -47,7 +47,7 @@ from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
 
 __all__ = ["TensorMeta", "Call", "Machine", "Collective", "TailRoute", "Plan", "Route", "ROUTES", "STRATEGIES",
-           "CallMismatchError", "describe",
+           "CallMismatchError", "CallTimeoutError", "describe",
            "Resources", "plan", "tail_guard", "launcher", "FUSED_DTYPES", "MIN_FUSED_SM"]
 
 FUSED_DTYPES = tuple(CTYPE)
@@ -199,13 +199,14 @@ class Plan:
 
 @dataclass(frozen=True)
 class Resources:
-    """What the launchers work with: the group, the device, the P2P workspace and commfuse.nccl's
-    communicator of a Communicator (None where it has none)."""
+    """What the launchers work with: the group, the device, the P2P workspace, commfuse.nccl's
+    communicator and the gloo route's check group of a Communicator (None where it has none)."""
 
     group: object = None
     device: torch.device = torch.device("cpu")
     workspace: object = None
     nccl: object = None
+    check_group: object = None  # the gloo route's signature exchange: a gloo group with a short timeout
 
 
 # --------------------------------------------------------------------------- guards
@@ -362,7 +363,7 @@ class GlooRoute(Route):
         return None if m.backend == "gloo" else ()
 
     def launcher(self, call, plan, res):
-        first = _GlooSum(res.group, describe(call, plan))
+        first = _GlooSum(res, describe(call, plan))
         return _Then(first, _tail_kernel(call, res)) if call.spec is not None else first
 
 
@@ -432,7 +433,7 @@ class SeparatedRoute(Route):
         if plan.collective is Collective.NONE:
             return tail
         if plan.collective is Collective.GLOO:  # its exchange checks the whole call, tail included
-            return _Then(_GlooSum(res.group, describe(call, plan)), tail)
+            return _Then(_GlooSum(res, describe(call, plan)), tail)
         plain = Call("plain", call.x)  # the collective route's plain all-reduce of x
         return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail)
 
@@ -533,6 +534,11 @@ class CallMismatchError(ValueError):
     with every rank's call in the message)."""
 
 
+class CallTimeoutError(RuntimeError):
+    """Not every rank made this call within the gloo route's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank
+    skipped it, died, or lags that far behind. The communicator is unusable afterwards."""
+
+
 class _GlooSum:
     """Every rank's x, gathered and summed in fp32 in rank order (reference.all_reduce_sum).
 
@@ -540,12 +546,14 @@ class _GlooSum:
     gloo would abort on payloads of different sizes and sum payloads of different shapes or dtypes as
     if they matched, so a mismatched call raises CallMismatchError on every rank instead. That is a
     second collective per call (a gloo round trip); COMMFUSE_GLOO_CHECK=0, read when the signature is
-    planned, leaves it out."""
+    planned, leaves it out. The exchange goes over the Communicator's check group, whose timeout
+    (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died: CallTimeoutError."""
 
-    __slots__ = ("group", "text", "signature", "checked")
+    __slots__ = ("group", "check_group", "text", "signature", "checked")
 
-    def __init__(self, group, text: str):
-        self.group, self.text = group, text
+    def __init__(self, res: Resources, text: str):
+        self.group, self.text = res.group, text
+        self.check_group = res.check_group if res.check_group is not None else res.group
         self.signature = torch.tensor([zlib.crc32(text.encode()), 0], dtype=torch.int64)
         self.checked = os.environ.get("COMMFUSE_GLOO_CHECK") != "0"
 
@@ -554,10 +562,15 @@ class _GlooSum:
         mine = self.signature.clone()
         mine[1] = x.numel() * x.element_size()
         sigs = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(sigs, mine, group=self.group)
+        try:
+            dist.all_gather(sigs, mine, group=self.check_group)
+        except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
+            raise CallTimeoutError(f"rank {dist.get_rank(self.group)}: not every rank made the call {self.text} "
+                                   f"within the gloo route's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, "
+                                   f"died, or lags that far behind ({e})") from None
         if any(not torch.equal(s, sigs[0]) for s in sigs):
             texts: list = [None] * world
-            dist.all_gather_object(texts, f"{self.text}, {int(mine[1])} bytes", group=self.group)
+            dist.all_gather_object(texts, f"{self.text}, {int(mine[1])} bytes", group=self.check_group)
             raise CallMismatchError("ranks disagree on the call: " + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)))
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):

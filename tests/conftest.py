@@ -12,6 +12,9 @@ import torch
 from commfuse.distributed import launch_env
 
 os.environ.setdefault("COMMFUSE_CHECK", "1")  # mismatched calls raise instead of hanging a collective
+# Ranks reach a collective test apart by what rank 0 alone does between them (single-process tests
+# come last, but fixtures and compiles differ): the gloo route waits as long as the collectives do.
+os.environ.setdefault("COMMFUSE_GLOO_TIMEOUT_S", os.environ.get("COMMFUSE_TEST_COLLECTIVE_TIMEOUT", "180"))
 
 RANK, WORLD, LOCAL_RANK, LAUNCHER = launch_env()
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU-only machine)")

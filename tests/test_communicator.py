@@ -161,6 +161,28 @@ def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
     assert torch.equal(c.all_reduce(y).float(), torch.full((2, 64), c.world_size * (c.world_size + 1) / 2))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatch):
+    """Rank 0 calls, the others skip the call: rank 0 raises CallTimeoutError after COMMFUSE_GLOO_TIMEOUT_S,
+    not after the process group's timeout; the group itself stays usable."""
+    import time
+
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
+    c = Communicator(comm.group)
+    c.check_calls = False
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
+    if c.plan(x).collective != "gloo":
+        pytest.skip(f"the call takes {c.plan(x).collective}: this bound is the gloo route's")
+    if dist.get_rank(c.group) == 0:
+        t0 = time.monotonic()
+        with pytest.raises(commfuse.routes.CallTimeoutError, match="not every rank made the call"):
+            c.all_reduce(x)
+        waited = time.monotonic() - t0
+        assert 1.5 < waited < 10, f"raised after {waited:.1f} s"
+    dist.barrier(comm.group)  # the communicator's own group has nothing pending
+    assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)), torch.full((3,), float(comm.world_size)))
+
+
 @mpi
 def test_plan_without_running(comm, gen):
     x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
