@@ -571,7 +571,8 @@ class _GlooSum:
         if any(not torch.equal(s, sigs[0]) for s in sigs):
             texts: list = [None] * world
             dist.all_gather_object(texts, f"{self.text}, {int(mine[1])} bytes", group=self.check_group)
-            raise CallMismatchError("ranks disagree on the call: " + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)))
+            calls = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+            raise CallMismatchError(f"ranks disagree on the call: {calls}")
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         if self.checked:
