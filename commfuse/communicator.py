@@ -234,7 +234,8 @@ class Communicator:
 
         x: any shape, fp16 / bf16 / fp32, on the communicator's device (CUDA for NCCL and for ranks
         sharing a GPU, CPU for gloo). out: a caller-owned tensor of x's shape, dtype and device
-        (contiguous) to write the sum into instead, and return: a decode loop then allocates nothing.
+        (contiguous, not overlapping x) to write the sum into instead, and return: a decode loop then
+        allocates nothing.
         """
         try:
             y = self.table.plain(x, out)
@@ -264,7 +265,8 @@ class Communicator:
         or a commfuse.reference.Tail, or a tuple in its order: residual, norm, quant, scale_factors,
         scales): each a tensor of exactly that output's shape, dtype and strides (contiguous, or for
         MN-major scales the reference's strides over a storage holding the padding rows) on the device,
-        16-byte aligned, validated once per call signature; or None, allocated as usual. out.residual
+        16-byte aligned, validated once per call signature; or None, allocated as usual. The outputs may
+        overlap neither each other nor an input (checked per call, ValueError), except that out.residual
         may be `residual` itself: the residual is updated in place (every route reads each residual
         element before it writes it).
         """

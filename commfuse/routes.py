@@ -41,7 +41,7 @@ from .kernels.launch import LaunchPlan
 from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
 from .kernels.quantize import QUANTIZE
 from .p2p.calibration import P2PLimits
-from .tail.checks import OUT_FIELDS, fields_of, scale_value
+from .tail.checks import OUT_FIELDS, fields_of, no_overlap, scale_value
 from .tail.formats import Layout
 from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
@@ -506,6 +506,9 @@ class _Then:
         self.first, self.tail = first, tail
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        if out is not None:  # the tail checks its own inputs; x is the collective's
+            no_overlap([(f"out.{n}", t, None) for n, t in zip(OUT_FIELDS, fields_of(out)) if t is not None],
+                       (("x", x),))
         return self.tail(self.first(x), residual, weight, scale, out, z)
 
 
@@ -518,7 +521,11 @@ class _TorchAllReduce:
         self.group = group
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
-        out = x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)
+        if out is None:
+            out = x.clone(memory_format=torch.contiguous_format)
+        else:
+            no_overlap([("out", out, None)], (("x", x),))
+            out.copy_(x)
         dist.all_reduce(out, group=self.group)
         return out
 
@@ -581,7 +588,10 @@ class _GlooSum:
               for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(xs, x.contiguous(), group=self.group)
         total = reference.all_reduce_sum(xs)
-        return total if out is None else out.copy_(total)
+        if out is None:
+            return total
+        no_overlap([("out", out, None)], (("x", x),))
+        return out.copy_(total)
 
 
 def _write_out(outputs: tuple, out, spec: TailSpec) -> tuple:
@@ -614,6 +624,12 @@ class _SeparatedTail:
         s = self.spec
         if scale is not None:
             scale_value(scale)  # a CPU tensor's value, which a later call of the signature may change
+        if out is not None:
+            h = x.shape[-1]
+            specs = s.outputs(x.numel() // h, h, x.dtype, residual is not None)
+            no_overlap([(f"out.{n}", t, sp.storage_numel if sp is not None and sp.strides is not None else None)
+                        for n, t, sp in zip(OUT_FIELDS, fields_of(out), specs) if t is not None],
+                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
         tail = reference.fused_tail(x, residual, weight, s.eps, scale=scale, **s.reference_kwargs())
         return _write_out(tuple(tail), out, s)
 

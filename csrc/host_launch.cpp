@@ -100,6 +100,23 @@ py::object wrap(const at::Tensor& t) {
 
 uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); }
 
+// [first byte, past the last byte) of t's elements, or of storage_numel elements from its start (an
+// MN-major output, whose padding rows the kernels write too); tail/checks.py's _span.
+std::pair<uintptr_t, uintptr_t> span(const at::Tensor& t, int64_t storage_numel = -1) {
+  if (!t.defined() || t.numel() == 0) return {0, 0};
+  int64_t extent = storage_numel;
+  if (extent < 0) {
+    extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  }
+  const uintptr_t begin = address(t);
+  return {begin, begin + static_cast<uintptr_t>(extent) * t.element_size()};
+}
+
+bool overlap(const std::pair<uintptr_t, uintptr_t>& a, const std::pair<uintptr_t, uintptr_t>& b) {
+  return a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second;
+}
+
 // The kernels read dense rows of 16-byte vectors: a strided or misaligned operand gets a copy
 // (which lives until this call returns, after the launch: the caching allocator orders its reuse
 // after the kernel on this stream).
@@ -222,8 +239,39 @@ class Launcher {
           throw py::value_error(field + " must be a view of a storage of " +
                                 std::to_string(specs_[i].storage_numel) + " elements (padding rows included)");
       }
+      check_overlaps(t);
     }
     run(t);
+  }
+
+  // The caller's outputs (defined in t[kOut0 + i]) overlap neither each other nor an input, except
+  // out.residual being the residual input itself (an in-place update): tail/checks.py's no_overlap, per
+  // call, as the key holds no addresses.
+  void check_overlaps(const at::Tensor (&t)[kSources]) const {
+    static const char* const kInputs[] = {"x", "residual", "weight", "scale", "z"};
+    const auto out_span = [&](int i) {
+      return span(t[kOut0 + i], specs_[i].strides.empty() ? -1 : specs_[i].storage_numel);
+    };
+    for (int i = 0; i < outputs(); ++i) {
+      const at::Tensor& o = t[kOut0 + i];
+      if (!o.defined()) continue;
+      const auto s = out_span(i);
+      for (int j = i + 1; j < outputs(); ++j) {
+        if (t[kOut0 + j].defined() && overlap(s, out_span(j)))
+          throw py::value_error(field_names_[i] + " and " + field_names_[j] +
+                                " overlap: the caller's outputs must be separate tensors");
+      }
+      for (int k = kX; k <= kZ; ++k) {
+        const at::Tensor& in = t[k];
+        if (!in.defined() || !overlap(s, span(in))) continue;
+        if (fused_ && i == 0 && k == kResidual && address(in) == address(o) && in.sizes() == o.sizes() &&
+            in.strides() == o.strides())
+          continue;
+        throw py::value_error(field_names_[i] + " overlaps " + kInputs[k] +
+                              ": the caller's outputs may not overlap an input (out.residual may be residual "
+                              "itself, for an in-place update)");
+      }
+    }
   }
 
   // Output i of a call as a Python object (None where the call has none).

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import commfuse.communicator
 from commfuse import Communicator, nccl, reference, tolerance
 from commfuse.kernels import native, table
+from commfuse.reference import Tail
 
 from compare import assert_tail_close, assert_within_ulp, poisoned_runs
 from inputs import rank_inputs, tail_inputs
@@ -180,6 +181,24 @@ def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatc
         assert 1.5 < waited < 10, f"raised after {waited:.1f} s"
     dist.barrier(comm.group)  # the communicator's own group has nothing pending
     assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)), torch.full((3,), float(comm.world_size)))
+
+
+@mpi
+def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
+    """docs/guards.md's one rule, per call: all_reduce's out may not be x; a tail's out.norm may not be x;
+    out.residual may be residual itself (in place)."""
+    c = Communicator(comm.group)
+    c.check_calls = False
+    x, _ = rank_inputs(c, gen, (4, 64), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, 4, 64, torch.bfloat16, None)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        c.all_reduce(x, out=x)
+    with pytest.raises(ValueError, match="out.norm overlaps x"):
+        c.fused_all_reduce(x, residual, weight, return_norm=True, out=Tail(None, x, None, None, None))
+    want = c.fused_all_reduce(x, residual, weight)
+    in_place = residual.clone()
+    got = c.fused_all_reduce(x, in_place, weight, out=Tail(in_place, None, None, None, None))
+    assert got.residual is in_place and torch.equal(in_place, want.residual) and torch.equal(got.norm, want.norm)
 
 
 @mpi

@@ -556,3 +556,29 @@ def test_a_scale_that_is_not_positive_and_finite_raises(gen, bad):
         call(scale)
         with pytest.raises(ValueError, match="scale must be positive and finite"):
             call(torch.tensor([bad]))
+
+
+def test_caller_outputs_may_not_overlap_an_input_or_each_other(gen):
+    """One rule for every call with out= (docs/guards.md): out.residual may be residual itself (updated
+    in place); any other overlap with an input, or between two outputs, raises ValueError naming both."""
+    x, residual, weight, scale = inputs(gen, 4, 64, BF16, quant="fp8")
+    want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", scale, True)
+    in_place = residual.clone()
+    got = commfuse.fused_add_rmsnorm(x, in_place, weight, quant="fp8", scale=scale, return_norm=True,
+                                     out=Tail(in_place, None, None, None, None))
+    assert got.residual is in_place and bits_equal(in_place, want.residual) and bits_equal(got.norm, want.norm)
+    buf = torch.empty(3, 4, 64, dtype=BF16)
+    storage = torch.empty(5 * 64, dtype=BF16)
+    shifted_residual = storage[:256].view(4, 64).copy_(residual)
+    cases = [  # (residual argument, out, the error)
+        (residual, Tail(None, x, None, None, None), "out.norm overlaps x"),
+        (residual, Tail(x, None, None, None, None), "out.residual overlaps x"),
+        (residual, Tail(buf[0], buf[0], None, None, None), "out.residual and out.norm overlap"),
+        (shifted_residual, Tail(None, storage[32:288].view(4, 64), None, None, None), "out.norm overlaps residual"),
+        (shifted_residual, Tail(storage[32:288].view(4, 64), None, None, None), "out.residual overlaps residual"),
+    ]
+    for r, out, why in cases:
+        with pytest.raises(ValueError, match=why):
+            commfuse.fused_add_rmsnorm(x, r, weight, return_norm=True, out=out)
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(buf[1], buf[2], None, None, None))  # separate
+    assert bits_equal(buf[1], want.residual)

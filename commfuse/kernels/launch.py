@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..tail.checks import OUT_FIELDS, fields_of, storage_room
+from ..tail.checks import OUT_FIELDS, fields_of, no_overlap, storage_room
 from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
@@ -158,6 +158,11 @@ class PyLauncher:
         t[SCALE] = scale
         t[Z] = None if z is None else operand(z)
         given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
+        if out is not None:
+            names = [f"out.{n}" for n in OUT_FIELDS] if plan.fused else ["out"]
+            no_overlap([(name, o, s.storage_numel if s.strides is not None else None)
+                        for name, o, s in zip(names, given, plan.outputs) if o is not None and s is not None],
+                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale), ("z", z)))
         for i, spec in enumerate(plan.outputs):
             if spec is None:
                 continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -182,6 +182,38 @@ def out(o, outputs: Outputs, device: torch.device) -> None:
         if t.device != device or not (spec.strides is not None or t.is_contiguous()) or t.data_ptr() % 16:
             raise ValueError(f"out.{name} must be contiguous, 16-byte aligned and on {device}, got a tensor on "
                              f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def _span(t: Tensor, storage_numel: Optional[int] = None) -> tuple:
+    """[first byte, past the last byte) that t's elements (or storage_numel elements from its start: an
+    MN-major output, whose padding rows the kernels write too) occupy."""
+    if storage_numel is None:
+        storage_numel = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + storage_numel * t.element_size()
+
+
+def no_overlap(outputs: Sequence[tuple], inputs: Sequence[tuple]) -> None:
+    """Raise unless the caller's outputs overlap neither each other nor an input; out.residual may be the
+    residual input itself (the same tensor: an in-place update). outputs: (name, tensor, storage elements
+    or None) for each given output; inputs: (name, tensor or None). Per call: the plan's key holds no
+    addresses. The rule is every route's: the kernels read an input while they write the outputs."""
+    spans = [(name, _span(t, n), t) for name, t, n in outputs]
+    for i, (name, (b, e), t) in enumerate(spans):
+        if b == e:
+            continue
+        for other, (b2, e2), _ in spans[i + 1:]:
+            if b < e2 and b2 < e:
+                raise ValueError(f"{name} and {other} overlap: the caller's outputs must be separate tensors")
+        for arg, x in inputs:
+            if x is None or not isinstance(x, Tensor) or x.numel() == 0:
+                continue
+            b2, e2 = _span(x)
+            if b < e2 and b2 < e:
+                if name == "out.residual" and arg == "residual" and x.data_ptr() == t.data_ptr() and \
+                        x.shape == t.shape and x.stride() == t.stride():
+                    continue
+                raise ValueError(f"{name} overlaps {arg}: the caller's outputs may not overlap an input "
+                                 "(out.residual may be residual itself, for an in-place update)")
 
 
 def out_like(o, x: Tensor) -> None:
