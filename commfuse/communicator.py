@@ -30,6 +30,7 @@ __all__ = ["Communicator", "FusedResult", "STRATEGIES"]
 
 STRATEGIES = routes.STRATEGIES
 GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_GLOO_TIMEOUT_S)
+_CHECK_GROUPS: dict = {}  # (ranks, timeout) -> the gloo check group those Communicators share
 
 
 @dataclass(slots=True)  # slots: the plan table sets the fields of a hit's result without __init__
@@ -142,12 +143,17 @@ class Communicator:
         """The gloo route's signature exchange runs over a gloo group of its own whose timeout,
         COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P route's), bounds how long a call waits for a
         rank that skipped it or died; the group's own timeout stays the caller's for everything else.
-        Only this group's ranks take part in making it."""
+        Only this group's ranks take part in making it, and the Communicators of one group with one
+        timeout share it (each gloo group holds sockets and threads)."""
         timeout = float(os.environ.get("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S))
         if not timeout > 0:
             raise ValueError(f"COMMFUSE_GLOO_TIMEOUT_S must be a positive number of seconds, got {timeout}")
-        return dist.new_group(dist.get_process_group_ranks(self.group), timeout=datetime.timedelta(seconds=timeout),
-                              backend="gloo", use_local_synchronization=True)
+        ranks = tuple(dist.get_process_group_ranks(self.group))
+        key = (ranks, timeout)
+        if key not in _CHECK_GROUPS:
+            _CHECK_GROUPS[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout),
+                                                backend="gloo", use_local_synchronization=True)
+        return _CHECK_GROUPS[key]
 
     def _open_nccl(self) -> None:
         """The NCCL route's own NCCL communicator (commfuse.nccl): torch.distributed's all_reduce and
