@@ -154,6 +154,56 @@ def all_reduce_sum(xs: Sequence[Tensor]) -> Tensor:
     return acc.to(xs[0].dtype)
 
 
+def _combine(t: int, k: int, h: int, slot, weights: Tensor, shared: Optional[Tensor], dtype, device,
+             kept: Optional[Tensor] = None) -> Tensor:
+    # acc = float(shared) or 0; per slot j in order: acc = RN(acc + RN(float(w_j) * float(y_j))), where kept.
+    acc = torch.zeros(t, h, dtype=torch.float32, device=device) if shared is None else shared.to(torch.float32,
+                                                                                              copy=True)
+    w = weights.to(torch.float32)
+    for j in range(k):
+        term = acc + w[:, j:j + 1] * slot(j).to(torch.float32)
+        acc = term if kept is None else torch.where(kept[:, j:j + 1], term, acc)
+    return acc.to(dtype)
+
+
+def moe_reduce(y: Tensor, weights: Tensor, shared: Optional[Tensor] = None) -> Tensor:
+    """The MoE combine of one rank, before the all-reduce: x = round_T(shared + sum_j w[:, j] * y[:, j, :]).
+
+    y: T[t, k, h] (T = fp16 / bf16 / fp32), the top-k expert outputs of each token; weights: [t, k]
+    routing weights, float32 or T; shared: T[t, h] or None, a shared expert's output (DeepSeek, Qwen2-MoE).
+    In fp32: acc = float(shared) (0 without), then for j = 0 .. k-1 in order acc = RN(acc + RN(float(w_j) *
+    float(y_j))), rounded to T once. Returns T[t, h] (docs/semantics.md section 14)."""
+    if y.dim() != 3 or weights.shape != y.shape[:2]:
+        raise ValueError(f"y must be [t, k, h] and weights [t, k], got {tuple(y.shape)} and {tuple(weights.shape)}")
+    t, k, h = y.shape
+    if shared is not None and tuple(shared.shape) != (t, h):
+        raise ValueError(f"shared must be [t, h] = {[t, h]}, got {tuple(shared.shape)}")
+    return _combine(t, k, h, lambda j: y[:, j], weights, shared, y.dtype, y.device)
+
+
+def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optional[Tensor] = None) -> Tensor:
+    """The combine of permuted expert rows, as the grouped-GEMM MoE kernels leave them (the layout
+    TensorRT-LLM's and FlashInfer's finalize take): moe_reduce of y[i, j] = rows[row_index[i, j]].
+
+    rows: T[R, h], the expert outputs in expert order (padding rows allowed); row_index: int32 / int64
+    [t, k], the row of token i's j-th expert (its `expanded_idx_to_permuted_idx`), -1 for a slot dropped by
+    capacity: that slot adds nothing (its step is left out, not added as zero); weights: [t, k] as in
+    moe_reduce; shared: T[t, h] or None. Returns T[t, h] (docs/semantics.md section 14)."""
+    if rows.dim() != 2 or row_index.dim() != 2 or row_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows must be [R, h] and row_index an int32/int64 [t, k], got {tuple(rows.shape)} and "
+                         f"{tuple(row_index.shape)} {row_index.dtype}")
+    t, k = row_index.shape
+    if weights.shape != row_index.shape:
+        raise ValueError(f"weights must be [t, k] = {[t, k]}, got {tuple(weights.shape)}")
+    if shared is not None and tuple(shared.shape) != (t, rows.shape[1]):
+        raise ValueError(f"shared must be [t, h] = {[t, rows.shape[1]]}, got {tuple(shared.shape)}")
+    idx = row_index.long()
+    if idx.numel() and ((idx < -1) | (idx >= rows.shape[0])).any():
+        raise ValueError(f"row_index must hold rows in [-1, {rows.shape[0]}), got {int(idx.min())} .. {int(idx.max())}")
+    return _combine(t, k, rows.shape[1], lambda j: rows[idx[:, j].clamp_min(0)], weights, shared, rows.dtype,
+                    rows.device, kept=idx >= 0)
+
+
 def residual_add(a: Tensor, residual: Tensor) -> Tensor:
     """round_T(float(a) + float(residual)).
 
