@@ -204,6 +204,17 @@ def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optio
                     rows.device, kept=idx >= 0)
 
 
+def _row_blocks(x: Tensor, block: int, what: str) -> Tensor:
+    """x [..., h] as float32 [t, h / block, block]: each row's blocks of `block` consecutive elements (the
+    block-scaled formats' groups); ValueError unless block divides h."""
+    h = x.shape[-1]
+    if block < 1 or h % block:
+        raise ValueError(f"{what} needs h % {block} == 0 (one scale per {block} consecutive elements of a row), "
+                         f"got h={h}")
+    xf = x.reshape(-1, h).float()
+    return xf.reshape(xf.shape[0], h // block, block)
+
+
 def residual_add(a: Tensor, residual: Tensor) -> Tensor:
     """round_T(float(a) + float(residual)).
 
@@ -362,12 +373,9 @@ def quantize_nvfp4(x: Tensor, scale: Scale, sf_layout: str = "swizzled") -> Tupl
     Returns (packed uint8 [t, h/2], scale factors float8_e4m3fn in sf_layout).
     """
     _check_sf_layout(sf_layout)
+    blocks = _row_blocks(x, NVFP4_BLOCK, "NVFP4")
+    t, K = blocks.shape[:2]
     h = x.shape[-1]
-    if h % NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 needs h % {NVFP4_BLOCK} == 0, got h={h}")
-    xf = x.reshape(-1, h).float()
-    t, K = xf.shape[0], h // NVFP4_BLOCK
-    blocks = xf.reshape(t, K, NVFP4_BLOCK)
     S = torch.reciprocal(_scale_tensor(scale, x.device))
     vmax = blocks.abs().amax(dim=-1)  # amax propagates NaN
     # Divide by a tensor: on CUDA, torch turns division by a Python number into a multiply by its
@@ -576,14 +584,9 @@ def quantize_fp8_block(x: Tensor, block: int = FP8_BLOCK, scale_layout: str = "r
       mn_major, ue8m0:   int32 [t, ceil(K/4)] view, strides (1, tp), 4 bytes per int32.
     """
     _check_scale_layout(scale_layout)
-    h = x.shape[-1]
-    if block < 1 or h % block:
-        raise ValueError(f"FP8 block quantization needs h % {block} == 0 (one scale per {block} "
-                         f"consecutive elements of a row), got h={h}")
-    xf = x.reshape(-1, h).float()
-    t, K = xf.shape[0], h // block
-    codes, s, E = _fp8_groups(xf.reshape(t, K, block), ue8m0=scale_ue8m0)
-    codes = codes.reshape(t, h)
+    blocks = _row_blocks(x, block, "FP8 block quantization")
+    codes, s, E = _fp8_groups(blocks, ue8m0=scale_ue8m0)
+    codes = codes.reshape(blocks.shape[0], x.shape[-1])
     if scale_ue8m0:
         return codes, (pack_ue8m0_mn_major(E) if scale_layout == "mn_major" else E)
     return codes, (scales_to_mn_major(s) if scale_layout == "mn_major" else s)
@@ -670,13 +673,9 @@ def quantize_mxfp8(x: Tensor, sf_layout: str = "swizzled") -> Tuple[Tensor, Tens
     value = code * 2^(E - 127) (:func:`dequantize_mxfp8`).
     """
     _check_sf_layout(sf_layout)
-    h = x.shape[-1]
-    if h % MXFP8_BLOCK:
-        raise ValueError(f"MXFP8 needs h % {MXFP8_BLOCK} == 0, got h={h}")
-    xf = x.reshape(-1, h).float()
-    t, K = xf.shape[0], h // MXFP8_BLOCK
-    codes, _, E = _fp8_groups(xf.reshape(t, K, MXFP8_BLOCK), ue8m0=True)
-    return codes.reshape(t, h), swizzle_scale_factors(E) if sf_layout == "swizzled" else E
+    blocks = _row_blocks(x, MXFP8_BLOCK, "MXFP8")
+    codes, _, E = _fp8_groups(blocks, ue8m0=True)
+    return codes.reshape(blocks.shape[0], x.shape[-1]), swizzle_scale_factors(E) if sf_layout == "swizzled" else E
 
 
 def dequantize_mxfp8(codes: Tensor, scale_factors: Tensor, sf_layout: str = "swizzled") -> Tensor:
