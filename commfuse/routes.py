@@ -41,7 +41,7 @@ from .kernels.launch import LaunchPlan
 from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
 from .kernels.quantize import QUANTIZE
 from .p2p.calibration import P2PLimits
-from .tail.checks import OUT_FIELDS, fields_of, no_overlap, scale_value
+from .tail.checks import OUT_FIELDS, OUT_NAMES, fields_of, no_overlap, scale_value
 from .tail.formats import Layout
 from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
@@ -429,7 +429,8 @@ class SeparatedRoute(Route):
         elif call.op == "quantize":
             tail = _SeparatedQuantize(spec)
         else:
-            tail = _SeparatedTail(spec)
+            tail = _SeparatedTail(spec, spec.outputs(call.tokens, call.hidden, call.x.dtype,
+                                                     call.residual is not None))
         if plan.collective is Collective.NONE:
             return tail
         if plan.collective is Collective.GLOO:  # its exchange checks the whole call, tail included
@@ -507,8 +508,7 @@ class _Then:
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         if out is not None:  # the tail checks its own inputs; x is the collective's
-            no_overlap([(f"out.{n}", t, None) for n, t in zip(OUT_FIELDS, fields_of(out)) if t is not None],
-                       (("x", x),))
+            no_overlap(OUT_NAMES, fields_of(out), (None,) * len(OUT_NAMES), (("x", x),))
         return self.tail(self.first(x), residual, weight, scale, out, z)
 
 
@@ -524,7 +524,7 @@ class _TorchAllReduce:
         if out is None:
             out = x.clone(memory_format=torch.contiguous_format)
         else:
-            no_overlap([("out", out, None)], (("x", x),))
+            no_overlap(("out",), (out,), (None,), (("x", x),))
             out.copy_(x)
         dist.all_reduce(out, group=self.group)
         return out
@@ -590,7 +590,7 @@ class _GlooSum:
         total = reference.all_reduce_sum(xs)
         if out is None:
             return total
-        no_overlap([("out", out, None)], (("x", x),))
+        no_overlap(("out",), (out,), (None,), (("x", x),))
         return out.copy_(total)
 
 
@@ -615,20 +615,17 @@ def _write_out(outputs: tuple, out, spec: TailSpec) -> tuple:
 
 
 class _SeparatedTail:
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "outputs")
 
-    def __init__(self, spec: TailSpec):
-        self.spec = spec
+    def __init__(self, spec: TailSpec, outputs):
+        self.spec, self.outputs = spec, outputs  # the signature's OutputSpecs
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         s = self.spec
         if scale is not None:
             scale_value(scale)  # a CPU tensor's value, which a later call of the signature may change
         if out is not None:
-            h = x.shape[-1]
-            specs = s.outputs(x.numel() // h, h, x.dtype, residual is not None)
-            no_overlap([(f"out.{n}", t, sp.storage_numel if sp is not None and sp.strides is not None else None)
-                        for n, t, sp in zip(OUT_FIELDS, fields_of(out), specs) if t is not None],
+            no_overlap(OUT_NAMES, fields_of(out), self.outputs,
                        (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
         tail = reference.fused_tail(x, residual, weight, s.eps, scale=scale, **s.reference_kwargs())
         return _write_out(tuple(tail), out, s)

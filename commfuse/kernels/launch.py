@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..tail.checks import OUT_FIELDS, fields_of, no_overlap, storage_room
+from ..tail.checks import OUT_NAMES, fields_of, no_overlap, storage_room
 from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
@@ -159,9 +159,7 @@ class PyLauncher:
         t[Z] = None if z is None else operand(z)
         given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
         if out is not None:
-            names = [f"out.{n}" for n in OUT_FIELDS] if plan.fused else ["out"]
-            no_overlap([(name, o, s.storage_numel if s.strides is not None else None)
-                        for name, o, s in zip(names, given, plan.outputs) if o is not None and s is not None],
+            no_overlap(OUT_NAMES if plan.fused else ("out",), given, plan.outputs,
                        (("x", x), ("residual", residual), ("weight", weight), ("scale", scale), ("z", z)))
         for i, spec in enumerate(plan.outputs):
             if spec is None:
@@ -170,7 +168,7 @@ class PyLauncher:
             if o is None:
                 o = allocate(spec, self._device)
             else:
-                field = f"out.{OUT_FIELDS[i]}" if plan.fused else "out"
+                field = OUT_NAMES[i] if plan.fused else "out"
                 if o.data_ptr() % 16:
                     raise ValueError(f"{field} must be 16-byte aligned")
                 if spec.strides is not None and storage_room(o) < spec.storage_numel:

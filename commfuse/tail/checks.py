@@ -23,6 +23,7 @@ __all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "scale", "out", 
 # or a float64 tensor.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_FIELDS = Outputs._fields
+OUT_NAMES = tuple(f"out.{f}" for f in OUT_FIELDS)  # as the errors name them
 
 
 def same_device(name: str, t: Tensor, device: torch.device, where: str = "this communicator works on") -> None:
@@ -192,12 +193,14 @@ def _span(t: Tensor, storage_numel: Optional[int] = None) -> tuple:
     return t.data_ptr(), t.data_ptr() + storage_numel * t.element_size()
 
 
-def no_overlap(outputs: Sequence[tuple], inputs: Sequence[tuple]) -> None:
+def no_overlap(names: Sequence[str], outputs: Sequence, specs: Sequence, inputs: Sequence[tuple]) -> None:
     """Raise unless the caller's outputs overlap neither each other nor an input; out.residual may be the
-    residual input itself (the same tensor: an in-place update). outputs: (name, tensor, storage elements
-    or None) for each given output; inputs: (name, tensor or None). Per call: the plan's key holds no
+    residual input itself (the same tensor: an in-place update). names, outputs, specs: each output's
+    name ("out.norm"), the caller's tensor or None, its OutputSpec or None (an MN-major one spans its
+    storage, padding rows included); inputs: (name, tensor or None). Per call: the plan's key holds no
     addresses. The rule is every route's: the kernels read an input while they write the outputs."""
-    spans = [(name, _span(t, n), t) for name, t, n in outputs]
+    spans = [(name, _span(t, s.storage_numel if s is not None and s.strides is not None else None), t)
+             for name, t, s in zip(names, outputs, specs) if t is not None]
     for i, (name, (b, e), t) in enumerate(spans):
         if b == e:
             continue
