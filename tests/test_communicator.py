@@ -140,13 +140,16 @@ MISMATCHES = {  # kind: (rank 0's call, every other rank's) as (shape, dtype, qu
 def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
     """Without COMMFUSE_CHECK, the gloo route's exchange compares the call's signature first: every
     rank raises, naming every rank's call, and the group still works afterwards."""
-    c = Communicator(comm.group)
+    if comm.backend != "gloo":
+        pytest.skip(f"a {comm.backend} group: the signature check is the gloo route's")
+    # strategy "nccl" keeps ranks sharing a GPU off P2P: every rank's call takes the gloo route, whatever
+    # its shape (under "auto" a rank whose call P2P takes would wait in its kernel instead)
+    c = Communicator(comm.group, strategy="nccl")
     c.check_calls = False
     rank = dist.get_rank(c.group)
     shape, dtype, quant = MISMATCHES[kind][min(rank, 1)]
     x = torch.randn(*shape, generator=gen).to(dtype).to(c.device)
-    if c.plan(x).collective != "gloo":
-        pytest.skip(f"the call takes {c.plan(x).collective}: the signature check is the gloo route's")
+    assert c.plan(x).collective == "gloo", c.plan(x)
     residual, weight, scale = tail_inputs(c, gen, shape[0], shape[1], dtype, None if quant == "plain" else quant)
     with pytest.raises(commfuse.CallMismatchError, match="ranks disagree on the call") as info:
         if quant == "plain":
@@ -168,11 +171,12 @@ def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatc
     import time
 
     monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
-    c = Communicator(comm.group)
+    if comm.backend != "gloo":
+        pytest.skip(f"a {comm.backend} group: this bound is the gloo route's")
+    c = Communicator(comm.group, strategy="nccl")  # off P2P where ranks share a GPU
     c.check_calls = False
     x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
-    if c.plan(x).collective != "gloo":
-        pytest.skip(f"the call takes {c.plan(x).collective}: this bound is the gloo route's")
+    assert c.plan(x).collective == "gloo", c.plan(x)
     if dist.get_rank(c.group) == 0:
         t0 = time.monotonic()
         with pytest.raises(commfuse.CallTimeoutError, match="not every rank made the call"):

@@ -33,8 +33,10 @@ def test_tp_decoder_tiny(comm, args, tmp_path):
     for name, check in res["checks"].items():
         if res["device"] == "cpu" and world <= 2:  # gloo's sum is commfuse's bits on 2 ranks only
             assert check["bit_identical"], (name, check)
-        # per graph: 2 tails a layer + the first input norm (no add: a local op); a prefill graph, decode graph(s)
-        assert check["fused_ops"] >= 2 * (2 * 2 + 1) and check["fused_ops"] % (2 * 2 + 1) == 0, (name, check)
+        # per graph: 2 tails a layer + the first input norm (no add: a local op); a prefill graph, decode graph(s).
+        # Each is fused or, with Inductor at world 1 (rewrite="auto"), left to it on evidence.
+        matched = check["fused_ops"] + check["left_on_evidence"]
+        assert matched >= 2 * (2 * 2 + 1) and matched % (2 * 2 + 1) == 0, (name, check)
     fused = "\n".join(r for reps in res["reports"].values() for r in reps)
     expect = "commfuse::fused_all_reduce" if world > 1 else "commfuse::fused_add_rmsnorm"
     assert expect in fused and "skipped" in fused, fused
