@@ -161,7 +161,7 @@ def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
     (s0, d0, _), (s1, d1, _) = MISMATCHES[kind]
     assert str(list(s0)) in msg and str(list(s1)) in msg and str(d0) in msg and str(d1) in msg, msg
     y = torch.full((2, 64), float(rank + 1), dtype=torch.bfloat16, device=c.device)
-    assert torch.equal(c.all_reduce(y).float(), torch.full((2, 64), c.world_size * (c.world_size + 1) / 2))
+    assert torch.equal(c.all_reduce(y).float(), torch.full((2, 64), c.world_size * (c.world_size + 1) / 2, device=c.device))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -184,7 +184,7 @@ def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatc
         waited = time.monotonic() - t0
         assert 1.5 < waited < 10, f"raised after {waited:.1f} s"
     dist.barrier(comm.group)  # the communicator's own group has nothing pending
-    assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)), torch.full((3,), float(comm.world_size)))
+    assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)), torch.full((3,), float(comm.world_size), device=comm.device))
 
 
 @mpi
