@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import nccl, ops, p2p, routes, topology
+from . import moe, nccl, ops, p2p, routes, topology
 from .kernels import jit, native
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
 from .local import Quantized
@@ -138,6 +138,7 @@ class Communicator:
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
         self._check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
+        self._moe_plans: dict = {}  # a fused_all_reduce plan -> the moe_all_reduce plan that adds the combine
 
     def _open_check_group(self):
         """The gloo route's signature exchange runs over a gloo group of its own whose timeout,
@@ -288,6 +289,40 @@ class Communicator:
             return r
         except native.NcclFailure as e:
             raise self._nccl.error(int(e.args[0])) from None
+
+    def moe_all_reduce(self, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6, quant: Optional[str] = None, scale: Union[torch.Tensor, float, None] = None,
+                       return_norm: bool = False, sf_layout: str = "swizzled", weight_offset: float = 0.0,
+                       scale_layout: str = "row", scale_ue8m0: bool = False, *, row_index: Optional[torch.Tensor] = None,
+                       shared: Optional[torch.Tensor] = None, out=None) -> FusedResult:
+        """A tensor-parallel MoE layer's end: each rank's expert combine (commfuse.moe.combine), the
+        all-reduce of the combined rows, then the residual add, RMSNorm and optional quantization of
+        `fused_all_reduce` (docs/semantics.md sections 14 and 1-13).
+
+        y: the rank's expert outputs, T[t, k, h] (token i's j-th expert at y[i, j]), or with row_index the
+        permuted rows T[R, h] that grouped-GEMM MoE kernels leave (row_index int32/int64 [t, k]: the row of
+        token i's j-th expert, -1 for a slot dropped by capacity); weights: the routing weights [t, k],
+        float32 or T; shared: a shared expert's output T[t, h] or None; residual: T[t, h]; weight: T[h];
+        all on the communicator's device. The other arguments, the outputs (flattened to [t, h]) and the
+        out= rules are fused_all_reduce's; out may overlap none of these inputs either. The plan says how
+        the combine ran (plan.combine).
+        """
+        t, _, h = checks.moe(y, weights, row_index, shared, self.device)
+        if isinstance(residual, torch.Tensor) and tuple(residual.shape) != (t, h):
+            raise ValueError(f"residual must have shape [t, h] = {[t, h]}, got {tuple(residual.shape)}")
+        if out is not None:
+            spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+            checks.no_overlap(checks.OUT_NAMES, checks.fields_of(out), spec.outputs(t, h, y.dtype),
+                              (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared)))
+        x = moe.combine(y, weights, row_index, shared)
+        r = self.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
+                                  scale_layout, scale_ue8m0, out=out)
+        p = self._moe_plans.get(r.plan)
+        if p is None:
+            p = self._moe_plans[r.plan] = dataclasses.replace(r.plan, combine="separated",
+                                                              reasons=r.plan.reasons + (moe.COMBINE_REASON,))
+        r.plan = p
+        return r
 
     def check(self) -> None:
         """Wait for this rank's queued GPU work, then raise commfuse.P2PTimeoutError if a P2P

@@ -24,7 +24,10 @@ The ops (quant "" means none, and absent outputs are empty tensors):
   scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`, residual may be None;
 - `gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout,
   scale_layout="row", scale_ue8m0=False) -> (norm, quant, scale_factors, scales)`, z may be None;
-- `quantize(x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False) -> (quant, scale_factors, scales)`.
+- `quantize(x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False) -> (quant, scale_factors, scales)`;
+- `moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, quant, return_norm, sf_layout, comm,
+  weight_offset=0.0, scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`,
+  row_index and shared may be None.
 `comm` is `Communicator.name` (communicators register themselves by name, per process). Like every
 collective, a collective op must be called by every rank of the group, in the same order. The ops are
 declared pure (they modify nothing but the _out ops' outputs), so a compiler may drop a call whose
@@ -42,7 +45,7 @@ from . import local
 from .reference import Tail
 from .tail.spec import TailSpec, keep
 
-__all__ = ["all_reduce", "fused_all_reduce"]
+__all__ = ["all_reduce", "fused_all_reduce", "moe_all_reduce"]
 
 _COMMUNICATORS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count()
@@ -105,6 +108,29 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
         return Tail(*outs)
     outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "", bool(return_norm),
                                                sf_layout, comm.name, *scalars)
+    return Tail(*keep(outs, quant, return_norm))
+
+
+def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float = 1e-6, quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
+                   return_norm: bool = False, sf_layout: str = "swizzled", *, row_index: Optional[torch.Tensor] = None,
+                   shared: Optional[torch.Tensor] = None, weight_offset: float = 0.0, scale_layout: str = "row",
+                   scale_ue8m0: bool = False) -> Tail:
+    """`comm.moe_all_reduce(...)` as a custom op (arguments and outputs as there; docs/semantics.md section 14).
+
+    y: T[t, k, h], or the permuted rows T[R, h] with row_index int32/int64 [t, k]; weights: [t, k] float32 or
+    T; shared: T[t, h] or None; residual: T[t, h]; weight: T[h]; scale: float32[1] where the format takes one;
+    all on comm's device. Returns a Tail as fused_all_reduce does (eager: the Communicator call directly)."""
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+    if not torch.compiler.is_compiling():
+        r = comm.moe_all_reduce(y, weights, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
+                                row_index=row_index, shared=shared, **kw)
+        return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
+    outs = torch.ops.commfuse.moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, float(eps),
+                                             quant or "", bool(return_norm), sf_layout, comm.name,
+                                             float(weight_offset), scale_layout, bool(scale_ue8m0))
     return Tail(*keep(outs, quant, return_norm))
 
 
@@ -193,6 +219,14 @@ def _quantize(x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False)
     return _tensors(x, local.quantize(x, quant, scale, sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0))
 
 
+def _moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, quant, return_norm, sf_layout, comm,
+                    weight_offset=0.0, scale_layout="row", scale_ue8m0=False) -> tuple:
+    r = communicator(comm).moe_all_reduce(y, weights, residual, weight, eps, quant or None, scale, return_norm,
+                                           sf_layout, weight_offset, scale_layout, scale_ue8m0, row_index=row_index,
+                                           shared=shared)
+    return _tensors(residual, (r.residual, r.norm, r.quant, r.scale_factors, r.scales))
+
+
 _SCALED = 'str scale_layout="row", bool scale_ue8m0=False'
 _TAIL_ARGS = "Tensor x, Tensor residual, Tensor weight, Tensor? scale, float eps, str quant, bool return_norm, " \
              "str sf_layout, str comm"
@@ -221,3 +255,9 @@ _define(f"quantize(Tensor x, Tensor? scale, str quant, str sf_layout, {_SCALED})
         _quantize,
         lambda x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False:
         _fakes(x, quant, False, sf_layout, scale_layout, scale_ue8m0, False)[2:])
+_define("moe_all_reduce(Tensor y, Tensor weights, Tensor? row_index, Tensor? shared, Tensor residual, Tensor weight, "
+        "Tensor? scale, float eps, str quant, bool return_norm, str sf_layout, str comm, float weight_offset=0.0, "
+        f"{_SCALED}) -> {_FIVE}", _moe_all_reduce,
+        lambda y, weights, row_index, shared, residual, weight, scale, eps, quant, return_norm, sf_layout, comm,
+        weight_offset=0.0, scale_layout="row", scale_ue8m0=False:
+        _fakes(residual, quant, return_norm, sf_layout, scale_layout, scale_ue8m0))

@@ -183,7 +183,8 @@ class Plan:
 
     collective: a Collective; tail: a TailRoute; kernel: the kernel family that runs the fused part, if
     any; reasons: why, in words: every guard that failed, and what chose the collective; route: the
-    ROUTES entry that makes its launcher.
+    ROUTES entry that makes its launcher; combine: how a MoE call's expert combine runs before the
+    collective ("separated": commfuse.reference's ops), None for the other calls.
     """
 
     collective: Collective
@@ -191,9 +192,11 @@ class Plan:
     kernel: Optional[str] = None
     reasons: tuple = field(default_factory=tuple)
     route: str = field(default="", compare=False)
+    combine: Optional[str] = None
 
     def __str__(self) -> str:
-        head = f"{self.collective} + {self.tail} tail" + (f" [{self.kernel}]" if self.kernel else "")
+        head = (f"{self.combine} combine + " if self.combine else "") + f"{self.collective} + {self.tail} tail" + \
+            (f" [{self.kernel}]" if self.kernel else "")
         return head + "".join(f"\n  - {r}" for r in self.reasons)
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .spec import Outputs, TailSpec
 
-__all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "scale", "out", "out_like", "same_device",
+__all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "scale", "out", "out_like", "same_device",
            "fields_of", "storage_room"]
 
 # What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
@@ -137,6 +137,45 @@ def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate) -> int:
         raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
     scale(spec, s, h, device)
     return h
+
+
+def moe(y, weights, row_index, shared, device: torch.device) -> tuple:
+    """A MoE combine's tensors (moe_all_reduce): (t, k, h), checked. y: T[t, k, h] (the reduction form) or,
+    with row_index int32/int64 [t, k], the permuted rows T[R, h] (the finalize form); weights: [t, k]
+    float32 or T; shared: T[t, h] or None; all on `device`. row_index's values are not read here (on a
+    GPU that would synchronise): the combine checks them (docs/semantics.md section 14)."""
+    _tensor("y", y)
+    if y.dtype not in DTYPES:
+        raise TypeError(f"y must be float16, bfloat16 or float32, got {y.dtype}")
+    same_device("y", y, device)
+    if row_index is None:
+        if y.dim() != 3 or 0 in y.shape[1:]:
+            raise ValueError(f"y must be [t, k, h] with k, h > 0 (or the rows [R, h] with row_index), got "
+                             f"{tuple(y.shape)}")
+        t, k, h = y.shape
+    else:
+        _tensor("row_index", row_index)
+        if row_index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"row_index must be int32 or int64, got {row_index.dtype}")
+        if y.dim() != 2 or y.shape[1] == 0 or row_index.dim() != 2 or row_index.shape[1] == 0:
+            raise ValueError(f"with row_index, y must be the rows [R, h] and row_index [t, k] (k, h > 0), got "
+                             f"{tuple(y.shape)} and {tuple(row_index.shape)}")
+        same_device("row_index", row_index, device)
+        (t, k), h = row_index.shape, y.shape[1]
+    _tensor("weights", weights)
+    if tuple(weights.shape) != (t, k):
+        raise ValueError(f"weights must have shape [t, k] = {[t, k]}, got {tuple(weights.shape)}")
+    if weights.dtype not in (torch.float32, y.dtype):
+        raise TypeError(f"weights must be float32 or y's dtype {y.dtype}, got {weights.dtype}")
+    same_device("weights", weights, device)
+    if shared is not None:
+        _tensor("shared", shared)
+        if tuple(shared.shape) != (t, h):
+            raise ValueError(f"shared must have shape [t, h] = {[t, h]}, got {tuple(shared.shape)}")
+        if shared.dtype != y.dtype:
+            raise TypeError(f"shared dtype {shared.dtype} must match y dtype {y.dtype}")
+        same_device("shared", shared, device)
+    return t, k, h
 
 
 def storage_room(t: Tensor) -> int:

@@ -1,0 +1,164 @@
+"""Communicator.moe_all_reduce (and its op) on every rank against commfuse.reference: each rank's
+expert combine (reference.moe_reduce / moe_finalize), the all-reduce of the combined rows, then the
+tail. Each rank generates every rank's inputs from one seeded generator and keeps its own, so the
+reference sees exactly the gathered inputs; all collectives of a test come before its assertions."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse import Communicator, ops, reference
+from commfuse.reference import Tail
+
+from compare import assert_tail_close, bits_equal
+from inputs import tail_inputs
+
+mpi = pytest.mark.mpi(min_size=1)
+PATTERNS = [(None, False, "swizzled"), ("fp8", True, "swizzled"), ("nvfp4", False, "swizzled"),
+            ("nvfp4", True, "linear"), ("fp8_per_token", False, "swizzled")]
+
+
+def exact_sum(comm) -> bool:
+    return comm.backend != "nccl" or comm.world_size <= 2  # as tests/test_communicator.py
+
+
+def moe_inputs(comm, gen, t, k, h, dtype, form, weights_dtype, with_shared):
+    """Every rank's (y, weights, row_index, shared) and this rank's index: y [t, k, h] (reduction) or
+    permuted rows [t*k + 3, h] with a row_index that drops one slot (finalize); the padding rows and the
+    dropped slot's row hold NaN, which must change nothing."""
+    per_rank = []
+    for _ in range(comm.world_size):
+        w = torch.rand(t, k, generator=gen).to(weights_dtype)
+        shared = torch.randn(t, h, generator=gen).to(dtype) if with_shared else None
+        if form == "reduction":
+            y, idx = torch.randn(t, k, h, generator=gen).to(dtype), None
+        else:
+            rows = torch.randn(t * k + 3, h, generator=gen)
+            idx = torch.randperm(t * k, generator=gen)[: t * k].view(t, k)
+            dropped = int(idx[t // 2, k - 1])
+            idx[t // 2, k - 1] = -1
+            rows[dropped] = float("nan")
+            rows[t * k:] = float("nan")
+            y, idx = rows.to(dtype), idx.to(torch.int32)
+        per_rank.append(tuple(None if v is None else v.to(comm.device) for v in (y, w, idx, shared)))
+    return per_rank, dist.get_rank(comm.group)
+
+
+def combined(y, w, idx, shared):
+    return reference.moe_reduce(y, w, shared) if idx is None else reference.moe_finalize(y, idx, w, shared)
+
+
+@mpi
+@pytest.mark.parametrize("form", ["reduction", "finalize"])
+@pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t, k, h, weights_fp32, with_shared", [(5, 2, 256, True, False), (3, 8, 128, False, True)])
+def test_moe_all_reduce_matches_reference(comm, gen, form, quant, return_norm, sf_layout, dtype, t, k, h,
+                                          weights_fp32, with_shared):
+    per_rank, rank = moe_inputs(comm, gen, t, k, h, dtype, form, torch.float32 if weights_fp32 else dtype,
+                                with_shared)
+    residual, weight, scale = tail_inputs(comm, gen, t, h, dtype, quant)
+    y, w, idx, shared = per_rank[rank]
+    saved = [v.clone() for v in (y, w, idx, shared, residual, weight) if v is not None]
+    r = comm.moe_all_reduce(y, w, residual, weight, 1e-5, quant, scale, return_norm, sf_layout, row_index=idx,
+                            shared=shared)
+    a = comm.all_reduce(combined(y, w, idx, shared))
+    after = [v for v in (y, w, idx, shared, residual, weight) if v is not None]
+    assert all(bits_equal(b, v) for b, v in zip(saved, after)), "moe_all_reduce modified an input"  # NaN rows too
+    assert r.plan.combine == "separated" and any(s.startswith("combine:") for s in r.plan.reasons), str(r.plan)
+    # The tail against the reference fed the same all-reduced sum; the sum against every rank's combine.
+    ref = reference.fused_tail(a, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
+    assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated")
+    if exact_sum(comm):
+        full = reference.fused_tail(reference.all_reduce_sum([combined(*p) for p in per_rank]), residual, weight,
+                                    1e-5, quant, scale, return_norm, sf_layout)
+        assert torch.equal(r.residual, full.residual)
+    assert not torch.isnan(r.residual.float()).any(), "a dropped slot's or padding row's NaN reached the sum"
+
+
+@mpi
+def test_moe_plan_and_caller_outputs(comm, gen):
+    """out= as for fused_all_reduce: written and returned; an out tensor overlapping y raises on every rank
+    before any collective; the combine shows in the plan's text."""
+    t, k, h = 4, 2, 128
+    (per_rank, rank) = moe_inputs(comm, gen, t, k, h, torch.bfloat16, "reduction", torch.float32, False)
+    y, w, _, _ = per_rank[rank]
+    residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
+    want = comm.moe_all_reduce(y, w, residual, weight)
+    out = Tail(torch.empty_like(residual), torch.full_like(residual, float("nan")), None, None, None)
+    got = comm.moe_all_reduce(y, w, residual, weight, out=out)
+    with pytest.raises(ValueError, match="out.norm overlaps y"):
+        comm.moe_all_reduce(y, w, residual, weight, out=Tail(None, y.view(-1)[: t * h].view(t, h), None, None, None))
+    assert got.residual is out.residual and got.norm is out.norm
+    assert bits_equal(got.residual, want.residual) and bits_equal(got.norm, want.norm)
+    assert str(want.plan).startswith("separated combine + "), str(want.plan)
+
+
+@mpi
+def test_moe_bad_arguments_raise_naming_them(comm, gen):
+    """Checked on every rank before any collective: the group still works afterwards."""
+    t, k, h = 4, 2, 64
+    dev = comm.device
+    y = torch.randn(t, k, h, generator=gen).bfloat16().to(dev)
+    w = torch.rand(t, k, generator=gen).to(dev)
+    residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
+    cases = [
+        (ValueError, "y must be \\[t, k, h\\]", dict(y=y[:, 0])),
+        (ValueError, "weights must have shape \\[t, k\\]", dict(w=w[:, :1])),
+        (TypeError, "weights must be float32 or y's dtype", dict(w=w.half())),
+        (ValueError, "shared must have shape", dict(shared=residual[:1])),
+        (TypeError, "shared dtype", dict(shared=residual.half())),
+        (TypeError, "row_index must be int32 or int64", dict(y=y.view(t * k, h), row_index=w)),
+        (ValueError, "residual must have shape \\[t, h\\]", dict(residual=residual[:2])),
+        (TypeError, "y must be a torch.Tensor", dict(y=[1.0])),
+    ]
+    for err, match, kw in cases:
+        args = dict(y=y, w=w, residual=residual, row_index=None, shared=None)
+        args.update(kw)
+        with pytest.raises(err, match=match):
+            comm.moe_all_reduce(args["y"], args["w"], args["residual"], weight, row_index=args["row_index"],
+                                shared=args["shared"])
+    bad = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]], dtype=torch.int32, device=dev)  # row 8 of 8 rows
+    with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):
+        comm.moe_all_reduce(y.view(t * k, h), w, residual, weight, row_index=bad)
+    ones = torch.ones(2, 64, device=dev)
+    assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
+
+
+@mpi
+@pytest.mark.parametrize("quant", [None, "nvfp4"])
+def test_compiled_moe_op_matches_eager_call(comm, gen, quant):
+    """The op inside torch.compile (one graph for every token count) gives the Communicator call's bits."""
+    c = Communicator(comm.group)
+    c.check_calls = False
+    torch._dynamo.reset()
+
+    def layer(y, w, idx, residual, weight, scale):
+        return ops.moe_all_reduce(c, y, w, residual, weight, quant=quant, scale=scale, return_norm=True,
+                                  row_index=idx)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True,
+                             backend="inductor" if c.device.type == "cuda" else "aot_eager")
+    for i, t in enumerate((3, 130, 17)):
+        per_rank, rank = moe_inputs(c, gen, t, 2, 256, torch.bfloat16, "finalize", torch.float32, False)
+        y, w, idx, _ = per_rank[rank]
+        residual, weight, scale = tail_inputs(c, gen, t, 256, torch.bfloat16, quant)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(y, w, idx, residual, weight, scale)
+        want = c.moe_all_reduce(y, w, residual, weight, quant=quant, scale=scale, return_norm=True, row_index=idx)
+        for name in ("residual", "norm", "quant", "scale_factors"):
+            assert bits_equal(getattr(got, name), getattr(want, name)), f"t={t}: {name}"
+
+
+def test_moe_op_fake_gives_the_output_shapes():
+    """The fake (meta) op: fused_all_reduce's outputs of [t, h], t from the routing weights."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        rows = torch.empty(40, 256, dtype=torch.bfloat16)
+        idx = torch.empty(9, 4, dtype=torch.int32)
+        outs = torch.ops.commfuse.moe_all_reduce(rows, torch.empty(9, 4), idx, None,
+                                                 torch.empty(9, 256, dtype=torch.bfloat16),
+                                                 torch.empty(256, dtype=torch.bfloat16), torch.empty(1), 1e-6,
+                                                 "nvfp4", True, "linear", "commfuse-none")
+    assert [tuple(o.shape) for o in outs] == [(9, 256), (9, 256), (9, 128), (9, 16), (0,)]
+    assert outs[2].dtype == torch.uint8 and outs[3].dtype == torch.float8_e4m3fn
