@@ -138,7 +138,7 @@ class Communicator:
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
         self._check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
-        self._moe_plans: dict = {}  # a fused_all_reduce plan -> the moe_all_reduce plan that adds the combine
+        self._moe_plans: dict = {}  # (fused_all_reduce's plan, the combine's route, why) -> moe_all_reduce's plan
 
     def _open_check_group(self):
         """The gloo route's signature exchange runs over a gloo group of its own whose timeout,
@@ -305,7 +305,9 @@ class Communicator:
         float32 or T; shared: a shared expert's output T[t, h] or None; residual: T[t, h]; weight: T[h];
         all on the communicator's device. The other arguments, the outputs (flattened to [t, h]) and the
         out= rules are fused_all_reduce's; out may overlap none of these inputs either. The plan says how
-        the combine ran (plan.combine).
+        the combine ran (plan.combine: "kernel", the combine kernel on CUDA tensors, or "separated",
+        commfuse.reference's ops, with the reason); commfuse.moe documents how each treats a row index
+        outside [-1, R).
         """
         t, _, h = checks.moe(y, weights, row_index, shared, self.device)
         if isinstance(residual, torch.Tensor) and tuple(residual.shape) != (t, h):
@@ -314,13 +316,15 @@ class Communicator:
             spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
             checks.no_overlap(checks.OUT_NAMES, checks.fields_of(out), spec.outputs(t, h, y.dtype),
                               (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared)))
-        x = moe.combine(y, weights, row_index, shared)
+        route, why = moe.plan(y, weights, self._machine.sm if self.device.type == "cuda" else None)
+        x = moe.combine(y, weights, row_index, shared, route)
         r = self.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
                                   scale_layout, scale_ue8m0, out=out)
-        p = self._moe_plans.get(r.plan)
+        key = (r.plan, route, why)
+        p = self._moe_plans.get(key)
         if p is None:
-            p = self._moe_plans[r.plan] = dataclasses.replace(r.plan, combine="separated",
-                                                              reasons=r.plan.reasons + (moe.COMBINE_REASON,))
+            p = self._moe_plans[key] = dataclasses.replace(r.plan, combine=route,
+                                                           reasons=r.plan.reasons + ((why,) if why else ()))
         r.plan = p
         return r
 

@@ -2,30 +2,44 @@
 of a token, weighted by the routing weights and summed with a shared expert's output, in fp32 in slot
 order, rounded once (docs/semantics.md section 14).
 
-Today the combine runs as commfuse.reference's ops (every plan says so: `combine="separated"`) and the
-sum's all-reduce, residual add, RMSNorm and quantization as `fused_all_reduce` (whose routes fuse them).
-The finalize form reads row_index's range first (on a GPU a synchronisation, which a CUDA graph capture
-does not allow); the reduction form reads nothing back.
+On CUDA tensors the combine is one kernel (commfuse.kernels.moe_combine), elsewhere, or where its guards
+fail, commfuse.reference's ops; `plan` says which and why. Either way the combined rows are the
+reference's bits, and the sum's all-reduce, residual add, RMSNorm and quantization follow as
+`fused_all_reduce` (whose routes fuse them). Row indices outside [-1, R) raise ValueError on the
+reference's route (which reads them: on a GPU one synchronisation, which a CUDA graph capture does not
+allow) and give NaN rows on the kernel's (which reads them on the device).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor
 
 from . import reference
+from .kernels.moe_combine import MOE_COMBINE, run
 
-__all__ = ["combine", "COMBINE_REASON"]
-
-COMBINE_REASON = "combine: commfuse.reference's ops, before the collective (no kernel fuses the combine)"
+__all__ = ["combine", "plan"]
 
 
-def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shared: Optional[Tensor] = None) -> Tensor:
-    """x = round_T(shared + sum_j weights[:, j] * y_j) of one rank: T[t, h].
+def plan(y: Tensor, weights: Tensor, sm: Optional[tuple]) -> Tuple[str, Optional[str]]:
+    """How the combine of these (checked) tensors runs on a device of compute capability `sm`:
+    ("kernel", None), or ("separated", the reason)."""
+    if y.device.type != "cuda" or sm is None:
+        return "separated", f"combine: tensors on {y.device.type}: the combine kernel needs CUDA tensors"
+    t, k = weights.shape
+    why = MOE_COMBINE.rejects_combine(y.dtype, sm, y.shape[-1], t, k)
+    return ("separated", f"combine: {why}") if why else ("kernel", None)
+
+
+def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shared: Optional[Tensor] = None,
+            route: str = "separated") -> Tensor:
+    """x = round_T(shared + sum_j weights[:, j] * y_j) of one rank: T[t, h], by `route` (plan's).
 
     y: T[t, k, h] (reduction form), or the permuted expert rows T[R, h] with row_index int32/int64 [t, k]
     (finalize form: token i's j-th expert output is y[row_index[i, j]], -1 for a dropped slot); weights:
     [t, k] float32 or T; shared: T[t, h] or None; all on one device."""
+    if route == "kernel":
+        return run(y, weights, row_index, shared)
     if row_index is None:
         return reference.moe_reduce(y, weights, shared)
     return reference.moe_finalize(y, row_index, weights, shared)

@@ -1,4 +1,4 @@
-"""CPU (CI): every kernel variant (fused tail, gated RMSNorm, quantize) compiles with NVRTC for every supported arch, NVRTC
+"""CPU (CI): every kernel variant (fused tail, gated RMSNorm, quantize, MoE combine) compiles with NVRTC for every supported arch, NVRTC
 failures become JitErrors that say which kernel and why, and the cubin cache keys and hits.
 
 No GPU needed; skipped with a reason when NVRTC cannot be loaded.
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commfuse import routes
-from commfuse.kernels import fused_tail, gated_norm, jit, params, quantize
+from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, params, quantize
 from commfuse.routes import Call, Machine, TensorMeta
 from commfuse.tail.formats import FORMATS
 from commfuse.tail.spec import TailSpec
@@ -71,6 +71,19 @@ def test_register_only_launch_configs_have_variants(module, family, formats):
             assert 8 * vpt * threads >= hidden
             for fmt in formats:
                 assert family.name_expression(torch.bfloat16, fmt, vpt) in names
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_moe_combine_variant_builds(arch, cache_dir):
+    """Both element types x float32 or T weights x the three forms (reduction, int32 / int64 row indices)."""
+    if int(arch[3:].rstrip("a")) not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
+    names = moe_combine.variants()
+    assert len(set(names)) == 2 * 2 * 3
+    built = jit.build(moe_combine.SOURCE, names, arch)
+    assert sorted(built.lowered) == sorted(names)
+    for name, symbol in built.lowered.items():
+        assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
 
 
 def test_variants_cover_every_launch_config():

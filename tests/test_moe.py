@@ -64,7 +64,10 @@ def test_moe_all_reduce_matches_reference(comm, gen, form, quant, return_norm, s
     a = comm.all_reduce(combined(y, w, idx, shared))
     after = [v for v in (y, w, idx, shared, residual, weight) if v is not None]
     assert all(bits_equal(b, v) for b, v in zip(saved, after)), "moe_all_reduce modified an input"  # NaN rows too
-    assert r.plan.combine == "separated" and any(s.startswith("combine:") for s in r.plan.reasons), str(r.plan)
+    if comm.device.type == "cuda":
+        assert r.plan.combine == "kernel", str(r.plan)
+    else:
+        assert r.plan.combine == "separated" and any(s.startswith("combine: tensors on cpu") for s in r.plan.reasons)
     # The tail against the reference fed the same all-reduced sum; the sum against every rank's combine.
     ref = reference.fused_tail(a, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
     assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated")
@@ -90,7 +93,7 @@ def test_moe_plan_and_caller_outputs(comm, gen):
         comm.moe_all_reduce(y, w, residual, weight, out=Tail(None, y.view(-1)[: t * h].view(t, h), None, None, None))
     assert got.residual is out.residual and got.norm is out.norm
     assert bits_equal(got.residual, want.residual) and bits_equal(got.norm, want.norm)
-    assert str(want.plan).startswith("separated combine + "), str(want.plan)
+    assert str(want.plan).startswith(f"{want.plan.combine} combine + "), str(want.plan)
 
 
 @mpi
@@ -117,9 +120,10 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
         with pytest.raises(err, match=match):
             comm.moe_all_reduce(args["y"], args["w"], args["residual"], weight, row_index=args["row_index"],
                                 shared=args["shared"])
-    bad = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]], dtype=torch.int32, device=dev)  # row 8 of 8 rows
-    with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):
-        comm.moe_all_reduce(y.view(t * k, h), w, residual, weight, row_index=bad)
+    if dev.type == "cpu":  # the reference reads the indices; the kernel makes the token's row NaN instead
+        bad = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]], dtype=torch.int32, device=dev)  # row 8 of 8 rows
+        with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):
+            comm.moe_all_reduce(y.view(t * k, h), w, residual, weight, row_index=bad)
     ones = torch.ones(2, 64, device=dev)
     assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
 
@@ -162,3 +166,52 @@ def test_moe_op_fake_gives_the_output_shapes():
                                                  "nvfp4", True, "linear", "commfuse-none")
     assert [tuple(o.shape) for o in outs] == [(9, 256), (9, 256), (9, 128), (9, 16), (0,)]
     assert outs[2].dtype == torch.uint8 and outs[3].dtype == torch.float8_e4m3fn
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the combine kernel is a CUDA kernel: no GPU here")
+
+
+@needs_gpu
+@pytest.mark.parametrize("form", ["reduction", "int32", "int64"])
+@pytest.mark.parametrize("dtype, weights_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("t, k, h, with_shared", [(1, 2, 4096, False), (37, 8, 7168, True), (300, 4, 2880, True),
+                                                   (5, 1, 8, False)])
+def test_combine_kernel_gives_the_reference_bits(form, dtype, weights_dtype, t, k, h, with_shared):
+    """moe.combine's kernel route against reference.moe_reduce / moe_finalize, bit for bit: NaN in the
+    padding rows and in a dropped slot's row, -0.0 products (a -0.0 sum stays -0.0 only with shared -0.0)."""
+    from commfuse import moe
+    from compare import poisoned_runs
+
+    gen = torch.Generator().manual_seed(t * 131 + k * 7 + h)
+    w = torch.rand(t, k, generator=gen)
+    w[0, 0] = -0.0
+    w = w.to(weights_dtype).cuda()
+    shared = torch.randn(t, h, generator=gen).to(dtype).cuda() if with_shared else None
+    if form == "reduction":
+        y, idx = (torch.randn(t, k, h, generator=gen) * 50).to(dtype).cuda(), None
+    else:
+        rows = torch.randn(t * k + 5, h, generator=gen) * 50
+        perm = torch.randperm(t * k, generator=gen).view(t, k)
+        rows[int(perm[t - 1, k - 1])] = float("nan")
+        perm[t - 1, k - 1] = -1
+        rows[t * k:] = float("nan")
+        y, idx = rows.to(dtype).cuda(), perm.to(getattr(torch, form)).cuda()
+    assert moe.plan(y, w, torch.cuda.get_device_capability()) == ("kernel", None)
+    want = reference.moe_reduce(y, w, shared) if idx is None else reference.moe_finalize(y, idx, w, shared)
+    for got in poisoned_runs(lambda: moe.combine(y, w, idx, shared, "kernel")):
+        assert bits_equal(got, want)
+
+
+@needs_gpu
+def test_combine_kernel_makes_a_bad_row_index_nan():
+    """A row index outside [-1, R) is read on the device: that token's row is NaN, the others exact."""
+    from commfuse import moe
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(8, 64, generator=gen).bfloat16().cuda()
+    w = torch.rand(4, 2, generator=gen).cuda()
+    idx = torch.tensor([[0, 1], [2, 3], [4, 8], [6, -2]], dtype=torch.int32).cuda()
+    got = moe.combine(rows, w, idx, None, "kernel")
+    assert torch.isnan(got[2:].float()).all()
+    assert bits_equal(got[:2], reference.moe_finalize(rows, idx[:2], w[:2]))

@@ -14,7 +14,7 @@ from typing import Dict, Sequence, Tuple, Union
 
 from ..tail import formats
 
-__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
+__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MOE_COMBINE", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
            "SCALE_UE8M0", "TIMEOUT_CODE", "MISMATCH_CODE", "CONSTANTS", "HEADER_NAME", "header"]
 
 HEADER_NAME = "commfuse_params.cuh"
@@ -154,10 +154,23 @@ P2P = Struct("P2PParams", [
 ])
 
 
+MOE_COMBINE = Struct("MoeCombineParams", [
+    Field("y", "const void*", "ptr", comment="T: y [t, k, h] (reduction form) or the permuted rows [rows, h]"),
+    Field("weights", "const void*", "ptr", comment="[t, k] routing weights, float or T"),
+    Field("row_index", "const void*", "ptr", comment="int32 / int64 [t, k] (finalize form; -1: a dropped slot); else unused"),
+    Field("shared", "const void*", "ptr", comment="T [t, h], a shared expert's output; nullptr: none"),
+    Field("x", "void*", "ptr", comment="T [t, h]: the combine's output"),
+    Field("t", "int", "i32"),
+    Field("k", "int", "i32"),
+    Field("h", "int", "i32", comment="a multiple of 8"),
+    Field("rows", "int", "i32", comment="rows of y in the finalize form (row_index < rows); else unused"),
+])
+
+
 def header() -> str:
     """The C header of every constant and struct above (what NVRTC includes as HEADER_NAME)."""
     constants = "\n".join(f"constexpr int {name} = {value};  // {comment}" for name, value, comment in CONSTANTS)
-    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P))
+    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P, MOE_COMBINE))
     return ("// Generated from commfuse/kernels/params.py: the one declaration of the kernels' constants and\n"
             "// parameter structs.\n#pragma once\n\nnamespace commfuse {\n\n" + constants + "\n\n" + body
             + "\n\n}  // namespace commfuse\n")

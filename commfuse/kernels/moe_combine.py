@@ -1,0 +1,88 @@
+"""The MoE combine kernel (csrc/moe_combine.cu): commfuse.moe.combine on CUDA tensors, one kernel for
+x = round_T(shared + sum_j w_j * y_j), in fp32 in slot order (docs/semantics.md section 14), bit for bit
+reference.moe_reduce / moe_finalize.
+
+Launch configuration: one CTA per token, up to 256 threads looping over the row's 16-byte vectors (h a
+multiple of 8). The finalize form's row indices are read by the kernel, not the host: one outside
+[-1, rows) makes that token's row NaN instead of raising (no synchronisation).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from . import jit, params
+from .family import CTYPE, Family, Limits
+from .launch import operand
+
+__all__ = ["MOE_COMBINE", "SOURCE", "variants", "run", "warmup"]
+
+SOURCE = "moe_combine.cu"
+MAX_THREADS = 256  # __launch_bounds__ of csrc/moe_combine.cu
+FORMS = {None: 0, torch.int32: 1, torch.int64: 2}  # kCombine*: reduction, finalize with int32 / int64 indices
+
+
+class MoeCombine(Family):
+    name = "moe_combine"
+    source = SOURCE
+    limits = Limits()
+
+    def name_expression(self, dtype: torch.dtype, weights_dtype: torch.dtype, form: int) -> str:
+        w = "float" if weights_dtype == torch.float32 else CTYPE[weights_dtype]
+        return f"commfuse::moe_combine<{CTYPE[dtype]}, {w}, {form}>"
+
+    def variants(self) -> List[str]:
+        return [self.name_expression(d, w, f) for d in CTYPE for w in (torch.float32, d) for f in FORMS.values()]
+
+    def configs(self, dtype, spec, hidden):
+        raise TypeError("the combine's variant depends on its weights' and indices' dtypes: "
+                        "commfuse.kernels.moe_combine.warmup")
+
+    def rejects_combine(self, dtype: torch.dtype, sm: tuple, h: int, t: int, k: int) -> Optional[str]:
+        """Why the kernel cannot take a combine of t tokens, k slots, rows of h (None when it can)."""
+        why = self.rejects(dtype, sm, h, t, None)
+        if why:
+            return why
+        if h % 8:
+            return f"{self.name}: hidden size {h} must be a multiple of 8"
+        if t * k >= 1 << 31 or t >= self.limits.max_tokens:
+            return f"{self.name}: {t} tokens x {k} slots exceed the kernel's int indices"
+        return None
+
+
+MOE_COMBINE = MoeCombine()
+
+
+def variants() -> List[str]:
+    """Every name expression the library may launch (the CPU build test compiles them all)."""
+    return MOE_COMBINE.variants()
+
+
+def run(y: torch.Tensor, weights: torch.Tensor, row_index: Optional[torch.Tensor],
+        shared: Optional[torch.Tensor]) -> torch.Tensor:
+    """The combine of checked CUDA tensors (commfuse.tail.checks.moe) that MOE_COMBINE accepts: T[t, h]."""
+    t, k = weights.shape
+    h = y.shape[-1]
+    x = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    if t == 0:
+        return x
+    y, weights = operand(y), weights.contiguous()
+    row_index = None if row_index is None else row_index.contiguous()
+    shared = None if shared is None else operand(shared)
+    form = FORMS[None if row_index is None else row_index.dtype]
+    kernel = MOE_COMBINE.kernel(MOE_COMBINE.name_expression(y.dtype, weights.dtype, form), y.device.index)
+    blob = params.MOE_COMBINE.pack(y.data_ptr(), weights.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
+                                   0 if shared is None else shared.data_ptr(), x.data_ptr(), t, k, h,
+                                   y.shape[0] if row_index is not None else 0)
+    threads = min(MAX_THREADS, max(32, -(-(h // 8) // 32) * 32))
+    kernel.launch((t, 1, 1), (threads, 1, 1), blob)
+    return x
+
+
+def warmup(dtype: torch.dtype, weights_dtype: torch.dtype, row_index_dtype: Optional[torch.dtype] = None,
+           device=None) -> None:
+    """Compile and load the variant of (y's dtype, the weights' dtype, row_index's dtype or None for the
+    reduction form) on `device` (default: current), so later calls can be captured in a CUDA graph."""
+    MOE_COMBINE.kernel(MOE_COMBINE.name_expression(dtype, weights_dtype, FORMS[row_index_dtype]),
+                       jit.device_index(device))
