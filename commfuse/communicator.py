@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import moe, nccl, ops, p2p, routes, topology
-from .kernels import jit, native
+from .kernels import jit, moe_tail, native
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
 from .local import Quantized
 from .reference import Tail
@@ -305,26 +305,41 @@ class Communicator:
         float32 or T; shared: a shared expert's output T[t, h] or None; residual: T[t, h]; weight: T[h];
         all on the communicator's device. The other arguments, the outputs (flattened to [t, h]) and the
         out= rules are fused_all_reduce's; out may overlap none of these inputs either. The plan says how
-        the combine ran (plan.combine: "kernel", the combine kernel on CUDA tensors, or "separated",
-        commfuse.reference's ops, with the reason); commfuse.moe documents how each treats a row index
+        the combine ran (plan.combine: "fused", one kernel for the combine and the tail at world size 1;
+        "kernel", the combine kernel on CUDA tensors before the collective; "separated",
+        commfuse.reference's ops; with the reasons); commfuse.moe documents how each treats a row index
         outside [-1, R).
         """
         t, _, h = checks.moe(y, weights, row_index, shared, self.device)
-        if isinstance(residual, torch.Tensor) and tuple(residual.shape) != (t, h):
-            raise ValueError(f"residual must have shape [t, h] = {[t, h]}, got {tuple(residual.shape)}")
+        if isinstance(residual, torch.Tensor) and (tuple(residual.shape) != (t, h) or residual.dtype != y.dtype):
+            raise ValueError(f"residual must have shape [t, h] = {[t, h]} and y's dtype {y.dtype}, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+        checks.tail(residual, residual, weight, scale, spec, self.device)  # residual stands for the combined rows
+        inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))
         if out is not None:
-            spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+            checks.out(out, spec.outputs(t, h, y.dtype), self.device)
             checks.no_overlap(checks.OUT_NAMES, checks.fields_of(out), spec.outputs(t, h, y.dtype),
-                              (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared)))
+                              inputs + (("residual", residual), ("weight", weight), ("scale", scale)))
+        unfused = moe.fused_rejects(y, weights, residual, weight, scale, spec, self._machine)
+        if unfused is None:
+            key = ("fused",)
+            p = self._moe_plans.get(key)
+            if p is None:
+                p = self._moe_plans[key] = Plan(Collective.NONE, routes.TailRoute.FUSED, moe.MOE_TAIL.name,
+                                                ("world size 1: no all-reduce; the combine is the tail's input",),
+                                                moe.MOE_TAIL.name, combine="fused")
+            outs = moe_tail.run(y, weights, row_index, shared, residual, weight, scale, spec, out)
+            return FusedResult(*outs, plan=p)
         route, why = moe.plan(y, weights, self._machine.sm if self.device.type == "cuda" else None)
         x = moe.combine(y, weights, row_index, shared, route)
         r = self.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
                                   scale_layout, scale_ue8m0, out=out)
-        key = (r.plan, route, why)
+        key = (r.plan, route, why, unfused)
         p = self._moe_plans.get(key)
         if p is None:
-            p = self._moe_plans[key] = dataclasses.replace(r.plan, combine=route,
-                                                           reasons=r.plan.reasons + ((why,) if why else ()))
+            extra = tuple(w for w in (unfused if self.world_size == 1 else None, why) if w)
+            p = self._moe_plans[key] = dataclasses.replace(r.plan, combine=route, reasons=r.plan.reasons + extra)
         r.plan = p
         return r
 

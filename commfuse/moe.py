@@ -2,8 +2,10 @@
 of a token, weighted by the routing weights and summed with a shared expert's output, in fp32 in slot
 order, rounded once (docs/semantics.md section 14).
 
-On CUDA tensors the combine is one kernel (commfuse.kernels.moe_combine), elsewhere, or where its guards
-fail, commfuse.reference's ops; `plan` says which and why. Either way the combined rows are the
+At world size 1 (no all-reduce) the combine and the tail are one kernel where the fused tail's guards
+hold (commfuse.kernels.moe_tail; `fused_rejects` says why not). Otherwise the combine runs first: on
+CUDA tensors as one kernel (commfuse.kernels.moe_combine), elsewhere, or where its guards fail,
+commfuse.reference's ops; `plan` says which and why. Either way the combined rows are the
 reference's bits, and the sum's all-reduce, residual add, RMSNorm and quantization follow as
 `fused_all_reduce` (whose routes fuse them). Row indices outside [-1, R) raise ValueError on the
 reference's route (which reads them: on a GPU one synchronisation, which a CUDA graph capture does not
@@ -15,10 +17,12 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-from . import reference
+from . import reference, routes
 from .kernels.moe_combine import MOE_COMBINE, run
+from .kernels.moe_tail import MOE_TAIL
+from .tail.spec import TailSpec
 
-__all__ = ["combine", "plan"]
+__all__ = ["combine", "plan", "fused_rejects"]
 
 
 def plan(y: Tensor, weights: Tensor, sm: Optional[tuple]) -> Tuple[str, Optional[str]]:
@@ -29,6 +33,18 @@ def plan(y: Tensor, weights: Tensor, sm: Optional[tuple]) -> Tuple[str, Optional
     t, k = weights.shape
     why = MOE_COMBINE.rejects_combine(y.dtype, sm, y.shape[-1], t, k)
     return ("separated", f"combine: {why}") if why else ("kernel", None)
+
+
+def fused_rejects(y: Tensor, weights: Tensor, residual: Tensor, weight: Tensor, scale, spec: TailSpec,
+                  m: routes.Machine) -> Optional[str]:
+    """Why the one-kernel MoE tail cannot take this checked call on machine `m` (None when it can)."""
+    if m.world_size != 1:
+        return f"world size {m.world_size}: the combine runs before the all-reduce, the tail after it"
+    call = routes.Call.of("fused", residual, residual, weight, scale if isinstance(scale, Tensor) else None,
+                          spec=spec)  # the combined rows: residual's shape, dtype and device
+    why = routes.tail_guard(call, m) or MOE_TAIL.rejects(y.dtype, m.sm or (0, 0), y.shape[-1], weights.shape[0],
+                                                          spec, m.world_size)
+    return f"moe_tail: {why}" if why and not why.startswith(MOE_TAIL.name) else why
 
 
 def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shared: Optional[Tensor] = None,

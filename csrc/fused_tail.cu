@@ -12,6 +12,7 @@
 // One row per CTA even for small h: a row of a real model (h >= 2048) already fills 2 to 32
 // warps, and smaller rows are too cheap for packing several per CTA to matter.
 #include "epilogue.cuh"
+#include "moe.cuh"
 #include "pdl.cuh"
 
 namespace commfuse {
@@ -65,6 +66,39 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, true>(p.tail, row, [a](int v) { return a[v]; },
                                                   quant_scalar<QUANT>(p.tail), red);
+  }
+}
+
+// The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
+// each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
+// fused_tail's row. Weights float32 and row indices int32 (commfuse/kernels/moe_tail.py converts others):
+// FORM is kCombineReduction or kCombineFinalize32. A residual is required.
+template <typename T, int FORM, int QUANT, int VPT>
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(const __grid_constant__ MoeTailParams p) {
+  __shared__ float red[kMaxThreads<VPT> / 32];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int row = blockIdx.x;
+  if (row >= p.tail.t) {
+    tail_padding_row<QUANT>(p.tail, row);
+    return;
+  }
+  const bool bad = combine_bad_row<FORM>(p.combine, row);
+  if constexpr (VPT > 0) {
+    const int nv = p.tail.h / kVecElems;
+    uint4 av[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      av[i] = v < nv ? combine_vec<T, float, FORM>(p.combine, row, v, bad) : make_uint4(0, 0, 0, 0);
+    }
+    uint4 x[VPT], w[VPT];
+    tail_load<T, VPT>(p.tail, row, x, w);
+    tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
+  } else {
+    tail_row_looped<T, QUANT, kLoopVectors, false>(
+        p.tail, row, [&p, row, bad](int v) { return combine_vec<T, float, FORM>(p.combine, row, v, bad); },
+        quant_scalar<QUANT>(p.tail), red);
   }
 }
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commfuse import routes
-from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, params, quantize
+from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, moe_tail, params, quantize
 from commfuse.routes import Call, Machine, TensorMeta
 from commfuse.tail.formats import FORMATS
 from commfuse.tail.spec import TailSpec
@@ -84,6 +84,25 @@ def test_every_moe_combine_variant_builds(arch, cache_dir):
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
         assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100a"])  # the oldest SM and the hardware-E2M1 one (a minute each)
+def test_every_moe_tail_variant_builds(arch, cache_dir):
+    """fused_tail.cu's moe_tail: both element types x the two forms x every format x every VPT."""
+    if int(arch[3:].rstrip("a")) not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
+    names = moe_tail.variants()
+    assert len(set(names)) == 2 * len(moe_tail.FORMS) * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1)
+    built = jit.build(moe_tail.SOURCE, names, arch)
+    assert sorted(built.lowered) == sorted(names)
+
+
+def test_moe_tail_configs_have_variants():
+    names = set(moe_tail.variants())
+    for hidden in (8, 2880, 4096, 7168, 16384, 32000):
+        for fmt in FORMATS:
+            for name in moe_tail.MOE_TAIL.configs(torch.bfloat16, TailSpec.of(fmt.name), hidden):
+                assert name in names
 
 
 def test_variants_cover_every_launch_config():

@@ -64,8 +64,8 @@ def test_moe_all_reduce_matches_reference(comm, gen, form, quant, return_norm, s
     a = comm.all_reduce(combined(y, w, idx, shared))
     after = [v for v in (y, w, idx, shared, residual, weight) if v is not None]
     assert all(bits_equal(b, v) for b, v in zip(saved, after)), "moe_all_reduce modified an input"  # NaN rows too
-    if comm.device.type == "cuda":
-        assert r.plan.combine == "kernel", str(r.plan)
+    if comm.device.type == "cuda":  # world 1: one kernel for the combine and the tail
+        assert r.plan.combine == ("fused" if comm.world_size == 1 else "kernel"), str(r.plan)
     else:
         assert r.plan.combine == "separated" and any(s.startswith("combine: tensors on cpu") for s in r.plan.reasons)
     # The tail against the reference fed the same all-reduced sum; the sum against every rank's combine.
@@ -215,3 +215,25 @@ def test_combine_kernel_makes_a_bad_row_index_nan():
     got = moe.combine(rows, w, idx, None, "kernel")
     assert torch.isnan(got[2:].float()).all()
     assert bits_equal(got[:2], reference.moe_finalize(rows, idx[:2], w[:2]))
+
+
+@mpi
+@pytest.mark.parametrize("quant, sf_layout", [("nvfp4", "swizzled"), ("fp8_block", "swizzled"), (None, "swizzled")])
+def test_fused_moe_tail_writes_every_output(comm, gen, quant, sf_layout):
+    """World 1 on a GPU: the one-kernel MoE tail writes every element of every output (130 tokens: padding
+    rows of the swizzled scale layout), the same bits over two poisons, and the reference's residual."""
+    from compare import poisoned_runs
+
+    if comm.device.type != "cuda" or comm.world_size != 1:
+        pytest.skip("the fused MoE tail runs at world size 1 on a GPU")
+    t, k, h = 130, 4, 2048
+    per_rank, rank = moe_inputs(comm, gen, t, k, h, torch.bfloat16, "finalize", torch.bfloat16, True)
+    y, w, idx, shared = per_rank[rank]
+    residual, weight, scale = tail_inputs(comm, gen, t, h, torch.bfloat16, quant)
+    runs = poisoned_runs(lambda: comm.moe_all_reduce(y, w, residual, weight, quant=quant, scale=scale,
+                                                      sf_layout=sf_layout, row_index=idx, shared=shared))
+    assert runs[0].plan.combine == "fused", str(runs[0].plan)
+    for name in ("residual", "norm", "quant", "scale_factors", "scales"):
+        assert bits_equal(getattr(runs[0], name), getattr(runs[1], name)), f"{name}: an element not written"
+    want = reference.fused_tail(combined(y, w, idx, shared), residual, weight, 1e-6, quant, scale)
+    assert torch.equal(runs[0].residual, want.residual)

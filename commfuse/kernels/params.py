@@ -14,7 +14,7 @@ from typing import Dict, Sequence, Tuple, Union
 
 from ..tail import formats
 
-__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MOE_COMBINE", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
+__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MOE_COMBINE", "MOE_TAIL", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
            "SCALE_UE8M0", "TIMEOUT_CODE", "MISMATCH_CODE", "CONSTANTS", "HEADER_NAME", "header"]
 
 HEADER_NAME = "commfuse_params.cuh"
@@ -167,10 +167,16 @@ MOE_COMBINE = Struct("MoeCombineParams", [
 ])
 
 
+MOE_TAIL = Struct("MoeTailParams", [
+    Field("combine", "MoeCombineParams", MOE_COMBINE, comment="the combine's inputs (x unused: the tail reads the combine)"),
+    Field("tail", "TailParams", TAIL),
+])
+
+
 def header() -> str:
     """The C header of every constant and struct above (what NVRTC includes as HEADER_NAME)."""
     constants = "\n".join(f"constexpr int {name} = {value};  // {comment}" for name, value, comment in CONSTANTS)
-    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P, MOE_COMBINE))
+    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P, MOE_COMBINE, MOE_TAIL))
     return ("// Generated from commfuse/kernels/params.py: the one declaration of the kernels' constants and\n"
             "// parameter structs.\n#pragma once\n\nnamespace commfuse {\n\n" + constants + "\n\n" + body
             + "\n\n}  // namespace commfuse\n")

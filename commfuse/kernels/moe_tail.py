@@ -1,0 +1,90 @@
+"""The fused MoE tail (fused_tail.cu's moe_tail): Communicator.moe_all_reduce at world size 1, where the
+all-reduce of one rank is the identity: each token's expert combine (csrc/moe.cuh, as the combine kernel
+computes it) read as the tail's input, then residual add, RMSNorm and the quantization of any format, in
+one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(...), residual, ...).
+
+Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
+fused_tail.launch_config, the looped variant for long rows). The kernels take float32 weights and int32
+row indices: `run` converts T weights and int64 indices first (exactly: [t, k] tensors).
+"""
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import List, Optional
+
+import torch
+
+from ..tail.formats import FORMATS, Format
+from ..tail.spec import TailSpec
+from . import fused_tail, params
+from .family import CTYPE, Family, Limits
+from .launch import X, Z, Launch, LaunchPlan, PyLauncher, operand, tail_fields, tail_patches
+
+__all__ = ["MOE_TAIL", "variants", "run"]
+
+SOURCE = fused_tail.SOURCE
+FORMS = (0, 1)  # kCombineReduction, kCombineFinalize32 (csrc/moe.cuh)
+_POINTER = struct.Struct("<Q")
+
+
+class MoeTail(Family):
+    name = "moe_tail"
+    source = SOURCE
+    limits = Limits(world_sizes=frozenset({1}))
+
+    def name_expression(self, dtype: torch.dtype, form: int, fmt: Format, vpt: int) -> str:
+        return f"commfuse::moe_tail<{CTYPE[dtype]}, {form}, {fmt.id}, {vpt}>"
+
+    def variants(self) -> List[str]:
+        return [self.name_expression(d, form, f, v) for d in CTYPE for form in FORMS for f in FORMATS
+                for v in fused_tail.VPT_BUCKETS + (0,)]
+
+    def configs(self, dtype, spec, hidden):
+        return [self.name_expression(dtype, form, spec.format, fused_tail.row_config(hidden, few)[0])
+                for form in FORMS for few in (True, False)]
+
+    def plan(self, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
+             device_index: int) -> LaunchPlan:
+        """The LaunchPlan of t tokens of k slots: y is the call's source X, the weights Z; the row index and
+        shared pointers are filled in per call (run)."""
+        launches = ()
+        if t:
+            vpt, threads = fused_tail.launch_config(h, t)
+            blob = params.MOE_TAIL.pack(0, 0, 0, 0, 0, t, k, h, rows, *tail_fields(spec, t, h))
+            base = params.MOE_TAIL.offsets["combine"]
+            patches = [(base + params.MOE_COMBINE.offsets["y"], X, 0), (base + params.MOE_COMBINE.offsets["weights"], Z, 0)]
+            patches += tail_patches(params.MOE_TAIL.offsets["tail"])
+            kernel = self.kernel(self.name_expression(dtype, form, spec.format, vpt), device_index)
+            launches = (Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches)),)
+        return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, True)), device_index)
+
+
+MOE_TAIL = MoeTail()
+
+
+def variants() -> List[str]:
+    """Every name expression the library may launch (the CPU build test compiles them all)."""
+    return MOE_TAIL.variants()
+
+
+def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, out=None) -> tuple:
+    """The five outputs (reference.Tail's order) of checked CUDA tensors that MOE_TAIL accepts (commfuse.moe
+    plans it); out as for Communicator.fused_all_reduce."""
+    t, k = weights.shape
+    h = y.shape[-1]
+    form = 0 if row_index is None else 1
+    plan = MOE_TAIL.plan(y.dtype, form, t, k, h, y.shape[0] if form else 0, spec, y.device.index)
+    idx = None if row_index is None else row_index.to(torch.int32).contiguous()
+    shared = None if shared is None else operand(shared)
+    if plan.launches:
+        base = params.MOE_TAIL.offsets["combine"]
+        blob = bytearray(plan.launches[0].params)
+        for name, tensor in (("row_index", idx), ("shared", shared)):
+            if tensor is not None:
+                _POINTER.pack_into(blob, base + params.MOE_COMBINE.offsets[name], tensor.data_ptr())
+        plan = dataclasses.replace(plan, launches=(dataclasses.replace(plan.launches[0], params=bytes(blob)),))
+    w = weights.to(torch.float32).contiguous()
+    # idx, shared and w may be temporaries: freed after the launch is queued, the caching allocator
+    # reuses their memory only for work queued after it on this stream.
+    return PyLauncher(plan)(y, residual, weight, scale, out, w)

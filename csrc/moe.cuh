@@ -1,0 +1,79 @@
+// The MoE combine of one vector of 8 elements (docs/semantics.md section 14), shared by the combine
+// kernel (moe_combine.cu) and the fused MoE tail (fused_tail.cu's moe_tail):
+// acc = float(shared) or +0.0, then for each kept slot j in order acc = RN(acc + RN(w_j * y_j)), with
+// __fmul_rn / __fadd_rn, which the compiler may not contract into an FMA (one rounding, not two).
+#pragma once
+
+#include "epilogue.cuh"
+
+namespace commfuse {
+
+constexpr int kCombineReduction = 0;   // y [t, k, h]
+constexpr int kCombineFinalize32 = 1;  // y = rows [R, h], row_index int32 [t, k]
+constexpr int kCombineFinalize64 = 2;  // row_index int64
+
+template <typename W>  // a T weight (fp16 / bf16), converted exactly
+__device__ __forceinline__ float weight_f32(const void* w, size_t i) {
+  return Pack<W>::from_bits(static_cast<const unsigned short*>(w)[i]);
+}
+
+template <>
+__device__ __forceinline__ float weight_f32<float>(const void* w, size_t i) {
+  return static_cast<const float*>(w)[i];
+}
+
+template <int FORM>
+__device__ __forceinline__ long long combine_row_index(const MoeCombineParams& p, size_t slot) {
+  if constexpr (FORM == kCombineFinalize32) return static_cast<const int*>(p.row_index)[slot];
+  return static_cast<const long long*>(p.row_index)[slot];
+}
+
+// Whether token `row` has a row index outside [-1, rows): then it has no row to read, and its combined
+// row is NaN (nothing raises without a synchronisation; the reference raises ValueError).
+template <int FORM>
+__device__ __forceinline__ bool combine_bad_row(const MoeCombineParams& p, int row) {
+  bool bad = false;
+  if constexpr (FORM != kCombineReduction) {
+    const size_t slot0 = static_cast<size_t>(row) * p.k;
+    for (int j = 0; j < p.k; ++j) {
+      const long long r = combine_row_index<FORM>(p, slot0 + j);
+      bad |= r < -1 || r >= p.rows;
+    }
+  }
+  return bad;
+}
+
+// The combined vector v of token `row`, rounded to T (bad: combine_bad_row's answer).
+template <typename T, typename W, int FORM>
+__device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, bool bad) {
+  const size_t slot0 = static_cast<size_t>(row) * p.k;
+  float acc[8];
+  if (p.shared != nullptr) {
+    unpack8<T>(reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v], acc);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+  }
+  for (int j = 0; j < p.k && !bad; ++j) {
+    long long r;
+    if constexpr (FORM == kCombineReduction) {
+      r = static_cast<long long>(slot0 + j);
+    } else {
+      r = combine_row_index<FORM>(p, slot0 + j);
+      if (r < 0) continue;  // a dropped slot: its step is left out, its row not read
+    }
+    const float w = weight_f32<W>(p.weights, slot0 + j);
+    float y[8];
+    unpack8<T>(reinterpret_cast<const uint4*>(static_cast<const T*>(p.y) + static_cast<size_t>(r) * p.h)[v], y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, y[e]));
+  }
+  if (bad) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __int_as_float(0x7fffffff);
+  }
+  return make_uint4(Pack<T>::pack(acc[0], acc[1]), Pack<T>::pack(acc[2], acc[3]), Pack<T>::pack(acc[4], acc[5]),
+                    Pack<T>::pack(acc[6], acc[7]));
+}
+
+}  // namespace commfuse
