@@ -75,7 +75,8 @@ def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, 
     h = y.shape[-1]
     form = 0 if row_index is None else 1
     plan = MOE_TAIL.plan(y.dtype, form, t, k, h, y.shape[0] if form else 0, spec, y.device.index)
-    idx = None if row_index is None else row_index.to(torch.int32).contiguous()
+    # int32 indices; an int64 one outside [-1, rows) stays outside (-2 or rows), which the kernel flags
+    idx = None if row_index is None else row_index.clamp(-2, y.shape[0]).to(torch.int32).contiguous()
     shared = None if shared is None else operand(shared)
     if plan.launches:
         base = params.MOE_TAIL.offsets["combine"]
