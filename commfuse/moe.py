@@ -31,7 +31,7 @@ def plan(y: Tensor, weights: Tensor, sm: Optional[tuple]) -> Tuple[str, Optional
     if y.device.type != "cuda" or sm is None:
         return "separated", f"combine: tensors on {y.device.type}: the combine kernel needs CUDA tensors"
     t, k = weights.shape
-    why = MOE_COMBINE.rejects_combine(y.dtype, sm, y.shape[-1], t, k)
+    why = MOE_COMBINE.rejects_combine(y.dtype, sm, y.shape[-1], t, k, y.shape[0])
     return ("separated", f"combine: {why}") if why else ("kernel", None)
 
 
@@ -44,6 +44,8 @@ def fused_rejects(y: Tensor, weights: Tensor, residual: Tensor, weight: Tensor, 
                           spec=spec)  # the combined rows: residual's shape, dtype and device
     why = routes.tail_guard(call, m) or MOE_TAIL.rejects(y.dtype, m.sm or (0, 0), y.shape[-1], weights.shape[0],
                                                           spec, m.world_size)
+    if why is None and (y.shape[0] >= 1 << 31 or weights.numel() >= 1 << 31):
+        why = f"{y.shape[0]} rows or {weights.numel()} slots exceed the kernel's int indices"
     return f"moe_tail: {why}" if why and not why.startswith(MOE_TAIL.name) else why
 
 

@@ -39,15 +39,16 @@ class MoeCombine(Family):
         raise TypeError("the combine's variant depends on its weights' and indices' dtypes: "
                         "commfuse.kernels.moe_combine.warmup")
 
-    def rejects_combine(self, dtype: torch.dtype, sm: tuple, h: int, t: int, k: int) -> Optional[str]:
-        """Why the kernel cannot take a combine of t tokens, k slots, rows of h (None when it can)."""
+    def rejects_combine(self, dtype: torch.dtype, sm: tuple, h: int, t: int, k: int, rows: int) -> Optional[str]:
+        """Why the kernel cannot take a combine of t tokens, k slots, rows of h (None when it can); rows:
+        y's first dimension."""
         why = self.rejects(dtype, sm, h, t, None)
         if why:
             return why
         if h % 8:
             return f"{self.name}: hidden size {h} must be a multiple of 8"
-        if t * k >= 1 << 31 or t >= self.limits.max_tokens:
-            return f"{self.name}: {t} tokens x {k} slots exceed the kernel's int indices"
+        if t * k >= 1 << 31 or t >= self.limits.max_tokens or rows >= 1 << 31:
+            return f"{self.name}: {t} tokens x {k} slots (or {rows} rows) exceed the kernel's int indices"
         return None
 
 
