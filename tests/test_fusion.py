@@ -490,6 +490,24 @@ def test_all_reduce_of_a_graph_input_in_place_is_not_fused(quiet_comm, gen):
 
 
 @mpi
+def test_all_reduce_of_a_private_view_in_place_is_fused(quiet_comm, gen):
+    """dist.all_reduce of a view whose base nothing else reads (HF's MoE blocks return out.reshape(b, s, h))."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        v = y.reshape(2, 3, 128)
+        dist.all_reduce(v)
+        h = residual.view(2, 3, 128) + v
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+    assert_same(got, want)
+
+
+@mpi
 def test_all_reduce_of_a_view_in_place_is_not_fused(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, _, wo = setup(c, gen)

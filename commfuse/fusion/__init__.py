@@ -9,7 +9,9 @@ dynamo traces it, functional collectives, commfuse.ops.all_reduce) -> residual a
 order) -> RMSNorm (HF Llama / Qwen / Mistral's hand-written one with the weight multiply before or
 after the cast back, torch.nn.functional.rms_norm, nn.RMSNorm, Gemma's (1 + w)) -> optionally static
 FP8 ((n / scale).clamp(-448, 448).to(float8_e4m3fn)) or NVFP4 (commfuse.quantize), with views
-and no-op casts between the pieces. It becomes commfuse::fused_all_reduce; without an all-reduce,
+and no-op casts between the pieces. It becomes commfuse::fused_all_reduce, or commfuse::moe_all_reduce
+where the all-reduce sums a MoE block's expert combine ((y * w.unsqueeze(-1)).sum(dim=1), HF batched_mm's
+(rows * w[:, None]).view(t, k, h).sum(dim=1), optionally + a shared expert's output); without an all-reduce,
 commfuse::fused_add_rmsnorm; the gated RMSNorm of Mamba2 / Nemotron-H becomes commfuse::gated_rmsnorm.
 docs/fusion.md describes the pass, its level, the report and its limits.
 

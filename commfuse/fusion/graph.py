@@ -67,6 +67,10 @@ def _table() -> dict:
     put("identity", _overloads(aten.clone, "default"), _overloads(aten.contiguous, "default"),
         _overloads(aten.alias, "default"))
     put("rms_norm", torch.rms_norm, F.rms_norm, _overloads(aten.rms_norm, "default"))
+    put("sum", torch.sum, _overloads(aten.sum, "dim_IntList"))
+    put("unsqueeze", torch.unsqueeze, _overloads(aten.unsqueeze, "default"))
+    put("index_add", torch.index_add, _overloads(aten.index_add, "default"))
+    put("index_add_", _overloads(aten.index_add_, "default"))
     put("getitem", operator.getitem)
     put("copy_", _overloads(aten.copy_, "default"))
     put("funcol_all_reduce", _overloads(torch.ops._c10d_functional.all_reduce, "default"))
@@ -83,10 +87,12 @@ _METHODS = {
     "to": "cast", "float": "cast", "half": "cast", "bfloat16": "cast", "type_as": "cast", "type": "cast",
     "view": "view", "reshape": "view", "view_as": "view", "reshape_as": "view", "flatten": "view",
     "contiguous": "identity", "clone": "identity", "copy_": "copy_",
+    "sum": "sum", "unsqueeze": "unsqueeze", "index_add": "index_add", "index_add_": "index_add_",
 }
 # commfuse's own ops, resolved late (they are registered when commfuse.ops imports).
 _COMMFUSE = {"all_reduce": "cf_all_reduce", "fused_add_rmsnorm": "cf_tail", "quantize": "cf_quantize",
-             "fused_all_reduce": "cf_fused_all_reduce", "gated_rmsnorm": "cf_gated"}
+             "fused_all_reduce": "cf_fused_all_reduce", "gated_rmsnorm": "cf_gated",
+             "moe_all_reduce": "cf_moe_all_reduce"}
 
 
 def _commfuse_kind(target) -> Optional[str]:

@@ -470,7 +470,7 @@ def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllRed
     if v.op == "placeholder":
         return Mismatch(f"torch.distributed.all_reduce modifies the graph input {v.name} in place, which the caller "
                         "sees: the fused op would leave it unreduced", "guard")
-    if G.may_alias(v):
+    if G.may_alias(v) and not _private_view(v):
         return Mismatch(f"torch.distributed.all_reduce modifies {v.name}, a view of another tensor, in place: readers "
                         "of that tensor would see the sum, which the fused op does not write", "guard")
     for u in v.users:  # readers of v after the copy read the sum: the add (through `before`) only
@@ -492,6 +492,29 @@ def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllRed
     if len(wait.users) != 1 or len(copy.users) != 0:
         return Mismatch(f"the all-reduce's {wait.name} / {copy.name} have other users", "guard")
     return found
+
+
+def _private_view(v: fx.Node) -> bool:
+    """Whether v views (through views and no-op casts, each read only by the next) a tensor the graph
+    computed that nothing else reads, e.g. `out.reshape(b, s, h)` of a fresh result (HF's MoE blocks return
+    one): then no reader sees the sum written into it in place."""
+    reshapes = ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+                "contiguous")
+    cur = v
+    for _ in range(16):
+        if not (G.may_alias(cur) or G.passthrough(cur)):
+            break
+        whole = G.kind(cur) in ("view", "identity", "cast", "unsqueeze") or \
+            (cur.op == "call_method" and cur.target in reshapes)
+        src = G.source(cur)
+        if not whole or src is None or set(src.users) != {cur}:
+            return False
+        cur = src
+    else:
+        return False
+    name = cur.target if cur.op == "call_method" else getattr(cur.target, "__name__", "")
+    in_place = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    return cur.op in ("call_function", "call_method") and G.is_tensor(cur) and not in_place
 
 
 def _funcol(ar: fx.Node, nodes: list, spelling: str) -> Union[AllReduce, Mismatch]:
@@ -609,3 +632,254 @@ def _fp8_tail_mismatch(cur, reason, kind):
 
 def _dt(d) -> str:
     return str(d).replace("torch.", "")
+
+
+# --------------------------------------------------------------------------- the MoE combine before the all-reduce
+
+
+@dataclass
+class MoeCombine:
+    """A tensor-parallel MoE block's expert combine, the all-reduce's input (docs/semantics.md section 14).
+
+    y: the expert outputs, T[t, k, h], or the rows T[t * k, h] of the weighted products when the graph
+    multiplies before viewing them as [t, k, h] (y_rows: the rewrite reshapes them to [-1, k, h]);
+    weights: the routing weights [t, k] (float32 or T), or a tensor of t * k elements in token-major
+    order (w_rows: reshaped to [-1, k]); shared: a shared expert's output added to the combine, or None;
+    k: the slots; nodes: the combine's nodes (the products, views, the sum, casts, the shared add, up to
+    the all-reduced tensor), all replaced; notes: where the graph's rounding order is not the op's."""
+
+    y: fx.Node
+    weights: fx.Node
+    shared: Optional[fx.Node]
+    k: int
+    nodes: List[fx.Node]
+    spelling: str
+    notes: List[str] = field(default_factory=list)
+    y_rows: bool = False
+    w_rows: bool = False
+    sum_node: Optional[fx.Node] = None
+
+
+def _strip_views(n, nodes: list):
+    """n's source through views and no-op casts (each appended to nodes)."""
+    while isinstance(n, fx.Node) and G.passthrough(n) and G.source(n) is not None:
+        nodes.append(n)
+        n = G.source(n)
+    return n
+
+
+def _sum_dims(s: fx.Node):
+    dim = G.operand(s, 1, "dim")
+    if isinstance(dim, (list, tuple)):
+        dim = dim[0] if len(dim) == 1 else None
+    keepdim = G.operand(s, 2, "keepdim", False)
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) else None, keepdim
+
+
+def _shape_str(n) -> str:
+    s = G.shape(n)
+    return "?" if s is None else "[" + ", ".join(map(str, s)) + "]"
+
+
+def _same_dims(a, b) -> bool:
+    return a is not None and b is not None and tuple(map(str, a)) == tuple(map(str, b))
+
+
+def _weights_source(w: fx.Node, lead: tuple):
+    """The [*lead] tensor that w (lead + [1]) broadcasts over h, or None: unsqueeze(-1), [..., None], a view."""
+    k = G.kind(w)
+    src = None
+    if k == "unsqueeze":
+        d = G.operand(w, 1, "dim")
+        if d in (-1, len(lead)):
+            src = G.operand(w, 0, "input", G.operand(w, 0, "self"))
+    elif k == "view":
+        src = G.source(w)
+    elif k == "getitem" and w.op == "call_function" and isinstance(w.args[1], tuple) and w.args[1] \
+            and w.args[1][-1] is None and all(i is Ellipsis or (isinstance(i, slice) and i == slice(None))
+                                              for i in w.args[1][:-1]):
+        src = w.args[0]
+    if isinstance(src, fx.Node) and _same_dims(G.shape(src), lead):
+        return src
+    return None
+
+
+def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
+    """The expert combine whose result `x` (the all-reduce's input, T) is, or None when x is not one:
+    [shared +] ((y * w.unsqueeze(-1)).sum(dim=1) | (rows * w[:, None]).view(t, k, h).sum(dim=1))[.to(T)],
+    with views and no-op casts between the pieces. A Mismatch says why a weighted sum of a [t, k, h]
+    tensor over one dim is not the combine the op computes. The callers check the nodes' other users."""
+    nodes: List[fx.Node] = []
+    cur = _strip_views(x, nodes)
+    shared, shared_order, spelling_tail = None, None, ""
+    # A shared expert's output added in T (Qwen2-MoE, DeepSeek: `routed + shared`, both T).
+    if G.kind(cur) == "add":
+        pair = match_residual_add(cur)
+        if pair is None:
+            return None
+        for c, s in (pair, pair[::-1]):
+            inner: list = []
+            if _routed_sum(_strip_views(c, inner), t_dtype) is not None:
+                nodes.append(cur)
+                shared, shared_order, spelling_tail = s, "T", f" + shared ({s.name}, added in {_dt(t_dtype)})"
+                cur = _strip_views(c, nodes)
+                break
+        else:
+            return None
+    core = _routed_sum(cur, t_dtype)
+    if core is None and shared is None and _is_cast_to(cur, t_dtype) and G.kind(G.source(cur)) == "add":
+        # (routed_f32 + shared).to(T): the shared output added in float32 after the routed sum.
+        add = G.source(cur)
+        a, b = _binary(add)
+        for c, s in ((a, b), (b, a)):
+            if not (isinstance(c, fx.Node) and isinstance(s, fx.Node)) or G.dtype(add) != _F32:
+                continue
+            s_t = _f32_of(s) if G.dtype(s) == _F32 else s
+            inner = []
+            c0 = _strip_views(c, inner)
+            if s_t is None or G.dtype(s_t) != t_dtype or not _same_dims(G.shape(s_t), G.shape(add)):
+                continue
+            if G.kind(c0) == "sum" and G.dtype(c0) == _F32:
+                core = _routed_sum_core(c0, t_dtype)
+                if core is None:
+                    continue
+                nodes += [cur, add] + inner
+                shared, shared_order = s_t, "f32"
+                spelling_tail = f" + shared ({s_t.name}, added in float32)"
+                cur = c0
+                break
+        if core is None:
+            return None
+        return _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype)
+    if core is None:
+        return None
+    return _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype)
+
+
+def _routed_sum(n, t_dtype):
+    """The routed combine at n: sum(...) in T, or sum(...) in float32 cast to T; a record or Mismatch, else None."""
+    if _is_cast_to(n, t_dtype):
+        src = G.source(n)
+        if G.kind(src) == "sum" and G.dtype(src) == _F32:
+            core = _routed_sum_core(src, t_dtype)
+            if isinstance(core, dict):
+                core["nodes"] = [n] + core["nodes"]
+            return core
+        return None
+    if G.kind(n) == "sum":
+        return _routed_sum_core(n, t_dtype)
+    return None
+
+
+def _routed_sum_core(s: fx.Node, t_dtype):
+    m = G.operand(s, 0, "input", G.operand(s, 0, "self"))
+    if not isinstance(m, fx.Node) or _rank(m) != 3:
+        return None
+    dim, keepdim = _sum_dims(s)
+    if dim is None:
+        return None
+    # Which layout: the products as [t, k, h] (y viewed first), or rows [t*k, h] viewed after the multiply.
+    nodes = [s]
+    if G.kind(m) == "mul":
+        prod, rows = m, False
+    elif G.kind(m) == "view" and G.kind(G.source(m)) == "mul" and _rank(G.source(m)) == 2:
+        prod, rows = G.source(m), True
+        nodes.append(m)
+    elif G.kind(m) == "view" and G.kind(G.source(m)) == "getitem" and G.kind(G.source(m).args[0]) == "mul" and \
+            _rank(G.source(m)) == 2:
+        gi = G.source(m)
+        return Mismatch(f"the weighted rows {gi.args[0].name} are gathered ({gi.name}, e.g. HF grouped_mm's "
+                        "weighted_out[inv_perm]) between the multiply and the sum over the top-k axis: the permuted "
+                        "form (moe_all_reduce's row_index) is not matched")
+    else:
+        return None
+    if dim % 3 != 1:
+        return Mismatch(f"the sum {s.name} is over dim {dim} of the {_shape_str(m)} products {prod.name}, not the "
+                        "top-k axis: commfuse::moe_all_reduce takes the expert outputs as [t, k, h], summed over dim 1")
+    shape3 = G.shape(m)
+    k = G.static_int(shape3[1])
+    lead = tuple(G.shape(prod)[:-1])
+    a, b = _binary(prod)
+    y = w = None
+    for yy, ww in ((a, b), (b, a)):
+        if isinstance(yy, fx.Node) and isinstance(ww, fx.Node) and _same_dims(G.shape(yy), G.shape(prod)) and \
+                _same_dims(G.shape(ww), lead + (1,)):
+            y, w = yy, ww
+            break
+    if y is None:
+        return Mismatch(f"the products {prod.name} multiply {getattr(a, 'name', a)} {_shape_str(a)} by "
+                        f"{getattr(b, 'name', b)} {_shape_str(b)}: not expert outputs {_shape_str(prod)} times "
+                        f"routing weights [{', '.join(map(str, lead + (1,)))}] (one weight per token and slot, "
+                        "broadcast over h)")
+    if k is None:
+        return Mismatch(f"the combine {s.name} has a symbolic number of slots {shape3[1]}: the rewrite needs a fixed "
+                        "top-k", "guard")
+    nodes.append(prod)
+    # The weights as [t, k] where the graph has them, else the rewrite reshapes w. (The broadcast view and a
+    # float32 cast of y are not the combine's own nodes: the rewrite erases them when nothing else reads them.)
+    src = _weights_source(w, lead)
+    w_rows = rows
+    if src is not None:
+        w = src
+        if rows and G.kind(w) == "view" and _same_dims(G.shape(G.source(w)), tuple(shape3[:2])):
+            w, w_rows = G.source(w), False  # top_k_weights.reshape(-1): the [t, k] tensor itself
+    elif not rows:
+        w_rows = True  # [t, k, 1] of another spelling: reshaped to [t, k]
+    y_t = _f32_of(y)
+    if y_t is not None:
+        y = y_t
+    if G.dtype(y) != t_dtype:
+        return Mismatch(f"the expert outputs {y.name} are {_dt(G.dtype(y))}, the residual {_dt(t_dtype)}: "
+                        "commfuse::moe_all_reduce combines T outputs into the T tail", "guard")
+    if G.dtype(w) not in (_F32, t_dtype):
+        return Mismatch(f"the routing weights {w.name} are {_dt(G.dtype(w))}: commfuse::moe_all_reduce takes float32 "
+                        f"or {_dt(t_dtype)} weights", "guard")
+    rows_txt = "(rows * w[:, None]).view(t, k, h)" if rows else "(y * w.unsqueeze(-1))"
+    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod, sum=s, keepdim=keepdim,
+                spelling=f"{rows_txt}.sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+
+
+def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
+    if isinstance(core, Mismatch):
+        return core
+    t = _dt(t_dtype)
+    notes = []
+    prod, k = core["prod"], core["k"]
+    if G.dtype(prod) != _F32:
+        notes.append(f"the graph multiplies the expert outputs by the routing weights in {t}, rounding each product "
+                     f"to {t} (torch then sums them in float32 and rounds once); the op multiplies in float32 and "
+                     f"rounds the combined row once (docs/semantics.md section 14): the combined rows differ by up to "
+                     f"about k/2 = {k / 2:g} ulps of {t} of the largest product plus the final rounding (more ulps of "
+                     "the row where the products cancel), and the tail carries that on")
+    if k > 2:
+        notes.append(f"the graph's .sum(dim=1) over k = {k} slots runs in the order torch's reduction kernel picks "
+                     "(vectorised / tree orders on CPU and GPU), not necessarily slot order; the op sums in slot "
+                     "order j = 0..k-1 in float32: a few float32 ulps apart before the one rounding to "
+                     f"{t}, so the combined rows within 1 ulp of {t} except where the products cancel")
+    if shared is not None and shared_order == "T":
+        notes.append(f"the graph rounds the routed sum to {t}, then adds the shared expert's output in {t} (two "
+                     f"roundings); the op starts the float32 sum from the shared output and rounds once: the "
+                     f"combined rows differ where the two roundings do, by half an ulp of {t} of the routed sum "
+                     "plus the final rounding (1 ulp of the row unless the two cancel)")
+    elif shared is not None:
+        notes.append("the graph adds the shared expert's output after the routed sum (in float32); the op starts "
+                     "the float32 sum from it (slot order: shared, then j = 0..k-1): a few float32 ulps apart "
+                     f"before the one rounding to {t}, so the combined rows within 1 ulp of {t} except where the "
+                     "terms cancel")
+    return MoeCombine(y=core["y"], weights=core["w"], shared=shared, k=k, nodes=_dedupe(nodes + core["nodes"]),
+                      spelling=core["spelling"] + spelling_tail, notes=notes, y_rows=core["y_rows"],
+                      w_rows=core["w_rows"], sum_node=core["sum"])
+
+
+def index_add_combine(x: fx.Node, positions: dict) -> Optional[fx.Node]:
+    """The first index_add / index_add_ that writes the all-reduced tensor x (HF Mixtral's per-expert loop:
+    `final.index_add_(0, token_idx, expert_out * routing_weights[token_idx, slot, None])`), or None."""
+    nodes: list = []
+    base = _strip_views(x, nodes)
+    if G.kind(base) == "index_add":
+        return base
+    for n in [x, base] + nodes:
+        for u in n.users:
+            if G.kind(u) == "index_add_" and G.operand(u, 0, "self", G.operand(u, 0, "input")) is n:
+                return u
+    return None

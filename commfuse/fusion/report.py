@@ -10,11 +10,12 @@ class Fused:
     """One rewrite.
 
     pattern: the pieces matched, e.g. "all_reduce + add + rmsnorm + fp8"; op: the op inserted
-    (commfuse::fused_all_reduce, commfuse::fused_add_rmsnorm, commfuse::gated_rmsnorm); node: its node's
-    name; replaced: the names of the graph's nodes it replaced; spelling: how the graph wrote the
-    pieces; quant / return_norm / eps / comm: the op's arguments; route: what the op will run on this
-    device (commfuse's plan for a representative call); notes: where the fused numbers differ from
-    the graph's rounding order (the tolerance each note means: docs/fusion.md)."""
+    (commfuse::fused_all_reduce, commfuse::moe_all_reduce, commfuse::fused_add_rmsnorm,
+    commfuse::gated_rmsnorm); node: its node's name; replaced: the names of the graph's nodes it
+    replaced; spelling: how the graph wrote the pieces; quant / return_norm / eps / comm: the op's
+    arguments; route: what the op will run on this device (commfuse's plan for a representative call);
+    notes: where the fused numbers differ from the graph's rounding order (the tolerance each note
+    means: docs/fusion.md)."""
 
     pattern: str
     op: str
@@ -30,7 +31,7 @@ class Fused:
 
     @property
     def with_all_reduce(self) -> bool:
-        return self.op.endswith("fused_all_reduce")
+        return self.op.endswith(("fused_all_reduce", "moe_all_reduce"))
 
 
 @dataclass

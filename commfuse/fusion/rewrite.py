@@ -7,6 +7,9 @@ norm where there is no add):
 - with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight,
   scale, eps, quant, return_norm, sf_layout, comm, weight_offset, scale_layout, scale_ue8m0)`, x being the
   all-reduce's input;
+- with a fusable all-reduce whose input is a MoE expert combine (patterns.match_moe_combine):
+  `torch.ops.commfuse.moe_all_reduce.default(y, weights, None, shared, residual, weight, scale, eps, quant,
+  return_norm, sf_layout, comm, weight_offset, scale_layout, scale_ue8m0)`, the combine's nodes replaced too;
 - without one: `torch.ops.commfuse.fused_add_rmsnorm.default(x, residual or None, weight, scale, eps,
   quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)`;
 - a gated norm: `torch.ops.commfuse.gated_rmsnorm.default(x, z, weight, scale, eps, group_size,
@@ -33,10 +36,12 @@ from . import graph as G
 from . import patterns as P
 from .evidence import REWRITES, local_rewrite
 from .report import Fused, FusionReport, Skipped
+from .. import moe as moe_mod
 from ..tail.spec import TailSpec
 
 OPS = {
     "all_reduce": "commfuse::fused_all_reduce",
+    "moe": "commfuse::moe_all_reduce",
     "local": "commfuse::fused_add_rmsnorm",
     "gated": "commfuse::gated_rmsnorm",
 }
@@ -47,6 +52,7 @@ def _targets():
 
     return {
         "all_reduce": torch.ops.commfuse.fused_all_reduce.default,
+        "moe": torch.ops.commfuse.moe_all_reduce.default,
         "local": torch.ops.commfuse.fused_add_rmsnorm.default,
         "gated": torch.ops.commfuse.gated_rmsnorm.default,
     }
@@ -184,6 +190,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     kind = "gated" if norm.gated else "all_reduce" if ar is not None else "local"
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
+    moe = _moe_combine(ar, norm, h, report, positions) if kind == "all_reduce" else None
     if kind != "all_reduce":
         quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
         rewrite, compiler = policy
@@ -201,6 +208,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
               ("scale", scale_src), ("eps", norm.eps if isinstance(norm.eps, fx.Node) else None)]
     if isinstance(norm.weight, fx.Node):
         inputs.append(("weight", norm.weight))
+    if moe is not None:
+        inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared)]
     for what, n in inputs:
         if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
             if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
@@ -226,7 +235,16 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         layout = quant.sf_layout if quant is not None else "swizzled"
         scale_layout = (quant.scale_layout, quant.scale_ue8m0) if quant is not None else ("row", False)
         rn = bool(return_norm) if quant is not None else False
-        if kind == "all_reduce":
+        if moe is not None:
+            y = moe.y if not moe.y_rows else g.call_method("reshape", (moe.y, -1, moe.k, h))
+            w = moe.weights if not moe.w_rows else g.call_method("reshape", (moe.weights, -1, moe.k))
+            shared = moe.shared
+            if shared is not None and len(G.shape(shared)) != 2:
+                shared = g.call_method("reshape", (shared, -1, h))
+            res = residual if rank == 2 else g.call_method("reshape", (residual, -1, h))
+            args = (y, w, None, shared, res, weight, scale, norm.eps, qname, rn, layout, comm_name,
+                    float(norm.weight_offset), *scale_layout)
+        elif kind == "all_reduce":
             xin = ar.x
             if not G.same_shape(ar.x, residual):
                 xin = g.call_method("reshape_as", (ar.x, residual))
@@ -237,7 +255,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         else:
             args = (norm.input, norm.gate, weight, scale, norm.eps, norm.group_size or h, norm.norm_before_gate,
                     qname, rn, layout, *scale_layout)
-        fused = g.call_function(targets[kind], args)
+        fused = g.call_function(targets["moe" if moe is not None else kind], args)
     base = 0 if kind != "gated" else -1  # gated_rmsnorm has no residual output
 
     def output(index: int, replaces: fx.Node, view: bool) -> fx.Node:
@@ -284,26 +302,64 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     doomed += norm.nodes
     if ar is not None:
         doomed += ar.chain + ar.nodes
+    if moe is not None:
+        doomed += moe.nodes
     _erase(g, doomed, erased)
 
-    pattern = ("all_reduce + " if kind == "all_reduce" else "") + ("add + " if residual is not None else "") \
+    pattern = ("moe_combine + " if moe is not None else "") + ("all_reduce + " if kind == "all_reduce" else "") \
+        + ("add + " if residual is not None else "") \
         + ("gated_rmsnorm" if kind == "gated" else "rmsnorm") + (f" + {quant.quant}" if quant is not None else "")
     spelling = [norm.spelling]
     if ar is not None:
         spelling.insert(0, ar.spelling)
+    if moe is not None:
+        spelling.insert(0, moe.spelling)
     if quant is not None:
         spelling.append(quant.spelling)
-    notes = list(norm.notes) + (list(quant.notes) if quant is not None else [])
+    notes = (list(moe.notes) if moe is not None else []) + list(norm.notes) + \
+        (list(quant.notes) if quant is not None else [])
     if ar is not None and ar.comm is None:
         notes.append("the graph's collective sums in its backend's order (NCCL: in T); commfuse sums in fp32 in rank "
                      "order, rounded once (docs/semantics.md section 1): the same bits on 2 ranks")
     report.fused.append(Fused(
-        pattern=pattern, op=OPS[kind], node=fused.name, replaced=[n.name for n in _names(doomed)],
+        pattern=pattern, op=OPS["moe" if moe is not None else kind], node=fused.name,
+        replaced=[n.name for n in _names(doomed)],
         spelling=" | ".join(spelling), quant=quant.quant if quant is not None else None,
         return_norm=bool(others) if quant is not None else True,
         eps=norm.eps.name if isinstance(norm.eps, fx.Node) else f"{norm.eps:g}", comm=comm_name,
-        route=_route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm),
+        route=_route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm)
+        + ("\n" + moe_mod.COMBINE_REASON if moe is not None else ""),
         notes=notes))
+
+
+def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport, positions: dict):
+    """The MoE combine the all-reduce reads (patterns.match_moe_combine), or None: its skip reasons are
+    reported, and the all-reduce + add + RMSNorm then become commfuse::fused_all_reduce as usual."""
+    then = "; the all-reduce + add + RMSNorm become commfuse::fused_all_reduce, the combine stays in the graph"
+    found = P.match_moe_combine(ar.x, G.dtype(norm.input))
+    if found is None:
+        ia = P.index_add_combine(ar.x, positions)
+        if ia is not None:
+            report.skipped.append(Skipped(ia.name, "moe combine", "the combine is an index_add_ over data-dependent "
+                                          "rows (a loop over experts, each adding its tokens' weighted outputs at "
+                                          "rows found by torch.where / nonzero): not matched" + then, "pattern"))
+        return None
+    if isinstance(found, P.Mismatch):
+        report.skipped.append(Skipped(ar.x.name, "moe combine", found.reason + then, found.kind))
+        return None
+    allowed = set(found.nodes) | set(ar.nodes) | set(ar.chain) | {norm.input}
+    for n in found.nodes:
+        others = [u.name for u in n.users if u not in allowed]
+        if others:
+            report.skipped.append(Skipped(n.name, "moe combine", f"the combine's {n.name} is also read by "
+                                          f"{', '.join(others)}: commfuse::moe_all_reduce does not return it" + then,
+                                          "guard"))
+            return None
+    if G.hidden(found.y) != h:
+        report.skipped.append(Skipped(found.y.name, "moe combine", f"the expert outputs {found.y.name} have hidden "
+                                      f"size {G.hidden(found.y)}, the tail {h}" + then, "guard"))
+        return None
+    return found
 
 
 def _early(n, positions, anchor) -> bool:
