@@ -127,7 +127,7 @@ def test_moe_combine_all_reduce_tail_is_fused(quiet_comm, gen, layout, k, wdtype
     assert f.pattern == "moe_combine + all_reduce + add + rmsnorm" + (" + fp8" if quant else ""), report
     assert f.with_all_reduce and f.comm == c.name and f.spelling.startswith(
         "(y * w.unsqueeze(-1))" if layout == "tkh" else "(rows * w[:, None]).view(t, k, h)"), report
-    assert "combine: commfuse.reference's ops" in f.route, report
+    assert "combine: one kernel with the tail at world size 1" in f.route, report
     notes = " | ".join(f.notes)
     assert ("rounding each product" in notes) == (wdtype == "T"), report
     assert ("not necessarily slot order" in notes) == (k > 2), report

@@ -36,7 +36,6 @@ from . import graph as G
 from . import patterns as P
 from .evidence import REWRITES, local_rewrite
 from .report import Fused, FusionReport, Skipped
-from .. import moe as moe_mod
 from ..tail.spec import TailSpec
 
 OPS = {
@@ -328,8 +327,13 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         return_norm=bool(others) if quant is not None else True,
         eps=norm.eps.name if isinstance(norm.eps, fx.Node) else f"{norm.eps:g}", comm=comm_name,
         route=_route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm)
-        + ("\n" + moe_mod.COMBINE_REASON if moe is not None else ""),
+        + ("\n" + _MOE_COMBINE_ROUTE if moe is not None else ""),
         notes=notes))
+
+
+# How moe_all_reduce runs the combine (commfuse.moe): the call's plan.combine says which at run time.
+_MOE_COMBINE_ROUTE = ("combine: one kernel with the tail at world size 1, else the combine kernel before the "
+                      "collective on CUDA tensors, commfuse.reference's ops elsewhere (the call's plan.combine)")
 
 
 def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport, positions: dict):
