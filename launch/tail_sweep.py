@@ -1,0 +1,87 @@
+"""The local fused tail at every launch configuration its variants allow, against Inductor's kernel of the
+same tail: whether commfuse.kernels.fused_tail.launch_config's choice, or another variant, is behind.
+
+Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--quants none,fp8,nvfp4]
+
+Per (shape, quant): each VPT (1, 2, 4 vectors per thread, with the fewest whole warps that cover the
+row; 0 the looped variant, 256 threads) whose thread limit fits, its GPU time per call (20 calls in a
+CUDA graph, median of 10 replays, examples/bench_local_ops.py's timing) after a check of its outputs
+against commfuse.reference (commfuse.tolerance), the configuration launch_config picks marked "*";
+then torch.compile (Inductor) of the tail as models write it (bench_local_ops.torch_tail).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import bench_local_ops as bench  # noqa: E402
+from commfuse import reference  # noqa: E402
+from commfuse.kernels import fused_tail, params  # noqa: E402
+from commfuse.kernels.fused_tail import FUSED_TAIL  # noqa: E402
+from commfuse.kernels.launch import X, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
+from commfuse.tail.spec import TailSpec  # noqa: E402
+
+
+def configs(h: int):
+    vectors = h // 8
+    for vpt in fused_tail.VPT_BUCKETS:
+        need = -(-vectors // vpt)  # threads that cover the row
+        threads = max(32, -(-need // 32) * 32)
+        if threads <= fused_tail.MAX_THREADS[vpt]:
+            yield vpt, threads
+    yield 0, fused_tail.MAX_THREADS[0]
+
+
+def launcher(dtype, t, h, spec, vpt, threads):
+    blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
+    patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
+    launch = FUSED_TAIL.row_launch(dtype, spec, t, vpt, threads, blob, patches, torch.cuda.current_device())
+    return PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, dtype, True)),
+                                 torch.cuda.current_device()))
+
+
+def _fmt(us) -> str:
+    return "n/a" if us is None else f"{us:.2f}"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="256x7168,1024x4096,1024x8192,8192x4096")
+    p.add_argument("--quants", default="none,fp8,nvfp4")
+    args = p.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    print("| shape | quant | config (vpt x threads) | us | Inductor us |\n|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        t, h = map(int, shape.split("x"))
+        x = torch.randn(t, h, generator=gen).to(dtype).cuda()
+        r = torch.randn(t, h, generator=gen).to(dtype).cuda()
+        w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).cuda()
+        for q in args.quants.split(","):
+            quant = None if q == "none" else q
+            scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
+            spec = TailSpec.of(quant, eps=1e-5, return_norm=quant is None)
+            want = reference.fused_tail(x, r, w, 1e-5, quant, scale)
+            want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
+            compiled = torch.compile(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
+            ind = bench.time_us(compiled, True, 20, 10).get("graph")
+            chosen = fused_tail.launch_config(h, t)
+            for vpt, threads in configs(h):
+                run = launcher(dtype, t, h, spec, vpt, threads)
+
+                def call(run=run):
+                    out = run(x, r, w, scale)
+                    return tuple(v for v in out if v is not None)
+
+                why = bench.check(call(), want, quant)
+                us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
+                mark = " *" if (vpt, threads) == chosen else ""
+                print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {us} | {_fmt(ind)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
