@@ -14,7 +14,8 @@ import torch
 
 from . import jit, params
 from .family import CTYPE, Family, Limits
-from .launch import operand
+from ..tail.spec import OutputSpec
+from .launch import allocate, operand
 
 __all__ = ["MOE_COMBINE", "SOURCE", "variants", "run", "warmup"]
 
@@ -65,7 +66,7 @@ def run(y: torch.Tensor, weights: torch.Tensor, row_index: Optional[torch.Tensor
     """The combine of checked CUDA tensors (commfuse.tail.checks.moe) that MOE_COMBINE accepts: T[t, h]."""
     t, k = weights.shape
     h = y.shape[-1]
-    x = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    x = allocate(OutputSpec((t, h), y.dtype), y.device)  # poisoned where the tests ask (launch.set_poison)
     if t == 0:
         return x
     y, weights = operand(y), weights.contiguous()
