@@ -595,3 +595,145 @@ def test_mxfp8_pattern_verifies_and_wrong_scale_factors_are_rejected():
         r.sf[index] += change
         assert why in impl.mismatch(case, r)
     assert cases.tail_bytes(p, 5, 256, 2) == 3 * 5 * 256 * 2 + 256 * 2 + 5 * 256 + 128 * 8
+
+
+# ------------------------------------------------------------------------------------- MoE patterns
+
+SWAPPED = r'''
+import dataclasses, sys
+from commfuse.bench import cli, impls
+from commfuse.bench.cases import MoeInputs
+from commfuse.bench.verdict import Skip
+
+def prepare(ctx, case):
+    if not case.pattern.is_moe:
+        raise Skip("MoE patterns only")
+    swapped = dataclasses.replace(case, moe=[MoeInputs(m.y, m.weights.flip(-1).contiguous(), m.row_index, m.shared)
+                                             for m in case.moe])
+    return impls.IMPLS["commfuse-auto"].prepare(ctx, swapped)
+
+impls.register(impls.Impl("slots-swapped", "collective", prepare, "test only: commfuse-auto, weights reversed"))
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+@cpu_smoke
+def test_moe_patterns_run_every_cpu_row(tmp_path):
+    """--patterns moe through the CLI at world size 1: every MoE pattern's rows that run on the CPU (the
+    torch sequence, commfuse's rows: the separated combine) pass the gate and are timed, FlashInfer and
+    the CUDA-only rows skip with their reasons, the commfuse plans name the combine's route, tail rows'
+    frac_hbm counts the k expert rows; a commfuse row fed the routing weights in reversed slot order is
+    rejected."""
+    out = tmp_path / "out"
+    rows = "nccl+eager,commfuse-fallback,commfuse-auto,commfuse-auto-out,commfuse-ops,tail-eager,torch-add,flashinfer"
+    p = _run([sys.executable, "-c", SWAPPED, "--impls", rows + ",slots-swapped", "--patterns", "moe", "--shapes",
+              "3x256", "--dtypes", "bf16", "--modes", "eager", "--repeats", "1", "--calls-per-graph", "2",
+              "--out", str(out)], tmp_path)
+    doc = _load(out)
+    assert doc["config"]["patterns"] == list(cases.MOE_PATTERNS) and doc["config"]["moe_shapes"] == ["3x256"]
+    timed = set(rows.split(",")) - {"flashinfer"}
+    assert {(r["impl"], r["pattern"]) for r in doc["records"]} == {(i, n) for i in timed for n in cases.MOE_PATTERNS}
+    assert all("wrong" not in r for r in doc["records"])
+    for r in doc["records"]:
+        if r["impl"] == "tail-eager":
+            frac = cases.tail_bytes(cases.PATTERNS[r["pattern"]], 3, 256, 2) / (r["us"] * 1e-6) \
+                / (doc["ceilings"]["hbm_copy_GBps"] * 1e9)
+            assert r["frac_hbm"] == pytest.approx(frac, rel=1e-2, abs=1e-4)
+    skipped = {(s["impl"], s["pattern"]): s["reason"] for s in doc["skipped"]}
+    assert {n for i, n in skipped if i == "flashinfer"} == set(cases.MOE_PATTERNS)
+    rejected = {n: why for (i, n), why in skipped.items() if i == "slots-swapped"}
+    assert set(rejected) == set(cases.MOE_PATTERNS), skipped
+    assert all(why.startswith("rejected (bf16 3x256): ") for why in rejected.values()), rejected
+    plans = [pl for pl in doc["plans"] if pl["impl"] == "commfuse-auto"]
+    assert {pl["pattern"] for pl in plans} == set(cases.MOE_PATTERNS)
+    assert all(pl["combine"] == "separated" and any(r.startswith("combine: ") for r in pl["reasons"]) for pl in plans)
+    assert "== eager: moe_finalize_k8_residual_rmsnorm_nvfp4 bf16\n" in p.stdout
+    assert "separated combine + gloo + separated tail" in p.stdout
+
+
+def test_moe_inputs_follow_tensor_parallelism_and_the_torch_combine_is_exact():
+    """The MoE cases' inputs: the routing (weights, row_index) is every rank's, the expert rows differ
+    per rank; weights a softmax over k; the finalize form's row_index an injection into t k + padding rows,
+    the padding NaN; several input sets; sets[i]'s x is the oracle's combine. The separated rows' torch
+    combine gives the reference's bits in every pattern (the shared expert's too)."""
+    for name in cases.MOE_PATTERNS:
+        p = cases.PATTERNS[name]
+        t, h, k = 5, 256, p.moe_k
+        c0, c1 = (cases.make_case(Ctx(_args(), rank=r, world=2, backend="gloo", device=torch.device("cpu")), p, "bf16",
+                                  t, h) for r in (0, 1))
+        assert len(c0.moe) == len(c0.sets) > 1
+        a, b = c0.moe[0], c1.moe[0]
+        assert torch.equal(a.weights, b.weights) and not torch.equal(a.y.nan_to_num(), b.y.nan_to_num())
+        assert a.weights.dtype == torch.float32 and torch.allclose(a.weights.sum(-1), torch.ones(t))
+        assert (a.shared is not None) == p.moe_shared
+        if p.moe_form == "finalize":
+            assert torch.equal(a.row_index, b.row_index) and a.row_index.dtype == torch.int32
+            used = a.row_index.view(-1).long()
+            assert used.unique().numel() == t * k and a.y.shape == (t * k + cases.MOE_PADDING_ROWS, h)
+            pad = torch.ones(a.y.shape[0], dtype=torch.bool)
+            pad[used] = False
+            assert a.y[pad].isnan().all() and not a.y[~pad].isnan().any()
+        else:
+            assert a.row_index is None and a.y.shape == (t, k, h)
+        for m, (x, _) in zip(c0.moe, c0.sets):
+            assert torch.equal(x, m.combine())
+            assert torch.equal(impls.torch_combine(m).view(torch.int16), x.view(torch.int16)), name
+
+
+def test_moe_tail_bytes_read_the_k_expert_rows_once():
+    P = cases.PATTERNS
+    t, h = 64, 4096
+    out = t * h * 2 + h * 2 + t * h  # residual (bf16), weight; FP8 codes
+    assert cases.tail_bytes(P["moe_k8_residual_rmsnorm_fp8"], t, h, 2) == 8 * t * h * 2 + t * h * 2 + 4 * t * 8 + out
+    assert cases.tail_bytes(P["moe_finalize_k2_residual_rmsnorm_fp8"], t, h, 2) == \
+        2 * t * h * 2 + t * h * 2 + 2 * 4 * t * 2 + out  # + the int32 row_index
+    assert cases.tail_bytes(P["moe_k8_shared_residual_rmsnorm_fp8"], t, h, 2) == \
+        8 * t * h * 2 + 2 * t * h * 2 + 4 * t * 8 + out  # + the shared expert's output
+    # The quantized outputs as the dense patterns': the same bytes written.
+    for q in ("", "_fp8", "_nvfp4"):
+        moe, dense = P[f"moe_k2_residual_rmsnorm{q}"], P[f"residual_rmsnorm{q}"]
+        assert cases.tail_bytes(moe, t, h, 2) - cases.tail_bytes(dense, t, h, 2) == 2 * t * h * 2 - t * h * 2 + 4 * t * 2
+
+
+def test_moe_patterns_options():
+    """On request only; `--patterns moe` names them all; their own default shapes (tokens 1..1024, hidden
+    4096 and 7168) unless --shapes says, which then holds for every pattern; --quick has its own."""
+    assert not set(cases.MOE_PATTERNS) & set(cli.parse_args([]).pattern_list)
+    args = cli.parse_args(["--patterns", "residual_rmsnorm,moe,moe_k2_residual_rmsnorm"])
+    assert args.pattern_list == ["residual_rmsnorm", *cases.MOE_PATTERNS]
+    assert len(cases.MOE_PATTERNS) == 13 and all(cases.PATTERNS[n].is_moe for n in cases.MOE_PATTERNS)
+    moe = cases.PATTERNS["moe_k8_residual_rmsnorm_fp8"]
+    assert cases.shapes_of(args, moe) == [(t, h) for h in (4096, 7168) for t in (1, 16, 64, 256, 1024)]
+    assert cases.shapes_of(args, cases.PATTERNS["residual_rmsnorm"]) == args.shape_list != cases.shapes_of(args, moe)
+    args = cli.parse_args(["--patterns", "moe", "--shapes", "2x512"])
+    assert cases.shapes_of(args, moe) == [(2, 512)] == cases.shapes_of(args, cases.PATTERNS["allreduce"])
+    assert cases.shapes_of(cli.parse_args(["--quick"]), moe) == list(cases.MOE_QUICK_SHAPES)
+    assert cases.shapes_of(_args(), moe) == [(4, 256)]  # a Namespace without moe_shape_list
+
+
+def test_moe_table_rows_are_the_patterns_own_shapes():
+    args = cli.parse_args(["--modes", "eager", "--dtypes", "bf16", "--patterns", "residual_rmsnorm,moe_k2_residual_rmsnorm",
+                           "--impls", "nccl+eager"])
+    records = [_rec("nccl+eager", 3.0, "eager", t=1, pattern="moe_k2_residual_rmsnorm") | {"hidden": 7168}]
+    doc = {"machine": "m", "gpu": "g", "world_size": 2, "backend": "gloo", "date": "d", "versions": {},
+           "ceilings": {"hbm_copy_GBps": None, "p2p_GBps": None}, "records": records, "skipped": [],
+           "plans": [{"impl": "commfuse-auto", "pattern": "moe_k2_residual_rmsnorm", "dtype": "bf16", "tokens": 1,
+                      "hidden": 7168, "combine": "kernel", "collective": "p2p_oneshot", "tail": "fused"}]}
+    text = report.format_table(doc, {}, args)
+    blocks = {b.split("\n")[0]: b.split("\n")[1:] for b in text.split("\n== ")[1:]}
+    moe = blocks["eager: moe_k2_residual_rmsnorm bf16"]
+    assert [r.split()[0] + "x" + r.split()[2] for r in moe[1:11]] == [f"{t}x{h}" for h in (4096, 7168)
+                                                                       for t in (1, 16, 64, 256, 1024)]
+    assert moe[6].split() == ["1", "x", "7168", "3.0"]
+    assert len([r for r in blocks["eager: residual_rmsnorm bf16"] if r.strip()]) == 1 + len(args.shape_list)
+    assert len([r for r in moe if r.strip() and r[0].isdigit()]) == 10
+    assert "commfuse-auto / moe_k2_residual_rmsnorm bf16: kernel combine + p2p_oneshot + fused tail (1x7168)" in text
+
+
+def test_flashinfer_skips_the_moe_patterns_with_the_reason():
+    ctx = _ctx()
+    ctx.cache["flashinfer"] = {"fuse": None, "patterns": types.SimpleNamespace(), "version": "test", "params": {},
+                               "swizzled": 0}
+    case = cases.make_case(ctx, cases.PATTERNS["moe_k8_residual_rmsnorm_fp8"], "bf16", 2, 256)
+    with pytest.raises(Skip, match="^flashinfer test not wired for the MoE patterns: .*trtllm_moe_allreduce_fusion"):
+        impls.IMPLS["flashinfer"].prepare(ctx, case)

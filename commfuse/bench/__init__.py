@@ -34,6 +34,9 @@ Rows (--impls), by section:
   oneshot, twoshot, auto), flashinfer (flashinfer.comm.trtllm_allreduce_fusion).
 - tail: tail-eager, tail-compile, tail-commfuse: the tail alone, no collective, with the fraction of
   the HBM copy ceiling it reaches.
+- MoE patterns (cases.MOE_PATTERNS, `--patterns moe`): the same rows with the expert combine first
+  (Communicator.moe_all_reduce for commfuse's, impls.torch_combine + dist.all_reduce for the torch
+  sequence, the combine kernel + fused_tail.run for tail-commfuse); flashinfer skips them.
 - floor: torch-add, `torch.add(x, residual, out=buf)`: one torch elementwise op on the case's
   inputs, the yardstick of host cost per call (the target: fused_all_reduce at most 2x its host time,
   measured in the same run). Gated against its own definition (x + residual rounded once, exactly),

@@ -39,6 +39,16 @@ class Pattern:
     weight_offset: float = 0.0
     scale_layout: str = "row"
     scale_ue8m0: bool = False
+    # The MoE patterns (Communicator.moe_all_reduce, docs/semantics.md section 14): moe_k experts per
+    # token (0: a dense pattern), combined in form "reduce" (y [t, k, h]) or "finalize" (permuted rows
+    # [R, h] with row_index [t, k]), with a shared expert's output when moe_shared.
+    moe_k: int = 0
+    moe_form: str = "reduce"
+    moe_shared: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_k > 0
 
     @property
     def has_norm(self) -> bool:
@@ -67,6 +77,24 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in (
     Pattern("residual_rmsnorm_fp8_block_ue8m0", "fp8_block", scale_layout="mn_major", scale_ue8m0=True),
     Pattern("residual_gemma_rmsnorm_fp8", "fp8", weight_offset=1.0),  # Gemma's RMSNorm scales by (1 + w)
 )}
+
+
+def _moe_name(k: int, form: str, quant: Optional[str], shared: bool = False) -> str:
+    """moe[_finalize]_k<k>[_shared]_residual_rmsnorm[_<quant>]: what comes before the dense pattern's name."""
+    return ("moe" + ("_finalize" if form == "finalize" else "") + f"_k{k}" + ("_shared" if shared else "")
+            + "_residual_rmsnorm" + (f"_{quant}" if quant else ""))
+
+
+MOE_KS = (2, 8)  # Mixtral-style top-2; DeepSeek-V3 / Qwen3-MoE-style top-8
+MOE_QUANTS = (None, "fp8", "nvfp4")
+# The MoE tail (the combine, the all-reduce, residual add, RMSNorm, quantization): both forms, both k,
+# each quantization; and DeepSeek-V3's layer end (top-8 with a shared expert, FP8 for the next GEMMs).
+_MOE = [Pattern(_moe_name(k, form, q), q, moe_k=k, moe_form=form)
+        for form in ("reduce", "finalize") for k in MOE_KS for q in MOE_QUANTS]
+_MOE.append(Pattern(_moe_name(8, "reduce", "fp8", shared=True), "fp8", moe_k=8, moe_shared=True))
+MOE_PATTERNS = tuple(p.name for p in _MOE)
+PATTERNS.update({p.name: p for p in _MOE})
+PATTERN_GROUPS = {"moe": MOE_PATTERNS}  # --patterns moe: every MoE pattern
 # The default --patterns: the computed-scale and Gemma patterns run on request only (each pattern
 # costs a full sweep of shapes x dtypes x implementations).
 DEFAULT_PATTERNS = ("allreduce", "residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_nvfp4",
@@ -82,8 +110,23 @@ QUICK_SHAPES = ((1, 8192), (64, 8192), (1024, 8192))
 QUICK_SHAPES_CPU = ((1, 512), (64, 512))  # the CPU smoke run: the harness, not the numbers
 QUICK_PATTERNS = ("allreduce", "residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_nvfp4")
 QUICK_COMPILE_PATTERN = "residual_rmsnorm_fp8"  # --quick compiles only this one (compile time)
+# The MoE patterns' shapes where --shapes does not say: decode to prefill of 1024 tokens (y is k times the
+# size of x) at the hidden sizes of Mixtral / Qwen3-MoE (4096) and DeepSeek-V3 (7168).
+MOE_TOKENS = (1, 16, 64, 256, 1024)
+MOE_HIDDEN = (4096, 7168)
+MOE_QUICK_SHAPES = ((1, 7168), (64, 7168), (1024, 7168))
+MOE_COMPILE_PATTERN = "moe_k8_residual_rmsnorm_fp8"  # --quick compiles only this one of the MoE patterns
+MOE_PADDING_ROWS = 8  # the finalize form's rows: t * k expert rows among t * k + 8 (NaN padding, never read)
 
 MAX_INPUT_SETS = 8  # rotate among up to this many input sets (cache effects, see _input_sets)
+
+
+def shapes_of(args, pattern: "Pattern") -> list:
+    """The (tokens, hidden) shapes a pattern runs: --shapes for every pattern where given, else the
+    dense default (args.shape_list) or the MoE patterns' (args.moe_shape_list)."""
+    if pattern.is_moe:
+        return list(getattr(args, "moe_shape_list", None) or args.shape_list)
+    return list(args.shape_list)
 
 
 @dataclass
@@ -104,6 +147,24 @@ class Result:
 
 
 @dataclass
+class MoeInputs:
+    """One input set of a MoE pattern, as Communicator.moe_all_reduce takes it: y T[t, k, h] (reduce
+    form) or the permuted rows T[R, h] with row_index int32 [t, k] (finalize form); the routing weights
+    float32 [t, k]; shared T[t, h] or None."""
+
+    y: torch.Tensor
+    weights: torch.Tensor
+    row_index: Optional[torch.Tensor] = None
+    shared: Optional[torch.Tensor] = None
+
+    def combine(self) -> torch.Tensor:
+        """The oracle's combine of these inputs (commfuse.reference.moe_reduce / moe_finalize)."""
+        if self.row_index is None:
+            return reference.moe_reduce(self.y, self.weights, self.shared)
+        return reference.moe_finalize(self.y, self.row_index, self.weights, self.shared)
+
+
+@dataclass
 class Case:
     """One (pattern, dtype, tokens, hidden) with this rank's inputs and the oracle's outputs.
 
@@ -111,6 +172,8 @@ class Case:
     expected: the oracle for collective rows (tail of the exact sum of all ranks' x); candidates,
     any of which passes (on > 2 ranks also the tail of the backend's own sum, see make_case).
     expected_tail: the oracle for tail-only rows (tail of this rank's x, no collective).
+    moe (MoE patterns): moe[i] = this rank's MoeInputs of input set i; sets[i]'s x is their combine
+    (the oracle's), so the dense rows' view of a case (x, residual) holds for them too.
     """
 
     pattern: Pattern
@@ -125,6 +188,7 @@ class Case:
     expected: list
     expected_tail: Optional[Result]
     sum_ulps: int
+    moe: Optional[list] = None
 
     def tail_args(self) -> tuple:
         """reference.fused_tail's arguments after (a, residual), positional."""
@@ -132,6 +196,9 @@ class Case:
 
     def input_set(self, i: int) -> tuple:
         return self.sets[i % len(self.sets)]
+
+    def moe_set(self, i: int) -> "MoeInputs":
+        return self.moe[i % len(self.moe)]
 
 
 def tail_args(p: Pattern, weight: torch.Tensor, eps: float, scale: Optional[torch.Tensor]) -> tuple:
@@ -142,15 +209,16 @@ def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def _input_sets(ctx: Ctx, t: int, h: int, dtype: torch.dtype) -> int:
+def _input_sets(ctx: Ctx, t: int, h: int, dtype: torch.dtype, per_set: Optional[int] = None) -> int:
     """How many input sets to rotate among so that the inputs of consecutive calls are not all in
-    the last-level cache (2 x its size, docs/benchmarking.md), capped at MAX_INPUT_SETS. Decode sizes
-    stay cache resident even so; in a model they are too (the GEMM that made x has just written it)."""
+    the last-level cache (2 x its size, docs/benchmarking.md), capped at MAX_INPUT_SETS; per_set: the
+    bytes of one set (default x and residual). Decode sizes stay cache resident even so; in a model
+    they are too (the GEMM that made x has just written it)."""
     if ctx.cuda:
         l2 = getattr(torch.cuda.get_device_properties(ctx.device), "L2_cache_size", 50 << 20)
     else:
         l2 = 32 << 20
-    per_set = 2 * t * h * dtype.itemsize
+    per_set = per_set or 2 * t * h * dtype.itemsize
     return max(1, min(MAX_INPUT_SETS, math.ceil(2 * l2 / per_set)))
 
 
@@ -177,18 +245,30 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     def randn(*shape):
         return torch.randn(shape, generator=gen, device=gen_dev, dtype=torch.float32).to(dev)
 
-    xs = []
-    for _ in range(ctx.world):
-        x = randn(t, h)
-        x[0] *= 40  # one large row per rank: norms and NVFP4 scale factors span a wide range
-        xs.append(x.to(dtype))
-    residual = randn(t, h).to(dtype)
-    weight = (1 + 0.1 * randn(h)).to(dtype)
+    moe = None
+    if pattern.is_moe:
+        moe_all, residual = _moe_draws(ctx, pattern, t, h, dtype, randn, gen, gen_dev)
+        xs = [m.combine() for m in moe_all]  # each rank's contribution to the all-reduce
+        weight = (1 + 0.1 * randn(h)).to(dtype)
+        moe = [moe_all[ctx.rank]]
+        sets = [(xs[ctx.rank], residual)]
+        for _ in range(_input_sets(ctx, t, h, dtype, _moe_set_bytes(pattern, t, h, dtype)) - 1):
+            m, r = _moe_draws(ctx, pattern, t, h, dtype, randn, gen, gen_dev, world=1)
+            moe.append(m[0])
+            sets.append((m[0].combine(), r))
+    else:
+        xs = []
+        for _ in range(ctx.world):
+            x = randn(t, h)
+            x[0] *= 40  # one large row per rank: norms and NVFP4 scale factors span a wide range
+            xs.append(x.to(dtype))
+        residual = randn(t, h).to(dtype)
+        weight = (1 + 0.1 * randn(h)).to(dtype)
+        sets = [(xs[ctx.rank], residual)]
+        for _ in range(_input_sets(ctx, t, h, dtype) - 1):
+            sets.append((randn(t, h).to(dtype), randn(t, h).to(dtype)))
     scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
              if pattern.quant in SCALES else None)
-    sets = [(xs[ctx.rank], residual)]
-    for _ in range(_input_sets(ctx, t, h, dtype) - 1):
-        sets.append((randn(t, h).to(dtype), randn(t, h).to(dtype)))
     eps = ctx.args.eps
     tail = tail_args(pattern, weight, eps, scale)
 
@@ -210,14 +290,60 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     else:
         expected, expected_tail = [Result(a=exact)], None
     return Case(pattern, dname, dtype, t, h, sets, weight, scale, eps, expected, expected_tail,
-                sum_ulps=ctx.world if own_order else 0)
+                sum_ulps=ctx.world if own_order else 0, moe=moe)
+
+
+def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, randn, gen, gen_dev,
+               world: Optional[int] = None) -> Tuple[list, torch.Tensor]:
+    """One MoE input set of `world` ranks (default all): ([MoeInputs of each rank], residual).
+
+    As in tensor parallelism, the routing is the ranks' common knowledge (one weights, one row_index)
+    and the expert outputs are each rank's partial sums: y (and shared) differ per rank. y is standard
+    normal with token 0's expert outputs scaled by 40 (as the dense cases' first row); the weights
+    are a softmax over the k slots (top-k renormalised, float32); the finalize form's row_index is a
+    random injection of the t x k slots into R = t k + MOE_PADDING_ROWS rows, the other rows NaN (a
+    combine that reads a padding row fails the gate)."""
+    k, dev = pattern.moe_k, ctx.device
+    weights = torch.softmax(randn(t, k), dim=-1)
+    row_index = None
+    if pattern.moe_form == "finalize":
+        rows = t * k + MOE_PADDING_ROWS
+        row_index = torch.randperm(rows, generator=gen, device=gen_dev)[: t * k].view(t, k).to(torch.int32).to(dev)
+    out = []
+    for _ in range(ctx.world if world is None else world):
+        y = randn(t, k, h)
+        y[0] *= 40
+        y = y.to(dtype)
+        if row_index is not None:
+            rows_ = torch.full((t * k + MOE_PADDING_ROWS, h), float("nan"), dtype=dtype, device=dev)
+            rows_[row_index.long().view(-1)] = y.view(t * k, h)
+            y = rows_
+        shared = randn(t, h).to(dtype) if pattern.moe_shared else None
+        out.append(MoeInputs(y, weights, row_index, shared))
+    return out, randn(t, h).to(dtype)
+
+
+def _moe_set_bytes(pattern: Pattern, t: int, h: int, dtype: torch.dtype) -> int:
+    """One MoE input set's bytes: the expert rows, weights, row_index, shared, residual and the combined x."""
+    k = pattern.moe_k
+    rows = t * k + (MOE_PADDING_ROWS if pattern.moe_form == "finalize" else 0)
+    indices = 4 * t * k * (1 + (pattern.moe_form == "finalize"))  # float32 weights, int32 row_index
+    return (rows * h + t * h * (2 + pattern.moe_shared)) * dtype.itemsize + indices
 
 
 def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
     """The fewest bytes the tail moves: read a, residual, weight; write every output once (the layouts'
-    padding included, which is written too)."""
+    padding included, which is written too). A MoE pattern's tail starts at the combine: in place of a
+    it reads each token's k expert rows once (t k h elements, in either form), the float32 weights
+    [t, k], the int32 row_index [t, k] (finalize form) and the shared expert's output (where it has one)."""
     outputs = pattern.spec.outputs(t, h, torch.float16 if itemsize == 2 else torch.float32)
-    return 2 * t * h * itemsize + h * itemsize + sum(o.storage_numel * o.dtype.itemsize for o in outputs if o)
+    written = sum(o.storage_numel * o.dtype.itemsize for o in outputs if o)
+    if pattern.is_moe:
+        k = pattern.moe_k
+        indices = 4 * t * k * (1 + (pattern.moe_form == "finalize"))  # float32 weights, int32 row_index
+        read = (t * k * h + t * h * (1 + pattern.moe_shared) + h) * itemsize + indices
+        return read + written
+    return 2 * t * h * itemsize + h * itemsize + written
 
 
 # ------------------------------------------------------------------------------- correctness gate

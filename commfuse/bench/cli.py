@@ -19,8 +19,9 @@ import torch.distributed as dist
 from commfuse import init_distributed
 
 from . import report
-from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, PATTERNS, QUICK_COMPILE_PATTERN,
-                    QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, make_case, same_draws, tail_bytes)
+from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, MOE_COMPILE_PATTERN,
+                    MOE_HIDDEN, MOE_QUICK_SHAPES, MOE_TOKENS, PATTERN_GROUPS, PATTERNS, QUICK_COMPILE_PATTERN,
+                    QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, make_case, same_draws, shapes_of, tail_bytes)
 from .context import Ctx
 from .impls import DEFAULT_IMPLS, IMPLS
 from .timing import MODES, measure_ceilings, time_step
@@ -39,6 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.mode_list = [m for m in args.mode_list if m != "graph"] or ["eager"]  # no CUDA graphs without CUDA
         if args.quick and not args.shapes:
             args.shape_list = list(QUICK_SHAPES_CPU)
+            args.moe_shape_list = list(QUICK_SHAPES_CPU)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     ctx = Ctx(args, rank, world, backend, device, flag=torch.zeros(1, device=device))
     if rank == 0:
@@ -70,7 +72,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "frac_hbm": "tail rows: fewest bytes the tail moves / time / hbm_copy_GBps",
                    "inputs": f"rotating among up to {MAX_INPUT_SETS} input sets (2x the last-level cache)"},
                "plans": ctx.plans,
-               "config": {"shapes": [f"{t}x{h}" for t, h in args.shape_list], "dtypes": args.dtype_list,
+               "config": {"shapes": [f"{t}x{h}" for t, h in args.shape_list],
+                          "moe_shapes": [f"{t}x{h}" for t, h in args.moe_shape_list], "dtypes": args.dtype_list,
                           "patterns": args.pattern_list, "modes": args.mode_list, "impls": args.impl_list,
                           "repeats": args.repeats, "calls_per_graph": args.calls_per_graph,
                           "warmup": args.warmup, "quick": args.quick, "eps": args.eps, "seed": args.seed}}
@@ -98,9 +101,10 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
     args = ctx.args
     records, skipped, status = [], [], {}
     impls = [IMPLS[n] for n in args.impl_list]
-    hiddens = sorted({h for _, h in args.shape_list})
+    shapes = {p: shapes_of(args, PATTERNS[p]) for p in args.pattern_list}  # the MoE patterns' own defaults
+    hiddens = sorted({h for p in args.pattern_list for _, h in shapes[p]})
     cases = [(d, h, p, t) for d in args.dtype_list for h in hiddens for p in args.pattern_list
-             for t in sorted({t for t, hh in args.shape_list if hh == h})]
+             for t in sorted({t for t, hh in shapes[p] if hh == h})]
 
     def not_run(impl, case, verdict: Verdict, modes) -> None:
         for mode in modes:
@@ -189,18 +193,24 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         description="Side-by-side benchmark of the all-reduce tail: commfuse, NCCL + torch tails, FlashInfer. "
                     "Run one process per GPU under mpirun or torchrun (launch/bench.sh N).")
     ap.add_argument("--shapes", type=_shapes, default=None,
-                    help="TOKENSxHIDDEN list, e.g. 1x4096,64x8192 (default: tokens "
-                         f"{','.join(map(str, DEFAULT_TOKENS))} x hidden {','.join(map(str, DEFAULT_HIDDEN))})")
+                    help="TOKENSxHIDDEN list, e.g. 1x4096,64x8192, for every pattern (default: tokens "
+                         f"{','.join(map(str, DEFAULT_TOKENS))} x hidden {','.join(map(str, DEFAULT_HIDDEN))}; "
+                         f"the MoE patterns tokens {','.join(map(str, MOE_TOKENS))} x hidden "
+                         f"{','.join(map(str, MOE_HIDDEN))})")
     ap.add_argument("--dtypes", type=_csv, default=None, help="bf16,fp16 (default both)")
     ap.add_argument("--patterns", type=_csv, default=None,
-                    help=f"of {','.join(PATTERNS)} (default {','.join(DEFAULT_PATTERNS)})")
+                    help=f"of {','.join(PATTERNS)}, or a group: "
+                         + "; ".join(f"{g} = {','.join(ps)}" for g, ps in PATTERN_GROUPS.items())
+                         + f" (default {','.join(DEFAULT_PATTERNS)})")
     ap.add_argument("--modes", type=_csv, default=None,
                     help=f"of {','.join(MODES)} (default graph,eager; no graph on the CPU)")
     ap.add_argument("--impls", type=_csv, default=None, help=f"default all: {','.join(DEFAULT_IMPLS)}")
     ap.add_argument("--out", default="commfuse-bench-out", help="folder for the JSON and PNG files")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: shapes " + ",".join(f"{t}x{h}" for t, h in QUICK_SHAPES) + ", bf16, patterns "
-                         + ",".join(QUICK_PATTERNS) + f", torch.compile only for {QUICK_COMPILE_PATTERN}, "
+                         + ",".join(QUICK_PATTERNS) + f", torch.compile only for {QUICK_COMPILE_PATTERN} and "
+                         f"{MOE_COMPILE_PATTERN}, MoE shapes "
+                         + ",".join(f"{t}x{h}" for t, h in MOE_QUICK_SHAPES) + ", "
                          "5 repeats of 10 calls (explicit options override)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default 10, --quick 5)")
     ap.add_argument("--calls-per-graph", type=int, default=None,
@@ -216,8 +226,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     args.shape_list = args.shapes or (list(QUICK_SHAPES) if q else [(t, h) for h in DEFAULT_HIDDEN for t in DEFAULT_TOKENS])
+    args.moe_shape_list = args.shapes or (list(MOE_QUICK_SHAPES) if q else
+                                          [(t, h) for h in MOE_HIDDEN for t in MOE_TOKENS])
     args.dtype_list = args.dtypes or (["bf16"] if q else list(DTYPES))
-    args.pattern_list = args.patterns or list(QUICK_PATTERNS if q else DEFAULT_PATTERNS)
+    patterns = [g for p in (args.patterns or []) for g in PATTERN_GROUPS.get(p, (p,))]
+    args.pattern_list = list(dict.fromkeys(patterns)) or list(QUICK_PATTERNS if q else DEFAULT_PATTERNS)
     args.mode_list = args.modes or ["graph", "eager"]
     args.impl_list = args.impls or list(DEFAULT_IMPLS)
     args.repeats = args.repeats or (5 if q else 10)

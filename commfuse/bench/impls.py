@@ -17,10 +17,10 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from commfuse import Communicator, reference, tolerance
+from commfuse import Communicator, moe, reference, tolerance
 from commfuse.tail.formats import by_name
 
-from .cases import QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, Result, check
+from .cases import MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check
 from .context import Ctx
 from .verdict import Skip, short
 
@@ -96,8 +96,42 @@ def _dist_no_graph(ctx: Ctx) -> Optional[str]:
     return GLOO_NO_GRAPH if ctx.backend == "gloo" else None
 
 
+def torch_combine(m: MoeInputs) -> torch.Tensor:
+    """The MoE combine in plain torch, as the separated MoE rows run it: the reference's bits, fast.
+
+    p = y * w (one kernel: float32 weights promote the product to fp32, RN(w_j * y_j)), then the slot-order
+    sum in fp32, one add per slot (the first out of place, from the shared expert's output where there is
+    one, the rest in place), rounded to T once: k + 1 or k + 2 kernels (the finalize form gathers the k rows
+    first, one more). The shorter spelling `(y.float() * w.unsqueeze(-1)).sum(1) + shared` is not the
+    semantics: torch's reduction over k sums in its own order (not slot order) and adds the shared expert
+    last, which changes fp32 sums and so, now and then, an element of x by one ulp of T; after the
+    all-reduce and the residual add that can be many ulps of a small residual, which the gate rejects.
+    Elementwise ops round as IEEE says on every device, so this spelling is exact on the GPU too (zero
+    signs aside: the reference starts from +0, this from the first product; the gate's ulp test does
+    not tell them apart). No dropped slots (row_index -1): the benchmark's inputs have none."""
+    y = m.y if m.row_index is None else m.y[m.row_index]  # finalize: each token's k rows, [t, k, h]
+    p = y * m.weights.float().unsqueeze(-1)
+    k = p.shape[1]
+    if m.shared is not None:
+        acc, j = m.shared + p[:, 0], 1  # T + fp32: computed in fp32
+    elif k > 1:
+        acc, j = p[:, 0] + p[:, 1], 2
+    else:
+        acc, j = p[:, 0], 1
+    for jj in range(j, k):
+        acc += p[:, jj]
+    return acc.to(y.dtype)
+
+
 def _prep_nccl_eager(ctx: Ctx, case: Case) -> Step:
     p, tail = case.pattern, case.tail_args()
+    if p.is_moe:
+        def moe_step(i):
+            # The combine's output is the caller's own tensor: all-reduced in place, no copy.
+            x = torch_combine(case.moe_set(i))
+            dist.all_reduce(x)
+            return Result.of_tail(reference.fused_tail(x, case.input_set(i)[1], *tail))
+        return Step(moe_step, _dist_no_graph(ctx))
 
     def step(i):
         x, residual = case.input_set(i)
@@ -128,10 +162,13 @@ def _compiled_tail(ctx: Ctx, case: Case):
     if not ctx.args.compile_all:
         if not ctx.cuda and ctx.args.quick:
             raise Skip("CPU --quick: torch.compile skipped (its C++ build takes minutes on a CPU)")
-        if ctx.args.quick and case.pattern.name != QUICK_COMPILE_PATTERN:
-            raise Skip(f"--quick: torch.compile rows only for {QUICK_COMPILE_PATTERN} (compile time)")
+        if ctx.args.quick and case.pattern.name not in (QUICK_COMPILE_PATTERN, MOE_COMPILE_PATTERN):
+            raise Skip(f"--quick: torch.compile rows only for {QUICK_COMPILE_PATTERN} and {MOE_COMPILE_PATTERN} "
+                       "(compile time)")
     p = case.pattern
-    key = ("compiled", p.name, case.dname, case.hidden)
+    # One compiled tail per (tail, dtype, hidden): the MoE patterns share the dense patterns' tails.
+    tail_key = (p.quant, p.return_norm, p.weight_offset, p.scale_layout, p.scale_ue8m0)
+    key = ("compiled", tail_key, case.dname, case.hidden)
     if key not in ctx.cache:
         quant, return_norm, eps = p.quant, p.return_norm, case.eps
         offset, scale_layout, ue8m0 = p.weight_offset, p.scale_layout, p.scale_ue8m0
@@ -145,7 +182,8 @@ def _compiled_tail(ctx: Ctx, case: Case):
         if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
             dynamo_config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
         options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
-        ctx.cache[key] = torch.compile(_fresh_function(tail, f"{p.name}_{case.dname}_{case.hidden}"),
+        tag = "_".join(str(v) for v in (*tail_key, case.dname, case.hidden))
+        ctx.cache[key] = torch.compile(_fresh_function(tail, tag),
                                        fullgraph=True, options=options)
     return ctx.cache[key]
 
@@ -154,6 +192,12 @@ def _prep_nccl_compile(ctx: Ctx, case: Case) -> Step:
     if not case.pattern.tail:
         raise Skip("no tail to compile (the plain all-reduce is nccl+eager)")
     fn = _compiled_tail(ctx, case)
+    if case.pattern.is_moe:
+        def moe_step(i):
+            x = torch_combine(case.moe_set(i))  # eager torch, as nccl+eager's
+            dist.all_reduce(x)
+            return Result.of_tail(fn(x, case.input_set(i)[1], case.weight, case.scale))
+        return Step(moe_step, _dist_no_graph(ctx))
 
     def step(i):
         x, residual = case.input_set(i)
@@ -187,6 +231,8 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
     keeps them); via_ops: through torch.ops.commfuse (what compiled code calls: the dispatcher's cost)."""
     def prepare(ctx: Ctx, case: Case) -> Step:
         comm = _communicator(ctx, strategy)
+        if case.pattern.is_moe:
+            return _prep_commfuse_moe(ctx, case, comm, strategy, impl or IMPL_OF_STRATEGY[strategy], out, via_ops)
         p = case.pattern
         x, residual = case.input_set(0)
         kw = dict(eps=case.eps, quant=p.quant, scale=case.scale, return_norm=p.return_norm, sf_layout=SF_LAYOUT,
@@ -232,12 +278,63 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
     return prepare
 
 
+def _prep_commfuse_moe(ctx: Ctx, case: Case, comm: Communicator, strategy: str, impl: str, out: bool,
+                       via_ops: bool) -> Step:
+    """A commfuse row of a MoE pattern: comm.moe_all_reduce (or torch.ops.commfuse.moe_all_reduce), the
+    combine (its kernel on CUDA tensors) then fused_all_reduce's route for the combined rows."""
+    p = case.pattern
+    m0, (x, residual) = case.moe_set(0), case.input_set(0)
+    kw = dict(eps=case.eps, quant=p.quant, scale=case.scale, return_norm=p.return_norm, sf_layout=SF_LAYOUT, **p.scaled)
+    plan = comm.plan(x, residual, case.weight, **kw)  # the route of the combined rows (moe_all_reduce's)
+    if strategy in ("oneshot", "twoshot") and plan.collective != f"p2p_{strategy}":
+        raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
+    route, why = moe.plan(m0.y, m0.weights, comm.topology.sm if comm.device.type == "cuda" else None)
+    ctx.plans.append({"impl": impl, "pattern": p.name, "dtype": case.dname, "tokens": case.tokens,
+                      "hidden": case.hidden, "combine": route, "collective": plan.collective, "tail": plan.tail,
+                      "kernel": plan.kernel, "reasons": list(plan.reasons) + ([why] if why else [])})
+    if route == "kernel":  # NVRTC compile and module load now, not in the gate call
+        from commfuse.kernels import moe_combine
+        moe_combine.warmup(case.dtype, m0.weights.dtype, None if m0.row_index is None else m0.row_index.dtype,
+                           ctx.device)
+    no_graph = GLOO_NO_GRAPH if plan.collective == "gloo" else None
+    if no_graph is None and route != "kernel" and m0.row_index is not None and ctx.cuda:
+        no_graph = "the separated combine checks row_index on the host (a synchronisation a capture does not allow)"
+    owned = None
+    if out:
+        owned = comm.moe_all_reduce(m0.y, m0.weights, residual, case.weight, **kw, row_index=m0.row_index,
+                                    shared=m0.shared)
+    if via_ops:
+        quant, scale, weight = p.quant or "", case.scale, case.weight
+
+        def step(i):
+            m, (_, residual) = case.moe_set(i), case.input_set(i)
+            return torch.ops.commfuse.moe_all_reduce(m.y, m.weights, m.row_index, m.shared, residual, weight, scale,
+                                                     case.eps, quant, p.return_norm, SF_LAYOUT, comm.name,
+                                                     p.weight_offset, p.scale_layout, p.scale_ue8m0)
+
+        def result(r):
+            return Result.of_tail(p.spec.keep(r))
+    else:
+        def step(i):
+            m, (_, residual) = case.moe_set(i), case.input_set(i)
+            return comm.moe_all_reduce(m.y, m.weights, residual, case.weight, **kw, row_index=m.row_index,
+                                       shared=m.shared, out=owned)
+
+        def result(r):
+            return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors, scales=r.scales)
+    return Step(step, no_graph, result)
+
+
 IMPL_OF_STRATEGY = {"nccl": "commfuse-fallback", "oneshot": "commfuse-p2p",
                     "twoshot": "commfuse-p2p-twoshot", "auto": "commfuse-auto"}
 
 
 def _prep_tail_eager(ctx: Ctx, case: Case) -> Step:
     tail = case.tail_args()
+    if case.pattern.is_moe:
+        def moe_step(i):  # a MoE pattern's tail starts at the combine
+            return Result.of_tail(reference.fused_tail(torch_combine(case.moe_set(i)), case.input_set(i)[1], *tail))
+        return Step(moe_step)
 
     def step(i):
         x, residual = case.input_set(i)
@@ -247,6 +344,10 @@ def _prep_tail_eager(ctx: Ctx, case: Case) -> Step:
 
 def _prep_tail_compile(ctx: Ctx, case: Case) -> Step:
     fn = _compiled_tail(ctx, case)
+    if case.pattern.is_moe:
+        def moe_step(i):
+            return Result.of_tail(fn(torch_combine(case.moe_set(i)), case.input_set(i)[1], case.weight, case.scale))
+        return Step(moe_step)
 
     def step(i):
         x, residual = case.input_set(i)
@@ -263,6 +364,22 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
         raise Skip(f"commfuse.kernels.fused_tail not importable: {short(e)}")
     p = case.pattern
     fused_tail.warmup(case.dtype, p.quant, case.hidden, ctx.device)  # NVRTC compile and module load now, not in the gate call
+    if p.is_moe:
+        # The combine kernel, then the tail kernel: moe_all_reduce's local work without the collective.
+        m0 = case.moe_set(0)
+        route, why = moe.plan(m0.y, m0.weights, torch.cuda.get_device_capability(ctx.device))
+        if route != "kernel":
+            raise Skip(why)
+        from commfuse.kernels import moe_combine
+        moe_combine.warmup(case.dtype, m0.weights.dtype, None if m0.row_index is None else m0.row_index.dtype,
+                           ctx.device)
+
+        def moe_step(i):
+            m = case.moe_set(i)
+            x = moe_combine.run(m.y, m.weights, m.row_index, m.shared)
+            return Result.of_tail(fused_tail.run(x, case.input_set(i)[1], case.weight, case.eps, p.quant, case.scale,
+                                                 p.return_norm, SF_LAYOUT, **p.scaled))
+        return Step(moe_step)
 
     def step(i):
         x, residual = case.input_set(i)
@@ -379,6 +496,18 @@ def _flashinfer_workspace(ctx: Ctx, api: dict) -> torch.Tensor:
     return ws[1]
 
 
+# FlashInfer's MoE fusions (TensorRT-LLM's patterns 6 and 7) are not wired: read from its API docs and
+# header comments only, never run here. trtllm_moe_allreduce_fusion takes the experts-major layout
+# ([k, t, h] expert rows, [k, t] float32 scales, a [t, h] token input it adds), so our y [t, k, h] would
+# need a transpose outside the timed call or inputs drawn in its layout, and it has no pattern code (the
+# outputs passed pick what it writes); trtllm_moe_finalize_allreduce_fusion writes the norm and the
+# residual, no quantized output. Their accumulation order (against our slot order, no FMA) is unknown.
+FI_MOE_REASON = ("not wired for the MoE patterns: flashinfer.comm.trtllm_moe_allreduce_fusion takes experts-major "
+                 "inputs ([k, t, h] rows, [k, t] scales, a [t, h] token input) and "
+                 "trtllm_moe_finalize_allreduce_fusion quantizes nothing; their calls were never checked on a GPU, "
+                 "so the benchmark does not guess them")
+
+
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
     if "flashinfer" not in ctx.cache:
         ctx.cache["flashinfer"] = _load_flashinfer(ctx)
@@ -387,6 +516,8 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
         raise Skip(api)
     p, t, h, dt, dev = case.pattern, case.tokens, case.hidden, case.dtype, ctx.device
     version = api["version"]
+    if p.is_moe:
+        raise Skip(f"flashinfer {version} " + FI_MOE_REASON)
     if p.quant == "fp8_block" and (p.scale_layout, p.scale_ue8m0) != ("mn_major", True):
         scales = f"{p.scale_layout} {'UE8M0' if p.scale_ue8m0 else 'float32'}"
         raise Skip(f"flashinfer {version} has no FP8 block pattern with {scales} scales (its per-token-group "

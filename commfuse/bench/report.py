@@ -9,7 +9,7 @@ import torch
 
 import commfuse
 
-from .cases import PATTERNS
+from .cases import PATTERNS, shapes_of
 from .context import Ctx
 from .impls import IMPLS, is_commfuse
 from .verdict import Kind
@@ -74,7 +74,6 @@ def format_table(doc: dict, status: dict, args) -> str:
                "torch.compile baseline's wrong result, timed for reference, FAIL = did not run, "
                "- = not applicable (see the list below)")
     by_key = {(r["impl"], r["pattern"], r["dtype"], r["tokens"], r["hidden"], r["mode"]): r for r in doc["records"]}
-    shapes = sorted(args.shape_list, key=lambda s: (s[1], s[0]))
     floor = [n for n in args.impl_list if IMPLS[n].section == "floor"]
     sections = [s for s in ("collective", "tail") if any(IMPLS[n].section == s for n in args.impl_list)]
     for section in sections or ["floor"]:
@@ -84,6 +83,7 @@ def format_table(doc: dict, status: dict, args) -> str:
             for pname in args.pattern_list:
                 if section == "tail" and not PATTERNS[pname].tail:
                     continue
+                shapes = sorted(shapes_of(args, PATTERNS[pname]), key=lambda s: (s[1], s[0]))
                 for dname in args.dtype_list:
                     title = ", tail only (no collective), % of HBM copy ceiling" if section == "tail" else ""
                     shared = f" -- {SHARED_GPU}" if doc.get("shared_gpu") and mode != "host" else ""
@@ -103,7 +103,8 @@ def format_table(doc: dict, status: dict, args) -> str:
                                for r in zip(*columns))
     routes: Dict[tuple, List[str]] = {}
     for p in doc["plans"]:
-        key = (p["impl"], p["pattern"], p["dtype"], f"{p['collective']} + {p['tail']} tail")
+        combine = f"{p['combine']} combine + " if p.get("combine") else ""  # the MoE rows
+        key = (p["impl"], p["pattern"], p["dtype"], f"{combine}{p['collective']} + {p['tail']} tail")
         routes.setdefault(key, []).append(f"{p['tokens']}x{p['hidden']}")
     if routes:
         out.append("\ncommfuse routes (Plan):")
