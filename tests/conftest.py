@@ -44,6 +44,17 @@ def comm():
     return commfuse.Communicator()
 
 
+@pytest.fixture(scope="module")
+def quiet_comm(comm):
+    """A Communicator of comm's group without the per-call cross-rank check: an object gather per call
+    cannot be captured in a CUDA graph, and the tests that use it call alike on every rank."""
+    import commfuse
+
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    return c
+
+
 @pytest.fixture
 def gen(request):
     """A generator seeded from the test's name: fresh random data per test, reproducible, same on every rank."""

@@ -31,14 +31,6 @@ LOCAL = torch.ops.commfuse.fused_add_rmsnorm.default
 GATED = torch.ops.commfuse.gated_rmsnorm.default
 
 
-@pytest.fixture(scope="module")
-def quiet_comm(comm):
-    """A Communicator without the per-call cross-rank check (fewer collectives; the tests call alike)."""
-    c = commfuse.Communicator(comm.group)
-    c.check_calls = False
-    return c
-
-
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():

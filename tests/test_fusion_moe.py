@@ -30,13 +30,6 @@ E, FF = 8, 32  # experts, each expert's (sharded) intermediate size
 NORMS = {"hf": hf_norm, "weight_before_cast": weight_before_cast_norm}
 
 
-@pytest.fixture(scope="module")
-def quiet_comm(comm):
-    c = commfuse.Communicator(comm.group)
-    c.check_calls = False
-    return c
-
-
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():

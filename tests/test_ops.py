@@ -21,14 +21,6 @@ PATTERNS = [  # (quant, return_norm, sf_layout)
 ]
 
 
-@pytest.fixture(scope="module")
-def quiet_comm(comm):
-    """A Communicator without the per-call cross-rank check (an object gather cannot be captured)."""
-    c = commfuse.Communicator(comm.group)
-    c.check_calls = False
-    return c
-
-
 def backend(comm) -> str:
     return "inductor" if comm.device.type == "cuda" else "aot_eager"
 
