@@ -555,42 +555,55 @@ class _GlooSum:
 
     The ranks first exchange the call's signature (`describe`'s text as a CRC and x's size: 2 words):
     gloo would abort on payloads of different sizes and sum payloads of different shapes or dtypes as
-    if they matched, so a mismatched call raises CallMismatchError on every rank instead. That is a
-    second collective per call (a gloo round trip); COMMFUSE_GLOO_CHECK=0, read when the signature is
-    planned, leaves it out. The exchange goes over the Communicator's check group, whose timeout
+    if they matched, so a mismatched call raises CallMismatchError on every rank instead. The exchange
+    is one all-gather of a fixed size on every rank, the signature and, where x fits (INLINE_BYTES), x
+    itself: then it is the call's only collective; a larger x follows in a second one.
+    COMMFUSE_GLOO_CHECK=0, read when the signature is planned, leaves the signature out (x alone, one
+    collective). The exchange goes over the Communicator's check group, whose timeout
     (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died: CallTimeoutError."""
 
-    __slots__ = ("group", "check_group", "text", "signature", "checked")
+    INLINE_BYTES = 16384  # a decode step's rows (8192 bf16 elements) travel with the signature
+
+    __slots__ = ("group", "check_group", "text", "crc", "checked")
 
     def __init__(self, res: Resources, text: str):
         self.group, self.text = res.group, text
         self.check_group = res.check_group if res.check_group is not None else res.group
-        self.signature = torch.tensor([zlib.crc32(text.encode()), 0], dtype=torch.int64)
+        self.crc = zlib.crc32(text.encode())
         self.checked = os.environ.get("COMMFUSE_GLOO_CHECK") != "0"
 
-    def check(self, x) -> None:
+    def _exchange(self, x) -> Optional[list]:
+        """The signature exchange; every rank's x where it travelled with it, else None."""
         world = dist.get_world_size(self.group)
-        mine = self.signature.clone()
-        mine[1] = x.numel() * x.element_size()
-        sigs = [torch.empty_like(mine) for _ in range(world)]
+        nbytes = x.numel() * x.element_size()
+        inline = nbytes <= self.INLINE_BYTES
+        mine = torch.zeros(16 + self.INLINE_BYTES, dtype=torch.uint8, device=x.device)
+        mine[:16].copy_(torch.tensor([self.crc, nbytes], dtype=torch.int64).view(torch.uint8))
+        if inline and nbytes:
+            mine[16:16 + nbytes].copy_(x.reshape(-1).view(torch.uint8))
+        bufs = [torch.empty_like(mine) for _ in range(world)]
         try:
-            dist.all_gather(sigs, mine, group=self.check_group)
+            dist.all_gather(bufs, mine, group=self.check_group)
         except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
             raise CallTimeoutError(f"rank {dist.get_rank(self.group)}: not every rank made the call {self.text} "
                                    f"within the gloo route's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, "
                                    f"died, or lags that far behind ({e})") from None
-        if any(not torch.equal(s, sigs[0]) for s in sigs):
+        heads = torch.stack([b[:16] for b in bufs]).cpu()
+        if any(not torch.equal(h, heads[0]) for h in heads):
             texts: list = [None] * world
-            dist.all_gather_object(texts, f"{self.text}, {int(mine[1])} bytes", group=self.check_group)
+            dist.all_gather_object(texts, f"{self.text}, {nbytes} bytes", group=self.check_group)
             calls = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
             raise CallMismatchError(f"ranks disagree on the call: {calls}")
+        if not inline:
+            return None
+        return [b[16:16 + nbytes].view(x.dtype).view(x.shape) for b in bufs]
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
-        if self.checked:
-            self.check(x)
-        xs = [torch.empty_like(x, memory_format=torch.contiguous_format)
-              for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(xs, x.contiguous(), group=self.group)
+        xc = x.contiguous()
+        xs = self._exchange(xc) if self.checked else None
+        if xs is None:
+            xs = [torch.empty_like(xc) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(xs, xc, group=self.group)
         total = reference.all_reduce_sum(xs)
         if out is None:
             return total
