@@ -132,7 +132,7 @@ class Communicator:
                                 os.environ.get("COMMFUSE_DISABLE_FUSION") != "1",
                                 self.workspace.limits if self.workspace is not None else None,
                                 tuple(self.topology.reasons))
-        self._check_group = self._open_check_group() if self.backend == "gloo" else None
+        self._check_group = self._open_check_group()
         self._resources = Resources(self.group, self.device, self.workspace, self._nccl, self._check_group)
         # A hit must not skip the P2P error check: the table reads the workspace's error word itself.
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
@@ -141,20 +141,29 @@ class Communicator:
         self._moe_plans: dict = {}  # (fused_all_reduce's plan, the combine's route, why) -> moe_all_reduce's plan
 
     def _open_check_group(self):
-        """The gloo route's signature exchange runs over a gloo group of its own whose timeout,
-        COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P route's), bounds how long a call waits for a
-        rank that skipped it or died; the group's own timeout stays the caller's for everything else.
+        """The call checks (the gloo route's signature exchange, and COMMFUSE_CHECK's on every route) run
+        over a gloo group of their own whose timeout, COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P
+        route's), bounds how long a call waits for a rank that skipped it or died; the group's own timeout stays the caller's for everything else.
         Only this group's ranks take part in making it, and the Communicators of one group with one
-        timeout share it (each gloo group holds sockets and threads)."""
+        timeout share it (each gloo group holds sockets and threads) until a call times out on it.
+        A Communicator whose call timed out stays unusable; later ones get a new check group."""
         timeout = float(os.environ.get("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S))
         if not timeout > 0:
             raise ValueError(f"COMMFUSE_GLOO_TIMEOUT_S must be a positive number of seconds, got {timeout}")
         ranks = tuple(dist.get_process_group_ranks(self.group))
         key = (ranks, timeout)
-        if key not in _CHECK_GROUPS:
-            _CHECK_GROUPS[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout),
-                                                backend="gloo", use_local_synchronization=True)
-        return _CHECK_GROUPS[key]
+        group = _CHECK_GROUPS.get(key)
+        if group is not None:
+            # A call that timed out closed the group's connections (on the other ranks too, whether they
+            # noticed or not): the ranks agree to make a new one (making it is collective).
+            votes: list = [None] * len(ranks)
+            dist.all_gather_object(votes, any(g is group for g in routes.BROKEN_CHECK_GROUPS), group=self.group)
+            if any(votes):
+                group = None
+        if group is None:
+            group = _CHECK_GROUPS[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout),
+                                                        backend="gloo", use_local_synchronization=True)
+        return group
 
     def _open_nccl(self) -> None:
         """The NCCL route's own NCCL communicator (commfuse.nccl): torch.distributed's all_reduce and
@@ -364,10 +373,8 @@ class Communicator:
         self._resources = Resources(self.group, self.device, check_group=self._check_group)
 
     def check_same_call(self, signature: tuple) -> None:
-        """Raise on every rank when ranks disagree on a call (a mismatched collective would hang):
-        COMMFUSE_CHECK's comparison, one all_gather_object of `signature`."""
-        sigs: list = [None] * self.world_size
-        dist.all_gather_object(sigs, signature, group=self.group)
-        if any(s != sigs[0] for s in sigs):
-            detail = "; ".join(f"rank {i}: {s}" for i, s in enumerate(sigs))
-            raise ValueError(f"ranks disagree on the call ({detail})")
+        """Raise on every rank when ranks disagree on a call (a mismatched collective would hang or sum the
+        wrong bytes): COMMFUSE_CHECK's comparison of `signature`, one 16-byte all-gather over the check
+        group (routes.exchange_signature): CallMismatchError naming every rank's call, or CallTimeoutError
+        after COMMFUSE_GLOO_TIMEOUT_S where a rank skipped the call."""
+        routes.exchange_signature(self._check_group, str(signature), 0)

@@ -47,7 +47,7 @@ from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
 
 __all__ = ["TensorMeta", "Call", "Machine", "Collective", "TailRoute", "Plan", "Route", "ROUTES", "STRATEGIES",
-           "CallMismatchError", "CallTimeoutError", "describe",
+           "CallMismatchError", "CallTimeoutError", "describe", "exchange_signature",
            "Resources", "plan", "tail_guard", "launcher", "FUSED_DTYPES", "MIN_FUSED_SM"]
 
 FUSED_DTYPES = tuple(CTYPE)
@@ -550,57 +550,65 @@ class CallTimeoutError(RuntimeError):
     skipped it, died, or lags that far behind. The communicator is unusable afterwards."""
 
 
+BROKEN_CHECK_GROUPS: list = []  # check groups a call timed out on (their pairs are closed): never reused
+
+
+def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: int = 0) -> Optional[list]:
+    """Compare one call across the ranks of `check_group` (a gloo group whose timeout bounds the wait): one
+    all-gather of the same size on every rank, the CRC of the call's text and its byte size, and `room`
+    bytes more that carry `payload` (x, contiguous, on any device) where it fits. Returns every rank's
+    payload where it travelled, else None. Raises CallMismatchError on every rank, naming every rank's
+    call, where any signature differs, and CallTimeoutError where a rank did not take part in time."""
+    world = dist.get_world_size(check_group)
+    inline = payload is not None and nbytes <= room
+    device = payload.device if payload is not None else torch.device("cpu")
+    mine = torch.zeros(16 + room, dtype=torch.uint8, device=device)
+    mine[:16].copy_(torch.tensor([zlib.crc32(text.encode()), nbytes], dtype=torch.int64).view(torch.uint8))
+    if inline and nbytes:
+        mine[16:16 + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
+    bufs = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(bufs, mine, group=check_group)
+    except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
+        BROKEN_CHECK_GROUPS.append(check_group)
+        raise CallTimeoutError(f"rank {dist.get_rank(check_group)}: not every rank made the call {text} within the "
+                               f"call check's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, died, or lags "
+                               f"that far behind ({e})") from None
+    heads = torch.stack([b[:16] for b in bufs]).cpu()
+    if any(not torch.equal(h, heads[0]) for h in heads):
+        texts: list = [None] * world
+        dist.all_gather_object(texts, f"{text}, {nbytes} bytes", group=check_group)
+        calls = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+        raise CallMismatchError(f"ranks disagree on the call: {calls}")
+    if not inline:
+        return None
+    return [b[16:16 + nbytes].view(payload.dtype).view(payload.shape) for b in bufs]
+
+
 class _GlooSum:
     """Every rank's x, gathered and summed in fp32 in rank order (reference.all_reduce_sum).
 
-    The ranks first exchange the call's signature (`describe`'s text as a CRC and x's size: 2 words):
-    gloo would abort on payloads of different sizes and sum payloads of different shapes or dtypes as
-    if they matched, so a mismatched call raises CallMismatchError on every rank instead. The exchange
-    is one all-gather of a fixed size on every rank, the signature and, where x fits (INLINE_BYTES), x
-    itself: then it is the call's only collective; a larger x follows in a second one.
-    COMMFUSE_GLOO_CHECK=0, read when the signature is planned, leaves the signature out (x alone, one
-    collective). The exchange goes over the Communicator's check group, whose timeout
-    (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died: CallTimeoutError."""
+    The ranks first compare the call (exchange_signature: `describe`'s text and x's size): gloo would
+    abort on payloads of different sizes and sum payloads of different shapes or dtypes as if they
+    matched, so a mismatched call raises CallMismatchError on every rank instead. x travels with the
+    signature where it fits (INLINE_BYTES): then the exchange is the call's only collective; a larger x
+    follows in a second one. COMMFUSE_GLOO_CHECK=0, read when the signature is planned, leaves the
+    signature out (x alone, one collective). The exchange goes over the Communicator's check group, whose
+    timeout (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died."""
 
     INLINE_BYTES = 16384  # a decode step's rows (8192 bf16 elements) travel with the signature
 
-    __slots__ = ("group", "check_group", "text", "crc", "checked")
+    __slots__ = ("group", "check_group", "text", "checked")
 
     def __init__(self, res: Resources, text: str):
         self.group, self.text = res.group, text
         self.check_group = res.check_group if res.check_group is not None else res.group
-        self.crc = zlib.crc32(text.encode())
         self.checked = os.environ.get("COMMFUSE_GLOO_CHECK") != "0"
-
-    def _exchange(self, x) -> Optional[list]:
-        """The signature exchange; every rank's x where it travelled with it, else None."""
-        world = dist.get_world_size(self.group)
-        nbytes = x.numel() * x.element_size()
-        inline = nbytes <= self.INLINE_BYTES
-        mine = torch.zeros(16 + self.INLINE_BYTES, dtype=torch.uint8, device=x.device)
-        mine[:16].copy_(torch.tensor([self.crc, nbytes], dtype=torch.int64).view(torch.uint8))
-        if inline and nbytes:
-            mine[16:16 + nbytes].copy_(x.reshape(-1).view(torch.uint8))
-        bufs = [torch.empty_like(mine) for _ in range(world)]
-        try:
-            dist.all_gather(bufs, mine, group=self.check_group)
-        except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
-            raise CallTimeoutError(f"rank {dist.get_rank(self.group)}: not every rank made the call {self.text} "
-                                   f"within the gloo route's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, "
-                                   f"died, or lags that far behind ({e})") from None
-        heads = torch.stack([b[:16] for b in bufs]).cpu()
-        if any(not torch.equal(h, heads[0]) for h in heads):
-            texts: list = [None] * world
-            dist.all_gather_object(texts, f"{self.text}, {nbytes} bytes", group=self.check_group)
-            calls = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
-            raise CallMismatchError(f"ranks disagree on the call: {calls}")
-        if not inline:
-            return None
-        return [b[16:16 + nbytes].view(x.dtype).view(x.shape) for b in bufs]
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
         xc = x.contiguous()
-        xs = self._exchange(xc) if self.checked else None
+        xs = exchange_signature(self.check_group, self.text, xc.numel() * xc.element_size(), xc,
+                                self.INLINE_BYTES) if self.checked else None
         if xs is None:
             xs = [torch.empty_like(xc) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(xs, xc, group=self.group)

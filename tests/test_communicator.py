@@ -189,6 +189,28 @@ def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatc
     assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)), torch.full((3,), float(comm.world_size), device=comm.device))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_checked_calls_bound_a_skipped_call_on_every_route(comm, gen, monkeypatch):
+    """COMMFUSE_CHECK's comparison (check_calls) runs over the gloo check group on every route, NCCL's
+    included: rank 0 calls, the others skip, and rank 0 raises CallTimeoutError after
+    COMMFUSE_GLOO_TIMEOUT_S instead of waiting in the collective."""
+    import time
+
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
+    c = Communicator(comm.group)
+    c.check_calls = True
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
+    if dist.get_rank(c.group) == 0:
+        t0 = time.monotonic()
+        with pytest.raises(commfuse.CallTimeoutError, match="not every rank made the call"):
+            c.all_reduce(x)
+        waited = time.monotonic() - t0
+        assert 1.5 < waited < 10, f"raised after {waited:.1f} s"
+    dist.barrier(comm.group)
+    assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)),
+                       torch.full((3,), float(comm.world_size), device=comm.device))
+
+
 @mpi
 def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
     """docs/guards.md's one rule, per call: all_reduce's out may not be x; a tail's out.norm may not be x;
