@@ -3,6 +3,7 @@
     mpirun -n 2 python examples/tp_decoder.py --size tiny                 # CPU: gloo, seconds
     mpirun -n 2 python examples/tp_decoder.py --size 8b --layers 4 --compile --quant fp8 --json out.json
     python examples/tp_decoder.py --size tiny                             # world 1: the local ops only
+    mpirun -n 2 python examples/tp_decoder.py --size tiny --moe --shared-expert --quant fp8   # a MoE decoder
 
 The model is a small, faithful Llama (HF LlamaForCausalLM's structure, random weights): token
 embedding, per layer RMSNorm -> attention (fused QKV projection, RoPE, grouped-query attention over
@@ -18,6 +19,20 @@ projections static-FP8 linears ((n / s).clamp(-448, 448).to(float8_e4m3fn) -> to
 `--quant nvfp4` quantizes their inputs with commfuse.quantize (and dequantizes for a bf16 GEMM:
 no NVFP4 GEMM here).
 
+`--moe` makes every layer's MLP a tensor-parallel MoE block (Qwen-MoE / DeepSeek style; class MoE): a
+replicated router linear -> softmax in float32 -> top-k (--moe-topk, default 2) of --experts (default 4),
+renormalised; every expert a SwiGLU MLP of --moe-intermediate features (default intermediate / experts)
+sharded Megatron-style, gate/up column-parallel and down row-parallel, so each rank computes partial expert
+outputs. The selected experts' stacked weights are gathered per (token, slot) with index_select and applied
+with bmm (as HF's batched_mm experts: one graph for any token count, no data-dependent loop; it gathers
+t * k weight matrices, so keep --tokens small at the large sizes), and the outputs y [t, k, h] combined as
+the models write it, `(y * routing_weights.unsqueeze(-1)).sum(dim=1).to(T)`, then `+ shared` (in T) with
+--shared-expert (one shared expert of the same width, also sharded), then the all-reduce, the residual add
+and the next RMSNorm: with an all-reduce (world > 1) the pass makes each layer's combine + all-reduce + add +
+norm (+ quant) one commfuse::moe_all_reduce. With --quant the experts' input is quantized once (one static
+scale; the router reads the bf16 norm, so that tail returns the norm too) and dequantized for the bf16 bmm
+(no grouped FP8 / NVFP4 GEMM here); the shared expert's gate/up is a torch._scaled_mm on the FP8 codes.
+
 Each variant runs a prefill of --tokens tokens and --decode-steps decode steps (teacher-forced: the
 same tokens for every variant, so their outputs compare step by step):
 - eager / unfused: the model as written;
@@ -31,14 +46,18 @@ same tokens for every variant, so their outputs compare step by step):
 
 The fused columns' outputs (the logits of every step) are checked against a reference run: the unfused
 model with its RMSNorms written in commfuse's rounding order (float32 math, the weight multiply in
-float32, one rounding: what the fused ops compute by definition). On the CPU every route is exact
-(gloo's fp32 rank-order sum, the separated tail = commfuse.reference), so the check is bit for bit;
-on GPUs (fused kernels: the norm within 1 ulp of T) it is a relative RMS error of the logits below
---tol (docs/fusion.md, "Tolerances"). The comparison with the unfused model as written (HF's double
-rounding) is printed beside it: a 1-ulp change of the norms, amplified by the random layers. The
-exit status is 1 when a check fails. Prints the per-step latency table (the slowest rank's median
-over --repeats) and the fusion reports; --json writes both. main(argv) returns the results as a dict (the CI test
-calls it under mpirun).
+float32, one rounding: what the fused ops compute by definition), and with --moe at world > 1 its
+combines too (commfuse.reference.moe_reduce: float32 products summed in slot order from the shared
+output, one rounding to T, docs/semantics.md section 14; at world 1 the model has no all-reduce, the pass
+leaves the combine as written and fuses its add + norm into the local op, so the reference keeps the
+model's combine); with --moe every graph must have one commfuse::moe_all_reduce per layer at world > 1.
+On the CPU every route is exact (gloo's fp32 rank-order sum, the separated tail = commfuse.reference), so
+the check is bit for bit; on GPUs (fused kernels: the norm within 1 ulp of T) it is a relative RMS error
+of the logits below --tol (docs/fusion.md, "Tolerances"). The comparison with the unfused model as
+written (HF's double rounding) is printed beside it: a 1-ulp change of the norms, amplified by the random
+layers. The exit status is 1 when a check fails. Prints the per-step latency table (the slowest rank's
+median over --repeats) and the fusion reports; --json writes both. main(argv) returns the results as a
+dict (the CI test calls it under mpirun).
 """
 from __future__ import annotations
 
@@ -71,6 +90,10 @@ class Config:
     layers: int
     eps: float = 1e-5
     rope_theta: float = 500000.0
+    experts: int = 0  # > 0: the MLP is a MoE block of this many routed experts (--moe)
+    topk: int = 2
+    moe_intermediate: int = 0  # each expert's intermediate size (0: intermediate / experts)
+    shared_expert: bool = False  # a shared expert (of moe_intermediate) added before the all-reduce
 
 
 SIZES = {  # Llama-3 shapes (vocab reduced: it does not touch the all-reduce tails)
@@ -157,6 +180,78 @@ def _dequant_nvfp4(q, sf, scale):
     return vals.view(q.shape[0], -1) * scale
 
 
+class MoE(torch.nn.Module):
+    """A tensor-parallel MoE block (Qwen-MoE / DeepSeek style), the rank's partial output before the all-reduce.
+
+    Router (replicated linear) -> softmax in float32 -> top-k -> renormalised float32 routing weights w [n, k];
+    `experts` SwiGLU experts, each sharded Megatron-style (gate/up column-parallel, down row-parallel: this rank
+    holds inter / world of every expert's intermediate features), stacked as [E, 2 * inter, h] and [E, h, inter];
+    the selected experts' weights gathered per (token, slot) (index_select, token-major as HF's batched_mm
+    experts) and applied with bmm, so the graph is one with any token count (no data-dependent loop or
+    .nonzero()); y [n, k, h] the partial expert outputs, combined as Qwen-MoE / DeepSeek write it,
+    `(y * w.unsqueeze(-1)).sum(dim=1).to(T)` (+ the shared expert's partial output, added in T). With
+    combine = "commfuse" the combine is commfuse.reference.moe_reduce (slot order in float32, the shared output
+    first, one rounding: docs/semantics.md section 14), the checks' reference. With --quant the experts' input is
+    quantized once (static FP8 or NVFP4, one scale) and dequantized for the bf16 bmm (no grouped low-precision
+    GEMM here); the shared expert's gate/up runs torch._scaled_mm on the FP8 codes; the router reads the norm."""
+
+    def __init__(self, h, cfg: Config, inter, quant, device, dtype, seed, rank_seed):
+        super().__init__()
+        e = cfg.experts
+        self.top_k, self.quant, self.dtype, self.combine = cfg.topk, quant, dtype, "model"
+        self.router = Linear(h, e, None, device, dtype, seed)  # replicated: every rank routes alike
+        self.register_buffer("gate_up", _randn((e, 2 * inter, h), rank_seed + 1, 1 / math.sqrt(h), device, dtype))
+        self.register_buffer("down", _randn((e, h, inter), rank_seed + 2, 1 / math.sqrt(inter), device, dtype))
+        self.shared = None
+        if cfg.shared_expert:
+            self.shared = torch.nn.Module()
+            self.shared.gate_up = Linear(h, 2 * inter, quant, device, dtype, rank_seed + 3)
+            self.shared.down = Linear(inter, h, None, device, dtype, rank_seed + 4)
+        if quant is not None:
+            self.register_buffer("x_scale", torch.tensor([QUANT_SCALE if quant == "fp8" else 8.0 / (FP8_MAX * 6)],
+                                                         dtype=torch.float32, device=device))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        k = self.top_k
+        xf = x.view(-1, h)
+        routing_weights = F.softmax(self.router(xf), dim=-1, dtype=torch.float)
+        routing_weights, selected = torch.topk(routing_weights, k, dim=-1)
+        routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)  # float32 [n, k]
+        # The experts' input, quantized once with one static scale. (From its own view of the norm: the pass
+        # fuses a quantization reached through views that nothing else reads, not through the router's xf.)
+        codes = None
+        if self.quant == "fp8":
+            codes = (x.view(-1, h) / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            xe = (codes.float() * self.x_scale).to(self.dtype)
+        elif self.quant == "nvfp4":
+            q, sf, _ = commfuse.quantize(x.view(-1, h), "nvfp4", self.x_scale, sf_layout="linear")
+            xe = _dequant_nvfp4(q, sf, self.x_scale).to(self.dtype)
+        else:
+            xe = xf
+        e = selected.reshape(-1)  # token-major: row i * k + j is token i's j-th expert
+        xs = xe.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n * k, h, 1]
+        gate, up = torch.bmm(self.gate_up.index_select(0, e), xs).squeeze(-1).chunk(2, dim=-1)
+        rows = torch.bmm(self.down.index_select(0, e), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = rows.view(-1, k, h)  # [n, k, h]: this rank's partial expert outputs
+        shared = None
+        if self.shared is not None:
+            if self.quant == "fp8":
+                su = torch._scaled_mm(codes, self.shared.gate_up.weight.t(), scale_a=self.x_scale,
+                                      scale_b=self.shared.gate_up.w_scale, out_dtype=self.dtype)
+            else:
+                su = F.linear(xe, self.shared.gate_up.weight)
+            s_gate, s_up = su.chunk(2, dim=-1)
+            shared = self.shared.down(F.silu(s_gate) * s_up)
+        if self.combine == "commfuse":  # the reference: commfuse's order (what moe_all_reduce computes)
+            out = commfuse.reference.moe_reduce(y, routing_weights, shared)
+        else:  # as Qwen-MoE / DeepSeek write it
+            out = (y * routing_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+            if shared is not None:
+                out = out + shared
+        return out.view(b, t, h)
+
+
 class Decoder(torch.nn.Module):
     def __init__(self, cfg: Config, rank: int, world: int, device, dtype, *, norm="hf", quant=None,
                  collective="dist", comm=None, max_len=256, batch=1):
@@ -167,6 +262,11 @@ class Decoder(torch.nn.Module):
         self.head_dim = cfg.hidden // cfg.heads
         self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world
         self.inter = cfg.intermediate // world
+        moe_inter = cfg.moe_intermediate or cfg.intermediate // max(cfg.experts, 1)
+        if cfg.experts:
+            assert moe_inter % world == 0 and 1 <= cfg.topk <= cfg.experts, \
+                f"expert intermediate {moe_inter} must divide by {world}, top-k {cfg.topk} be in 1..{cfg.experts}"
+        self.moe_inter = moe_inter // world
         hd, h = self.head_dim, cfg.hidden
         self.embed = torch.nn.Parameter(_randn((cfg.vocab, h), 1, 1.0, device, dtype), requires_grad=False)
         self.layers = torch.nn.ModuleList()
@@ -177,8 +277,12 @@ class Decoder(torch.nn.Module):
             layer.qkv = Linear(h, (self.heads + 2 * self.kv_heads) * hd, quant, device, dtype, s + 2)
             layer.o_proj = Linear(self.heads * hd, h, None, device, dtype, s + 3)
             layer.post_attention_layernorm = RMSNorm(h, cfg.eps, norm, device, dtype, 1000 * (i + 1) + 4)
-            layer.gate_up = Linear(h, 2 * self.inter, quant, device, dtype, s + 5)
-            layer.down_proj = Linear(self.inter, h, None, device, dtype, s + 6)
+            if cfg.experts:
+                layer.mlp = MoE(h, cfg, self.moe_inter, quant, device, dtype, 1000 * (i + 1) + 7,
+                                1000 * (i + 1) + 500 + 10 * rank)
+            else:
+                layer.gate_up = Linear(h, 2 * self.inter, quant, device, dtype, s + 5)
+                layer.down_proj = Linear(self.inter, h, None, device, dtype, s + 6)
             self.layers.append(layer)
         self.norm = RMSNorm(h, cfg.eps, norm, device, dtype, 7)
         self.lm_head = Linear(h, cfg.vocab, None, device, dtype, 8)
@@ -195,6 +299,12 @@ class Decoder(torch.nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.style = style
+
+    def set_combine_style(self, style: str) -> None:
+        """The MoE blocks' combine: "model" (as written) or "commfuse" (reference.moe_reduce's order)."""
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.combine = style
 
     def reset(self):
         self.k_cache.zero_()
@@ -237,8 +347,11 @@ class Decoder(torch.nn.Module):
             hidden = residual + self.all_reduce(layer.o_proj(attn))
             residual = hidden
             x = layer.post_attention_layernorm(hidden)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = residual + self.all_reduce(layer.down_proj(F.silu(gate) * up))
+            if self.cfg.experts:
+                hidden = residual + self.all_reduce(layer.mlp(x))
+            else:
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                hidden = residual + self.all_reduce(layer.down_proj(F.silu(gate) * up))
         return self.lm_head(self.norm(hidden))
 
 
@@ -299,6 +412,12 @@ def parse(argv):
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--norm", choices=["hf", "torch"], default="hf", help="RMSNorm as HF Llama writes it, or F.rms_norm")
     p.add_argument("--quant", choices=["none", "fp8", "nvfp4"], default="none")
+    p.add_argument("--moe", action="store_true", help="a MoE decoder: each layer's MLP a tensor-parallel MoE block")
+    p.add_argument("--experts", type=int, default=4, help="routed experts of --moe")
+    p.add_argument("--moe-topk", type=int, default=2, help="experts per token of --moe")
+    p.add_argument("--moe-intermediate", type=int, default=None,
+                   help="each expert's intermediate size (default: the size's intermediate / --experts)")
+    p.add_argument("--shared-expert", action="store_true", help="--moe: a shared expert, added before the all-reduce")
     p.add_argument("--collective", choices=["dist", "funcol", "commfuse"], default="dist")
     p.add_argument("--compile", action="store_true", help="also the torch.compile'd columns")
     p.add_argument("--backend", default=None, help="inner backend of the compiled columns (default: inductor on CUDA, "
@@ -327,6 +446,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     cfg = SIZES[args.size]
     if args.layers:
         cfg = Config(**{**asdict(cfg), "layers": args.layers})
+    if args.shared_expert and not args.moe:
+        raise SystemExit("--shared-expert needs --moe")
+    if args.moe:
+        cfg = Config(**{**asdict(cfg), "experts": args.experts, "topk": args.moe_topk,
+                        "moe_intermediate": args.moe_intermediate or 0, "shared_expert": args.shared_expert})
     quant = None if args.quant == "none" else args.quant
     say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
     torch.manual_seed(0)
@@ -338,6 +462,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     decode = torch.randint(0, cfg.vocab, (args.batch, args.decode_steps), generator=g).to(device)
     say(f"tp_decoder: size {args.size} ({cfg.layers} layers, hidden {cfg.hidden}), world {world} on {device} "
         f"({comm.backend}), {args.dtype}, norm {args.norm}, quant {args.quant}, collective {args.collective}, "
+        + (f"MoE ({cfg.experts} experts of {model.moe_inter * world}, top-{cfg.topk}"
+           f"{', a shared expert' if cfg.shared_expert else ''}), " if cfg.experts else "") +
         f"{args.tokens} prompt tokens + {args.decode_steps} decode steps")
 
     inner = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
@@ -371,8 +497,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     with torch.inference_mode():
         torch._dynamo.reset()
         model.set_norm_style("once")
+        # The MoE combine too where the pass puts it into commfuse::moe_all_reduce (with the all-reduce it
+        # reads: world > 1); at world 1 the model has no all-reduce, the combine stays as written.
+        model.set_combine_style("commfuse" if world > 1 else "model")
         reference_out, _ = run_steps(model, model.forward, prompt, decode, device)
         model.set_norm_style(args.norm)
+        model.set_combine_style("model")
     tol = args.tol if args.tol is not None else TOLERANCES[args.quant]
     checks = {}
     for fused_name, base in (("eager/fused", "eager/unfused"), ("compiled/fused", "compiled/unfused")):
@@ -389,6 +519,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         # Nothing fused is right only where the pass said why: every match left to the compiler on evidence.
         c["left_on_evidence"] = sum(s.kind == "evidence" for r in reps for s in r.skipped)
         c["ok"] = c["ok"] and (c["fused_ops"] > 0 or c["left_on_evidence"] > 0)
+        if cfg.experts:  # every layer's combine + all-reduce + add + norm one commfuse::moe_all_reduce
+            c["moe_ops"] = [r.count("commfuse::moe_all_reduce") for r in reps]
+            c["ok"] = c["ok"] and all(m == (cfg.layers if world > 1 else 0) for m in c["moe_ops"])
         checks[fused_name] = c
     ok = all(c["ok"] for c in checks.values())
 
@@ -413,12 +546,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
         w = c["as_written"]
         say(f"check {name}: {'ok' if c['ok'] else 'MISMATCH'} against the unfused model in commfuse's rounding order: "
             f"{what}{' (bit-exact expected)' if c['exact_expected'] else ''}; {c['fused_ops']} fused ops"
-            + (f", {c['left_on_evidence']} left to the compiler on evidence" if c["left_on_evidence"] else ""))
+            + (f", {c['left_on_evidence']} left to the compiler on evidence" if c["left_on_evidence"] else "")
+            + (f", commfuse::moe_all_reduce per graph: {c['moe_ops']}" if "moe_ops" in c else ""))
         say(f"  against the unfused model as written ({name.split('/')[0]}/unfused, norm {args.norm}): "
             + ("bit-identical" if w["bit_identical"] else f"relative RMS error {w['rel_rms_err']:.3g}, "
                f"max {w['max_rel_err']:.3g} (the graph's own rounding order, amplified by the random layers)"))
     out = {"size": args.size, "config": asdict(cfg), "world": world, "device": str(device), "backend": comm.backend,
-           "dtype": args.dtype, "norm": args.norm, "quant": args.quant, "collective": args.collective,
+           "dtype": args.dtype, "norm": args.norm, "quant": args.quant, "collective": args.collective, "moe": args.moe,
            "tokens": args.tokens, "decode_steps": args.decode_steps, "inner_backend": inner, "mode": args.mode,
            "rewrite": args.rewrite,
            "steps": step_names, "latency_ms": results, "checks": checks, "ok": ok,

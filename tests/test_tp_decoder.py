@@ -1,5 +1,6 @@
 """examples/tp_decoder.py at CI size: a tensor-parallel Llama decoder over every rank, unfused and with
-commfuse.fusion, eager and compiled (aot_eager on CPU); its checks must pass (bit for bit on CPU)."""
+commfuse.fusion, eager and compiled (aot_eager on CPU), dense or MoE (--moe); its checks must pass (bit for
+bit on CPU)."""
 import importlib.util
 import os
 import sys
@@ -9,6 +10,12 @@ import torch
 
 mpi = pytest.mark.mpi  # any world size: world 1 exercises the local ops, more ranks the all-reduce tails
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(args, tmp_path):
+    example = _example()
+    return example.main(["--size", "tiny", "--layers", "2", "--tokens", "8", "--decode-steps", "2", "--repeats", "1",
+                         "--quiet", "--json", str(tmp_path / "out.json")] + args)
 
 
 def _example():
@@ -25,9 +32,7 @@ def _example():
     ["--quant", "nvfp4", "--collective", "funcol", "--norm", "torch"],
 ])
 def test_tp_decoder_tiny(comm, args, tmp_path):
-    example = _example()
-    res = example.main(["--size", "tiny", "--layers", "2", "--tokens", "8", "--decode-steps", "2", "--repeats", "1",
-                        "--quiet", "--json", str(tmp_path / "out.json")] + args)
+    res = _run(args, tmp_path)
     assert res["ok"], res["checks"]
     world = torch.distributed.get_world_size()
     for name, check in res["checks"].items():
@@ -41,3 +46,32 @@ def test_tp_decoder_tiny(comm, args, tmp_path):
     expect = "commfuse::fused_all_reduce" if world > 1 else "commfuse::fused_add_rmsnorm"
     assert expect in fused and "skipped" in fused, fused
     assert set(res["latency_ms"]) >= {"eager/unfused", "eager/fused"}
+
+
+@mpi
+@pytest.mark.parametrize("args", [
+    ["--moe", "--quant", "fp8", "--compile"],
+    ["--moe", "--shared-expert", "--moe-topk", "3", "--collective", "funcol"],
+])
+def test_tp_moe_decoder_tiny(comm, args, tmp_path):
+    """--moe: each layer's MLP a tensor-parallel MoE block; with an all-reduce (world > 1) every layer's combine
+    + all-reduce + add + norm is one commfuse::moe_all_reduce, checked bit for bit on CPU (<= 2 ranks) against
+    the model with its norms and combines in commfuse's order (the combine: reference.moe_reduce)."""
+    res = _run(args, tmp_path)
+    assert res["ok"], res["checks"]
+    assert res["moe"] and res["config"]["experts"] == 4
+    world = torch.distributed.get_world_size()
+    for name, check in res["checks"].items():
+        if res["device"] == "cpu" and world <= 2:
+            assert check["bit_identical"], (name, check)
+        matched = check["fused_ops"] + check["left_on_evidence"]  # as the dense model: 2 tails a layer + the first norm
+        assert matched >= 2 * (2 * 2 + 1) and matched % (2 * 2 + 1) == 0, (name, check)
+        assert check["moe_ops"] and all(m == (2 if world > 1 else 0) for m in check["moe_ops"]), (name, check)
+    reps = [r for reps in res["reports"].values() for r in reps]
+    if world > 1:  # one per layer in every graph (prefill, decode)
+        assert all(r.count("-> commfuse::moe_all_reduce") == 2 for r in reps), reps
+        assert all("(y * w.unsqueeze(-1)).sum(dim=1).to(bfloat16)" in r for r in reps), reps
+        if "--shared-expert" in args:
+            assert all("+ shared (" in r for r in reps), reps
+    else:  # no all-reduce in the model: the combine stays, its add + norm are the local op
+        assert not any("moe_all_reduce" in r for r in reps) and all("commfuse::fused_add_rmsnorm" in r for r in reps)
