@@ -280,6 +280,29 @@ def test_fp8_norm_with_several_consumers_keeps_the_norm(quiet_comm, gen):
 
 
 @mpi
+def test_fp8_through_a_view_other_nodes_read_is_reported(quiet_comm, gen):
+    """The quantization reads the norm through a view that a router linear reads too (a MoE block's
+    x.view(-1, h)): not fused, and the report says why (it used to pass over it in silence)."""
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+
+    def layer(x, residual, weight, wo, scale):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + y
+        flat = hf_norm(h, weight).view(-1, 128)
+        return fp8(flat, scale), F.linear(flat, wo).sum(), flat, h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1} and report.fused[0].quant is None, report
+    why = _skip_reasons(report, "quantization")
+    assert len(why) == 1 and "quantizes the norm through flat" in why[0] and "also reads" in why[0], report
+    q, _, flat, h = got
+    assert bits_equal(q, reference.quantize_fp8(flat, scale)), "the graph's own quantization of the fused norm"
+    assert_rounding_order_close([q, flat, h], [want[0], want[2], want[3]], ["fp8", "norm", "residual"])
+
+
+@mpi
 @pytest.mark.parametrize("sf_layout", ["swizzled", "linear"])
 def test_nvfp4_through_commfuse_quantize(quiet_comm, gen, sf_layout):
     c = quiet_comm

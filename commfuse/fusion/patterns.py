@@ -536,6 +536,16 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
         prev, cur = cur, _single_user(cur)
     if views and G.hidden(prev) != h:
         return None
+    if G.passthrough(cur) and len(cur.users) > 1 and not _is_cast_to(cur, _F32):
+        # A view that a quantization and other nodes read: the fused op's codes would replace the view's
+        # value for one reader only. Said, rather than passed over as "not a quantization".
+        for u in cur.users:
+            q = match_quant(cur, u, h)
+            if isinstance(q, Quant):
+                rest = ", ".join(o.name for o in cur.users if o is not u)
+                return Mismatch(f"{q.final.name} quantizes the norm through {cur.name}, which {rest} also reads: "
+                                "fused only where the quantization has the view (or the norm) to itself")
+        return None
     k = G.kind(cur)
     if k == "cf_quantize":
         if G.operand(cur, 0, "x") is not prev:
