@@ -132,7 +132,9 @@ class Communicator:
                                 os.environ.get("COMMFUSE_DISABLE_FUSION") != "1",
                                 self.workspace.limits if self.workspace is not None else None,
                                 tuple(self.topology.reasons))
-        self._check_group = self._open_check_group()
+        # The gloo route's exchange needs the check group at every call; an NCCL group's Communicator makes
+        # it at its first COMMFUSE_CHECK comparison (no gloo connections where nothing checks).
+        self._check_group = self._open_check_group() if self.backend == "gloo" else None
         self._resources = Resources(self.group, self.device, self.workspace, self._nccl, self._check_group)
         # A hit must not skip the P2P error check: the table reads the workspace's error word itself.
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
@@ -320,11 +322,13 @@ class Communicator:
         outside [-1, R).
         """
         t, _, h = checks.moe(y, weights, row_index, shared, self.device)
-        if isinstance(residual, torch.Tensor) and (tuple(residual.shape) != (t, h) or residual.dtype != y.dtype):
+        checks.x_hidden(residual, self.device, name="residual")
+        if tuple(residual.shape) != (t, h) or residual.dtype != y.dtype:
             raise ValueError(f"residual must have shape [t, h] = {[t, h]} and y's dtype {y.dtype}, got "
                              f"{tuple(residual.shape)} {residual.dtype}")
         spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        checks.tail(residual, residual, weight, scale, spec, self.device)  # residual stands for the combined rows
+        # residual stands for the combined rows (their shape, dtype and device) in the tail's checks
+        checks.tail(residual, residual, weight, scale, spec, self.device, x_name="residual")
         inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))
         if out is not None:
             checks.out(out, spec.outputs(t, h, y.dtype), self.device)
@@ -376,5 +380,8 @@ class Communicator:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang or sum the
         wrong bytes): COMMFUSE_CHECK's comparison of `signature`, one 16-byte all-gather over the check
         group (routes.exchange_signature): CallMismatchError naming every rank's call, or CallTimeoutError
-        after COMMFUSE_GLOO_TIMEOUT_S where a rank skipped the call."""
+        after COMMFUSE_GLOO_TIMEOUT_S where a rank skipped the call. An NCCL group's Communicator makes its
+        check group here, at its first comparison: every rank's first checked call, a collective point."""
+        if self._check_group is None:
+            self._check_group = self._open_check_group()
         routes.exchange_signature(self._check_group, str(signature), 0)

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 from torch import Tensor
 
 from . import reference, routes
-from .kernels.moe_combine import MOE_COMBINE, run
+from .kernels.moe_combine import MOE_COMBINE, index_limits, run
 from .kernels.moe_tail import MOE_TAIL
 from .tail.spec import TailSpec
 
@@ -43,9 +43,8 @@ def fused_rejects(y: Tensor, weights: Tensor, residual: Tensor, weight: Tensor, 
     call = routes.Call.of("fused", residual, residual, weight, scale if isinstance(scale, Tensor) else None,
                           spec=spec)  # the combined rows: residual's shape, dtype and device
     why = routes.tail_guard(call, m) or MOE_TAIL.rejects(y.dtype, m.sm or (0, 0), y.shape[-1], weights.shape[0],
-                                                          spec, m.world_size)
-    if why is None and (y.shape[0] >= 1 << 31 or weights.numel() >= 1 << 31):
-        why = f"{y.shape[0]} rows or {weights.numel()} slots exceed the kernel's int indices"
+                                                          spec, m.world_size) or \
+        index_limits(MOE_TAIL.name, weights.shape[0], weights.shape[1], y.shape[0])
     return f"moe_tail: {why}" if why and not why.startswith(MOE_TAIL.name) else why
 
 

@@ -200,7 +200,9 @@ def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optio
     idx = row_index.long()
     if idx.numel() and ((idx < -1) | (idx >= rows.shape[0])).any():
         raise ValueError(f"row_index must hold rows in [-1, {rows.shape[0]}), got {int(idx.min())} .. {int(idx.max())}")
-    return _combine(t, k, rows.shape[1], lambda j: rows[idx[:, j].clamp_min(0)], weights, shared, rows.dtype,
+    # A dropped slot reads row 0 and is then left out (kept); with no rows at all, a row of zeros stands in.
+    src = rows if rows.shape[0] else rows.new_zeros(1, rows.shape[1])
+    return _combine(t, k, rows.shape[1], lambda j: src[idx[:, j].clamp_min(0)], weights, shared, rows.dtype,
                     rows.device, kept=idx >= 0)
 
 

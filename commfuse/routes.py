@@ -569,6 +569,8 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     bufs = [torch.empty_like(mine) for _ in range(world)]
     try:
         dist.all_gather(bufs, mine, group=check_group)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
         BROKEN_CHECK_GROUPS.append(check_group)
         raise CallTimeoutError(f"rank {dist.get_rank(check_group)}: not every rank made the call {text} within the "

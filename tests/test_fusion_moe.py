@@ -273,6 +273,26 @@ def test_combine_read_elsewhere_is_not_replaced(quiet_comm, gen):
 
 
 @mpi
+def test_shared_add_with_alpha_is_not_the_combine(quiet_comm, gen):
+    """torch.add(routed, shared, alpha=2) in float32 scales the shared term: not the op's combine, so the
+    combine stays in the graph (the tail is still fused) and the outputs are the graph's."""
+    t, k, h = 6, 2, 64
+    c = quiet_comm
+    args, _ = moe_setup(c, gen, t, h)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        w, sel = route(x, router, k, "f32")
+        rows = expert_rows(x, sel, w_up, w_down)
+        routed = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
+        shared = F.linear(F.silu(F.linear(x, ws_up)), ws_down)
+        return _tail(torch.add(routed, shared.float(), alpha=2.0).to(x.dtype), residual, weight)
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert_same(got, want)
+
+
+@mpi
 def test_gathered_rows_are_not_matched(quiet_comm, gen):
     def combine(x, rows, w, t, k, h):  # HF grouped_mm's order: weighted rows permuted back before the sum
         perm = torch.arange(t * k - 1, -1, -1, device=x.device)
@@ -309,5 +329,5 @@ def test_index_add_combine_is_reported(quiet_comm, gen):
         pytest.skip(f"dynamo does not trace the per-expert loop in one graph here: {type(e).__name__}")
     assert counts(gm) == {FUSED_AR: 1}, report
     (s,) = [s for s in report.skipped if s.what == "moe combine"]
-    assert s.kind == "pattern" and "index_add_ over data-dependent rows" in s.reason, report
+    assert s.kind == "pattern" and "index_add_ of expert rows" in s.reason, report
     assert_same(got, want)

@@ -113,6 +113,7 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
         (TypeError, "row_index must be int32 or int64", dict(y=y.view(t * k, h), row_index=w)),
         (ValueError, "residual must have shape \\[t, h\\]", dict(residual=residual[:2])),
         (TypeError, "y must be a torch.Tensor", dict(y=[1.0])),
+        (TypeError, "residual must be a torch.Tensor", dict(residual=None)),
     ]
     for err, match, kw in cases:
         args = dict(y=y, w=w, residual=residual, row_index=None, shared=None)
@@ -120,6 +121,8 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
         with pytest.raises(err, match=match):
             comm.moe_all_reduce(args["y"], args["w"], args["residual"], weight, row_index=args["row_index"],
                                 shared=args["shared"])
+    with pytest.raises(TypeError, match="weight dtype torch.float16 must match residual dtype"):
+        comm.moe_all_reduce(y, w, residual, weight.half())
     if dev.type == "cpu":  # the reference reads the indices; the kernel makes the token's row NaN instead
         bad = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]], dtype=torch.int32, device=dev)  # row 8 of 8 rows
         with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):

@@ -61,3 +61,11 @@ def test_arguments_are_checked():
         R.moe_finalize(rows, torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
     with pytest.raises(ValueError, match="weights must be"):
         R.moe_finalize(rows, torch.tensor([[0, 1]]), torch.ones(1, 3))
+
+
+def test_finalize_with_every_slot_dropped_and_no_rows():
+    """No row is read for a dropped slot, also where there are none: the shared output alone (or zeros)."""
+    shared = torch.tensor([[1.5, -0.0]], dtype=torch.bfloat16)
+    got = R.moe_finalize(torch.empty(0, 2, dtype=torch.bfloat16), torch.full((1, 3), -1), torch.ones(1, 3),
+                                 shared)
+    assert torch.equal(got.view(torch.int16), shared.view(torch.int16))  # -0.0 stays -0.0

@@ -667,7 +667,6 @@ class MoeCombine:
     notes: List[str] = field(default_factory=list)
     y_rows: bool = False
     w_rows: bool = False
-    sum_node: Optional[fx.Node] = None
 
 
 def _strip_views(n, nodes: list):
@@ -740,6 +739,8 @@ def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
     if core is None and shared is None and _is_cast_to(cur, t_dtype) and G.kind(G.source(cur)) == "add":
         # (routed_f32 + shared).to(T): the shared output added in float32 after the routed sum.
         add = G.source(cur)
+        if "alpha" in add.kwargs or len(add.args) > 2:  # torch.add(a, b, alpha=...) scales one term
+            return None
         a, b = _binary(add)
         for c, s in ((a, b), (b, a)):
             if not (isinstance(c, fx.Node) and isinstance(s, fx.Node)) or G.dtype(add) != _F32:
@@ -786,7 +787,7 @@ def _routed_sum_core(s: fx.Node, t_dtype):
     if not isinstance(m, fx.Node) or _rank(m) != 3:
         return None
     dim, keepdim = _sum_dims(s)
-    if dim is None:
+    if dim is None or keepdim:
         return None
     # Which layout: the products as [t, k, h] (y viewed first), or rows [t*k, h] viewed after the multiply.
     nodes = [s]
@@ -845,7 +846,7 @@ def _routed_sum_core(s: fx.Node, t_dtype):
         return Mismatch(f"the routing weights {w.name} are {_dt(G.dtype(w))}: commfuse::moe_all_reduce takes float32 "
                         f"or {_dt(t_dtype)} weights", "guard")
     rows_txt = "(rows * w[:, None]).view(t, k, h)" if rows else "(y * w.unsqueeze(-1))"
-    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod, sum=s, keepdim=keepdim,
+    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod,
                 spelling=f"{rows_txt}.sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
 
 
@@ -878,10 +879,10 @@ def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
                      "terms cancel")
     return MoeCombine(y=core["y"], weights=core["w"], shared=shared, k=k, nodes=_dedupe(nodes + core["nodes"]),
                       spelling=core["spelling"] + spelling_tail, notes=notes, y_rows=core["y_rows"],
-                      w_rows=core["w_rows"], sum_node=core["sum"])
+                      w_rows=core["w_rows"])
 
 
-def index_add_combine(x: fx.Node, positions: dict) -> Optional[fx.Node]:
+def index_add_combine(x: fx.Node) -> Optional[fx.Node]:
     """The first index_add / index_add_ that writes the all-reduced tensor x (HF Mixtral's per-expert loop:
     `final.index_add_(0, token_idx, expert_out * routing_weights[token_idx, slot, None])`), or None."""
     nodes: list = []

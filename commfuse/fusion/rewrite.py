@@ -189,7 +189,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     kind = "gated" if norm.gated else "all_reduce" if ar is not None else "local"
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
-    moe = _moe_combine(ar, norm, h, report, positions) if kind == "all_reduce" else None
+    moe = _moe_combine(ar, norm, h, report) if kind == "all_reduce" else None
     if kind != "all_reduce":
         quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
         rewrite, compiler = policy
@@ -336,17 +336,17 @@ _MOE_COMBINE_ROUTE = ("combine: one kernel with the tail at world size 1, else t
                       "collective on CUDA tensors, commfuse.reference's ops elsewhere (the call's plan.combine)")
 
 
-def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport, positions: dict):
+def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
     """The MoE combine the all-reduce reads (patterns.match_moe_combine), or None: its skip reasons are
     reported, and the all-reduce + add + RMSNorm then become commfuse::fused_all_reduce as usual."""
     then = "; the all-reduce + add + RMSNorm become commfuse::fused_all_reduce, the combine stays in the graph"
     found = P.match_moe_combine(ar.x, G.dtype(norm.input))
     if found is None:
-        ia = P.index_add_combine(ar.x, positions)
+        ia = P.index_add_combine(ar.x)
         if ia is not None:
-            report.skipped.append(Skipped(ia.name, "moe combine", "the combine is an index_add_ over data-dependent "
-                                          "rows (a loop over experts, each adding its tokens' weighted outputs at "
-                                          "rows found by torch.where / nonzero): not matched" + then, "pattern"))
+            report.skipped.append(Skipped(ia.name, "moe combine", "the combine is an index_add_ of expert rows (HF "
+                                          "Mixtral's loop over experts): not matched, only a weighted sum over the "
+                                          "top-k axis is" + then, "pattern"))
         return None
     if isinstance(found, P.Mismatch):
         report.skipped.append(Skipped(ar.x.name, "moe combine", found.reason + then, found.kind))

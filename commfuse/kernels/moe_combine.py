@@ -17,11 +17,18 @@ from .family import CTYPE, Family, Limits
 from ..tail.spec import OutputSpec
 from .launch import allocate, operand
 
-__all__ = ["MOE_COMBINE", "SOURCE", "variants", "run", "warmup"]
+__all__ = ["MOE_COMBINE", "SOURCE", "variants", "run", "warmup", "index_limits"]
 
 SOURCE = "moe_combine.cu"
 MAX_THREADS = 256  # __launch_bounds__ of csrc/moe_combine.cu
 FORMS = {None: 0, torch.int32: 1, torch.int64: 2}  # kCombine*: reduction, finalize with int32 / int64 indices
+
+
+def index_limits(name: str, t: int, k: int, rows: int) -> Optional[str]:
+    """Why the MoE kernels' int fields cannot hold t tokens of k slots over y's `rows` (None when they can)."""
+    if t * k >= 1 << 31 or rows >= 1 << 31:
+        return f"{name}: {t} tokens x {k} slots (or {rows} rows) exceed the kernel's int indices"
+    return None
 
 
 class MoeCombine(Family):
@@ -48,9 +55,7 @@ class MoeCombine(Family):
             return why
         if h % 8:
             return f"{self.name}: hidden size {h} must be a multiple of 8"
-        if t * k >= 1 << 31 or t >= self.limits.max_tokens or rows >= 1 << 31:
-            return f"{self.name}: {t} tokens x {k} slots (or {rows} rows) exceed the kernel's int indices"
-        return None
+        return index_limits(self.name, t, k, rows)
 
 
 MOE_COMBINE = MoeCombine()

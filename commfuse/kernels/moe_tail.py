@@ -21,7 +21,7 @@ from . import fused_tail, params
 from .family import CTYPE, Family, Limits
 from .launch import X, Z, Launch, LaunchPlan, PyLauncher, operand, tail_fields, tail_patches
 
-__all__ = ["MOE_TAIL", "variants", "run"]
+__all__ = ["MOE_TAIL", "variants", "run", "warmup"]
 
 SOURCE = fused_tail.SOURCE
 FORMS = (0, 1)  # kCombineReduction, kCombineFinalize32 (csrc/moe.cuh)
@@ -66,6 +66,12 @@ MOE_TAIL = MoeTail()
 def variants() -> List[str]:
     """Every name expression the library may launch (the CPU build test compiles them all)."""
     return MOE_TAIL.variants()
+
+
+def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
+    """Compile and load the variants world-1 moe_all_reduce calls of (dtype, quant, hidden) may launch, both
+    forms, any number of tokens, on `device` (default: current), so later calls can be captured."""
+    MOE_TAIL.warmup(dtype, TailSpec.of(quant), hidden, device)
 
 
 def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, out=None) -> tuple:

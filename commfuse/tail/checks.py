@@ -37,15 +37,16 @@ def _tensor(name: str, t) -> Tensor:
     return t
 
 
-def x_hidden(x, device: Optional[torch.device], where: str = "this communicator works on") -> int:
-    """h of x [..., h], checked: a tensor of fp16 / bf16 / fp32 with h > 0 on `device` (None: any)."""
-    _tensor("x", x)
+def x_hidden(x, device: Optional[torch.device], where: str = "this communicator works on", name: str = "x") -> int:
+    """h of x [..., h], checked: a tensor of fp16 / bf16 / fp32 with h > 0 on `device` (None: any); `name`
+    is what the errors call it."""
+    _tensor(name, x)
     if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     if x.dtype not in DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
     if device is not None:
-        same_device("x", x, device, where)
+        same_device(name, x, device, where)
     return x.shape[-1]
 
 
@@ -58,12 +59,12 @@ def _like_x(name: str, t, x: Tensor, device: torch.device, where: str) -> None:
     same_device(name, t, device, where)
 
 
-def _weight(weight, x: Tensor, h: int, device: torch.device, where: str) -> None:
+def _weight(weight, x: Tensor, h: int, device: torch.device, where: str, x_name: str = "x") -> None:
     _tensor("weight", weight)
     if weight.dim() != 1 or weight.numel() != h:
-        raise ValueError(f"weight must have shape [{h}] (x's hidden size), got {tuple(weight.shape)}")
+        raise ValueError(f"weight must have shape [{h}] ({x_name}'s hidden size), got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+        raise TypeError(f"weight dtype {weight.dtype} must match {x_name} dtype {x.dtype}")
     same_device("weight", weight, device, where)
 
 
@@ -107,16 +108,17 @@ def scale_value(s) -> None:
 
 
 def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device], *, residual_optional: bool = False,
-         where: str = "this communicator works on") -> int:
-    """A tail call's tensors (fused_all_reduce, fused_add_rmsnorm): h, checked."""
-    h = x_hidden(x, device, where)
+         where: str = "this communicator works on", x_name: str = "x") -> int:
+    """A tail call's tensors (fused_all_reduce, fused_add_rmsnorm): h, checked; `x_name`: what the errors
+    call x (moe_all_reduce passes its residual, which stands for the combined rows)."""
+    h = x_hidden(x, device, where, x_name)
     device = x.device if device is None else device
     if residual is None:
         if not residual_optional:
             raise TypeError("residual must be a tensor of x's shape (all_reduce is the call without a tail)")
     else:
         _like_x("residual", residual, x, device, where)
-    _weight(weight, x, h, device, where)
+    _weight(weight, x, h, device, where, x_name)
     scale(spec, s, h, device)
     return h
 
