@@ -6,6 +6,8 @@
 # N may exceed the GPUs: the ranks then share them (commfuse.init_distributed picks gloo; a correctness
 # mode), time-sliced by the GPU, or run at once under MPS. Logs go to $OUT (or ./logs) as one tarball
 # plus a summary; several calls in one command (world sizes 2, 4, 8) share $OUT: set COMMFUSE_RUN_TAG.
+# Bound a test stage with COMMFUSE_TEST_TIMEOUT (seconds; test.sh's timeout kills its mpirun): a timeout
+# around device.sh itself cannot, since bash waits for the running stage before it handles the signal.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=2
