@@ -167,18 +167,26 @@ def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatch):
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, check):
     """Rank 0 calls, the others skip the call: rank 0 raises CallTimeoutError after COMMFUSE_GLOO_TIMEOUT_S,
-    not after the process group's timeout; the group itself stays usable."""
+    not after the process group's timeout, and the group itself stays usable. Two checks bound it: the
+    gloo route's exchange, and COMMFUSE_CHECK's comparison (check_calls), which runs over the gloo check
+    group on every route, NCCL's included."""
     import time
 
     monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
-    if comm.backend != "gloo":
-        pytest.skip(f"a {comm.backend} group: this bound is the gloo route's")
-    c = Communicator(comm.group, strategy="nccl")  # off P2P where ranks share a GPU
-    c.check_calls = False
+    if check == "gloo route":
+        if comm.backend != "gloo":
+            pytest.skip(f"a {comm.backend} group: this bound is the gloo route's")
+        c = Communicator(comm.group, strategy="nccl")  # off P2P where ranks share a GPU
+        c.check_calls = False
+    else:
+        c = Communicator(comm.group)
+        c.check_calls = True
     x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
-    assert c.plan(x).collective == "gloo", c.plan(x)
+    if check == "gloo route":
+        assert c.plan(x).collective == "gloo", c.plan(x)
     if dist.get_rank(c.group) == 0:
         t0 = time.monotonic()
         with pytest.raises(commfuse.CallTimeoutError, match="not every rank made the call"):
@@ -186,27 +194,6 @@ def test_gloo_route_skipped_call_raises_within_its_timeout(comm, gen, monkeypatc
         waited = time.monotonic() - t0
         assert 1.5 < waited < 10, f"raised after {waited:.1f} s"
     dist.barrier(comm.group)  # the communicator's own group has nothing pending
-    assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)), torch.full((3,), float(comm.world_size), device=comm.device))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_checked_calls_bound_a_skipped_call_on_every_route(comm, gen, monkeypatch):
-    """COMMFUSE_CHECK's comparison (check_calls) runs over the gloo check group on every route, NCCL's
-    included: rank 0 calls, the others skip, and rank 0 raises CallTimeoutError after
-    COMMFUSE_GLOO_TIMEOUT_S instead of waiting in the collective."""
-    import time
-
-    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
-    c = Communicator(comm.group)
-    c.check_calls = True
-    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
-    if dist.get_rank(c.group) == 0:
-        t0 = time.monotonic()
-        with pytest.raises(commfuse.CallTimeoutError, match="not every rank made the call"):
-            c.all_reduce(x)
-        waited = time.monotonic() - t0
-        assert 1.5 < waited < 10, f"raised after {waited:.1f} s"
-    dist.barrier(comm.group)
     assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)),
                        torch.full((3,), float(comm.world_size), device=comm.device))
 
