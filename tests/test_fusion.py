@@ -141,6 +141,13 @@ def setup(comm, gen, t=6, h=128, dtype=BF16, quant=None, shape=None):
     return x, residual, weight, scale, wo
 
 
+def all_reduced_sum(x, residual, wo):
+    """A row-parallel projection's end as models write it: linear, in-place dist.all_reduce, residual add."""
+    y = F.linear(x, wo)
+    dist.all_reduce(y)
+    return residual + y
+
+
 def hf_norm(h, w, eps=1e-6):
     """HF LlamaRMSNorm.forward (Qwen2 and Mistral write the same)."""
     input_dtype = h.dtype
@@ -239,9 +246,7 @@ def test_fp8_consumer_feeding_scaled_mm(quiet_comm, gen, norm):
     w_scale = torch.tensor([0.01], device=c.device)
 
     def layer(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         n = NORMS[norm](h, weight)
         q = fp8(n, scale)
         out = torch._scaled_mm(q, wq.t(), scale_a=scale, scale_b=w_scale, out_dtype=BF16)
@@ -263,9 +268,7 @@ def test_fp8_norm_with_several_consumers_keeps_the_norm(quiet_comm, gen):
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
 
     def layer(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         n = hf_norm(h, weight)
         q1, q2 = fp8(n, scale), fp8(n, scale)  # e.g. two projections sharing the input scale
         return q1, q2, n * 2, h + 1  # the norm read elsewhere; the residual used later
@@ -287,9 +290,7 @@ def test_fp8_through_a_view_other_nodes_read_is_reported(quiet_comm, gen):
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
 
     def layer(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         flat = hf_norm(h, weight).view(-1, 128)
         return fp8(flat, scale), F.linear(flat, wo).sum(), flat, h
 
@@ -394,9 +395,7 @@ def test_layers_chain_and_report_prints(quiet_comm, gen):
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
 
     def two(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         q = fp8(torch_norm(h, weight), scale)
         y2 = F.linear(q.to(BF16), wo)
         dist.all_reduce(y2)
@@ -423,9 +422,7 @@ def test_nvfp4_needs_h_multiple_of_16(quiet_comm, gen):
     x, residual, weight, scale, wo = setup(c, gen, h=40, quant="nvfp4")
 
     def layer(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         # the op itself
         return torch.ops.commfuse.quantize(torch_norm(h, weight), scale, "nvfp4", "swizzled")
 
@@ -441,9 +438,7 @@ def test_fp32_activations_are_skipped(quiet_comm, gen):
     x, residual, weight, _, wo = setup(c, gen, dtype=torch.float32)
 
     def layer(x, residual, weight, wo):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         return hf_norm(h, weight), h
 
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
@@ -559,9 +554,7 @@ def test_consumers_with_different_scales(quiet_comm, gen):
     scale2 = scale * 2
 
     def layer(x, residual, weight, wo, scale, scale2):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         n = torch_norm(h, weight)
         return fp8(n, scale), fp8(n, scale2), h
 
@@ -597,9 +590,7 @@ def test_unclamped_fp8_cast_and_python_scale_are_not_fused(quiet_comm, gen):
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
 
     def layer(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         n = torch_norm(h, weight)
         return (n / scale).to(torch.float8_e4m3fn), (n / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn), h
 
@@ -616,9 +607,7 @@ def test_gemma_norm_fuses_with_the_all_reduce(quiet_comm, gen):
     x, residual, weight, _, wo = setup(c, gen)
 
     def layer(x, residual, weight, wo):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         return gemma_norm(h, weight), h
 
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
@@ -825,9 +814,7 @@ def test_auto_rewrites_collective_tails_for_inductor(quiet_comm, gen):
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
 
     def layer(x, residual, weight, wo, scale):
-        y = F.linear(x, wo)
-        dist.all_reduce(y)
-        h = residual + y
+        h = all_reduced_sum(x, residual, wo)
         return fp8(hf_norm(h, weight), scale), h
 
     gm, inputs = capture(layer, x, residual, weight, wo, scale)
