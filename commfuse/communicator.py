@@ -145,8 +145,8 @@ class Communicator:
     def _open_check_group(self):
         """The call checks (the gloo route's signature exchange, and COMMFUSE_CHECK's on every route) run
         over a gloo group of their own whose timeout, COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P
-        route's), bounds how long a call waits for a rank that skipped it or died; the group's own timeout stays the caller's for everything else.
-        Only this group's ranks take part in making it, and the Communicators of one group with one
+        route's), bounds how long a call waits for a rank that skipped it or died; the group's own timeout
+        stays the caller's for everything else. Only this group's ranks take part in making it, and the Communicators of one group with one
         timeout share it (each gloo group holds sockets and threads) until a call times out on it.
         A Communicator whose call timed out stays unusable; later ones get a new check group."""
         timeout = float(os.environ.get("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S))
@@ -329,11 +329,12 @@ class Communicator:
         spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
         # residual stands for the combined rows (their shape, dtype and device) in the tail's checks
         checks.tail(residual, residual, weight, scale, spec, self.device, x_name="residual")
-        inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))
         if out is not None:
-            checks.out(out, spec.outputs(t, h, y.dtype), self.device)
-            checks.no_overlap(checks.OUT_NAMES, checks.fields_of(out), spec.outputs(t, h, y.dtype),
-                              inputs + (("residual", residual), ("weight", weight), ("scale", scale)))
+            outputs = spec.outputs(t, h, y.dtype)
+            checks.out(out, outputs, self.device)
+            checks.no_overlap(checks.OUT_NAMES, checks.fields_of(out), outputs,
+                              (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared),
+                               ("residual", residual), ("weight", weight), ("scale", scale)))
         unfused = moe.fused_rejects(y, weights, residual, weight, scale, spec, self._machine)
         if unfused is None:
             key = ("fused",)

@@ -10,6 +10,7 @@ row indices: `run` converts T weights and int64 indices first (exactly: [t, k] t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import List, Optional
 
@@ -74,13 +75,18 @@ def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -
     MOE_TAIL.warmup(dtype, TailSpec.of(quant), hidden, device)
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(dtype, form, t, k, h, rows, spec, device_index) -> LaunchPlan:
+    return MOE_TAIL.plan(dtype, form, t, k, h, rows, spec, device_index)  # once per signature
+
+
 def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, out=None) -> tuple:
     """The five outputs (reference.Tail's order) of checked CUDA tensors that MOE_TAIL accepts (commfuse.moe
     plans it); out as for Communicator.fused_all_reduce."""
     t, k = weights.shape
     h = y.shape[-1]
     form = 0 if row_index is None else 1
-    plan = MOE_TAIL.plan(y.dtype, form, t, k, h, y.shape[0] if form else 0, spec, y.device.index)
+    plan = _plan(y.dtype, form, t, k, h, y.shape[0] if form else 0, spec, y.device.index)
     # int32 indices; an int64 one outside [-1, rows) stays outside (-2 or rows), which the kernel flags
     idx = None if row_index is None else row_index.clamp(-2, y.shape[0]).to(torch.int32).contiguous()
     shared = None if shared is None else operand(shared)
