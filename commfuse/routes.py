@@ -546,8 +546,9 @@ class CallMismatchError(ValueError):
 
 
 class CallTimeoutError(RuntimeError):
-    """Not every rank made this call within the gloo route's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank
-    skipped it, died, or lags that far behind. The communicator is unusable afterwards."""
+    """Not every rank made this call within the call check's timeout (COMMFUSE_GLOO_TIMEOUT_S: the gloo
+    route's exchange, or COMMFUSE_CHECK's on any route): a rank skipped it, died, or lags that far behind.
+    The communicator is unusable afterwards (docs/guards.md section 5)."""
 
 
 BROKEN_CHECK_GROUPS: list = []  # check groups a call timed out on (their pairs are closed): never reused
