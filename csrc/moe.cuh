@@ -43,7 +43,11 @@ __device__ __forceinline__ bool combine_bad_row(const MoeCombineParams& p, int r
   return bad;
 }
 
-// The combined vector v of token `row`, rounded to T (bad: combine_bad_row's answer).
+// The combined vector v of token `row`, rounded to T (bad: combine_bad_row's answer). The slots go in
+// chunks of kCombineChunk whose index, weight and row loads are all issued before the first sum: one
+// memory latency a chunk instead of one (two in the finalize form) a slot. The sums stay in slot order.
+constexpr int kCombineChunk = 4;
+
 template <typename T, typename W, int FORM>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, bool bad) {
   const size_t slot0 = static_cast<size_t>(row) * p.k;
@@ -54,19 +58,36 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
   }
-  for (int j = 0; j < p.k && !bad; ++j) {
-    long long r;
-    if constexpr (FORM == kCombineReduction) {
-      r = static_cast<long long>(slot0 + j);
-    } else {
-      r = combine_row_index<FORM>(p, slot0 + j);
-      if (r < 0) continue;  // a dropped slot: its step is left out, its row not read
-    }
-    const float w = weight_f32<W>(p.weights, slot0 + j);
-    float y[8];
-    unpack8<T>(reinterpret_cast<const uint4*>(static_cast<const T*>(p.y) + static_cast<size_t>(r) * p.h)[v], y);
+  for (int j0 = 0; j0 < p.k && !bad; j0 += kCombineChunk) {
+    long long r[kCombineChunk];  // -1: past k, or a dropped slot (its step is left out, its row not read)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, y[e]));
+    for (int c = 0; c < kCombineChunk; ++c) {
+      const int j = j0 + c;
+      if constexpr (FORM == kCombineReduction) {
+        r[c] = j < p.k ? static_cast<long long>(slot0 + j) : -1;
+      } else {
+        r[c] = j < p.k ? combine_row_index<FORM>(p, slot0 + j) : -1;
+      }
+    }
+    float w[kCombineChunk];
+    uint4 yv[kCombineChunk];
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) {
+      w[c] = 0.0f;
+      yv[c] = make_uint4(0, 0, 0, 0);
+      if (r[c] >= 0) {
+        w[c] = weight_f32<W>(p.weights, slot0 + j0 + c);
+        yv[c] = reinterpret_cast<const uint4*>(static_cast<const T*>(p.y) + static_cast<size_t>(r[c]) * p.h)[v];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) {
+      if (r[c] < 0) continue;
+      float y[8];
+      unpack8<T>(yv[c], y);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[c], y[e]));
+    }
   }
   if (bad) {
 #pragma unroll

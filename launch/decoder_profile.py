@@ -9,8 +9,10 @@ C++ op kernels call commfuse.ops' Python kernels on a plan-table miss; here they
 decode steps back to back (the host's pace); with PROFILE=1 also torch.profiler's table of 5 decode
 steps by self CPU time, and a run under torch.cuda's sync debug mode (a warning per synchronising call).
 
-Usage (one GPU): [PMODE=reduce-overhead] [PROFILE=1] python launch/decoder_profile.py   (PMODE: the mode)
+Usage (one GPU): [PMODE=reduce-overhead] [ORDER=unfused,fused-all] [PROFILE=1] python launch/decoder_profile.py
+(PMODE: the mode; ORDER: the columns in order, default the five above; one column: a fresh process's)
 """
+import gc
 import os
 import statistics
 import sys
@@ -43,6 +45,7 @@ g = torch.Generator().manual_seed(1234)
 prompt = torch.randint(0, cfg.vocab, (1, 16), generator=g).to(dev)
 decode = torch.randint(0, cfg.vocab, (1, 4), generator=g).to(dev)
 mode = os.environ.get("PMODE") or None
+ORDER = (os.environ.get("ORDER") or "unfused,fused-all,unfused,fused-all,fused-auto").split(",")
 make = {
     "unfused": lambda: torch.compile(model.forward, backend="inductor", mode=mode, fullgraph=True),
     "fused-all": lambda: commfuse.fusion.compile(model.forward, comm, backend="inductor", mode=mode, fullgraph=True,
@@ -52,7 +55,7 @@ make = {
 }
 print(f"decoder_profile: 8b, 4 layers, fp8, world 1 on {dev}, mode {mode}", flush=True)
 with torch.inference_mode():
-    for name in ("unfused", "fused-all", "unfused", "fused-all", "fused-auto"):
+    for name in ORDER:
         torch._dynamo.reset()
         fn = make[name]()
         td.run_steps(model, fn, prompt, decode, dev)  # warm-up and compilation
@@ -68,7 +71,8 @@ with torch.inference_mode():
         pace = (time.perf_counter() - t0) / 20 * 1e3
         torch.cuda.synchronize()
         print(f"== {name:10s} steps (ms) " + " ".join(f"{s:6.3f}" for s in steps) + f"  total {sum(steps):7.3f}; "
-              f"back-to-back decode {pace:.3f} ms; Python fallbacks per sequence {fell_back:g}", flush=True)
+              f"back-to-back decode {pace:.3f} ms; Python fallbacks per sequence {fell_back:g}; "
+              f"{len(gc.get_objects())} Python objects, {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
         if os.environ.get("PROFILE") == "1":
             torch.cuda.set_sync_debug_mode(1)
             fn(tok, 18)

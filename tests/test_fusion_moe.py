@@ -188,8 +188,9 @@ def test_hf_mixtral_batched_mm_block(quiet_comm, gen):
     block.gate.weight.data = (torch.randn(E, h, generator=gen) / h ** 0.5).to(BF16)  # the router: replicated
     norm = MixtralRMSNorm(h, eps=1e-5).to(BF16)
     norm.weight.data = (1 + 0.1 * torch.randn(h, generator=gen)).to(BF16)
-    x = torch.randn(1, 5, h, generator=gen).to(BF16)
-    residual = torch.randn(1, 5, h, generator=gen).to(BF16)
+    block, norm = block.to(c.device), norm.to(c.device)
+    x = torch.randn(1, 5, h, generator=gen).to(BF16).to(c.device)
+    residual = torch.randn(1, 5, h, generator=gen).to(BF16).to(c.device)
 
     def layer(x, residual):
         out = block(x)

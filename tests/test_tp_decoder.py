@@ -74,4 +74,6 @@ def test_tp_moe_decoder_tiny(comm, args, tmp_path):
         if "--shared-expert" in args:
             assert all("+ shared (" in r for r in reps), reps
     else:  # no all-reduce in the model: the combine stays, its add + norm are the local op
-        assert not any("moe_all_reduce" in r for r in reps) and all("commfuse::fused_add_rmsnorm" in r for r in reps)
+        # (with Inductor, rewrite="auto" may leave the local ops to it, and the report says so)
+        assert not any("moe_all_reduce" in r for r in reps), reps
+        assert all("commfuse::fused_add_rmsnorm" in r or "(evidence)" in r for r in reps), reps

@@ -288,21 +288,17 @@ def _prep_commfuse_moe(ctx: Ctx, case: Case, comm: Communicator, strategy: str, 
     plan = comm.plan(x, residual, case.weight, **kw)  # the route of the combined rows (moe_all_reduce's)
     if strategy in ("oneshot", "twoshot") and plan.collective != f"p2p_{strategy}":
         raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
-    route, why = moe.plan(m0.y, m0.weights, comm.topology.sm if comm.device.type == "cuda" else None)
+    # One call before the timed ones: it compiles and loads what it runs, and its plan is the route the
+    # rows take (at world size 1 the one-kernel MoE tail, which comm.plan of the combined rows cannot say).
+    r0 = comm.moe_all_reduce(m0.y, m0.weights, residual, case.weight, **kw, row_index=m0.row_index, shared=m0.shared)
+    mp = r0.plan
     ctx.plans.append({"impl": impl, "pattern": p.name, "dtype": case.dname, "tokens": case.tokens,
-                      "hidden": case.hidden, "combine": route, "collective": plan.collective, "tail": plan.tail,
-                      "kernel": plan.kernel, "reasons": list(plan.reasons) + ([why] if why else [])})
-    if route == "kernel":  # NVRTC compile and module load now, not in the gate call
-        from commfuse.kernels import moe_combine
-        moe_combine.warmup(case.dtype, m0.weights.dtype, None if m0.row_index is None else m0.row_index.dtype,
-                           ctx.device)
-    no_graph = GLOO_NO_GRAPH if plan.collective == "gloo" else None
-    if no_graph is None and route != "kernel" and m0.row_index is not None and ctx.cuda:
+                      "hidden": case.hidden, "combine": mp.combine, "collective": mp.collective, "tail": mp.tail,
+                      "kernel": mp.kernel, "reasons": list(mp.reasons)})
+    no_graph = GLOO_NO_GRAPH if mp.collective == "gloo" else None
+    if no_graph is None and mp.combine == "separated" and m0.row_index is not None and ctx.cuda:
         no_graph = "the separated combine checks row_index on the host (a synchronisation a capture does not allow)"
-    owned = None
-    if out:
-        owned = comm.moe_all_reduce(m0.y, m0.weights, residual, case.weight, **kw, row_index=m0.row_index,
-                                    shared=m0.shared)
+    owned = r0 if out else None
     if via_ops:
         quant, scale, weight = p.quant or "", case.scale, case.weight
 
