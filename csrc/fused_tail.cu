@@ -83,21 +83,20 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
     tail_padding_row<QUANT>(p.tail, row);
     return;
   }
-  const bool bad = combine_bad_row<FORM>(p.combine, row);
   if constexpr (VPT > 0) {
     const int nv = p.tail.h / kVecElems;
     uint4 av[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
-      av[i] = v < nv ? combine_vec<T, float, FORM>(p.combine, row, v, bad) : make_uint4(0, 0, 0, 0);
+      av[i] = v < nv ? combine_vec<T, float, FORM>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
     }
     uint4 x[VPT], w[VPT];
     tail_load<T, VPT>(p.tail, row, x, w);
     tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, false>(
-        p.tail, row, [&p, row, bad](int v) { return combine_vec<T, float, FORM>(p.combine, row, v, bad); },
+        p.tail, row, [&p, row](int v) { return combine_vec<T, float, FORM>(p.combine, row, v); },
         quant_scalar<QUANT>(p.tail), red);
   }
 }

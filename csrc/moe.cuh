@@ -28,28 +28,15 @@ __device__ __forceinline__ long long combine_row_index(const MoeCombineParams& p
   return static_cast<const long long*>(p.row_index)[slot];
 }
 
-// Whether token `row` has a row index outside [-1, rows): then it has no row to read, and its combined
-// row is NaN (nothing raises without a synchronisation; the reference raises ValueError).
-template <int FORM>
-__device__ __forceinline__ bool combine_bad_row(const MoeCombineParams& p, int row) {
-  bool bad = false;
-  if constexpr (FORM != kCombineReduction) {
-    const size_t slot0 = static_cast<size_t>(row) * p.k;
-    for (int j = 0; j < p.k; ++j) {
-      const long long r = combine_row_index<FORM>(p, slot0 + j);
-      bad |= r < -1 || r >= p.rows;
-    }
-  }
-  return bad;
-}
-
-// The combined vector v of token `row`, rounded to T (bad: combine_bad_row's answer). The slots go in
-// chunks of kCombineChunk whose index, weight and row loads are all issued before the first sum: one
-// memory latency a chunk instead of one (two in the finalize form) a slot. The sums stay in slot order.
-constexpr int kCombineChunk = 4;
+// The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
+// [-1, rows) (its rows are not read: nothing raises without a synchronisation; the reference raises
+// ValueError). The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued
+// before the first sum: one memory latency a chunk (k <= 8: two in all, the index then the rows) instead
+// of one or two a slot. The sums stay in slot order.
+constexpr int kCombineChunk = 8;
 
 template <typename T, typename W, int FORM>
-__device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, bool bad) {
+__device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v) {
   const size_t slot0 = static_cast<size_t>(row) * p.k;
   float acc[8];
   if (p.shared != nullptr) {
@@ -58,8 +45,9 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
   }
-  for (int j0 = 0; j0 < p.k && !bad; j0 += kCombineChunk) {
-    long long r[kCombineChunk];  // -1: past k, or a dropped slot (its step is left out, its row not read)
+  bool bad = false;
+  for (int j0 = 0; j0 < p.k; j0 += kCombineChunk) {
+    long long r[kCombineChunk];  // < 0: past k, or a dropped slot (its step is left out, its row not read)
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) {
       const int j = j0 + c;
@@ -67,6 +55,8 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
         r[c] = j < p.k ? static_cast<long long>(slot0 + j) : -1;
       } else {
         r[c] = j < p.k ? combine_row_index<FORM>(p, slot0 + j) : -1;
+        bad |= r[c] < -1 || r[c] >= p.rows;
+        if (r[c] >= p.rows) r[c] = -1;
       }
     }
     float w[kCombineChunk];

@@ -15,9 +15,8 @@ __global__ void __launch_bounds__(256) moe_combine(const __grid_constant__ MoeCo
   pdl_wait();
   pdl_launch_dependents();
   const int row = blockIdx.x;
-  const bool bad = combine_bad_row<FORM>(p, row);
   uint4* x = reinterpret_cast<uint4*>(static_cast<T*>(p.x) + static_cast<size_t>(row) * p.h);
-  for (int v = threadIdx.x; v < p.h / kVecElems; v += blockDim.x) x[v] = combine_vec<T, W, FORM>(p, row, v, bad);
+  for (int v = threadIdx.x; v < p.h / kVecElems; v += blockDim.x) x[v] = combine_vec<T, W, FORM>(p, row, v);
 }
 
 }  // namespace commfuse

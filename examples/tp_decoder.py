@@ -56,7 +56,7 @@ the check is bit for bit; on GPUs (fused kernels: the norm within 1 ulp of T) it
 of the logits below --tol (docs/fusion.md, "Tolerances"). The comparison with the unfused model as
 written (HF's double rounding) is printed beside it: a 1-ulp change of the norms, amplified by the random
 layers. The exit status is 1 when a check fails. Prints the per-step latency table (the slowest rank's
-median over --repeats) and the fusion reports; --json writes both. main(argv) returns the results as a
+median over --repeats rounds, each a run of every column in turn) and the fusion reports; --json writes both. main(argv) returns the results as a
 dict (the CI test calls it under mpirun).
 """
 from __future__ import annotations
@@ -74,6 +74,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.pgo import reset_code_state  # (dynamo has no public call for it)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import commfuse  # noqa: E402
@@ -427,7 +428,8 @@ def parse(argv):
                    help="the pass's choice (auto: local patterns only where they beat the compiler's own kernels) or "
                         "every match")
     p.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of the whole sequence (after one warm-up)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed rounds: one run of the whole sequence per column each (after one warm-up)")
     p.add_argument("--tol", type=float, default=None, help="largest relative RMS error of the fused logits against the "
                    "reference where the route is not bit-exact (default by --quant: %s)" % TOLERANCES)
     p.add_argument("--json", default=None, help="write the table, the checks and the reports here")
@@ -477,19 +479,35 @@ def main(argv: Optional[List[str]] = None) -> dict:
         columns["compiled/fused"] = lambda: commfuse.fusion.compile(model.forward, comm, backend=inner, mode=args.mode,
                                                                     fullgraph=True, dynamic=args.dynamic or None,
                                                                     rewrite=args.rewrite)
-    results, outputs, reports = {}, {}, {}
+    results, outputs, reports, fns = {}, {}, {}, {}
+    # Every column is compiled first and stays alive, then the timed runs go round the columns: one run
+    # of each in turn, --repeats rounds. A host-bound decode step drifts by tens of percent over a minute
+    # (clocks, the host's other work), so columns timed one after another would measure their place in
+    # the run as much as the graph. Dynamo keeps one cache entry per backend; between compilations only
+    # its automatic-dynamic state is reset, so that each column compiles as it would first in a process.
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 8 * len(columns))
     with torch.inference_mode():
         for name, make in columns.items():
-            torch._dynamo.reset()
-            fn = make()
-            outs, _ = run_steps(model, fn, prompt, decode, device)  # warm-up (and compilation)
-            runs = [run_steps(model, fn, prompt, decode, device) for _ in range(args.repeats)]
-            outputs[name] = runs[-1][0]
-            steps = list(zip(*[r[1] for r in runs]))
-            results[name] = [_max_over_ranks(statistics.median(s), device) * 1e3 for s in steps]
-            if not all(torch.equal(a, b) for a, b in zip(outs, runs[-1][0])):
-                say(f"warning: {name}: the warm-up's outputs differ from the timed run's")
+            reset_code_state()
+            fns[name] = fn = make()
+            outputs[name], _ = run_steps(model, fn, prompt, decode, device)  # warm-up (and compilation)
             reports[name] = getattr(fn, "fusion_reports", None)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        runs = {name: [] for name in columns}
+        for _ in range(args.repeats):
+            for name, fn in fns.items():
+                runs[name].append(run_steps(model, fn, prompt, decode, device))
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
+            say("warning: a timed run recompiled: its column's times include a compilation")
+        for name, rs in runs.items():
+            if not all(torch.equal(a, b) for a, b in zip(outputs[name], rs[-1][0])):
+                say(f"warning: {name}: the warm-up's outputs differ from the timed run's")
+            outputs[name] = rs[-1][0]
+            results[name] = [_max_over_ranks(statistics.median(s), device) * 1e3 for s in zip(*[r[1] for r in rs])]
+    torch._dynamo.config.recompile_limit = limit
+    del fns
     step_names = ["prefill"] + [f"decode {i + 1}" for i in range(args.decode_steps)]
 
     # The reference of the checks: the unfused model with its norms in commfuse's rounding order
