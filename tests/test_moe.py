@@ -239,3 +239,25 @@ def test_fused_moe_tail_writes_every_output(comm, gen, quant, sf_layout):
         assert bits_equal(getattr(runs[0], name), getattr(runs[1], name)), f"{name}: an element not written"
     want = reference.fused_tail(combined(y, w, idx, shared), residual, weight, 1e-6, quant, scale)
     assert torch.equal(runs[0].residual, want.residual)
+
+
+@mpi
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype):
+    """World 1 on a GPU: a row index outside [-1, R) (int32 as given; int64 beyond int32's range too) makes
+    that token's rows NaN in the one-kernel MoE tail, and the other tokens' outputs the reference's."""
+    if comm.device.type != "cuda" or comm.world_size != 1:
+        pytest.skip("the fused MoE tail runs at world size 1 on a GPU")
+    t, k, h = 4, 2, 256
+    rows = torch.randn(8, h, generator=gen).bfloat16().cuda()
+    w = torch.rand(t, k, generator=gen).cuda()
+    far = 2 ** 33 if index_dtype == torch.int64 else 8  # int64: wraps to a valid row if cast without a clamp
+    idx = torch.tensor([[0, 1], [2, 3], [4, far], [6, -2]], dtype=index_dtype).cuda()
+    residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
+    r = comm.moe_all_reduce(rows, w, residual, weight, return_norm=True, row_index=idx)
+    assert r.plan.combine == "fused", str(r.plan)
+    assert torch.isnan(r.residual[2:].float()).all() and torch.isnan(r.norm[2:].float()).all()
+    want = reference.fused_tail(reference.moe_finalize(rows, idx[:2], w[:2]), residual[:2], weight, 1e-6, None, None,
+                                True)
+    assert bits_equal(r.residual[:2], want.residual)
+    torch.testing.assert_close(r.norm[:2].float(), want.norm.float(), rtol=2 ** -7, atol=0)  # the norm: 1 ulp of T

@@ -87,8 +87,12 @@ def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, 
     h = y.shape[-1]
     form = 0 if row_index is None else 1
     plan = _plan(y.dtype, form, t, k, h, y.shape[0] if form else 0, spec, y.device.index)
-    # int32 indices; an int64 one outside [-1, rows) stays outside (-2 or rows), which the kernel flags
-    idx = None if row_index is None else row_index.clamp(-2, y.shape[0]).to(torch.int32).contiguous()
+    # int32 indices as given (the kernel flags one outside [-1, rows)); int64 ones converted, those outside
+    # [-1, rows) kept outside (-2 or rows). A conversion is one more kernel: 2 us of a 1-token call.
+    if row_index is None or row_index.dtype == torch.int32:
+        idx = None if row_index is None else row_index.contiguous()
+    else:
+        idx = row_index.clamp(-2, y.shape[0]).to(torch.int32).contiguous()
     shared = None if shared is None else operand(shared)
     if plan.launches:
         base = params.MOE_TAIL.offsets["combine"]

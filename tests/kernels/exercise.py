@@ -3,7 +3,8 @@
 One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
 1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale(-factor)
 layout, token counts with and without swizzle padding rows; the same without a residual (a plain
-RMSNorm), the gated RMSNorm kernel and the quantize kernel. Under mpirun with 2+ GPUs, also the
+RMSNorm), the gated RMSNorm kernel, the quantize kernel, and the MoE combine and one-kernel MoE
+tail (both forms, a dropped slot and padding rows in the finalize form, a shared expert). Under mpirun with 2+ GPUs, also the
 P2P kernels (one-shot and two-shot, plain and fused; and two-shot in pieces over a 1 MiB workspace)
 through a Communicator. The outputs are checked
 against commfuse.reference as in the tests (tolerance.tail_mismatch), so a run that the sanitizer
@@ -108,6 +109,39 @@ def quantize_alone(a, quant, scale, layout, kw, what) -> int:
     return 1
 
 
+def moe_kernels(g) -> int:
+    """The MoE combine kernel (bit for bit against reference.moe_reduce / moe_finalize) and the one-kernel
+    MoE tail (against the reference tail of the reference combine), reduction and finalize forms."""
+    from commfuse.kernels import moe_combine, moe_tail
+
+    n = 0
+    for t, k, h in ((1, 2, 16), (3, 8, 40), (130, 8, 7168), (7, 3, 16384)):
+        y = torch.randn(t, k, h, generator=g, device="cuda").to(torch.bfloat16)
+        w = torch.rand(t, k, generator=g, device="cuda")
+        shared = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+        perm = torch.randperm(t * k + 5, generator=torch.Generator().manual_seed(t))[:t * k].to("cuda")
+        rows = torch.randn(t * k + 5, h, generator=g, device="cuda").to(torch.bfloat16)  # 5 padding rows
+        index = perm.view(t, k).to(torch.int32)
+        index[0, -1] = -1  # a slot dropped by capacity
+        rows[perm] = y.reshape(t * k, h)
+        _, residual, weight = inputs(g, t, h, torch.bfloat16)
+        for form, (yy, idx) in (("reduction", (y, None)), ("finalize", (rows, index))):
+            want = reference.moe_reduce(y, w, shared) if idx is None else reference.moe_finalize(rows, idx, w, shared)
+            got = moe_combine.run(yy, w, idx, shared)
+            if not torch.equal(got, want):
+                sys.exit(f"moe_combine {form} {t}x{k}x{h}: differs from the reference combine")
+            for quant, s, *_ in PATTERNS[:3]:
+                if skip(quant, h):
+                    continue
+                scale = None if s is None else torch.tensor([s], device="cuda")
+                got = moe_tail.run(yy, w, idx, shared, residual, weight, scale, TailSpec.of(quant, return_norm=True))
+                check(reference.Tail(*got), want, residual, weight, quant, scale, "swizzled",
+                      f"moe_tail {form} {t}x{k}x{h} {quant}")
+                n += 1
+            n += 1
+    return n
+
+
 def p2p_kernels(g) -> int:
     import commfuse
     import torch.distributed as dist
@@ -158,7 +192,7 @@ def main():
 
     commfuse.init_distributed()
     g = torch.Generator(device="cuda").manual_seed(0)
-    n = fused_tails(g)
+    n = fused_tails(g) + moe_kernels(g)
     if torch.distributed.get_world_size() > 1:
         n += p2p_kernels(g)
     torch.cuda.synchronize()
