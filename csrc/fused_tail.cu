@@ -85,14 +85,14 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   }
   if constexpr (VPT > 0) {
     const int nv = p.tail.h / kVecElems;
+    uint4 x[VPT], w[VPT];
+    tail_load<T, VPT>(p.tail, row, x, w);  // first: the residual's and weight's loads overlap the combine's
     uint4 av[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
       av[i] = v < nv ? combine_vec<T, float, FORM>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
     }
-    uint4 x[VPT], w[VPT];
-    tail_load<T, VPT>(p.tail, row, x, w);
     tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, false>(
