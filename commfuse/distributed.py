@@ -15,6 +15,7 @@ for testing and debugging tensor-parallel code, not for speed (see commfuse.topo
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -77,7 +78,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     backend: None picks "nccl" when every rank of the node has a GPU of its own, "gloo" without
     CUDA and when ranks share GPUs (more ranks on the node than GPUs: see the module docstring).
     With CUDA, each process is bound to GPU `local_rank % device_count` before the group is made.
-    Safe to call again: an existing group is kept.
+    Safe to call again: an existing group is kept. A gloo group made here is destroyed at interpreter
+    exit (unless the caller destroyed it): gloo's worker threads left running can abort a process after
+    a clean run ("terminate called without an active exception"). An NCCL group is not: torch's
+    destroy_process_group flushes the group's collectives and waits for them, which would hang the exit
+    of a rank whose peers died; torch warns at exit instead ("destroy_process_group() was not called").
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -93,7 +98,17 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         port = int(os.environ.get("MASTER_PORT") or (_free_port() if world == 1 else 29500))
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "gloo":
+        atexit.register(_destroy_at_exit)
     return rank, world
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()  # every group, the default one last
+        except Exception:  # noqa: BLE001 - nothing may fail a process at exit after its work is done
+            pass
 
 
 def gather_objects(group, obj) -> list:

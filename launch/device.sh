@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One full GPU session on a machine without package registries (the device machine): install the
 # carried wheels, probe, run the suite on N GPUs (P2P/auto, then the forced fallback row), benchmark.
-# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback sanitize bench (default: all),
+# Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback sanitize bench (default: these), gate,
 # and two switches: `mps` starts the MPS daemon for the stages after it, `nomps` stops it.
 # N may exceed the GPUs: the ranks then share them (commfuse.init_distributed picks gloo; a correctness
 # mode), time-sliced by the GPU, or run at once under MPS. Logs go to $OUT (or ./logs) as one tarball
@@ -60,6 +60,7 @@ for s in $stages; do
     fallback) COMMFUSE_STRATEGY=nccl COMMFUSE_TEST_LOGS=$logs/fallback run fallback launch/test.sh "$n" tests/test_communicator.py ;;
     sanitize) COMMFUSE_SANITIZE_LOGS=$logs/sanitize run sanitize launch/sanitize.sh "$n" ;;
     bench) run bench launch/bench.sh "$n" --out "$logs/bench" ${COMMFUSE_BENCH_ARGS:-} ;;
+    gate) run gate launch/gate.sh "$n" "$logs/gate"; cp "$logs"/gate/*.png "$out"/ 2>/dev/null ;;
   esac
 done
 cp "$logs"/cache/p2p-limits-*.json "$logs"/ 2>/dev/null  # the calibration's measured times

@@ -69,7 +69,7 @@ def main(argv=None) -> None:
             want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
             compiled = torch.compile(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
             ind = bench.time_us(compiled, True, 20, 10).get("graph")
-            chosen = fused_tail.launch_config(h, t)
+            chosen = fused_tail.launch_config(h, t, quant is None)
             for vpt, threads in configs(h):
                 run = launcher(dtype, t, h, spec, vpt, threads)
 

@@ -395,7 +395,7 @@ def test_chained_launches_see_the_previous_kernels_outputs():
     residuals = [torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16) for _ in range(calls)]
     a = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
     ft.warmup(torch.bfloat16, None, h)
-    kernel = ft.FUSED_TAIL.kernel(ft.FUSED_TAIL.name_expression(torch.bfloat16, NONE, ft.launch_config(h, t)[0]),
+    kernel = ft.FUSED_TAIL.kernel(ft.FUSED_TAIL.name_expression(torch.bfloat16, NONE, ft.launch_config(h, t, True)[0]),
                                   torch.cuda.current_device())
     assert kernel.pdl == (torch.cuda.get_device_capability() >= (9, 0) and os.environ.get("COMMFUSE_PDL") != "0")
     outs, x = [], a

@@ -3,6 +3,8 @@ failures become JitErrors that say which kernel and why, and the cubin cache key
 
 No GPU needed; skipped with a reason when NVRTC cannot be loaded.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -109,12 +111,17 @@ def test_variants_cover_every_launch_config():
     names = set(fused_tail.variants())
     assert len(names) == 2 * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1)
     for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 8200, 16384, 16392, 32000, 65536):
-        for tokens in (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192):
-            vpt, threads = fused_tail.launch_config(hidden, tokens)
+        for tokens, plain in itertools.product((1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192),
+                                               (False, True)):
+            vpt, threads = fused_tail.launch_config(hidden, tokens, plain)
             assert threads % 32 == 0 and 32 <= threads <= fused_tail.MAX_THREADS[vpt]
             few = tokens < fused_tail.LATENCY_TOKENS
             limit = {v: fused_tail.MAX_THREADS[v] if few else fused_tail.THROUGHPUT_THREADS
                      for v in fused_tail.VPT_BUCKETS}
+            need = -(-(hidden // 8) // 2)  # threads that cover the row at VPT 2
+            if plain and not few and 64 <= need <= fused_tail.PLAIN_THREADS:  # VPT 2, up to 512 threads
+                assert (vpt, threads) == (2, -(-need // 32) * 32), (hidden, tokens)
+                continue
             assert (vpt == 0) == (hidden > 8 * max(v * limit[v] for v in limit)), (hidden, tokens)
             if vpt:
                 assert vpt * threads * 8 >= hidden and threads <= limit[vpt], (hidden, tokens)

@@ -442,3 +442,24 @@ def test_default_backend_is_gloo_when_ranks_share_gpus(cuda, local_world, gpus, 
 
     assert default_backend(cuda, local_world, gpus) == expect
     assert local_world_size() >= 1
+
+
+def test_init_distributed_destroys_its_gloo_group_at_exit(tmp_path):
+    """A process of its own (world 1, gloo): the group init_distributed made is gone when the interpreter's
+    exit handlers run (a hook registered before it runs after it), and the process exits 0."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit, torch, torch.distributed as dist\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))\n"
+        "import commfuse\n"
+        "commfuse.init_distributed(backend='gloo')\n"
+        "print(commfuse.Communicator().all_reduce(torch.ones(4)).sum().item(), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4.0", "initialized", "at", "exit:", "False"], (r.stdout, r.stderr)

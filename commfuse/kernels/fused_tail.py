@@ -16,7 +16,10 @@ registers, VPT vectors per thread (VPT in 1, 2, 4):
 - many rows: the most vectors per thread (more loads in flight per thread, fewer warps per
   reduction) that keeps at least 2 warps, at most 256 threads, so several CTAs share an SM and
   one row's loads overlap another's arithmetic (h <= 8192). H200: [8192, 4096] -> NVFP4 65.6 us
-  with 4 x 128 against 70.8 us with 2 x 256.
+  with 4 x 128 against 70.8 us with 2 x 256. Without quantization ("plain": a residual add and a
+  norm, little arithmetic to overlap) 2 vectors per thread, up to 512 threads: H200, bf16, against
+  the rule above, [1024, 4096] 6.2 us against 7.3, [1024, 8192] 18.2 against 20.8, [8192, 4096]
+  67.8 against 75.1, [256, 7168] 3.7 against 4.1 (launch/tail_sweep.py).
 Longer rows take the looped variant (VPT = 0, 256 threads), which re-reads its own residual
 output (from L2) instead of holding the row: on the H200 it beat 8 vectors per thread at
 h = 16384 (252 us against 406 us for [8192, 16384] -> NVFP4; one 130-register CTA per SM).
@@ -45,11 +48,13 @@ VPT_BUCKETS = (1, 2, 4)  # vectors of 8 elements per thread on the register path
 MAX_THREADS = {1: 1024, 2: 1024, 4: 256, 0: 256}
 THROUGHPUT_THREADS = 256  # per CTA at most, when there are enough rows to fill the GPU
 LATENCY_TOKENS = 256      # below this many rows, a row gets as many threads as its variant allows
+PLAIN_THREADS = 512       # per CTA at most for a tail without quantization, many rows: VPT 2
 
 
-def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
-    """(vpt, threads per CTA) for `tokens` rows of `hidden` elements; vpt 0 is the looped variant."""
-    return row_config(hidden, tokens < LATENCY_TOKENS)
+def launch_config(hidden: int, tokens: int, plain: bool = False) -> Tuple[int, int]:
+    """(vpt, threads per CTA) for `tokens` rows of `hidden` elements; vpt 0 is the looped variant.
+    plain: a tail without quantization (the fused tail's own rule for many rows, above)."""
+    return row_config(hidden, tokens < LATENCY_TOKENS, plain)
 
 
 def register_config(hidden: int, tokens: int) -> Tuple[int, int]:
@@ -60,9 +65,10 @@ def register_config(hidden: int, tokens: int) -> Tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def row_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
+def row_config(hidden: int, few_rows: bool, plain: bool = False) -> Tuple[int, int]:
     """launch_config's rule for few rows (decode: each row's chain over as many threads as its variant
-    allows) or many (throughput); the P2P and gated kernels take the few-rows rule for every row count."""
+    allows) or many (throughput; plain: without quantization); the P2P and gated kernels take the
+    few-rows rule for every row count."""
     vectors = hidden // 8
 
     def whole_warps(threads: int) -> int:
@@ -74,6 +80,8 @@ def row_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
             if threads <= MAX_THREADS[vpt]:
                 return vpt, whole_warps(threads)
         return 0, MAX_THREADS[0]
+    if plain and 64 <= -(-vectors // 2) <= PLAIN_THREADS:
+        return 2, whole_warps(-(-vectors // 2))
     if vectors > max(VPT_BUCKETS) * THROUGHPUT_THREADS:
         return 0, MAX_THREADS[0]
     for vpt in sorted(VPT_BUCKETS, reverse=True):
@@ -96,7 +104,8 @@ class FusedTail(Family):
         return [self.name_expression(d, f, v) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS + (0,)]
 
     def configs(self, dtype, spec, hidden):
-        return [self.name_expression(dtype, spec.format, row_config(hidden, few)[0]) for few in (True, False)]
+        return [self.name_expression(dtype, spec.format, row_config(hidden, few, spec.quant is None)[0])
+                for few in (True, False)]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int, *, residual: bool = True,
              nccl=None) -> LaunchPlan:
@@ -105,7 +114,7 @@ class FusedTail(Family):
         kernel reading the sum there as its input `a` and updating it in place; else `a` is x."""
         launches = ()
         if t:
-            vpt, threads = launch_config(h, t)
+            vpt, threads = launch_config(h, t, spec.quant is None)
             blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
             patches = [(params.FUSED_TAIL.offsets["a"], SUM if nccl is not None else X, 0)]
             patches += tail_patches(params.FUSED_TAIL.offsets["tail"])

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The decoder gate (examples/tp_decoder.py, by default 8b, 4 layers, FP8; compiled): default mode and reduce-overhead,
+# the pass's own choice and every rewrite, on N ranks (1: the local ops at world 1; more: ranks sharing the
+# GPUs, the collective route, correctness). Writes each run's JSON and text, a plot and a table of totals.
+# Usage: launch/gate.sh [N] [DIR]   (DIR default ./logs/gate; COMMFUSE_GATE_REPEATS rounds, default 7;
+# COMMFUSE_GATE_MODEL the model's arguments, default "--size 8b --layers 4 --quant fp8": "--size tiny" on a CPU)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+n=${1:-1}; dir=${2:-logs/gate}; mkdir -p "$dir"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+launcher=(); (( n > 1 )) && launcher=(mpirun -n "$n" --oversubscribe --bind-to none)
+status=0
+for mode in default reduce-overhead; do
+  for rewrite in auto all; do
+    tag=w$n-$mode-$rewrite
+    read -ra args <<< "${COMMFUSE_GATE_MODEL:---size 8b --layers 4 --quant fp8}"
+    args+=(--compile --rewrite "$rewrite" --repeats "${COMMFUSE_GATE_REPEATS:-7}")
+    [[ $mode != default ]] && args+=(--mode "$mode")
+    "${launcher[@]}" python3 examples/tp_decoder.py "${args[@]}" --json "$dir/$tag.json" > "$dir/$tag.txt" 2>&1 \
+      || { echo "gate $tag: failed (rc $?), see $dir/$tag.txt"; status=1; }
+  done
+done
+python3 launch/decoder_plot.py "$dir/gate-w$n.png" "$dir"/w$n-*.json
+python3 - "$dir" "$n" <<'PY'
+import glob, json, sys
+print(f"{'run':34s} {'column':18s} total ms  (per step)")
+for path in sorted(glob.glob(f"{sys.argv[1]}/w{sys.argv[2]}-*.json")):
+    r = json.load(open(path))
+    for name in ("compiled/unfused", "compiled/fused"):
+        steps = r["latency_ms"].get(name, [])
+        print(f"{path.split('/')[-1][:-5]:34s} {name:18s} {sum(steps):8.3f}  ({' '.join(f'{s:.3f}' for s in steps)})"
+              f"{'' if name.endswith('unfused') or r['ok'] else '  CHECK FAILED'}")
+PY
+exit $status
