@@ -99,12 +99,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     if backend == "gloo":
-        atexit.register(_destroy_at_exit)
+        atexit.register(_destroy_at_exit, dist.group.WORLD)
     return rank, world
 
 
-def _destroy_at_exit() -> None:
-    if dist.is_initialized():
+def _destroy_at_exit(made) -> None:
+    if dist.is_initialized() and dist.group.WORLD is made:  # not a group the caller made since
         try:
             dist.destroy_process_group()  # every group, the default one last
         except Exception:  # noqa: BLE001 - nothing may fail a process at exit after its work is done

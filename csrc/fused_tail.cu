@@ -6,8 +6,9 @@
 // tile, which only zeroes that row's scale factors (FP8 block scales, MN-major: the same for the
 // rows up to roundup(t, 4)). Rows go on gridDim.x (up to 2^31 - 1).
 // Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/fused_tail.py:
-// for many rows 256 at most (several CTAs per SM overlap one row's loads with another's math),
-// for few rows (decode) up to 1024, so that each row's chain of dependent work is spread thin.
+// for many rows 256 at most (several CTAs per SM overlap one row's loads with another's math; 512
+// at VPT 2 for a tail without quantization, which has little math to overlap), for few rows
+// (decode) up to 1024, so that each row's chain of dependent work is spread thin.
 //
 // One row per CTA even for small h: a row of a real model (h >= 2048) already fills 2 to 32
 // warps, and smaller rows are too cheap for packing several per CTA to matter.
@@ -85,14 +86,18 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   }
   if constexpr (VPT > 0) {
     const int nv = p.tail.h / kVecElems;
+    // VPT 1 (the few-rows variant up to h = 8192): the residual's and weight's loads go first, in flight
+    // during the combine's. Not for VPT 2 and 4: under their 64-register bounds the row held through the
+    // combine's chunk would spill.
     uint4 x[VPT], w[VPT];
-    tail_load<T, VPT>(p.tail, row, x, w);  // first: the residual's and weight's loads overlap the combine's
+    if constexpr (VPT == 1) tail_load<T, VPT>(p.tail, row, x, w);
     uint4 av[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
       av[i] = v < nv ? combine_vec<T, float, FORM>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
     }
+    if constexpr (VPT != 1) tail_load<T, VPT>(p.tail, row, x, w);
     tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, false>(

@@ -29,8 +29,8 @@ __device__ __forceinline__ long long combine_row_index(const MoeCombineParams& p
 }
 
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
-// [-1, rows) (its rows are not read: nothing raises without a synchronisation; the reference raises
-// ValueError). The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued
+// [-1, rows) (that index's row is not read; nothing raises without a synchronisation; the reference
+// raises ValueError). The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued
 // before the first sum: two memory latencies a chunk (the indices, then the rows) instead of one or two
 // a slot. The sums stay in slot order. 4, not 8: on an H200, chunks of 8 measured 7-10% slower at 1024
 // tokens (k = 2 and 8) and no faster at 1-64 (more registers, the unused slots' predicates).

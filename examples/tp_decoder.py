@@ -74,7 +74,6 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._dynamo.pgo import reset_code_state  # (dynamo has no public call for it)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import commfuse  # noqa: E402
@@ -483,30 +482,40 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # Every column is compiled first and stays alive, then the timed runs go round the columns: one run
     # of each in turn, --repeats rounds. A host-bound decode step drifts by tens of percent over a minute
     # (clocks, the host's other work), so columns timed one after another would measure their place in
-    # the run as much as the graph. Dynamo keeps one cache entry per backend; between compilations only
-    # its automatic-dynamic state is reset, so that each column compiles as it would first in a process.
+    # the run as much as the graph. Dynamo keeps each backend's cache entries apart (its backend guard);
+    # the recompile limit is raised for them all and made an error (never a silent fall back to eager),
+    # and between compilations only dynamo's automatic-dynamic state is reset, so that each column
+    # compiles as it would first in a process.
     torch._dynamo.reset()
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 8 * len(columns))
-    with torch.inference_mode():
-        for name, make in columns.items():
-            reset_code_state()
-            fns[name] = fn = make()
-            outputs[name], _ = run_steps(model, fn, prompt, decode, device)  # warm-up (and compilation)
-            reports[name] = getattr(fn, "fusion_reports", None)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        runs = {name: [] for name in columns}
-        for _ in range(args.repeats):
-            for name, fn in fns.items():
-                runs[name].append(run_steps(model, fn, prompt, decode, device))
-        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
-            say("warning: a timed run recompiled: its column's times include a compilation")
-        for name, rs in runs.items():
-            if not all(torch.equal(a, b) for a, b in zip(outputs[name], rs[-1][0])):
-                say(f"warning: {name}: the warm-up's outputs differ from the timed run's")
-            outputs[name] = rs[-1][0]
-            results[name] = [_max_over_ranks(statistics.median(s), device) * 1e3 for s in zip(*[r[1] for r in rs])]
-    torch._dynamo.config.recompile_limit = limit
+    config = torch._dynamo.config
+    limits = {k: getattr(config, k) for k in ("recompile_limit", "fail_on_recompile_limit_hit") if hasattr(config, k)}
+    try:
+        if "recompile_limit" in limits:
+            config.recompile_limit = max(limits["recompile_limit"], 8 * len(columns))
+        if "fail_on_recompile_limit_hit" in limits:
+            config.fail_on_recompile_limit_hit = True
+        reset_code_state = getattr(getattr(torch._dynamo, "pgo", None), "reset_code_state", lambda: None)
+        with torch.inference_mode():
+            for name, make in columns.items():
+                reset_code_state()
+                fns[name] = fn = make()
+                outputs[name], _ = run_steps(model, fn, prompt, decode, device)  # warm-up (and compilation)
+                reports[name] = getattr(fn, "fusion_reports", None)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            runs = {name: [] for name in columns}
+            for _ in range(args.repeats):
+                for name, fn in fns.items():
+                    runs[name].append(run_steps(model, fn, prompt, decode, device))
+            if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
+                say("warning: a timed run recompiled: its column's times include a compilation")
+    finally:
+        for k, v in limits.items():
+            setattr(config, k, v)
+    for name, rs in runs.items():
+        if not all(torch.equal(a, b) for a, b in zip(outputs[name], rs[-1][0])):
+            say(f"warning: {name}: the warm-up's outputs differ from the timed run's")
+        outputs[name] = rs[-1][0]
+        results[name] = [_max_over_ranks(statistics.median(s), device) * 1e3 for s in zip(*[r[1] for r in rs])]
     del fns
     step_names = ["prefill"] + [f"decode {i + 1}" for i in range(args.decode_steps)]
 

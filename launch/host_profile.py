@@ -85,7 +85,6 @@ def rows(comm, t: int, h: int):
         yield "torch._C._cuda_getCurrentRawStream", lambda: jit._current_raw_stream(0)
         yield "torch._C._cuda_getDevice", lambda: jit._current_device()
         none = TailSpec.of(None)
-        k = FUSED_TAIL.kernel(FUSED_TAIL.name_expression(dt, none.format, fused_tail.launch_config(h, t)[0]), 0)
         fields = launch.tail_fields(none, t, h)
         yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(x.data_ptr(), *fields)
         # A plain RMSNorm of x into norm_buf: the plan's bytes with its pointers patched in, as a launcher does.
@@ -96,7 +95,7 @@ def rows(comm, t: int, h: int):
         for offset, source, delta in one.patches:
             blob[offset:offset + 8] = (pointers[source] + delta if source in pointers else 0).to_bytes(8, "little")
         blob = bytes(blob)
-        threads = one.block
+        k, threads = one.kernel, one.block
         yield "Kernel.launch (fused tail, packed bytes)", lambda: k.launch((t, 1, 1), (threads, 1, 1), blob)
         stream = jit._current_raw_stream(0)
         slot = jit._SLOT

@@ -194,3 +194,27 @@ def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h,
     assert plan.outputs == tuple(outputs)
     if family != "fused_tail":  # no residual, no norm: quant, scale_factors / scales only
         assert plan.outputs[0] is None and plan.outputs[1] is None and plan.outputs[2] is not None
+
+
+@pytest.mark.parametrize("family", ["fused_tail", "gated_norm", "quantize"])
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+def test_warmup_loads_every_kernel_a_plan_launches(monkeypatch, family, quant):
+    """Family.configs (what warmup compiles and loads, before a CUDA graph capture) holds the kernel of
+    every plan of that hidden size, few rows and many, with and without quantization."""
+    from commfuse.kernels import fused_tail, gated_norm, quantize
+
+    fam = {"fused_tail": fused_tail.FUSED_TAIL, "gated_norm": gated_norm.GATED_NORM, "quantize": quantize.QUANTIZE}[family]
+    if family == "quantize" and quant is None:
+        pytest.skip("quantize has no plain variant")
+    loaded = []
+    monkeypatch.setattr(fam, "kernel", lambda name, device: loaded.append(name) or Recorder())
+    spec = TailSpec.of(quant)
+    for h in (2048, 4096, 7168, 8192):
+        configs = set(fam.configs(torch.bfloat16, spec, h))
+        for t in (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192):
+            loaded.clear()
+            if family == "gated_norm":
+                fam.plan(torch.bfloat16, t, h, spec, h // 2, False, 0)
+            else:
+                fam.plan(torch.bfloat16, t, h, spec, 0)
+            assert loaded and set(loaded) <= configs, (h, t, loaded, configs)

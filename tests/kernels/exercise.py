@@ -139,6 +139,33 @@ def moe_kernels(g) -> int:
                       f"moe_tail {form} {t}x{k}x{h} {quant}")
                 n += 1
             n += 1
+        n += moe_bad_indices(rows, index, w, shared, residual, weight)
+    return n
+
+
+def moe_bad_indices(rows, index, w, shared, residual, weight) -> int:
+    """Row indices outside [-1, R) (-2; R, or 2^33 as int64): the kernels must not read those rows (what
+    memcheck watches) and make those tokens NaN, the others the reference's."""
+    from commfuse.kernels import moe_combine, moe_tail
+
+    t = index.shape[0]
+    bad = [t - 1] + ([t - 2] if t > 2 else [])
+    good = [i for i in range(t) if i not in bad]
+    n = 0
+    for dtype, far in ((torch.int32, rows.shape[0]), (torch.int64, 2 ** 33)):
+        idx = index.to(dtype, copy=True)
+        idx[t - 1, 0] = far
+        if t > 2:
+            idx[t - 2, -1] = -2
+        want = reference.moe_finalize(rows, idx[good], w[good], shared[good]) if good else None
+        got = moe_combine.run(rows, w, idx, shared)
+        tail = moe_tail.run(rows, w, idx, shared, residual, weight, None, TailSpec.of(None, return_norm=True))
+        for what, out in (("moe_combine", got), ("moe_tail residual", tail[0]), ("moe_tail norm", tail[1])):
+            if not torch.isnan(out[bad].float()).all():
+                sys.exit(f"{what} {dtype} {tuple(rows.shape)}: a bad row index did not make its token NaN")
+        if good and not torch.equal(got[good], want):
+            sys.exit(f"moe_combine {dtype}: the tokens with good indices differ from the reference")
+        n += 2
     return n
 
 
