@@ -53,6 +53,15 @@ def _run(cmd, tmp_path, timeout=240):
     return p
 
 
+def assert_tail_rows_frac_hbm(doc, t, h):
+    """Every tail-eager row's frac_hbm is its pattern's tail bytes (bf16) over its time, at the HBM ceiling."""
+    for r in doc["records"]:
+        if r["impl"] == "tail-eager":
+            frac = cases.tail_bytes(cases.PATTERNS[r["pattern"]], t, h, 2) / (r["us"] * 1e-6) \
+                / (doc["ceilings"]["hbm_copy_GBps"] * 1e9)
+            assert r["frac_hbm"] == pytest.approx(frac, rel=1e-2, abs=1e-4), r
+
+
 def _load(out: pathlib.Path) -> dict:
     files = list(out.glob("bench-*.json"))
     assert len(files) == 1, files
@@ -242,11 +251,7 @@ def test_computed_scale_patterns_run_every_cpu_row(tmp_path):
     timed = set(rows.split(",")) - {"flashinfer"}
     assert ran == {(i, p) for i in timed for p in NEW_PATTERNS}, ran
     assert all("wrong" not in r for r in doc["records"])
-    for r in doc["records"]:
-        if r["impl"] == "tail-eager":
-            frac = cases.tail_bytes(cases.PATTERNS[r["pattern"]], 5, 256, 2) / (r["us"] * 1e-6) \
-                / (doc["ceilings"]["hbm_copy_GBps"] * 1e9)
-            assert r["frac_hbm"] == pytest.approx(frac, rel=1e-2, abs=1e-4)
+    assert_tail_rows_frac_hbm(doc, 5, 256)
     skipped = {(s["impl"], s["pattern"]): s["reason"] for s in doc["skipped"]}
     assert {p for i, p in skipped if i == "flashinfer"} == set(NEW_PATTERNS)
     rejected = {p: why for (i, p), why in skipped.items() if i == "scales-off" and p in COMPUTED}
@@ -634,11 +639,7 @@ def test_moe_patterns_run_every_cpu_row(tmp_path):
     timed = set(rows.split(",")) - {"flashinfer"}
     assert {(r["impl"], r["pattern"]) for r in doc["records"]} == {(i, n) for i in timed for n in cases.MOE_PATTERNS}
     assert all("wrong" not in r for r in doc["records"])
-    for r in doc["records"]:
-        if r["impl"] == "tail-eager":
-            frac = cases.tail_bytes(cases.PATTERNS[r["pattern"]], 3, 256, 2) / (r["us"] * 1e-6) \
-                / (doc["ceilings"]["hbm_copy_GBps"] * 1e9)
-            assert r["frac_hbm"] == pytest.approx(frac, rel=1e-2, abs=1e-4)
+    assert_tail_rows_frac_hbm(doc, 3, 256)
     skipped = {(s["impl"], s["pattern"]): s["reason"] for s in doc["skipped"]}
     assert {n for i, n in skipped if i == "flashinfer"} == set(cases.MOE_PATTERNS)
     rejected = {n: why for (i, n), why in skipped.items() if i == "slots-swapped"}
