@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import moe, nccl, ops, p2p, routes, topology
-from .kernels import jit, moe_tail, native
+from .kernels import jit, moe_tail, native, params
+from .kernels.moe_combine import index_limits
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
 from .local import Quantized
 from .reference import Tail
@@ -346,6 +347,17 @@ class Communicator:
             outs = moe_tail.run(y, weights, row_index, shared, residual, weight, scale, spec, out)
             return FusedResult(*outs, plan=p)
         route, why = moe.plan(y, weights, self._machine.sm if self.device.type == "cuda" else None)
+        if route == "kernel" and self.workspace is not None:
+            fused = self._moe_p2p(y, weights, row_index, residual, weight, scale, spec)
+            if fused is not None:
+                p, launch_plan = fused
+                if self._check_calls:
+                    self.check_same_call(("moe", tuple(y.shape), tuple(weights.shape), str(y.dtype), str(spec),
+                                          str(p.collective)))
+                self.workspace.check_error()
+                outs = moe_tail.launch(launch_plan, params.P2P.offsets["combine"], y, weights, row_index, shared,
+                                       residual, weight, scale, out)
+                return FusedResult(*outs, plan=p)
         x = moe.combine(y, weights, row_index, shared, route)
         r = self.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
                                   scale_layout, scale_ue8m0, out=out)
@@ -357,6 +369,29 @@ class Communicator:
         r.plan = p
         return r
 
+    def _moe_p2p(self, y, weights, row_index, residual, weight, scale, spec: TailSpec):
+        """(Plan, LaunchPlan) of the P2P kernel that combines each rank's rows as it reads them (the MoE
+        variants of commfuse.kernels.p2p_allreduce), where the same call's combined rows would take a
+        fused P2P kernel in one launch; else None (the combine kernel and fused_all_reduce then run)."""
+        t, k = weights.shape
+        h = y.shape[-1]
+        form = 0 if row_index is None else 1
+        rows = y.shape[0] if form else 0
+        key = ("p2p", y.dtype, form, t, k, h, rows, spec, isinstance(scale, torch.Tensor))
+        if key in self._moe_plans:
+            return self._moe_plans[key]
+        entry = None
+        # The combined rows have residual's shape, dtype and device: their call stands in for the route.
+        dense = routes.plan(routes.Call.of("fused", residual, residual, weight, scale, spec=spec), self._machine)
+        if (dense.collective.algorithm is not None and dense.tail == routes.TailRoute.FUSED
+                and t * h * y.dtype.itemsize <= self.workspace.max_bytes and not index_limits("", t, k, rows)):
+            launch_plan = P2P_ALLREDUCE.plan_moe(self.workspace, y.dtype, form, t, k, h, rows, spec,
+                                                 dense.collective.algorithm)
+            entry = (dataclasses.replace(dense, combine="fused", reasons=dense.reasons + (
+                "the combine runs in the P2P kernel, as it reads each rank's rows",)), launch_plan)
+        self._moe_plans[key] = entry
+        return entry
+
     def check(self) -> None:
         """Wait for this rank's queued GPU work, then raise commfuse.P2PTimeoutError if a P2P
         kernel timed out waiting for a peer (eager or replayed in a CUDA graph). Not collective."""
@@ -367,6 +402,7 @@ class Communicator:
         """Release the P2P workspace (collective: every rank calls it); later calls take
         torch.distributed's NCCL."""
         self.table.clear()  # its launchers may hold the workspace or commfuse.nccl's communicator
+        self._moe_plans.clear()  # so may the MoE P2P LaunchPlans
         self.table = native.table(self.name, 0, FusedResult, Tail, Quantized)
         if self.workspace is not None:
             workspace, self.workspace = self.workspace, None

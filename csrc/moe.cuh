@@ -1,5 +1,6 @@
 // The MoE combine of one vector of 8 elements (docs/semantics.md section 14), shared by the combine
-// kernel (moe_combine.cu) and the fused MoE tail (fused_tail.cu's moe_tail):
+// kernel (moe_combine.cu), the fused MoE tail (fused_tail.cu's moe_tail) and the P2P all-reduce's MoE
+// variants (p2p_allreduce.cu, which combine each rank's rows as they read them):
 // acc = float(shared) or +0.0, then for each kept slot j in order acc = RN(acc + RN(w_j * y_j)), with
 // __fmul_rn / __fadd_rn, which the compiler may not contract into an FMA (one rounding, not two).
 #pragma once
@@ -8,6 +9,7 @@
 
 namespace commfuse {
 
+constexpr int kCombineNone = -1;       // no combine: a kernel's input is x itself (p2p_allreduce.cu)
 constexpr int kCombineReduction = 0;   // y [t, k, h]
 constexpr int kCombineFinalize32 = 1;  // y = rows [R, h], row_index int32 [t, k]
 constexpr int kCombineFinalize64 = 2;  // row_index int64

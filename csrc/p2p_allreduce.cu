@@ -75,7 +75,7 @@
 // peers wrote; that prefetch is issued after barrier 1's acquire, and it is only a hint that moves
 // lines into L2, where the peers' NVLink writes land, so it cannot make a read see older data.
 //
-// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) make
+// Co-residency: NBLOCKS <= the SM count and __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) make
 // every CTA fit at once, one CTA per SM: 256 threads, or for the 1- and 2-vector register tails and
 // the plain one-shot up to 1024 threads, for which the bound caps registers at 64 per thread
 // (65536 / 1024: a whole SM's register file; the build is checked for no spills with ptxas -v),
@@ -83,6 +83,7 @@
 // bounded wait turns any remaining scheduling surprise (e.g. another stream's kernel holding SMs)
 // into an error instead of a hang.
 #include "epilogue.cuh"
+#include "moe.cuh"
 #include "pdl.cuh"
 
 namespace commfuse {
@@ -93,10 +94,14 @@ constexpr int kAlgoTwoshot = 1;
 // Threads per CTA at most (the __launch_bounds__) per variant: the register tails of 1 and 2
 // vectors per thread and the plain one-shot run up to 1024 threads (decode rows spread over 32
 // warps; the plain one-shot's vectors each awaited by their own thread), which caps them at 64
-// registers; the plain two-shot and the looped tail run 256 threads.
-template <int QUANT, int VPT, int ALGO>
-constexpr int kP2PThreads = (QUANT != kQuantPlain && (VPT == 1 || VPT == 2)) ||
-                                    (QUANT == kQuantPlain && ALGO == kAlgoOneshot) ? 1024 : 256;
+// registers; the plain two-shot and the looped tail run 256 threads. The MoE variants' register
+// tails run up to kMoeThreads: the combine's chunk of row loads in flight does not fit 64 registers
+// next to the tail's (ptxas spilled 4-136 bytes in most of them at 1024), it fits 128.
+constexpr int kMoeThreads = 512;
+template <int QUANT, int VPT, int ALGO, int COMBINE = kCombineNone>
+constexpr int kP2PThreads = COMBINE != kCombineNone && (VPT == 1 || VPT == 2) ? kMoeThreads
+                            : (QUANT != kQuantPlain && (VPT == 1 || VPT == 2)) ||
+                                      (QUANT == kQuantPlain && ALGO == kAlgoOneshot) ? 1024 : 256;
 // Ranks whose loads the two-shot's sum_ranks issues at once (see there): fewer in the 64-register
 // variants.
 template <int QUANT, int VPT>
@@ -115,6 +120,19 @@ constexpr int kPlainSumBatch = 4;
 // from spilling); the others take kCopyUnroll.
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
+
+// This rank's input vector i of row r (its first vector at `first`): x's, or with COMBINE >= 0 (the MoE
+// tail, Communicator.moe_all_reduce) the row's expert combine (moe.cuh), computed as the kernel reads its
+// input, so the combined rows never go through memory. The combine is rank-local (before the sum), so
+// nothing about the protocol changes: the combined vector is what x's would have been.
+template <typename T, int COMBINE>
+__device__ __forceinline__ uint4 input_vec(const P2PParams& p, int r, long long first, int i) {
+  if constexpr (COMBINE == kCombineNone) {
+    return __ldg(static_cast<const uint4*>(p.x) + first + i);
+  } else {
+    return combine_vec<T, float, COMBINE>(p.combine, r, i);
+  }
+}
 
 // The kernel's only parameter is P2PParams (TailParams, then the all-reduce's own fields), declared
 // in commfuse/kernels/params.py, which generates its C declaration (commfuse_params.cuh, via epilogue.cuh)
@@ -692,19 +710,22 @@ __device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
 
 // T: __half or __nv_bfloat16. QUANT: kQuantPlain, or epilogue.cuh's kQuantNone/Fp8/Nvfp4/Fp8PerToken/Fp8Block.
 // VPT: vectors per thread of the register tail (blockDim.x * VPT * 8 >= h), or 0 for the looped
-// tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. Grid: the workspace's NBLOCKS CTAs.
-template <typename T, int QUANT, int VPT, int ALGO>
-__global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
+// tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. COMBINE: kCombineNone (the input is x), or
+// the MoE combine's form, kCombineReduction or kCombineFinalize32 (float weights, int32 row indices;
+// a tail only, one launch: row r is token r). Grid: the workspace's NBLOCKS CTAs.
+template <typename T, int QUANT, int VPT, int ALGO, int COMBINE = kCombineNone>
+__global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
   static_assert(ALGO == kAlgoOneshot || ALGO == kAlgoTwoshot, "unknown algorithm");
+  static_assert(COMBINE == kCombineNone || ((COMBINE == kCombineReduction || COMBINE == kCombineFinalize32) &&
+                                            QUANT != kQuantPlain), "the MoE combine: a tail's input, two forms");
   static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT == 0 || VPT == 1 || VPT == 2,
                 "VPT: 0 for the plain all-reduce and the looped tail, 1 or 2 for the register tails");
-  static_assert(kP2PThreads<QUANT, VPT, ALGO> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
+  static_assert(kP2PThreads<QUANT, VPT, ALGO, COMBINE> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
   __shared__ float red[kTailMaxWarps];
   __shared__ unsigned s_epoch;
   __shared__ int s_fail;
   const int b = blockIdx.x;
   const int nb = gridDim.x;
-  const uint4* x = static_cast<const uint4*>(p.x);
   pdl_wait();  // x, the epochs and the workspace may be the previous kernel's work
   pdl_launch_dependents();
   // One-shot: the first vector per thread of the CTA's first row of x (this call's input: nothing
@@ -717,7 +738,8 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
   if constexpr (kEarlyX) {
     if (b < p.rows) {
       const int i = threadIdx.x;
-      x0[0] = i < row_len(p, b) ? lamport_encode(__ldg(x + row_first_vec(p, b) + i)) : make_uint4(0, 0, 0, 0);
+      x0[0] = i < row_len(p, b) ? lamport_encode(input_vec<T, COMBINE>(p, b, row_first_vec(p, b), i))
+                                : make_uint4(0, 0, 0, 0);
     }
   }
   if (threadIdx.x == 0) {
@@ -728,7 +750,13 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
   if (s_fail) return;  // an earlier timeout or mismatch broke the workspace: do nothing, the host raises
   const unsigned epoch = s_epoch;
   push_signature<T, QUANT, ALGO>(p, epoch);
-  const auto load_x = [x](long long first) { return [x, first](int i) { return __ldg(x + first + i); }; };
+  // Row r's input (its first vector at `first`), as sent: plain for the two-shot, Lamport-encoded for the one-shot.
+  const auto load_x = [&p](int r, long long first) {
+    return [&p, r, first](int i) { return input_vec<T, COMBINE>(p, r, first, i); };
+  };
+  const auto load_encoded = [&p](int r, long long first) {
+    return [&p, r, first](int i) { return lamport_encode(input_vec<T, COMBINE>(p, r, first, i)); };
+  };
 
   if constexpr (ALGO == kAlgoOneshot) {
     // Push: this rank's rows, encoded, into slot[rank] of every peer's Lamport half (not its own:
@@ -743,8 +771,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
           continue;
         }
       }
-      copy_row<kCopyStep<VPT>>(n, [x, first](int i) { return lamport_encode(__ldg(x + first + i)); }, dst,
-                               p.world - 1);
+      copy_row<kCopyStep<VPT>>(n, load_encoded(r, first), dst, p.world - 1);
     }
     RowTail<T, QUANT, VPT> tail;
     tail.prefetch(p, b);  // this CTA's first row: in flight while the peers' data travels
@@ -754,7 +781,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
       const long long first = row_first_vec(p, r);
       const int n = row_len(p, r);
       uint4* const inbox = lamport_slot(p, p.rank, 0, epoch) + first;
-      const auto own = [x, first](int i) { return lamport_encode(__ldg(x + first + i)); };
+      const auto own = load_encoded(r, first);  // the combine: computed again, its rows now in L1 / L2
       if constexpr (QUANT == kQuantPlain) {
         uint4* const out = static_cast<uint4*>(p.out) + first;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -790,7 +817,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO>, 1) p2p_allreduc
     for (int r = b; r < p.rows; r += nb) {
       const long long first = row_first_vec(p, r);
       uint4* const dst = slot(p, segment_owner(p, r), p.rank, epoch) + first;
-      copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(first), [dst](int) { return dst; }, 1);
+      copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(r, first), [dst](int) { return dst; }, 1);
     }
     if (!barrier<T, QUANT, ALGO>(p, 0, epoch, &s_fail)) return;
     // Phase 1: reduce the own segment's rows and push the T sums into every rank's gather region.

@@ -1,7 +1,8 @@
 """The local fused tail at every launch configuration its variants allow, against Inductor's kernel of the
 same tail: whether commfuse.kernels.fused_tail.launch_config's choice, or another variant, is behind.
 
-Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--quants none,fp8,nvfp4]
+Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--quants none,fp8,nvfp4] [--no-residual]
+(--no-residual: the plain RMSNorm of x, commfuse.fused_add_rmsnorm(x, None, ...), quant none only)
 
 Per (shape, quant): each VPT (1, 2, 4 vectors per thread, with the fewest whole warps that cover the
 row; 0 the looped variant, 256 threads) whose thread limit fits, its GPU time per call (20 calls in a
@@ -52,6 +53,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="256x7168,1024x4096,1024x8192,8192x4096")
     p.add_argument("--quants", default="none,fp8,nvfp4")
+    p.add_argument("--no-residual", action="store_true", help="the plain RMSNorm of x (quant none)")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -59,14 +61,16 @@ def main(argv=None) -> None:
     for shape in args.shapes.split(","):
         t, h = map(int, shape.split("x"))
         x = torch.randn(t, h, generator=gen).to(dtype).cuda()
-        r = torch.randn(t, h, generator=gen).to(dtype).cuda()
+        r = None if args.no_residual else torch.randn(t, h, generator=gen).to(dtype).cuda()
         w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).cuda()
-        for q in args.quants.split(","):
+        for q in ("none",) if args.no_residual else args.quants.split(","):
             quant = None if q == "none" else q
             scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
             spec = TailSpec.of(quant, eps=1e-5, return_norm=quant is None)
             want = reference.fused_tail(x, r, w, 1e-5, quant, scale)
             want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
+            if r is None:
+                want = want[-1:]  # the norm; the kernel's residual output is x's copy, which it does not write
             compiled = torch.compile(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
             ind = bench.time_us(compiled, True, 20, 10).get("graph")
             chosen = fused_tail.launch_config(h, t, quant is None)
@@ -75,7 +79,8 @@ def main(argv=None) -> None:
 
                 def call(run=run):
                     out = run(x, r, w, scale)
-                    return tuple(v for v in out if v is not None)
+                    return tuple(v for v in out if v is not None)[-1:] if r is None else \
+                        tuple(v for v in out if v is not None)
 
                 why = bench.check(call(), want, quant)
                 us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))

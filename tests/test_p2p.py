@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse import Communicator, p2p, reference, routes
-from commfuse.kernels import fused_tail, jit, launch, native, params
+from commfuse.kernels import fused_tail, jit, launch, moe_tail, native, params
 from commfuse.kernels import p2p_allreduce as K
 from commfuse.kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows, register_vpts
 from commfuse.p2p import P2PLimits
@@ -80,7 +80,8 @@ def _subset():
             p2p_name(bf, "nvfp4", v1, "oneshot"), p2p_name(hf, "nvfp4", v2, "twoshot"),
             p2p_name(hf, "fp8_per_token", v1, "twoshot"), p2p_name(bf, "fp8_per_token", 0, "oneshot"),
             p2p_name(bf, "fp8_block", v1, "oneshot"), p2p_name(hf, "fp8_block", 0, "twoshot"),
-            K.DELAY_KERNEL]
+            P2P_ALLREDUCE.name_expression(bf, by_name("nvfp4"), v2, "oneshot", 1),
+            P2P_ALLREDUCE.name_expression(hf, by_name("fp8"), v1, "twoshot", 0), K.DELAY_KERNEL]
 
 
 # sm_90 (the machine the P2P row targets) builds every variant; sm_80 and sm_100a a subset, which
@@ -91,7 +92,8 @@ def test_variants_build(arch, names, tmp_path, monkeypatch):
     monkeypatch.delenv("COMMFUSE_JIT_DEBUG", raising=False)
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
-    names = K.variants() if names is None else _subset()
+    # The MoE variants build (for sm_90) in test_moe_variants_fit_without_spills.
+    names = [n for n in K.variants() if n not in K.P2P_ALLREDUCE.moe_variants()] if names is None else _subset()
     assert set(names) <= set(K.variants())
     built = jit.build(K.SOURCE, names, arch)
     assert built.cubin[:4] == b"\x7fELF"
@@ -138,24 +140,56 @@ def test_1024_thread_variants_fit_without_spills():
     if 90 not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
     plain_oneshot = [p2p_name(d, "plain", 0, "oneshot") for d in DTYPES]
-    names = [n for n in K.variants() if n != K.DELAY_KERNEL and
+    moe = set(K.P2P_ALLREDUCE.moe_variants())
+    names = [n for n in K.variants() if n != K.DELAY_KERNEL and n not in moe and
              K.MAX_THREADS.get(int(n.split(",")[2]), 0) > K.THREADS] + plain_oneshot
     # each format's register tails (the computed-scale kinds: VPT 1 only), and the plain one-shot
     assert len(names) == 2 * 2 * sum(len(register_vpts(f)) for f in FORMATS) + 2
+    for name, (regs, frame, spill_st, spill_ld) in _ptxas_report(names).items():
+        assert regs <= 64 and frame == spill_st == spill_ld == 0, (name, regs, frame, spill_st, spill_ld)
+
+
+def _ptxas_report(names):
+    """{name: (registers, stack frame, spill store, spill load bytes)} of P2P variants built for sm_90."""
     run = subprocess.run([sys.executable, "-c", _PTXAS_PROBE, json.dumps(names)], capture_output=True, text=True,
                          env={**os.environ, "CUDA_CACHE_DISABLE": "1"}, timeout=900)
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.splitlines()[-1])
     found = _ptxas_resources(result["log"])
     for name in names:
-        symbol = result["lowered"][name]
-        assert symbol in found, f"no ptxas resource line for {name}:\n{result['log']}"
-        regs, frame, spill_st, spill_ld = found[symbol]
-        assert regs <= 64 and frame == spill_st == spill_ld == 0, (name, found[symbol])
+        assert result["lowered"][name] in found, f"no ptxas resource line for {name}:\n{result['log']}"
+    return {name: found[result["lowered"][name]] for name in names}
+
+
+def test_moe_variants_fit_without_spills():
+    """The MoE variants (every tail variant of both combine forms) build for sm_90, the register tails within
+    the registers of K.MOE_THREADS threads per SM and every one without local memory."""
+    if 90 not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
+    names = P2P_ALLREDUCE.moe_variants()
+    assert len(set(names)) == 2 * 2 * 2 * sum(len(register_vpts(f)) + 1 for f in FORMATS)
+    for name, (regs, frame, spill_st, spill_ld) in _ptxas_report(names).items():
+        threads = K.MOE_THREADS if int(name.split(",")[2]) else K.THREADS
+        assert regs <= 65536 // threads and frame == spill_st == spill_ld == 0, (name, regs, frame, spill_st)
+
+
+def test_moe_launch_configs_have_variants():
+    names = set(P2P_ALLREDUCE.moe_variants())
+    for h in (16, 128, 2048, 2880, 4096, 4104, 7168, 8192, 8200, 12288):
+        for fmt in FORMATS:
+            vpt, threads = K.moe_launch_config(h, fmt)
+            if vpt:
+                assert threads % 32 == 0 and 32 <= threads <= K.MOE_THREADS and vpt * threads * 8 >= h, (h, fmt)
+                assert vpt == min(v for v in register_vpts(fmt) if 8 * v * K.MOE_THREADS >= h), (h, fmt)
+            else:
+                assert threads == K.THREADS and h > 8 * K.MOE_THREADS * max(register_vpts(fmt)), (h, fmt)
+            for algo in ALGOS:
+                for form in (0, 1):
+                    assert P2P_ALLREDUCE.name_expression(torch.float16, fmt, vpt, algo, form) in names
 
 
 def test_launch_configs_have_variants():
-    names = set(K.variants())
+    names = set(K.variants()) - set(P2P_ALLREDUCE.moe_variants())
     assert len(names) == 2 * 2 * (1 + sum(len(register_vpts(f)) + 1 for f in FORMATS)) + 1
     assert K.VPT_BUCKETS == (1, 2) and K.MAX_THREADS == {1: 1024, 2: 1024, 0: K.THREADS}
     most = 8 * max(v * K.MAX_THREADS[v] for v in K.VPT_BUCKETS)  # 16384
@@ -202,11 +236,13 @@ def test_plain_rows_cover_the_message(total, nblocks, algo):
 def test_params_layout_matches_the_kernel():
     # TailParams (96 bytes) first: its pointers, eps/h/t/sf_swizzled at 56, scales_out 72, weight_offset /
     # scale_layout 80, scale_stride 88; then x 96, peers 112, epochs 176, timeout_ns 200, sig_offset 240,
-    # total_vecs 248, rows 256, rank 272; size 280.
+    # total_vecs 248, rows 256, rank 272; the MoE variants' MoeCombineParams at 280 (5 pointers, t, k, h,
+    # rows); size 336.
     fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [14, -0.0, 3, 16] + [21, 22] + list(range(31, 39)) + \
-        [41, 42, 43] + [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0]
+        [41, 42, 43] + [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0] + [81, 82, 83, 84, 85, 91, 92, 93, 94]
     raw = params.P2P.pack(*fields)
-    assert len(raw) == 280
+    assert len(raw) == 336
+    assert struct.unpack_from("<5Q4i", raw, 280) == (81, 82, 83, 84, 85, 91, 92, 93, 94)
     assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
     assert struct.unpack_from("<Qfiq", raw, 72) == (14, -0.0, 3, 16)
     assert struct.unpack_from("<I", raw, 80) == (0x80000000,)  # -0.0: "no weight offset" (epilogue.cuh norm_round)
@@ -252,7 +288,7 @@ class _Recorder:
         f = params.P2P.unpack(raw)
         n = len(params.TAIL.format)
         self.launches.append(dict(tail=f[:n], x=f[n], out=f[n + 1], total_vecs=f[n + 19], rows=f[n + 20],
-                                  row_vecs=f[n + 21], row_slots=f[n + 22]))
+                                  row_vecs=f[n + 21], row_slots=f[n + 22], combine=f[n + 26:], block=block[0]))
 
     def fused(self, x, residual, weight, scale, spec, algo, out=None):
         t, h = x.shape
@@ -263,6 +299,40 @@ class _Recorder:
 
     def plain(self, x, algo, out):
         return launch.PyLauncher(P2P_ALLREDUCE.plan_plain(self.ws, x.dtype, x.shape, algo))(x, out=out)
+
+
+@pytest.mark.parametrize("form, index_dtype", [(0, None), (1, torch.int32), (1, torch.int64)])
+def test_moe_plan_packs_the_combine(monkeypatch, form, index_dtype):
+    """plan_moe's one launch, run by moe_tail.launch (CPU tensors, no kernel runs): the MoE variant of the
+    call's form; the combine's y, weights (float32 as given), row index (int32 as given, int64 converted)
+    and shared pointers; t, k, h, rows; the tail's pointers; the MoE launch configuration."""
+    rec = _Recorder(1 << 20)
+    names = []
+    monkeypatch.setattr(P2P_ALLREDUCE, "kernel", lambda name, index: names.append(name) or rec)
+    t, k, h = 3, 4, 7168
+    g = torch.Generator().manual_seed(11)
+    rows = t * k + 2 if form else 0
+    y = torch.randn(*((rows, h) if form else (t, k, h)), generator=g).to(torch.bfloat16)
+    idx = torch.randperm(t * k, generator=g).view(t, k).to(index_dtype) if form else None
+    w = torch.rand(t, k, generator=g)
+    shared, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
+    weight = torch.randn(h, generator=g).to(torch.bfloat16)
+    spec = TailSpec.of("fp8", eps=1e-5)
+    scale = torch.tensor([0.02])
+    plan = P2P_ALLREDUCE.plan_moe(rec.ws, torch.bfloat16, form, t, k, h, rows, spec, "twoshot")
+    out = reference.Tail(*(None if o is None else launch.allocate(o, "cpu") for o in plan.outputs))
+    moe_tail.launch(plan, params.P2P.offsets["combine"], y, w, idx, shared, residual, weight, scale, out)
+    vpt, threads = K.moe_launch_config(h, spec.format)
+    assert names == [P2P_ALLREDUCE.name_expression(torch.bfloat16, spec.format, vpt, "twoshot", form)]
+    (one,) = rec.launches
+    y_ptr, w_ptr, idx_ptr, shared_ptr, x_ptr, *sizes = one["combine"]
+    assert (y_ptr, w_ptr, shared_ptr, x_ptr) == (y.data_ptr(), w.data_ptr(), shared.data_ptr(), 0)
+    assert (idx_ptr == 0) if idx is None else (idx_ptr != 0 and (idx_ptr == idx.data_ptr()) == (form and
+                                                                                                 index_dtype == torch.int32))
+    assert sizes == [t, k, h, rows] and one["block"] == threads and vpt == 2
+    assert (one["rows"], one["row_vecs"], one["total_vecs"]) == (t, h // 8, t * h // 8)
+    assert one["tail"][0] == residual.data_ptr() and one["tail"][1] == out.residual.data_ptr()
+    assert one["tail"][2] == weight.data_ptr() and one["tail"][4] == out.quant.data_ptr()
 
 
 @pytest.mark.parametrize("t, h, quant, sf_layout", [
@@ -532,6 +602,46 @@ def test_fused_matches_reference(comms, gen, monkeypatch, algo, dtype, quant, re
         assert a is None or bits_equal(a, b), f"{name}: elements left unwritten, or repeated calls differ"
     assert len(set(digests)) == 1, "ranks' outputs differ"
     check_fused(first, xs, residual, weight, scale, pattern)
+
+
+# The MoE variants' tails: VPT 1 (h 2048, 256 threads; h 4096, 512), VPT 2 (7168: 448 threads) and the looped
+# tail (12288; and fp8_per_token, VPT 1 only, at 7168); several rows per CTA (300 tokens).
+MOE_SHAPES = [(1, 8, 2048), (5, 2, 7168), (64, 8, 4096), (3, 4, 12288), (300, 2, 2048)]
+MOE_PATTERNS = [(None, False, "swizzled"), ("fp8", True, "swizzled"), ("nvfp4", False, "swizzled"),
+                ("fp8_per_token", False, "swizzled"), ("mxfp8", False, "linear")]
+
+
+@mpi
+@pytest.mark.parametrize("t, k, h", MOE_SHAPES)
+@pytest.mark.parametrize("quant, return_norm, sf_layout", MOE_PATTERNS)
+@pytest.mark.parametrize("form", ["reduction", "finalize"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_moe_combine_in_the_p2p_kernel_matches_reference(comms, gen, algo, form, quant, return_norm, sf_layout,
+                                                         t, k, h):
+    """moe_all_reduce on the P2P route: one kernel combines each rank's rows as it reads them, sums and runs
+    the tail; against the reference fed the exact sum of every rank's combine (bit-exact sum), outputs
+    poisoned twice, equal on every rank, inputs untouched."""
+    from test_moe import combined, moe_inputs
+
+    c = comms[algo]
+    dtype = torch.bfloat16 if (t + h) % 2 else torch.float16
+    per_rank, rank = moe_inputs(c, gen, t, k, h, dtype, form, torch.float32 if k == 8 else dtype, with_shared=t < 64)
+    residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
+    y, w, idx, shared = per_rank[rank]
+    saved = [v.clone() for v in (y, w, idx, shared, residual, weight) if v is not None]
+    first, second = poisoned_runs(lambda: c.moe_all_reduce(y, w, residual, weight, EPS, quant, scale, return_norm,
+                                                           sf_layout, row_index=idx, shared=shared))
+    digests = gather(c, digest(outputs(first)))
+    c.check()
+    over = algo == "oneshot" and t * h * y.element_size() > c.workspace.lamport_bytes
+    assert first.plan.combine == "fused" and first.plan.tail == "fused", str(first.plan)
+    assert first.plan.collective == ("p2p_twoshot" if over else f"p2p_{algo}"), str(first.plan)
+    after = [v for v in (y, w, idx, shared, residual, weight) if v is not None]
+    assert all(bits_equal(b, v) for b, v in zip(saved, after)), "an input was modified"
+    for name, a, b in zip(("residual", "norm", "quant", "scale_factors"), outputs(first), outputs(second)):
+        assert a is None or bits_equal(a, b), f"{name}: elements left unwritten, or repeated calls differ"
+    assert len(set(digests)) == 1, "ranks' outputs differ"
+    check_fused(first, [combined(*p) for p in per_rank], residual, weight, scale, (quant, return_norm, sf_layout))
 
 
 @mpi

@@ -22,7 +22,7 @@ from . import fused_tail, params
 from .family import CTYPE, Family, Limits
 from .launch import X, Z, Launch, LaunchPlan, PyLauncher, operand, tail_fields, tail_patches
 
-__all__ = ["MOE_TAIL", "variants", "run", "warmup"]
+__all__ = ["MOE_TAIL", "FORMS", "variants", "run", "launch", "warmup"]
 
 SOURCE = fused_tail.SOURCE
 FORMS = (0, 1)  # kCombineReduction, kCombineFinalize32 (csrc/moe.cuh)
@@ -84,9 +84,16 @@ def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, 
     """The five outputs (reference.Tail's order) of checked CUDA tensors that MOE_TAIL accepts (commfuse.moe
     plans it); out as for Communicator.fused_all_reduce."""
     t, k = weights.shape
-    h = y.shape[-1]
     form = 0 if row_index is None else 1
-    plan = _plan(y.dtype, form, t, k, h, y.shape[0] if form else 0, spec, y.device.index)
+    plan = _plan(y.dtype, form, t, k, y.shape[-1], y.shape[0] if form else 0, spec, y.device.index)
+    return launch(plan, params.MOE_TAIL.offsets["combine"], y, weights, row_index, shared, residual, weight, scale,
+                  out)
+
+
+def launch(plan: LaunchPlan, combine: int, y, weights, row_index, shared, residual, weight, scale, out) -> tuple:
+    """Run a LaunchPlan of a kernel that combines as it reads (this module's, or the P2P all-reduce's MoE
+    variants) whose one launch holds MoeCombineParams at byte `combine`: y is its source X, the weights
+    (float32) Z, and the row index and shared expert pointers are patched in here, per call."""
     # int32 indices as given (the kernel flags one outside [-1, rows)); int64 ones converted, those outside
     # [-1, rows) kept outside (-2 or rows). A conversion is one more kernel: 2 us of a 1-token call.
     if row_index is None or row_index.dtype == torch.int32:
@@ -95,11 +102,10 @@ def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, 
         idx = row_index.clamp(-2, y.shape[0]).to(torch.int32).contiguous()
     shared = None if shared is None else operand(shared)
     if plan.launches:
-        base = params.MOE_TAIL.offsets["combine"]
         blob = bytearray(plan.launches[0].params)
         for name, tensor in (("row_index", idx), ("shared", shared)):
             if tensor is not None:
-                _POINTER.pack_into(blob, base + params.MOE_COMBINE.offsets[name], tensor.data_ptr())
+                _POINTER.pack_into(blob, combine + params.MOE_COMBINE.offsets[name], tensor.data_ptr())
         plan = dataclasses.replace(plan, launches=(dataclasses.replace(plan.launches[0], params=bytes(blob)),))
     w = weights.to(torch.float32).contiguous()
     # idx, shared and w may be temporaries: freed after the launch is queued, the caching allocator

@@ -14,14 +14,14 @@ from .. import ipc
 from ..tail import formats
 from ..tail.formats import FORMATS, Format, Layout
 from ..tail.spec import OutputSpec, TailSpec
-from . import fused_tail, params
+from . import fused_tail, moe_tail, params
 from .family import CTYPE, Family, Limits
-from .launch import OUT, RESIDUAL, X, Launch, LaunchPlan, pieces, tail_fields, tail_patches
+from .launch import OUT, RESIDUAL, X, Z, Launch, LaunchPlan, pieces, tail_fields, tail_patches
 
 __all__ = ["P2P_ALLREDUCE", "P2PError", "P2PTimeoutError", "P2PMismatchError", "describe_signature", "ALGORITHMS",
-           "variants", "warmup", "launch_config", "plain_rows", "chunk_rows", "resident_ctas", "grid_limit",
+           "variants", "warmup", "launch_config", "moe_launch_config", "plain_rows", "chunk_rows", "resident_ctas", "grid_limit",
            "SOURCE", "DELAY_KERNEL", "MAX_BLOCKS", "MAX_THREADS", "MAX_WORLD", "THREADS", "VPT_BUCKETS",
-           "PLAIN_MAX_ROW_VECS", "PLAIN_MIN_ROW_VECS", "PLAIN_ONESHOT_THREADS"]
+           "PLAIN_MAX_ROW_VECS", "PLAIN_MIN_ROW_VECS", "PLAIN_ONESHOT_THREADS", "MOE_THREADS"]
 
 SOURCE = "p2p_allreduce.cu"
 ALGORITHMS = ("oneshot", "twoshot")
@@ -32,6 +32,7 @@ VPT_BUCKETS = (1, 2)   # the register tails' vectors of 8 elements per thread
 # by VPT; 0 is the looped tail. The plain one-shot's is PLAIN_ONESHOT_THREADS.
 MAX_THREADS = {1: 1024, 2: 1024, 0: THREADS}
 PLAIN_ONESHOT_THREADS = 1024
+MOE_THREADS = 512      # kMoeThreads: the MoE variants' register tails
 PLAIN_MIN_ROW_VECS = 256
 PLAIN_MAX_ROW_VECS = {"oneshot": 4 * PLAIN_ONESHOT_THREADS, "twoshot": 8 * THREADS}
 MAX_BLOCKS = 160       # grid cap (H100/H200: 132 SMs, B200: 148)
@@ -108,6 +109,17 @@ def launch_config(hidden: int, fmt: Format = formats.NONE) -> Tuple[int, int]:
     return (vpt, threads) if vpt == 0 or vpt in register_vpts(fmt) else (0, MAX_THREADS[0])
 
 
+def moe_launch_config(hidden: int, fmt: Format = formats.NONE) -> Tuple[int, int]:
+    """(vpt, threads) of the MoE variants' tail (plan_moe): launch_config's rule with at most MOE_THREADS
+    threads for the register tails (kMoeThreads: the combine's loads need more than 64 registers)."""
+    nv = hidden // 8
+    for vpt in register_vpts(fmt):
+        need = -(-nv // vpt)
+        if need <= MOE_THREADS:
+            return vpt, max(32, -(-need // 32) * 32)
+    return 0, MAX_THREADS[0]
+
+
 def chunk_rows(row_bytes: int, spec: Optional[TailSpec], workspace_bytes: int) -> int:
     """Rows per two-shot launch for a message larger than the workspace: as many whole rows of
     `row_bytes` as fit (a plain all-reduce, spec None, is cut into rows of one 16-byte vector), in
@@ -122,10 +134,13 @@ class P2PAllReduce(Family):
     source = SOURCE
     limits = Limits(world_sizes=frozenset(range(2, MAX_WORLD + 1)))
 
-    def name_expression(self, dtype: torch.dtype, fmt: Optional[Format], vpt: int, algo: str) -> str:
-        """The kernel instantiation; fmt None: the plain all-reduce (no tail, vpt 0)."""
+    def name_expression(self, dtype: torch.dtype, fmt: Optional[Format], vpt: int, algo: str,
+                        form: Optional[int] = None) -> str:
+        """The kernel instantiation; fmt None: the plain all-reduce (no tail, vpt 0); form: the MoE
+        variants' combine form (moe_tail.FORMS, as the fused MoE tail's), None for x as the input."""
         quant = params.NO_TAIL if fmt is None else fmt.id
-        return f"commfuse::p2p_allreduce<{CTYPE[dtype]}, {quant}, {vpt}, {_ALGO_ID[algo]}>"
+        combine = "" if form is None else f", {form}"
+        return f"commfuse::p2p_allreduce<{CTYPE[dtype]}, {quant}, {vpt}, {_ALGO_ID[algo]}{combine}>"
 
     def variants(self) -> List[str]:
         names = []
@@ -133,7 +148,12 @@ class P2PAllReduce(Family):
             for algo in ALGORITHMS:
                 names.append(self.name_expression(dtype, None, 0, algo))
                 names += [self.name_expression(dtype, f, v, algo) for f in FORMATS for v in register_vpts(f) + (0,)]
-        return names + [DELAY_KERNEL]
+        return names + [DELAY_KERNEL] + self.moe_variants()
+
+    def moe_variants(self) -> List[str]:
+        """The MoE variants (Communicator.moe_all_reduce): every tail variant of both combine forms."""
+        return [self.name_expression(dtype, f, v, algo, form) for dtype in CTYPE for algo in ALGORITHMS
+                for form in moe_tail.FORMS for f in FORMATS for v in register_vpts(f) + (0,)]
 
     def configs(self, dtype, spec, hidden):
         names = [self.name_expression(dtype, None, 0, algo) for algo in ALGORITHMS]
@@ -195,6 +215,26 @@ class P2PAllReduce(Family):
             patches = tuple(tail_patches(_OFF["tail"], deltas)) + ((_OFF["x"], X, begin * h * elt),)
             launches.append(Launch(kernel, ws.nblocks, threads, blob, patches))
         return LaunchPlan(f"{self.name} {algo}", tuple(launches), tuple(outputs), ws.device_index)
+
+
+    def plan_moe(self, ws, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
+                 algo: str) -> LaunchPlan:
+        """The LaunchPlan of moe_all_reduce's t tokens of k slots (y [t, k, h], or `rows` permuted rows with
+        form 1) with the combine done as the kernel reads its input and the tail fused: one launch, the
+        message (t rows of h) no larger than ws.max_bytes (moe_rejects). y is the call's source X, the
+        float32 weights Z; the row index and shared pointers are the call's (commfuse.kernels.moe_tail.run)."""
+        outputs = spec.outputs(t, h, dtype)
+        if not t:
+            return LaunchPlan(f"{self.name} {algo}", (), tuple(outputs), ws.device_index)
+        vpt, threads = moe_launch_config(h, spec.format)
+        kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, algo, form), ws.device_index)
+        blob = ws.params(tail_fields(spec, t, h), t * h // 8, t, h // 8, spec.row_slots(t),
+                         (0, 0, 0, 0, 0, t, k, h, rows))
+        base = _OFF["combine"]
+        patches = tuple(tail_patches(_OFF["tail"])) + ((base + params.MOE_COMBINE.offsets["y"], X, 0),
+                                                       (base + params.MOE_COMBINE.offsets["weights"], Z, 0))
+        return LaunchPlan(f"{self.name} {algo}", (Launch(kernel, ws.nblocks, threads, blob, patches),),
+                          tuple(outputs), ws.device_index)
 
 
 P2P_ALLREDUCE = P2PAllReduce()

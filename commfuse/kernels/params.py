@@ -130,6 +130,19 @@ GATED_NORM = Struct("GatedNormParams", [
     Field("norm_before_gate", "int", "i32", comment="1: y = norm(x) * w * silu(z); 0: y = norm(x * silu(z)) * w"),
 ])
 
+MOE_COMBINE = Struct("MoeCombineParams", [
+    Field("y", "const void*", "ptr", comment="T: y [t, k, h] (reduction form) or the permuted rows [rows, h]"),
+    Field("weights", "const void*", "ptr", comment="[t, k] routing weights, float or T"),
+    Field("row_index", "const void*", "ptr", comment="int32 / int64 [t, k] (finalize form; -1: a dropped slot); else unused"),
+    Field("shared", "const void*", "ptr", comment="T [t, h], a shared expert's output; nullptr: none"),
+    Field("x", "void*", "ptr", comment="T [t, h]: the combine's output"),
+    Field("t", "int", "i32"),
+    Field("k", "int", "i32"),
+    Field("h", "int", "i32", comment="a multiple of 8"),
+    Field("rows", "int", "i32", comment="rows of y in the finalize form (row_index < rows); else unused"),
+])
+
+
 P2P = Struct("P2PParams", [
     Field("tail", "TailParams", TAIL, comment="unused for the plain all-reduce (QUANT == kQuantPlain)"),
     Field("x", "const void*", "ptr", comment="T: this rank's input, total_vecs vectors of 8 elements"),
@@ -151,19 +164,8 @@ P2P = Struct("P2PParams", [
     Field("world", "int", "i32", comment="2..kMaxWorld"),
     Field("rank", "int", "i32"),
     Field("pad_", "int", "i32"),
-])
-
-
-MOE_COMBINE = Struct("MoeCombineParams", [
-    Field("y", "const void*", "ptr", comment="T: y [t, k, h] (reduction form) or the permuted rows [rows, h]"),
-    Field("weights", "const void*", "ptr", comment="[t, k] routing weights, float or T"),
-    Field("row_index", "const void*", "ptr", comment="int32 / int64 [t, k] (finalize form; -1: a dropped slot); else unused"),
-    Field("shared", "const void*", "ptr", comment="T [t, h], a shared expert's output; nullptr: none"),
-    Field("x", "void*", "ptr", comment="T [t, h]: the combine's output"),
-    Field("t", "int", "i32"),
-    Field("k", "int", "i32"),
-    Field("h", "int", "i32", comment="a multiple of 8"),
-    Field("rows", "int", "i32", comment="rows of y in the finalize form (row_index < rows); else unused"),
+    Field("combine", "MoeCombineParams", MOE_COMBINE,
+          comment="the MoE variants' inputs (x and combine.x unused); else all 0"),
 ])
 
 
@@ -176,7 +178,7 @@ MOE_TAIL = Struct("MoeTailParams", [
 def header() -> str:
     """The C header of every constant and struct above (what NVRTC includes as HEADER_NAME)."""
     constants = "\n".join(f"constexpr int {name} = {value};  // {comment}" for name, value, comment in CONSTANTS)
-    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, P2P, MOE_COMBINE, MOE_TAIL))
+    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, MOE_COMBINE, P2P, MOE_TAIL))
     return ("// Generated from commfuse/kernels/params.py: the one declaration of the kernels' constants and\n"
             "// parameter structs.\n#pragma once\n\nnamespace commfuse {\n\n" + constants + "\n\n" + body
             + "\n\n}  // namespace commfuse\n")

@@ -261,11 +261,13 @@ class Workspace:
     def device_index(self) -> int:
         return self._index
 
-    def params(self, tail: tuple, total_vecs: int, rows: int, row_vecs: int, row_slots: int) -> bytes:
+    def params(self, tail: tuple, total_vecs: int, rows: int, row_vecs: int, row_slots: int,
+               combine: tuple = (0,) * 9) -> bytes:
         """P2PParams of a launch on this workspace, x and out 0 (the launchers patch them, and the tail's
-        pointers, per call): what commfuse.kernels.p2p_allreduce's LaunchPlans hold."""
+        pointers, per call): what commfuse.kernels.p2p_allreduce's LaunchPlans hold. combine: the MoE
+        variants' MoeCombineParams fields (pointers 0, patched per call too)."""
         return params.P2P.pack(*tail, 0, 0, *self._fixed_params, total_vecs, rows, row_vecs, row_slots,
-                               self.world, self.rank, 0)
+                               self.world, self.rank, 0, *combine)
 
     def plain_launcher(self, shape: tuple, dtype: torch.dtype, algo: str):
         """A launcher of the plain sum of tensors of `shape` and `dtype` (numel % 8 == 0) with `algo`:
