@@ -121,18 +121,6 @@ constexpr int kPlainSumBatch = 4;
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
 
-// This rank's input vector i of row r (its first vector at `first`): x's, or with COMBINE >= 0 (the MoE
-// tail, Communicator.moe_all_reduce) the row's expert combine (moe.cuh), computed as the kernel reads its
-// input, so the combined rows never go through memory. The combine is rank-local (before the sum), so
-// nothing about the protocol changes: the combined vector is what x's would have been.
-template <typename T, int COMBINE>
-__device__ __forceinline__ uint4 input_vec(const P2PParams& p, int r, long long first, int i) {
-  if constexpr (COMBINE == kCombineNone) {
-    return __ldg(static_cast<const uint4*>(p.x) + first + i);
-  } else {
-    return combine_vec<T, float, COMBINE>(p.combine, r, i);
-  }
-}
 
 // The kernel's only parameter is P2PParams (TailParams, then the all-reduce's own fields), declared
 // in commfuse/kernels/params.py, which generates its C declaration (commfuse_params.cuh, via epilogue.cuh)
@@ -726,6 +714,21 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
   __shared__ int s_fail;
   const int b = blockIdx.x;
   const int nb = gridDim.x;
+  // Row r's input vector i (the row's first at `first`): x's, or with COMBINE the row's expert combine
+  // (moe.cuh), computed as the kernel reads its input, so the combined rows never go through memory. The
+  // combine is rank-local (before the sum): the protocol is unchanged, the combined vector is what x's
+  // would have been. load_encoded: Lamport-encoded, as the one-shot sends it.
+  const uint4* x = static_cast<const uint4*>(p.x);
+  const auto load_x = [&p, x](int r, long long first) {
+    if constexpr (COMBINE == kCombineNone) {
+      return [x, first](int i) { return __ldg(x + first + i); };
+    } else {
+      return [&p, r](int i) { return combine_vec<T, float, COMBINE>(p.combine, r, i); };
+    }
+  };
+  const auto load_encoded = [&load_x](int r, long long first) {
+    return [in = load_x(r, first)](int i) { return lamport_encode(in(i)); };
+  };
   pdl_wait();  // x, the epochs and the workspace may be the previous kernel's work
   pdl_launch_dependents();
   // One-shot: the first vector per thread of the CTA's first row of x (this call's input: nothing
@@ -738,8 +741,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
   if constexpr (kEarlyX) {
     if (b < p.rows) {
       const int i = threadIdx.x;
-      x0[0] = i < row_len(p, b) ? lamport_encode(input_vec<T, COMBINE>(p, b, row_first_vec(p, b), i))
-                                : make_uint4(0, 0, 0, 0);
+      x0[0] = i < row_len(p, b) ? lamport_encode(load_x(b, row_first_vec(p, b))(i)) : make_uint4(0, 0, 0, 0);
     }
   }
   if (threadIdx.x == 0) {
@@ -750,13 +752,6 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
   if (s_fail) return;  // an earlier timeout or mismatch broke the workspace: do nothing, the host raises
   const unsigned epoch = s_epoch;
   push_signature<T, QUANT, ALGO>(p, epoch);
-  // Row r's input (its first vector at `first`), as sent: plain for the two-shot, Lamport-encoded for the one-shot.
-  const auto load_x = [&p](int r, long long first) {
-    return [&p, r, first](int i) { return input_vec<T, COMBINE>(p, r, first, i); };
-  };
-  const auto load_encoded = [&p](int r, long long first) {
-    return [&p, r, first](int i) { return lamport_encode(input_vec<T, COMBINE>(p, r, first, i)); };
-  };
 
   if constexpr (ALGO == kAlgoOneshot) {
     // Push: this rank's rows, encoded, into slot[rank] of every peer's Lamport half (not its own:
