@@ -121,7 +121,6 @@ constexpr int kPlainSumBatch = 4;
 template <int VPT>
 constexpr int kCopyStep = VPT > 0 ? VPT : kCopyUnroll;
 
-
 // The kernel's only parameter is P2PParams (TailParams, then the all-reduce's own fields), declared
 // in commfuse/kernels/params.py, which generates its C declaration (commfuse_params.cuh, via epilogue.cuh)
 // and packs it on the host.
