@@ -216,13 +216,12 @@ class P2PAllReduce(Family):
             launches.append(Launch(kernel, ws.nblocks, threads, blob, patches))
         return LaunchPlan(f"{self.name} {algo}", tuple(launches), tuple(outputs), ws.device_index)
 
-
     def plan_moe(self, ws, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
                  algo: str) -> LaunchPlan:
         """The LaunchPlan of moe_all_reduce's t tokens of k slots (y [t, k, h], or `rows` permuted rows with
-        form 1) with the combine done as the kernel reads its input and the tail fused: one launch, the
-        message (t rows of h) no larger than ws.max_bytes (moe_rejects). y is the call's source X, the
-        float32 weights Z; the row index and shared pointers are the call's (commfuse.kernels.moe_tail.run)."""
+        form 1) with the combine done as the kernel reads its input and the tail fused: one launch, so the
+        message (t rows of h) must fit ws.max_bytes (Communicator._moe_p2p checks). y is the call's source X,
+        the float32 weights Z; the row index and shared pointers are patched per call (moe_tail.launch)."""
         outputs = spec.outputs(t, h, dtype)
         if not t:
             return LaunchPlan(f"{self.name} {algo}", (), tuple(outputs), ws.device_index)
