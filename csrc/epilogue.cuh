@@ -604,6 +604,19 @@ __device__ __forceinline__ void tail_row_padding(const TailParams& p, int row) {
   if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, p.h / kFp8Block);
 }
 
+// The rows of a tail's grid (commfuse/tail/spec.py's row_slots): t, and the padding rows of the scale
+// storage (up to roundup(t, 128) for swizzled scale factors, roundup(t, 4) for MN-major FP8 block scales).
+template <int QUANT>
+__device__ __forceinline__ int tail_row_slots(const TailParams& p) {
+  if constexpr (kScaleFactors<QUANT>) {
+    if (p.sf_swizzled) return (p.t + 127) / 128 * 128;
+  }
+  if constexpr (QUANT == kQuantFp8Block) {
+    if (p.scale_layout & kScaleMnMajor) return (p.t + 3) / 4 * 4;
+  }
+  return p.t;
+}
+
 // The padding rows [t, slots) a caller assigns beyond the data rows: their scale storage is zeroed.
 template <int QUANT>
 __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {

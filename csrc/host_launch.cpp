@@ -148,12 +148,13 @@ struct KernelLaunch {
   unsigned grid, block;
   std::string params;
   std::vector<Patch> patches;
+  unsigned cluster;  // CTAs per thread-block cluster (1: none)
 };
 
 // A LaunchPlan's executor (commfuse/kernels/launch.py: PyLauncher is its Python twin).
 class Launcher {
  public:
-  // launches: (function, pdl, grid, block, params, [(offset, source, delta)]) each; specs: one per output
+  // launches: (function, pdl, grid, block, params, [(offset, source, delta)], cluster) each; specs: one per output
   // ((sizes, strides or None, storage elements, a tensor of the dtype), or None where absent), five for a
   // tail, one for a plain all-reduce; nccl: None, or (ncclAllReduce's address, the communicator, the NCCL
   // dtype, the element count), enqueued first.
@@ -167,6 +168,8 @@ class Launcher {
       k.grid = l[2].cast<unsigned>();
       k.block = l[3].cast<unsigned>();
       k.params = static_cast<std::string>(l[4].cast<py::bytes>());
+      k.cluster = l[6].cast<unsigned>();
+      if (k.cluster == 0 || k.grid % k.cluster) throw std::invalid_argument(name_ + ": bad cluster size");
       if (k.params.size() > kMaxParams) throw std::invalid_argument(name_ + ": parameter struct too large");
       for (const auto& p : l[5].cast<std::vector<std::tuple<int, int, int64_t>>>()) {
         const auto [offset, source, delta] = p;
@@ -326,17 +329,26 @@ class Launcher {
     // The module was loaded in the device's primary context: launch with that device current.
     c10::cuda::OptionalCUDAGuard guard;
     if (c10::cuda::current_device() != device_) guard.set_index(device_);
-    CUlaunchAttribute attr{};
-    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchAttribute attrs[2]{};
+    unsigned n = 0;
+    if (k.pdl && g_pdl) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[n++].value.programmaticStreamSerializationAllowed = 1;
+    }
+    if (k.cluster > 1) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attrs[n].value.clusterDim.x = k.cluster;
+      attrs[n].value.clusterDim.y = attrs[n].value.clusterDim.z = 1;
+      ++n;
+    }
     CUlaunchConfig config{};
     config.gridDimX = k.grid;
     config.gridDimY = config.gridDimZ = 1;
     config.blockDimX = k.block;
     config.blockDimY = config.blockDimZ = 1;
     config.hStream = reinterpret_cast<CUstream>(stream());
-    config.attrs = &attr;
-    config.numAttrs = k.pdl && g_pdl ? 1 : 0;
+    config.attrs = attrs;
+    config.numAttrs = n;
     void* args[1] = {buf};
     const CUresult rc = driver().launch_ex(&config, k.function, args, nullptr);
     if (rc != CUDA_SUCCESS) {

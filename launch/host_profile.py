@@ -3,9 +3,10 @@
 Usage: python launch/host_profile.py [--tokens 16] [--hidden 4096] [--calls 20] [--json FILE] [--cprofile N]
 (one process, world 1; on a GPU the NCCL route, else gloo and CPU tensors). Every row is the median
 over repeats of --calls back-to-back calls timed by the host clock around the loop, no GPU wait inside
-(the benchmark's host mode), in microseconds per call, next to torch.add(out=) of the same run, the
-yardstick of one torch elementwise op. `--cprofile N` also prints cProfile's top functions over N
-fused_all_reduce calls. The breakdown of a run is written up in bench/journal.md.
+(the benchmark's host mode), in microseconds per call, and its ratio to torch.add(out=) (the yardstick
+of one torch elementwise op) timed in the same repeat just before it: the median of those ratios.
+`--cprofile N` also prints cProfile's top functions over N fused_all_reduce calls. The breakdown of a
+run is written up in bench/journal.md.
 """
 from __future__ import annotations
 
@@ -28,18 +29,30 @@ from commfuse.kernels.fused_tail import FUSED_TAIL
 from commfuse.tail.spec import OutputSpec, TailSpec
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
+def per_call_us(fn, calls: int, repeats: int, floor=None) -> tuple:
+    """(median us per call, median of the per-repeat ratios to `floor`'s us in the same repeat, or None):
+    each repeat times the floor's loop right before fn's, so that a host whose speed drifts over the run
+    (seconds apart) moves both."""
     for _ in range(20):
         fn()
     sync()
-    samples = []
+    samples, ratios = [], []
     for _ in range(repeats):
+        base = None
+        if floor is not None:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                floor()
+            base = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        took = time.perf_counter() - t0
+        samples.append(took / calls * 1e6)
+        if base:
+            ratios.append(took / base)
         sync()  # the GPU catches up between repeats, never inside one
-    return statistics.median(samples)
+    return statistics.median(samples), (statistics.median(ratios) if ratios else None)
 
 
 def sync():
@@ -206,19 +219,20 @@ def main() -> None:
     t, h = args.tokens, args.hidden
     out = []
     misses = python_op_calls()
+    floor = None
     for name, fn in rows(comm, t, h):
         try:
-            us = per_call_us(fn, args.calls, args.repeats)
+            us, ratio = per_call_us(fn, args.calls, args.repeats, floor)
         except Exception as exc:  # a step that cannot run here is reported, not fatal
             print(f"{name:50s} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
-        out.append({"step": name, "us": round(us, 2)})
-    floor = out[0]["us"]
+        floor = floor or fn  # the first row, torch.add, is every later row's yardstick
+        out.append({"step": name, "us": round(us, 2), "x_floor": round(ratio or 1.0, 3)})
     print(f"host time per call ({args.calls} calls a loop, median of {args.repeats}), world {comm.world_size}, "
           f"[{t}, {h}] bf16 on {comm.device} "
           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}):")
     for row in out:
-        print(f"  {row['step']:50s} {row['us']:8.2f} us  {row['us'] / floor:5.2f}x")
+        print(f"  {row['step']:50s} {row['us']:8.2f} us  {row['x_floor']:5.2f}x")
     print(f"  commfuse.ops Python kernel calls (C++ kernel misses, first calls included): {misses}")
     if args.cprofile:
         x = torch.randn(t, h, device=comm.device, dtype=torch.bfloat16)

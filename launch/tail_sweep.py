@@ -3,6 +3,9 @@ same tail: whether commfuse.kernels.fused_tail.launch_config's choice, or anothe
 
 Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--quants none,fp8,nvfp4] [--no-residual]
 (--no-residual: the plain RMSNorm of x, commfuse.fused_add_rmsnorm(x, None, ...), quant none only)
+       python launch/tail_sweep.py --moe 8 [--shapes 1x7168,64x7168] [--quants none,nvfp4]
+(--moe k: the world-1 MoE tail of k slots a token, finalize form with a shared expert, at every split:
+CTAs a token, moe_tail.MOE_TAIL.plan's split, the default one marked "*"; no Inductor column)
 
 Per (shape, quant): each VPT (1, 2, 4 vectors per thread, with the fewest whole warps that cover the
 row; 0 the looped variant, 256 threads) whose thread limit fits, its GPU time per call (20 calls in a
@@ -54,7 +57,10 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default="256x7168,1024x4096,1024x8192,8192x4096")
     p.add_argument("--quants", default="none,fp8,nvfp4")
     p.add_argument("--no-residual", action="store_true", help="the plain RMSNorm of x (quant none)")
+    p.add_argument("--moe", type=int, default=0, help="the MoE tail of this many slots a token, at every split")
     args = p.parse_args(argv)
+    if args.moe:
+        return moe_sweep(args)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     print("| shape | quant | config (vpt x threads) | us | Inductor us |\n|---|---|---|---|---|")
@@ -85,6 +91,42 @@ def main(argv=None) -> None:
                 us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
                 mark = " *" if (vpt, threads) == chosen else ""
                 print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {us} | {_fmt(ind)} |", flush=True)
+
+
+def moe_sweep(args) -> None:
+    from commfuse.kernels import moe_tail
+
+    gen = torch.Generator().manual_seed(0)
+    k, dev = args.moe, torch.cuda.current_device()
+    print("| shape | k | quant | split (CTAs a token) | us |\n|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        t, h = map(int, shape.split("x"))
+        rows = torch.randn(t * k, h, generator=gen).bfloat16().cuda()
+        idx = torch.randperm(t * k, generator=gen).view(t, k).to(torch.int32).cuda()
+        w = torch.rand(t, k, generator=gen).cuda()
+        shared, residual = (torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2))
+        weight = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
+        for q in args.quants.split(","):
+            quant = None if q == "none" else q
+            scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
+            spec = TailSpec.of(quant, return_norm=quant is None)
+            want = reference.fused_tail(reference.moe_finalize(rows, idx, w, shared), residual, weight, 1e-6, quant,
+                                        scale, quant is None)
+            want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
+            vpt, _ = fused_tail.launch_config(h, t)
+            chosen = moe_tail.MOE_TAIL.ctas_per_token(t, vpt, dev)
+            for split in (1, 2, 4, 8) if vpt == 1 and moe_tail.clusters(dev) else (1,):
+                plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
+
+                def call(plan=plan):
+                    out = moe_tail.launch(plan, params.MOE_TAIL.offsets["combine"], rows, w, idx, shared, residual,
+                                          weight, scale, None)
+                    return tuple(v for v in out if v is not None)
+
+                why = bench.check(call(), want, quant)
+                us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
+                mark = " *" if split == chosen else ""
+                print(f"| {shape} | {k} | {q} | {split}{mark} | {us} |", flush=True)
 
 
 if __name__ == "__main__":

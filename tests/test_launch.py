@@ -20,7 +20,8 @@ class Recorder:
         self.launches = []
         self.pdl = False
 
-    def launch(self, grid, block, params=b"", shared_mem=0, stream=None):
+    def launch(self, grid, block, params=b"", shared_mem=0, stream=None, cluster=1):
+        assert cluster == 1, "the tails launch no clusters"
         self.launches.append((grid, block, params))
 
 

@@ -262,3 +262,65 @@ def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype):
                                 True)
     assert bits_equal(r.residual[:2], want.residual)
     torch.testing.assert_close(r.norm[:2].float(), want.norm.float(), rtol=2 ** -7, atol=0)  # the norm: 1 ulp of T
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant, sf_layout, scale_layout", [(None, "swizzled", "row"), ("fp8", "swizzled", "row"),
+                                                            ("nvfp4", "swizzled", "row"), ("mxfp8", "linear", "row"),
+                                                            ("fp8_per_token", "swizzled", "row"),
+                                                            ("fp8_block", "swizzled", "mn_major")])
+@pytest.mark.parametrize("t, k, h", [(1, 8, 7168), (7, 2, 4096), (33, 4, 3072)])
+def test_moe_tail_split_over_a_cluster_gives_the_unsplit_bits(quant, sf_layout, scale_layout, t, k, h):
+    """The world-1 MoE tail with each token's combine split over a cluster of 2, 4 and 8 CTAs (SM 9.0+):
+    every output, the scale storage's padding included, the same bits as one CTA a token (poisoned
+    outputs), and within the tolerances of reference.fused_tail of the reference combine."""
+    from commfuse.kernels import moe_tail, params
+    from commfuse.tail.spec import TailSpec
+    from compare import poisoned_runs
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need SM 9.0+")
+    gen = torch.Generator().manual_seed(t * 17 + k + h)
+    rows = torch.randn(t * k + 2, h, generator=gen).bfloat16().cuda()
+    idx = torch.randperm(t * k, generator=gen).view(t, k).to(torch.int32).cuda()
+    w = torch.rand(t, k, generator=gen).cuda()
+    shared = torch.randn(t, h, generator=gen).bfloat16().cuda()
+    residual = torch.randn(t, h, generator=gen).bfloat16().cuda()
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
+    scale = torch.tensor([0.05]).cuda() if quant in ("fp8", "nvfp4") else None
+    spec = TailSpec.of(quant, return_norm=True, sf_layout=sf_layout, scale_layout=scale_layout)
+    dev = torch.cuda.current_device()
+
+    def run(split):
+        plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
+        assert plan.launches[0].cluster == split
+        return reference.Tail(*moe_tail.launch(plan, params.MOE_TAIL.offsets["combine"], rows, w, idx, shared,
+                                               residual, weight, scale, None))
+
+    one = run(1)
+    for split in (2, 4, 8):
+        a, b = poisoned_runs(lambda: run(split))
+        for name in ("residual", "norm", "quant", "scale_factors", "scales"):
+            assert bits_equal(getattr(a, name), getattr(b, name)), f"split {split}: {name} not written everywhere"
+            assert bits_equal(getattr(a, name), getattr(one, name)), f"split {split}: {name} differs from unsplit"
+    ref = reference.fused_tail(reference.moe_finalize(rows, idx, w, shared), residual, weight, 1e-6, quant, scale, True,
+                               sf_layout, scale_layout=scale_layout)
+    assert_tail_close(one, ref, quant, sf_layout)
+
+
+@needs_gpu
+def test_moe_tail_splits_few_tokens_only():
+    """The default split: up to 8 CTAs a token while t * split fits the SMs, 1 for many tokens or VPT > 1."""
+    from commfuse.kernels import moe_tail
+
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if torch.cuda.get_device_capability() < (9, 0):
+        assert moe_tail.MOE_TAIL.ctas_per_token(1, 1, dev) == 1
+        return
+    assert moe_tail.MOE_TAIL.ctas_per_token(1, 1, dev) == moe_tail.MAX_SPLIT
+    assert moe_tail.MOE_TAIL.ctas_per_token(1, 2, dev) == 1
+    assert moe_tail.MOE_TAIL.ctas_per_token(sms, 1, dev) == 1
+    for t in range(1, sms):
+        s = moe_tail.MOE_TAIL.ctas_per_token(t, 1, dev)
+        assert t * s <= sms and (s == moe_tail.MAX_SPLIT or t * s * 2 > sms), (t, s)

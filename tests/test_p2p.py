@@ -284,7 +284,8 @@ class _Recorder:
         ws._fixed_params = (0,) * 17
         self.ws = ws
 
-    def launch(self, grid, block, raw):
+    def launch(self, grid, block, raw, cluster=1):
+        assert cluster == 1, "the P2P kernels launch no clusters"
         f = params.P2P.unpack(raw)
         n = len(params.TAIL.format)
         self.launches.append(dict(tail=f[:n], x=f[n], out=f[n + 1], total_vecs=f[n + 19], rows=f[n + 20],

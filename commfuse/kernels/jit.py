@@ -370,24 +370,34 @@ class _ParamSlot(threading.local):
         self.argv_addr = ctypes.addressof(self.argv)
         self.configs = {}
 
-    def pdl_config(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], shared_mem: int):
-        """A CUlaunchConfig of this shape with the programmatic-stream-serialization attribute."""
-        key = (grid, block, shared_mem)
+    def launch_config(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], shared_mem: int, pdl: bool,
+                      cluster: int):
+        """A CUlaunchConfig of this shape with the programmatic-stream-serialization attribute (pdl) and
+        clusters of `cluster` CTAs along x (cluster > 1)."""
+        key = (grid, block, shared_mem, pdl, cluster)
         entry = self.configs.get(key)
         if entry is None:
             if len(self.configs) >= self.MAX_CONFIGS:
                 self.configs.clear()
             driver = _driver()
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs = []
+            if pdl:
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value.programmaticStreamSerializationAllowed = 1
+                attrs.append(attr)
+            if cluster > 1:
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+                attrs.append(attr)
             config = driver.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = block
             config.sharedMemBytes = shared_mem
-            config.attrs = [attr]
-            config.numAttrs = 1
-            entry = self.configs[key] = (config, attr)  # the attribute lives as long as its config
+            config.attrs = attrs
+            config.numAttrs = len(attrs)
+            entry = self.configs[key] = (config, attrs)  # the attributes live as long as their config
         return entry[0]
 
 
@@ -458,14 +468,15 @@ class Kernel:
         return int(self._function)
 
     def launch(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], params: bytes = b"",
-               shared_mem: int = 0, stream: Optional[int] = None) -> None:
+               shared_mem: int = 0, stream: Optional[int] = None, cluster: int = 1) -> None:
         """Launch on `stream` (a raw cudaStream_t as int; default: torch's current stream of the
         kernel's device), with the kernel's device made current for the launch if it is not.
         grid, block: tuples of 3 ints. params: the bytes of the kernel's by-value parameter struct.
-        With `pdl`, as a programmatic dependent launch (csrc/pdl.cuh says what the kernel must do)."""
+        With `pdl`, as a programmatic dependent launch (csrc/pdl.cuh says what the kernel must do);
+        cluster > 1: in thread-block clusters of that many CTAs along x (SM 9.0+; csrc/cluster.cuh)."""
         if self.device_index != _current_device():
             with torch.cuda.device(self.device_index):
-                return self.launch(grid, block, params, shared_mem, stream)
+                return self.launch(grid, block, params, shared_mem, stream, cluster)
         if stream is None:
             stream = _current_raw_stream(self.device_index)
         slot = _SLOT
@@ -473,15 +484,17 @@ class Kernel:
         if n > _ParamSlot.MAX_BYTES:
             raise JitError(f"{self.name}: {n} bytes of parameters > {_ParamSlot.MAX_BYTES}")
         ctypes.memmove(slot.buf_addr, params, n)
-        if self.pdl and _PDL_OFF is None:
-            config = slot.pdl_config(grid, block, shared_mem)
+        pdl = self.pdl and _PDL_OFF is None
+        if pdl or cluster > 1:
+            config = slot.launch_config(grid, block, shared_mem, pdl, cluster)
             config.hStream = stream
             (err,) = self._launch_ex(config, self._function, slot.argv_addr, 0)
         else:
             (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                   shared_mem, stream, slot.argv_addr, 0)
         if err != self._ok:
-            _cu_check((err,), f"launch of {self.name} grid={tuple(grid)} block={tuple(block)} on cuda:{self.device_index}")
+            where = f"launch of {self.name} grid={tuple(grid)} block={tuple(block)}"
+            _cu_check((err,), where + (f" cluster={cluster}" if cluster > 1 else "") + f" on cuda:{self.device_index}")
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, arch={self.arch!r}, device={self.device_index})"

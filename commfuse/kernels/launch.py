@@ -44,13 +44,15 @@ _TAIL_POINTERS = {"residual_in": RESIDUAL, "residual_out": OUT, "weight": WEIGHT
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: a jit.Kernel on `grid` x `block` threads, its parameter bytes with every
-    pointer 0, and the patches ((offset, source, delta) triples) that fill the pointers in."""
+    pointer 0, and the patches ((offset, source, delta) triples) that fill the pointers in; cluster:
+    CTAs per thread-block cluster (SM 9.0+, dividing grid; 1: no clusters)."""
 
     kernel: object
     grid: int
     block: int
     params: bytes
     patches: Tuple[Tuple[int, int, int], ...]
+    cluster: int = 1
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ class PyLauncher:
             for offset, source, delta in launch.patches:
                 p = t[source]
                 _POINTER.pack_into(buf, offset, p.data_ptr() + delta if p is not None else 0)
-            launch.kernel.launch((launch.grid, 1, 1), (launch.block, 1, 1), bytes(buf))
+            launch.kernel.launch((launch.grid, 1, 1), (launch.block, 1, 1), bytes(buf), cluster=launch.cluster)
         return tuple(t[OUT:OUT + 5]) if plan.fused else t[OUT]
 
 

@@ -4,7 +4,10 @@ computes it) read as the tail's input, then residual add, RMSNorm and the quanti
 one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(...), residual, ...).
 
 Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
-fused_tail.launch_config, the looped variant for long rows). The kernels take float32 weights and int32
+fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
+variant) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split fills
+no more than the SMs), which combine a slice of its vectors each, the first CTA running the tail: one SM
+alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take float32 weights and int32
 row indices: `run` converts T weights and int64 indices first (exactly: [t, k] tensors).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from . import fused_tail, params
 from .family import CTYPE, Family, Limits
 from .launch import X, Z, Launch, LaunchPlan, PyLauncher, operand, tail_fields, tail_patches
 
-__all__ = ["MOE_TAIL", "FORMS", "variants", "run", "launch", "warmup"]
+__all__ = ["MOE_TAIL", "FORMS", "MAX_SPLIT", "variants", "run", "launch", "warmup"]
 
 SOURCE = fused_tail.SOURCE
 FORMS = (0, 1)  # kCombineReduction, kCombineFinalize32 (csrc/moe.cuh)
@@ -46,19 +49,46 @@ class MoeTail(Family):
                 for form in FORMS for few in (True, False)]
 
     def plan(self, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
-             device_index: int) -> LaunchPlan:
+             device_index: int, split: Optional[int] = None) -> LaunchPlan:
         """The LaunchPlan of t tokens of k slots: y is the call's source X, the weights Z; the row index and
-        shared pointers are filled in per call (run)."""
+        shared pointers are filled in per call (run). split: CTAs per token (default ctas_per_token; more than 1
+        only for the VPT 1 variant on SM 9.0+)."""
         launches = ()
         if t:
             vpt, threads = fused_tail.launch_config(h, t)
+            if split is None:
+                split = self.ctas_per_token(t, vpt, device_index)
+            elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
+                raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             blob = params.MOE_TAIL.pack(0, 0, 0, 0, 0, t, k, h, rows, *tail_fields(spec, t, h))
             base = params.MOE_TAIL.offsets["combine"]
             patches = [(base + params.MOE_COMBINE.offsets["y"], X, 0), (base + params.MOE_COMBINE.offsets["weights"], Z, 0)]
             patches += tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form, spec.format, vpt), device_index)
-            launches = (Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches)),)
+            # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
+            grid = t * split + -(-(spec.row_slots(t) - t) // split) * split
+            launches = (Launch(kernel, grid, threads, blob, tuple(patches), split),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, True)), device_index)
+
+    @staticmethod
+    def ctas_per_token(t: int, vpt: int, device_index: int) -> int:
+        """CTAs per token: the most (a power of 2 up to MAX_SPLIT) whose t * split CTAs fit the SMs, for
+        the VPT 1 variant on SM 9.0+; else 1."""
+        if vpt != 1 or not clusters(device_index):
+            return 1
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        split = 1
+        while split < MAX_SPLIT and t * split * 2 <= sms:
+            split *= 2
+        return split
+
+
+MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
+
+
+def clusters(device_index: int) -> bool:
+    """Whether the device launches thread-block clusters (SM 9.0+)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 MOE_TAIL = MoeTail()

@@ -153,7 +153,8 @@ def launcher(plan: LaunchPlan):
     mod = _load()[0]
     if mod is None:
         return PyLauncher(plan)
-    launches = [(l.kernel.function, l.kernel.pdl, l.grid, l.block, l.params, list(l.patches)) for l in plan.launches]
+    launches = [(l.kernel.function, l.kernel.pdl, l.grid, l.block, l.params, list(l.patches), l.cluster)
+                for l in plan.launches]
     nccl = plan.nccl.native_args(plan.outputs[0].dtype, plan.count) if plan.nccl is not None else None
     return mod.Launcher(plan.name, launches, [_spec(s) for s in plan.outputs], plan.fused, nccl, plan.device_index)
 

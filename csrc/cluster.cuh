@@ -1,0 +1,54 @@
+// Thread-block clusters (SM 9.0 and newer), for kernels that commfuse/kernels/launch.py's Launch.cluster
+// launches in clusters of CTAs: the cluster's shape, and a store into another CTA's shared memory
+// (distributed shared memory). Launched without clusters, or built for an older arch, a CTA is a cluster
+// of one: cluster_ctas() is 1 and cluster_rank() 0.
+#pragma once
+
+namespace commfuse {
+
+__device__ __forceinline__ unsigned cluster_ctas() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+#else
+  return 1;
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+#else
+  return 0;
+#endif
+}
+
+// *slot = v in the shared memory of the cluster's CTA `rank` (slot: this CTA's address of the same
+// variable). Visible to that CTA after cluster_sync().
+__device__ __forceinline__ void cluster_store(uint4* slot, unsigned rank, const uint4& v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+#else
+  *slot = v;
+#endif
+}
+
+// Every thread of every CTA of the cluster arrives; the stores to shared memory before it (any CTA's)
+// are visible after it.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+}  // namespace commfuse
