@@ -6,6 +6,8 @@ Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--q
        python launch/tail_sweep.py --moe 8 [--shapes 1x7168,64x7168] [--quants none,nvfp4]
 (--moe k: the world-1 MoE tail of k slots a token, finalize form with a shared expert, at every split:
 CTAs a token, moe_tail.MOE_TAIL.plan's split, the default one marked "*"; no Inductor column)
+       python launch/tail_sweep.py --gated 128 [--shapes ...]
+(--gated G: the gated RMSNorm, groups of G, gate first, at every VPT of its variants)
 
 Per (shape, quant): each VPT (1, 2, 4 vectors per thread, with the fewest whole warps that cover the
 row; 0 the looped variant, 256 threads) whose thread limit fits, its GPU time per call (20 calls in a
@@ -26,7 +28,7 @@ import bench_local_ops as bench  # noqa: E402
 from commfuse import reference  # noqa: E402
 from commfuse.kernels import fused_tail, params  # noqa: E402
 from commfuse.kernels.fused_tail import FUSED_TAIL  # noqa: E402
-from commfuse.kernels.launch import X, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
+from commfuse.kernels.launch import X, Z, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
 from commfuse.tail.spec import TailSpec  # noqa: E402
 
 
@@ -58,9 +60,12 @@ def main(argv=None) -> None:
     p.add_argument("--quants", default="none,fp8,nvfp4")
     p.add_argument("--no-residual", action="store_true", help="the plain RMSNorm of x (quant none)")
     p.add_argument("--moe", type=int, default=0, help="the MoE tail of this many slots a token, at every split")
+    p.add_argument("--gated", type=int, default=0, help="the gated RMSNorm of groups of this size, at every VPT")
     args = p.parse_args(argv)
     if args.moe:
         return moe_sweep(args)
+    if args.gated:
+        return gated_sweep(args)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     print("| shape | quant | config (vpt x threads) | us | Inductor us |\n|---|---|---|---|---|")
@@ -77,9 +82,10 @@ def main(argv=None) -> None:
             want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
             if r is None:
                 want = want[-1:]  # the norm; the kernel's residual output is x's copy, which it does not write
-            compiled = torch.compile(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
+            torch._dynamo.reset()  # a recompile for the next shape would otherwise make its kernel dynamic
+            compiled = torch.compile(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale), dynamic=False)
             ind = bench.time_us(compiled, True, 20, 10).get("graph")
-            chosen = fused_tail.launch_config(h, t, quant is None)
+            chosen = fused_tail.launch_config(h, t, quant is None and r is not None)
             for vpt, threads in configs(h):
                 run = launcher(dtype, t, h, spec, vpt, threads)
 
@@ -91,6 +97,43 @@ def main(argv=None) -> None:
                 us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
                 mark = " *" if (vpt, threads) == chosen else ""
                 print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {us} | {_fmt(ind)} |", flush=True)
+
+
+def gated_sweep(args) -> None:
+    from commfuse.kernels import gated_norm
+    from commfuse.kernels.gated_norm import GATED_NORM
+
+    gen = torch.Generator().manual_seed(0)
+    g, dev = args.gated, torch.cuda.current_device()
+    print("| shape | group | config (vpt x threads) | us | Inductor us |\n|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        t, h = map(int, shape.split("x"))
+        x, z = (torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2))
+        w = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
+        want = (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda: (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),), dynamic=False)
+        ind = bench.time_us(compiled, True, 20, 10).get("graph")
+        spec = TailSpec.of(None, eps=1e-5, return_norm=True)
+        chosen = gated_norm.launch_config(h, t)
+        for vpt in gated_norm.VPT_BUCKETS:
+            need = -(-(h // 8) // vpt)  # threads that cover the row
+            threads = max(32, -(-need // 32) * 32)
+            if threads > gated_norm.MAX_THREADS[vpt]:
+                continue
+            blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, g, 0)
+            patches = tail_patches(params.GATED_NORM.offsets["tail"])
+            patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
+            launch = GATED_NORM.row_launch(torch.bfloat16, spec, t, vpt, threads, blob, patches, dev)
+            run = PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, torch.bfloat16, False)), dev))
+
+            def call(run=run):
+                return (run(x, None, w, None, None, z)[1],)
+
+            why = bench.check(call(), want, None)
+            us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
+            mark = " *" if (vpt, threads) == chosen else ""
+            print(f"| {shape} | {g} | {vpt} x {threads}{mark} | {us} | {_fmt(ind)} |", flush=True)
 
 
 def moe_sweep(args) -> None:
@@ -114,7 +157,7 @@ def moe_sweep(args) -> None:
                                         scale, quant is None)
             want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
             vpt, _ = fused_tail.launch_config(h, t)
-            chosen = moe_tail.MOE_TAIL.ctas_per_token(t, vpt, dev)
+            chosen = moe_tail.MOE_TAIL.ctas_per_token(t, k, vpt, dev)
             for split in (1, 2, 4, 8) if vpt == 1 and moe_tail.clusters(dev) else (1,):
                 plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
 

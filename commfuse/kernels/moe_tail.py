@@ -5,9 +5,9 @@ one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(
 
 Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
 fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
-variant) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split fills
-no more than the SMs), which combine a slice of its vectors each, the first CTA running the tail: one SM
-alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take float32 weights and int32
+variant, k >= 4) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split
+fills at most half the SMs), which combine a slice of its vectors each, the first CTA running the tail:
+one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take float32 weights and int32
 row indices: `run` converts T weights and int64 indices first (exactly: [t, k] tensors).
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class MoeTail(Family):
         if t:
             vpt, threads = fused_tail.launch_config(h, t)
             if split is None:
-                split = self.ctas_per_token(t, vpt, device_index)
+                split = self.ctas_per_token(t, k, vpt, device_index)
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             blob = params.MOE_TAIL.pack(0, 0, 0, 0, 0, t, k, h, rows, *tail_fields(spec, t, h))
@@ -71,19 +71,23 @@ class MoeTail(Family):
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, True)), device_index)
 
     @staticmethod
-    def ctas_per_token(t: int, vpt: int, device_index: int) -> int:
-        """CTAs per token: the most (a power of 2 up to MAX_SPLIT) whose t * split CTAs fit the SMs, for
-        the VPT 1 variant on SM 9.0+; else 1."""
-        if vpt != 1 or not clusters(device_index):
+    def ctas_per_token(t: int, k: int, vpt: int, device_index: int) -> int:
+        """CTAs per token: for the VPT 1 variant on SM 9.0+ and k >= SPLIT_SLOTS, the most (a power of 2
+        up to MAX_SPLIT) whose t * split CTAs fill at most half the SMs; else 1. H200, h 7168, k 8, the
+        finalize form: 1 token 4.2 us split over 8 against 5.0 unsplit, 16 tokens 4.5 over 4 against 5.1
+        (over 8: 6.7), 32 tokens 5.1 over 2, 64 level; k 2 loses at every split (1 token 3.8 against 3.6;
+        launch/tail_sweep.py --moe)."""
+        if vpt != 1 or k < SPLIT_SLOTS or not clusters(device_index):
             return 1
         sms = torch.cuda.get_device_properties(device_index).multi_processor_count
         split = 1
-        while split < MAX_SPLIT and t * split * 2 <= sms:
+        while split < MAX_SPLIT and t * split * 2 <= sms // 2:
             split *= 2
         return split
 
 
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
+SPLIT_SLOTS = 4  # the fewest slots a token whose combine is split: with fewer the rows read are few
 
 
 def clusters(device_index: int) -> bool:
