@@ -54,6 +54,19 @@ def _fmt(us) -> str:
     return "n/a" if us is None else f"{us:.2f}"
 
 
+def _timed(call, want, quant) -> str:
+    """call()'s GPU time per call as text, after a check of its outputs against `want`."""
+    why = bench.check(call(), want, quant)
+    return "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
+
+
+def _inductor(fn) -> str:
+    """Inductor's GPU time of fn, compiled static for this shape: a recompile for a second shape would
+    otherwise make its kernel dynamic."""
+    torch._dynamo.reset()
+    return _fmt(bench.time_us(torch.compile(fn, dynamic=False), True, 20, 10).get("graph"))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="256x7168,1024x4096,1024x8192,8192x4096")
@@ -82,9 +95,7 @@ def main(argv=None) -> None:
             want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
             if r is None:
                 want = want[-1:]  # the norm; the kernel's residual output is x's copy, which it does not write
-            torch._dynamo.reset()  # a recompile for the next shape would otherwise make its kernel dynamic
-            compiled = torch.compile(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale), dynamic=False)
-            ind = bench.time_us(compiled, True, 20, 10).get("graph")
+            ind = _inductor(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
             chosen = fused_tail.launch_config(h, t, quant is None and r is not None)
             for vpt, threads in configs(h):
                 run = launcher(dtype, t, h, spec, vpt, threads)
@@ -93,10 +104,8 @@ def main(argv=None) -> None:
                     out = tuple(v for v in run(x, r, w, scale) if v is not None)
                     return out[-1:] if r is None else out  # no residual: the norm only, as `want`
 
-                why = bench.check(call(), want, quant)
-                us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
                 mark = " *" if (vpt, threads) == chosen else ""
-                print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {us} | {_fmt(ind)} |", flush=True)
+                print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {_timed(call, want, quant)} | {ind} |", flush=True)
 
 
 def gated_sweep(args) -> None:
@@ -111,9 +120,7 @@ def gated_sweep(args) -> None:
         x, z = (torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2))
         w = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
         want = (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),)
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda: (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),), dynamic=False)
-        ind = bench.time_us(compiled, True, 20, 10).get("graph")
+        ind = _inductor(lambda: (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),))
         spec = TailSpec.of(None, eps=1e-5, return_norm=True)
         chosen = gated_norm.launch_config(h, t)
         for vpt in gated_norm.VPT_BUCKETS:
@@ -130,10 +137,8 @@ def gated_sweep(args) -> None:
             def call(run=run):
                 return (run(x, None, w, None, None, z)[1],)
 
-            why = bench.check(call(), want, None)
-            us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
             mark = " *" if (vpt, threads) == chosen else ""
-            print(f"| {shape} | {g} | {vpt} x {threads}{mark} | {us} | {_fmt(ind)} |", flush=True)
+            print(f"| {shape} | {g} | {vpt} x {threads}{mark} | {_timed(call, want, None)} | {ind} |", flush=True)
 
 
 def moe_sweep(args) -> None:
@@ -166,10 +171,8 @@ def moe_sweep(args) -> None:
                                           weight, scale, None)
                     return tuple(v for v in out if v is not None)
 
-                why = bench.check(call(), want, quant)
-                us = "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
                 mark = " *" if split == chosen else ""
-                print(f"| {shape} | {k} | {q} | {split}{mark} | {us} |", flush=True)
+                print(f"| {shape} | {k} | {q} | {split}{mark} | {_timed(call, want, quant)} |", flush=True)
 
 
 if __name__ == "__main__":

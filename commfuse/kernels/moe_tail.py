@@ -7,8 +7,9 @@ Launch configuration: fused_tail's (one CTA per row plus the scale storage's pad
 fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
 variant, k >= 4) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split
 fills at most half the SMs), which combine a slice of its vectors each, the first CTA running the tail:
-one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take float32 weights and int32
-row indices: `run` converts T weights and int64 indices first (exactly: [t, k] tensors).
+one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take
+float32 weights and int32 row indices: `run` converts T weights and int64 indices first (exactly: [t, k]
+tensors).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class MoeTail(Family):
 
 
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
-SPLIT_SLOTS = 4  # the fewest slots a token whose combine is split: with fewer the rows read are few
+SPLIT_SLOTS = 4  # the fewest slots a token that are split: at k = 2 every split measured slower
 
 
 def clusters(device_index: int) -> bool:
