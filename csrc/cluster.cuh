@@ -27,7 +27,8 @@ __device__ __forceinline__ unsigned cluster_rank() {
 }
 
 // *slot = v in the shared memory of the cluster's CTA `rank` (slot: this CTA's address of the same
-// variable). Visible to that CTA after cluster_sync().
+// variable), which must have started (cluster_wait). Visible to that CTA after cluster_sync(), and that
+// CTA must not exit before it.
 __device__ __forceinline__ void cluster_store(uint4* slot, unsigned rank, const uint4& v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(slot));
@@ -38,6 +39,21 @@ __device__ __forceinline__ void cluster_store(uint4* slot, unsigned rank, const 
                : "memory");
 #else
   *slot = v;
+#endif
+}
+
+// A CTA may store into another's shared memory only once that CTA runs: every thread of every CTA
+// calls cluster_arrive() when it starts, and cluster_wait() before its first cluster_store (the work in
+// between overlaps the other CTAs' start). No memory ordering: a start, not data.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
 

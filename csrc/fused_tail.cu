@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   const int row = blockIdx.x < data ? blockIdx.x / split : p.tail.t + static_cast<int>(blockIdx.x - data);
   if (row >= p.tail.t) {
     if (row < tail_row_slots<QUANT>(p.tail)) tail_padding_row<QUANT>(p.tail, row);
-    return;
+    return;  // a padding row's cluster holds padding rows only (the token rows come first, whole clusters)
   }
+  if (split > 1) cluster_arrive();
   if constexpr (VPT > 0) {
     const int nv = p.tail.h / kVecElems;
     // VPT 1 (the few-rows variant up to h = 8192): the residual's and weight's loads go first, in flight
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
         __shared__ uint4 combined[kMaxThreads<1>];  // the token's vectors, in the first CTA's
         const int per = (nv + split - 1) / split;
         const int end = min(nv, static_cast<int>(rank + 1) * per);
+        cluster_wait();  // the first CTA runs: its shared memory may take the stores
         for (int v = rank * per + threadIdx.x; v < end; v += blockDim.x)
           cluster_store(combined + v, 0, combine_vec<T, float, FORM>(p.combine, row, v));
         cluster_sync();

@@ -115,7 +115,8 @@ def moe_kernels(g) -> int:
     from commfuse.kernels import moe_combine, moe_tail
 
     n = 0
-    for t, k, h in ((1, 2, 16), (3, 8, 40), (130, 8, 7168), (7, 3, 16384)):
+    # (3, 8, 40) and (16, 4, 4096) split each token over a cluster (SM 9.0+; 3 x 8: CTAs without vectors)
+    for t, k, h in ((1, 2, 16), (3, 8, 40), (16, 4, 4096), (130, 8, 7168), (7, 3, 16384)):
         y = torch.randn(t, k, h, generator=g, device="cuda").to(torch.bfloat16)
         w = torch.rand(t, k, generator=g, device="cuda")
         shared = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
