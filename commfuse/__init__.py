@@ -13,13 +13,14 @@ from . import local, ops  # noqa: E402 - ops' Python kernels call the local ops
 from .communicator import Communicator, FusedResult
 from .distributed import init_distributed
 from .kernels.p2p_allreduce import P2PError, P2PMismatchError, P2PTimeoutError
+from .nccl import NcclTimeoutError
 from .routes import CallMismatchError, CallTimeoutError, Plan
 from .tail.spec import TailSpec
 from .topology import Topology
 from . import fusion  # noqa: E402 - the pass imports the ops above
 
 __all__ = ["Communicator", "FusedResult", "P2PError", "P2PMismatchError", "P2PTimeoutError", "CallMismatchError",
-           "CallTimeoutError", "Plan", "Topology",
+           "CallTimeoutError", "NcclTimeoutError", "Plan", "Topology",
            "TailSpec", "Quantized", "init_distributed", "ops", "reference", "local", "fusion", "fused_add_rmsnorm",
            "gated_rmsnorm", "quantize"]
 __version__ = "0.1.0"

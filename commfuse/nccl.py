@@ -10,6 +10,13 @@ pointers, the count and the stream fixed when the communicator is made.
     comm.all_reduce(send, recv)  # recv = sum of every rank's send, on torch's current stream
     comm.close()
 
+A watchdog bounds the wait for a peer that skipped a call or died (NCCL itself waits forever): each
+eager all-reduce is stamped with its enqueue time and followed on the stream by a write of its sequence
+number into host-mapped pinned memory (cuStreamWriteValue64); a thread of the communicator's aborts it
+(ncclCommAbort, which ends NCCL's kernels) when the oldest unfinished one has waited COMMFUSE_NCCL_TIMEOUT_S
+seconds, and every later call raises NcclTimeoutError. Calls captured into a CUDA graph are not stamped:
+replays are outside it.
+
 The library is the NCCL that torch already uses (no new dependency: ctypes only), found in this
 order: the file COMMFUSE_NCCL_LIBRARY names (then nothing else is tried); cuda.pathfinder's
 `load_nvidia_dynamic_lib("nccl")` (a copy the process has loaded already, else the nvidia-nccl
@@ -21,6 +28,8 @@ Environment (docs/environment.md):
 - COMMFUSE_NCCL_LIBRARY: the path of the NCCL library to load instead of searching.
 - COMMFUSE_NCCL: `0` makes the Communicator keep torch.distributed for its NCCL route even where
   this module is available (read by the Communicator, not here).
+- COMMFUSE_NCCL_TIMEOUT_S: the watchdog's bound, seconds from an all-reduce's enqueue (default 10; 0: no
+  watchdog). Read when a communicator is made.
 
 Facts of NCCL's C API used here (nccl.h): every function returns ncclResult_t (0 = ncclSuccess);
 ncclUniqueId is a struct of 128 bytes passed by value to ncclCommInitRank; ncclComm_t and
@@ -34,6 +43,8 @@ import ctypes
 import functools
 import importlib.util
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -44,6 +55,11 @@ NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking communicator still working, not an error
 NCCL_SUM = 0
 NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclFloat16, ncclFloat32, ncclBfloat16
+TIMED_OUT = -1  # the code a launcher reports for a communicator its watchdog aborted (no ncclResult_t is < 0)
+# The watchdog's words (int64, host-mapped pinned memory; csrc/host_launch.cpp's Progress mirrors them): the
+# stream writes DONE, the sequence number of the last finished all-reduce; the host counts ISSUED and stamps
+# each one's enqueue time (CLOCK_MONOTONIC ns) at STAMPS + seq % RING; ABORTED is set before the abort.
+DONE, ISSUED, ABORTED, STAMPS, RING = 0, 1, 2, 4, 4096
 
 
 class UniqueId(ctypes.Structure):
@@ -79,6 +95,12 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 class NcclUnavailable(RuntimeError):
     """No NCCL library could be loaded (the message lists what was tried)."""
+
+
+class NcclTimeoutError(RuntimeError):
+    """An all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue: a rank skipped the call,
+    died, or lags that far behind (or this stream was that far behind). The watchdog aborted the NCCL
+    communicator: it, and every Communicator of its group, is unusable afterwards."""
 
 
 class NcclError(RuntimeError):
@@ -232,7 +254,9 @@ class NcclComm:
     one GPU; a group of one rank is fine. Construction is collective over the group and raises
     NcclUnavailable without an NCCL library. `close()` destroys the communicator (not collective;
     destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
-    NCCL or CUDA may already be torn down when it runs at exit.
+    NCCL or CUDA may already be torn down when it runs at exit. With COMMFUSE_NCCL_TIMEOUT_S > 0 (default
+    10) its watchdog aborts it when an eager all-reduce has not finished that long after its enqueue (the
+    module docstring); every later all_reduce raises NcclTimeoutError.
     """
 
     def __init__(self, group, device: torch.device):
@@ -246,6 +270,9 @@ class NcclComm:
         with torch.cuda.device(index):
             handle = nccl.init_rank(self.world_size, uid, self.rank)
         self._attach(nccl, handle, index)
+        timeout = float(os.environ.get("COMMFUSE_NCCL_TIMEOUT_S", "10"))
+        if timeout > 0:
+            self._watch(timeout)
 
     def _attach(self, nccl: Nccl, handle: int, index: int) -> None:
         self.nccl = nccl
@@ -253,6 +280,63 @@ class NcclComm:
         self.version = nccl.version()
         self._handle = handle
         self._all_reduce = nccl.lib.ncclAllReduce
+        self._progress = None  # the watchdog's words (ctypes int64 array), None without a watchdog
+        self.timeout_s = 0.0
+        self._lock = threading.Lock()  # the watchdog's abort against close()
+
+    def _watch(self, timeout: float) -> None:
+        """Start the watchdog: its words in host-mapped pinned memory, and its thread."""
+        from . import ipc
+
+        words = STAMPS + RING
+        with ipc.device_context(self.device_index):
+            flags = ipc.driver.CU_MEMHOSTALLOC_DEVICEMAP | ipc.driver.CU_MEMHOSTALLOC_PORTABLE
+            host = int(ipc.call(ipc.driver.cuMemHostAlloc, 8 * words, flags))
+            ctypes.memset(host, 0, 8 * words)
+            self._done_address = int(ipc.call(ipc.driver.cuMemHostGetDevicePointer, host, 0)) + 8 * DONE
+        self._progress_address = host
+        self._write_value = ipc.driver.cuStreamWriteValue64
+        self._is_capturing = ipc.driver.cuStreamIsCapturing
+        self._not_capturing = ipc.driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        self._start_watchdog((ctypes.c_int64 * words).from_address(host), timeout)
+
+    def _start_watchdog(self, words, timeout: float) -> None:
+        """Watch `words` (STAMPS + RING int64: the launchers' stamps and the stream's DONE) from a thread
+        of its own, a daemon: it must not keep a process alive, and it only reads the words and may abort."""
+        self._progress, self.timeout_s = words, timeout
+        threading.Thread(target=self._watchdog, name=f"commfuse-nccl-watchdog-{self.rank}", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        p, limit = self._progress, int(self.timeout_s * 1e9)
+        while self._handle is not None:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            done, issued = p[DONE], p[ISSUED]
+            if issued > done and time.monotonic_ns() - p[STAMPS + (done + 1) % RING] > limit:
+                with self._lock:
+                    if self._handle is not None:
+                        p[ABORTED] = 1  # the launchers stop calling NCCL before the communicator goes
+                        self.nccl.lib.ncclCommAbort(self._handle)
+                return
+
+    def _stamp(self, stream: int) -> None:
+        """The bookkeeping after an eager all-reduce on `stream`: its enqueue time, then its number
+        written by the stream when it is done (none while the stream is being captured)."""
+        err, status = self._is_capturing(stream)
+        if err or status != self._not_capturing:
+            return
+        p = self._progress
+        seq = p[ISSUED] + 1
+        p[STAMPS + seq % RING] = time.monotonic_ns()
+        p[ISSUED] = seq
+        (err,) = self._write_value(stream, self._done_address, seq, 0)
+        if err:
+            raise RuntimeError(f"cuStreamWriteValue64 after ncclAllReduce failed: {err}")
+
+    def timeout_error(self) -> NcclTimeoutError:
+        return NcclTimeoutError(
+            f"rank {self.rank}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = "
+            f"{self.timeout_s:g} s of its enqueue: a rank skipped the call, died, or lags that far behind. "
+            "The communicator was aborted: it, and every Communicator of its group, is unusable")
 
     def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, stream: Optional[int] = None) -> None:
         """recv = the sum of every rank's `send`, enqueued on `stream` (a raw cudaStream_t; None:
@@ -272,21 +356,31 @@ class NcclComm:
         handle = self._handle
         if handle is None:
             raise RuntimeError("NcclComm.all_reduce after close()")
-        rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle,
-                              _current_raw_stream(index) if stream is None else stream)
+        if self._progress is not None and self._progress[ABORTED]:
+            raise self.timeout_error()
+        stream = _current_raw_stream(index) if stream is None else stream
+        rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle, stream)
         if rc:
             raise self.nccl.error("ncclAllReduce", rc, handle)
+        if self._progress is not None:
+            self._stamp(stream)
 
-    def error(self, code: int) -> NcclError:
-        """The NcclError of an ncclResult_t this communicator's all-reduce returned (a native launcher's)."""
+    def error(self, code: int):
+        """The error of an ncclResult_t this communicator's all-reduce returned (a native launcher's):
+        NcclError, or NcclTimeoutError for TIMED_OUT."""
+        if code == TIMED_OUT:
+            return self.timeout_error()
         return self.nccl.error("ncclAllReduce", code, self._handle)
 
     def native_args(self, dtype: torch.dtype, count: int) -> tuple:
         """What a native launcher (commfuse.kernels.native) needs to enqueue all_reduce of `count` elements of
-        `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count)."""
+        `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count, the watchdog's
+        words' host address and DONE's device address, or 0 and 0 without a watchdog)."""
         if self._handle is None:
             raise RuntimeError("NcclComm.native_args after close()")
-        return ctypes.cast(self._all_reduce, ctypes.c_void_p).value, int(self._handle), NCCL_DTYPES[dtype], count
+        watch = (self._progress_address, self._done_address) if self._progress is not None else (0, 0)
+        return (ctypes.cast(self._all_reduce, ctypes.c_void_p).value, int(self._handle), NCCL_DTYPES[dtype], count,
+                *watch)
 
     def _dtype_error(self, send, recv) -> str:
         kinds = "float16, bfloat16 or float32"
@@ -312,10 +406,12 @@ class NcclComm:
                 raise self.nccl.error("ncclCommGetAsyncError", code, self._handle)
 
     def close(self) -> None:
-        """Destroy the communicator (abort it if it holds an error); later calls do nothing."""
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self.nccl.release(handle)
+        """Destroy the communicator (abort it if it holds an error); later calls do nothing. The watchdog's
+        words stay (a launcher may still hold their address)."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+            if handle is not None and not (self._progress is not None and self._progress[ABORTED]):
+                self.nccl.release(handle)
 
 
 _SHARED: dict = {}

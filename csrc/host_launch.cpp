@@ -11,6 +11,8 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -44,9 +46,15 @@ constexpr int kOutputs = 5;  // residual, norm, quant, scale_factors, scales (a 
 constexpr size_t kMaxParams = 1024;
 constexpr size_t kMaxEntries = 4096;  // then a table is cleared (commfuse/kernels/table.py's MAX_ENTRIES)
 const char* const kOutNames[kOutputs] = {"residual", "norm", "quant", "scale_factors", "scales"};
+// The NCCL watchdog's words (commfuse/nccl.py: DONE, ISSUED, ABORTED, STAMPS, RING; native.py checks them),
+// and the code a launcher throws for a communicator the watchdog aborted (TIMED_OUT).
+enum Progress : int { kDone = 0, kIssued = 1, kAborted = 2, kStamps = 4, kRing = 4096 };
+constexpr int kTimedOut = -1;
 
 using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
 using ErrorString = CUresult (*)(CUresult, const char**);
+using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using IsCapturing = CUresult (*)(CUstream, CUstreamCaptureStatus*);
 // ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
 using AllReduce = int (*)(const void*, void*, size_t, int, int, void*, void*);
 
@@ -54,14 +62,21 @@ using AllReduce = int (*)(const void*, void*, size_t, int, int, void*, void*);
 struct Driver {
   LaunchEx launch_ex = nullptr;
   ErrorString error_string = nullptr;
+  WriteValue64 write_value64 = nullptr;
+  IsCapturing is_capturing = nullptr;
   Driver() {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
     if (lib == nullptr) throw std::runtime_error(std::string("commfuse host launch: ") + dlerror());
     launch_ex = reinterpret_cast<LaunchEx>(dlsym(lib, "cuLaunchKernelEx"));
     error_string = reinterpret_cast<ErrorString>(dlsym(lib, "cuGetErrorString"));
-    if (launch_ex == nullptr || error_string == nullptr)
-      throw std::runtime_error("commfuse host launch: libcuda has no cuLaunchKernelEx");
+    // CUDA 12's cuda.h maps cuStreamWriteValue64 to its _v2; older drivers export the first name only.
+    write_value64 = reinterpret_cast<WriteValue64>(dlsym(lib, "cuStreamWriteValue64_v2"));
+    if (write_value64 == nullptr) write_value64 = reinterpret_cast<WriteValue64>(dlsym(lib, "cuStreamWriteValue64"));
+    is_capturing = reinterpret_cast<IsCapturing>(dlsym(lib, "cuStreamIsCapturing"));
+    if (launch_ex == nullptr || error_string == nullptr || write_value64 == nullptr || is_capturing == nullptr)
+      throw std::runtime_error("commfuse host launch: libcuda lacks cuLaunchKernelEx, cuStreamWriteValue64 or "
+                               "cuStreamIsCapturing");
   }
 };
 
@@ -157,7 +172,8 @@ class Launcher {
   // launches: (function, pdl, grid, block, params, [(offset, source, delta)], cluster) each; specs: one per output
   // ((sizes, strides or None, storage elements, a tensor of the dtype), or None where absent), five for a
   // tail, one for a plain all-reduce; nccl: None, or (ncclAllReduce's address, the communicator, the NCCL
-  // dtype, the element count), enqueued first.
+  // dtype, the element count, the watchdog's words and the device address of their DONE, 0 and 0 without
+  // one: commfuse/nccl.py), enqueued first.
   Launcher(std::string name, const std::vector<py::tuple>& launches, const std::vector<py::object>& specs,
            bool fused, py::object nccl, int device)
       : name_(std::move(name)), fused_(fused), device_(device) {
@@ -199,6 +215,8 @@ class Launcher {
       nccl_comm_ = reinterpret_cast<void*>(n[1].cast<uintptr_t>());
       nccl_dtype_ = n[2].cast<int>();
       count_ = n[3].cast<int64_t>();
+      progress_ = reinterpret_cast<volatile int64_t*>(n[4].cast<uintptr_t>());
+      done_ = static_cast<CUdeviceptr>(n[5].cast<uintptr_t>());
     }
     if (!launches_.empty()) driver();  // fail at plan time, not in a call
   }
@@ -299,9 +317,11 @@ class Launcher {
       at::Tensor& sum = t[kSum];
       const bool aliased = fused_ && residual_in.defined() && address(t[kOut0]) == address(residual_in);
       sum = aliased ? allocate(specs_[0]) : t[kOut0];
+      if (progress_ != nullptr && progress_[kAborted] != 0) throw NcclFailure(std::to_string(kTimedOut));
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
       if (rc != 0) throw NcclFailure(std::to_string(rc));
+      if (progress_ != nullptr) stamp();
     }
     for (const KernelLaunch& k : launches_) launch(k, t);
   }
@@ -309,6 +329,22 @@ class Launcher {
  private:
   int outputs() const { return fused_ ? kOutputs : 1; }
   cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_).stream(); }
+
+  // commfuse/nccl.py's NcclComm._stamp: the all-reduce's enqueue time, then its number written by the
+  // stream when it is done (none while the stream is being captured: a replay would write a stale one).
+  void stamp() const {
+    const auto s = reinterpret_cast<CUstream>(stream());
+    CUstreamCaptureStatus status;
+    if (driver().is_capturing(s, &status) != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE) return;
+    const int64_t seq = progress_[kIssued] + 1;
+    progress_[kStamps + seq % kRing] =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    std::atomic_thread_fence(std::memory_order_release);  // the stamp before the count the watchdog reads
+    progress_[kIssued] = seq;
+    if (driver().write_value64(s, done_, static_cast<cuuint64_t>(seq), 0) != CUDA_SUCCESS)
+      throw std::runtime_error(name_ + ": cuStreamWriteValue64 after ncclAllReduce failed");
+  }
 
   at::Tensor allocate(const OutSpec& s) const {
     // at::detail::empty_cuda is at::empty's CUDA kernel, called without the dispatcher's round trip.
@@ -369,6 +405,8 @@ class Launcher {
   void* nccl_comm_ = nullptr;
   int nccl_dtype_ = 0;
   int64_t count_ = 0;
+  volatile int64_t* progress_ = nullptr;  // the NCCL watchdog's words, nullptr without one
+  CUdeviceptr done_ = 0;
   int device_;
 };
 
@@ -814,6 +852,9 @@ bool run_op(std::string_view name, const Call& c, at::Tensor (&t)[kSources]) {
   try {
     launcher->run(t);
   } catch (const NcclFailure& e) {
+    if (std::string_view(e.what()) == std::to_string(kTimedOut))
+      throw std::runtime_error("an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue: "
+                               "a rank skipped the call, died, or lags that far behind; the communicator was aborted");
     throw std::runtime_error(std::string("ncclAllReduce failed: ncclResult_t ") + e.what());
   }
   return true;
@@ -991,4 +1032,10 @@ PYBIND11_MODULE(commfuse_host, m) {
                                     {"SCALE", kScale}, {"Z", kZ}, {"OUT", kOut0}, {"SUM", kSum}})
     sources[name] = value;
   m.attr("SOURCES") = sources;
+  py::dict progress;
+  for (const auto& [name, value] : {std::pair<const char*, int>{"DONE", kDone}, {"ISSUED", kIssued},
+                                    {"ABORTED", kAborted}, {"STAMPS", kStamps}, {"RING", kRing},
+                                    {"TIMED_OUT", kTimedOut}})
+    progress[name] = value;
+  m.attr("PROGRESS") = progress;
 }

@@ -19,7 +19,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERE
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Instrumented kernels run many times slower; a peer must not time out waiting for a slow rank.
-export COMMFUSE_P2P_TIMEOUT_S=${COMMFUSE_P2P_TIMEOUT_S:-300} COMMFUSE_P2P_CALIBRATE=0
+export COMMFUSE_P2P_TIMEOUT_S=${COMMFUSE_P2P_TIMEOUT_S:-300} COMMFUSE_NCCL_TIMEOUT_S=${COMMFUSE_NCCL_TIMEOUT_S:-300} COMMFUSE_P2P_CALIBRATE=0
 # Fill the kernel cache first (P2P kernels too), so that no rank compiles under the sanitizer.
 mpirun -n "$n" --oversubscribe --bind-to none python3 tests/kernels/exercise.py > "$logs/compile.log" 2>&1 \
   || { cat "$logs/compile.log"; exit 1; }

@@ -10,6 +10,7 @@ import ctypes
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,58 @@ def test_close_destroys_once_then_all_reduce_raises():
     comm.check()  # a closed communicator has nothing to report
 
 
+def watched(lib, timeout: float):
+    """attached(lib) with its watchdog over host words and stand-ins for the driver: `writes` gets each
+    number the stream would write when the all-reduce is done; `capturing` says whether the stream is."""
+    comm = attached(lib)
+    comm.rank, comm.writes, comm.capturing = 0, [], False
+    comm._is_capturing = lambda stream: (0, "active" if comm.capturing else "none")
+    comm._not_capturing = "none"
+    comm._write_value = lambda stream, address, seq, flags: comm.writes.append(seq) or (0,)
+    comm._done_address = 0
+    comm._start_watchdog((ctypes.c_int64 * (nccl.STAMPS + nccl.RING))(), timeout)
+    return comm
+
+
+def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_raise():
+    lib = FakeLib()
+    comm = watched(lib, 0.2)
+    words, x = comm._progress, torch.zeros(4)
+    comm.all_reduce(x, x, stream=0)
+    assert words[nccl.ISSUED] == 1 and comm.writes == [1]
+    comm.capturing = True  # a captured call is not counted: its replays would write a stale number
+    comm.all_reduce(x, x, stream=0)
+    assert words[nccl.ISSUED] == 1 and comm.writes == [1]
+    comm.capturing = False
+    words[nccl.DONE] = 1  # the stream finished the first
+    time.sleep(0.6)
+    assert "ncclCommAbort" not in lib.calls and not words[nccl.ABORTED]
+    comm.all_reduce(x, x, stream=0)  # never finishes: a peer skipped it
+    start = time.monotonic()
+    while not words[nccl.ABORTED] and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    assert words[nccl.ABORTED] and lib.calls.count("ncclCommAbort") == 1
+    assert 0.15 < took < 0.6, took  # the timeout, plus at most a poll (timeout / 4)
+    calls = len(lib.calls)
+    with pytest.raises(nccl.NcclTimeoutError, match=r"rank 0: an NCCL all-reduce did not finish within "
+                                                    r"COMMFUSE_NCCL_TIMEOUT_S = 0.2 s"):
+        comm.all_reduce(x, x, stream=0)
+    assert len(lib.calls) == calls  # NCCL is not called again
+    assert isinstance(comm.error(nccl.TIMED_OUT), nccl.NcclTimeoutError)  # a native launcher's report
+    comm.close()
+    assert "ncclCommDestroy" not in lib.calls  # aborted: nothing left to destroy
+
+
+def test_watchdog_stops_at_close():
+    lib = FakeLib()
+    comm = watched(lib, 0.1)
+    comm.close()
+    comm._progress[nccl.ISSUED] = 5  # as if calls were left unfinished: a closed communicator is not aborted
+    time.sleep(0.3)
+    assert "ncclCommAbort" not in lib.calls
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -419,6 +472,77 @@ def test_one_rank_all_reduce_is_a_copy(solo, gen, dtype):
     solo.all_reduce(x, recv)
     torch.cuda.synchronize()
     assert torch.equal(recv, x) and torch.equal(x, before)
+
+
+@mpi
+@needs_nccl_gpu
+def test_the_stream_reports_each_eager_all_reduce_and_no_captured_one(solo, gen):
+    """The watchdog's words: every eager all-reduce is counted and its number written by the stream when it is
+    done; one captured in a CUDA graph is neither counted nor written, at capture or at replay."""
+    words = solo._progress
+    x = torch.randn(4096, generator=gen).cuda()
+    y = torch.empty_like(x)
+    issued = words[nccl.ISSUED]
+    for _ in range(3):
+        solo.all_reduce(x, y)
+    torch.cuda.synchronize()
+    assert words[nccl.ISSUED] == issued + 3 and words[nccl.DONE] == issued + 3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        solo.all_reduce(x, y)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 3
+    assert torch.equal(y, x)
+
+
+@mpi
+@needs_nccl_gpu
+def test_a_communicators_native_launchers_report_their_all_reduces(quiet_comm, gen):
+    """The C++ launchers of the NCCL route (a plain all-reduce, and one with the fused tail) count each call
+    and have the stream write its number, as NcclComm.all_reduce does."""
+    from commfuse.kernels import native
+
+    if quiet_comm._nccl is None or native.unavailable() is not None:
+        pytest.skip(f"needs the NCCL route's native launchers ({native.unavailable() or 'no commfuse.nccl here'})")
+    words = quiet_comm._nccl._progress
+    x, r = (torch.randn(8, 4096, generator=gen).bfloat16().cuda() for _ in range(2))
+    w = torch.randn(4096, generator=gen).bfloat16().cuda()
+    issued = words[nccl.ISSUED]
+    quiet_comm.all_reduce(x)
+    quiet_comm.fused_all_reduce(x, r, w)
+    torch.cuda.synchronize()
+    assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 2
+
+
+@mpi
+@needs_nccl_gpu
+def test_the_watchdog_aborts_a_stalled_all_reduce_and_later_calls_raise(comm, gen, monkeypatch):
+    """A one-rank communicator with a 1 s watchdog: an all-reduce queued behind 3 s of GPU spin (standing for
+    a peer that never comes) is aborted about 1 s after its enqueue, the stream then drains (no hang), and
+    the next call raises NcclTimeoutError."""
+    groups = [dist.new_group([r], backend="gloo") for r in range(dist.get_world_size())]
+    monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
+    c = NcclComm(groups[dist.get_rank()], torch.device("cuda", torch.cuda.current_device()))
+    words = c._progress
+    x = torch.randn(4096, generator=gen).cuda()
+    y = torch.empty_like(x)
+    c.all_reduce(x, y)
+    torch.cuda.synchronize()
+    assert words[nccl.DONE] == words[nccl.ISSUED] == 1
+    torch.cuda._sleep(6 * 10 ** 9)  # cycles: 3 s at the H200's 1.98 GHz, longer at a lower clock
+    start = time.monotonic()
+    c.all_reduce(x, y)
+    while not words[nccl.ABORTED] and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    assert words[nccl.ABORTED] and 0.9 < took < 2.0, took
+    torch.cuda.synchronize()
+    with pytest.raises(nccl.NcclTimeoutError, match="did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"):
+        c.all_reduce(x, y)
+    c.close()
 
 
 @mpi

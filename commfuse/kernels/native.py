@@ -118,6 +118,11 @@ def _load():
     sources = {name: getattr(launch, name) for name in ("X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "OUT", "SUM")}
     if dict(mod.SOURCES) != sources:
         return None, f"{SOURCE} numbers its pointer sources {dict(mod.SOURCES)}, launch.py {sources}"
+    from .. import nccl  # the NCCL watchdog's words, which the launchers write too
+
+    words = {name: getattr(nccl, name) for name in ("DONE", "ISSUED", "ABORTED", "STAMPS", "RING", "TIMED_OUT")}
+    if dict(mod.PROGRESS) != words:
+        return None, f"{SOURCE} lays out the NCCL watchdog's words as {dict(mod.PROGRESS)}, nccl.py {words}"
     jit.on_pdl_off(mod.set_pdl)
     launch.on_poison(lambda byte: mod.set_poison(-1 if byte is None else int(byte)))
     global NcclFailure
