@@ -270,7 +270,12 @@ class NcclComm:
         with torch.cuda.device(index):
             handle = nccl.init_rank(self.world_size, uid, self.rank)
         self._attach(nccl, handle, index)
-        timeout = float(os.environ.get("COMMFUSE_NCCL_TIMEOUT_S", "10"))
+        text = os.environ.get("COMMFUSE_NCCL_TIMEOUT_S", "10")
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"COMMFUSE_NCCL_TIMEOUT_S must be a number of seconds (0: no watchdog), "
+                             f"got {text!r}") from None
         if timeout > 0:
             self._watch(timeout)
 
