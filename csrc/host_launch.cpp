@@ -218,7 +218,7 @@ class Launcher {
       progress_ = reinterpret_cast<volatile int64_t*>(n[4].cast<uintptr_t>());
       done_ = static_cast<CUdeviceptr>(n[5].cast<uintptr_t>());
     }
-    if (!launches_.empty()) driver();  // fail at plan time, not in a call
+    if (!launches_.empty() || progress_ != nullptr) driver();  // fail at plan time, not in a call
   }
 
   // x, residual, weight, scale, z: tensors (or None where the call has none), as the plan checked them.
