@@ -37,7 +37,7 @@ from .kernels import native
 from .reference import Tail
 from .routes import Call, Machine, Plan, Resources
 from .tail import checks
-from .tail.spec import TailSpec, keep
+from .tail.spec import TailSpec, code, spread
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "plan_quantize", "Quantized"]
 
@@ -116,9 +116,9 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     if _compiling():
         if out is not None:
             raise TypeError("fused_add_rmsnorm: out= is for eager calls (a compiled model's outputs are its own)")
-        outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, quant or "", return_norm,
-                                                    sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        return Tail(*keep(outs, quant, return_norm, residual is not None))
+        tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
+        outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail)
+        return Tail(*spread(outs, tail, residual is not None))
     args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
             scale_ue8m0)
     r = _table().local(*args)
@@ -149,9 +149,9 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     if group_size is None and isinstance(x, Tensor) and x.dim():
         group_size = x.shape[-1]
     if _compiling():
-        outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant or "",
-                                                return_norm, sf_layout, scale_layout, scale_ue8m0)
-        return Tail(*keep((None, *outs), quant, return_norm, False))
+        tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
+        outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, tail)
+        return Tail(*spread(outs, tail, False))
     args = (x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout,
             scale_ue8m0)
     r = _table().gated(*args)
@@ -182,8 +182,10 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     kernel (one launch; reference.quantize's bits) where its guards hold, else the separated ops;
     `plan_quantize` says which. The fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
-        q, sf, s = torch.ops.commfuse.quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
-        return Quantized(*keep((None, None, q, sf, s), quant, False, False)[2:])
+        if quant is None:
+            raise ValueError("quant must name a format, got None")
+        tail = code(quant, False, sf_layout, scale_layout, scale_ue8m0)
+        return Quantized(*spread(torch.ops.commfuse.quantize(x, scale, tail), tail, False)[2:])
     args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
     r = _table().quantize(*args)
     if r is not None:

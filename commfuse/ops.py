@@ -15,19 +15,19 @@ every other device).
     r = commfuse.ops.fused_all_reduce(comm, x, residual, weight, eps=1e-6, quant="fp8", scale=scale)
     r.residual, r.norm, r.quant, r.scale_factors, r.scales  # a commfuse.reference.Tail; absent fields are None
 
-The ops (quant "" means none, and absent outputs are empty tensors):
+The ops take a tail's options but eps and weight_offset as one int, `tail` (commfuse.tail.spec.code:
+the format, its scales' layout, ue8m0 and return_norm), and return a list of the outputs the call has,
+in reference.Tail's order (commfuse.tail.spec.spread puts them back in a Tail): a compiled model's call
+parses and returns what it uses. Every argument is positional.
 - `all_reduce(x, comm)`, `all_reduce_out(x, comm, out)`;
-- `fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0,
-  scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`, and
-  `fused_all_reduce_out(..., residual_out, norm_out, quant_out, sf_out, scales_out=None, ...)`;
-- `fused_add_rmsnorm(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset,
-  scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`, residual may be None;
-- `gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout,
-  scale_layout="row", scale_ue8m0=False) -> (norm, quant, scale_factors, scales)`, z may be None;
-- `quantize(x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False) -> (quant, scale_factors, scales)`;
-- `moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, quant, return_norm, sf_layout, comm,
-  weight_offset=0.0, scale_layout="row", scale_ue8m0=False) -> (residual, norm, quant, scale_factors, scales)`,
-  row_index and shared may be None.
+- `fused_all_reduce(x, residual, weight, scale, eps, weight_offset, tail, comm) -> Tensor[]`, and
+  `fused_all_reduce_out(x, residual, weight, scale, eps, weight_offset, tail, comm, residual_out, norm_out,
+  quant_out, sf_out, scales_out)`;
+- `fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail) -> Tensor[]`, residual may be None;
+- `gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, tail) -> Tensor[]`, z may be None;
+- `quantize(x, scale, tail) -> Tensor[]`;
+- `moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, weight_offset, tail, comm)
+  -> Tensor[]`, row_index and shared may be None.
 `comm` is `Communicator.name` (communicators register themselves by name, per process). Like every
 collective, a collective op must be called by every rank of the group, in the same order. The ops are
 declared pure (they modify nothing but the _out ops' outputs), so a compiler may drop a call whose
@@ -43,7 +43,7 @@ import torch
 
 from . import local
 from .reference import Tail
-from .tail.spec import TailSpec, keep
+from .tail.spec import TailSpec, code, present, public, spread
 
 __all__ = ["all_reduce", "fused_all_reduce", "moe_all_reduce"]
 
@@ -100,15 +100,15 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
         r = comm.fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout, out=out, **kw)
         return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
-    scalars = (float(weight_offset), scale_layout, bool(scale_ue8m0))
+    tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     if out is not None:
         outs = (out.residual, out.norm, out.quant, out.scale_factors, getattr(out, "scales", None))
-        torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), quant or "",
-                                                bool(return_norm), sf_layout, comm.name, *outs, *scalars)
+        torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
+                                                comm.name, *outs)
         return Tail(*outs)
-    outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), quant or "", bool(return_norm),
-                                               sf_layout, comm.name, *scalars)
-    return Tail(*keep(outs, quant, return_norm))
+    outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset), tail,
+                                               comm.name)
+    return Tail(*spread(outs, tail))
 
 
 def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -128,10 +128,10 @@ def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch
         r = comm.moe_all_reduce(y, weights, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
                                 row_index=row_index, shared=shared, **kw)
         return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
+    tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     outs = torch.ops.commfuse.moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, float(eps),
-                                             quant or "", bool(return_norm), sf_layout, comm.name,
-                                             float(weight_offset), scale_layout, bool(scale_ue8m0))
-    return Tail(*keep(outs, quant, return_norm))
+                                             float(weight_offset), tail, comm.name)
+    return Tail(*spread(outs, tail))
 
 
 # The ops are declared with torch.library.Library rather than torch.library.custom_op: a custom_op call
@@ -148,29 +148,22 @@ def _define(schema: str, impl, fake) -> None:
     torch.library.register_fake(f"commfuse::{name}", fake, lib=_LIB)
 
 
-def _tensors(x: torch.Tensor, outs) -> tuple:
-    # An op returns tensors, never None: absent outputs are empty, each its own (outputs may not alias).
-    return tuple(x.new_empty(0) if o is None else o for o in outs)
-
-
-def _fakes(x: torch.Tensor, quant: str, return_norm: bool, sf_layout: str, scale_layout: str, scale_ue8m0: bool,
-           residual: bool = True) -> tuple:
-    """The outputs of a tail op as empty tensors of their shapes and strides, an absent one an empty tensor
-    of x's dtype. The real calls check their arguments; here only what the shapes need."""
-    spec = TailSpec.of(quant or None, return_norm=bool(return_norm), sf_layout=sf_layout, scale_layout=scale_layout,
-                       scale_ue8m0=bool(scale_ue8m0))
+def _fakes(x: torch.Tensor, tail: int, residual: bool = True) -> list:
+    """The outputs of a tail op as empty tensors of their shapes and strides (those its call has). The real
+    calls check their arguments; here only what the shapes need."""
+    spec = TailSpec.from_code(tail)
     h = x.shape[-1]
     if h == 0:
         raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     outs = []
     for s in spec.outputs(x.numel() // h, h, x.dtype, residual):
         if s is None:
-            outs.append(x.new_empty(0))
-        elif s.strides is None:
+            continue
+        if s.strides is None:
             outs.append(x.new_empty(s.shape, dtype=s.dtype))
         else:
             outs.append(x.new_empty((s.storage_numel,), dtype=s.dtype).as_strided(s.shape, s.strides))
-    return tuple(outs)
+    return outs
 
 
 # ---- the Python kernels (torch.ops' CompositeExplicitAutograd ones; for CUDA, the C++ kernels' misses)
@@ -184,80 +177,61 @@ def _all_reduce_out(x, comm, out) -> None:
     communicator(comm).all_reduce(x, out=out)
 
 
-def _fused_all_reduce(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0,
-                      scale_layout="row", scale_ue8m0=False) -> tuple:
-    r = communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
-                                             weight_offset, scale_layout, scale_ue8m0)
-    return _tensors(x, (r.residual, r.norm, r.quant, r.scale_factors, r.scales))
+def _fused_all_reduce(x, residual, weight, scale, eps, weight_offset, tail, comm) -> list:
+    kw = public(tail)
+    r = communicator(comm).fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale,
+                                             weight_offset=weight_offset, **kw)
+    return present((r.residual, r.norm, r.quant, r.scale_factors, r.scales))
 
 
-def _fused_all_reduce_out(x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, residual_out, norm_out,
-                          quant_out, sf_out, scales_out=None, weight_offset=0.0, scale_layout="row",
-                          scale_ue8m0=False) -> None:
-    communicator(comm).fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout,
-                                         weight_offset, scale_layout, scale_ue8m0,
-                                         out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out))
+def _fused_all_reduce_out(x, residual, weight, scale, eps, weight_offset, tail, comm, residual_out, norm_out,
+                          quant_out, sf_out, scales_out) -> None:
+    kw = public(tail)
+    communicator(comm).fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset,
+                                         out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out), **kw)
 
 
-def _fused_add_rmsnorm(x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset,
-                       scale_layout="row", scale_ue8m0=False) -> tuple:
-    t = local.fused_add_rmsnorm(x, residual, weight, eps, quant=quant or None, scale=scale, return_norm=return_norm,
-                                sf_layout=sf_layout, weight_offset=weight_offset, scale_layout=scale_layout,
-                                scale_ue8m0=scale_ue8m0)
-    return _tensors(x, t)
+def _fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail) -> list:
+    return present(local.fused_add_rmsnorm(x, residual, weight, eps, scale=scale, weight_offset=weight_offset,
+                                           **public(tail)))
 
 
-def _gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout,
-                   scale_layout="row", scale_ue8m0=False) -> tuple:
-    t = local.gated_rmsnorm(x, z, weight, eps, group_size, norm_before_gate, quant=quant or None, scale=scale,
-                            return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
-                            scale_ue8m0=scale_ue8m0)
-    return _tensors(x, t[1:])
+def _gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, tail) -> list:
+    return present(local.gated_rmsnorm(x, z, weight, eps, group_size, norm_before_gate, scale=scale, **public(tail)))
 
 
-def _quantize(x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False) -> tuple:
-    return _tensors(x, local.quantize(x, quant, scale, sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0))
+def _quantize(x, scale, tail) -> list:
+    kw = public(tail)
+    if kw.pop("return_norm"):
+        raise ValueError("tail: quantize returns no norm (its code has return_norm set)")
+    return present(local.quantize(x, kw.pop("quant"), scale, **kw))
 
 
-def _moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, quant, return_norm, sf_layout, comm,
-                    weight_offset=0.0, scale_layout="row", scale_ue8m0=False) -> tuple:
-    r = communicator(comm).moe_all_reduce(y, weights, residual, weight, eps, quant or None, scale, return_norm,
-                                           sf_layout, weight_offset, scale_layout, scale_ue8m0, row_index=row_index,
-                                           shared=shared)
-    return _tensors(residual, (r.residual, r.norm, r.quant, r.scale_factors, r.scales))
+def _moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, weight_offset, tail, comm) -> list:
+    kw = public(tail)
+    r = communicator(comm).moe_all_reduce(y, weights, residual, weight, eps, kw.pop("quant"), scale,
+                                           weight_offset=weight_offset, row_index=row_index, shared=shared, **kw)
+    return present((r.residual, r.norm, r.quant, r.scale_factors, r.scales))
 
 
-_SCALED = 'str scale_layout="row", bool scale_ue8m0=False'
-_TAIL_ARGS = "Tensor x, Tensor residual, Tensor weight, Tensor? scale, float eps, str quant, bool return_norm, " \
-             "str sf_layout, str comm"
-_FIVE = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+_TAIL = "Tensor? scale, float eps, float weight_offset, int tail"
 
 _define("all_reduce(Tensor x, str comm) -> Tensor", _all_reduce,
         lambda x, comm: torch.empty_like(x, memory_format=torch.contiguous_format))
 _define("all_reduce_out(Tensor x, str comm, Tensor(a!) out) -> ()", _all_reduce_out, lambda x, comm, out: None)
-_define(f"fused_all_reduce({_TAIL_ARGS}, float weight_offset=0.0, {_SCALED}) -> {_FIVE}", _fused_all_reduce,
-        lambda x, residual, weight, scale, eps, quant, return_norm, sf_layout, comm, weight_offset=0.0,
-        scale_layout="row", scale_ue8m0=False: _fakes(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0))
-_define(f"fused_all_reduce_out({_TAIL_ARGS}, Tensor(a!) residual_out, Tensor(b!)? norm_out, Tensor(c!)? quant_out, "
-        f"Tensor(d!)? sf_out, Tensor(e!)? scales_out=None, float weight_offset=0.0, {_SCALED}) -> ()",
-        _fused_all_reduce_out, lambda *args, **kwargs: None)
-_define("fused_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, Tensor? scale, float eps, str quant, "
-        f"bool return_norm, str sf_layout, float weight_offset, {_SCALED}) -> {_FIVE}", _fused_add_rmsnorm,
-        lambda x, residual, weight, scale, eps, quant, return_norm, sf_layout, weight_offset, scale_layout="row",
-        scale_ue8m0=False: _fakes(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0, residual is not None))
+_define(f"fused_all_reduce(Tensor x, Tensor residual, Tensor weight, {_TAIL}, str comm) -> Tensor[]",
+        _fused_all_reduce, lambda x, residual, weight, scale, eps, weight_offset, tail, comm: _fakes(x, tail))
+_define(f"fused_all_reduce_out(Tensor x, Tensor residual, Tensor weight, {_TAIL}, str comm, Tensor(a!) residual_out, "
+        "Tensor(b!)? norm_out, Tensor(c!)? quant_out, Tensor(d!)? sf_out, Tensor(e!)? scales_out) -> ()",
+        _fused_all_reduce_out, lambda *args: None)
+_define(f"fused_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, {_TAIL}) -> Tensor[]", _fused_add_rmsnorm,
+        lambda x, residual, weight, scale, eps, weight_offset, tail: _fakes(x, tail, residual is not None))
 _define("gated_rmsnorm(Tensor x, Tensor? z, Tensor weight, Tensor? scale, float eps, int group_size, "
-        f"bool norm_before_gate, str quant, bool return_norm, str sf_layout, {_SCALED}) -> "
-        "(Tensor, Tensor, Tensor, Tensor)", _gated_rmsnorm,
-        lambda x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout,
-        scale_layout="row", scale_ue8m0=False: _fakes(x, quant, return_norm, sf_layout, scale_layout, scale_ue8m0,
-                                                      False)[1:])
-_define(f"quantize(Tensor x, Tensor? scale, str quant, str sf_layout, {_SCALED}) -> (Tensor, Tensor, Tensor)",
-        _quantize,
-        lambda x, scale, quant, sf_layout, scale_layout="row", scale_ue8m0=False:
-        _fakes(x, quant, False, sf_layout, scale_layout, scale_ue8m0, False)[2:])
+        "bool norm_before_gate, int tail) -> Tensor[]", _gated_rmsnorm,
+        lambda x, z, weight, scale, eps, group_size, norm_before_gate, tail: _fakes(x, tail, False))
+_define("quantize(Tensor x, Tensor? scale, int tail) -> Tensor[]", _quantize,
+        lambda x, scale, tail: _fakes(x, tail, False))
 _define("moe_all_reduce(Tensor y, Tensor weights, Tensor? row_index, Tensor? shared, Tensor residual, Tensor weight, "
-        "Tensor? scale, float eps, str quant, bool return_norm, str sf_layout, str comm, float weight_offset=0.0, "
-        f"{_SCALED}) -> {_FIVE}", _moe_all_reduce,
-        lambda y, weights, row_index, shared, residual, weight, scale, eps, quant, return_norm, sf_layout, comm,
-        weight_offset=0.0, scale_layout="row", scale_ue8m0=False:
-        _fakes(residual, quant, return_norm, sf_layout, scale_layout, scale_ue8m0))
+        f"{_TAIL}, str comm) -> Tensor[]", _moe_all_reduce,
+        lambda y, weights, row_index, shared, residual, weight, scale, eps, weight_offset, tail, comm:
+        _fakes(residual, tail))

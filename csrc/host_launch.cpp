@@ -835,9 +835,49 @@ class Table {
 // whose signature has a C++ launcher in its table runs here without Python; the others go to the
 // Python kernels of commfuse/ops.py (which plan them), as every other device's calls do (torch's
 // dispatcher calling a Python kernel costs ~12 us of host time a call on an H200 host).
-using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Outputs = std::vector<at::Tensor>;
 
 at::Tensor wrap_back(py::handle h) { return THPVariable_Unpack(h.ptr()); }
+
+// The public keyword arguments of each `tail` code (commfuse/tail/spec.py's codes(), set once at load):
+// a table's keys hold the Python calls' strings, and an op's call must write the same key.
+struct TailOptions {
+  bool valid = false;
+  std::optional<std::string> quant;  // nullopt: no quantization
+  bool return_norm = false, scale_ue8m0 = false;
+  std::string sf_layout, scale_layout;
+};
+constexpr int64_t kTailCodes = 256;
+std::vector<TailOptions>& g_tails = *new std::vector<TailOptions>(kTailCodes);
+
+void set_tails(const py::dict& codes) {
+  std::vector<TailOptions> tails(kTailCodes);
+  for (const auto& [code, kw] : codes) {
+    const int64_t c = code.cast<int64_t>();
+    if (c < 0 || c >= kTailCodes) throw py::value_error("set_tails: a tail code outside [0, 256)");
+    const py::dict d = kw.cast<py::dict>();
+    TailOptions& o = tails[c];
+    o.valid = true;
+    if (!d["quant"].is_none()) o.quant = d["quant"].cast<std::string>();
+    o.return_norm = d["return_norm"].cast<bool>();
+    o.sf_layout = d["sf_layout"].cast<std::string>();
+    o.scale_layout = d["scale_layout"].cast<std::string>();
+    o.scale_ue8m0 = d["scale_ue8m0"].cast<bool>();
+  }
+  g_tails.swap(tails);  // at load, before any op kernel runs
+}
+
+// c's tail options from an op's `tail` code; false for a code that is no spec's (the Python kernel raises).
+bool tail_options(Call& c, int64_t tail) {
+  if (tail < 0 || tail >= kTailCodes || !g_tails[tail].valid) return false;
+  const TailOptions& o = g_tails[tail];
+  if (o.quant) c.quant = std::string_view(*o.quant);
+  c.return_norm = o.return_norm;
+  c.sf_layout = std::string_view(o.sf_layout);
+  c.scale_layout = std::string_view(o.scale_layout);
+  c.scale_ue8m0 = o.scale_ue8m0;
+  return true;
+}
 
 // Runs the C++ launcher of `c` in table `name` on t (the operands); false where there is none.
 bool run_op(std::string_view name, const Call& c, at::Tensor (&t)[kSources]) {
@@ -860,65 +900,55 @@ bool run_op(std::string_view name, const Call& c, at::Tensor (&t)[kSources]) {
   return true;
 }
 
-// An op returns tensors, never None: absent outputs are empty, each its own (as commfuse/ops.py).
-Outputs op_outputs(at::Tensor (&t)[kSources], const at::Tensor& x) {
+// An op returns the outputs its call has (the launcher made those; the others stay undefined), in order.
+Outputs op_outputs(const at::Tensor (&t)[kSources]) {
+  Outputs o;
+  o.reserve(kOutputs);
   for (int i = 0; i < kOutputs; ++i) {
-    if (!t[kOut0 + i].defined()) t[kOut0 + i] = at::detail::empty_cuda({0}, x.scalar_type(), x.device(), std::nullopt);
+    if (t[kOut0 + i].defined()) o.push_back(t[kOut0 + i]);
   }
-  return {t[kOut0], t[kOut0 + 1], t[kOut0 + 2], t[kOut0 + 3], t[kOut0 + 4]};
+  return o;
 }
 
-Outputs tuple_back(const py::tuple& r) {
-  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3]), wrap_back(r[4])};
+Outputs list_back(const py::object& r) {
+  Outputs o;
+  for (const py::handle h : r) o.push_back(wrap_back(h));
+  return o;
 }
 
 py::object optional_wrap(const std::optional<at::Tensor>& t) { return t.has_value() ? wrap(*t) : py::none(); }
 
-// The op's quant "" is the Python call's None.
-std::optional<std::string_view> op_quant(std::string_view quant) {
-  return quant.empty() ? std::nullopt : std::optional<std::string_view>(quant);
-}
-
-// The Call of a tail op's arguments (the op's own scalars, weight_offset and the gated norm's group, are
-// the caller's to set), with its operands in t. residual, z: nullptr where the op has none.
-Call op_call(Op op, at::Tensor (&t)[kSources], const at::Tensor& x, const at::Tensor* residual,
-             const at::Tensor& weight, const std::optional<at::Tensor>& scale, const at::Tensor* z, double eps,
-             std::string_view quant, bool return_norm, std::string_view sf_layout, std::string_view scale_layout,
-             bool scale_ue8m0) {
-  Call c;
+// The Call of an op's arguments (the gated norm's group is the caller's to set), with its operands in t;
+// false for a `tail` code that is no spec's. residual, z: nullptr where the op has none.
+bool op_call(Call& c, Op op, at::Tensor (&t)[kSources], const at::Tensor& x, const at::Tensor* residual,
+             const at::Tensor* weight, const std::optional<at::Tensor>& scale, const at::Tensor* z, double eps,
+             double weight_offset, int64_t tail) {
   c.op = op;
   c.x = &x;
   c.residual = residual;
-  c.weight = &weight;
+  c.weight = weight;
   c.scale = scale.has_value() ? &*scale : nullptr;
   c.z = z;
   c.eps = eps;
-  c.quant = op_quant(quant);
-  c.return_norm = return_norm;
-  c.sf_layout = sf_layout;
-  c.scale_layout = scale_layout;
-  c.scale_ue8m0 = scale_ue8m0;
+  c.weight_offset = weight_offset;
   t[kX] = x;
   if (residual != nullptr) t[kResidual] = *residual;
-  t[kWeight] = weight;
+  if (weight != nullptr) t[kWeight] = *weight;
   if (scale.has_value()) t[kScale] = *scale;
   if (z != nullptr) t[kZ] = *z;
-  return c;
+  return tail_options(c, tail);
 }
 
 Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
-                            bool return_norm, std::string_view sf_layout, std::string_view comm, double weight_offset,
-                            std::string_view scale_layout, bool scale_ue8m0) {
+                            const std::optional<at::Tensor>& scale, double eps, double weight_offset, int64_t tail,
+                            std::string_view comm) {
   at::Tensor t[kSources];
-  Call c = op_call(kFused, t, x, &residual, weight, scale, nullptr, eps, quant, return_norm, sf_layout, scale_layout,
-                   scale_ue8m0);
-  c.weight_offset = weight_offset;
-  if (run_op(comm, c, t)) return op_outputs(t, x);
+  Call c;
+  if (op_call(c, kFused, t, x, &residual, &weight, scale, nullptr, eps, weight_offset, tail) && run_op(comm, c, t))
+    return op_outputs(t);
   py::gil_scoped_acquire gil;
-  return tuple_back(py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
-      wrap(x), wrap(residual), wrap(weight), optional_wrap(scale), eps, std::string(quant), return_norm,
-      std::string(sf_layout), std::string(comm), weight_offset, std::string(scale_layout), scale_ue8m0));
+  return list_back(py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
+      wrap(x), wrap(residual), wrap(weight), optional_wrap(scale), eps, weight_offset, tail, std::string(comm)));
 }
 
 at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {
@@ -933,67 +963,42 @@ at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {
 }
 
 Outputs fused_add_rmsnorm_op(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& scale, double eps, std::string_view quant,
-                             bool return_norm, std::string_view sf_layout, double weight_offset,
-                             std::string_view scale_layout, bool scale_ue8m0) {
-  at::Tensor t[kSources];
-  Call c = op_call(kLocal, t, x, residual.has_value() ? &*residual : nullptr, weight, scale, nullptr, eps, quant,
-                   return_norm, sf_layout, scale_layout, scale_ue8m0);
-  c.weight_offset = weight_offset;
-  if (run_op("local", c, t)) {
-    // Outputs may not alias inputs: the kernel wrote fresh tensors (the op takes no out=).
-    return op_outputs(t, x);
-  }
-  py::gil_scoped_acquire gil;
-  return tuple_back(py::module_::import("commfuse.ops").attr("_fused_add_rmsnorm")(
-      wrap(x), optional_wrap(residual), wrap(weight), optional_wrap(scale), eps, std::string(quant), return_norm,
-      std::string(sf_layout), weight_offset, std::string(scale_layout), scale_ue8m0));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_rmsnorm_op(
-    const at::Tensor& x, const std::optional<at::Tensor>& z, const at::Tensor& weight,
-    const std::optional<at::Tensor>& scale, double eps, int64_t group_size, bool norm_before_gate,
-    std::string_view quant, bool return_norm, std::string_view sf_layout, std::string_view scale_layout,
-    bool scale_ue8m0) {
-  at::Tensor t[kSources];
-  Call c = op_call(kGated, t, x, nullptr, weight, scale, z.has_value() ? &*z : nullptr, eps, quant, return_norm,
-                   sf_layout, scale_layout, scale_ue8m0);
-  c.group_size = group_size;
-  c.norm_before_gate = norm_before_gate;
-  if (run_op("local", c, t)) {
-    const Outputs o = op_outputs(t, x);
-    return {std::get<1>(o), std::get<2>(o), std::get<3>(o), std::get<4>(o)};
-  }
-  py::gil_scoped_acquire gil;
-  const py::tuple r = py::module_::import("commfuse.ops").attr("_gated_rmsnorm")(
-      wrap(x), optional_wrap(z), wrap(weight), optional_wrap(scale), eps, group_size, norm_before_gate,
-      std::string(quant), return_norm, std::string(sf_layout), std::string(scale_layout), scale_ue8m0);
-  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2]), wrap_back(r[3])};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_op(const at::Tensor& x, const std::optional<at::Tensor>& scale,
-                                                          std::string_view quant, std::string_view sf_layout,
-                                                          std::string_view scale_layout, bool scale_ue8m0) {
+                             const std::optional<at::Tensor>& scale, double eps, double weight_offset, int64_t tail) {
   at::Tensor t[kSources];
   Call c;
-  c.op = kQuantize;
-  c.x = &x;
-  c.scale = scale.has_value() ? &*scale : nullptr;
-  c.quant = op_quant(quant);
-  c.sf_layout = sf_layout;
-  c.scale_layout = scale_layout;
-  c.scale_ue8m0 = scale_ue8m0;
-  t[kX] = x;
-  if (scale.has_value()) t[kScale] = *scale;
-  if (run_op("local", c, t)) {
-    const Outputs o = op_outputs(t, x);
-    return {std::get<2>(o), std::get<3>(o), std::get<4>(o)};
-  }
+  // Outputs may not alias inputs: the kernel writes fresh tensors (the op takes no out=).
+  if (op_call(c, kLocal, t, x, residual.has_value() ? &*residual : nullptr, &weight, scale, nullptr, eps, weight_offset,
+              tail) && run_op("local", c, t))
+    return op_outputs(t);
   py::gil_scoped_acquire gil;
-  const py::tuple r = py::module_::import("commfuse.ops").attr("_quantize")(
-      wrap(x), optional_wrap(scale), std::string(quant), std::string(sf_layout), std::string(scale_layout),
-      scale_ue8m0);
-  return {wrap_back(r[0]), wrap_back(r[1]), wrap_back(r[2])};
+  return list_back(py::module_::import("commfuse.ops").attr("_fused_add_rmsnorm")(
+      wrap(x), optional_wrap(residual), wrap(weight), optional_wrap(scale), eps, weight_offset, tail));
+}
+
+Outputs gated_rmsnorm_op(const at::Tensor& x, const std::optional<at::Tensor>& z, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& scale, double eps, int64_t group_size, bool norm_before_gate,
+                         int64_t tail) {
+  at::Tensor t[kSources];
+  Call c;
+  c.group_size = group_size;
+  c.norm_before_gate = norm_before_gate;
+  if (op_call(c, kGated, t, x, nullptr, &weight, scale, z.has_value() ? &*z : nullptr, eps, 0.0, tail) &&
+      run_op("local", c, t))
+    return op_outputs(t);
+  py::gil_scoped_acquire gil;
+  return list_back(py::module_::import("commfuse.ops").attr("_gated_rmsnorm")(
+      wrap(x), optional_wrap(z), wrap(weight), optional_wrap(scale), eps, group_size, norm_before_gate, tail));
+}
+
+Outputs quantize_op(const at::Tensor& x, const std::optional<at::Tensor>& scale, int64_t tail) {
+  at::Tensor t[kSources];
+  Call c;
+  // The Python calls' key has no eps and no norm for quantize: a code with return_norm set misses (and raises).
+  if (op_call(c, kQuantize, t, x, nullptr, nullptr, scale, nullptr, 0.0, 0.0, tail) && !c.return_norm &&
+      run_op("local", c, t))
+    return op_outputs(t);
+  py::gil_scoped_acquire gil;
+  return list_back(py::module_::import("commfuse.ops").attr("_quantize")(wrap(x), optional_wrap(scale), tail));
 }
 
 }  // namespace
@@ -1026,6 +1031,7 @@ PYBIND11_MODULE(commfuse_host, m) {
       .def("clear", &Table::clear)
       .def("__len__", &Table::size);
   m.def("set_pdl", [](bool on) { g_pdl = on; });
+  m.def("set_tails", &set_tails);
   m.def("set_poison", [](int byte) { g_poison = byte; });
   py::dict sources;
   for (const auto& [name, value] : {std::pair<const char*, int>{"X", kX}, {"RESIDUAL", kResidual}, {"WEIGHT", kWeight},

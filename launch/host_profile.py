@@ -26,7 +26,7 @@ import torch.distributed as dist
 import commfuse
 from commfuse.kernels import fused_tail, jit, launch, native, params
 from commfuse.kernels.fused_tail import FUSED_TAIL
-from commfuse.tail.spec import OutputSpec, TailSpec
+from commfuse.tail.spec import OutputSpec, TailSpec, code
 
 
 def per_call_us(fn, calls: int, repeats: int, floor=None) -> tuple:
@@ -151,22 +151,22 @@ def rows(comm, t: int, h: int):
             x, r, w, quant=q, scale=sc, out=o)
         yield f"commfuse.ops.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: commfuse.ops.fused_all_reduce(
             comm, x, r, w, quant=q, scale=sc)
-        yield f"torch.ops.commfuse.fused_all_reduce quant={quant}", lambda sc=sc, q=quant: (
-            torch.ops.commfuse.fused_all_reduce(x, r, w, sc, 1e-6, q or "", False, "swizzled", comm.name))
+        yield f"torch.ops.commfuse.fused_all_reduce quant={quant}", lambda sc=sc, c=code(quant): (
+            torch.ops.commfuse.fused_all_reduce(x, r, w, sc, 1e-6, 0.0, c, comm.name))
     yield "torch.ops.commfuse.all_reduce", lambda: torch.ops.commfuse.all_reduce(x, comm.name)
     for quant in (None, "fp8"):
         sc = scale if quant else None
         yield f"commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, q=quant: commfuse.fused_add_rmsnorm(
             x, r, w, quant=q, scale=sc)
-        yield f"torch.ops.commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, q=quant: (
-            torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, q or "", False, "swizzled", 0.0))
+        yield f"torch.ops.commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, c=code(quant): (
+            torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, 0.0, c))
     yield "commfuse.gated_rmsnorm group=h/4", lambda: commfuse.gated_rmsnorm(x, r, w, 1e-5, h // 4, False)
-    yield "torch.ops.commfuse.gated_rmsnorm group=h/4", lambda: torch.ops.commfuse.gated_rmsnorm(
-        x, r, w, None, 1e-5, h // 4, False, "", False, "swizzled")
+    yield "torch.ops.commfuse.gated_rmsnorm group=h/4", lambda c=code(): torch.ops.commfuse.gated_rmsnorm(
+        x, r, w, None, 1e-5, h // 4, False, c)
     for quant in ("fp8", "nvfp4"):
         yield f"commfuse.quantize quant={quant}", lambda q=quant: commfuse.quantize(x, q, scale)
-        yield f"torch.ops.commfuse.quantize quant={quant}", lambda q=quant: torch.ops.commfuse.quantize(
-            x, scale, q, "swizzled")
+        yield f"torch.ops.commfuse.quantize quant={quant}", lambda c=code(quant): torch.ops.commfuse.quantize(
+            x, scale, c)
     # Compiled (inductor, default mode): the local op inside a compiled function against inductor's own
     # kernel for the same tail written in torch; each call is the compiled function's whole host path.
     for quant in (None, "fp8"):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from commfuse import ops, reference
 from commfuse.reference import Tail
+from commfuse.tail.spec import code
 
 from compare import assert_tail_close, bits_equal
 from inputs import tail_inputs
@@ -165,9 +166,9 @@ def test_moe_op_fake_gives_the_output_shapes():
         idx = torch.empty(9, 4, dtype=torch.int32)
         outs = torch.ops.commfuse.moe_all_reduce(rows, torch.empty(9, 4), idx, None,
                                                  torch.empty(9, 256, dtype=torch.bfloat16),
-                                                 torch.empty(256, dtype=torch.bfloat16), torch.empty(1), 1e-6,
-                                                 "nvfp4", True, "linear", "commfuse-none")
-    assert [tuple(o.shape) for o in outs] == [(9, 256), (9, 256), (9, 128), (9, 16), (0,)]
+                                                 torch.empty(256, dtype=torch.bfloat16), torch.empty(1), 1e-6, 0.0,
+                                                 code("nvfp4", True, "linear"), "commfuse-none")
+    assert [tuple(o.shape) for o in outs] == [(9, 256), (9, 256), (9, 128), (9, 16)]
     assert outs[2].dtype == torch.uint8 and outs[3].dtype == torch.float8_e4m3fn
 
 

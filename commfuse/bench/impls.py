@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from commfuse import Communicator, moe, reference, tolerance
 from commfuse.tail.formats import by_name
+from commfuse.tail.spec import spread
 
 from .cases import MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check
 from .context import Ctx
@@ -249,20 +250,19 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
         if out:
             owned = comm.fused_all_reduce(x, residual, case.weight, **kw) if p.tail else comm.all_reduce(x)
         if via_ops:
-            quant, scale, weight = p.quant or "", case.scale, case.weight
+            scale, weight, tail = case.scale, case.weight, p.spec.code
 
             def step(i):
                 x, residual = case.input_set(i)
                 if not p.tail:
                     return torch.ops.commfuse.all_reduce(x, comm.name)
-                return torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, case.eps, quant, p.return_norm,
-                                                           SF_LAYOUT, comm.name, p.weight_offset, p.scale_layout,
-                                                           p.scale_ue8m0)
+                return torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, case.eps, p.weight_offset, tail,
+                                                           comm.name)
 
             def result(r):
                 if not p.tail:
                     return Result(a=r)
-                return Result.of_tail(p.spec.keep(r))
+                return Result.of_tail(spread(r, tail))
         else:
             def step(i):
                 x, residual = case.input_set(i)
@@ -300,16 +300,15 @@ def _prep_commfuse_moe(ctx: Ctx, case: Case, comm: Communicator, strategy: str, 
         no_graph = "the separated combine checks row_index on the host (a synchronisation a capture does not allow)"
     owned = r0 if out else None
     if via_ops:
-        quant, scale, weight = p.quant or "", case.scale, case.weight
+        scale, weight, tail = case.scale, case.weight, p.spec.code
 
         def step(i):
             m, (_, residual) = case.moe_set(i), case.input_set(i)
             return torch.ops.commfuse.moe_all_reduce(m.y, m.weights, m.row_index, m.shared, residual, weight, scale,
-                                                     case.eps, quant, p.return_norm, SF_LAYOUT, comm.name,
-                                                     p.weight_offset, p.scale_layout, p.scale_ue8m0)
+                                                     case.eps, p.weight_offset, tail, comm.name)
 
         def result(r):
-            return Result.of_tail(p.spec.keep(r))
+            return Result.of_tail(spread(r, tail))
     else:
         def step(i):
             m, (_, residual) = case.moe_set(i), case.input_set(i)

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from . import graph as G
+from ..tail.spec import public
 
 FP8_MAX = 448.0
 T_DTYPES = (torch.float16, torch.bfloat16)
@@ -101,13 +102,6 @@ class Quant:
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def _operand_or(n: fx.Node, i: int, name: str, default):
-    """Argument i (or keyword `name`) of n, or `default` where the call leaves it out."""
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
 
 
 def _single_user(n: fx.Node) -> Optional[fx.Node]:
@@ -550,13 +544,13 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
     if k == "cf_quantize":
         if G.operand(cur, 0, "x") is not prev:
             return None
-        quant, layout = G.operand(cur, 2, "quant"), G.operand(cur, 3, "sf_layout")
+        kw = public(G.operand(cur, 2, "tail"))
         scale = G.operand(cur, 1, "scale")
         if any(G.kind(u) != "getitem" for u in cur.users):
             return Mismatch(f"{cur.name}: its outputs are read other than by indexing")
-        return Quant(quant=quant, scale=scale, sf_layout=layout, nodes=views + [cur], final=cur, views=views,
-                     spelling="commfuse.quantize", scale_layout=_operand_or(cur, 4, "scale_layout", "row"),
-                     scale_ue8m0=_operand_or(cur, 5, "scale_ue8m0", False))
+        return Quant(quant=kw["quant"], scale=scale, sf_layout=kw["sf_layout"], nodes=views + [cur], final=cur,
+                     views=views, spelling="commfuse.quantize", scale_layout=kw["scale_layout"],
+                     scale_ue8m0=kw["scale_ue8m0"])
     # FP8: [float32(n)] / scale (or * 1/scale) -> clamp(-448, 448) -> .to(float8_e4m3fn)
     nodes = list(views)
     if _is_cast_to(cur, _F32) and len(cur.users) == 1:

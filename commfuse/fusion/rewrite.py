@@ -4,19 +4,19 @@ For each RMSNorm (in graph order): the consumers that quantize it, the residual 
 the all-reduce before that are collected; then one node is inserted before the add (before the
 norm where there is no add):
 
-- with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight,
-  scale, eps, quant, return_norm, sf_layout, comm, weight_offset, scale_layout, scale_ue8m0)`, x being the
-  all-reduce's input;
+- with a fusable all-reduce: `torch.ops.commfuse.fused_all_reduce.default(x, residual, weight, scale, eps,
+  weight_offset, tail, comm)`, x being the all-reduce's input;
 - with a fusable all-reduce whose input is a MoE expert combine (patterns.match_moe_combine):
-  `torch.ops.commfuse.moe_all_reduce.default(y, weights, None, shared, residual, weight, scale, eps, quant,
-  return_norm, sf_layout, comm, weight_offset, scale_layout, scale_ue8m0)`, the combine's nodes replaced too;
+  `torch.ops.commfuse.moe_all_reduce.default(y, weights, None, shared, residual, weight, scale, eps,
+  weight_offset, tail, comm)`, the combine's nodes replaced too;
 - without one: `torch.ops.commfuse.fused_add_rmsnorm.default(x, residual or None, weight, scale, eps,
-  quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)`;
+  weight_offset, tail)`;
 - a gated norm: `torch.ops.commfuse.gated_rmsnorm.default(x, z, weight, scale, eps, group_size,
-  norm_before_gate, quant, return_norm, sf_layout, scale_layout, scale_ue8m0)`.
+  norm_before_gate, tail)`.
 
-scale_layout and scale_ue8m0 are those of the commfuse.quantize op the norm feeds (the defaults for
-the other quantizations).
+`tail` is the code (commfuse.tail.spec.code) of the quantization, its layouts (those of the commfuse.quantize
+op the norm feeds, else the defaults) and return_norm. The ops return the outputs their call has, in
+reference.Tail's order (commfuse.tail.spec.fields names them).
 
 The users of the add (the residual used later), of the norm (return_norm when it has users other
 than the quantization) and of the quantized codes are re-pointed at the op's outputs, viewed back to
@@ -36,7 +36,7 @@ from . import graph as G
 from . import patterns as P
 from .evidence import REWRITES, local_rewrite
 from .report import Fused, FusionReport, Skipped
-from ..tail.spec import TailSpec
+from ..tail.spec import TailSpec, code, fields, public
 
 OPS = {
     "all_reduce": "commfuse::fused_all_reduce",
@@ -230,10 +230,10 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         if quant is not None:
             scale = g.call_function(torch.reciprocal, (quant.scale[1],)) if isinstance(quant.scale, tuple) \
                 else quant.scale
-        qname = quant.quant if quant is not None else ""
-        layout = quant.sf_layout if quant is not None else "swizzled"
-        scale_layout = (quant.scale_layout, quant.scale_ue8m0) if quant is not None else ("row", False)
-        rn = bool(return_norm) if quant is not None else False
+        layouts = {} if quant is None else dict(sf_layout=quant.sf_layout, scale_layout=quant.scale_layout,
+                                                scale_ue8m0=quant.scale_ue8m0)
+        tail = code(quant.quant if quant is not None else None, bool(return_norm) and quant is not None, **layouts)
+        offset = float(norm.weight_offset)
         if moe is not None:
             y = moe.y if not moe.y_rows else g.call_method("reshape", (moe.y, -1, moe.k, h))
             w = moe.weights if not moe.w_rows else g.call_method("reshape", (moe.weights, -1, moe.k))
@@ -241,25 +241,22 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             if shared is not None and len(G.shape(shared)) != 2:
                 shared = g.call_method("reshape", (shared, -1, h))
             res = residual if rank == 2 else g.call_method("reshape", (residual, -1, h))
-            args = (y, w, None, shared, res, weight, scale, norm.eps, qname, rn, layout, comm_name,
-                    float(norm.weight_offset), *scale_layout)
+            args = (y, w, None, shared, res, weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "all_reduce":
             xin = ar.x
             if not G.same_shape(ar.x, residual):
                 xin = g.call_method("reshape_as", (ar.x, residual))
-            args = (xin, residual, weight, scale, norm.eps, qname, rn, layout, comm_name, float(norm.weight_offset),
-                    *scale_layout)
+            args = (xin, residual, weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "local":
-            args = (x, residual, weight, scale, norm.eps, qname, rn, layout, float(norm.weight_offset), *scale_layout)
+            args = (x, residual, weight, scale, norm.eps, offset, tail)
         else:
-            args = (norm.input, norm.gate, weight, scale, norm.eps, norm.group_size or h, norm.norm_before_gate,
-                    qname, rn, layout, *scale_layout)
+            args = (norm.input, norm.gate, weight, scale, norm.eps, norm.group_size or h, norm.norm_before_gate, tail)
         fused = g.call_function(targets["moe" if moe is not None else kind], args)
-    base = 0 if kind != "gated" else -1  # gated_rmsnorm has no residual output
+    out_fields = fields(tail, residual is not None and kind != "gated")
 
-    def output(index: int, replaces: fx.Node, view: bool) -> fx.Node:
+    def output(field: str, replaces: fx.Node, view: bool) -> fx.Node:
         with g.inserting_before(replaces):
-            out = g.call_function(operator.getitem, (fused, index))
+            out = g.call_function(operator.getitem, (fused, out_fields.index(field)))
             if view and rank != 2:
                 out.meta = {}
                 out = g.call_method("view_as", (out, shape_ref))
@@ -271,13 +268,13 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if quant is not None:
         for use in quant_uses(quant, norm):
             if use.final.op == "call_function" and G.kind(use.final) == "cf_quantize":
+                quantized = fields(use.final.args[2], False)  # the quantize op's outputs
                 for gi in list(use.final.users):
-                    i = gi.args[1]
-                    new = output(base + 2 + i, gi, view=False)
+                    new = output(quantized[gi.args[1]], gi, view=False)
                     gi.replace_all_uses_with(new)
                     doomed.append(gi)
             else:
-                new = output(base + 2, use.final, view=True)
+                new = output("quant", use.final, view=True)
                 cur, mapping = new, {}
                 with g.inserting_before(use.final):
                     src = norm.output
@@ -290,12 +287,12 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             doomed += use.nodes
     # The norm, for its other users.
     if others:
-        new = output(base + 1, norm.output, view=True)
+        new = output("norm", norm.output, view=True)
         keep = set(others)
         norm.output.replace_all_uses_with(new, delete_user_cb=lambda u: u in keep)
     # The residual sum, for every later reader.
     if residual is not None:
-        new = output(0, norm.input, view=True)
+        new = output("residual", norm.input, view=True)
         norm.input.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and u not in set(norm.nodes))
         doomed.append(norm.input)
     doomed += norm.nodes
@@ -524,8 +521,7 @@ def _names(nodes):
 
 
 def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce) -> None:
-    x, residual, weight, scale, eps, quant, return_norm, sf_layout, offset, *layout = node.args
-    scale_layout, scale_ue8m0 = (list(layout) + ["row", False][len(layout):])[:2]
+    x, residual, weight, scale, eps, offset, tail = node.args
     positions = G.order(gm.graph)
     if not isinstance(x, fx.Node):
         return
@@ -550,15 +546,15 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     g = gm.graph
     with g.inserting_before(node):
         xin = ar.x if G.same_shape(ar.x, residual) else g.call_method("reshape_as", (ar.x, residual))
-        new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, quant, return_norm,
-                                                      sf_layout, comm_name, offset, scale_layout, scale_ue8m0))
+        new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, offset, tail, comm_name))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     doomed = [node] + ar.chain + ar.nodes
     _erase(g, doomed, erased)
     report.fused.append(Fused(pattern="all_reduce + commfuse::fused_add_rmsnorm", op=OPS["all_reduce"], node=new.name,
                               replaced=[n.name for n in doomed], spelling=f"{ar.spelling} | commfuse.fused_add_rmsnorm",
-                              quant=quant or None, return_norm=bool(return_norm), eps=str(eps), comm=comm_name))
+                              quant=public(tail)["quant"], return_norm=public(tail)["return_norm"], eps=str(eps),
+                              comm=comm_name))
 
 
 # --------------------------------------------------------------------------- the route, for the report

@@ -43,6 +43,7 @@ import torch
 from . import jit, launch
 from .launch import LaunchPlan, PyLauncher
 from .table import PyTable
+from ..tail.spec import codes as tail_codes
 
 __all__ = ["SOURCE", "unavailable", "module", "launcher", "table", "NcclFailure"]
 
@@ -123,6 +124,7 @@ def _load():
     words = {name: getattr(nccl, name) for name in ("DONE", "ISSUED", "ABORTED", "STAMPS", "RING", "TIMED_OUT")}
     if dict(mod.PROGRESS) != words:
         return None, f"{SOURCE} lays out the NCCL watchdog's words as {dict(mod.PROGRESS)}, nccl.py {words}"
+    mod.set_tails(tail_codes())  # the op kernels' `tail` codes, decoded as the Python calls spell them
     jit.on_pdl_off(mod.set_pdl)
     launch.on_poison(lambda byte: mod.set_poison(-1 if byte is None else int(byte)))
     global NcclFailure

@@ -21,7 +21,7 @@ import torch
 from . import formats as F
 from .formats import Format, Layout
 
-__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES", "keep"]
+__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES", "code", "public", "codes", "spread", "fields", "present"]
 
 FP8_CODES = torch.float8_e4m3fn
 _SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "f32": torch.float32, "ue8m0": torch.uint8}
@@ -107,6 +107,12 @@ class TailSpec:
     weight_offset: float = 0.0
 
     @classmethod
+    def from_code(cls, code: int, eps: float = 1e-6, weight_offset: float = 0.0) -> "TailSpec":
+        """The spec of an op's `tail` number (`code`) with these eps and weight_offset; ValueError naming
+        `tail` for a number that is no spec's."""
+        return cls.of(**public(code), eps=eps, weight_offset=weight_offset)
+
+    @classmethod
     def of(cls, quant: Optional[str] = None, *, return_norm: bool = False, eps: float = 1e-6,
            weight_offset: float = 0.0, sf_layout: str = "swizzled", scale_layout: str = "row",
            scale_ue8m0: bool = False) -> "TailSpec":
@@ -143,6 +149,13 @@ class TailSpec:
         """The keyword arguments of commfuse.reference.fused_tail (and of the public calls) for this spec."""
         return dict(quant=self.quant, return_norm=self.return_norm, sf_layout=self.sf_layout,
                     weight_offset=self.weight_offset, scale_layout=self.scale_layout, scale_ue8m0=self.scale_ue8m0)
+
+    @property
+    def code(self) -> int:
+        """The tail's options but eps and weight_offset as one number, the commfuse ops' `tail` argument: a
+        compiled model's op call parses one small int where it would parse five arguments (strings among
+        them). The format's id, its layout, ue8m0 and return_norm; the same in every process."""
+        return self.format.id | int(self.layout) << 4 | int(self.ue8m0) << 6 | int(self.return_norm) << 7
 
     # ---------------------------------------------------------------- what the tail produces
 
@@ -187,11 +200,6 @@ class TailSpec:
                        stored if f.scale_field == "scale_factors" else None,
                        stored if f.scale_field == "scales" else None)
 
-    def keep(self, outs, residual: bool = True) -> tuple:
-        """An op's five outputs (empty tensors where absent: ops return tensors) with None where this
-        spec's call has no such output (residual False: a call without a residual)."""
-        return keep(outs, self.quant, self.return_norm, residual)
-
     def row_slots(self, t: int) -> int:
         """Rows a tail kernel's grid covers: t, and the padding rows whose scale storage it zeroes
         (roundup(t, 128) for the swizzled layout, roundup(t, 4) for MN-major)."""
@@ -219,14 +227,75 @@ class TailSpec:
         return ", ".join(parts)
 
 
-# Which outputs each format's call has, as plain values: what keep() reads, also while dynamo traces a
-# model (it cannot trace Format or TailSpec objects made there).
-_HAS = {f.name: (f.codes is None, f.codes is not None, f.scale_field == "scale_factors", f.scale_field == "scales")
-        for f in F.FORMATS}
+# The public keyword arguments of every spec by its code, and the code of each such set of arguments, as
+# plain values: what code() and spread() read, also while dynamo traces a model (it cannot trace Format or
+# TailSpec objects made there, and folds these lookups into constants).
+def _public_options():
+    for f in F.FORMATS:
+        sf = tuple(F.SF_LAYOUTS) if f.layout_arg == "sf_layout" else (F.DEFAULTS["sf_layout"],)
+        sl = tuple(F.SCALE_LAYOUTS) if f.layout_arg == "scale_layout" else (F.DEFAULTS["scale_layout"],)
+        ue = (False, True) if f.ue8m0 == "option" else (False,)
+        for rn in (False, True):
+            for a in sf:
+                for b in sl:
+                    for c in ue:
+                        yield dict(quant=f.name, return_norm=rn, sf_layout=a, scale_layout=b, scale_ue8m0=c)
 
 
-def keep(outs, quant: Optional[str], return_norm: bool, residual: bool = True) -> tuple:
-    """The five outputs of an op (residual, norm, quant, scale_factors, scales; empty tensors where absent)
-    with None where a call of this quant ("" or None: none) and return_norm has no such output."""
-    no_codes, codes, sf, scales = _HAS[quant or None]
-    return tuple(o if p else None for o, p in zip(outs, (residual, no_codes or bool(return_norm), codes, sf, scales)))
+_PUBLIC = {TailSpec.of(**kw).code: kw for kw in _public_options()}
+_CODES = {tuple(kw.values()): c for c, kw in _PUBLIC.items()}
+assert len(_PUBLIC) == len(_CODES) == len(list(_public_options())), "tail codes must be unique"
+# Which of norm, quant, scale_factors, scales a call of each code has.
+_HAS = {c: (TailSpec.of(**kw).has_norm, F.by_name(kw["quant"]).codes is not None,
+            F.by_name(kw["quant"]).scale_field == "scale_factors", F.by_name(kw["quant"]).scale_field == "scales")
+        for c, kw in _PUBLIC.items()}
+
+
+def _has(code: int, residual: bool) -> tuple:
+    """Which of the five outputs a call of this code has (the residual: when it was given one)."""
+    return (residual,) + _HAS[code]
+
+
+def code(quant: Optional[str] = None, return_norm: bool = False, sf_layout: str = "swizzled",
+         scale_layout: str = "row", scale_ue8m0: bool = False) -> int:
+    """The ops' `tail` number of these public keyword arguments (TailSpec.code); TypeError / ValueError
+    naming the argument where they make no spec."""
+    flags = type(return_norm) is bool and type(scale_ue8m0) is bool  # 1 would find True's entry
+    quant = None if quant == "" else quant  # the ops' wrappers take "" for none
+    c = _CODES.get((quant, return_norm, sf_layout, scale_layout, scale_ue8m0)) if flags else None
+    if c is None:  # not a valid set: TailSpec.of says which argument is wrong
+        c = TailSpec.of(quant, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
+                        scale_ue8m0=scale_ue8m0).code
+    return c
+
+
+def public(code: int) -> dict:
+    """The public keyword arguments (quant, return_norm, sf_layout, scale_layout, scale_ue8m0) of an ops'
+    `tail` number; ValueError naming `tail` for a number that is no spec's."""
+    kw = _PUBLIC.get(code) if isinstance(code, int) and not isinstance(code, bool) else None
+    if kw is None:
+        raise ValueError(f"tail must be the code of a tail spec (commfuse.tail.spec.code), got {code!r}")
+    return dict(kw)
+
+
+def codes() -> dict:
+    """{code: public keyword arguments} of every tail spec (what the C++ op kernels decode)."""
+    return {c: dict(kw) for c, kw in _PUBLIC.items()}
+
+
+def spread(outs, code: int, residual: bool = True) -> tuple:
+    """An op's outputs (a list of the outputs its call has, in reference.Tail's order) as the five of a Tail
+    (residual, norm, quant, scale_factors, scales), None where a call of this `tail` code (and a residual,
+    or none) has no such output."""
+    it = iter(outs)
+    return tuple(next(it) if p else None for p in _has(code, residual))
+
+
+def fields(code: int, residual: bool = True) -> tuple:
+    """The names of the outputs an op of this `tail` code returns (reference.Tail's fields), in order."""
+    return tuple(f for f, p in zip(Outputs._fields, _has(code, residual)) if p)
+
+
+def present(outputs) -> list:
+    """The outputs of a call that are there (not None), in order: what an op returns for them."""
+    return [o for o in outputs if o is not None]

@@ -1,0 +1,53 @@
+"""commfuse.tail.spec's op codes: the `tail` int of the commfuse ops, and their outputs lists."""
+import pytest
+import torch
+
+from commfuse.tail import formats as F
+from commfuse.tail import spec as S
+from commfuse.tail.spec import TailSpec
+
+
+def test_every_public_option_set_has_one_code_that_round_trips():
+    seen = {}
+    for c, kw in S.codes().items():
+        spec = TailSpec.of(**kw, eps=1e-5, weight_offset=1.0)
+        assert spec.code == c and 0 <= c < 256  # the C++ op kernels decode codes below 256
+        assert S.code(**kw) == c and S.public(c) == kw
+        assert TailSpec.from_code(c, 1e-5, 1.0) == spec
+        seen.setdefault(spec.format.name, set()).add((kw["sf_layout"], kw["scale_layout"], kw["scale_ue8m0"]))
+    assert set(seen) == set(F.names())
+    assert seen["nvfp4"] == {("swizzled", "row", False), ("linear", "row", False)}
+    assert seen["fp8_block"] == {("swizzled", s, u) for s in ("row", "mn_major") for u in (False, True)}
+    assert seen["fp8"] == {("swizzled", "row", False)}
+
+
+def test_code_names_the_wrong_argument():
+    with pytest.raises(ValueError, match="quant must be one of"):
+        S.code("int4")
+    with pytest.raises(ValueError, match="sf_layout='linear' applies to quant 'nvfp4' / 'mxfp8' only"):
+        S.code("fp8", sf_layout="linear")
+    with pytest.raises(TypeError, match="return_norm must be a bool"):
+        S.code("fp8", return_norm=1)
+    with pytest.raises(TypeError, match="quant must be None or one of"):
+        S.code(0)
+    assert S.code("") == S.code(None) == S.code()  # the ops' old spelling of no quantization
+
+
+@pytest.mark.parametrize("bad", [255, -1, True, "1", 1.0, None])
+def test_a_number_that_is_no_spec_raises_naming_tail(bad):
+    with pytest.raises(ValueError, match="tail must be the code of a tail spec"):
+        S.public(bad)
+    with pytest.raises(ValueError, match="tail must be the code of a tail spec"):
+        TailSpec.from_code(bad)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_fields_and_spread_follow_the_specs_outputs(residual):
+    for c in S.codes():
+        outputs = TailSpec.from_code(c).outputs(3, 256, torch.bfloat16, residual)
+        names = tuple(f for f, o in zip(outputs._fields, outputs) if o is not None)
+        assert S.fields(c, residual) == names
+        values = [f"<{n}>" for n in names]
+        assert S.spread(values, c, residual) == tuple(None if o is None else f"<{f}>"
+                                                      for f, o in zip(outputs._fields, outputs))
+        assert S.present(S.spread(values, c, residual)) == values
