@@ -92,7 +92,7 @@ __device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z
 // no residual; x, z, the group size and the gate's place), declared in commfuse/kernels/params.py.
 template <typename T, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
-  __shared__ float part[VPT * kMaxThreads<VPT>];  // per vector, then per group: sums of squares
+  __shared__ float part[VPT * kMaxThreads<VPT>];  // the shared-memory path's sums, per vector then per group
   pdl_wait();
   pdl_launch_dependents();
   const TailParams& tp = p.tail;
@@ -118,33 +118,55 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
   }
   tail_load_weight<T, VPT>(tp, wv);
 
+  float sumsq[VPT];  // per vector, then its group's
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    const int v = threadIdx.x + i * blockDim.x;
     if (gate_first) gate_first_in_place<T>(xv[i], zv[i]);
-    if (v < nv) part[v] = gated_squares<T>(xv[i], zv[i], gate_first);
+    sumsq[i] = gated_squares<T>(xv[i], zv[i], gate_first);
   }
-  __syncthreads();
-  // A group's vectors are spread over threads (thread i holds vectors i, i + blockDim.x, ...), for
-  // any group size: so each group is summed by one warp, lane l over its vectors l, l + 32, ..., then
-  // across lanes; the same order in every run. The sum replaces the group's first entry: only this
-  // warp reads the group, and its lanes have read it before the shuffles complete.
   const int gv = p.group_size / kVecElems;
-  const int lane = threadIdx.x & 31;
-  for (int g = threadIdx.x / 32; g < nv / gv; g += blockDim.x / 32) {
-    float s = 0.f;
-    for (int j = lane; j < gv; j += 32) s += part[g * gv + j];
+  if (gv <= 32 && (gv & (gv - 1)) == 0) {
+    // Thread i holds vectors i, i + blockDim.x, ... and blockDim.x is whole warps: a group's vectors in
+    // one slot are gv consecutive lanes aligned to gv, so xor shuffles within them sum it, without
+    // shared memory or barriers. nv is whole groups: lanes past the row (zero inputs) never share a
+    // group with lanes in it. Every lane of a group ends with the same bits (a + b == b + a), the
+    // shared-memory path's (it adds the same pairs, after exact zeros).
+    for (int o = gv / 2; o > 0; o >>= 1) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) part[g * gv] = s;
+      for (int i = 0; i < VPT; ++i) sumsq[i] += __shfl_xor_sync(0xffffffffu, sumsq[i], o);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < nv) part[v] = sumsq[i];
+    }
+    __syncthreads();
+    // Other group sizes straddle lanes or warps: so each group is summed by one warp, lane l over its
+    // vectors l, l + 32, ..., then across lanes; the same order in every run. The sum replaces the
+    // group's first entry: only this warp reads the group, and its lanes have read it before the
+    // shuffles complete.
+    const int lane = threadIdx.x & 31;
+    for (int g = threadIdx.x / 32; g < nv / gv; g += blockDim.x / 32) {
+      float s = 0.f;
+      for (int j = lane; j < gv; j += 32) s += part[g * gv + j];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) part[g * gv] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < nv) sumsq[i] = part[v / gv * gv];
+    }
   }
-  __syncthreads();
 
   uint4 n[VPT];
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
-    const float inv = v < nv ? inv_rms(part[v / gv * gv], p.group_size, tp.eps) : 0.f;
+    const float inv = v < nv ? inv_rms(sumsq[i], p.group_size, tp.eps) : 0.f;
     n[i] = gated_norm_round<T>(xv[i], zv[i], wv[i], inv, gate_first, gate_after);
   }
   emit_row<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp));
