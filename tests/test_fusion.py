@@ -801,6 +801,33 @@ def test_auto_rewrites_local_patterns_for_other_compilers(gen, compiler):
         assert report.count() == 1 and not report.skipped, (name, report)
 
 
+def test_auto_rewrites_local_patterns_under_cuda_graphs(gen):
+    """Replayed from CUDA graphs a call has no host time: the kernels' GPU time decides, and the local ops'
+    (commfuse.fusion.evidence) are the faster."""
+    for name, f, args in _local_graphs(gen):
+        gm, _ = capture(f, *args)
+        report = fusion.fuse(gm, None, compiler="inductor", cuda_graphs=True)
+        assert report.count() == 1 and not report.skipped, (name, report)
+
+
+@pytest.mark.parametrize("mode, options, graphs", [(None, None, False), ("reduce-overhead", None, True),
+                                                   ("max-autotune", None, True),
+                                                   ("max-autotune-no-cudagraphs", None, False),
+                                                   (None, {"triton.cudagraphs": True}, True),
+                                                   ("reduce-overhead", {"triton.cudagraphs": False}, False)])
+def test_backend_tells_the_pass_whether_inductor_replays_cuda_graphs(gen, monkeypatch, mode, options, graphs):
+    import importlib
+
+    B = importlib.import_module("commfuse.fusion.backend")  # the module (commfuse.fusion.backend is the function)
+    seen = []
+    monkeypatch.setattr(B, "fuse", lambda gm, comm, **kw: seen.append(kw) or fusion.FusionReport())
+    monkeypatch.setattr(B, "_inner_compiler", lambda *a: (lambda gm, inputs: gm))
+    _, f, args = _local_graphs(gen)[0]
+    gm, inputs = capture(f, *args)
+    fusion.backend(None, inner="inductor", mode=mode, options=options)(gm, inputs)
+    assert seen == [dict(rewrite="auto", compiler="inductor", cuda_graphs=graphs)]
+
+
 def test_rewrite_value_is_checked(gen):
     _, f, args = _local_graphs(gen)[0]
     gm, _ = capture(f, *args)

@@ -58,6 +58,14 @@ def _inner_compiler(inner: Union[str, Callable], mode: Optional[str], options: O
     return lookup_backend(inner) if isinstance(inner, str) else inner
 
 
+def _cuda_graphs(mode: Optional[str], options: Optional[dict]) -> bool:
+    """Whether Inductor replays what it compiles with this mode and options from CUDA graphs."""
+    from torch._inductor import config, list_mode_options
+
+    chosen = {**list_mode_options(mode or "default"), **(options or {})}
+    return bool(chosen.get("triton.cudagraphs", config.triton.cudagraphs))
+
+
 def _compile_id():
     try:
         from torch._guards import CompileContext
@@ -86,7 +94,10 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
     target = inner if inner is not None else _default_inner(comm)
 
     def commfuse_fusion(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        report = fuse(gm, comm, rewrite=rewrite, compiler=target if isinstance(target, str) else None)
+        m = kwargs.get("mode", mode)
+        o = kwargs.get("options", options)
+        report = fuse(gm, comm, rewrite=rewrite, compiler=target if isinstance(target, str) else None,
+                      cuda_graphs=target == "inductor" and _cuda_graphs(m, o))
         report.level = "dynamo graph"
         report.compile_id = _compile_id()
         # dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a float):
@@ -97,8 +108,6 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
             collected.append(report)
         if verbose:
             print(report)
-        m = kwargs.get("mode", mode)
-        o = kwargs.get("options", options)
         return _inner_compiler(target, m, o, dynamic)(gm, example_inputs)
 
     commfuse_fusion.reports = collected  # type: ignore[attr-defined]

@@ -58,7 +58,7 @@ def _targets():
 
 
 def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "auto",
-         compiler: Optional[str] = None) -> FusionReport:
+         compiler: Optional[str] = None, cuda_graphs: bool = False) -> FusionReport:
     """Rewrite the matches in `gm` in place; return the report.
 
     gm: a torch-level FX graph: dynamo's (what a torch.compile backend receives), torch.fx.symbolic_trace's,
@@ -68,8 +68,9 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     functional all-reduces use (they fuse only when their group is comm's); commfuse.ops.all_reduce
     calls name their own communicator. None: only those, and the local ops.
     rewrite: "auto" rewrites every collective tail and the local patterns where they pay given
-    `compiler`, what compiles the graph after the pass ("inductor", another backend, None: nothing);
-    "all" rewrites every match (commfuse.fusion.evidence has the rule and its measurements).
+    `compiler`, what compiles the graph after the pass ("inductor", another backend, None: nothing), and
+    `cuda_graphs`, whether it replays the compiled graph from CUDA graphs; "all" rewrites every match
+    (commfuse.fusion.evidence has the rule and its measurements).
     """
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
@@ -94,7 +95,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
                 _skip_feeding_all_reduce(match.norm_input, node.name, match.reason, match.kind, report,
                                          seen_all_reduce)
             continue
-        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler))
+        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs))
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
             report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm reads its sum",
@@ -192,8 +193,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     moe = _moe_combine(ar, norm, h, report) if kind == "all_reduce" else None
     if kind != "all_reduce":
         quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
-        rewrite, compiler = policy
-        why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite)
+        rewrite, compiler, cuda_graphs = policy
+        why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite,
+                            cuda_graphs)
         if why:
             report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
             return
