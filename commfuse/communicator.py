@@ -394,9 +394,14 @@ class Communicator:
 
     def check(self) -> None:
         """Wait for this rank's queued GPU work, then raise commfuse.P2PTimeoutError if a P2P
-        kernel timed out waiting for a peer (eager or replayed in a CUDA graph). Not collective."""
+        kernel timed out waiting for a peer, commfuse.NcclTimeoutError if the NCCL route's watchdog
+        aborted an all-reduce (eager or replayed in a CUDA graph: the wait is bounded by each route's
+        timeout). Not collective."""
         if self.workspace is not None:
             self.workspace.check()
+        if self._nccl is not None:
+            torch.cuda.synchronize(self.device)
+            self._nccl.check()
 
     def close(self) -> None:
         """Release the P2P workspace (collective: every rank calls it); later calls take

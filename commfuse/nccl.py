@@ -12,10 +12,14 @@ pointers, the count and the stream fixed when the communicator is made.
 
 A watchdog bounds the wait for a peer that skipped a call or died (NCCL itself waits forever): each
 eager all-reduce is stamped with its enqueue time and followed on the stream by a write of its sequence
-number into host-mapped pinned memory (cuStreamWriteValue64); a thread of the communicator's aborts it
-(ncclCommAbort, which ends NCCL's kernels) when the oldest unfinished one has waited COMMFUSE_NCCL_TIMEOUT_S
-seconds, and every later call raises NcclTimeoutError. Calls captured into a CUDA graph are not stamped:
-replays are outside it.
+number into host-mapped pinned memory (cuStreamWriteValue64); an all-reduce captured into a CUDA graph,
+whose replays repeat what was captured, is put between two one-thread kernels instead
+(commfuse.kernels.nccl_mark) that count the replayed all-reduces in device memory and publish the count
+before (BEGUN) and after (ENDED) each one. A thread of the communicator's aborts it (ncclCommAbort, which
+ends NCCL's kernels) when the oldest unfinished eager all-reduce has waited COMMFUSE_NCCL_TIMEOUT_S seconds
+since its enqueue, or a replayed one as long since the thread saw it begin, and every later call (and
+check()) raises NcclTimeoutError. A CUDA graph that captured the aborted communicator's all-reduces must
+not be replayed again.
 
 The library is the NCCL that torch already uses (no new dependency: ctypes only), found in this
 order: the file COMMFUSE_NCCL_LIBRARY names (then nothing else is tried); cuda.pathfinder's
@@ -28,8 +32,8 @@ Environment (docs/environment.md):
 - COMMFUSE_NCCL_LIBRARY: the path of the NCCL library to load instead of searching.
 - COMMFUSE_NCCL: `0` makes the Communicator keep torch.distributed for its NCCL route even where
   this module is available (read by the Communicator, not here).
-- COMMFUSE_NCCL_TIMEOUT_S: the watchdog's bound, seconds from an all-reduce's enqueue (default 10; 0: no
-  watchdog). Read when a communicator is made.
+- COMMFUSE_NCCL_TIMEOUT_S: the watchdog's bound, seconds from an all-reduce's enqueue, or from its start in
+  a replay (default 10; 0: no watchdog). Read when a communicator is made.
 
 Facts of NCCL's C API used here (nccl.h): every function returns ncclResult_t (0 = ncclSuccess);
 ncclUniqueId is a struct of 128 bytes passed by value to ncclCommInitRank; ncclComm_t and
@@ -51,15 +55,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .kernels import nccl_mark
+
 NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking communicator still working, not an error
 NCCL_SUM = 0
 NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclFloat16, ncclFloat32, ncclBfloat16
 TIMED_OUT = -1  # the code a launcher reports for a communicator its watchdog aborted (no ncclResult_t is < 0)
 # The watchdog's words (int64, host-mapped pinned memory; csrc/host_launch.cpp's Progress mirrors them): the
-# stream writes DONE, the sequence number of the last finished all-reduce; the host counts ISSUED and stamps
-# each one's enqueue time (CLOCK_MONOTONIC ns) at STAMPS + seq % RING; ABORTED is set before the abort.
-DONE, ISSUED, ABORTED, STAMPS, RING = 0, 1, 2, 4, 4096
+# stream writes DONE, the sequence number of the last finished eager all-reduce; the host counts ISSUED and
+# stamps each one's enqueue time (CLOCK_MONOTONIC ns) at STAMPS + seq % RING; ABORTED is set before the abort;
+# the marks of captured all-reduces write BEGUN and ENDED (commfuse.kernels.nccl_mark).
+DONE, ISSUED, ABORTED, BEGUN, ENDED, STAMPS, RING = 0, 1, 2, 3, 4, 8, 4096
 
 
 class UniqueId(ctypes.Structure):
@@ -98,9 +105,10 @@ class NcclUnavailable(RuntimeError):
 
 
 class NcclTimeoutError(RuntimeError):
-    """An all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue: a rank skipped the call,
-    died, or lags that far behind (or this stream was that far behind). The watchdog aborted the NCCL
-    communicator: it, and every Communicator of its group, is unusable afterwards."""
+    """An all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue (of its start, replayed from
+    a CUDA graph): a rank skipped the call, died, or lags that far behind (or this stream was that far
+    behind). The watchdog aborted the NCCL communicator: it, and every Communicator of its group, is unusable
+    afterwards, and so is a CUDA graph that captured its all-reduces."""
 
 
 class NcclError(RuntimeError):
@@ -255,8 +263,8 @@ class NcclComm:
     NcclUnavailable without an NCCL library. `close()` destroys the communicator (not collective;
     destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
     NCCL or CUDA may already be torn down when it runs at exit. With COMMFUSE_NCCL_TIMEOUT_S > 0 (default
-    10) its watchdog aborts it when an eager all-reduce has not finished that long after its enqueue (the
-    module docstring); every later all_reduce raises NcclTimeoutError.
+    10) its watchdog aborts it when an all-reduce has not finished that long after its enqueue, or after
+    its start in a CUDA graph's replay (the module docstring); every later all_reduce raises NcclTimeoutError.
     """
 
     def __init__(self, group, device: torch.device):
@@ -290,7 +298,8 @@ class NcclComm:
         self._lock = threading.Lock()  # the watchdog's abort against close()
 
     def _watch(self, timeout: float) -> None:
-        """Start the watchdog: its words in host-mapped pinned memory, and its thread."""
+        """Start the watchdog: its words in host-mapped pinned memory, the marks of captured all-reduces
+        (their kernel and their count in device memory), and its thread."""
         from . import ipc
 
         words = STAMPS + RING
@@ -298,11 +307,15 @@ class NcclComm:
             flags = ipc.driver.CU_MEMHOSTALLOC_DEVICEMAP | ipc.driver.CU_MEMHOSTALLOC_PORTABLE
             host = int(ipc.call(ipc.driver.cuMemHostAlloc, 8 * words, flags))
             ctypes.memset(host, 0, 8 * words)
-            self._done_address = int(ipc.call(ipc.driver.cuMemHostGetDevicePointer, host, 0)) + 8 * DONE
+            mapped = int(ipc.call(ipc.driver.cuMemHostGetDevicePointer, host, 0))
+        self._done_address = mapped + 8 * DONE
         self._progress_address = host
         self._write_value = ipc.driver.cuStreamWriteValue64
         self._is_capturing = ipc.driver.cuStreamIsCapturing
         self._not_capturing = ipc.driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        self._count = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", self.device_index))
+        self._mark_kernel = nccl_mark.load(self.device_index)
+        self._marks = nccl_mark.mark_params(self._count.data_ptr(), mapped + 8 * BEGUN, mapped + 8 * ENDED)
         self._start_watchdog((ctypes.c_int64 * words).from_address(host), timeout)
 
     def _start_watchdog(self, words, timeout: float) -> None:
@@ -313,22 +326,38 @@ class NcclComm:
 
     def _watchdog(self) -> None:
         p, limit = self._progress, int(self.timeout_s * 1e9)
+        replayed, since = 0, 0  # the replayed all-reduce seen begun and not ended, and since when
         while self._handle is not None:
             time.sleep(min(1.0, self.timeout_s / 4))
+            now = time.monotonic_ns()
             done, issued = p[DONE], p[ISSUED]
-            if issued > done and time.monotonic_ns() - p[STAMPS + (done + 1) % RING] > limit:
+            late = issued > done and now - p[STAMPS + (done + 1) % RING] > limit
+            begun = p[BEGUN]
+            if begun == p[ENDED]:
+                replayed = 0
+            elif begun != replayed:
+                replayed, since = begun, now
+            else:
+                late = late or now - since > limit
+            if late:
                 with self._lock:
                     if self._handle is not None:
                         p[ABORTED] = 1  # the launchers stop calling NCCL before the communicator goes
                         self.nccl.lib.ncclCommAbort(self._handle)
                 return
 
+    def _captured(self, stream: int) -> Optional[bool]:
+        """Whether `stream` is capturing a CUDA graph (None where the driver cannot say)."""
+        err, status = self._is_capturing(stream)
+        return None if err else status != self._not_capturing
+
+    def _mark(self, stream: int, end: bool) -> None:
+        """A captured all-reduce's begin or end mark (commfuse.kernels.nccl_mark), enqueued on `stream`."""
+        self._mark_kernel.launch((1, 1, 1), (nccl_mark.THREADS, 1, 1), self._marks[end], stream=stream)
+
     def _stamp(self, stream: int) -> None:
         """The bookkeeping after an eager all-reduce on `stream`: its enqueue time, then its number
-        written by the stream when it is done (none while the stream is being captured)."""
-        err, status = self._is_capturing(stream)
-        if err or status != self._not_capturing:
-            return
+        written by the stream when it is done."""
         p = self._progress
         seq = p[ISSUED] + 1
         p[STAMPS + seq % RING] = time.monotonic_ns()
@@ -340,8 +369,9 @@ class NcclComm:
     def timeout_error(self) -> NcclTimeoutError:
         return NcclTimeoutError(
             f"rank {self.rank}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = "
-            f"{self.timeout_s:g} s of its enqueue: a rank skipped the call, died, or lags that far behind. "
-            "The communicator was aborted: it, and every Communicator of its group, is unusable")
+            f"{self.timeout_s:g} s of its enqueue (of its start, replayed from a CUDA graph): a rank skipped the "
+            "call, died, or lags that far behind. The communicator was aborted: it, every Communicator of its "
+            "group and every CUDA graph that captured its all-reduces are unusable")
 
     def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, stream: Optional[int] = None) -> None:
         """recv = the sum of every rank's `send`, enqueued on `stream` (a raw cudaStream_t; None:
@@ -364,10 +394,15 @@ class NcclComm:
         if self._progress is not None and self._progress[ABORTED]:
             raise self.timeout_error()
         stream = _current_raw_stream(index) if stream is None else stream
+        captured = self._captured(stream) if self._progress is not None else None
+        if captured:
+            self._mark(stream, False)
         rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle, stream)
         if rc:
             raise self.nccl.error("ncclAllReduce", rc, handle)
-        if self._progress is not None:
+        if captured:
+            self._mark(stream, True)
+        elif captured is False:
             self._stamp(stream)
 
     def error(self, code: int):
@@ -379,11 +414,14 @@ class NcclComm:
 
     def native_args(self, dtype: torch.dtype, count: int) -> tuple:
         """What a native launcher (commfuse.kernels.native) needs to enqueue all_reduce of `count` elements of
-        `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count, the watchdog's
-        words' host address and DONE's device address, or 0 and 0 without a watchdog)."""
+        `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count, then the
+        watchdog's: its words' host address, DONE's device address, the mark kernel's CUfunction and the begin
+        and end marks' parameter bytes; 0, 0, 0, b"", b"" without a watchdog)."""
         if self._handle is None:
             raise RuntimeError("NcclComm.native_args after close()")
-        watch = (self._progress_address, self._done_address) if self._progress is not None else (0, 0)
+        watch = (0, 0, 0, b"", b"")
+        if self._progress is not None:
+            watch = (self._progress_address, self._done_address, self._mark_kernel.function, *self._marks)
         return (ctypes.cast(self._all_reduce, ctypes.c_void_p).value, int(self._handle), NCCL_DTYPES[dtype], count,
                 *watch)
 
@@ -404,7 +442,10 @@ class NcclComm:
         return f"recv has {recv.numel()} elements, send {send.numel()}: they must match"
 
     def check(self) -> None:
-        """Raise NcclError if the communicator met an asynchronous error (a peer failed, a network error)."""
+        """Raise NcclTimeoutError if the watchdog aborted the communicator, NcclError if it met an asynchronous
+        error (a peer failed, a network error)."""
+        if self._progress is not None and self._progress[ABORTED]:
+            raise self.timeout_error()
         if self._handle is not None:
             code = self.nccl.async_error(self._handle)
             if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):

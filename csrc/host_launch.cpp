@@ -46,9 +46,9 @@ constexpr int kOutputs = 5;  // residual, norm, quant, scale_factors, scales (a 
 constexpr size_t kMaxParams = 1024;
 constexpr size_t kMaxEntries = 4096;  // then a table is cleared (commfuse/kernels/table.py's MAX_ENTRIES)
 const char* const kOutNames[kOutputs] = {"residual", "norm", "quant", "scale_factors", "scales"};
-// The NCCL watchdog's words (commfuse/nccl.py: DONE, ISSUED, ABORTED, STAMPS, RING; native.py checks them),
-// and the code a launcher throws for a communicator the watchdog aborted (TIMED_OUT).
-enum Progress : int { kDone = 0, kIssued = 1, kAborted = 2, kStamps = 4, kRing = 4096 };
+// The NCCL watchdog's words (commfuse/nccl.py: DONE, ISSUED, ABORTED, BEGUN, ENDED, STAMPS, RING; native.py
+// checks them), and the code a launcher throws for a communicator the watchdog aborted (TIMED_OUT).
+enum Progress : int { kDone = 0, kIssued = 1, kAborted = 2, kBegun = 3, kEnded = 4, kStamps = 8, kRing = 4096 };
 constexpr int kTimedOut = -1;
 
 using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
@@ -171,9 +171,10 @@ class Launcher {
  public:
   // launches: (function, pdl, grid, block, params, [(offset, source, delta)], cluster) each; specs: one per output
   // ((sizes, strides or None, storage elements, a tensor of the dtype), or None where absent), five for a
-  // tail, one for a plain all-reduce; nccl: None, or (ncclAllReduce's address, the communicator, the NCCL
-  // dtype, the element count, the watchdog's words and the device address of their DONE, 0 and 0 without
-  // one: commfuse/nccl.py), enqueued first.
+  // tail, one for a plain all-reduce; nccl: None, or NcclComm.native_args (commfuse/nccl.py: ncclAllReduce's
+  // address, the communicator, the NCCL dtype, the element count, then the watchdog's words, the device
+  // address of their DONE, the mark kernel and the begin and end marks' parameters; zeros without one),
+  // enqueued first.
   Launcher(std::string name, const std::vector<py::tuple>& launches, const std::vector<py::object>& specs,
            bool fused, py::object nccl, int device)
       : name_(std::move(name)), fused_(fused), device_(device) {
@@ -217,6 +218,18 @@ class Launcher {
       count_ = n[3].cast<int64_t>();
       progress_ = reinterpret_cast<volatile int64_t*>(n[4].cast<uintptr_t>());
       done_ = static_cast<CUdeviceptr>(n[5].cast<uintptr_t>());
+      if (progress_ != nullptr) {
+        for (int end = 0; end < 2; ++end) {
+          KernelLaunch& m = marks_[end];
+          m.function = reinterpret_cast<CUfunction>(n[6].cast<uintptr_t>());
+          m.pdl = false;
+          m.grid = 1;
+          m.block = 32;  // commfuse/kernels/nccl_mark.py's THREADS
+          m.params = static_cast<std::string>(n[7 + end].cast<py::bytes>());
+          m.cluster = 1;
+          if (m.function == nullptr || m.params.size() > kMaxParams) throw std::invalid_argument(name_ + ": bad marks");
+        }
+      }
     }
     if (!launches_.empty() || progress_ != nullptr) driver();  // fail at plan time, not in a call
   }
@@ -318,10 +331,13 @@ class Launcher {
       const bool aliased = fused_ && residual_in.defined() && address(t[kOut0]) == address(residual_in);
       sum = aliased ? allocate(specs_[0]) : t[kOut0];
       if (progress_ != nullptr && progress_[kAborted] != 0) throw NcclFailure(std::to_string(kTimedOut));
+      const int captured = progress_ != nullptr ? capturing() : -1;
+      if (captured == 1) launch(marks_[0], t);
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
       if (rc != 0) throw NcclFailure(std::to_string(rc));
-      if (progress_ != nullptr) stamp();
+      if (captured == 1) launch(marks_[1], t);
+      if (captured == 0) stamp();
     }
     for (const KernelLaunch& k : launches_) launch(k, t);
   }
@@ -330,12 +346,18 @@ class Launcher {
   int outputs() const { return fused_ ? kOutputs : 1; }
   cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_).stream(); }
 
-  // commfuse/nccl.py's NcclComm._stamp: the all-reduce's enqueue time, then its number written by the
-  // stream when it is done (none while the stream is being captured: a replay would write a stale one).
+  // 1 where the stream is capturing a CUDA graph, 0 where not, -1 where the driver cannot say (commfuse/nccl.py's
+  // NcclComm._captured): a captured all-reduce gets the marks, an eager one the stamp, neither when unknown.
+  int capturing() const {
+    CUstreamCaptureStatus status;
+    if (driver().is_capturing(reinterpret_cast<CUstream>(stream()), &status) != CUDA_SUCCESS) return -1;
+    return status != CU_STREAM_CAPTURE_STATUS_NONE ? 1 : 0;
+  }
+
+  // commfuse/nccl.py's NcclComm._stamp: an eager all-reduce's enqueue time, then its number written by the
+  // stream when it is done.
   void stamp() const {
     const auto s = reinterpret_cast<CUstream>(stream());
-    CUstreamCaptureStatus status;
-    if (driver().is_capturing(s, &status) != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE) return;
     const int64_t seq = progress_[kIssued] + 1;
     progress_[kStamps + seq % kRing] =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -407,6 +429,7 @@ class Launcher {
   int64_t count_ = 0;
   volatile int64_t* progress_ = nullptr;  // the NCCL watchdog's words, nullptr without one
   CUdeviceptr done_ = 0;
+  KernelLaunch marks_[2];  // with the watchdog: a captured all-reduce's begin and end marks
   int device_;
 };
 
@@ -893,8 +916,9 @@ bool run_op(std::string_view name, const Call& c, at::Tensor (&t)[kSources]) {
     launcher->run(t);
   } catch (const NcclFailure& e) {
     if (std::string_view(e.what()) == std::to_string(kTimedOut))
-      throw std::runtime_error("an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue: "
-                               "a rank skipped the call, died, or lags that far behind; the communicator was aborted");
+      throw std::runtime_error("an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue (of "
+                               "its start, replayed from a CUDA graph): a rank skipped the call, died, or lags that "
+                               "far behind; the communicator was aborted");
     throw std::runtime_error(std::string("ncclAllReduce failed: ncclResult_t ") + e.what());
   }
   return true;
@@ -1040,8 +1064,8 @@ PYBIND11_MODULE(commfuse_host, m) {
   m.attr("SOURCES") = sources;
   py::dict progress;
   for (const auto& [name, value] : {std::pair<const char*, int>{"DONE", kDone}, {"ISSUED", kIssued},
-                                    {"ABORTED", kAborted}, {"STAMPS", kStamps}, {"RING", kRing},
-                                    {"TIMED_OUT", kTimedOut}})
+                                    {"ABORTED", kAborted}, {"BEGUN", kBegun}, {"ENDED", kEnded},
+                                    {"STAMPS", kStamps}, {"RING", kRing}, {"TIMED_OUT", kTimedOut}})
     progress[name] = value;
   m.attr("PROGRESS") = progress;
 }

@@ -10,7 +10,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, moe_tail, native, p2p_allreduce, quantize  # noqa: E402
+from commfuse.kernels import (fused_tail, gated_norm, jit, moe_combine, moe_tail, native, nccl_mark,  # noqa: E402
+                              p2p_allreduce, quantize)
 
 
 def build(job):
@@ -21,7 +22,7 @@ def build(job):
 
 def main():
     arch = jit.device_arch(0)
-    jobs = [(m.SOURCE, n, arch) for m in (fused_tail, gated_norm, quantize, moe_combine, moe_tail, p2p_allreduce)
+    jobs = [(m.SOURCE, n, arch) for m in (fused_tail, gated_norm, quantize, moe_combine, moe_tail, p2p_allreduce, nccl_mark)
             for n in m.variants()]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         done = list(pool.map(build, jobs))

@@ -2,7 +2,13 @@
  * NCCL: calling it through commfuse.nccl's ctypes table checks that table against a real C ABI (a
  * 64-bit pointer passed as a C int, or the unique id passed by pointer instead of by value, shows up
  * in what the stub records). A communicator of one rank whose all-reduce copies send to recv
- * (memmove: recv may be send). stub_* set and read what it recorded. */
+ * (memmove: recv may be send). stub_* set and read what it recorded.
+ *
+ * On a GPU (stub_on_device): the copy is enqueued on the stream (cuMemcpyDtoDAsync), and stub_hang_next
+ * makes the next all-reduces first enqueue a wait that only ncclCommAbort ends (cuStreamWaitValue32 on a
+ * host-mapped word the abort sets): a peer that never arrives, on one GPU, also inside a CUDA graph. The
+ * driver's functions are looked up at run time, so the stub builds without CUDA. */
+#include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -35,6 +41,44 @@ const void* stub_last_send(void) { return last_send; }
 void* stub_last_recv(void) { return last_recv; }
 
 static int take_result(void) { int r = next_result; next_result = 0; return r; }
+
+/* ---- on a GPU: libcuda's functions, and the word that releases hung all-reduces */
+typedef int (*MemcpyAsync)(unsigned long long dst, unsigned long long src, size_t bytes, void* stream);
+typedef int (*WaitValue32)(void* stream, unsigned long long address, unsigned value, unsigned flags);
+typedef int (*HostAlloc)(void** host, size_t bytes, unsigned flags);
+typedef int (*HostDevicePointer)(unsigned long long* device, void* host, unsigned flags);
+static MemcpyAsync memcpy_async;
+static WaitValue32 wait_value32;
+static volatile unsigned* release_word; /* host-mapped: 1 ends every hung all-reduce */
+static unsigned long long release_address;
+static int on_device, hang_next;
+
+/* All-reduces act on device pointers from now on (1) or on host memory (0). Returns 0, or -1 where
+ * libcuda or one of its functions is missing, or the word cannot be allocated (a CUDA context must be
+ * current: torch's, after its first CUDA call). */
+int stub_on_device(int on) {
+  if (on && release_word == NULL) {
+    void* cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (cuda == NULL) return -1;
+    HostAlloc host_alloc = (HostAlloc)dlsym(cuda, "cuMemHostAlloc");
+    HostDevicePointer device_pointer = (HostDevicePointer)dlsym(cuda, "cuMemHostGetDevicePointer_v2");
+    memcpy_async = (MemcpyAsync)dlsym(cuda, "cuMemcpyDtoDAsync_v2");
+    wait_value32 = (WaitValue32)dlsym(cuda, "cuStreamWaitValue32_v2");
+    if (host_alloc == NULL || device_pointer == NULL || memcpy_async == NULL || wait_value32 == NULL) return -1;
+    void* host = NULL;
+    if (host_alloc(&host, sizeof(unsigned), 0x3 /* PORTABLE | DEVICEMAP */) != 0) return -1;
+    if (device_pointer(&release_address, host, 0) != 0) return -1;
+    release_word = (volatile unsigned*)host;
+  }
+  on_device = on;
+  return 0;
+}
+
+/* The next `count` all-reduces hang until ncclCommAbort (on a device only). */
+void stub_hang_next(int count) {
+  hang_next = count;
+  if (release_word != NULL) *release_word = 0;
+}
 
 int ncclGetVersion(int* version) { *version = 22809; return take_result(); }
 
@@ -70,10 +114,24 @@ int ncclAllReduce(const void* send, void* recv, size_t count, int datatype, int 
   int r = take_result();
   if (r != 0) return r;
   if (comm != &the_comm || element_size(datatype) == 0 || op != 0) return 4;
-  memmove(recv, send, count * element_size(datatype));
+  if (!on_device) {
+    memmove(recv, send, count * element_size(datatype));
+    return 0;
+  }
+  if (hang_next > 0) {
+    --hang_next;
+    if (wait_value32(stream, release_address, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */) != 0) return 1;
+  }
+  if (recv != send && memcpy_async((uintptr_t)recv, (uintptr_t)send, count * element_size(datatype), stream) != 0)
+    return 1;
   return 0;
 }
 
 int ncclCommGetAsyncError(stubComm* comm, int* result) { (void)comm; *result = async_error; return take_result(); }
 int ncclCommDestroy(stubComm* comm) { (void)comm; ++destroyed; return take_result(); }
-int ncclCommAbort(stubComm* comm) { (void)comm; ++aborted; return take_result(); }
+int ncclCommAbort(stubComm* comm) {
+  (void)comm;
+  ++aborted;
+  if (release_word != NULL) *release_word = 1; /* what an abort does to NCCL's kernels: they end */
+  return take_result();
+}

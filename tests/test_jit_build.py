@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from commfuse import routes
-from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, moe_tail, params, quantize
+from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, moe_tail, nccl_mark, params, quantize
 from commfuse.routes import Call, Machine, TensorMeta
 from commfuse.tail.formats import FORMATS
 from commfuse.tail.spec import TailSpec
@@ -44,6 +44,16 @@ def test_every_variant_builds(arch, cache_dir):
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
         assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_nccl_watchdogs_mark_kernel_builds(arch, cache_dir):
+    if int(arch[3:].rstrip("a")) not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
+    built = jit.build(nccl_mark.SOURCE, tuple(nccl_mark.variants()), arch)
+    assert built.lowered[nccl_mark.NAME].encode() in built.cubin
+    begin, end = nccl_mark.mark_params(0x1000, 0x2008, 0x2010)  # the struct the kernel takes: three pointers
+    assert params.NCCL_MARK.unpack(begin) == (0x1000, 0x2008, 0) and params.NCCL_MARK.unpack(end)[2] == 0x2010
 
 
 # The register-only families: the gated RMSNorm (every format, None included) and quantize (every format but None).

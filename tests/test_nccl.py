@@ -221,15 +221,29 @@ def test_close_destroys_once_then_all_reduce_raises():
     comm.check()  # a closed communicator has nothing to report
 
 
+class MarkKernel:
+    """Records the marks a captured all-reduce enqueues, as ("mark", parameter bytes, stream), in the fake
+    library's log of calls."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, grid, block, params, stream=None):
+        assert grid == (1, 1, 1) and block[0] >= 1
+        self.calls.append(("mark", params, stream))
+
+
 def watched(lib, timeout: float):
     """attached(lib) with its watchdog over host words and stand-ins for the driver: `writes` gets each
-    number the stream would write when the all-reduce is done; `capturing` says whether the stream is."""
+    number the stream would write when the all-reduce is done; `capturing` says whether the stream is;
+    the library's log of calls gets the marks of captured all-reduces."""
     comm = attached(lib)
     comm.rank, comm.writes, comm.capturing = 0, [], False
     comm._is_capturing = lambda stream: (0, "active" if comm.capturing else "none")
     comm._not_capturing = "none"
     comm._write_value = lambda stream, address, seq, flags: comm.writes.append(seq) or (0,)
     comm._done_address = 0
+    comm._mark_kernel, comm._marks = MarkKernel(lib.calls), (b"begin", b"end")
     comm._start_watchdog((ctypes.c_int64 * (nccl.STAMPS + nccl.RING))(), timeout)
     return comm
 
@@ -240,9 +254,11 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     words, x = comm._progress, torch.zeros(4)
     comm.all_reduce(x, x, stream=0)
     assert words[nccl.ISSUED] == 1 and comm.writes == [1]
-    comm.capturing = True  # a captured call is not counted: its replays would write a stale number
-    comm.all_reduce(x, x, stream=0)
+    comm.capturing = True  # a captured call is not counted (its replays would write a stale number): marked
+    comm.all_reduce(x, x, stream=7)
     assert words[nccl.ISSUED] == 1 and comm.writes == [1]
+    begin, reduce, end = lib.calls[-3:]  # the all-reduce between its marks, on its stream
+    assert begin == ("mark", b"begin", 7) and reduce[-1] == 7 and end == ("mark", b"end", 7)
     comm.capturing = False
     words[nccl.DONE] = 1  # the stream finished the first
     time.sleep(0.6)
@@ -262,6 +278,31 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     assert isinstance(comm.error(nccl.TIMED_OUT), nccl.NcclTimeoutError)  # a native launcher's report
     comm.close()
     assert "ncclCommDestroy" not in lib.calls  # aborted: nothing left to destroy
+
+
+def test_watchdog_aborts_a_replayed_all_reduce_begun_and_not_ended_past_the_timeout():
+    """The marks of captured all-reduces: BEGUN ahead of ENDED for the timeout (the thread sees the same begun
+    all-reduce that long) aborts; replays that keep going (BEGUN advancing, or ENDED catching up) do not."""
+    lib = FakeLib()
+    comm = watched(lib, 0.2)
+    words = comm._progress
+    for n in range(1, 13):  # replays that progress: a new all-reduce begun at every look
+        words[nccl.BEGUN] = n
+        time.sleep(0.06)
+    words[nccl.ENDED] = 12
+    time.sleep(0.4)
+    assert not words[nccl.ABORTED] and "ncclCommAbort" not in lib.calls
+    start = time.monotonic()
+    words[nccl.BEGUN] = 13  # begun, never ended: a peer skipped the replayed all-reduce
+    while not words[nccl.ABORTED] and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    assert words[nccl.ABORTED] and lib.calls.count("ncclCommAbort") == 1
+    assert 0.2 < took < 0.35, took  # the timeout, plus up to two polls (timeout / 4 each)
+    with pytest.raises(nccl.NcclTimeoutError, match="replayed from a CUDA graph"):
+        comm.check()
+    with pytest.raises(nccl.NcclTimeoutError):
+        comm.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)
 
 
 def test_watchdog_stops_at_close():
@@ -476,13 +517,14 @@ def test_one_rank_all_reduce_is_a_copy(solo, gen, dtype):
 
 @mpi
 @needs_nccl_gpu
-def test_the_stream_reports_each_eager_all_reduce_and_no_captured_one(solo, gen):
+def test_the_stream_reports_each_eager_all_reduce_and_each_replayed_one(solo, gen):
     """The watchdog's words: every eager all-reduce is counted and its number written by the stream when it is
-    done; one captured in a CUDA graph is neither counted nor written, at capture or at replay."""
+    done; one captured in a CUDA graph is not counted at capture, and each replay's marks count it in BEGUN and
+    ENDED (commfuse.kernels.nccl_mark)."""
     words = solo._progress
     x = torch.randn(4096, generator=gen).cuda()
     y = torch.empty_like(x)
-    issued = words[nccl.ISSUED]
+    issued, begun = words[nccl.ISSUED], words[nccl.BEGUN]
     for _ in range(3):
         solo.all_reduce(x, y)
     torch.cuda.synchronize()
@@ -492,9 +534,14 @@ def test_the_stream_reports_each_eager_all_reduce_and_no_captured_one(solo, gen)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph):
         solo.all_reduce(x, y)
-    graph.replay()
+        solo.all_reduce(y, y)
+    assert words[nccl.BEGUN] == words[nccl.ENDED] == begun  # capturing runs nothing
+    y.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
     torch.cuda.synchronize()
     assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 3
+    assert words[nccl.BEGUN] == words[nccl.ENDED] == begun + 6
     assert torch.equal(y, x)
 
 
@@ -514,6 +561,19 @@ def test_a_communicators_native_launchers_report_their_all_reduces(quiet_comm, g
     quiet_comm.all_reduce(x)
     quiet_comm.fused_all_reduce(x, r, w)
     torch.cuda.synchronize()
+    assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 2
+    # Captured, the same launchers put each all-reduce between the marks that its replays count.
+    begun = words[nccl.BEGUN]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        quiet_comm.all_reduce(x)
+        quiet_comm.fused_all_reduce(x, r, w)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert words[nccl.BEGUN] == words[nccl.ENDED] == begun + 4
     assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 2
 
 
@@ -543,6 +603,50 @@ def test_the_watchdog_aborts_a_stalled_all_reduce_and_later_calls_raise(comm, ge
     with pytest.raises(nccl.NcclTimeoutError, match="did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"):
         c.all_reduce(x, y)
     c.close()
+
+
+@mpi
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the stub's hung all-reduce is a stream wait)")
+def test_the_watchdog_aborts_a_hung_all_reduce_replayed_from_a_cuda_graph(comm, stub, stub_nccl, monkeypatch, gen):
+    """The stub on the GPU, a one-rank communicator with a 1 s watchdog: an all-reduce captured in a CUDA graph
+    whose replay never finishes (a stream wait that only ncclCommAbort ends, standing for a peer that skipped
+    the call) is aborted the timeout after the watchdog saw it begin; the replay then drains (no hang), and
+    check() and the next call raise NcclTimeoutError."""
+    s = stub[1]
+    assert s.stub_on_device(1) == 0, "libcuda's functions for the stub"
+    try:
+        groups = [dist.new_group([r], backend="gloo") for r in range(dist.get_world_size())]
+        monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
+        c = NcclComm(groups[dist.get_rank()], torch.device("cuda", torch.cuda.current_device()))
+        words = c._progress
+        x = torch.randn(4096, generator=gen).cuda()
+        y = _poisoned_like(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+        for hang, graph in enumerate(graphs):
+            s.stub_hang_next(hang)  # what the stub enqueues is fixed at capture: the second graph's all-reduce hangs
+            with torch.cuda.stream(side), torch.cuda.graph(graph):
+                c.all_reduce(x, y)
+        graphs[0].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x) and words[nccl.BEGUN] == words[nccl.ENDED] == 1 and not words[nccl.ABORTED]
+        start = time.monotonic()
+        graphs[1].replay()
+        while not words[nccl.ABORTED] and time.monotonic() - start < 10:
+            time.sleep(0.01)
+        took = time.monotonic() - start
+        assert words[nccl.ABORTED] and s.stub_aborted() >= 1
+        assert 0.9 < took < 2.0, took  # the timeout, plus up to two polls (0.25 s each)
+        torch.cuda.synchronize()  # the abort ended the wait: the stream drains
+        assert words[nccl.BEGUN] == words[nccl.ENDED] == 2
+        with pytest.raises(nccl.NcclTimeoutError, match="replayed from a CUDA graph"):
+            c.check()
+        with pytest.raises(nccl.NcclTimeoutError):
+            c.all_reduce(x, y)
+        c.close()
+    finally:
+        s.stub_on_device(0)
 
 
 @mpi

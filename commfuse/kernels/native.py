@@ -121,7 +121,8 @@ def _load():
         return None, f"{SOURCE} numbers its pointer sources {dict(mod.SOURCES)}, launch.py {sources}"
     from .. import nccl  # the NCCL watchdog's words, which the launchers write too
 
-    words = {name: getattr(nccl, name) for name in ("DONE", "ISSUED", "ABORTED", "STAMPS", "RING", "TIMED_OUT")}
+    words = {name: getattr(nccl, name) for name in ("DONE", "ISSUED", "ABORTED", "BEGUN", "ENDED", "STAMPS", "RING",
+                                                    "TIMED_OUT")}
     if dict(mod.PROGRESS) != words:
         return None, f"{SOURCE} lays out the NCCL watchdog's words as {dict(mod.PROGRESS)}, nccl.py {words}"
     mod.set_tails(tail_codes())  # the op kernels' `tail` codes, decoded as the Python calls spell them

@@ -14,7 +14,7 @@ from typing import Dict, Sequence, Tuple, Union
 
 from ..tail import formats
 
-__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MOE_COMBINE", "MOE_TAIL", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
+__all__ = ["Field", "Struct", "TAIL", "FUSED_TAIL", "GATED_NORM", "P2P", "MOE_COMBINE", "MOE_TAIL", "NCCL_MARK", "MAX_WORLD", "NO_TAIL", "SCALE_MN_MAJOR",
            "SCALE_UE8M0", "TIMEOUT_CODE", "MISMATCH_CODE", "CONSTANTS", "HEADER_NAME", "header"]
 
 HEADER_NAME = "commfuse_params.cuh"
@@ -175,10 +175,17 @@ MOE_TAIL = Struct("MoeTailParams", [
 ])
 
 
+NCCL_MARK = Struct("NcclMarkParams", [
+    Field("count", "unsigned long long*", "ptr", comment="device memory: the captured all-reduces the stream began"),
+    Field("begun", "volatile unsigned long long*", "ptr", comment="host-mapped: the NCCL watchdog's BEGUN word"),
+    Field("ended", "volatile unsigned long long*", "ptr", comment="host-mapped: its ENDED word; nullptr: a begin mark"),
+])
+
+
 def header() -> str:
     """The C header of every constant and struct above (what NVRTC includes as HEADER_NAME)."""
     constants = "\n".join(f"constexpr int {name} = {value};  // {comment}" for name, value, comment in CONSTANTS)
-    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, MOE_COMBINE, P2P, MOE_TAIL))
+    body = "\n\n".join(s.c_declaration() for s in (TAIL, FUSED_TAIL, GATED_NORM, MOE_COMBINE, P2P, MOE_TAIL, NCCL_MARK))
     return ("// Generated from commfuse/kernels/params.py: the one declaration of the kernels' constants and\n"
             "// parameter structs.\n#pragma once\n\nnamespace commfuse {\n\n" + constants + "\n\n" + body
             + "\n\n}  // namespace commfuse\n")
