@@ -34,6 +34,8 @@ Environment (docs/environment.md):
   this module is available (read by the Communicator, not here).
 - COMMFUSE_NCCL_TIMEOUT_S: the watchdog's bound, seconds from an all-reduce's enqueue, or from its start in
   a replay (default 10; 0: no watchdog). Read when a communicator is made.
+- COMMFUSE_NCCL_WATCH_REPLAYS: `0` captures all-reduces without the marks (their replays unwatched, and
+  without the marks' two one-thread kernels, ~1.5 us of GPU time each). Read when a communicator is made.
 
 Facts of NCCL's C API used here (nccl.h): every function returns ncclResult_t (0 = ncclSuccess);
 ncclUniqueId is a struct of 128 bytes passed by value to ncclCommInitRank; ncclComm_t and
@@ -285,7 +287,7 @@ class NcclComm:
             raise ValueError(f"COMMFUSE_NCCL_TIMEOUT_S must be a number of seconds (0: no watchdog), "
                              f"got {text!r}") from None
         if timeout > 0:
-            self._watch(timeout)
+            self._watch(timeout, os.environ.get("COMMFUSE_NCCL_WATCH_REPLAYS", "1") != "0")
 
     def _attach(self, nccl: Nccl, handle: int, index: int) -> None:
         self.nccl = nccl
@@ -294,12 +296,13 @@ class NcclComm:
         self._handle = handle
         self._all_reduce = nccl.lib.ncclAllReduce
         self._progress = None  # the watchdog's words (ctypes int64 array), None without a watchdog
+        self._marks = None  # the begin and end marks' parameters, None where captured all-reduces get none
         self.timeout_s = 0.0
         self._lock = threading.Lock()  # the watchdog's abort against close()
 
-    def _watch(self, timeout: float) -> None:
+    def _watch(self, timeout: float, replays: bool) -> None:
         """Start the watchdog: its words in host-mapped pinned memory, the marks of captured all-reduces
-        (their kernel and their count in device memory), and its thread."""
+        (replays: their kernel and their count in device memory), and its thread."""
         from . import ipc
 
         words = STAMPS + RING
@@ -313,9 +316,10 @@ class NcclComm:
         self._write_value = ipc.driver.cuStreamWriteValue64
         self._is_capturing = ipc.driver.cuStreamIsCapturing
         self._not_capturing = ipc.driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-        self._count = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", self.device_index))
-        self._mark_kernel = nccl_mark.load(self.device_index)
-        self._marks = nccl_mark.mark_params(self._count.data_ptr(), mapped + 8 * BEGUN, mapped + 8 * ENDED)
+        if replays:
+            self._count = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", self.device_index))
+            self._mark_kernel = nccl_mark.load(self.device_index)
+            self._marks = nccl_mark.mark_params(self._count.data_ptr(), mapped + 8 * BEGUN, mapped + 8 * ENDED)
         self._start_watchdog((ctypes.c_int64 * words).from_address(host), timeout)
 
     def _start_watchdog(self, words, timeout: float) -> None:
@@ -395,12 +399,13 @@ class NcclComm:
             raise self.timeout_error()
         stream = _current_raw_stream(index) if stream is None else stream
         captured = self._captured(stream) if self._progress is not None else None
-        if captured:
+        marked = captured and self._marks is not None
+        if marked:
             self._mark(stream, False)
         rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle, stream)
         if rc:
             raise self.nccl.error("ncclAllReduce", rc, handle)
-        if captured:
+        if marked:
             self._mark(stream, True)
         elif captured is False:
             self._stamp(stream)
@@ -415,15 +420,14 @@ class NcclComm:
     def native_args(self, dtype: torch.dtype, count: int) -> tuple:
         """What a native launcher (commfuse.kernels.native) needs to enqueue all_reduce of `count` elements of
         `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count, then the
-        watchdog's: its words' host address, DONE's device address, the mark kernel's CUfunction and the begin
-        and end marks' parameter bytes; 0, 0, 0, b"", b"" without a watchdog)."""
+        watchdog's: its words' host address and DONE's device address, 0 and 0 without a watchdog; the mark
+        kernel's CUfunction and the begin and end marks' parameter bytes, 0, b"", b"" without marks)."""
         if self._handle is None:
             raise RuntimeError("NcclComm.native_args after close()")
-        watch = (0, 0, 0, b"", b"")
-        if self._progress is not None:
-            watch = (self._progress_address, self._done_address, self._mark_kernel.function, *self._marks)
+        watch = (0, 0) if self._progress is None else (self._progress_address, self._done_address)
+        marks = (0, b"", b"") if self._marks is None else (self._mark_kernel.function, *self._marks)
         return (ctypes.cast(self._all_reduce, ctypes.c_void_p).value, int(self._handle), NCCL_DTYPES[dtype], count,
-                *watch)
+                *watch, *marks)
 
     def _dtype_error(self, send, recv) -> str:
         kinds = "float16, bfloat16 or float32"

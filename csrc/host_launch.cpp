@@ -218,7 +218,8 @@ class Launcher {
       count_ = n[3].cast<int64_t>();
       progress_ = reinterpret_cast<volatile int64_t*>(n[4].cast<uintptr_t>());
       done_ = static_cast<CUdeviceptr>(n[5].cast<uintptr_t>());
-      if (progress_ != nullptr) {
+      if (n[6].cast<uintptr_t>() != 0) {  // COMMFUSE_NCCL_WATCH_REPLAYS=0: captured calls get no marks
+        marked_ = true;
         for (int end = 0; end < 2; ++end) {
           KernelLaunch& m = marks_[end];
           m.function = reinterpret_cast<CUfunction>(n[6].cast<uintptr_t>());
@@ -332,11 +333,11 @@ class Launcher {
       sum = aliased ? allocate(specs_[0]) : t[kOut0];
       if (progress_ != nullptr && progress_[kAborted] != 0) throw NcclFailure(std::to_string(kTimedOut));
       const int captured = progress_ != nullptr ? capturing() : -1;
-      if (captured == 1) launch(marks_[0], t);
+      if (captured == 1 && marked_) launch(marks_[0], t);
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
       if (rc != 0) throw NcclFailure(std::to_string(rc));
-      if (captured == 1) launch(marks_[1], t);
+      if (captured == 1 && marked_) launch(marks_[1], t);
       if (captured == 0) stamp();
     }
     for (const KernelLaunch& k : launches_) launch(k, t);
@@ -429,7 +430,8 @@ class Launcher {
   int64_t count_ = 0;
   volatile int64_t* progress_ = nullptr;  // the NCCL watchdog's words, nullptr without one
   CUdeviceptr done_ = 0;
-  KernelLaunch marks_[2];  // with the watchdog: a captured all-reduce's begin and end marks
+  bool marked_ = false;    // captured all-reduces get the watchdog's marks:
+  KernelLaunch marks_[2];  // their begin and end
   int device_;
 };
 

@@ -280,6 +280,22 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     assert "ncclCommDestroy" not in lib.calls  # aborted: nothing left to destroy
 
 
+def test_without_replay_marks_a_captured_call_is_neither_marked_nor_stamped():
+    """COMMFUSE_NCCL_WATCH_REPLAYS=0 (no marks: _marks None): captured all-reduces run bare, eager ones are
+    stamped as before."""
+    lib = FakeLib()
+    comm = watched(lib, 5)
+    comm._marks = None
+    x = torch.zeros(4)
+    comm.capturing = True
+    comm.all_reduce(x, x, stream=3)
+    assert not any(c[0] == "mark" for c in lib.calls if isinstance(c, tuple)) and comm.writes == []
+    comm.capturing = False
+    comm.all_reduce(x, x, stream=3)
+    assert comm.writes == [1]
+    comm.close()
+
+
 def test_watchdog_aborts_a_replayed_all_reduce_begun_and_not_ended_past_the_timeout():
     """The marks of captured all-reduces: BEGUN ahead of ENDED for the timeout (the thread sees the same begun
     all-reduce that long) aborts; replays that keep going (BEGUN advancing, or ENDED catching up) do not."""
