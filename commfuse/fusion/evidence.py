@@ -24,7 +24,9 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   compiled code. The 8B-shaped decoder of examples/tp_decoder.py (4 layers, FP8, world 1: every rewrite
   is local), compiled in Inductor's default mode: 9.93 ms for prefill + 4 decode steps with every local
   rewrite against 9.22 ms without (7.7% slower, slower at every step); with mode="reduce-overhead" (CUDA
-  graphs: no host time per call) 4.43 against 4.57 ms, so there the local patterns are rewritten.
+  graphs: no host time per call) 4.43 against 4.57 ms in one run and 3.58 against 3.50 in another: level
+  within the runs' drift, while each local kernel's GPU time is commfuse's or less at decode sizes (above),
+  so with CUDA graphs the local patterns are rewritten.
 """
 from __future__ import annotations
 
@@ -56,8 +58,8 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     # A quantization other than static FP8 reaches the pass as a commfuse.quantize op (NVFP4's measured
     # 2.4-2.7x faster than Inductor's compiled torch quantizer). With CUDA graphs the kernels' GPU time
-    # decides: commfuse's faster or level up to 256 tokens (the gated norm at every measured shape), and
-    # the decoder above faster with every local rewrite.
+    # decides: commfuse's faster or level up to 256 tokens (the gated norm at every measured shape); the
+    # decoder above level with every local rewrite.
     if rewrite == "all" or compiler != "inductor" or quant_is_op or cuda_graphs:
         return None
     what = _GATED if kind == "gated" else _ADD_RMSNORM
