@@ -397,10 +397,12 @@ class Communicator:
         kernel timed out waiting for a peer, commfuse.NcclTimeoutError if the NCCL route's watchdog
         aborted an all-reduce (eager or replayed in a CUDA graph: the wait is bounded by each route's
         timeout). Not collective."""
+        if self.workspace is None and self._nccl is None:
+            return
+        torch.cuda.synchronize(self.device)
         if self.workspace is not None:
-            self.workspace.check()
+            self.workspace.check_error()
         if self._nccl is not None:
-            torch.cuda.synchronize(self.device)
             self._nccl.check()
 
     def close(self) -> None:

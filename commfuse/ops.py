@@ -200,10 +200,16 @@ def _gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, tail)
     return present(local.gated_rmsnorm(x, z, weight, eps, group_size, norm_before_gate, scale=scale, **public(tail)))
 
 
-def _quantize(x, scale, tail) -> list:
+def _quantize_options(tail) -> dict:
+    """quantize's keyword arguments of its `tail` (the kernel's and the fake's one check: no norm to return)."""
     kw = public(tail)
     if kw.pop("return_norm"):
         raise ValueError("tail: quantize returns no norm (its code has return_norm set)")
+    return kw
+
+
+def _quantize(x, scale, tail) -> list:
+    kw = _quantize_options(tail)
     return present(local.quantize(x, kw.pop("quant"), scale, **kw))
 
 
@@ -230,7 +236,7 @@ _define("gated_rmsnorm(Tensor x, Tensor? z, Tensor weight, Tensor? scale, float 
         "bool norm_before_gate, int tail) -> Tensor[]", _gated_rmsnorm,
         lambda x, z, weight, scale, eps, group_size, norm_before_gate, tail: _fakes(x, tail, False))
 _define("quantize(Tensor x, Tensor? scale, int tail) -> Tensor[]", _quantize,
-        lambda x, scale, tail: _fakes(x, tail, False))
+        lambda x, scale, tail: _quantize_options(tail) and _fakes(x, tail, False))
 _define("moe_all_reduce(Tensor y, Tensor weights, Tensor? row_index, Tensor? shared, Tensor residual, Tensor weight, "
         f"{_TAIL}, str comm) -> Tensor[]", _moe_all_reduce,
         lambda y, weights, row_index, shared, residual, weight, scale, eps, weight_offset, tail, comm:

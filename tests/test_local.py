@@ -239,6 +239,12 @@ def test_opcheck_gated_and_quantize(gen, quant):
                           (x, z, weight, scale, 1e-5, 32, False, code(quant, True)))
     if quant:
         torch.library.opcheck(torch.ops.commfuse.quantize.default, (x, scale, code(quant)))
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with pytest.raises(ValueError, match="quantize returns no norm"):  # the real kernel and the fake alike
+            torch.ops.commfuse.quantize(x, scale, code(quant, True))
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="quantize returns no norm"):
+            torch.ops.commfuse.quantize(x, scale, code(quant, True))
 
 
 def test_compiled_ops_dynamic_tokens(gen):

@@ -524,6 +524,7 @@ def _names(nodes):
 
 def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce) -> None:
     x, residual, weight, scale, eps, offset, tail = node.args
+    options = public(tail)
     positions = G.order(gm.graph)
     if not isinstance(x, fx.Node):
         return
@@ -555,7 +556,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     _erase(g, doomed, erased)
     report.fused.append(Fused(pattern="all_reduce + commfuse::fused_add_rmsnorm", op=OPS["all_reduce"], node=new.name,
                               replaced=[n.name for n in doomed], spelling=f"{ar.spelling} | commfuse.fused_add_rmsnorm",
-                              quant=public(tail)["quant"], return_norm=public(tail)["return_norm"], eps=str(eps),
+                              quant=options["quant"], return_norm=options["return_norm"], eps=str(eps),
                               comm=comm_name))
 
 
