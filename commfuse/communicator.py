@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import moe, nccl, ops, p2p, routes, topology
-from .kernels import jit, moe_tail, native, params
+from .kernels import jit, moe_tail, native
 from .kernels.moe_combine import index_limits
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
 from .local import Quantized
@@ -141,7 +141,9 @@ class Communicator:
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
         self._check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
-        self._moe_plans: dict = {}  # (fused_all_reduce's plan, the combine's route, why) -> moe_all_reduce's plan
+        # moe_all_reduce's plans: of the combine + fused_all_reduce routes by (that plan, the combine's route, the
+        # reasons); of the one-launch routes, by "fused" or the P2P signature ((plan, launcher) or None)
+        self._moe_plans: dict = {}
 
     def _open_check_group(self):
         """The call checks (the gloo route's signature exchange, and COMMFUSE_CHECK's on every route) run
@@ -322,6 +324,11 @@ class Communicator:
         commfuse.reference's ops; with the reasons); commfuse.moe documents how each treats a row index
         outside [-1, R).
         """
+        args = (y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
+                weight_offset, scale_layout, scale_ue8m0)
+        r = self.table.moe(*args)
+        if r is not None:
+            return r
         t, _, h = checks.moe(y, weights, row_index, shared, self.device)
         checks.x_hidden(residual, self.device, name="residual")
         if tuple(residual.shape) != (t, h) or residual.dtype != y.dtype:
@@ -337,27 +344,19 @@ class Communicator:
                               (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared),
                                ("residual", residual), ("weight", weight), ("scale", scale)))
         unfused = moe.fused_rejects(y, weights, residual, weight, scale, spec, self._machine)
-        if unfused is None:
-            key = ("fused",)
-            p = self._moe_plans.get(key)
-            if p is None:
-                p = self._moe_plans[key] = Plan(Collective.NONE, routes.TailRoute.FUSED, moe.MOE_TAIL.name,
-                                                ("world size 1: no all-reduce; the combine is the tail's input",),
-                                                moe.MOE_TAIL.name, combine="fused")
-            outs = moe_tail.run(y, weights, row_index, shared, residual, weight, scale, spec, out)
-            return FusedResult(*outs, plan=p)
         route, why = moe.plan(y, weights, self._machine.sm if self.device.type == "cuda" else None)
-        if route == "kernel" and self.workspace is not None:
-            fused = self._moe_p2p(y, weights, row_index, residual, weight, scale, spec)
-            if fused is not None:
-                p, launch_plan = fused
-                if self._check_calls:
-                    self.check_same_call(("moe", tuple(y.shape), tuple(weights.shape), str(y.dtype), str(spec),
-                                          str(p.collective)))
+        one = self._moe_one_launch(y, weights, row_index, residual, weight, scale, spec, unfused is None,
+                                   route == "kernel")
+        if one is not None:
+            # The routes whose one launch combines as it reads: the table launches this signature from now on.
+            p, launcher = one
+            if self._check_calls:
+                launcher = _Checked(self, ("moe", tuple(y.shape), tuple(weights.shape), str(y.dtype), str(spec),
+                                           str(p.collective)), launcher)
+            if self.workspace is not None:
                 self.workspace.check_error()
-                outs = moe_tail.launch(launch_plan, params.P2P.offsets["combine"], y, weights, row_index, shared,
-                                       residual, weight, scale, out)
-                return FusedResult(*outs, plan=p)
+            self.table.insert("moe", args, p, launcher)
+            return FusedResult(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=p)
         x = moe.combine(y, weights, row_index, shared, route)
         r = self.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
                                   scale_layout, scale_ue8m0, out=out)
@@ -369,14 +368,26 @@ class Communicator:
         r.plan = p
         return r
 
-    def _moe_p2p(self, y, weights, row_index, residual, weight, scale, spec: TailSpec):
-        """(Plan, LaunchPlan) of the P2P kernel that combines each rank's rows as it reads them (the MoE
-        variants of commfuse.kernels.p2p_allreduce), where the same call's combined rows would take a
-        fused P2P kernel in one launch; else None (the combine kernel and fused_all_reduce then run)."""
+    def _moe_one_launch(self, y, weights, row_index, residual, weight, scale, spec: TailSpec, fused: bool,
+                        kernel: bool):
+        """(Plan, launcher) of a MoE call whose combine and tail are one launch: the fused MoE tail at world
+        size 1 (`fused`: moe.fused_rejects passed), or the P2P kernel that combines each rank's rows as it
+        reads them (the MoE variants of commfuse.kernels.p2p_allreduce), where the combine kernel could run
+        (`kernel`) and the same call's combined rows would take a fused P2P kernel in one launch; else None
+        (the combine, then fused_all_reduce)."""
         t, k = weights.shape
         h = y.shape[-1]
         form = 0 if row_index is None else 1
         rows = y.shape[0] if form else 0
+        if fused:
+            p = self._moe_plans.get("fused")
+            if p is None:
+                p = self._moe_plans["fused"] = Plan(Collective.NONE, routes.TailRoute.FUSED, moe.MOE_TAIL.name,
+                                                    ("world size 1: no all-reduce; the combine is the tail's input",),
+                                                    moe.MOE_TAIL.name, combine="fused")
+            return p, moe_tail.launcher(y.dtype, form, t, k, h, rows, spec, self.device.index)
+        if not kernel or self.workspace is None:
+            return None
         key = ("p2p", y.dtype, form, t, k, h, rows, spec, isinstance(scale, torch.Tensor))
         if key in self._moe_plans:
             return self._moe_plans[key]
@@ -388,7 +399,7 @@ class Communicator:
             launch_plan = P2P_ALLREDUCE.plan_moe(self.workspace, y.dtype, form, t, k, h, rows, spec,
                                                  dense.collective.algorithm)
             entry = (dataclasses.replace(dense, combine="fused", reasons=dense.reasons + (
-                "the combine runs in the P2P kernel, as it reads each rank's rows",)), launch_plan)
+                "the combine runs in the P2P kernel, as it reads each rank's rows",)), native.launcher(launch_plan))
         self._moe_plans[key] = entry
         return entry
 
@@ -409,7 +420,7 @@ class Communicator:
         """Release the P2P workspace (collective: every rank calls it); later calls take
         torch.distributed's NCCL."""
         self.table.clear()  # its launchers may hold the workspace or commfuse.nccl's communicator
-        self._moe_plans.clear()  # so may the MoE P2P LaunchPlans
+        self._moe_plans.clear()  # so may the MoE P2P launchers
         self.table = native.table(self.name, 0, FusedResult, Tail, Quantized)
         if self.workspace is not None:
             workspace, self.workspace = self.workspace, None

@@ -39,9 +39,15 @@ namespace py = pybind11;
 
 namespace {
 
-// Where a patched pointer comes from: a call argument, an output, or the NCCL route's sum buffer
-// (commfuse/kernels/launch.py numbers them alike; native.py checks that the two agree).
-enum Source : int { kX = 0, kResidual = 1, kWeight = 2, kScale = 3, kZ = 4, kOut0 = 5, kSum = 10, kSources = 11 };
+// Where a patched pointer comes from: a call argument (a MoE call's y is kX, its routing weights kZ), an
+// output, or the NCCL route's sum buffer (commfuse/kernels/launch.py numbers them alike; native.py checks
+// that the two agree).
+enum Source : int {
+  kX = 0, kResidual = 1, kWeight = 2, kScale = 3, kZ = 4, kRowIndex = 5, kShared = 6, kOut0 = 7, kSum = 12,
+  kSources = 13
+};
+const char* const kInputNames[kOut0] = {"x", "residual", "weight", "scale", "z", "row_index", "shared"};
+const char* const kMoeInputNames[kOut0] = {"y", "residual", "weight", "scale", "weights", "row_index", "shared"};
 constexpr int kOutputs = 5;  // residual, norm, quant, scale_factors, scales (a plain all-reduce: 1)
 constexpr size_t kMaxParams = 1024;
 constexpr size_t kMaxEntries = 4096;  // then a table is cleared (commfuse/kernels/table.py's MAX_ENTRIES)
@@ -174,10 +180,12 @@ class Launcher {
   // tail, one for a plain all-reduce; nccl: None, or NcclComm.native_args (commfuse/nccl.py: ncclAllReduce's
   // address, the communicator, the NCCL dtype, the element count, then the watchdog's words, the device
   // address of their DONE, the mark kernel and the begin and end marks' parameters; zeros without one),
-  // enqueued first.
+  // enqueued first; combine: the kernels combine MoE expert rows (kZ, the routing weights, read as float32;
+  // kRowIndex as int32).
   Launcher(std::string name, const std::vector<py::tuple>& launches, const std::vector<py::object>& specs,
-           bool fused, py::object nccl, int device)
-      : name_(std::move(name)), fused_(fused), device_(device) {
+           bool fused, py::object nccl, int device, bool combine)
+      : name_(std::move(name)), fused_(fused), combine_(combine), inputs_(combine ? kMoeInputNames : kInputNames),
+        device_(device) {
     for (const py::tuple& l : launches) {
       KernelLaunch k;
       k.function = reinterpret_cast<CUfunction>(l[0].cast<uintptr_t>());
@@ -235,13 +243,13 @@ class Launcher {
     if (!launches_.empty() || progress_ != nullptr) driver();  // fail at plan time, not in a call
   }
 
-  // x, residual, weight, scale, z: tensors (or None where the call has none), as the plan checked them.
-  // out: None, the caller's output tensor (a plain all-reduce) or the five output fields (see out_field),
-  // each None to allocate. Returns the sum, or a tuple of the five outputs (None where absent).
+  // x, residual, weight, scale, z, row_index, shared: tensors (or None where the call has none), as the plan
+  // checked them. out: None, the caller's output tensor (a plain all-reduce) or the five output fields (see
+  // out_field), each None to allocate. Returns the sum, or a tuple of the five outputs (None where absent).
   py::object operator()(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
-                        py::handle z) const {
+                        py::handle z, py::handle row_index, py::handle shared) const {
     at::Tensor t[kSources];
-    call(t, x, residual, weight, scale, out, z);
+    call(t, x, residual, weight, scale, out, z, row_index, shared);
     if (!fused_) return wrap(t[kOut0]);
     py::tuple result(kOutputs);
     for (int i = 0; i < kOutputs; ++i) result[i] = output(t, i);
@@ -250,12 +258,11 @@ class Launcher {
 
   // operator()'s work, leaving the outputs in t[kOut0 + i].
   void call(at::Tensor (&t)[kSources], py::handle x, py::handle residual, py::handle weight, py::handle scale,
-            py::handle out, py::handle z) const {
-    t[kX] = tensor(x, "x");
-    if (!residual.is_none()) t[kResidual] = tensor(residual, "residual");
-    if (!weight.is_none()) t[kWeight] = tensor(weight, "weight");
-    if (!scale.is_none()) t[kScale] = tensor(scale, "scale");
-    if (!z.is_none()) t[kZ] = tensor(z, "z");
+            py::handle out, py::handle z, py::handle row_index, py::handle shared) const {
+    const py::handle inputs[kOut0] = {x, residual, weight, scale, z, row_index, shared};
+    for (int i = kX; i < kOut0; ++i) {
+      if (i == kX || !inputs[i].is_none()) t[i] = tensor(inputs[i], inputs_[i]);
+    }
     if (!out.is_none()) {
       for (int i = 0; i < outputs(); ++i) {
         if (!specs_[i].present) continue;
@@ -283,7 +290,6 @@ class Launcher {
   // out.residual being the residual input itself (an in-place update): tail/checks.py's no_overlap, per
   // call, as the key holds no addresses.
   void check_overlaps(const at::Tensor (&t)[kSources]) const {
-    static const char* const kInputs[] = {"x", "residual", "weight", "scale", "z"};
     const auto out_span = [&](int i) {
       return span(t[kOut0 + i], specs_[i].strides.empty() ? -1 : specs_[i].storage_numel);
     };
@@ -296,13 +302,13 @@ class Launcher {
           throw py::value_error(field_names_[i] + " and " + field_names_[j] +
                                 " overlap: the caller's outputs must be separate tensors");
       }
-      for (int k = kX; k <= kZ; ++k) {
+      for (int k = kX; k < kOut0; ++k) {
         const at::Tensor& in = t[k];
         if (!in.defined() || !overlap(s, span(in))) continue;
         if (fused_ && i == 0 && k == kResidual && address(in) == address(o) && in.sizes() == o.sizes() &&
             in.strides() == o.strides())
           continue;
-        throw py::value_error(field_names_[i] + " overlaps " + kInputs[k] +
+        throw py::value_error(field_names_[i] + " overlaps " + inputs_[k] +
                               ": the caller's outputs may not overlap an input (out.residual may be residual "
                               "itself, for an in-place update)");
       }
@@ -319,8 +325,16 @@ class Launcher {
   // kernels call it without the GIL.
   void run(at::Tensor (&t)[kSources]) const {
     const at::Tensor residual_in = t[kResidual];
-    for (int i = kX; i <= kZ; ++i) {
+    for (int i = kX; i < kOut0; ++i) {
       if (t[i].defined() && i != kScale) t[i] = operand(t[i]);
+    }
+    if (combine_) {
+      // launch.py's row_index32: int64 indices outside [-1, rows) stay outside (-2 or rows), int32 ones as
+      // given (the kernels flag those). The temporaries' memory is reused only by work queued after them.
+      t[kZ] = t[kZ].to(at::kFloat).contiguous();
+      at::Tensor& index = t[kRowIndex];
+      if (index.defined() && index.scalar_type() != at::kInt)
+        index = index.clamp(-2, t[kX].size(0)).to(at::kInt).contiguous();
     }
     for (int i = 0; i < outputs(); ++i) {
       if (specs_[i].present && !t[kOut0 + i].defined()) t[kOut0 + i] = allocate(specs_[i]);
@@ -424,6 +438,8 @@ class Launcher {
   OutSpec specs_[kOutputs];
   std::string field_names_[kOutputs];  // for the caller-owned outputs' errors: "out.norm" (or "out")
   bool fused_;
+  bool combine_;
+  const char* const* inputs_;  // the inputs' names in errors: a MoE call's or the others'
   AllReduce nccl_ = nullptr;
   void* nccl_comm_ = nullptr;
   int nccl_dtype_ = 0;
@@ -438,7 +454,7 @@ class Launcher {
 // ------------------------------------------------------------------ the call signature (the key)
 
 // The ops a table serves, and their key's first byte (commfuse/kernels/table.py's OPS).
-enum Op : char { kPlain = 'P', kFused = 'F', kLocal = 'L', kGated = 'G', kQuantize = 'Q' };
+enum Op : char { kPlain = 'P', kFused = 'F', kLocal = 'L', kGated = 'G', kQuantize = 'Q', kMoe = 'M' };
 
 Op op_of(std::string_view name) {
   if (name == "plain") return kPlain;
@@ -446,7 +462,8 @@ Op op_of(std::string_view name) {
   if (name == "local") return kLocal;
   if (name == "gated") return kGated;
   if (name == "quantize") return kQuantize;
-  throw py::value_error("op must be one of plain, fused, local, gated, quantize");
+  if (name == "moe") return kMoe;
+  throw py::value_error("op must be one of plain, fused, local, gated, quantize, moe");
 }
 
 // Everything a key is written from, whoever made the call (Python through a table's lookup, or an op
@@ -458,6 +475,8 @@ struct Call {
   const at::Tensor* weight = nullptr;
   const at::Tensor* scale = nullptr;
   const at::Tensor* z = nullptr;
+  const at::Tensor* row_index = nullptr;
+  const at::Tensor* shared = nullptr;
   bool has_out = false;                         // the caller gave outputs
   const at::Tensor* outs[kOutputs] = {};        // plain: outs[0]; a tail: each field, nullptr for None
   double eps = 0, weight_offset = 0;
@@ -502,7 +521,7 @@ std::string write_key(const Call& c) {
   std::string key;
   key.reserve(320);
   put(key, static_cast<char>(c.op));
-  for (const at::Tensor* t : {c.x, c.residual, c.weight, c.scale, c.z}) put_tensor(key, t);
+  for (const at::Tensor* t : {c.x, c.residual, c.weight, c.scale, c.z, c.row_index, c.shared}) put_tensor(key, t);
   put(key, c.has_out);
   if (c.has_out) {
     for (const at::Tensor* t : c.outs) put_tensor(key, t);
@@ -640,6 +659,17 @@ bool quantize_call(Call& c, py::handle x, py::handle scale, py::handle quant, py
          from_bool(scale_ue8m0, c.scale_ue8m0);
 }
 
+// moe's lookup: the MoE inputs, then fused's arguments from residual on (y stands in x's place).
+bool moe_call(Call& c, py::handle y, py::handle weights, py::handle row_index, py::handle shared, py::handle residual,
+              py::handle weight, py::handle scale, py::handle out, py::handle eps, py::handle quant,
+              py::handle return_norm, py::handle sf_layout, py::handle weight_offset, py::handle scale_layout,
+              py::handle scale_ue8m0) {
+  return tail_call(c, kMoe, y, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                   scale_layout, scale_ue8m0) &&
+         from_tensor(weights, c.z, false) && from_tensor(row_index, c.row_index, true) &&
+         from_tensor(shared, c.shared, true);
+}
+
 // The args tuple of an insert, as its op's lookup takes it.
 bool call_of(Call& c, Op op, const py::tuple& a) {
   const auto n = a.size();
@@ -653,6 +683,9 @@ bool call_of(Call& c, Op op, const py::tuple& a) {
       return n == 12 && gated_call(c, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
     case kQuantize:
       return n == 6 && quantize_call(c, a[0], a[1], a[2], a[3], a[4], a[5]);
+    case kMoe:
+      return n == 15 && moe_call(c, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+                                 a[13], a[14]);
   }
   return false;
 }
@@ -743,6 +776,17 @@ class Table {
     return hit(c, x, py::none(), py::none(), scale, py::none(), py::none());
   }
 
+  py::object moe(py::handle y, py::handle weights, py::handle row_index, py::handle shared, py::handle residual,
+                 py::handle weight, py::handle scale, py::handle out, py::handle eps, py::handle quant,
+                 py::handle return_norm, py::handle sf_layout, py::handle weight_offset, py::handle scale_layout,
+                 py::handle scale_ue8m0) {
+    Call c;
+    if (!moe_call(c, y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
+                  weight_offset, scale_layout, scale_ue8m0))
+      return py::none();
+    return hit(c, y, residual, weight, scale, out, weights, row_index, shared);
+  }
+
   // op: table.py's name of the op; args: its lookup's arguments. False where the key cannot hold them.
   bool insert(std::string_view op, const py::tuple& args, py::object plan, py::object launcher) {
     Call c;
@@ -786,8 +830,9 @@ class Table {
  private:
   bool error_pending() const { return error_word_ != nullptr && *error_word_ != 0; }
 
+  // row_index, shared: a MoE call's (a Python launcher of another op is called without them).
   py::object hit(const Call& c, py::handle x, py::handle residual, py::handle weight, py::handle scale,
-                 py::handle out, py::handle z) {
+                 py::handle out, py::handle z, py::handle row_index = py::none(), py::handle shared = py::none()) {
     Entry entry;
     {
       // Only the lookup under the mutex: the launch may run Python (a collection at an allocation, a
@@ -799,7 +844,7 @@ class Table {
       entry = it->second;
     }
     if (c.op == kPlain) {
-      if (entry.native) return (*entry.native)(x, residual, weight, scale, out, z);
+      if (entry.native) return (*entry.native)(x, residual, weight, scale, out, z, row_index, shared);
       return entry.callable(x, residual, weight, scale, out, z);
     }
     PyObject* outs[kOutputs];
@@ -807,13 +852,15 @@ class Table {
     at::Tensor t[kSources];
     py::object held[kOutputs];
     if (entry.native) {
-      entry.native->call(t, x, residual, weight, scale, out, z);
+      entry.native->call(t, x, residual, weight, scale, out, z, row_index, shared);
       for (int i = 0; i < kOutputs; ++i) {
         held[i] = entry.native->output(t, i);
         outs[i] = held[i].ptr();
       }
     } else {
-      returned = entry.callable(x, residual, weight, scale, out, z).cast<py::tuple>();
+      returned = (c.op == kMoe ? entry.callable(x, residual, weight, scale, out, z, row_index, shared)
+                               : entry.callable(x, residual, weight, scale, out, z))
+                     .cast<py::tuple>();
       if (returned.size() != kOutputs) throw py::value_error(name_ + ": a launcher returned no five outputs");
       for (int i = 0; i < kOutputs; ++i) outs[i] = returned[i].ptr();
     }
@@ -824,7 +871,7 @@ class Table {
   // frame: its __init__ would be one), the others' tuple types filled the way CPython fills a tuple
   // subclass.
   py::object result(Op op, PyObject* const (&outs)[kOutputs], const py::object& plan) const {
-    if (op == kFused) {
+    if (op == kFused || op == kMoe) {
       PyTypeObject* type = reinterpret_cast<PyTypeObject*>(fused_type_.ptr());
       py::object r = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
       if (!r) throw py::error_already_set();
@@ -1027,6 +1074,23 @@ Outputs quantize_op(const at::Tensor& x, const std::optional<at::Tensor>& scale,
   return list_back(py::module_::import("commfuse.ops").attr("_quantize")(wrap(x), optional_wrap(scale), tail));
 }
 
+Outputs moe_all_reduce_op(const at::Tensor& y, const at::Tensor& weights, const std::optional<at::Tensor>& row_index,
+                          const std::optional<at::Tensor>& shared, const at::Tensor& residual, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& scale, double eps, double weight_offset, int64_t tail,
+                          std::string_view comm) {
+  at::Tensor t[kSources];
+  Call c;
+  if (op_call(c, kMoe, t, y, &residual, &weight, scale, &weights, eps, weight_offset, tail)) {
+    if (row_index.has_value()) t[kRowIndex] = *(c.row_index = &*row_index);
+    if (shared.has_value()) t[kShared] = *(c.shared = &*shared);
+    if (run_op(comm, c, t)) return op_outputs(t);
+  }
+  py::gil_scoped_acquire gil;
+  return list_back(py::module_::import("commfuse.ops").attr("_moe_all_reduce")(
+      wrap(y), wrap(weights), optional_wrap(row_index), optional_wrap(shared), wrap(residual), wrap(weight),
+      optional_wrap(scale), eps, weight_offset, tail, std::string(comm)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
@@ -1035,6 +1099,7 @@ TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
   m.impl("fused_add_rmsnorm", fused_add_rmsnorm_op);
   m.impl("gated_rmsnorm", gated_rmsnorm_op);
   m.impl("quantize", quantize_op);
+  m.impl("moe_all_reduce", moe_all_reduce_op);
 }
 
 PYBIND11_MODULE(commfuse_host, m) {
@@ -1042,10 +1107,10 @@ PYBIND11_MODULE(commfuse_host, m) {
   py::register_exception<NcclFailure>(m, "NcclFailure", PyExc_RuntimeError);
   py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
       .def(py::init<std::string, const std::vector<py::tuple>&, const std::vector<py::object>&, bool, py::object,
-                    int>())
+                    int, bool>())
       .def("__call__", &Launcher::operator(), py::arg("x"), py::arg("residual") = py::none(),
            py::arg("weight") = py::none(), py::arg("scale") = py::none(), py::arg("out") = py::none(),
-           py::arg("z") = py::none());
+           py::arg("z") = py::none(), py::arg("row_index") = py::none(), py::arg("shared") = py::none());
   py::class_<Table>(m, "Table")
       .def(py::init<std::string, uintptr_t, py::object, py::object, py::object>())
       .def("plain", &Table::plain)
@@ -1053,6 +1118,7 @@ PYBIND11_MODULE(commfuse_host, m) {
       .def("local", &Table::tail<kLocal>)
       .def("gated", &Table::gated)
       .def("quantize", &Table::quantize)
+      .def("moe", &Table::moe)
       .def("insert", &Table::insert)
       .def("clear", &Table::clear)
       .def("__len__", &Table::size);
@@ -1061,7 +1127,8 @@ PYBIND11_MODULE(commfuse_host, m) {
   m.def("set_poison", [](int byte) { g_poison = byte; });
   py::dict sources;
   for (const auto& [name, value] : {std::pair<const char*, int>{"X", kX}, {"RESIDUAL", kResidual}, {"WEIGHT", kWeight},
-                                    {"SCALE", kScale}, {"Z", kZ}, {"OUT", kOut0}, {"SUM", kSum}})
+                                    {"SCALE", kScale}, {"Z", kZ}, {"ROW_INDEX", kRowIndex}, {"SHARED", kShared},
+                                    {"OUT", kOut0}, {"SUM", kSum}})
     sources[name] = value;
   m.attr("SOURCES") = sources;
   py::dict progress;

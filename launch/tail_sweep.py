@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import bench_local_ops as bench  # noqa: E402
 from commfuse import reference  # noqa: E402
-from commfuse.kernels import fused_tail, params  # noqa: E402
+from commfuse.kernels import fused_tail, native, params  # noqa: E402
 from commfuse.kernels.fused_tail import FUSED_TAIL  # noqa: E402
 from commfuse.kernels.launch import X, Z, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
 from commfuse.tail.spec import TailSpec  # noqa: E402
@@ -167,8 +167,7 @@ def moe_sweep(args) -> None:
                 plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
 
                 def call(plan=plan):
-                    out = moe_tail.launch(plan, params.MOE_TAIL.offsets["combine"], rows, w, idx, shared, residual,
-                                          weight, scale, None)
+                    out = native.launcher(plan)(rows, residual, weight, scale, None, w, idx, shared)
                     return tuple(v for v in out if v is not None)
 
                 mark = " *" if split == chosen else ""

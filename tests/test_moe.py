@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse import ops, reference
+from commfuse.kernels import launch
 from commfuse.reference import Tail
 from commfuse.tail.spec import code
 
@@ -96,6 +97,54 @@ def test_moe_plan_and_caller_outputs(comm, gen):
     assert got.residual is out.residual and got.norm is out.norm
     assert bits_equal(got.residual, want.residual) and bits_equal(got.norm, want.norm)
     assert str(want.plan).startswith(f"{want.plan.combine} combine + "), str(want.plan)
+
+
+@mpi
+@pytest.mark.parametrize("form", ["reduction", "finalize"])
+def test_moe_repeated_signature_is_served_from_the_table(comm, gen, monkeypatch, form):
+    """A signature's second call is launched from the plan table (no Python checks or planning: they are
+    made to fail here) on the one-launch routes: the first call's bits, every output written (poisoned),
+    the caller's outputs filled, T weights and int64 indices converted as on a miss; an output overlapping
+    y still raises, naming it."""
+    from commfuse import communicator
+
+    if comm.device.type != "cuda":
+        pytest.skip("the one-launch MoE routes need CUDA tensors: on the CPU every call is planned")
+    t, k, h = 6, 4, 512
+    per_rank, rank = moe_inputs(comm, gen, t, k, h, torch.bfloat16, form, torch.bfloat16, True)
+    y, w, idx, shared = per_rank[rank]
+    idx = None if idx is None else idx.long()
+    residual, weight, scale = tail_inputs(comm, gen, t, h, torch.bfloat16, "nvfp4")
+
+    def call(out=None):
+        return comm.moe_all_reduce(y, w, residual, weight, 1e-5, "nvfp4", scale, True, row_index=idx, shared=shared,
+                                   out=out)
+
+    first = call()
+    if first.plan.combine != "fused":
+        pytest.skip(f"this route combines before the collective ({first.plan}): planned every call")
+    names = ("residual", "norm", "quant", "scale_factors")
+    call(Tail(*(torch.empty_like(getattr(first, n)) for n in names), None))  # the caller-outputs signature's first
+    entries = len(comm.table)
+
+    def planned(*args, **kw):
+        raise AssertionError("a repeated MoE signature was planned in Python")
+
+    monkeypatch.setattr(communicator.checks, "moe", planned)
+    launch.set_poison(0xFF)
+    try:
+        again = call()
+        fill = Tail(*(torch.full_like(getattr(first, n), 7) for n in names), None)
+        got = call(fill)
+        with pytest.raises(ValueError, match="out.norm overlaps y"):
+            call(Tail(fill.residual, y.view(-1)[: t * h].view(t, h), fill.quant, fill.scale_factors, None))
+    finally:
+        launch.set_poison(None)
+    assert len(comm.table) == entries and again.plan is first.plan
+    assert all(getattr(got, n) is getattr(fill, n) for n in names)
+    for name in names:
+        assert bits_equal(getattr(again, name), getattr(first, name)), name
+        assert bits_equal(getattr(got, name), getattr(first, name)), name
 
 
 @mpi
@@ -275,7 +324,7 @@ def test_moe_tail_split_over_a_cluster_gives_the_unsplit_bits(quant, sf_layout, 
     """The world-1 MoE tail with each token's combine split over a cluster of 2, 4 and 8 CTAs (SM 9.0+):
     every output, the scale storage's padding included, the same bits as one CTA a token (poisoned
     outputs), and within the tolerances of reference.fused_tail of the reference combine."""
-    from commfuse.kernels import moe_tail, params
+    from commfuse.kernels import moe_tail, native
     from commfuse.tail.spec import TailSpec
     from compare import poisoned_runs
 
@@ -295,8 +344,7 @@ def test_moe_tail_split_over_a_cluster_gives_the_unsplit_bits(quant, sf_layout, 
     def run(split):
         plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
         assert plan.launches[0].cluster == split
-        return reference.Tail(*moe_tail.launch(plan, params.MOE_TAIL.offsets["combine"], rows, w, idx, shared,
-                                               residual, weight, scale, None))
+        return reference.Tail(*native.launcher(plan)(rows, residual, weight, scale, None, w, idx, shared))
 
     one = run(1)
     for split in (2, 4, 8):

@@ -304,7 +304,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("form, index_dtype", [(0, None), (1, torch.int32), (1, torch.int64)])
 def test_moe_plan_packs_the_combine(monkeypatch, form, index_dtype):
-    """plan_moe's one launch, run by moe_tail.launch (CPU tensors, no kernel runs): the MoE variant of the
+    """plan_moe's one launch, run by launch.PyLauncher (CPU tensors, no kernel runs): the MoE variant of the
     call's form; the combine's y, weights (float32 as given), row index (int32 as given, int64 converted)
     and shared pointers; t, k, h, rows; the tail's pointers; the MoE launch configuration."""
     rec = _Recorder(1 << 20)
@@ -322,7 +322,7 @@ def test_moe_plan_packs_the_combine(monkeypatch, form, index_dtype):
     scale = torch.tensor([0.02])
     plan = P2P_ALLREDUCE.plan_moe(rec.ws, torch.bfloat16, form, t, k, h, rows, spec, "twoshot")
     out = reference.Tail(*(None if o is None else launch.allocate(o, "cpu") for o in plan.outputs))
-    moe_tail.launch(plan, params.P2P.offsets["combine"], y, w, idx, shared, residual, weight, scale, out)
+    launch.PyLauncher(plan)(y, residual, weight, scale, out, w, idx, shared)
     vpt, threads = K.moe_launch_config(h, spec.format)
     assert names == [P2P_ALLREDUCE.name_expression(torch.bfloat16, spec.format, vpt, "twoshot", form)]
     (one,) = rec.launches

@@ -4,12 +4,13 @@ A LaunchPlan is made once per call signature (by the route's kernel family): the
 launch shapes and parameter bytes (every pointer field 0), where each pointer comes from (a patch: the
 field's byte offset, a source, a byte delta), the outputs to allocate, and an optional NCCL all-reduce
 before the kernels. Two executors take the same plan with the same call, `launcher(x, residual, weight,
-scale, out, z)`: the C++ Launcher of commfuse.kernels.native (the hot path) and `PyLauncher` here,
-which stands in where the extension cannot be built. Both return the five outputs of a tail
-(reference.Tail's order, None where absent), or the sum of a plain all-reduce.
+scale, out, z, row_index=None, shared=None)`: the C++ Launcher of commfuse.kernels.native (the hot
+path) and `PyLauncher` here, which stands in where the extension cannot be built. Both return the five
+outputs of a tail (reference.Tail's order, None where absent), or the sum of a plain all-reduce.
 
 Per call, either executor: copies strided or misaligned operands (the kernels read dense rows of
-16-byte vectors), allocates the outputs the caller did not give (out: None, a tensor for a plain
+16-byte vectors), converts a MoE plan's routing weights (z) to float32 and an int64 row index to int32
+(those outside [-1, rows) kept outside: -2 or rows; each conversion one more kernel), allocates the outputs the caller did not give (out: None, a tensor for a plain
 all-reduce, or the five fields; a field None is allocated), checks the caller's outputs' alignment and
 an MN-major view's room (the plan's key holds no addresses), runs ncclAllReduce of x into the residual
 output (a scratch buffer where that output is the residual input itself), then each kernel with its
@@ -29,12 +30,15 @@ from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
 
-__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "OUT", "SUM", "SOURCES", "Launch", "LaunchPlan", "PyLauncher",
-           "tail_fields", "tail_patches", "operand", "allocate", "set_poison", "on_poison", "pieces"]
+__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch",
+           "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "row_index32", "allocate", "set_poison", "on_poison", "pieces"]
 
-# Where a patched pointer comes from: the call's arguments, its outputs OUT + i (residual, norm, quant,
-# scale_factors, scales; a plain all-reduce's sum is OUT), and the NCCL route's sum buffer.
-X, RESIDUAL, WEIGHT, SCALE, Z, OUT, SUM = 0, 1, 2, 3, 4, 5, 10
+# Where a patched pointer comes from: the call's arguments (a MoE call's y is X, its routing weights Z),
+# its outputs OUT + i (residual, norm, quant, scale_factors, scales; a plain all-reduce's sum is OUT), and
+# the NCCL route's sum buffer.
+X, RESIDUAL, WEIGHT, SCALE, Z, ROW_INDEX, SHARED, OUT, SUM = 0, 1, 2, 3, 4, 5, 6, 7, 12
+INPUTS = ("x", "residual", "weight", "scale", "z", "row_index", "shared")  # the names of sources X..SHARED
+MOE_INPUTS = ("y", "residual", "weight", "scale", "weights", "row_index", "shared")  # the same, a MoE call's
 SOURCES = SUM + 1
 # TailParams' pointer fields and where each comes from.
 _TAIL_POINTERS = {"residual_in": RESIDUAL, "residual_out": OUT, "weight": WEIGHT, "norm_out": OUT + 1,
@@ -59,7 +63,8 @@ class Launch:
 class LaunchPlan:
     """Everything one call of a signature launches. outputs: five OutputSpecs (None where absent) for a
     tail, one for a plain all-reduce; nccl: the NcclComm whose ncclAllReduce sums x (count elements)
-    into the residual output first, or None; device_index: the CUDA device."""
+    into the residual output first, or None; device_index: the CUDA device; combine: the kernels combine
+    MoE expert rows (z: the routing weights, read as float32; row_index: read as int32)."""
 
     name: str
     launches: Tuple[Launch, ...]
@@ -67,6 +72,7 @@ class LaunchPlan:
     device_index: int
     nccl: Optional[object] = None
     count: int = 0
+    combine: bool = False
 
     @property
     def fused(self) -> bool:
@@ -139,6 +145,14 @@ def operand(t: torch.Tensor) -> torch.Tensor:
     return c if not c.data_ptr() % 16 else c.clone()
 
 
+def row_index32(row_index: torch.Tensor, rows: int) -> torch.Tensor:
+    """The MoE kernels' int32 row index: int32 as given (the kernel flags one outside [-1, rows)), int64
+    converted with those outside [-1, rows) kept outside (-2 or rows)."""
+    if row_index.dtype == torch.int32:
+        return row_index.contiguous()
+    return row_index.clamp(-2, rows).to(torch.int32).contiguous()
+
+
 _POINTER = struct.Struct("<Q")
 
 
@@ -151,18 +165,20 @@ class PyLauncher:
         self.plan = plan
         self._device = torch.device("cuda", plan.device_index)
 
-    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, row_index=None, shared=None):
         plan = self.plan
-        t = [None] * SOURCES
-        t[X] = operand(x)
-        t[RESIDUAL] = None if residual is None else operand(residual)
-        t[WEIGHT] = None if weight is None else operand(weight)
+        inputs = (x, residual, weight, scale, z, row_index, shared)
+        t = [None if a is None else operand(a) for a in inputs] + [None] * (SOURCES - len(inputs))
         t[SCALE] = scale
-        t[Z] = None if z is None else operand(z)
+        if plan.combine:
+            # Temporaries freed after the launches are queued: the caching allocator reuses their memory only
+            # for work queued after them on this stream.
+            t[Z] = z.to(torch.float32).contiguous()
+            t[ROW_INDEX] = None if row_index is None else row_index32(row_index, x.shape[0])
         given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
         if out is not None:
             no_overlap(OUT_NAMES if plan.fused else ("out",), given, plan.outputs,
-                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale), ("z", z)))
+                       tuple(zip(MOE_INPUTS if plan.combine else INPUTS, inputs)))
         for i, spec in enumerate(plan.outputs):
             if spec is None:
                 continue

@@ -8,29 +8,34 @@ fused_tail.launch_config, the looped variant for long rows), but for few tokens 
 variant, k >= 4) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split
 fills at most half the SMs), which combine a slice of its vectors each, the first CTA running the tail:
 one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take
-float32 weights and int32 row indices: `run` converts T weights and int64 indices first (exactly: [t, k]
-tensors).
+float32 weights and int32 row indices: the launchers convert T weights and int64 indices first (exactly:
+[t, k] tensors; commfuse.kernels.launch).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import struct
 from typing import List, Optional
 
 import torch
 
 from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
-from . import fused_tail, params
+from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import X, Z, Launch, LaunchPlan, PyLauncher, operand, tail_fields, tail_patches
+from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, tail_fields, tail_patches
 
-__all__ = ["MOE_TAIL", "FORMS", "MAX_SPLIT", "variants", "run", "launch", "warmup"]
+__all__ = ["MOE_TAIL", "FORMS", "MAX_SPLIT", "variants", "combine_patches", "launcher", "run", "warmup"]
 
 SOURCE = fused_tail.SOURCE
 FORMS = (0, 1)  # kCombineReduction, kCombineFinalize32 (csrc/moe.cuh)
-_POINTER = struct.Struct("<Q")
+
+
+def combine_patches(base: int) -> list:
+    """The patches of a MoeCombineParams at byte `base` of a struct: y is the call's source X, the weights Z,
+    then its row index and shared expert (0 where the call has none); the output x is unused (0)."""
+    off = params.MOE_COMBINE.offsets
+    return [(base + off["y"], X, 0), (base + off["weights"], Z, 0), (base + off["row_index"], ROW_INDEX, 0),
+            (base + off["shared"], SHARED, 0)]
 
 
 class MoeTail(Family):
@@ -51,8 +56,7 @@ class MoeTail(Family):
 
     def plan(self, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
              device_index: int, split: Optional[int] = None) -> LaunchPlan:
-        """The LaunchPlan of t tokens of k slots: y is the call's source X, the weights Z; the row index and
-        shared pointers are filled in per call (run). split: CTAs per token (default ctas_per_token; more than 1
+        """The LaunchPlan of t tokens of k slots (combine_patches' sources). split: CTAs per token (default ctas_per_token; more than 1
         only for the VPT 1 variant on SM 9.0+)."""
         launches = ()
         if t:
@@ -62,14 +66,12 @@ class MoeTail(Family):
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             blob = params.MOE_TAIL.pack(0, 0, 0, 0, 0, t, k, h, rows, *tail_fields(spec, t, h))
-            base = params.MOE_TAIL.offsets["combine"]
-            patches = [(base + params.MOE_COMBINE.offsets["y"], X, 0), (base + params.MOE_COMBINE.offsets["weights"], Z, 0)]
-            patches += tail_patches(params.MOE_TAIL.offsets["tail"])
+            patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form, spec.format, vpt), device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
             grid = t * split + -(-(spec.row_slots(t) - t) // split) * split
             launches = (Launch(kernel, grid, threads, blob, tuple(patches), split),)
-        return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, True)), device_index)
+        return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, True)), device_index, combine=True)
 
     @staticmethod
     def ctas_per_token(t: int, k: int, vpt: int, device_index: int) -> int:
@@ -111,8 +113,10 @@ def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(dtype, form, t, k, h, rows, spec, device_index) -> LaunchPlan:
-    return MOE_TAIL.plan(dtype, form, t, k, h, rows, spec, device_index)  # once per signature
+def launcher(dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec, device_index: int):
+    """The launcher (commfuse.kernels.native) of MOE_TAIL's plan of this signature, made once:
+    launcher(y, residual, weight, scale, out, weights, row_index, shared) -> the five outputs."""
+    return native.launcher(MOE_TAIL.plan(dtype, form, t, k, h, rows, spec, device_index))
 
 
 def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, out=None) -> tuple:
@@ -120,29 +124,5 @@ def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, 
     plans it); out as for Communicator.fused_all_reduce."""
     t, k = weights.shape
     form = 0 if row_index is None else 1
-    plan = _plan(y.dtype, form, t, k, y.shape[-1], y.shape[0] if form else 0, spec, y.device.index)
-    return launch(plan, params.MOE_TAIL.offsets["combine"], y, weights, row_index, shared, residual, weight, scale,
-                  out)
-
-
-def launch(plan: LaunchPlan, combine: int, y, weights, row_index, shared, residual, weight, scale, out) -> tuple:
-    """Run a LaunchPlan of a kernel that combines as it reads (this module's, or the P2P all-reduce's MoE
-    variants) whose one launch holds MoeCombineParams at byte `combine`: y is its source X, the weights
-    (float32) Z, and the row index and shared expert pointers are patched in here, per call."""
-    # int32 indices as given (the kernel flags one outside [-1, rows)); int64 ones converted, those outside
-    # [-1, rows) kept outside (-2 or rows). A conversion is one more kernel: 2 us of a 1-token call.
-    if row_index is None or row_index.dtype == torch.int32:
-        idx = None if row_index is None else row_index.contiguous()
-    else:
-        idx = row_index.clamp(-2, y.shape[0]).to(torch.int32).contiguous()
-    shared = None if shared is None else operand(shared)
-    if plan.launches:
-        blob = bytearray(plan.launches[0].params)
-        for name, tensor in (("row_index", idx), ("shared", shared)):
-            if tensor is not None:
-                _POINTER.pack_into(blob, combine + params.MOE_COMBINE.offsets[name], tensor.data_ptr())
-        plan = dataclasses.replace(plan, launches=(dataclasses.replace(plan.launches[0], params=bytes(blob)),))
-    w = weights.to(torch.float32).contiguous()
-    # idx, shared and w may be temporaries: freed after the launch is queued, the caching allocator
-    # reuses their memory only for work queued after it on this stream.
-    return PyLauncher(plan)(y, residual, weight, scale, out, w)
+    run_ = launcher(y.dtype, form, t, k, y.shape[-1], y.shape[0] if form else 0, spec, y.device.index)
+    return run_(y, residual, weight, scale, out, weights, row_index, shared)

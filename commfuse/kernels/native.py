@@ -9,8 +9,8 @@ bytes but for their pointers); the extension's `Launcher` then runs a call of it
 (outputs, pointers, ncclAllReduce and/or the kernels on torch's current stream: capturable in CUDA
 graphs, nothing synchronizes), and its `Table` (commfuse.kernels.table describes the interface) finds
 the signature's launcher without Python; the op kernels it registers for CUDA tensors
-(commfuse::fused_all_reduce, all_reduce, fused_add_rmsnorm, gated_rmsnorm, quantize) look the table up
-too.
+(commfuse::fused_all_reduce, all_reduce, moe_all_reduce, fused_add_rmsnorm, gated_rmsnorm, quantize)
+look the table up too.
 
     launcher = native.launcher(plan)        # a C++ Launcher, or launch.PyLauncher where unavailable
     table = native.table(name, error_word, FusedResult, Tail, Quantized)   # native.Table, or table.PyTable
@@ -116,7 +116,8 @@ def _load():
     except Exception as e:  # noqa: BLE001 (a probe: whatever stops the build or the import, say it, launch from Python)
         return None, f"{SOURCE} not built: {type(e).__name__}: {e}"
     # The pointer sources are numbered in launch.py; the C++ enum must agree, or no launch is right.
-    sources = {name: getattr(launch, name) for name in ("X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "OUT", "SUM")}
+    sources = {name: getattr(launch, name) for name in ("X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX",
+                                                     "SHARED", "OUT", "SUM")}
     if dict(mod.SOURCES) != sources:
         return None, f"{SOURCE} numbers its pointer sources {dict(mod.SOURCES)}, launch.py {sources}"
     from .. import nccl  # the NCCL watchdog's words, which the launchers write too
@@ -157,14 +158,16 @@ def _spec(spec):
 
 def launcher(plan: LaunchPlan):
     """The executor of a LaunchPlan: the C++ Launcher, or launch.PyLauncher where the extension is off.
-    Both are called as launcher(x, residual, weight, scale, out, z) (commfuse.kernels.launch)."""
+    Both are called as launcher(x, residual, weight, scale, out, z, row_index=None, shared=None)
+    (commfuse.kernels.launch)."""
     mod = _load()[0]
     if mod is None:
         return PyLauncher(plan)
     launches = [(l.kernel.function, l.kernel.pdl, l.grid, l.block, l.params, list(l.patches), l.cluster)
                 for l in plan.launches]
     nccl = plan.nccl.native_args(plan.outputs[0].dtype, plan.count) if plan.nccl is not None else None
-    return mod.Launcher(plan.name, launches, [_spec(s) for s in plan.outputs], plan.fused, nccl, plan.device_index)
+    return mod.Launcher(plan.name, launches, [_spec(s) for s in plan.outputs], plan.fused, nccl, plan.device_index,
+                        plan.combine)
 
 
 def table(name: str, error_word: int, fused_type, tail_type, quantized_type):

@@ -16,7 +16,7 @@ from ..tail.formats import FORMATS, Format, Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import fused_tail, moe_tail, params
 from .family import CTYPE, Family, Limits
-from .launch import OUT, RESIDUAL, X, Z, Launch, LaunchPlan, pieces, tail_fields, tail_patches
+from .launch import OUT, RESIDUAL, X, Launch, LaunchPlan, pieces, tail_fields, tail_patches
 
 __all__ = ["P2P_ALLREDUCE", "P2PError", "P2PTimeoutError", "P2PMismatchError", "describe_signature", "ALGORITHMS",
            "variants", "warmup", "launch_config", "moe_launch_config", "plain_rows", "chunk_rows", "resident_ctas", "grid_limit",
@@ -221,19 +221,17 @@ class P2PAllReduce(Family):
         """The LaunchPlan of moe_all_reduce's t tokens of k slots (y [t, k, h], or `rows` permuted rows with
         form 1) with the combine done as the kernel reads its input and the tail fused: one launch, so the
         message (t rows of h) must fit ws.max_bytes (Communicator._moe_p2p checks). y is the call's source X,
-        the float32 weights Z; the row index and shared pointers are patched per call (moe_tail.launch)."""
+        the weights Z, the row index and shared expert (moe_tail.combine_patches)."""
         outputs = spec.outputs(t, h, dtype)
         if not t:
-            return LaunchPlan(f"{self.name} {algo}", (), tuple(outputs), ws.device_index)
+            return LaunchPlan(f"{self.name} {algo}", (), tuple(outputs), ws.device_index, combine=True)
         vpt, threads = moe_launch_config(h, spec.format)
         kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, algo, form), ws.device_index)
         blob = ws.params(tail_fields(spec, t, h), t * h // 8, t, h // 8, spec.row_slots(t),
                          (0, 0, 0, 0, 0, t, k, h, rows))
-        base = _OFF["combine"]
-        patches = tuple(tail_patches(_OFF["tail"])) + ((base + params.MOE_COMBINE.offsets["y"], X, 0),
-                                                       (base + params.MOE_COMBINE.offsets["weights"], Z, 0))
+        patches = tuple(tail_patches(_OFF["tail"]) + moe_tail.combine_patches(_OFF["combine"]))
         return LaunchPlan(f"{self.name} {algo}", (Launch(kernel, ws.nblocks, threads, blob, patches),),
-                          tuple(outputs), ws.device_index)
+                          tuple(outputs), ws.device_index, combine=True)
 
 
 P2P_ALLREDUCE = P2PAllReduce()

@@ -17,11 +17,14 @@ word) is not 0 every lookup misses, so that the caller raises the workspace's er
 Lookups, one method per op (the C++ table's hot path): plain(x, out), fused(x, residual, weight, scale,
 out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0), local(the same;
 residual may be None), gated(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm,
-sf_layout, scale_layout, scale_ue8m0), quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0):
-the result, or None on a miss. insert(op, args, plan, launcher): args the tuple of the op's lookup
-arguments. A hit calls launcher(x, residual, weight, scale, out, z) and returns its sum (plain) or the
-five outputs as the op's result type: fused -> fused_type (its fields set, plan included), local and
-gated -> tail_type(*outputs), quantize -> quantized_type(quant, scale_factors, scales).
+sf_layout, scale_layout, scale_ue8m0), quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0),
+moe(y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
+weight_offset, scale_layout, scale_ue8m0): the result, or None on a miss. insert(op, args, plan,
+launcher): args the tuple of the op's lookup arguments. A hit calls launcher(x, residual, weight, scale,
+out, z) (a MoE call: launcher(y, residual, weight, scale, out, weights, row_index, shared)) and returns
+its sum (plain) or the five outputs as the op's result type: fused and moe -> fused_type (its fields
+set, plan included), local and gated -> tail_type(*outputs), quantize -> quantized_type(quant,
+scale_factors, scales).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from ..tail.checks import fields_of
 
 __all__ = ["OPS", "PyTable", "MAX_ENTRIES"]
 
-OPS = ("plain", "fused", "local", "gated", "quantize")
+OPS = ("plain", "fused", "local", "gated", "quantize", "moe")
 MAX_ENTRIES = 4096  # then the table is cleared: a decode loop repeats a handful of signatures
 
 
@@ -70,9 +73,10 @@ def _out(op: str, out):
 
 def key(op: str, x, residual=None, weight=None, scale=None, z=None, out=None, eps=None, quant=None, return_norm=None,
         sf_layout=None, weight_offset=None, scale_layout=None, scale_ue8m0=None, group_size=None,
-        norm_before_gate=None) -> tuple:
+        norm_before_gate=None, row_index=None, shared=None) -> tuple:
     """The signature of a call (see the module docstring); raises _Unkeyable where it cannot be one."""
-    return (op, _tensor(x), _tensor(residual), _tensor(weight), _tensor(scale), _tensor(z), _out(op, out),
+    return (op, _tensor(x), _tensor(residual), _tensor(weight), _tensor(scale), _tensor(z), _tensor(row_index),
+            _tensor(shared), _out(op, out),
             *(_scalar(v) for v in (eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0,
                                    group_size, norm_before_gate)))
 
@@ -93,6 +97,11 @@ def _key_of(op: str, args: tuple) -> tuple:
     if op == "quantize":
         x, scale, quant, sf_layout, scale_layout, ue8m0 = args
         return key(op, x, scale=scale, quant=quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=ue8m0)
+    if op == "moe":
+        y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout, \
+            weight_offset, scale_layout, ue8m0 = args
+        return key(op, y, residual, weight, scale, weights, out, eps, quant, return_norm, sf_layout, weight_offset,
+                   scale_layout, ue8m0, row_index=row_index, shared=shared)
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
@@ -120,6 +129,9 @@ class PyTable:
             return launcher(args[0], None, None, None, args[1])
         if op == "gated":
             outs = launcher(args[0], None, args[2], args[3], None, args[1])
+        elif op == "moe":
+            y, weights, row_index, shared, residual, weight, scale, out = args[:8]
+            return fused_type(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=plan)
         elif op == "quantize":
             outs = launcher(args[0], None, None, args[1], None)
             return quantized_type(outs[2], outs[3], outs[4])
@@ -143,6 +155,9 @@ class PyTable:
 
     def quantize(self, *args):
         return self._hit("quantize", args)
+
+    def moe(self, *args):
+        return self._hit("moe", args)
 
     def insert(self, op: str, args: tuple, plan, launcher) -> bool:
         try:
