@@ -148,6 +148,42 @@ def test_moe_repeated_signature_is_served_from_the_table(comm, gen, monkeypatch,
 
 
 @mpi
+def test_moe_op_kernel_serves_planned_calls_in_cpp(quiet_comm, gen, monkeypatch):
+    """On CUDA, torch.ops.commfuse.moe_all_reduce is a C++ kernel: a signature the communicator planned on a
+    one-launch route runs without the Python kernel, with the direct call's bits; one not planned yet goes
+    to the Python kernel, which plans it."""
+    c = quiet_comm
+    if c.device.type != "cuda":
+        pytest.skip("the C++ op kernels are CUDA kernels: no GPU here")
+    t, k, h = 3, 8, 256
+    per_rank, rank = moe_inputs(c, gen, t, k, h, torch.bfloat16, "finalize", torch.float32, True)
+    y, w, idx, shared = per_rank[rank]
+    residual, weight, scale = tail_inputs(c, gen, t, h, torch.bfloat16, "fp8")
+    args = (y, w, idx, shared, residual, weight, scale, 1e-5, 0.0, code("fp8", True), c.name)
+
+    class PythonKernelCalled(Exception):
+        pass
+
+    def refuse(*a, **kw):
+        raise PythonKernelCalled()
+
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_moe_all_reduce", refuse)
+        with pytest.raises(PythonKernelCalled):
+            torch.ops.commfuse.moe_all_reduce(*args)
+    first = torch.ops.commfuse.moe_all_reduce(*args)  # the Python kernel plans it
+    direct = c.moe_all_reduce(y, w, residual, weight, 1e-5, "fp8", scale, True, row_index=idx, shared=shared)
+    if direct.plan.combine != "fused":
+        pytest.skip(f"this route combines before the collective ({direct.plan}): the Python kernel plans every call")
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_moe_all_reduce", refuse)
+        again = torch.ops.commfuse.moe_all_reduce(*args)
+    assert len(first) == len(again) == 3  # residual, norm, quant
+    for u, v, d in zip(first, again, (direct.residual, direct.norm, direct.quant)):
+        assert bits_equal(u, v) and bits_equal(v, d)
+
+
+@mpi
 def test_moe_bad_arguments_raise_naming_them(comm, gen):
     """Checked on every rank before any collective: the group still works afterwards."""
     t, k, h = 4, 2, 64
