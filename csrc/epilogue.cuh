@@ -717,10 +717,11 @@ __device__ __forceinline__ void tail_load(const TailParams& p, int row, uint4 (&
 
 // Tail of row `row`: a[i] are the all-reduced values, x[i] the residual (tail_load_residual of
 // this row; ignored without a residual), w[i] the weight (tail_load_weight), qs = quant_scalar<QUANT>(p).
-// kMayLackResidual: see norm_input.
-template <typename T, int QUANT, int VPT, bool kMayLackResidual = false>
+// kMayLackResidual: see norm_input. kLateWeight: w_in is not read; the weights are loaded after the row's
+// sum instead (from L1 / L2: every row reads them), so that they take no registers across it.
+template <typename T, int QUANT, int VPT, bool kMayLackResidual = false, bool kLateWeight = false>
 __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uint4 (&a)[VPT], const uint4 (&x)[VPT],
-                                         const uint4 (&w)[VPT], float qs, float* red) {
+                                         const uint4 (&w_in)[VPT], float qs, float* red) {
   const int nv = p.h / kVecElems;
   const size_t row_base = static_cast<size_t>(row) * p.h;
   uint4* res_out = reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + row_base);
@@ -736,6 +737,13 @@ __device__ __forceinline__ void tail_row(const TailParams& p, int row, const uin
     if (store_residual && v < nv) res_out[v] = y[i];
   }
   const float inv = inv_rms(block_sum<QUANT != kQuantFp8PerToken>(sumsq, red), p);
+  uint4 w[VPT];
+  if constexpr (kLateWeight) {
+    tail_load_weight<T, VPT>(p, w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) w[i] = w_in[i];
+  }
 
   if constexpr (QUANT == kQuantFp8PerToken || QUANT == kQuantFp8Block) {
     // The row's (the blocks') scales need the norms first: they replace the residual in registers.

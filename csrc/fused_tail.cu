@@ -28,9 +28,14 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 // CTAs become resident (and wait) while this one's run; with 3 slots per SM they crowded this
 // kernel out: at 256 rows the bf16 tail took 6.0 us with PDL against 4.8 us without, and 4.8 us
 // with PDL and 4 slots (H200). The bf16 FP8 variant then spills 4 bytes, which costs it 1-6% at
-// h = 4096 (bench/journal.md).
+// h = 4096 (bench/journal.md). The local tail's VPT 4 rows take 5 where that costs no spill (<= 48
+// registers: no quantization, fp8, nvfp4, its weights loaded after the row's sum): one SM then overlaps
+// more rows (64 registers held 4 CTAs, and 1024 rows took two waves).
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
+template <int VPT, int QUANT>
+constexpr int kTailMinBlocks = VPT == 4 && (QUANT == kQuantNone || QUANT == kQuantFp8 || QUANT == kQuantNvfp4)
+                                   ? 5 : kMinBlocks<VPT>;
 
 // The kernel's only parameter is FusedTailParams (the all-reduced input a, then TailParams),
 // declared in commfuse/kernels/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
@@ -38,7 +43,8 @@ constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).
 template <typename T, int QUANT, int VPT>
-__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(const __grid_constant__ FusedTailParams p) {
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
+    fused_tail(const __grid_constant__ FusedTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
   pdl_wait();  // the input is the previous kernel's (NCCL's) output
   pdl_launch_dependents();
@@ -56,15 +62,16 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) fused_tail(
       const int v = threadIdx.x + i * blockDim.x;
       av[i] = v < nv ? a[v] : make_uint4(0, 0, 0, 0);
     }
+    constexpr bool kLate = kTailMinBlocks<VPT, QUANT> > kMinBlocks<VPT>;  // weights after the sum: fewer registers
     uint4 x[VPT], w[VPT];
     if (p.tail.residual_in != nullptr) {
-      tail_load<T, VPT>(p.tail, row, x, w);
+      tail_load_residual<T, VPT>(p.tail, row, x);
     } else {  // a plain RMSNorm: tail_row takes a as the norm's input
 #pragma unroll
       for (int i = 0; i < VPT; ++i) x[i] = make_uint4(0, 0, 0, 0);
-      tail_load_weight<T, VPT>(p.tail, w);
     }
-    tail_row<T, QUANT, VPT, true>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
+    if constexpr (!kLate) tail_load_weight<T, VPT>(p.tail, w);
+    tail_row<T, QUANT, VPT, true, kLate>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, true>(p.tail, row, [a](int v) { return a[v]; },
                                                   quant_scalar<QUANT>(p.tail), red);
