@@ -1,7 +1,9 @@
 """Where a compiled decoder step's host time goes: examples/tp_decoder.py's 8b model (4 layers, fp8),
 world 1, compiled with Inductor as written ("unfused"), through commfuse.fusion with every rewrite
-("fused-all") and with the pass's own choice ("fused-auto"), each compiled afresh in the order
-unfused, fused-all, unfused, fused-all, fused-auto (so that a column's place in the run shows).
+("fused-all") and with the pass's own choice ("fused-auto"), and as written through a dynamo backend
+function that hands the graph to Inductor ("wrapped": commfuse.fusion's way in, without the pass), each
+compiled afresh in the order unfused, fused-all, wrapped, unfused, fused-all, fused-auto, wrapped (so that a
+column's place in the run shows).
 
 Per column: the decoder's own sequence (prefill + 4 decode steps, tp_decoder.run_steps) timed 5 times
 after a warm-up, the per-step medians; the calls of the op kernels that fell back to Python (the
@@ -10,7 +12,7 @@ decode steps back to back (the host's pace); with PROFILE=1 also torch.profiler'
 steps by self CPU time, and a run under torch.cuda's sync debug mode (a warning per synchronising call).
 
 Usage (one GPU): [PMODE=reduce-overhead] [ORDER=unfused,fused-all] [PROFILE=1] python launch/decoder_profile.py
-(PMODE: the mode; ORDER: the columns in order, default the five above; one column: a fresh process's)
+(PMODE: the mode; ORDER: the columns in order, default the seven above; one column: a fresh process's)
 """
 import gc
 import os
@@ -24,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import commfuse  # noqa: E402
 import commfuse.ops  # noqa: E402
+from commfuse.fusion.backend import _inner_compiler  # noqa: E402
 import tp_decoder as td  # noqa: E402
 
 FALLBACKS = [0]
@@ -45,13 +48,22 @@ g = torch.Generator().manual_seed(1234)
 prompt = torch.randint(0, cfg.vocab, (1, 16), generator=g).to(dev)
 decode = torch.randint(0, cfg.vocab, (1, 4), generator=g).to(dev)
 mode = os.environ.get("PMODE") or None
-ORDER = (os.environ.get("ORDER") or "unfused,fused-all,unfused,fused-all,fused-auto").split(",")
+ORDER = (os.environ.get("ORDER") or "unfused,fused-all,wrapped,unfused,fused-all,fused-auto,wrapped").split(",")
+
+
+def wrapped(gm, example_inputs):
+    """A dynamo backend that only hands the graph to Inductor, as commfuse.fusion's backend does after its pass."""
+    return _inner_compiler("inductor", mode, None, None)(gm, example_inputs)
+
+
+
 make = {
     "unfused": lambda: torch.compile(model.forward, backend="inductor", mode=mode, fullgraph=True),
     "fused-all": lambda: commfuse.fusion.compile(model.forward, comm, backend="inductor", mode=mode, fullgraph=True,
                                                  rewrite="all"),
     "fused-auto": lambda: commfuse.fusion.compile(model.forward, comm, backend="inductor", mode=mode, fullgraph=True,
                                                   rewrite="auto"),
+    "wrapped": lambda: torch.compile(model.forward, backend=wrapped, fullgraph=True),
 }
 print(f"decoder_profile: 8b, 4 layers, fp8, world 1 on {dev}, mode {mode}", flush=True)
 with torch.inference_mode():
