@@ -109,6 +109,26 @@ def test_every_moe_tail_variant_builds(arch, cache_dir):
     assert sorted(built.lowered) == sorted(names)
 
 
+def test_five_cta_tail_variants_do_not_spill():
+    """csrc/fused_tail.cu builds the local tail's VPT 4 variants without quantization, fp8 and nvfp4 for 5 CTAs of 256
+    threads an SM (<= 51 registers on SM 9.0): that pays only while they need no spill (ptxas' report)."""
+    if 90 not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
+    names = tuple(fused_tail.FUSED_TAIL.name_expression(d, f, 4) for d in (torch.bfloat16, torch.float16)
+                  for f in FORMATS if f.name in (None, "fp8", "nvfp4"))
+    options = jit.compile_options("sm_90") + ("--ptxas-options=-v",)
+    _, lowered, log = jit._nvrtc_compile(jit.CSRC_DIR / fused_tail.SOURCE, names, options)
+    reports = {}
+    for entry in log.split("Compiling entry function")[1:]:
+        symbol = entry.split("'")[1]
+        reports[symbol] = entry
+    for name in names:
+        report = reports[lowered[name]]
+        assert " 0 bytes spill stores, 0 bytes spill loads" in report, f"{name} spills:\n{report}"
+        used = int(report.split("Used ")[1].split(" registers")[0])
+        assert used <= 65536 // (5 * 256), f"{name}: {used} registers do not fit 5 CTAs of 256 threads"
+
+
 def test_moe_tail_configs_have_variants():
     names = set(moe_tail.variants())
     for hidden in (8, 2880, 4096, 7168, 16384, 32000):
