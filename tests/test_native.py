@@ -18,8 +18,8 @@ def test_pointer_sources_are_numbered_alike():
     to load an extension whose numbers differ)."""
     text = (jit.CSRC_DIR / native.SOURCE).read_text()
     enum = dict(re.findall(r"\bk(\w+) = (\d+)", re.search(r"enum Source : int \{([^}]*)\}", text).group(1)))
-    names = {"X": "X", "Residual": "RESIDUAL", "Weight": "WEIGHT", "Scale": "SCALE", "Z": "Z", "RowIndex": "ROW_INDEX", "Shared": "SHARED", "Out0": "OUT",
-             "Sum": "SUM", "Sources": "SOURCES"}
+    names = {"X": "X", "Residual": "RESIDUAL", "Weight": "WEIGHT", "Scale": "SCALE", "Z": "Z", "RowIndex": "ROW_INDEX",
+             "Shared": "SHARED", "Out0": "OUT", "Sum": "SUM", "Sources": "SOURCES"}
     assert {names[k]: int(v) for k, v in enum.items()} == {n: getattr(launch, n) for n in names.values()}
 
 

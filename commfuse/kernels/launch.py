@@ -8,13 +8,14 @@ scale, out, z, row_index=None, shared=None)`: the C++ Launcher of commfuse.kerne
 path) and `PyLauncher` here, which stands in where the extension cannot be built. Both return the five
 outputs of a tail (reference.Tail's order, None where absent), or the sum of a plain all-reduce.
 
-Per call, either executor: copies strided or misaligned operands (the kernels read dense rows of
-16-byte vectors), converts a MoE plan's routing weights (z) to float32 and an int64 row index to int32
-(those outside [-1, rows) kept outside: -2 or rows; each conversion one more kernel), allocates the outputs the caller did not give (out: None, a tensor for a plain
-all-reduce, or the five fields; a field None is allocated), checks the caller's outputs' alignment and
-an MN-major view's room (the plan's key holds no addresses), runs ncclAllReduce of x into the residual
-output (a scratch buffer where that output is the residual input itself), then each kernel with its
-pointers patched in: source address + delta, or 0 where the source is absent.
+Per call, either executor: copies strided or misaligned operands (the kernels read dense rows of 16-byte
+vectors), converts a MoE plan's routing weights (z) to float32 and an int64 row index to int32 (those
+outside [-1, rows) kept outside: -2 or rows; each conversion one more kernel), allocates the outputs the
+caller did not give (out: None, a tensor for a plain all-reduce, or the five fields; a field None is
+allocated), checks the caller's outputs' alignment and an MN-major view's room (the plan's key holds no
+addresses), runs ncclAllReduce of x into the residual output (a scratch buffer where that output is the
+residual input itself), then each kernel with its pointers patched in: source address + delta, or 0
+where the source is absent.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from ..tail.spec import OutputSpec, TailSpec
 from . import params
 
 __all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch",
-           "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "row_index32", "allocate", "set_poison", "on_poison", "pieces"]
+           "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "row_index32", "allocate", "set_poison",
+           "on_poison", "pieces"]
 
 # Where a patched pointer comes from: the call's arguments (a MoE call's y is X, its routing weights Z),
 # its outputs OUT + i (residual, norm, quant, scale_factors, scales; a plain all-reduce's sum is OUT), and
@@ -168,8 +170,8 @@ class PyLauncher:
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, row_index=None, shared=None):
         plan = self.plan
         inputs = (x, residual, weight, scale, z, row_index, shared)
-        t = [None if a is None else operand(a) for a in inputs] + [None] * (SOURCES - len(inputs))
-        t[SCALE] = scale
+        t = [a if a is None or i == SCALE else operand(a) for i, a in enumerate(inputs)]
+        t += [None] * (SOURCES - len(inputs))
         if plan.combine:
             # Temporaries freed after the launches are queued: the caching allocator reuses their memory only
             # for work queued after them on this stream.

@@ -56,8 +56,8 @@ class MoeTail(Family):
 
     def plan(self, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
              device_index: int, split: Optional[int] = None) -> LaunchPlan:
-        """The LaunchPlan of t tokens of k slots (combine_patches' sources). split: CTAs per token (default ctas_per_token; more than 1
-        only for the VPT 1 variant on SM 9.0+)."""
+        """The LaunchPlan of t tokens of k slots (combine_patches' sources). split: CTAs per token (default
+        ctas_per_token; more than 1 only for the VPT 1 variant on SM 9.0+)."""
         launches = ()
         if t:
             vpt, threads = fused_tail.launch_config(h, t)
