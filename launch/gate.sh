@@ -4,6 +4,8 @@
 # GPUs, the collective route, correctness). Writes each run's JSON and text, a plot and a table of totals.
 # Usage: launch/gate.sh [N] [DIR]   (DIR default ./logs/gate; COMMFUSE_GATE_REPEATS rounds, default 7;
 # COMMFUSE_GATE_MODEL the model's arguments, default "--size 8b --layers 4 --quant fp8": "--size tiny" on a CPU)
+# Ranks sharing a GPU: run it under MPS (`launch/device.sh N mps gate`); time-sliced, each P2P kernel waits for
+# its peers' across time slices (milliseconds a call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-1}; dir=${2:-logs/gate}; mkdir -p "$dir"
