@@ -9,6 +9,7 @@ import torch
 
 from commfuse.kernels import launch, params, table
 from commfuse.kernels.launch import OUT, RESIDUAL, SCALE, WEIGHT, X, Launch, LaunchPlan, PyLauncher
+from commfuse.kernels.launch import row_index32 as launch_row_index32
 from commfuse.reference import Tail
 from commfuse.tail.spec import OutputSpec, TailSpec
 
@@ -156,6 +157,53 @@ def test_table_results_have_the_ops_types():
     gated = (x, None, x[0], None, 1e-5, 4, False, None, False, "swizzled", "row", False)
     t.insert("gated", gated, "p", lambda *a: (None, a[0], None, None, None))
     assert t.gated(*gated).norm is x
+
+
+def test_table_keys_moe_calls_by_every_moe_input():
+    """A MoE call's key holds y, the routing weights, the row index and the shared expert (their presence,
+    dtype and shape) beside fused's arguments; a hit calls the launcher with the MoE inputs in their places
+    and returns the fused result type, plan included."""
+    from commfuse import FusedResult, Quantized
+
+    t = table.PyTable("t", 0, FusedResult, Tail, Quantized)
+    calls = []
+
+    def launcher(*a):
+        calls.append(a)
+        return (a[1], None, None, None, None)
+
+    y, w, idx, shared = torch.randn(12, 8), torch.rand(3, 4), torch.arange(12, dtype=torch.int32).view(3, 4), None
+    residual, weight = torch.randn(3, 8), torch.randn(8)
+    tail = (1e-6, None, False, "swizzled", 0.0, "row", False)
+    args = (y, w, idx, shared, residual, weight, None, None) + tail
+    assert t.moe(*args) is None and t.insert("moe", args, "the plan", launcher)
+    r = t.moe(*args)
+    assert isinstance(r, FusedResult) and r.plan == "the plan" and r.residual is residual
+    assert calls == [(y, residual, weight, None, None, w, idx, None)]
+    for i, other in ((2, idx.long()), (2, None), (3, residual), (1, w.bfloat16()), (0, torch.randn(12, 16))):
+        assert t.moe(*args[:i], other, *args[i + 1:]) is None, i
+    assert len(calls) == 1
+
+
+def test_py_launcher_converts_a_moe_plans_weights_and_row_index(monkeypatch):
+    """A MoE plan's launcher reads the routing weights as float32 and the row index as int32 (int64 indices
+    outside [-1, rows) kept outside)."""
+    rec = Recorder()
+    spec = (OutputSpec((3, 8), torch.bfloat16),)
+    patches = [(0, X, 0), (8, launch.Z, 0), (16, launch.ROW_INDEX, 0), (24, launch.SHARED, 0)]
+    plan = LaunchPlan("moe", (Launch(rec, 3, 64, bytes(64), tuple(patches)),), spec + (None,) * 4, 0, combine=True)
+    y = torch.randn(12, 8).bfloat16()
+    w = torch.rand(3, 4).bfloat16()
+    idx = torch.tensor([[0, 1, 2, 3], [4, 5, -1, 7], [8, 12, -5, 11]])
+    made = []
+    monkeypatch.setattr(launch, "row_index32", lambda i, rows: made.append(launch_row_index32(i, rows)) or made[-1])
+    out = Tail(torch.empty(3, 8, dtype=torch.bfloat16), None, None, None)
+    PyLauncher(plan)(y, None, None, None, out, w, idx, None)
+    (index,) = made
+    assert index.dtype == torch.int32 and index.tolist() == [[0, 1, 2, 3], [4, 5, -1, 7], [8, 12, -2, 11]]
+    ptrs = struct.unpack("<4Q", rec.launches[0][2][:32])
+    assert ptrs[0] == y.data_ptr() and ptrs[2] == index.data_ptr() and ptrs[3] == 0
+    assert ptrs[1] not in (0, w.data_ptr())  # a float32 copy of the bf16 weights
 
 
 def test_table_is_cleared_when_full(monkeypatch):
