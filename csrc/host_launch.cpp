@@ -146,6 +146,13 @@ at::Tensor operand(const at::Tensor& t) {
   return address(c) % 16 ? c.clone() : c;
 }
 
+// launch.py's row_index32: int32 indices as given (the kernels flag one outside [-1, rows)), int64 ones
+// converted with those outside [-1, rows) kept outside (-2 or rows).
+at::Tensor row_index32(const at::Tensor& index, int64_t rows) {
+  if (index.scalar_type() == at::kInt) return index.contiguous();
+  return index.clamp(-2, rows).to(at::kInt).contiguous();
+}
+
 // Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a plain tuple in
 // reference.Tail's order, else the object's attribute (a reference.Tail, a commfuse.FusedResult); None
 // where it has none.
@@ -326,15 +333,16 @@ class Launcher {
   void run(at::Tensor (&t)[kSources]) const {
     const at::Tensor residual_in = t[kResidual];
     for (int i = kX; i < kOut0; ++i) {
-      if (t[i].defined() && i != kScale) t[i] = operand(t[i]);
-    }
-    if (combine_) {
-      // launch.py's row_index32: int64 indices outside [-1, rows) stay outside (-2 or rows), int32 ones as
-      // given (the kernels flag those). The temporaries' memory is reused only by work queued after them.
-      t[kZ] = t[kZ].to(at::kFloat).contiguous();
-      at::Tensor& index = t[kRowIndex];
-      if (index.defined() && index.scalar_type() != at::kInt)
-        index = index.clamp(-2, t[kX].size(0)).to(at::kInt).contiguous();
+      if (!t[i].defined() || i == kScale) continue;
+      // A MoE plan's weights are read as float32 and its row index as int32, each converted once (the
+      // temporaries' memory is reused only by work queued after them).
+      if (combine_ && i == kZ) {
+        t[i] = operand(t[i].to(at::kFloat));
+      } else if (combine_ && i == kRowIndex) {
+        t[i] = row_index32(t[i], t[kX].size(0));
+      } else {
+        t[i] = operand(t[i]);
+      }
     }
     for (int i = 0; i < outputs(); ++i) {
       if (specs_[i].present && !t[kOut0 + i].defined()) t[kOut0 + i] = allocate(specs_[i]);

@@ -170,13 +170,16 @@ class PyLauncher:
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, row_index=None, shared=None):
         plan = self.plan
         inputs = (x, residual, weight, scale, z, row_index, shared)
-        t = [a if a is None or i == SCALE else operand(a) for i, a in enumerate(inputs)]
-        t += [None] * (SOURCES - len(inputs))
-        if plan.combine:
-            # Temporaries freed after the launches are queued: the caching allocator reuses their memory only
-            # for work queued after them on this stream.
-            t[Z] = z.to(torch.float32).contiguous()
-            t[ROW_INDEX] = None if row_index is None else row_index32(row_index, x.shape[0])
+        t = [None] * SOURCES
+        for i, a in enumerate(inputs):
+            if a is None or i == SCALE:
+                t[i] = a
+            elif plan.combine and i == Z:  # temporaries: their memory is reused only by work queued after them
+                t[i] = operand(a.to(torch.float32))
+            elif plan.combine and i == ROW_INDEX:
+                t[i] = row_index32(a, x.shape[0])
+            else:
+                t[i] = operand(a)
         given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
         if out is not None:
             no_overlap(OUT_NAMES if plan.fused else ("out",), given, plan.outputs,
