@@ -4,8 +4,9 @@ same tail: whether commfuse.kernels.fused_tail.launch_config's choice, or anothe
 Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--quants none,fp8,nvfp4] [--no-residual]
 (--no-residual: the plain RMSNorm of x, commfuse.fused_add_rmsnorm(x, None, ...), quant none only)
        python launch/tail_sweep.py --moe 8 [--shapes 1x7168,64x7168] [--quants none,nvfp4]
-(--moe k: the world-1 MoE tail of k slots a token, finalize form with a shared expert, at every split:
-CTAs a token, moe_tail.MOE_TAIL.plan's split, the default one marked "*"; no Inductor column)
+(--moe k: the world-1 MoE tail of k slots a token, in the reduction form and in the finalize form with a
+shared expert, at every split: CTAs a token, moe_tail.MOE_TAIL.plan's split, the default one marked "*";
+no Inductor column)
        python launch/tail_sweep.py --gated 128 [--shapes ...]
 (--gated G: the gated RMSNorm, groups of G, gate first, at every VPT of its variants)
 
@@ -96,7 +97,7 @@ def main(argv=None) -> None:
             if r is None:
                 want = want[-1:]  # the norm; the kernel's residual output is x's copy, which it does not write
             ind = _inductor(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
-            chosen = fused_tail.launch_config(h, t, quant is None and r is not None)
+            chosen = fused_tail.launch_config(h, t, quant is None, r is not None)
             for vpt, threads in configs(h):
                 run = launcher(dtype, t, h, spec, vpt, threads)
 
@@ -146,7 +147,7 @@ def moe_sweep(args) -> None:
 
     gen = torch.Generator().manual_seed(0)
     k, dev = args.moe, torch.cuda.current_device()
-    print("| shape | k | quant | split (CTAs a token) | us |\n|---|---|---|---|---|")
+    print("| shape | k | form | quant | split (CTAs a token) | us |\n|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         t, h = map(int, shape.split("x"))
         rows = torch.randn(t * k, h, generator=gen).bfloat16().cuda()
@@ -154,24 +155,29 @@ def moe_sweep(args) -> None:
         w = torch.rand(t, k, generator=gen).cuda()
         shared, residual = (torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2))
         weight = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
+        # The reduction form reads y [t, k, h] (here the rows in order), the finalize form the rows through
+        # the index, plus the shared expert.
+        forms = {"reduction": (0, rows.view(t, k, h), None, None, reference.moe_reduce(rows.view(t, k, h), w)),
+                 "finalize": (1, rows, idx, shared, reference.moe_finalize(rows, idx, w, shared))}
         for q in args.quants.split(","):
             quant = None if q == "none" else q
             scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
             spec = TailSpec.of(quant, return_norm=quant is None)
-            want = reference.fused_tail(reference.moe_finalize(rows, idx, w, shared), residual, weight, 1e-6, quant,
-                                        scale, quant is None)
-            want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
             vpt, _ = fused_tail.launch_config(h, t)
             chosen = moe_tail.MOE_TAIL.ctas_per_token(t, k, vpt, dev)
-            for split in (1, 2, 4, 8) if vpt == 1 and moe_tail.clusters(dev) else (1,):
-                plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
+            for form_name, (form, y, row_index, shared_in, combined) in forms.items():
+                want = reference.fused_tail(combined, residual, weight, 1e-6, quant, scale, quant is None)
+                want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
+                for split in (1, 2, 4, 8) if vpt == 1 and moe_tail.clusters(dev) else (1,):
+                    plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, form, t, k, h, rows.shape[0], spec, dev, split=split)
 
-                def call(plan=plan):
-                    out = native.launcher(plan)(rows, residual, weight, scale, None, w, idx, shared)
-                    return tuple(v for v in out if v is not None)
+                    def call(plan=plan, y=y, row_index=row_index, shared_in=shared_in):
+                        out = native.launcher(plan)(y, residual, weight, scale, None, w, row_index, shared_in)
+                        return tuple(v for v in out if v is not None)
 
-                mark = " *" if split == chosen else ""
-                print(f"| {shape} | {k} | {q} | {split}{mark} | {_timed(call, want, quant)} |", flush=True)
+                    mark = " *" if split == chosen else ""
+                    print(f"| {shape} | {k} | {form_name} | {q} | {split}{mark} | {_timed(call, want, quant)} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

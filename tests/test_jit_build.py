@@ -140,24 +140,59 @@ def test_moe_tail_configs_have_variants():
 def test_variants_cover_every_launch_config():
     names = set(fused_tail.variants())
     assert len(names) == 2 * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1)
-    for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 5120, 7168, 8192, 8200, 16384, 16392, 32000, 65536):
-        for tokens, plain in itertools.product((1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, 8192),
-                                               (False, True)):
-            vpt, threads = fused_tail.launch_config(hidden, tokens, plain)
+    rows = (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, fused_tail.PLAIN_WIDE_TOKENS - 1,
+            fused_tail.PLAIN_WIDE_TOKENS, 8192)
+    for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 4104, 5120, 7168, 8192, 8200, 16384, 16392, 32000,
+                   65536):
+        for tokens, plain, residual in itertools.product(rows, (False, True), (False, True)):
+            vpt, threads = fused_tail.launch_config(hidden, tokens, plain, residual)
             assert threads % 32 == 0 and 32 <= threads <= fused_tail.MAX_THREADS[vpt]
             few = tokens < fused_tail.LATENCY_TOKENS
-            limit = {v: fused_tail.MAX_THREADS[v] if few else fused_tail.THROUGHPUT_THREADS
-                     for v in fused_tail.VPT_BUCKETS}
-            need = -(-(hidden // 8) // 2)  # threads that cover the row at VPT 2
-            if plain and not few and 64 <= need <= fused_tail.PLAIN_THREADS:  # VPT 2, up to 512 threads
+            vectors = hidden // 8
+            need = -(-vectors // 2)  # threads that cover the row at VPT 2
+            if plain and few and vectors <= 2 * fused_tail.MAX_THREADS[2]:
+                # VPT 1 up to 512 threads, then VPT 2
+                one = vectors <= fused_tail.FEW_PLAIN_THREADS
+                assert (vpt, threads) == ((1, max(32, -(-vectors // 32) * 32)) if one else (2, -(-need // 32) * 32))
+                continue
+            wide = (residual and need <= fused_tail.THROUGHPUT_THREADS) or (
+                need > fused_tail.THROUGHPUT_THREADS and tokens < fused_tail.PLAIN_WIDE_TOKENS)
+            if plain and not few and wide and 64 <= need <= fused_tail.PLAIN_THREADS:  # VPT 2, up to 512 threads
                 assert (vpt, threads) == (2, -(-need // 32) * 32), (hidden, tokens)
                 continue
+            assert (vpt, threads) == fused_tail.row_config(hidden, few), (hidden, tokens, plain, residual)
+            limit = {v: fused_tail.MAX_THREADS[v] if few else fused_tail.THROUGHPUT_THREADS
+                     for v in fused_tail.VPT_BUCKETS}
             assert (vpt == 0) == (hidden > 8 * max(v * limit[v] for v in limit)), (hidden, tokens)
             if vpt:
                 assert vpt * threads * 8 >= hidden and threads <= limit[vpt], (hidden, tokens)
             for dtype in (torch.float16, torch.bfloat16):
                 for fmt in FORMATS:
                     assert fused_tail.FUSED_TAIL.name_expression(dtype, fmt, vpt) in names
+
+
+def test_plain_launch_rule_at_measured_shapes():
+    """The rule of a tail without quantization at the shapes its numbers were measured (fused_tail's docstring)."""
+    lc = fused_tail.launch_config
+    assert lc(7168, 16, True) == (2, 448) and lc(8192, 16, True) == (2, 512) and lc(8192, 64, True, False) == (2, 512)
+    assert lc(4096, 1, True) == (1, 512)
+    assert lc(4096, 1024, True) == (2, 256) and lc(4096, 8192, True) == (2, 256)
+    assert lc(7168, 256, True) == (2, 448) and lc(7168, 256, True, False) == (2, 448)
+    assert lc(7168, 1024, True) == (4, 224) and lc(8192, 1024, True) == (4, 256) and lc(8192, 8192, True) == (4, 256)
+    assert lc(8192, 1024, True, False) == (4, 256)
+
+
+def test_warmup_configs_cover_every_row_count():
+    """warmup compiles what any row count may launch (a CUDA graph cannot compile): configs holds launch_config's
+    variant at every row count, for each format, with a residual and without."""
+    for hidden in (2048, 4096, 7168, 8192, 16384, 32000):
+        for fmt in FORMATS:
+            spec = TailSpec.of(fmt.name)
+            names = set(fused_tail.FUSED_TAIL.configs(torch.bfloat16, spec, hidden))
+            for tokens in range(1, 1100, 7):
+                for residual in (True, False):
+                    vpt = fused_tail.launch_config(hidden, tokens, spec.quant is None, residual)[0]
+                    assert fused_tail.FUSED_TAIL.name_expression(torch.bfloat16, fmt, vpt) in names
 
 
 def test_broken_source_raises_jit_error_with_log(tmp_path, cache_dir):

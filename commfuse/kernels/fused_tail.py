@@ -16,12 +16,18 @@ registers, VPT vectors per thread (VPT in 1, 2, 4):
 - many rows: the most vectors per thread (more loads in flight per thread, fewer warps per
   reduction) that keeps at least 2 warps, at most 256 threads, so several CTAs share an SM and
   one row's loads overlap another's arithmetic (h <= 8192). H200: [8192, 4096] -> NVFP4 65.6 us
-  with 4 x 128 against 70.8 us with 2 x 256. Without quantization ("plain": a residual add and a
-  norm, little arithmetic to overlap) 2 vectors per thread, up to 512 threads: H200, bf16, against
-  the rule above, [1024, 4096] 6.2 us against 7.3, [1024, 8192] 18.2 against 20.8, [8192, 4096]
-  67.8 against 75.1, [256, 7168] 3.7 against 4.1 (launch/tail_sweep.py). A plain RMSNorm (no residual
-  either) reads one row and writes one, and takes the rule above: [1024, 8192] 8.1 us with 4 x 256
-  against 9.6 with 2 x 512, within 4% of the best elsewhere (launch/tail_sweep.py --no-residual).
+  with 4 x 128 against 70.8 us with 2 x 256.
+Without quantization ("plain": little arithmetic to overlap), H200, bf16 (launch/tail_sweep.py):
+- few rows: VPT 1 up to 512 threads, VPT 2 beyond (h 4097-16384): [16, 7168] 2.29 us with 2 x 448
+  against 2.66 with 1 x 896, [16, 8192] 2.36 against 2.78; without a residual [64, 8192] 2.17 against 2.45.
+- many rows, a residual add and a norm: 2 vectors per thread where that takes at most 256 threads
+  ([1024, 4096] 6.2 us against 7.3, [8192, 4096] 67.8 against 75.1), and up to 512 threads below 512
+  rows ([256, 7168] 3.7 against 4.1); else the rule above: [1024, 7168] 15.95 us with 4 x 224 against
+  18.11 with 2 x 448, [1024, 8192] 18.55 against 19.82, [8192, 7168] 115.2 against 125.0, [8192, 8192]
+  132.8 against 138.8 (one CTA of up to 512 threads a row leaves too few rows in flight).
+- many rows, a plain RMSNorm (no residual either: one row read, one written): up to 512 threads at VPT 2
+  below 512 rows ([256, 7168] 3.06 us against 3.23 with 4 x 224), else the rule above ([1024, 8192]
+  8.1 us with 4 x 256 against 9.6 with 2 x 512).
 Longer rows take the looped variant (VPT = 0, 256 threads), which re-reads its own residual
 output (from L2) instead of holding the row: on the H200 it beat 8 vectors per thread at
 h = 16384 (252 us against 406 us for [8192, 16384] -> NVFP4; one 130-register CTA per SM).
@@ -50,13 +56,21 @@ VPT_BUCKETS = (1, 2, 4)  # vectors of 8 elements per thread on the register path
 MAX_THREADS = {1: 1024, 2: 1024, 4: 256, 0: 256}
 THROUGHPUT_THREADS = 256  # per CTA at most, when there are enough rows to fill the GPU
 LATENCY_TOKENS = 256      # below this many rows, a row gets as many threads as its variant allows
-PLAIN_THREADS = 512       # per CTA at most for a tail without quantization, many rows: VPT 2
+PLAIN_THREADS = 512       # per CTA at most for a tail without quantization at VPT 2, many rows
+PLAIN_WIDE_TOKENS = 512   # below this many rows, such a tail takes VPT 2 up to PLAIN_THREADS at any hidden size
+FEW_PLAIN_THREADS = 512   # per CTA at most at VPT 1 for a tail without quantization, few rows
 
 
-def launch_config(hidden: int, tokens: int, plain: bool = False) -> Tuple[int, int]:
-    """(vpt, threads per CTA) for `tokens` rows of `hidden` elements; vpt 0 is the looped variant.
-    plain: a residual add + RMSNorm without quantization (the fused tail's own rule for many rows, above)."""
-    return row_config(hidden, tokens < LATENCY_TOKENS, plain)
+def launch_config(hidden: int, tokens: int, plain: bool = False, residual: bool = True) -> Tuple[int, int]:
+    """(vpt, threads) for `tokens` rows of `hidden` elements; vpt 0 is the looped variant.
+    plain: a tail without quantization, with a residual add or (residual False) without: the rules for
+    those (above)."""
+    few = tokens < LATENCY_TOKENS
+    if not plain:
+        return row_config(hidden, few)
+    wide = -(-(hidden // 8) // 2)  # threads at VPT 2
+    return plain_config(hidden, few, (residual and wide <= THROUGHPUT_THREADS) or
+                        (wide > THROUGHPUT_THREADS and tokens < PLAIN_WIDE_TOKENS))
 
 
 def register_config(hidden: int, tokens: int) -> Tuple[int, int]:
@@ -66,31 +80,43 @@ def register_config(hidden: int, tokens: int) -> Tuple[int, int]:
     return (vpt, threads) if vpt else row_config(hidden, True)
 
 
+def _whole_warps(threads: int) -> int:
+    return max(32, -(-threads // 32) * 32)
+
+
 @functools.lru_cache(maxsize=None)
-def row_config(hidden: int, few_rows: bool, plain: bool = False) -> Tuple[int, int]:
+def row_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
     """launch_config's rule for few rows (decode: each row's chain over as many threads as its variant
-    allows) or many (throughput; plain: without quantization); the P2P and gated kernels take the
-    few-rows rule for every row count."""
+    allows) or many (throughput); the P2P and gated kernels take the few-rows rule for every row count."""
     vectors = hidden // 8
-
-    def whole_warps(threads: int) -> int:
-        return max(32, -(-threads // 32) * 32)
-
     if few_rows:
         for vpt in VPT_BUCKETS:
             threads = -(-vectors // vpt)
             if threads <= MAX_THREADS[vpt]:
-                return vpt, whole_warps(threads)
+                return vpt, _whole_warps(threads)
         return 0, MAX_THREADS[0]
-    if plain and 64 <= -(-vectors // 2) <= PLAIN_THREADS:
-        return 2, whole_warps(-(-vectors // 2))
     if vectors > max(VPT_BUCKETS) * THROUGHPUT_THREADS:
         return 0, MAX_THREADS[0]
     for vpt in sorted(VPT_BUCKETS, reverse=True):
         threads = -(-vectors // vpt)
         if threads >= 64 or vpt == min(VPT_BUCKETS):
-            return vpt, whole_warps(threads)
+            return vpt, _whole_warps(threads)
     raise AssertionError("unreachable: VPT 1 always fits")
+
+
+@functools.lru_cache(maxsize=None)
+def plain_config(hidden: int, few_rows: bool, wide: bool) -> Tuple[int, int]:
+    """launch_config's rule for a tail without quantization: few rows take VPT 1 up to FEW_PLAIN_THREADS
+    threads and VPT 2 beyond; many rows VPT 2 up to PLAIN_THREADS where `wide`; else row_config's rule."""
+    vectors = hidden // 8
+    if few_rows:
+        if -(-vectors // 2) <= MAX_THREADS[2]:
+            vpt = 1 if vectors <= FEW_PLAIN_THREADS else 2
+            return vpt, _whole_warps(-(-vectors // vpt))
+        return row_config(hidden, True)
+    if wide and 64 <= -(-vectors // 2) <= PLAIN_THREADS:
+        return 2, _whole_warps(-(-vectors // 2))
+    return row_config(hidden, False)
 
 
 class FusedTail(Family):
@@ -106,8 +132,9 @@ class FusedTail(Family):
         return [self.name_expression(d, f, v) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS + (0,)]
 
     def configs(self, dtype, spec, hidden):
-        return [self.name_expression(dtype, spec.format, row_config(hidden, few, plain)[0])
-                for few in (True, False) for plain in {False, spec.quant is None}]
+        # The rules change only at these row counts (launch_config).
+        return [self.name_expression(dtype, spec.format, launch_config(hidden, t, spec.quant is None, residual)[0])
+                for t in (1, LATENCY_TOKENS, PLAIN_WIDE_TOKENS) for residual in (True, False)]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int, *, residual: bool = True,
              nccl=None) -> LaunchPlan:
@@ -116,7 +143,7 @@ class FusedTail(Family):
         kernel reading the sum there as its input `a` and updating it in place; else `a` is x."""
         launches = ()
         if t:
-            vpt, threads = launch_config(h, t, spec.quant is None and residual)
+            vpt, threads = launch_config(h, t, spec.quant is None, residual)
             blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
             patches = [(params.FUSED_TAIL.offsets["a"], SUM if nccl is not None else X, 0)]
             patches += tail_patches(params.FUSED_TAIL.offsets["tail"])
