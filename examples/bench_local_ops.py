@@ -203,7 +203,9 @@ def main(argv=None) -> dict:
             cells.append(f"rejected: {v['rejected']}" if "rejected" in v else
                          f"{v.get(key, float('nan')):.1f}" + (f" (eager {v['eager']:.1f})" if cuda else ""))
         print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |")
-    out = {"device": str(device), "cuda": cuda, "backend": backend, "rows": rows}
+    machine = torch.cuda.get_device_name(device) if cuda else "cpu"
+    out = {"device": str(device), "machine": machine, "torch": torch.__version__, "cuda": cuda, "backend": backend,
+           "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

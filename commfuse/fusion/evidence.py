@@ -10,13 +10,15 @@ it is) every local pattern is rewritten: there the alternative is torch's unfuse
 `rewrite="all"` rewrites every match regardless (for the fused ops' semantics: one rounding to T,
 the formats' codes).
 
-The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*):
+The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
-  torch (local-ops benchmark, tokens x hidden 1x4096 .. 1024x8192): add + RMSNorm 1.8-3.9 us against
-  1.9-4.7 us up to 256 tokens but 18.4 against 17.7 us at 1024x8192; RMSNorm alone 7.9 against 7.1 us
-  at 1024x8192; the gated norm (groups of 128) faster everywhere, 2.3-18.8 us against 2.8-21.2 us; NVFP4
-  quantization 2.4-2.7x faster than Inductor's compiled torch quantizer (11.8 against 32.3 us at
-  1024x8192).
+  torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
+  2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
+  17.8 us at 1024x8192, ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
+  at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster at groups of 128 everywhere
+  (2.4-125.9 us against 3.2-163.6 us), at groups of 1024 and 2048 behind at 1-16 tokens of h 7168 / 8192
+  (3.5 against 2.7 us at 1x8192, group 1024) and by 3-4% at 1024 tokens; NVFP4 quantization 1.7-7.4x
+  faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
 - The host: a call of the local op through torch.ops costs 1.5-1.7x a torch elementwise op (10.2 us
   for add + RMSNorm against 6.4 us for torch.add), about what Inductor's own kernel launch costs; but in
   a compiled model the op takes the place of a kernel that Inductor also fused with its neighbours (the
@@ -38,10 +40,10 @@ REWRITES = ("auto", "all")
 
 _DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran 7.7% slower per prefill + 4 decode steps "
             "with every local rewrite (9.93 against 9.22 ms, H200)")
-_ADD_RMSNORM = ("Inductor's own kernel for it measured as fast or faster at large token counts (17.7 against 18.4 us "
-                f"at 1024x8192, bf16, H200), and {_DECODER}")
-_GATED = (f"commfuse's gated norm is faster on the GPU (18.8 against 21.2 us at 1024x8192, group 128, H200), but "
-          f"{_DECODER}: the local ops' host time")
+_ADD_RMSNORM = ("Inductor's own kernel for it measured as fast or faster at 1024 tokens (17.8 against 18.5 us at "
+                f"1024x8192, bf16, H200), and {_DECODER}")
+_GATED = ("commfuse's gated norm is faster on the GPU at most shapes (18.9 against 21.2 us at 1024x8192, group 128, "
+          f"H200), but {_DECODER}: the local ops' host time")
 
 
 def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: Optional[str],
@@ -58,8 +60,8 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     # A quantization other than static FP8 reaches the pass as a commfuse.quantize op (NVFP4's measured
     # 2.4-2.7x faster than Inductor's compiled torch quantizer). With CUDA graphs the kernels' GPU time
-    # decides: commfuse's faster or level up to 256 tokens (the gated norm at every measured shape); the
-    # decoder above level with every local rewrite.
+    # decides: commfuse's faster or level up to 256 tokens (the gated norm with groups of 128 at every
+    # measured shape); the decoder above level with every local rewrite.
     if rewrite == "all" or compiler != "inductor" or quant_is_op or cuda_graphs:
         return None
     what = _GATED if kind == "gated" else _ADD_RMSNORM
