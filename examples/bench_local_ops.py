@@ -14,6 +14,10 @@ Rows, per (pattern, tokens x hidden, dtype):
   gated norm as commfuse.reference's fused_tail / gated_rmsnorm compute them);
 - torch.compile: that torch function through torch.compile (inductor on CUDA, --compile-backend).
 
+On CUDA each timed row also has its share of the run's HBM copy ceiling ("of copy": the fewest bytes the op
+moves, each input read once and each output written once, per second, over a 1 GiB device copy's bytes read and
+written per second, measured first in the same run).
+
 Correct before fast: every row is first compared with commfuse.reference (commfuse.tolerance's
 tolerances); a row that misses gets no time, only the reason. Times are microseconds per call: on CUDA
 the GPU time of K calls captured in one CUDA graph ("graph") and of K back-to-back Python calls
@@ -62,7 +66,14 @@ def torch_quantize(x, quant, scale):
     return reference.quantize_nvfp4(x, scale)
 
 
+def moved_bytes(inputs, outputs) -> int:
+    """The fewest bytes a kernel moves: each input read once and each output written once."""
+    return sum(v.numel() * v.element_size() for v in (*inputs, *outputs) if v is not None)
+
+
 def make_case(pattern, t, h, dtype, device, gen):
+    """(ours, theirs, want, route, quant, inputs): the calls, the reference outputs, commfuse's route, the
+    format, and the tensors the op reads (for moved_bytes)."""
     x = torch.randn(t, h, generator=gen).to(dtype).to(device)
     r = torch.randn(t, h, generator=gen).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(device)
@@ -74,14 +85,14 @@ def make_case(pattern, t, h, dtype, device, gen):
         theirs = lambda: torch_quantize(x, quant, scale)  # noqa: E731
         want = tuple(v for v in reference.quantize(x, quant, scale) if v is not None)
         route = "; ".join(s.strip(" -") for s in str(local.plan_quantize(x, quant, scale)).splitlines())
-        return ours, theirs, want, route, quant
+        return ours, theirs, want, route, quant, (x, scale)
     if pattern.startswith("gated_rmsnorm"):
         group = int(pattern.split(":")[1]) if ":" in pattern else 128 if h % 128 == 0 else h
         ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, group, False).norm,)  # noqa: E731
         theirs = lambda: (reference.gated_rmsnorm(x, r, w, 1e-5, group, False),)  # noqa: E731
         want = theirs()
         route = "; ".join(s.strip(" -") for s in str(local.plan_gated(x, r, w, 1e-5, group, False)).splitlines())
-        return ours, theirs, want, route, None
+        return ours, theirs, want, route, None, (x, r, w)
     if pattern == "rmsnorm":  # no residual: the RMSNorm of x itself
         r = None
     ours_fn = lambda: commfuse.fused_add_rmsnorm(x, r, w, 1e-5, quant=quant, scale=scale)  # noqa: E731
@@ -93,7 +104,7 @@ def make_case(pattern, t, h, dtype, device, gen):
         return tuple(v for v in (t_.residual, t_.norm, t_.quant, t_.scale_factors) if v is not None)
 
     theirs = lambda: torch_tail(x, r, w, 1e-5, quant, scale)  # noqa: E731
-    return ours, theirs, tuple(v for v in want if v is not None), route, quant
+    return ours, theirs, tuple(v for v in want if v is not None), route, quant, (x, r, w, scale)
 
 
 def check(got, want, quant, pattern="") -> str:
@@ -111,6 +122,17 @@ def check(got, want, quant, pattern="") -> str:
     t = reference.Tail(got[0], None, got[1], got[2] if quant == "nvfp4" else None)
     w = reference.Tail(want[0], None, want[1], want[2] if quant == "nvfp4" else None)
     return tolerance.tail_mismatch(t, w, quant) or ""
+
+
+def copy_ceiling_GBps(device, repeats: int, nbytes: int = 1 << 30) -> float:
+    """The HBM copy ceiling of this run: a device-to-device copy of nbytes, bytes read + written per second
+    (GB/s) from its graph time (time_us)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), True, 5, repeats)["graph"]
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e3)
 
 
 def time_us(fn, cuda: bool, calls: int, repeats: int) -> dict:
@@ -177,35 +199,40 @@ def main(argv=None) -> dict:
     backend = args.compile_backend or ("inductor" if cuda else "aot_eager")
     gen = torch.Generator().manual_seed(0)
     rows = []
+    ceiling = copy_ceiling_GBps(device, args.repeats) if cuda else None
     with torch.inference_mode():
         for dt in args.dtypes.split(","):
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
             for pattern in args.patterns.split(","):
                 for shape in args.shapes.split(","):
                     t, h = map(int, shape.split("x"))
-                    ours, theirs, want, route, quant = make_case(pattern, t, h, dtype, device, gen)
+                    ours, theirs, want, route, quant, inputs = make_case(pattern, t, h, dtype, device, gen)
                     torch._dynamo.reset()
                     compiled = torch.compile(theirs, backend=backend)
-                    row = {"pattern": pattern, "shape": shape, "dtype": dt, "route": route}
+                    row = {"pattern": pattern, "shape": shape, "dtype": dt, "route": route,
+                           "bytes": moved_bytes(inputs, want)}
                     for name, fn in (("commfuse", ours), ("torch eager", theirs), ("torch.compile", compiled)):
                         why = check(fn(), want, quant, pattern)
                         row[name] = {"rejected": why} if why else time_us(fn, cuda, args.calls, args.repeats)
+                        if ceiling and row[name].get("graph"):
+                            row[name]["frac_hbm"] = row["bytes"] / (row[name]["graph"] * 1e3) / ceiling
                     rows.append(row)
     key = "graph" if cuda else "host"
     print(f"local ops, us per call ({'GPU time, CUDA graphs' if cuda else 'host wall time: not GPU numbers'}), "
-          f"torch.compile backend {backend}")
+          f"torch.compile backend {backend}" + (f"; HBM copy ceiling {ceiling:.0f} GB/s" if ceiling else ""))
     print("| pattern | tokens x hidden | dtype | commfuse | torch eager | torch.compile | commfuse route |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         cells = []
         for name in ("commfuse", "torch eager", "torch.compile"):
             v = r[name]
+            copy = f", {v['frac_hbm']:.0%} of copy" if "frac_hbm" in v else ""
             cells.append(f"rejected: {v['rejected']}" if "rejected" in v else
-                         f"{v.get(key, float('nan')):.1f}" + (f" (eager {v['eager']:.1f})" if cuda else ""))
+                         f"{v.get(key, float('nan')):.1f}" + (f" (eager {v['eager']:.1f}{copy})" if cuda else ""))
         print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |")
     machine = torch.cuda.get_device_name(device) if cuda else "cpu"
     out = {"device": str(device), "machine": machine, "torch": torch.__version__, "cuda": cuda, "backend": backend,
-           "rows": rows}
+           "hbm_copy_GBps": ceiling, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -1,0 +1,36 @@
+"""examples/bench_local_ops.py on the CPU: every pattern's commfuse row passes its check against the
+reference before it is timed, and each row counts the bytes its op must move (inputs once, outputs once),
+from which the GPU run gives each time its share of the HBM copy ceiling."""
+import importlib.util
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_local_ops", os.path.join(HERE, "..", "examples", "bench_local_ops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_local_ops_bench_checks_and_counts_bytes(tmp_path):
+    bench = _bench()
+    t, h = 3, 256
+    out = bench.main(["--shapes", f"{t}x{h}", "--patterns", ",".join(bench.PATTERNS + ("gated_rmsnorm:64",)),
+                      "--repeats", "1", "--calls", "1", "--json", str(tmp_path / "out.json")])
+    assert os.path.exists(tmp_path / "out.json") and out["hbm_copy_GBps"] is None  # no ceiling without CUDA
+    row, e = {r["pattern"]: r for r in out["rows"]}, 2  # bf16
+    for r in out["rows"]:
+        assert "rejected" not in r["commfuse"] and r["commfuse"]["host"] > 0, r
+        assert "frac_hbm" not in r["commfuse"], r
+    x, w = t * h * e, h * e
+    assert row["add_rmsnorm"]["bytes"] == 2 * x + w + 2 * x  # x, residual, weight; residual out, norm
+    assert row["rmsnorm"]["bytes"] == x + w + x
+    assert row["add_rmsnorm_fp8"]["bytes"] == 2 * x + w + 4 + x + t * h  # + the scale; residual out, fp8 codes
+    # NVFP4: codes 2 a byte, scale factors one a 16 elements in the swizzled layout's 128-row x 4-column tiles
+    sf = 128 * -(-(h // 16) // 4) * 4
+    assert row["add_rmsnorm_nvfp4"]["bytes"] == 2 * x + w + 4 + x + t * h // 2 + sf
+    assert row["gated_rmsnorm:64"]["bytes"] == 3 * x + w  # x, gate, weight; norm
+    assert row["quantize_fp8"]["bytes"] == x + 4 + t * h
