@@ -624,13 +624,15 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
   if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, 0);
 }
 
-// Stores and quantization of a whole row of T-rounded norms n (thread threadIdx.x holds vectors
-// threadIdx.x + i * blockDim.x, i < VPT; anything past the row's end), its scale-storage padding
-// included. qs: quant_scalar<QUANT>(p); fp8_per_token computes the row's scale here, fp8_block its
-// blocks' scales.
+// Stores and quantization of the T-rounded norms n of vectors [first, first + nv) of row `row` (thread
+// threadIdx.x holds vectors first + threadIdx.x + i * blockDim.x, i < VPT; anything past nv), and, where
+// the slice ends the row, the row's scale-storage padding. first is a multiple of 16 vectors, so a
+// slice holds whole scale blocks of every format. qs: quant_scalar<QUANT>(p); fp8_per_token computes
+// the scale of the slice here (the row's only where the slice is the whole row: a caller that splits
+// rows must not take that format), fp8_block its blocks' scales.
 template <typename T, int QUANT, int VPT>
-__device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs) {
-  const int nv = p.h / kVecElems;
+__device__ __forceinline__ void emit_slice(const TailParams& p, int row, const uint4 (&n)[VPT], float qs, int first,
+                                           int nv) {
   const size_t sf_base = kScaleFactors<QUANT> ? sf_row_base<QUANT>(p, row) : 0;
   if constexpr (QUANT == kQuantFp8PerToken) {
     unsigned m = 0;
@@ -657,22 +659,29 @@ __device__ __forceinline__ void emit_row(const TailParams& p, int row, const uin
     const float s = block_scale<T>(p, m);
     const float r = fp8_reciprocal(s);
     const int v_own = threadIdx.x + j * blockDim.x;
-    if (j < VPT && v_own < nv) store_block_scale(p, row, static_cast<unsigned>(v_own) / kFp8BlockVectors, s);
-    const int first = threadIdx.x & 16;  // the half warp's first lane
+    if (j < VPT && v_own < nv)
+      store_block_scale(p, row, static_cast<unsigned>(first + v_own) / kFp8BlockVectors, s);
+    const int lane0 = threadIdx.x & 16;  // the half warp's first lane
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
-      emit_norm<T, QUANT, true>(p, row, sf_base, v, v < nv, n[i], __shfl_sync(0xffffffffu, s, first + i),
-                                __shfl_sync(0xffffffffu, r, first + i));
+      emit_norm<T, QUANT, true>(p, row, sf_base, first + v, v < nv, n[i], __shfl_sync(0xffffffffu, s, lane0 + i),
+                                __shfl_sync(0xffffffffu, r, lane0 + i));
     }
   } else {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
-      emit_norm<T, QUANT>(p, row, sf_base, v, v < nv, n[i], qs);
+      emit_norm<T, QUANT>(p, row, sf_base, first + v, v < nv, n[i], qs);
     }
   }
-  tail_row_padding<QUANT>(p, row);
+  if (first + nv == p.h / kVecElems) tail_row_padding<QUANT>(p, row);
+}
+
+// emit_slice of the whole row.
+template <typename T, int QUANT, int VPT>
+__device__ __forceinline__ void emit_row(const TailParams& p, int row, const uint4 (&n)[VPT], float qs) {
+  emit_slice<T, QUANT, VPT>(p, row, n, qs, 0, p.h / kVecElems);
 }
 
 // The row tail comes in two steps, so that a caller can issue the loads that do not depend on

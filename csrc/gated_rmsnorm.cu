@@ -6,9 +6,11 @@
 // normalised separately; silu(z) gates x before the norm (norm_before_gate 0) or the weighted norm
 // after it (1); z == nullptr: no gate.
 //
-// Grid: one CTA per row, plus the padding rows of the scale storage (as fused_tail.cu). Block: a
-// multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/gated_norm.py; the row lives
-// in registers (VPT vectors of 8 elements per thread, h <= 8 * VPT * blockDim.x).
+// Grid: `splits` CTAs per row, plus as many per padding row of the scale storage (as fused_tail.cu),
+// splits = gridDim.x / the row slots. The groups are normalised independently, so a row may be split into
+// slices of whole groups (at few rows, where one CTA a row leaves the GPU idle) that share nothing.
+// Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/gated_norm.py; the
+// slice lives in registers (VPT vectors of 8 elements per thread, h / splits <= 8 * VPT * blockDim.x).
 #include "epilogue.cuh"
 #include "pdl.cuh"
 
@@ -96,27 +98,30 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
   pdl_wait();
   pdl_launch_dependents();
   const TailParams& tp = p.tail;
-  const int row = blockIdx.x;
+  const int splits = gridDim.x / tail_row_slots<QUANT>(tp);
+  const int row = blockIdx.x / splits;
   if (row >= tp.t) {
-    tail_padding_row<QUANT>(tp, row);
+    if (blockIdx.x % splits == 0) tail_padding_row<QUANT>(tp, row);
     return;
   }
-  const int nv = tp.h / kVecElems;
-  const size_t row_base = static_cast<size_t>(row) * tp.h;
+  const int nv = tp.h / kVecElems / splits;  // the slice's vectors, whole groups (and 16-vector blocks)
+  const int first = blockIdx.x % splits * nv;
+  const size_t row_base = static_cast<size_t>(row) * tp.h + static_cast<size_t>(first) * kVecElems;
   const uint4* x = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + row_base);
   const uint4* z = reinterpret_cast<const uint4*>(static_cast<const T*>(p.z) + row_base);
   const bool gated = p.z != nullptr;
   const bool gate_first = gated && !p.norm_before_gate;
   const bool gate_after = gated && p.norm_before_gate;
 
+  const uint4* weight = reinterpret_cast<const uint4*>(tp.weight) + first;
   uint4 xv[VPT], zv[VPT], wv[VPT];
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     xv[i] = v < nv ? x[v] : make_uint4(0, 0, 0, 0);
     zv[i] = gated && v < nv ? z[v] : make_uint4(0, 0, 0, 0);
+    wv[i] = v < nv ? __ldg(weight + v) : make_uint4(0, 0, 0, 0);
   }
-  tail_load_weight<T, VPT>(tp, wv);
 
   float sumsq[VPT];  // per vector, then its group's
 #pragma unroll
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
     const float inv = v < nv ? inv_rms(sumsq[i], p.group_size, tp.eps) : 0.f;
     n[i] = gated_norm_round<T>(xv[i], zv[i], wv[i], inv, gate_first, gate_after);
   }
-  emit_row<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp));
+  emit_slice<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp), first, nv);
 }
 
 }  // namespace commfuse

@@ -8,7 +8,8 @@ Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--q
 shared expert, at every split: CTAs a token, moe_tail.MOE_TAIL.plan's split, the default one marked "*";
 no Inductor column)
        python launch/tail_sweep.py --gated 128 [--shapes ...]
-(--gated G: the gated RMSNorm, groups of G, gate first, at every VPT of its variants)
+(--gated G: the gated RMSNorm, groups of G, gate first, at every VPT of its variants and every split of a row
+into CTAs that gated_norm.splits could choose)
 
 Per (shape, quant): each VPT (1, 2, 4 vectors per thread, with the fewest whole warps that cover the
 row; 0 the looped variant, 256 threads) whose thread limit fits, its GPU time per call (20 calls in a
@@ -19,6 +20,7 @@ then torch.compile (Inductor) of the tail as models write it (bench_local_ops.to
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -115,7 +117,7 @@ def gated_sweep(args) -> None:
 
     gen = torch.Generator().manual_seed(0)
     g, dev = args.gated, torch.cuda.current_device()
-    print("| shape | group | config (vpt x threads) | us | Inductor us |\n|---|---|---|---|---|")
+    print("| shape | group | config (splits x vpt x threads) | us | Inductor us |\n|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         t, h = map(int, shape.split("x"))
         x, z = (torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2))
@@ -123,23 +125,27 @@ def gated_sweep(args) -> None:
         want = (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),)
         ind = _inductor(lambda: (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),))
         spec = TailSpec.of(None, eps=1e-5, return_norm=True)
-        chosen = gated_norm.launch_config(h, t)
-        for vpt in gated_norm.VPT_BUCKETS:
-            need = -(-(h // 8) // vpt)  # threads that cover the row
-            threads = max(32, -(-need // 32) * 32)
-            if threads > gated_norm.MAX_THREADS[vpt]:
-                continue
-            blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, g, 0)
-            patches = tail_patches(params.GATED_NORM.offsets["tail"])
-            patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-            launch = GATED_NORM.row_launch(torch.bfloat16, spec, t, vpt, threads, blob, patches, dev)
-            run = PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, torch.bfloat16, False)), dev))
+        split = gated_norm.splits(h, t, g, spec)
+        chosen = (split, *gated_norm.launch_config(h // split, t))
+        unit = math.lcm(g, gated_norm.SLICE_MULTIPLE)
+        for s in (s for s in range(1, 9) if h % (s * unit) == 0):
+            for vpt in gated_norm.VPT_BUCKETS:
+                need = -(-(h // s // 8) // vpt)  # threads that cover the slice
+                threads = max(32, -(-need // 32) * 32)
+                if threads > gated_norm.MAX_THREADS[vpt]:
+                    continue
+                blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, g, 0)
+                patches = tail_patches(params.GATED_NORM.offsets["tail"])
+                patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
+                launch = GATED_NORM.row_launch(torch.bfloat16, spec, t, vpt, threads, blob, patches, dev, s)
+                run = PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, torch.bfloat16, False)), dev))
 
-            def call(run=run):
-                return (run(x, None, w, None, None, z)[1],)
+                def call(run=run):
+                    return (run(x, None, w, None, None, z)[1],)
 
-            mark = " *" if (vpt, threads) == chosen else ""
-            print(f"| {shape} | {g} | {vpt} x {threads}{mark} | {_timed(call, want, None)} | {ind} |", flush=True)
+                mark = " *" if (s, vpt, threads) == chosen else ""
+                print(f"| {shape} | {g} | {s} x {vpt} x {threads}{mark} | {_timed(call, want, None)} | {ind} |",
+                      flush=True)
 
 
 def moe_sweep(args) -> None:

@@ -182,6 +182,25 @@ def test_plain_launch_rule_at_measured_shapes():
     assert lc(8192, 1024, True, False) == (4, 256)
 
 
+def test_gated_split_rule():
+    """At few rows the gated norm's row is split into slices of whole groups and whole format blocks, at least
+    MIN_SLICE long; never for many rows or a format whose scale is the whole row's."""
+    none, fp8_block, per_token = (TailSpec.of(q) for q in (None, "fp8_block", "fp8_per_token"))
+    s = gated_norm.splits
+    assert s(8192, 1, 1024, none) == 8 and s(8192, 16, 2048, none) == 4 and s(7168, 1, 1024, none) == 7
+    assert s(4096, 1, 128, none) == 4 and s(7168, 1, 128, none) == 7 and s(4096, 63, 2048, none) == 2
+    assert s(8192, 64, 1024, none) == 1 and s(8192, 1, 1024, per_token) == 1 and s(1024, 1, 128, none) == 1
+    assert s(2880, 1, 1440, none) == 1 and s(8192, 1, 8, fp8_block) == 8 and s(7168, 1, 64, fp8_block) == 7
+    for h in range(128, 16385, 128):
+        for g in (8, 64, 128, 192, 256, 1024, 2048):
+            if h % g == 0:
+                n = s(h, 1, g, fp8_block)
+                assert h % n == 0 and (h // n) % g == 0 and (h // n) % 128 == 0 and (n == 1 or h // n >= 1024)
+                vpt = gated_norm.launch_config(h // n, 1)[0]
+                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fp8_block.format, vpt) in set(
+                    gated_norm.GATED_NORM.configs(torch.bfloat16, fp8_block, h)), (h, g, n)
+
+
 def test_warmup_configs_cover_every_row_count():
     """warmup compiles what any row count may launch (a CUDA graph cannot compile): configs holds launch_config's
     variant at every row count, for each format, with a residual and without."""

@@ -441,14 +441,15 @@ def test_gpu_plain_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
         assert bits_equal(got.norm[0, :64].cpu(), n[0, :64])  # the signed zeros
 
 
-GATED_CASES = [(1024, 1024), (1024, 256), (1024, 128), (2880, 1440), (8192, 8), (16384, 2048)]
+# At t < gated_norm.SPLIT_TOKENS rows of 7168 / 8192 / 16384 are split over 7 / 8 / 8 CTAs (gated_norm.splits).
+GATED_CASES = [(1024, 1024), (1024, 256), (1024, 128), (2880, 1440), (8192, 8), (7168, 1024), (16384, 2048)]
 
 
 @needs_gpu
 @pytest.mark.parametrize("quant, return_norm, sf_layout, scale_layout, scale_ue8m0", ALL_QUANTS)
 @pytest.mark.parametrize("h, group_size", GATED_CASES)
 @pytest.mark.parametrize("gated, norm_before_gate", [(True, False), (True, True), (False, False)])
-@pytest.mark.parametrize("t", [1, 300])
+@pytest.mark.parametrize("t", [1, 5, 300])
 def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layout, scale_layout, scale_ue8m0, h,
                                   group_size, gated, norm_before_gate, t):
     if quant == "fp8_block" and h % 128:

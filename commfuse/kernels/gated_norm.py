@@ -5,8 +5,9 @@ Semantics: commfuse.reference.gated_rmsnorm, then the reference quantizers on it
 docs/semantics.md (gated RMSNorm). silu goes through exp, which torch's GPU kernels and the CPU
 compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
 
-Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail);
-the row lives in registers, VPT vectors of 8 elements per thread: for few rows fused_tail's few-rows
+Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail), or
+at few rows a row split into slices of whole groups, a CTA each (the groups are normalised independently);
+the slice lives in registers, VPT vectors of 8 elements per thread: for few rows fused_tail's few-rows
 rule (VPT 1 up to 1024 threads), for many rows VPT 2 (up to 1024 threads; launch_config says why), so
 h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). There is no
 looped variant.
@@ -14,6 +15,7 @@ looped variant.
 from __future__ import annotations
 
 import functools
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -26,19 +28,33 @@ from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
 from .launch import X, Z, LaunchPlan, tail_fields, tail_patches
 
-__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "MAX_HIDDEN", "GROUP_MULTIPLE"]
+__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "MAX_HIDDEN", "GROUP_MULTIPLE"]
 
 SOURCE = "gated_rmsnorm.cu"
 VPT_BUCKETS = (1, 2, 4)
 MAX_THREADS = {v: fused_tail.MAX_THREADS[v] for v in VPT_BUCKETS}  # kMaxThreads<VPT> in gated_rmsnorm.cu
 MAX_HIDDEN = 8 * max(v * MAX_THREADS[v] for v in VPT_BUCKETS)
 GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
+SPLIT_TOKENS = 64   # below this many rows, a row may be split over CTAs (splits)
+MIN_SLICE = 1024    # elements of a split row's slice at least (128 threads at VPT 1)
+SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 128 elements the longest)
+
+
+def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
+    """CTAs per row: at few rows, the most (up to 8) that cut the row into slices of whole groups, whole
+    format blocks and at least MIN_SLICE elements; 1 for many rows, and for a format whose scale is the
+    whole row's (block 0: fp8_per_token). One CTA of up to 1024 threads a row left the GPU idle at decode:
+    H200, bf16, groups of 1024, [1, 8192] 3.60 us against Inductor's 2.36, which gives each group a CTA."""
+    if tokens >= SPLIT_TOKENS or spec.format.block == 0:
+        return 1
+    unit = math.lcm(group_size, SLICE_MULTIPLE)
+    return next(s for s in range(8, 0, -1) if s == 1 or (hidden % (s * unit) == 0 and hidden // s >= MIN_SLICE))
 
 
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
-    """(vpt, threads per CTA) for `tokens` rows of `hidden` <= MAX_HIDDEN elements. Many rows take VPT 2, not
-    the residual tail's throughput rule (VPT 4, at most 256 threads): the gate's exp and IEEE division per
-    element want more threads a row. H200, bf16, groups of 128 summed by shuffles (launch/tail_sweep.py
+    """(vpt, threads per CTA) for `tokens` rows (of a split row: slices) of `hidden` <= MAX_HIDDEN elements.
+    Many rows take VPT 2, not the residual tail's throughput rule (VPT 4, at most 256 threads): the gate's
+    exp and IEEE division per element want more threads a row. H200, bf16, groups of 128 summed by shuffles (launch/tail_sweep.py
     --gated): [256, 7168] 5.1 us against 5.6 (VPT 1) and 7.9 (VPT 4), [1024, 8192] 19.1 against 24.0 / 21.1,
     [8192, 4096] 63.7 against 64.9 / 72.8, [1024, 4096] 9.1 against 8.9 / 11.5."""
     if tokens < fused_tail.LATENCY_TOKENS:
@@ -61,8 +77,9 @@ class GatedNorm(Family):
     def configs(self, dtype, spec, hidden):
         if not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"no gated RMSNorm kernel for hidden={hidden} (at most {MAX_HIDDEN})")
-        return [self.name_expression(dtype, spec.format, launch_config(hidden, t)[0])
-                for t in (1, fused_tail.LATENCY_TOKENS)]
+        vpts = {launch_config(hidden, t)[0] for t in (1, fused_tail.LATENCY_TOKENS)}
+        vpts |= {launch_config(hidden // s, 1)[0] for s in range(2, 9) if hidden // s >= MIN_SLICE}  # split rows
+        return [self.name_expression(dtype, spec.format, vpt) for vpt in sorted(vpts)]
 
     def rejects(self, dtype, sm, hidden, tokens, spec, world_size=1, group_size: Optional[int] = None):
         why = super().rejects(dtype, sm, hidden, tokens, spec, world_size)
@@ -76,11 +93,12 @@ class GatedNorm(Family):
         """The LaunchPlan of t rows of h: x and z (or no gate) as the call's sources X and Z."""
         launches = ()
         if t:
-            vpt, threads = launch_config(h, t)
+            s = splits(h, t, group_size, spec)
+            vpt, threads = launch_config(h // s, t)
             blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate))
             patches = tail_patches(params.GATED_NORM.offsets["tail"])
             patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index),)
+            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
 
