@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+from _pytest.runner import runtestprotocol
 
 from commfuse.distributed import launch_env
 
@@ -29,6 +30,20 @@ def pytest_collection_modifyitems(config, items):
         items[:] = mpi
     else:
         items[:] = mpi + serial
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """On rank 0, the last collective test tears every fixture down, as the other ranks do at their end:
+    a module's collective fixture (a Communicator whose close() is a barrier) would otherwise close only
+    after the module's single-process tests on rank 0, while the other ranks wait in that barrier."""
+    if WORLD > 1 and RANK == 0 and nextitem is not None and item.get_closest_marker("mpi") \
+            and not nextitem.get_closest_marker("mpi"):
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=None)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+    return None
 
 
 def pytest_report_header(config):
