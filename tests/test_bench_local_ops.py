@@ -18,8 +18,10 @@ def _bench():
 def test_local_ops_bench_checks_and_counts_bytes(tmp_path):
     bench = _bench()
     t, h = 3, 256
-    out = bench.main(["--shapes", f"{t}x{h}", "--patterns", ",".join(bench.PATTERNS + ("gated_rmsnorm:64",)),
+    out = bench.main(["--shapes", f"{t}x{h}",
+                      "--patterns", ",".join(bench.PATTERNS + ("gated_rmsnorm:64", "gated_rmsnorm:96")),
                       "--repeats", "1", "--calls", "1", "--json", str(tmp_path / "out.json")])
+    assert "gated_rmsnorm:96" not in {r["pattern"] for r in out["rows"]}  # 96 does not divide 256: skipped
     assert os.path.exists(tmp_path / "out.json") and out["hbm_copy_GBps"] is None  # no ceiling without CUDA
     row, e = {r["pattern"]: r for r in out["rows"]}, 2  # bf16
     for r in out["rows"]:

@@ -189,7 +189,7 @@ def test_gated_split_rule():
     s = gated_norm.splits
     assert s(8192, 1, 1024, none) == 8 and s(8192, 16, 2048, none) == 4 and s(7168, 1, 1024, none) == 7
     assert s(4096, 1, 128, none) == 4 and s(7168, 1, 128, none) == 7 and s(4096, 64, 2048, none) == 2
-    assert s(8192, 255, 1024, none) == 8 and s(8192, 256, 1024, none) == 1 and s(8192, 1, 1024, per_token) == 1 and s(1024, 1, 128, none) == 1
+    assert s(8192, 127, 1024, none) == 8 and s(8192, 128, 1024, none) == 1 and s(8192, 1, 1024, per_token) == 1 and s(1024, 1, 128, none) == 1
     assert s(2880, 1, 1440, none) == 1 and s(8192, 1, 8, fp8_block) == 8 and s(7168, 1, 64, fp8_block) == 7
     for h in range(128, 16385, 128):
         for g in (8, 64, 128, 192, 256, 1024, 2048):

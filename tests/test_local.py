@@ -441,7 +441,7 @@ def test_gpu_plain_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
         assert bits_equal(got.norm[0, :64].cpu(), n[0, :64])  # the signed zeros
 
 
-# Below 256 rows, rows of 7168 / 8192 / 16384 are split over 7 / 8 / 8 CTAs (gated_norm.splits).
+# Below gated_norm.SPLIT_TOKENS rows of 7168 / 8192 / 16384 are split over 7 / 8 / 8 CTAs (gated_norm.splits).
 GATED_CASES = [(1024, 1024), (1024, 256), (1024, 128), (2880, 1440), (8192, 8), (7168, 1024), (16384, 2048)]
 
 

@@ -35,18 +35,19 @@ VPT_BUCKETS = (1, 2, 4)
 MAX_THREADS = {v: fused_tail.MAX_THREADS[v] for v in VPT_BUCKETS}  # kMaxThreads<VPT> in gated_rmsnorm.cu
 MAX_HIDDEN = 8 * max(v * MAX_THREADS[v] for v in VPT_BUCKETS)
 GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
+SPLIT_TOKENS = 128  # below this many rows, a row may be split over CTAs (splits)
 MIN_SLICE = 1024    # elements of a split row's slice at least (128 threads at VPT 1)
 SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 128 elements the longest)
 
 
 def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
-    """CTAs per row: at few rows (fused_tail.LATENCY_TOKENS), the most (up to 8) that cut the row into slices
-    of whole groups, whole format blocks and at least MIN_SLICE elements; 1 for many rows, and for a format
-    whose scale is the whole row's (block 0: fp8_per_token). H200, bf16, gate first (launch/tail_sweep.py
-    --gated), one CTA a row against the split: groups of 1024, [1, 8192] 4.10 us against 2.50 (8 CTAs; Inductor,
-    which gives each group a CTA, 2.53), [64, 8192] 4.49 against 3.27; [1, 7168] 3.78 against 2.55 (7 CTAs);
-    groups of 128, [1, 8192] 3.45 against 2.22."""
-    if tokens >= fused_tail.LATENCY_TOKENS or spec.format.block == 0:
+    """CTAs per row: below SPLIT_TOKENS rows, the most (up to 8) that cut the row into slices of whole groups,
+    whole format blocks and at least MIN_SLICE elements; 1 for more rows, and for a format whose scale is the
+    whole row's (block 0: fp8_per_token). H200, bf16, gate first (launch/tail_sweep.py --gated), one CTA a
+    row against the split: groups of 1024, [1, 8192] 4.10 us against 2.50 (8 CTAs; Inductor, which gives
+    each group a CTA, 2.53), [64, 8192] 4.49 against 3.27, but [128, 8192] 4.77 against 5.58; [1, 7168] 3.78
+    against 2.55 (7 CTAs); groups of 128, [1, 8192] 3.45 against 2.22, [128, 7168] 3.56 against 4.81."""
+    if tokens >= SPLIT_TOKENS or spec.format.block == 0:
         return 1
     unit = math.lcm(group_size, SLICE_MULTIPLE)
     return next(s for s in range(8, 0, -1) if s == 1 or (hidden % (s * unit) == 0 and hidden // s >= MIN_SLICE))
