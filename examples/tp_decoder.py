@@ -52,7 +52,8 @@ output, one rounding to T, docs/semantics.md section 14; at world 1 the model ha
 leaves the combine as written and fuses its add + norm into the local op, so the reference keeps the
 model's combine); with --moe every graph must have one commfuse::moe_all_reduce per layer at world > 1.
 On the CPU every route is exact (gloo's fp32 rank-order sum, the separated tail = commfuse.reference), so
-the check is bit for bit; on GPUs (fused kernels: the norm within 1 ulp of T) it is a relative RMS error
+the check is bit for bit (but for a compiled column with --backend inductor, whose own code for the rest of
+the graph rounds otherwise); on GPUs (fused kernels: the norm within 1 ulp of T) it is a relative RMS error
 of the logits below --tol (docs/fusion.md, "Tolerances"). The comparison with the unfused model as
 written (HF's double rounding) is printed beside it: a 1-ulp change of the norms, amplified by the random
 layers. The exit status is 1 when a check fails. Prints the per-step latency table (the slowest rank's
@@ -537,8 +538,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
             continue
         reps = reports[fused_name] or []
         # Bit for bit where every route is exact: the CPU (gloo's fp32 rank-order sum = commfuse's, the
-        # separated tail = commfuse.reference) with at most 2 ranks for a torch.distributed collective.
-        exact = device.type == "cpu" and (world <= 2 or args.collective == "commfuse")
+        # separated tail = commfuse.reference) with at most 2 ranks for a torch.distributed collective, and
+        # not Inductor's code for the rest of the graph (its own roundings, e.g. in the SiLU and the GEMMs).
+        exact = device.type == "cpu" and (world <= 2 or args.collective == "commfuse") and \
+            (fused_name == "eager/fused" or inner != "inductor")
         c = compare(outputs[fused_name], reference_out, tol, exact)
         c["as_written"] = compare(outputs[fused_name], outputs[base], tol, False)
         c["as_written"].pop("ok")

@@ -10,14 +10,16 @@ it is) every local pattern is rewritten: there the alternative is torch's unfuse
 `rewrite="all"` rewrites every match regardless (for the fused ops' semantics: one rounding to T,
 the formats' codes).
 
-The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*):
+The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*,
+-s18-gated-split-sweep*):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
   17.8 us at 1024x8192, ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
   at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster at groups of 128 everywhere
-  (2.4-125.9 us against 3.2-163.6 us), at groups of 1024 and 2048 behind at 1-16 tokens of h 7168 / 8192
-  (3.5 against 2.7 us at 1x8192, group 1024) and by 3-4% at 1024 tokens; NVFP4 quantization 1.7-7.4x
+  (2.4-125.9 us against 3.2-163.6 us), at groups of 1024 and 2048 level or ahead below 128 tokens since
+  its rows are split over CTAs there (2.50 against 2.53 us at 1x8192, group 1024) and 3-4% behind at 1024
+  tokens; NVFP4 quantization 1.7-7.4x
   faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
 - The host: a call of the local op through torch.ops costs 1.5-1.7x a torch elementwise op (10.2 us
   for add + RMSNorm against 6.4 us for torch.add), about what Inductor's own kernel launch costs; but in

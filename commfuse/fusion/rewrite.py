@@ -222,10 +222,16 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                                               f"the tail starts ({anchor.name}): nowhere to put one op", "pattern"))
                 return
 
-    # The op.
+    # The op, on [tokens, h] views of its row inputs: it returns [tokens, h] outputs whatever the inputs'
+    # rank, and a [b, s, h] view of a GEMM's [b * s, h] output would reach it through a view per input and
+    # call in the compiled code, where this view of a view is the GEMM's output itself.
     shape_ref = residual if residual is not None else norm.input
     rank = len(G.shape(shape_ref))
     return_norm = quant is None or bool(others)
+
+    def rows(n: Optional[fx.Node]) -> Optional[fx.Node]:
+        return n if n is None or len(G.shape(n)) == 2 else g.call_method("reshape", (n, -1, h))
+
     with g.inserting_before(anchor):
         weight = g.get_attr(norm.weight[1]) if isinstance(norm.weight, tuple) else norm.weight
         scale = None
@@ -239,20 +245,14 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         if moe is not None:
             y = moe.y if not moe.y_rows else g.call_method("reshape", (moe.y, -1, moe.k, h))
             w = moe.weights if not moe.w_rows else g.call_method("reshape", (moe.weights, -1, moe.k))
-            shared = moe.shared
-            if shared is not None and len(G.shape(shared)) != 2:
-                shared = g.call_method("reshape", (shared, -1, h))
-            res = residual if rank == 2 else g.call_method("reshape", (residual, -1, h))
-            args = (y, w, None, shared, res, weight, scale, norm.eps, offset, tail, comm_name)
+            args = (y, w, None, rows(moe.shared), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "all_reduce":
-            xin = ar.x
-            if not G.same_shape(ar.x, residual):
-                xin = g.call_method("reshape_as", (ar.x, residual))
-            args = (xin, residual, weight, scale, norm.eps, offset, tail, comm_name)
+            args = (rows(ar.x), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "local":
-            args = (x, residual, weight, scale, norm.eps, offset, tail)
+            args = (rows(x), rows(residual), weight, scale, norm.eps, offset, tail)
         else:
-            args = (norm.input, norm.gate, weight, scale, norm.eps, norm.group_size or h, norm.norm_before_gate, tail)
+            args = (rows(norm.input), rows(norm.gate), weight, scale, norm.eps, norm.group_size or h,
+                    norm.norm_before_gate, tail)
         fused = g.call_function(targets["moe" if moe is not None else kind], args)
     out_fields = fields(tail, residual is not None and kind != "gated")
 
