@@ -34,13 +34,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    """On rank 0, the last collective test tears every fixture down, as the other ranks do at their end:
-    a module's collective fixture (a Communicator whose close() is a barrier) would otherwise close only
-    after the module's single-process tests on rank 0, while the other ranks wait in that barrier."""
+    """On rank 0, the last collective test tears down every fixture but the session's, as the other ranks do
+    at their end: a module's collective fixture (a Communicator whose close() is a barrier) would otherwise
+    close only after the module's single-process tests on rank 0, while the other ranks wait in that
+    barrier. The session's (the world's Communicator, which the single-process tests use) stay: made again,
+    they would wait for the ranks that have left."""
     if WORLD > 1 and RANK == 0 and nextitem is not None and item.get_closest_marker("mpi") \
             and not nextitem.get_closest_marker("mpi"):
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        runtestprotocol(item, nextitem=None)
+        runtestprotocol(item, nextitem=item.session)  # teardown keeps what the session node holds
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
     return None

@@ -218,7 +218,8 @@ def test_table_is_cleared_when_full(monkeypatch):
 @pytest.mark.parametrize("t, h, quant", [(1, 4096, "nvfp4"), (300, 7168, "fp8_block"), (130, 8192, "mxfp8")])
 def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h, quant):
     """Each tail-row family's LaunchPlan: the variant of its launch configuration, one CTA per row and
-    padding row, its struct's bytes with the pointers patched from the call's sources."""
+    padding row (the gated norm: gated_norm.splits CTAs each), its struct's bytes with the pointers patched
+    from the call's sources."""
     from commfuse.kernels import fused_tail, gated_norm, quantize
 
     module = {"fused_tail": fused_tail, "gated_norm": gated_norm, "quantize": quantize}[family]
@@ -233,9 +234,11 @@ def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h,
         plan, struct_ = fam.plan(torch.bfloat16, t, h, spec, 0), params.FUSED_TAIL
         inputs = {"a": X}
     (one,) = plan.launches
-    vpt, threads = module.launch_config(h, t)
+    splits = gated_norm.splits(h, t, 512, spec) if family == "gated_norm" else 1
+    assert splits == (4 if (family, t) == ("gated_norm", 1) else 1)  # 1 x 4096: 4 slices of 1024 (MIN_SLICE)
+    vpt, threads = module.launch_config(h // splits, t)
     assert loaded == [fam.name_expression(torch.bfloat16, spec.format, vpt)]
-    assert (one.grid, one.block, len(one.params)) == (spec.row_slots(t), threads, struct_.size)
+    assert (one.grid, one.block, len(one.params)) == (spec.row_slots(t) * splits, threads, struct_.size)
     patched = {offset: source for offset, source, _ in one.patches}
     for field, source in inputs.items():
         assert patched[struct_.offsets[field]] == source
