@@ -230,7 +230,10 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     return_norm = quant is None or bool(others)
 
     def rows(n: Optional[fx.Node]) -> Optional[fx.Node]:
-        return n if n is None or len(G.shape(n)) == 2 else g.call_method("reshape", (n, -1, h))
+        s = None if n is None else G.shape(n)
+        if n is None or (s is not None and len(s) == 2 and str(s[-1]) == str(h)):
+            return n
+        return g.call_method("reshape", (n, -1, h))
 
     with g.inserting_before(anchor):
         weight = g.get_attr(norm.weight[1]) if isinstance(norm.weight, tuple) else norm.weight
