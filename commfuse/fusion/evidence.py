@@ -25,11 +25,11 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   for add + RMSNorm against 6.4 us for torch.add), about what Inductor's own kernel launch costs; but in
   a compiled model the op takes the place of a kernel that Inductor also fused with its neighbours (the
   first layer's norm with the embedding lookup, for one), and its outputs are checked in the compiled
-  code (a size and stride assertion each). The 8B-shaped decoder of examples/tp_decoder.py (4 layers, FP8, world 1: every rewrite
-  is local), compiled in Inductor's default mode: 9.93 ms for prefill + 4 decode steps with every local
-  rewrite against 9.22 ms without (7.7% slower, slower at every step; -s18: 5.89 against 5.86 ms, the
-  prefill 8% faster, decode steps 2-4 2-7% slower); with mode="reduce-overhead" (CUDA
-  graphs: no host time per call) 4.43 against 4.57 ms in one run and 3.58 against 3.50 in another: level
+  code (a size and stride assertion each). The 8B-shaped decoder of examples/tp_decoder.py (4 layers,
+  FP8, world 1: every rewrite is local), compiled in Inductor's default mode: 9.93 ms for prefill + 4
+  decode steps with every local rewrite against 9.22 ms without (7.7% slower, slower at every step;
+  -s18: 5.89 against 5.86 ms, the prefill 8% faster, decode steps 2-4 2-7% slower); with
+  mode="reduce-overhead" (CUDA graphs: no host time per call) 4.43 against 4.57 ms in one run and 3.58 against 3.50 in another: level
   within the runs' drift, while each local kernel's GPU time is commfuse's or less at decode sizes (above),
   so with CUDA graphs the local patterns are rewritten.
 """

@@ -56,8 +56,8 @@ def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     """(vpt, threads per CTA) for `tokens` rows (of a split row: slices) of `hidden` <= MAX_HIDDEN elements.
     Many rows take VPT 2, not the residual tail's throughput rule (VPT 4, at most 256 threads): the gate's
-    exp and IEEE division per element want more threads a row. H200, bf16, groups of 128 summed by shuffles (launch/tail_sweep.py
-    --gated): [256, 7168] 5.1 us against 5.6 (VPT 1) and 7.9 (VPT 4), [1024, 8192] 19.1 against 24.0 / 21.1,
+    exp and IEEE division per element want more threads a row. H200, bf16, groups of 128 summed by shuffles
+    (launch/tail_sweep.py --gated): [256, 7168] 5.1 us against 5.6 (VPT 1) and 7.9 (VPT 4), [1024, 8192] 19.1 against 24.0 / 21.1,
     [8192, 4096] 63.7 against 64.9 / 72.8, [1024, 4096] 9.1 against 8.9 / 11.5."""
     if tokens < fused_tail.LATENCY_TOKENS:
         return fused_tail.row_config(hidden, True)
