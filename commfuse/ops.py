@@ -143,7 +143,11 @@ _LIB = torch.library.Library("commfuse", "FRAGMENT")
 
 def _define(schema: str, impl, fake) -> None:
     name = schema.split("(", 1)[0]
-    _LIB.define(schema)
+    # A functional op takes its inputs in any layout (the C++ kernels copy a strided or misaligned operand),
+    # so Inductor may pass its buffers as they are. Under torch's default for custom ops (the traced
+    # strides exactly) it writes an unrealised input once for each op that reads it: the embedding, read
+    # by the first norm and as the first residual, was written twice.
+    _LIB.define(schema, tags=() if "!" in schema else (torch.Tag.flexible_layout,))
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"commfuse::{name}", fake, lib=_LIB)
 

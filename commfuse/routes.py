@@ -642,6 +642,12 @@ def _write_out(outputs: tuple, out, spec: TailSpec) -> tuple:
     return tuple(written)
 
 
+def _dense(t):
+    """A row input as the kernels read it (they copy a strided one): the separated ops then return dense
+    [t, h] outputs, as the kernels and the ops' fakes do, whatever the input's strides."""
+    return None if t is None else t.contiguous()
+
+
 class _SeparatedTail:
     __slots__ = ("spec", "outputs")
 
@@ -655,7 +661,7 @@ class _SeparatedTail:
         if out is not None:
             no_overlap(OUT_NAMES, fields_of(out), self.outputs,
                        (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
-        tail = reference.fused_tail(x, residual, weight, s.eps, scale=scale, **s.reference_kwargs())
+        tail = reference.fused_tail(_dense(x), _dense(residual), weight, s.eps, scale=scale, **s.reference_kwargs())
         return _write_out(tuple(tail), out, s)
 
 
@@ -669,7 +675,7 @@ class _SeparatedGated:
         s = self.spec
         if scale is not None:
             scale_value(scale)
-        norm = reference.gated_rmsnorm(x, z, weight, s.eps, self.group_size, self.norm_before_gate)
+        norm = reference.gated_rmsnorm(_dense(x), _dense(z), weight, s.eps, self.group_size, self.norm_before_gate)
         if s.quant is None:
             return None, norm, None, None, None
         q, sf, scales = reference.quantize(norm, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
@@ -686,5 +692,5 @@ class _SeparatedQuantize:
         s = self.spec
         if scale is not None:
             scale_value(scale)
-        q, sf, scales = reference.quantize(x, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
+        q, sf, scales = reference.quantize(_dense(x), s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
         return None, None, q, sf, scales

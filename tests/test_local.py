@@ -4,6 +4,9 @@ CPU: semantics, argument errors, out=, the route's reasons, opcheck of the custo
 GPU (skipped on a CPU machine): the fused kernel route against the reference, within the tolerances
 of docs/semantics.md section 9.
 """
+import re
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -262,6 +265,36 @@ def test_compiled_ops_dynamic_tokens(gen):
             got = compiled(x, residual, weight, z, scale)
         for a, b in zip(got, f(x, residual, weight, z, scale)):
             assert bits_equal(a, b)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="Inductor's CPU code needs a C++ compiler")
+def test_inductor_passes_inputs_as_they_are(gen):
+    """The functional ops take any layout: Inductor writes an input read by two ops once (under the
+    default exact-strides rule it wrote one copy per op), and a transposed input reaches the op as a
+    strided view, which it reads right."""
+    from torch._inductor.utils import run_and_get_code
+
+    t, h = 6, 64
+    table = torch.randn(32, h, generator=gen).to(BF16)
+    _, _, weight, scale = inputs(gen, t, h, BF16, quant="fp8")
+    a = torch.randn(h, t, generator=gen).to(BF16)
+
+    def f(ids, a):
+        hidden = F.embedding(ids, table)  # computed: Inductor decides where it lives
+        first = torch.ops.commfuse.fused_add_rmsnorm(hidden.reshape(-1, h), None, weight, None, 1e-5, 0.0, 0)[0]
+        second = torch.ops.commfuse.fused_add_rmsnorm(hidden.reshape(-1, h), first, weight, scale, 1e-5, 0.0,
+                                                      code("fp8"))
+        return second + [torch.ops.commfuse.quantize(a.t(), scale, code("fp8"))[0]]
+
+    ids = torch.randint(0, 32, (1, t), generator=gen)
+    torch._dynamo.reset()
+    got, (wrapper, *_) = run_and_get_code(torch.compile(f, fullgraph=True, backend="inductor"), ids, a)
+    for g, w in zip(got, f(ids, a)):
+        assert bits_equal(g, w)
+    # The embedding's kernel is the wrapper's one generated kernel call: it writes one buffer.
+    calls = [line for line in map(str.strip, wrapper.splitlines()) if re.match(r"cpp_fused_\w+\(", line)]
+    assert len(calls) == 1 and calls[0].count("buf") == 1, calls
 
 
 # --------------------------------------------------------------------------- GPU
