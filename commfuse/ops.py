@@ -18,7 +18,9 @@ every other device).
 The ops take a tail's options but eps and weight_offset as one int, `tail` (commfuse.tail.spec.code:
 the format, its scales' layout, ue8m0 and return_norm), and return a list of the outputs the call has,
 in reference.Tail's order (commfuse.tail.spec.spread puts them back in a Tail): a compiled model's call
-parses and returns what it uses. Every argument is positional.
+parses and returns what it uses. Every argument is positional. The functional ops take their tensors in any
+layout and return dense ones (a strided operand is copied), so they are tagged `torch.Tag.flexible_layout`:
+Inductor hands them its buffers as they are.
 - `all_reduce(x, comm)`, `all_reduce_out(x, comm, out)`;
 - `fused_all_reduce(x, residual, weight, scale, eps, weight_offset, tail, comm) -> Tensor[]`, and
   `fused_all_reduce_out(x, residual, weight, scale, eps, weight_offset, tail, comm, residual_out, norm_out,
