@@ -140,32 +140,6 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
 #pragma unroll
       for (int i = 0; i < VPT; ++i) sumsq[i] += __shfl_xor_sync(0xffffffffu, sumsq[i], o);
     }
-  } else if (gv % 32 == 0) {
-    // Groups of whole warps (blockDim.x and gv multiples of 32): a warp's vectors in one slot lie in one
-    // group, so each warp sums them by shuffles and leaves one partial per 32 vectors; after a single
-    // barrier every thread adds its group's gv / 32 partials in order. (The path below, for groups that
-    // straddle warps, took two barriers and a loop on one warp a group: groups of 1024 at 1024 x 8192
-    // cost 14% more than groups of 128.)
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) sumsq[i] += __shfl_xor_sync(0xffffffffu, sumsq[i], o);
-    }
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if ((threadIdx.x & 31) == 0 && v < nv) part[v / 32] = sumsq[i];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v < nv) {
-        const float* g = part + v / gv * (gv / 32);
-        float s = 0.f;
-        for (int j = 0; j < gv / 32; ++j) s += g[j];
-        sumsq[i] = s;
-      }
-    }
   } else {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
