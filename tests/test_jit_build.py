@@ -184,21 +184,25 @@ def test_plain_launch_rule_at_measured_shapes():
 
 def test_gated_split_rule():
     """At few rows the gated norm's row is split into slices of whole groups and whole format blocks, at least
-    MIN_SLICE long; never for many rows or a format whose scale is the whole row's."""
+    MIN_SLICE long; from MANY_SPLIT_TOKENS rows a row of groups of 1024 or more into the fewest slices of at
+    most 4096; never between, for smaller groups at many rows, or for a format whose scale is the whole row's."""
     none, fp8_block, per_token = (TailSpec.of(q) for q in (None, "fp8_block", "fp8_per_token"))
     s = gated_norm.splits
     assert s(8192, 1, 1024, none) == 8 and s(8192, 16, 2048, none) == 4 and s(7168, 1, 1024, none) == 7
     assert s(4096, 1, 128, none) == 4 and s(7168, 1, 128, none) == 7 and s(4096, 64, 2048, none) == 2
     assert s(8192, 127, 1024, none) == 8 and s(8192, 128, 1024, none) == 1 and s(8192, 1, 1024, per_token) == 1 and s(1024, 1, 128, none) == 1
     assert s(2880, 1, 1440, none) == 1 and s(8192, 1, 8, fp8_block) == 8 and s(7168, 1, 64, fp8_block) == 7
+    assert s(8192, 1024, 1024, none) == 2 and s(8192, 8192, 2048, none) == 2 and s(7168, 1024, 1024, none) == 7
+    assert s(16384, 4096, 2048, fp8_block) == 4 and s(4096, 1024, 1024, none) == 1 and s(8192, 1023, 1024, none) == 1
+    assert s(8192, 8192, 512, none) == 1 and s(8192, 8192, 1024, per_token) == 1 and s(2880, 2048, 1440, none) == 1
     for h in range(128, 16385, 128):
         for g in (8, 64, 128, 192, 256, 1024, 2048):
-            if h % g == 0:
-                n = s(h, 1, g, fp8_block)
+            for t in (1, gated_norm.MANY_SPLIT_TOKENS) if h % g == 0 else ():
+                n = s(h, t, g, fp8_block)
                 assert h % n == 0 and (h // n) % g == 0 and (h // n) % 128 == 0 and (n == 1 or h // n >= 1024)
-                vpt = gated_norm.launch_config(h // n, 1)[0]
+                vpt = gated_norm.launch_config(h // n, t)[0]
                 assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fp8_block.format, vpt) in set(
-                    gated_norm.GATED_NORM.configs(torch.bfloat16, fp8_block, h)), (h, g, n)
+                    gated_norm.GATED_NORM.configs(torch.bfloat16, fp8_block, h)), (h, g, t, n)
 
 
 def test_warmup_configs_cover_every_row_count():

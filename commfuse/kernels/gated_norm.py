@@ -6,7 +6,8 @@ docs/semantics.md (gated RMSNorm). silu goes through exp, which torch's GPU kern
 compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
 
 Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail), or
-at few rows a row split into slices of whole groups, a CTA each (the groups are normalised independently);
+at few rows (and at many rows of large groups) a row split into slices of whole groups, a CTA each (the
+groups are normalised independently; splits);
 the slice lives in registers, VPT vectors of 8 elements per thread: for few rows fused_tail's few-rows
 rule (VPT 1 up to 1024 threads), for many rows VPT 2 (up to 1024 threads; launch_config says why), so
 h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). There is no
@@ -38,19 +39,32 @@ GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
 SPLIT_TOKENS = 128  # below this many rows, a row may be split over CTAs (splits)
 MIN_SLICE = 1024    # elements of a split row's slice at least (128 threads at VPT 1)
 SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 128 elements the longest)
+MANY_SPLIT_TOKENS = 1024  # from this many rows, a row of large groups is split again (splits)
+MANY_SPLIT_GROUP = 1024   # groups of at least this many elements
+MANY_SPLIT_SLICE = 4096   # elements of such a slice at most
 
 
 def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
-    """CTAs per row: below SPLIT_TOKENS rows, the most (up to 8) that cut the row into slices of whole groups,
-    whole format blocks and at least MIN_SLICE elements; 1 for more rows, and for a format whose scale is the
-    whole row's (block 0: fp8_per_token). H200, bf16, gate first (launch/tail_sweep.py --gated), one CTA a
-    row against the split: groups of 1024, [1, 8192] 4.10 us against 2.50 (8 CTAs; Inductor, which gives
-    each group a CTA, 2.53), [64, 8192] 4.49 against 3.27, but [128, 8192] 4.77 against 5.58; [1, 7168] 3.78
-    against 2.55 (7 CTAs); groups of 128, [1, 8192] 3.45 against 2.22, [128, 7168] 3.56 against 4.81."""
-    if tokens >= SPLIT_TOKENS or spec.format.block == 0:
+    """CTAs per row, each a slice of whole groups and whole format blocks; 1 for a format whose scale is the
+    whole row's (block 0: fp8_per_token). H200, bf16, gate first (launch/tail_sweep.py --gated; us, one CTA a
+    row / the split / Inductor, which gives each group a CTA):
+    - below SPLIT_TOKENS rows, the most (up to 8) with slices of at least MIN_SLICE elements: groups of
+      1024, [1, 8192] 4.10 / 2.50 (8 CTAs) / 2.53, [64, 8192] 4.49 / 3.27 / 4.31, [1, 7168] 3.78 / 2.55 (7) /
+      2.86; groups of 128, [1, 8192] 3.45 / 2.22 / 4.13; but [128, 8192] 4.77 / 5.58 (8);
+    - from MANY_SPLIT_TOKENS rows, with groups of MANY_SPLIT_GROUP elements or more (summed across warps
+      through shared memory, behind a barrier that every warp of the row waits at), the fewest with slices
+      of at most MANY_SPLIT_SLICE elements: groups of 1024, [1024, 8192] 24.34 / 22.70 (2) / 21.16, [8192,
+      8192] 166.06 / 157.54 (2) / 159.12, [1024, 7168] 21.58 / 19.82 (7) / 17.95; groups of 2048,
+      [1024, 8192] 24.92 / 23.05 (2) / 23.60;
+    - else 1."""
+    if spec.format.block == 0:
         return 1
     unit = math.lcm(group_size, SLICE_MULTIPLE)
-    return next(s for s in range(8, 0, -1) if s == 1 or (hidden % (s * unit) == 0 and hidden // s >= MIN_SLICE))
+    if tokens < SPLIT_TOKENS:
+        return next(s for s in range(8, 0, -1) if s == 1 or (hidden % (s * unit) == 0 and hidden // s >= MIN_SLICE))
+    if tokens >= MANY_SPLIT_TOKENS and group_size >= MANY_SPLIT_GROUP:
+        return next((s for s in range(1, 9) if hidden % (s * unit) == 0 and hidden // s <= MANY_SPLIT_SLICE), 1)
+    return 1
 
 
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
