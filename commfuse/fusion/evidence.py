@@ -11,15 +11,16 @@ it is) every local pattern is rewritten: there the alternative is torch's unfuse
 the formats' codes).
 
 The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*,
--s18-gated-split-sweep*):
+-s18-gated-split-sweep*, -s19-*):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
   17.8 us at 1024x8192, ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
-  at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster at groups of 128 everywhere
-  (2.4-125.9 us against 3.2-163.6 us), at groups of 1024 and 2048 level or ahead below 128 tokens since
-  its rows are split over CTAs there (2.50 against 2.53 us at 1x8192, group 1024) and 3-4% behind at 1024
-  tokens; NVFP4 quantization 1.7-7.4x
+  at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster or within 2% at groups of 128 everywhere
+  (2.1-146.0 us against 3.0-160.2 us), at groups of 1024 and 2048 level or ahead up to 256 tokens (below
+  128 its rows are split over CTAs: 2.50 against 2.53 us at 1x8192, group 1024), and from 1024 tokens,
+  split again, ahead at 8192x8192 and level at 1024x8192 with groups of 2048 but 7-10% behind at 1024x8192
+  and 1024x7168 with groups of 1024 (22.7 against 21.2 us); NVFP4 quantization 1.7-7.4x
   faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
 - The host: a call of the local op through torch.ops costs 1.5-1.7x a torch elementwise op (10.2 us
   for add + RMSNorm against 6.4 us for torch.add), about what Inductor's own kernel launch costs; but in
@@ -28,9 +29,10 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   code (a size and stride assertion each). The 8B-shaped decoder of examples/tp_decoder.py (4 layers,
   FP8, world 1: every rewrite is local), compiled in Inductor's default mode: 9.93 ms for prefill + 4
   decode steps with every local rewrite against 9.22 ms without (7.7% slower, slower at every step;
-  -s18: 5.89 against 5.86 ms, the prefill 8% faster, decode steps 2-4 2-7% slower); with
-  mode="reduce-overhead" (CUDA graphs: no host time per call) 4.43 against 4.57 ms in one run and 3.58 against 3.50 in another: level
-  within the runs' drift, while each local kernel's GPU time is commfuse's or less at decode sizes (above),
+  -s18: 5.89 against 5.86 ms, decode steps 2-4 2-7% slower; -s19, two runs: 5.84 against 5.86 and 9.24
+  against 9.13, decode steps 2 and 4 3-6% slower in both); with mode="reduce-overhead" (CUDA graphs: no
+  host time per call) 4.43 against 4.57 ms in one run, 3.58 against 3.50 in another, 4.05 against 4.35
+  in a third: level or faster within the runs' drift, while each local kernel's GPU time is commfuse's or less at decode sizes (above),
   so with CUDA graphs the local patterns are rewritten.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ __all__ = ["REWRITES", "local_rewrite"]
 REWRITES = ("auto", "all")
 
 _DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran slower per decode step with every local "
-            "rewrite (H200: 2-7% at decode steps 2-4, 0.5% over prefill + 4 decode steps, 5.89 against 5.86 ms; 7.7% "
+            "rewrite (H200, three runs: 2-7% at decode steps 2-4, -0.3% to +1.2% over prefill + 4 decode steps; 7.7% "
             "in an earlier run)")
 _ADD_RMSNORM = ("Inductor's own kernel for it measured as fast or faster at 1024 tokens (17.8 against 18.5 us at "
                 f"1024x8192, bf16, H200), and {_DECODER}")
