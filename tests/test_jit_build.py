@@ -193,7 +193,7 @@ def test_gated_split_rule():
     assert s(8192, 127, 1024, none) == 8 and s(8192, 128, 1024, none) == 1 and s(8192, 1, 1024, per_token) == 1 and s(1024, 1, 128, none) == 1
     assert s(2880, 1, 1440, none) == 1 and s(8192, 1, 8, fp8_block) == 8 and s(7168, 1, 64, fp8_block) == 7
     assert s(8192, 1024, 1024, none) == 2 and s(8192, 8192, 2048, none) == 2 and s(7168, 1024, 1024, none) == 7
-    assert s(16384, 4096, 2048, fp8_block) == 4 and s(4096, 1024, 1024, none) == 1 and s(8192, 1023, 1024, none) == 1
+    assert s(16384, 4096, 2048, fp8_block) == 4 and s(4096, 1024, 1024, none) == 1 and s(8192, 511, 1024, none) == 1
     assert s(8192, 8192, 512, none) == 1 and s(8192, 8192, 1024, per_token) == 1 and s(2880, 2048, 1440, none) == 1
     for h in range(128, 16385, 128):
         for g in (8, 64, 128, 192, 256, 1024, 2048):

@@ -18,9 +18,9 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   17.8 us at 1024x8192, ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
   at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster or within 2% at groups of 128 everywhere
   (2.1-146.0 us against 3.0-160.2 us), at groups of 1024 and 2048 level or ahead up to 256 tokens (below
-  128 its rows are split over CTAs: 2.50 against 2.53 us at 1x8192, group 1024), and from 1024 tokens,
-  split again, ahead at 8192x8192 and level at 1024x8192 with groups of 2048 but 7-10% behind at 1024x8192
-  and 1024x7168 with groups of 1024 (22.7 against 21.2 us); NVFP4 quantization 1.7-7.4x
+  128 its rows are split over CTAs: 2.50 against 2.53 us at 1x8192, group 1024), and from 512 tokens,
+  split again, ahead at 8192 tokens and level at 1024x8192 with groups of 2048 but 6-10% behind at 512-1024
+  tokens of h 7168 / 8192 with groups of 1024 (22.3 against 21.0 us at 1024x8192); NVFP4 quantization 1.7-7.4x
   faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
 - The host: a call of the local op through torch.ops costs 1.5-1.7x a torch elementwise op (10.2 us
   for add + RMSNorm against 6.4 us for torch.add), about what Inductor's own kernel launch costs; but in

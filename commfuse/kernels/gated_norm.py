@@ -39,7 +39,7 @@ GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
 SPLIT_TOKENS = 128  # below this many rows, a row may be split over CTAs (splits)
 MIN_SLICE = 1024    # elements of a split row's slice at least (128 threads at VPT 1)
 SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 128 elements the longest)
-MANY_SPLIT_TOKENS = 1024  # from this many rows, a row of large groups is split again (splits)
+MANY_SPLIT_TOKENS = 512   # from this many rows, a row of large groups is split again (splits)
 MANY_SPLIT_GROUP = 1024   # groups of at least this many elements
 MANY_SPLIT_SLICE = 4096   # elements of such a slice at most
 
@@ -53,9 +53,10 @@ def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
       2.86; groups of 128, [1, 8192] 3.45 / 2.22 / 4.13; but [128, 8192] 4.77 / 5.58 (8);
     - from MANY_SPLIT_TOKENS rows, with groups of MANY_SPLIT_GROUP elements or more (summed across warps
       through shared memory, behind a barrier that every warp of the row waits at), the fewest with slices
-      of at most MANY_SPLIT_SLICE elements: groups of 1024, [1024, 8192] 24.34 / 22.70 (2) / 21.16, [8192,
-      8192] 166.06 / 157.54 (2) / 159.12, [1024, 7168] 21.58 / 19.82 (7) / 17.95; groups of 2048,
-      [1024, 8192] 24.92 / 23.05 (2) / 23.60;
+      of at most MANY_SPLIT_SLICE elements: groups of 1024, [512, 8192] 11.83 / 11.43 (2) / 10.70, [1024,
+      8192] 23.85 / 22.25 (2) / 21.04, [8192, 7168] 152.72 / 139.77 (7) / 140.56; at [8192, 8192] 166.06 /
+      157.54 (2) / 159.12 and, groups of 2048, [1024, 8192] 24.92 / 23.05 (2) / 23.60 with a variant of the
+      group sums since reverted, which measured level with this one unsplit;
     - else 1."""
     if spec.format.block == 0:
         return 1
