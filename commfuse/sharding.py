@@ -11,11 +11,22 @@ included), o_proj and down_proj row-parallel: each rank multiplies its slice of 
 the partial products are summed with `torch.distributed.all_reduce` in place, as models write it (the
 bias added once, after the sum). That all-reduce is followed by the residual add and the next RMSNorm:
 the tail commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attention reshapes
-with `-1` heads (transformers' Llama, Mistral, Qwen2, Qwen3, Gemma), so its modules run unchanged
+with `-1` heads (transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged
 on their share of the heads.
 
-Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma. Others raise
-ValueError naming what is missing.
+A MoE block (transformers 5's layout: a router `gate` and an `experts` module holding every expert's
+`gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate]) is sharded the
+same way inside each expert: every rank keeps its 1 / world of each expert's intermediate features, the
+router stays replicated, and the block's output (the routing-weighted combine of the experts' partial
+products, plus a shared expert's, whose down_proj is then a partial product too) is all-reduced in place
+after the block (a forward hook): the combine + all-reduce + residual add + RMSNorm that commfuse.fusion
+fuses into `commfuse::moe_all_reduce` where the combine is written as a sum over the top-k rows (transformers'
+`config._experts_implementation = "batched_mm"`). The combines of its other implementations (the eager
+loop's `index_add_`, grouped_mm's permuted rows) are reported and left as written, and the all-reduce
+tail after them is fused.
+
+Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, and the MoE ones Mixtral,
+Qwen2-MoE (with its gated shared expert) and Qwen3-MoE. Others raise ValueError naming what is missing.
 """
 from __future__ import annotations
 
@@ -69,11 +80,78 @@ def _row(linear: nn.Linear, rank: int, world: int, group) -> RowParallelLinear:
     return RowParallelLinear(weight, bias, group)
 
 
+def _slice_linear(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
+    """This rank's input columns of `linear`, without an all-reduce: a partial product that a later
+    all-reduce sums (a MoE block's shared expert); the bias is kept on rank 0 only, so the sum adds it once."""
+    cols = linear.in_features // world
+    new = nn.Linear(cols, linear.out_features, bias=linear.bias is not None, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(linear.weight[:, rank * cols:(rank + 1) * cols])
+        if linear.bias is not None:
+            new.bias.copy_(linear.bias if rank == 0 else torch.zeros_like(linear.bias))
+    new.requires_grad_(linear.weight.requires_grad)
+    return new
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    return hasattr(module, "gate") and all(isinstance(getattr(experts, n, None), torch.Tensor)
+                                           for n in ("gate_up_proj", "down_proj"))
+
+
+def _check_moe_block(block: nn.Module, world: int) -> None:
+    """ValueError where shard_decoder cannot shard this MoE block over `world` ranks (before any is)."""
+    experts = block.experts
+    layout = {n: getattr(experts, n, d) for n, d in (("is_transposed", False), ("is_concatenated", True),
+                                                     ("has_gate", True), ("has_bias", False))}
+    if layout != {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False}:
+        raise ValueError(f"MoE experts {type(experts).__name__} store their weights as {layout}: shard_decoder "
+                         "knows concatenated [gate; up] weights, not transposed, without biases")
+    up, down = experts.gate_up_proj, experts.down_proj
+    inter = down.shape[-1]
+    if up.dim() != 3 or down.dim() != 3 or up.shape[1] != 2 * inter or inter % world:
+        raise ValueError(f"MoE experts with gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)}: "
+                         f"expected [experts, 2 * intermediate, h] and [experts, h, intermediate], intermediate "
+                         f"dividing by the world size {world}")
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None and shared.gate_proj.out_features % world:
+        raise ValueError(f"the shared expert's {shared.gate_proj.out_features} intermediate features do not "
+                         f"divide by the world size {world}")
+
+
+def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
+    """Each expert's (and the shared expert's) intermediate features over the ranks; the block's output
+    all-reduced in place by a forward hook."""
+    experts = block.experts
+    up, down = experts.gate_up_proj, experts.down_proj
+    inter = down.shape[-1]
+    n = inter // world
+    mine = slice(rank * n, (rank + 1) * n)
+    with torch.no_grad():
+        gate_up = torch.cat([up[:, :inter][:, mine], up[:, inter:][:, mine]], dim=1).contiguous()
+        experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=up.requires_grad)
+        experts.down_proj = nn.Parameter(down[:, :, mine].contiguous(), requires_grad=down.requires_grad)
+    if hasattr(experts, "intermediate_dim"):
+        experts.intermediate_dim = n
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        shared.gate_proj = _column(shared.gate_proj, rank, world)
+        shared.up_proj = _column(shared.up_proj, rank, world)
+        shared.down_proj = _slice_linear(shared.down_proj, rank, world)
+
+    def all_reduce(module, args, output):
+        dist.all_reduce(output, group=group)
+
+    block.register_forward_hook(all_reduce)
+
+
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     """Shard `model` (a transformers decoder: *ForCausalLM or its base model) over `group` (None:
-    WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError
-    where the heads, key-value heads or intermediate features do not divide by the world size, or
-    where the model has no layer of the known shape."""
+    WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError,
+    before it changes anything, where the heads, key-value heads or intermediate features (an expert's
+    too) do not divide by the world size, where a MoE block's experts store their weights in another
+    layout, or where the model has no layer of the known shape."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -87,7 +165,17 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         if value % world:
             raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
     sharded = 0
+    in_moe = set()
+    blocks = [m for m in model.modules() if _is_moe_block(m)]
+    for block in blocks:
+        _check_moe_block(block, world)
+    for block in blocks:
+        _shard_moe_block(block, rank, world, group)
+        in_moe.update(block.modules())
+        sharded += 1
     for parent in list(model.modules()):
+        if parent in in_moe:
+            continue
         names = {n for n, _ in parent.named_children()}
         if not (names >= {"q_proj", "k_proj", "v_proj", "o_proj"} or names >= {"gate_proj", "up_proj", "down_proj"}):
             continue
@@ -100,6 +188,6 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
                 setattr(parent, child_name, _row(child, rank, world, group))
                 sharded += 1
     if not sharded:
-        raise ValueError("no attention (q/k/v/o_proj) or MLP (gate/up/down_proj) layers found: not a decoder "
-                         "shard_decoder knows")
+        raise ValueError("no attention (q/k/v/o_proj), MLP (gate/up/down_proj) or MoE (gate, experts) layers "
+                         "found: not a decoder shard_decoder knows")
     return model

@@ -11,13 +11,18 @@ from commfuse.sharding import RowParallelLinear, shard_decoder
 transformers = pytest.importorskip("transformers", reason="the sharding tests need transformers (pip install transformers)")
 
 mpi = pytest.mark.mpi(min_size=2)
+MOE = {"num_experts_per_tok": 2}  # 4 experts of 32 * kv intermediate features each (set in tiny)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4, sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(MOE, num_experts=4)),  # with a shared expert
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, num_experts=4)),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 LAYERS = 2
 
 
@@ -27,6 +32,8 @@ def tiny(family, dtype, seed=0):
 
     config_name, model_name, extra = FAMILIES[family]
     kv = 2 * dist.get_world_size()
+    if family in MOE_FAMILIES:
+        extra = dict(extra, moe_intermediate_size=32 * kv, shared_expert_intermediate_size=64 * kv)
     config = getattr(transformers, config_name)(hidden_size=2 * kv * 16, intermediate_size=128 * kv,
                                                 num_hidden_layers=LAYERS, num_attention_heads=2 * kv,
                                                 num_key_value_heads=kv, head_dim=16, vocab_size=128,
@@ -48,7 +55,7 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
         model = shard_decoder(tiny(family, torch.float32))
         got = model(ids, use_cache=False).logits
     rows = sum(isinstance(m, RowParallelLinear) for m in model.modules())
-    assert rows == 2 * LAYERS
+    assert rows == (1 if family in MOE_FAMILIES else 2) * LAYERS  # o_proj's, and down_proj's in a dense MLP
     q = model.model.layers[0].self_attn.q_proj
     assert q.out_features == model.config.num_attention_heads * 16 // comm.world_size
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -63,16 +70,40 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
     ids = tokens(2)
     with torch.inference_mode():
         model = shard_decoder(tiny(family, torch.bfloat16))
+        moe = family in MOE_FAMILIES
+        if moe:  # the combine as a sum over the top-k rows (the default loop's index_add_ is reported, not fused)
+            model.config._experts_implementation = "batched_mm"
         want = model(ids, use_cache=False).logits.float()
         compiled = fusion.compile(model, c, backend="aot_eager")
         got = compiled(ids, use_cache=False).logits.float()
     reports = compiled.fusion_reports
     fused = sum(r.count("commfuse::fused_all_reduce") for r in reports)
-    assert fused == 2 * LAYERS, "\n".join(map(str, reports))  # o_proj's and down_proj's: every one
-    assert not any(s.what == "all-reduce" for r in reports for s in r.skipped), "\n".join(map(str, reports))
+    moe_fused = sum(r.count("commfuse::moe_all_reduce") for r in reports)
+    text = "\n".join(map(str, reports))
+    # Every one: o_proj's, and down_proj's in a dense MLP or the MoE block's (its combine with it).
+    assert (fused, moe_fused) == ((LAYERS, LAYERS) if moe else (2 * LAYERS, 0)), text
+    assert not any(s.what == "all-reduce" for r in reports for s in r.skipped), text
     # The fused norms round once where the model's round twice (docs/fusion.md, Tolerances).
     err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
     assert err < 0.03, f"relative RMS error {err:.3g}"
+
+
+@mpi
+def test_moe_combine_of_the_default_experts_is_reported(comm):
+    """transformers' default experts implementation (compiled: grouped_mm's permuted rows) is not the combine
+    the pass fuses: each MoE block's all-reduce tail is fused without it, and the report says why."""
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        model = shard_decoder(tiny("mixtral", torch.bfloat16))
+        compiled = fusion.compile(model, c, backend="aot_eager")
+        compiled(tokens(3), use_cache=False)
+    reports = compiled.fusion_reports
+    text = "\n".join(map(str, reports))
+    assert sum(r.count("commfuse::fused_all_reduce") for r in reports) == 2 * LAYERS, text
+    assert sum(r.count("commfuse::moe_all_reduce") for r in reports) == 0, text
+    assert sum(s.what == "moe combine" for r in reports for s in r.skipped) == LAYERS, text
 
 
 @mpi
@@ -85,3 +116,13 @@ def test_shard_decoder_errors(comm):
         shard_decoder(model)
     with pytest.raises(ValueError, match="not a decoder"):
         shard_decoder(torch.nn.Linear(4, 4))
+    model = tiny("qwen2_moe", torch.float32)
+    model.model.layers[0].mlp.experts.is_transposed = True  # e.g. gpt-oss's [experts, h, 2 * intermediate]
+    with pytest.raises(ValueError, match="store their weights as"):
+        shard_decoder(model)
+    model = tiny("mixtral", torch.float32)
+    model.model.layers[1].mlp.experts.down_proj.data = torch.zeros(4, model.config.hidden_size, 2 * comm.world_size + 1)
+    before = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match="intermediate dividing by the world size"):
+        shard_decoder(model)
+    assert [p.shape for p in model.parameters()] == before  # checked before anything is sharded
