@@ -20,10 +20,10 @@ same way inside each expert: every rank keeps its 1 / world of each expert's int
 router stays replicated, and the block's output (the routing-weighted combine of the experts' partial
 products, plus a shared expert's, whose down_proj is then a partial product too) is all-reduced in place
 after the block (a forward hook): the combine + all-reduce + residual add + RMSNorm that commfuse.fusion
-fuses into `commfuse::moe_all_reduce` where the combine is written as a sum over the top-k rows (transformers'
-`config._experts_implementation = "batched_mm"`). The combines of its other implementations (the eager
-loop's `index_add_`, grouped_mm's permuted rows) are reported and left as written, and the all-reduce
-tail after them is fused.
+fuses into `commfuse::moe_all_reduce` where the combine is a sum over the top-k rows: transformers'
+grouped_mm experts (its default under torch.compile: rows in expert order gathered back to token order,
+the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is reported and left as
+written, and the all-reduce tail after it fused.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, and the MoE ones Mixtral,
 Qwen2-MoE (with its gated shared expert) and Qwen3-MoE. Others raise ValueError naming what is missing.

@@ -6,7 +6,8 @@ sums that the all-reduce adds, as in a tensor-parallel MoE layer. The routing (s
 renormalised) is computed in the graph, and the combine is written as models write it: Qwen-MoE /
 DeepSeek's `(y * w.unsqueeze(-1)).sum(dim=1)` on y [t, k, h], HF's batched_mm experts'
 `(rows * w.reshape(-1).unsqueeze(-1)).view(t, k, h).sum(dim=1)`, with the weights in float32 or cast
-to T, with or without a shared expert. The fused outputs are compared bit for bit (2 ranks, gloo,
+to T, with or without a shared expert; HF's grouped_mm experts' rows in expert order gathered back
+to token order (the finalize form). The fused outputs are compared bit for bit (2 ranks, gloo,
 CPU: the op is commfuse.reference's) with the same model written in commfuse's rounding order (the
 combine in fp32 in slot order: reference.moe_reduce), and with the unfused graph where the report has
 no numerics note on the combine. Negative cases: what is not the combine is reported with its reason,
@@ -286,17 +287,67 @@ def test_shared_add_with_alpha_is_not_the_combine(quiet_comm, gen):
     negative(quiet_comm, gen, combine, skipped=0)
 
 
-@mpi
-def test_gathered_rows_are_not_matched(quiet_comm, gen):
-    def combine(x, rows, w, t, k, h):  # HF grouped_mm's order: weighted rows permuted back before the sum
-        perm = torch.arange(t * k - 1, -1, -1, device=x.device)
-        weighted = (rows[perm] * w.reshape(-1)[perm].unsqueeze(-1))
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(t * k, device=x.device)
-        return weighted[inv].view(t, k, h).sum(dim=1).to(x.dtype)
+def _gathered(perm_of, inverse, permute_weights=True):
+    """HF grouped_mm's combine order: the rows in expert order (perm), weighted, gathered back to token
+    order by `inverse(perm, n)`, summed over the top-k axis."""
 
+    def combine(x, rows, w, t, k, h):
+        perm = perm_of(t * k, x.device)
+        wp = w.reshape(-1)[perm] if permute_weights else w.reshape(-1)
+        weighted = rows[perm] * wp.unsqueeze(-1)
+        return weighted[inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
+
+    return combine
+
+
+def _reversed(n, device):
+    return torch.arange(n - 1, -1, -1, device=device)
+
+
+def _hf_inverse(perm, n, values=lambda n, device: torch.arange(n, device=device)):
+    inv = torch.empty_like(perm)
+    inv[perm] = values(n, perm.device)
+    return inv
+
+
+@mpi
+@pytest.mark.parametrize("k", [2, 4])
+def test_gathered_rows_are_the_finalize_form(quiet_comm, gen, k):
+    """HF grouped_mm's experts: rows in expert order weighted, gathered back by the inverse permutation, summed
+    over the top-k axis: moe_all_reduce's finalize form (y the rows, row_index the inverse viewed [t, k])."""
+    t, h = 6, 64
+    c = quiet_comm
+    args, _ = moe_setup(c, gen, t, h)
+    combine = _gathered(_reversed, _hf_inverse)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        w, sel = route(x, router, k, "f32")
+        return _tail(combine(x, expert_rows(x, sel, w_up, w_down), w, t, k, h), residual, weight)
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert counts(gm) == {MOE_AR: 1}, report
+    assert not report.skipped, report
+    assert report.fused[0].spelling.startswith("(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"), report
+    (op,) = [n for n in gm.graph.nodes if n.target is MOE_AR]
+    assert op.args[2] is not None  # the row index: the finalize form
+    if k == 2:  # float32 products, two terms: the combine exact; the tail as the graph's
+        assert_same(got, want)
+    else:  # four: torch's sum order and the op's slot order a few float32 ulps apart
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close_under_sum_order(g, w, i)
+
+
+@mpi
+@pytest.mark.parametrize("case", ["gathered by the permutation", "not its inverse", "weights not permuted"])
+def test_gathered_rows_not_the_finalize_form(quiet_comm, gen, case):
+    """Gathers that are not the inverse of the rows' permutation, or weights not permuted with the rows: the
+    combine left as written, reported, the tail fused."""
+    combine = {"gathered by the permutation": _gathered(_reversed, lambda perm, n: perm),
+               "not its inverse": _gathered(lambda n, d: torch.arange(n, device=d) * 5 % n,  # 5 coprime to t * k = 12
+                                            lambda p, n: _hf_inverse(p, n, _reversed)),
+               "weights not permuted": _gathered(_reversed, _hf_inverse, permute_weights=False)}[case]
     s = negative(quiet_comm, gen, combine)
-    assert s.kind == "pattern" and "gathered" in s.reason and "row_index" in s.reason, s
+    assert s.kind == "pattern" and "gathered" in s.reason, s
 
 
 @mpi

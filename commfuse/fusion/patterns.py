@@ -646,7 +646,9 @@ class MoeCombine:
     """A tensor-parallel MoE block's expert combine, the all-reduce's input (docs/semantics.md section 14).
 
     y: the expert outputs, T[t, k, h], or the rows T[t * k, h] of the weighted products when the graph
-    multiplies before viewing them as [t, k, h] (y_rows: the rewrite reshapes them to [-1, k, h]);
+    multiplies before viewing them as [t, k, h] (y_rows: the rewrite reshapes them to [-1, k, h]), or the
+    rows in expert order T[t * k, h] when the graph gathers the weighted rows back to token order (HF's
+    grouped_mm experts: row_index, the inverse permutation, reshaped by the rewrite to [-1, k]);
     weights: the routing weights [t, k] (float32 or T), or a tensor of t * k elements in token-major
     order (w_rows: reshaped to [-1, k]); shared: a shared expert's output added to the combine, or None;
     k: the slots; nodes: the combine's nodes (the products, views, the sum, casts, the shared add, up to
@@ -661,6 +663,7 @@ class MoeCombine:
     notes: List[str] = field(default_factory=list)
     y_rows: bool = False
     w_rows: bool = False
+    row_index: Optional[fx.Node] = None  # the finalize form: y the rows [R, h], token (i, j) at row_index[i, j]
 
 
 def _strip_views(n, nodes: list):
@@ -792,10 +795,7 @@ def _routed_sum_core(s: fx.Node, t_dtype):
         nodes.append(m)
     elif G.kind(m) == "view" and G.kind(G.source(m)) == "getitem" and G.kind(G.source(m).args[0]) == "mul" and \
             _rank(G.source(m)) == 2:
-        gi = G.source(m)
-        return Mismatch(f"the weighted rows {gi.args[0].name} are gathered ({gi.name}, e.g. HF grouped_mm's "
-                        "weighted_out[inv_perm]) between the multiply and the sum over the top-k axis: the permuted "
-                        "form (moe_all_reduce's row_index) is not matched")
+        return _gathered_core(s, m, G.source(m), dim, t_dtype)
     else:
         return None
     if dim % 3 != 1:
@@ -844,6 +844,79 @@ def _routed_sum_core(s: fx.Node, t_dtype):
                 spelling=f"{rows_txt}.sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
 
 
+def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
+    """perm, where idx is its inverse permutation as HF grouped_mm writes it (`inv = torch.empty_like(perm);
+    inv[perm] = torch.arange(n)`, n = perm's length), before `reader`, and nothing else writes idx; else None."""
+    if G.kind(idx) != "empty_like":
+        return None
+    perm = G.operand(idx, 0, "input")
+    writes = [u for u in idx.users if G.kind(u) == "setitem"]
+    if not isinstance(perm, fx.Node) or _rank(perm) != 1 or len(writes) != 1 or len(writes[0].args) != 3:
+        return None
+    target, where, value = writes[0].args
+    if target is not idx or where is not perm or G.kind(value) != "arange" or \
+            value.kwargs.get("dtype") not in (None, torch.int64):
+        return None
+    bounds = list(value.args)
+    if len(bounds) == 2 and bounds[0] == 0:
+        bounds = bounds[1:]
+    if len(bounds) != 1 or not _same_dims(G.shape(value), G.shape(perm)):
+        return None
+    if any(u is not writes[0] and (G.kind(u) != "getitem" or u.args[1] is not idx) for u in idx.users):
+        return None  # idx read as anything but an index of the gather, or written again
+    n = writes[0].next
+    while n.op != "root" and n is not reader:
+        n = n.next
+    return perm if n is reader else None  # written before the gather reads it
+
+
+def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
+    """HF grouped_mm's combine, `(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)`: rows in
+    expert order, each weighted by its token's routing weight, gathered back to token order and summed over
+    the top-k axis. The finalize form: token (i, j)'s row is inv_perm[i * k + j] and its weight w[i * k + j]
+    (perm[inv_perm[s]] = s), so y = rows, row_index = inv_perm viewed [t, k], weights = w viewed [t, k]."""
+    prod, idx = gi.args
+    what = f"the weighted rows {prod.name} gathered by {getattr(idx, 'name', idx)} ({gi.name})"
+    perm = _inverse_of(idx, gi) if isinstance(idx, fx.Node) else None
+    if perm is None:
+        return Mismatch(f"{what} before the sum over the top-k axis: the index is not the inverse of a "
+                        "permutation written as HF grouped_mm writes it (inv = empty_like(perm); inv[perm] = "
+                        "arange(n)), so which row holds which token is unknown")
+    if dim % 3 != 1:
+        return Mismatch(f"the sum {s.name} is over dim {dim} of the {_shape_str(m)} gathered rows, not the top-k "
+                        "axis: commfuse::moe_all_reduce sums each token's k rows")
+    k = G.static_int(G.shape(m)[1])
+    if k is None:
+        return Mismatch(f"the combine {s.name} has a symbolic number of slots {G.shape(m)[1]}: the rewrite needs a "
+                        "fixed top-k", "guard")
+    rows_shape = tuple(G.shape(prod))
+    a, b = _binary(prod)
+    y = w = None
+    for yy, ww in ((a, b), (b, a)):
+        src = _weights_source(ww, rows_shape[:-1]) if isinstance(ww, fx.Node) else None
+        if isinstance(yy, fx.Node) and _same_dims(G.shape(yy), rows_shape) and G.kind(src) == "getitem" and \
+                src.args[1] is perm:
+            y, w = yy, src.args[0]
+            break
+    if y is None:
+        return Mismatch(f"{what}: not rows times the routing weights permuted like them (w[perm][:, None], "
+                        f"perm = {perm.name})")
+    y_t = _f32_of(y)
+    y = y_t if y_t is not None else y
+    if G.dtype(y) != t_dtype:
+        return Mismatch(f"the expert outputs {y.name} are {_dt(G.dtype(y))}, the residual {_dt(t_dtype)}: "
+                        "commfuse::moe_all_reduce combines T outputs into the T tail", "guard")
+    if G.dtype(w) not in (_F32, t_dtype) or _rank(w) != 1:
+        return Mismatch(f"the routing weights {w.name} are {_dt(G.dtype(w))} {_shape_str(w)}: commfuse::moe_all_reduce "
+                        f"takes float32 or {_dt(t_dtype)} weights, one per token and slot", "guard")
+    w_rows = True
+    if G.kind(w) == "view" and _same_dims(G.shape(G.source(w)), tuple(G.shape(m)[:2])):
+        w, w_rows = G.source(w), False  # top_k_weights.reshape(-1): the [t, k] tensor itself
+    return dict(y=y, w=w, k=k, nodes=[s, m, gi, prod], y_rows=False, w_rows=w_rows, prod=prod, row_index=idx,
+                spelling="(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"
+                         + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+
+
 def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
     if isinstance(core, Mismatch):
         return core
@@ -873,7 +946,7 @@ def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
                      "terms cancel")
     return MoeCombine(y=core["y"], weights=core["w"], shared=shared, k=k, nodes=_dedupe(nodes + core["nodes"]),
                       spelling=core["spelling"] + spelling_tail, notes=notes, y_rows=core["y_rows"],
-                      w_rows=core["w_rows"])
+                      w_rows=core["w_rows"], row_index=core.get("row_index"))
 
 
 def index_add_combine(x: fx.Node) -> Optional[fx.Node]:

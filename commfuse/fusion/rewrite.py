@@ -210,7 +210,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if isinstance(norm.weight, fx.Node):
         inputs.append(("weight", norm.weight))
     if moe is not None:
-        inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared)]
+        inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared),
+                   ("expert rows' index", moe.row_index)]
     for what, n in inputs:
         if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
             if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
@@ -248,7 +249,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         if moe is not None:
             y = moe.y if not moe.y_rows else g.call_method("reshape", (moe.y, -1, moe.k, h))
             w = moe.weights if not moe.w_rows else g.call_method("reshape", (moe.weights, -1, moe.k))
-            args = (y, w, None, rows(moe.shared), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
+            index = None if moe.row_index is None else g.call_method("reshape", (moe.row_index, -1, moe.k))
+            args = (y, w, index, rows(moe.shared), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "all_reduce":
             args = (rows(ar.x), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "local":
