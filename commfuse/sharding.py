@@ -21,12 +21,13 @@ router stays replicated, and the block's output (the routing-weighted combine of
 products, plus a shared expert's, whose down_proj is then a partial product too) is all-reduced in place
 after the block (a forward hook): the combine + all-reduce + residual add + RMSNorm that commfuse.fusion
 fuses into `commfuse::moe_all_reduce` where the combine is a sum over the top-k rows: transformers'
-grouped_mm experts (its default under torch.compile: rows in expert order gathered back to token order,
+grouped_mm experts (its default where a model supports it: rows in expert order gathered back to token order,
 the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is reported and left as
 written, and the all-reduce tail after it fused.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, and the MoE ones Mixtral,
-Qwen2-MoE (with its gated shared expert) and Qwen3-MoE. Others raise ValueError naming what is missing.
+Qwen2-MoE (with its gated shared expert), Qwen3-MoE and GLM4-MoE (shared experts, dense first layers).
+Others raise ValueError naming what is missing.
 """
 from __future__ import annotations
 
@@ -100,21 +101,40 @@ def _is_moe_block(module: nn.Module) -> bool:
                                            for n in ("gate_up_proj", "down_proj"))
 
 
+_SHARED = ("shared_expert", "shared_experts")  # Qwen2-MoE's; DeepSeek's and GLM4-MoE's
+_MOE_CHILDREN = {"gate", "experts", "shared_expert_gate", *_SHARED}
+
+
+def _shared_expert(block: nn.Module) -> Optional[nn.Module]:
+    return next((getattr(block, n) for n in _SHARED if getattr(block, n, None) is not None), None)
+
+
 def _check_moe_block(block: nn.Module, world: int) -> None:
     """ValueError where shard_decoder cannot shard this MoE block over `world` ranks (before any is)."""
     experts = block.experts
     layout = {n: getattr(experts, n, d) for n, d in (("is_transposed", False), ("is_concatenated", True),
-                                                     ("has_gate", True), ("has_bias", False))}
-    if layout != {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False}:
+                                                     ("has_gate", True), ("has_bias", False),
+                                                     ("has_post_expert_norm", False))}
+    if layout != {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
+                  "has_post_expert_norm": False}:
         raise ValueError(f"MoE experts {type(experts).__name__} store their weights as {layout}: shard_decoder "
-                         "knows concatenated [gate; up] weights, not transposed, without biases")
+                         "knows concatenated [gate; up] weights, not transposed, without biases or a norm per expert")
+    # A part of the block that the hook's all-reduce would sum once per rank unless it is sharded.
+    other = [n for n, m in block.named_children() if n not in _MOE_CHILDREN and any(True for _ in m.parameters())]
+    if other:
+        raise ValueError(f"MoE block {type(block).__name__} has {other} beside its router, experts and shared "
+                         "expert: shard_decoder does not know how to shard them")
     up, down = experts.gate_up_proj, experts.down_proj
     inter = down.shape[-1]
     if up.dim() != 3 or down.dim() != 3 or up.shape[1] != 2 * inter or inter % world:
         raise ValueError(f"MoE experts with gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)}: "
                          f"expected [experts, 2 * intermediate, h] and [experts, h, intermediate], intermediate "
                          f"dividing by the world size {world}")
-    shared = getattr(block, "shared_expert", None)
+    shared = _shared_expert(block)
+    if shared is not None and not all(isinstance(getattr(shared, n, None), nn.Linear)
+                                      for n in ("gate_proj", "up_proj", "down_proj")):
+        raise ValueError(f"MoE block {type(block).__name__}'s shared expert {type(shared).__name__} is not an MLP "
+                         "of gate_proj, up_proj and down_proj")
     if shared is not None and shared.gate_proj.out_features % world:
         raise ValueError(f"the shared expert's {shared.gate_proj.out_features} intermediate features do not "
                          f"divide by the world size {world}")
@@ -134,7 +154,7 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
         experts.down_proj = nn.Parameter(down[:, :, mine].contiguous(), requires_grad=down.requires_grad)
     if hasattr(experts, "intermediate_dim"):
         experts.intermediate_dim = n
-    shared = getattr(block, "shared_expert", None)
+    shared = _shared_expert(block)
     if shared is not None:
         shared.gate_proj = _column(shared.gate_proj, rank, world)
         shared.up_proj = _column(shared.up_proj, rank, world)

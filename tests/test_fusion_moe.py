@@ -351,6 +351,59 @@ def test_gathered_rows_not_the_finalize_form(quiet_comm, gen, case):
 
 
 @mpi
+def test_gathered_rows_weights_broadcast_over_rows_are_not_matched(quiet_comm, gen):
+    """w[perm] viewed [1, t * k] multiplies each row by every weight, which t * k == h lets broadcast: not one
+    weight per row, so not the finalize form, though every node but the multiplier's shape is."""
+    t, k, h = 32, 2, 64
+    c = quiet_comm
+    args, _ = moe_setup(c, gen, t, h)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        w, sel = route(x, router, k, "f32")
+        rows = expert_rows(x, sel, w_up, w_down)
+        perm = _reversed(t * k, x.device)
+        weighted = rows[perm] * w.reshape(-1)[perm].view(1, -1)
+        return _tail(weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype), residual, weight)
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    (s,) = [s for s in report.skipped if s.what == "moe combine"]
+    assert "permuted like them" in s.reason, report
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("written", ["perm", "rows"])
+def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written):
+    """perm changed in place after the rows and weights were permuted by it (inv is then not their inverse),
+    or the rows written after the combine read them (the op would read them at the tail): not fused with
+    the combine, and the outputs are the graph's."""
+    t, k, h = 6, 2, 64
+    c = quiet_comm
+    args, _ = moe_setup(c, gen, t, h)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        w, sel = route(x, router, k, "f32")
+        rows = expert_rows(x, sel, w_up, w_down)
+        perm = _reversed(t * k, x.device)
+        permuted = rows[perm]
+        weighted = permuted * w.reshape(-1)[perm].unsqueeze(-1)
+        if written == "perm":
+            perm.copy_(perm.roll(1))
+        inv = _hf_inverse(perm, t * k)
+        out = weighted[inv].view(t, k, h).sum(dim=1).to(x.dtype)
+        if written == "rows":
+            permuted.mul_(3)
+        return _tail(out, residual, weight)
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert MOE_AR not in counts(gm), report
+    reasons = " ".join(s.reason for s in report.skipped)
+    assert ("not the inverse of a permutation" if written == "perm" else "written in place (mul_)") in reasons, report
+    assert_same(got, want)
+
+
+@mpi
 def test_index_add_combine_is_reported(quiet_comm, gen):
     """HF Mixtral's older eager experts loop: one graph in torch 2.13 (torch.where per expert traced with
     data-dependent sizes), the combine an index_add_ into zeros: not matched, the tail still fused."""

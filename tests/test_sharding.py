@@ -21,8 +21,11 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4, sliding_window=None)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(MOE, num_experts=4)),  # with a shared expert
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, num_experts=4)),
+    # shared experts (plural, ungated); the first layer a dense MLP
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(MOE, n_routed_experts=4, n_shared_experts=1,
+                                                             first_k_dense_replace=1)),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 LAYERS = 2
 
 
@@ -42,6 +45,10 @@ def tiny(family, dtype, seed=0):
     return getattr(transformers, model_name)(config).to(dtype).eval()
 
 
+def moe_layers(model):
+    return sum(hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj") for m in model.modules())
+
+
 def tokens(seed=1):
     return torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(seed))
 
@@ -55,7 +62,7 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
         model = shard_decoder(tiny(family, torch.float32))
         got = model(ids, use_cache=False).logits
     rows = sum(isinstance(m, RowParallelLinear) for m in model.modules())
-    assert rows == (1 if family in MOE_FAMILIES else 2) * LAYERS  # o_proj's, and down_proj's in a dense MLP
+    assert rows == 2 * LAYERS - moe_layers(model)  # o_proj's, and down_proj's in a dense MLP
     q = model.model.layers[0].self_attn.q_proj
     assert q.out_features == model.config.num_attention_heads * 16 // comm.world_size
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -81,7 +88,8 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
     moe_fused = sum(r.count("commfuse::moe_all_reduce") for r in reports)
     text = "\n".join(map(str, reports))
     # Every one: o_proj's, and down_proj's in a dense MLP or the MoE block's (its combine with it).
-    assert (fused, moe_fused) == ((LAYERS, LAYERS) if moe else (2 * LAYERS, 0)), text
+    assert (fused, moe_fused) == (2 * LAYERS - moe_layers(model), moe_layers(model)), text
+    assert moe_layers(model) == (0 if not moe else LAYERS - (family == "glm4_moe")), text
     assert not any(s.what == "all-reduce" for r in reports for s in r.skipped), text
     # The fused norms round once where the model's round twice (docs/fusion.md, Tolerances).
     err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
@@ -90,8 +98,8 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
 
 @mpi
 def test_default_experts_combine_is_fused(comm):
-    """transformers' default experts implementation (compiled: grouped_mm, the rows in expert order gathered
-    back to token order) is the combine's finalize form: each MoE block's tail is fused with it."""
+    """transformers' default experts implementation (grouped_mm: the rows in expert order gathered back to
+    token order) is the combine's finalize form: each MoE block's tail is fused with it."""
     c = commfuse.Communicator(comm.group)
     c.check_calls = False
     torch._dynamo.reset()
@@ -123,6 +131,10 @@ def test_shard_decoder_errors(comm):
     model = tiny("qwen2_moe", torch.float32)
     model.model.layers[0].mlp.experts.is_transposed = True  # e.g. gpt-oss's [experts, h, 2 * intermediate]
     with pytest.raises(ValueError, match="store their weights as"):
+        shard_decoder(model)
+    model = tiny("glm4_moe", torch.float32)
+    model.model.layers[1].mlp.extra = torch.nn.Linear(4, 4)  # would be summed once per rank by the all-reduce
+    with pytest.raises(ValueError, match=r"has \['extra'\] beside its router"):
         shard_decoder(model)
     model = tiny("mixtral", torch.float32)
     model.model.layers[1].mlp.experts.down_proj.data = torch.zeros(4, model.config.hidden_size, 2 * comm.world_size + 1)

@@ -333,6 +333,48 @@ def may_alias(node: Any) -> bool:
     return getattr(t, "__name__", None) in _ALIASING
 
 
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
+                       operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+
+
+def writes(node: fx.Node, target: fx.Node) -> bool:
+    """Whether node writes `target` in place: `target.add_(...)`, `target[i] = v`, `target /= s`, an op
+    whose schema marks that argument written (aten's copy_, a functional collective's in-place form)."""
+    if node.op == "call_method":
+        name = node.target
+        return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is target
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE_OPERATORS:
+        return bool(node.args) and node.args[0] is target
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return any(a.alias_info is not None and a.alias_info.is_write and i < len(node.args) and node.args[i] is target
+                   for i, a in enumerate(schema.arguments))
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is target
+
+
+def written_between(node: fx.Node, lo: fx.Node, hi: fx.Node, positions: dict) -> Optional[fx.Node]:
+    """A node strictly between lo and hi (graph order) that writes node's memory in place (node itself, a
+    tensor it views or one that views it), or None."""
+    root = node
+    while may_alias(root) and source(root) is not None:
+        root = source(root)
+    aliases, stack = {root}, [root]
+    while stack:
+        for u in stack.pop().users:
+            if u not in aliases and may_alias(u) and source(u) in aliases:
+                aliases.add(u)
+                stack.append(u)
+    for a in aliases:
+        for u in a.users:
+            if positions[lo] < positions.get(u, -1) < positions[hi] and writes(u, a):
+                return u
+    return None
+
+
 def order(graph: fx.Graph) -> dict:
     """Each node's position in the graph."""
     return {n: i for i, n in enumerate(graph.nodes)}

@@ -846,7 +846,8 @@ def _routed_sum_core(s: fx.Node, t_dtype):
 
 def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
     """perm, where idx is its inverse permutation as HF grouped_mm writes it (`inv = torch.empty_like(perm);
-    inv[perm] = torch.arange(n)`, n = perm's length), before `reader`, and nothing else writes idx; else None."""
+    inv[perm] = torch.arange(n)`, n = perm's length), before `reader`, nothing else writes idx and nothing
+    writes perm before `reader`; else None."""
     if G.kind(idx) != "empty_like":
         return None
     perm = G.operand(idx, 0, "input")
@@ -864,10 +865,10 @@ def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
         return None
     if any(u is not writes[0] and (G.kind(u) != "getitem" or u.args[1] is not idx) for u in idx.users):
         return None  # idx read as anything but an index of the gather, or written again
-    n = writes[0].next
-    while n.op != "root" and n is not reader:
-        n = n.next
-    return perm if n is reader else None  # written before the gather reads it
+    positions = G.order(idx.graph)
+    if not positions[writes[0]] < positions[reader] or G.written_between(perm, perm, reader, positions) is not None:
+        return None  # inv written after the gather reads it, or perm changed after the rows were permuted by it
+    return perm
 
 
 def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
@@ -893,7 +894,8 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
     a, b = _binary(prod)
     y = w = None
     for yy, ww in ((a, b), (b, a)):
-        src = _weights_source(ww, rows_shape[:-1]) if isinstance(ww, fx.Node) else None
+        one_per_row = isinstance(ww, fx.Node) and _same_dims(G.shape(ww), rows_shape[:-1] + (1,))
+        src = _weights_source(ww, rows_shape[:-1]) if one_per_row else None
         if isinstance(yy, fx.Node) and _same_dims(G.shape(yy), rows_shape) and G.kind(src) == "getitem" and \
                 src.args[1] is perm:
             y, w = yy, src.args[0]

@@ -210,8 +210,19 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if isinstance(norm.weight, fx.Node):
         inputs.append(("weight", norm.weight))
     if moe is not None:
-        inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared),
-                   ("expert rows' index", moe.row_index)]
+        combine_inputs = [("expert outputs", moe.y), ("routing weights", moe.weights),
+                          ("shared expert output", moe.shared), ("expert rows' index", moe.row_index)]
+        inputs += combine_inputs
+        # The op reads the combine's inputs at the anchor, the graph from its first use of each: a write
+        # in between would reach the op but not the graph.
+        for what, n in combine_inputs:
+            first = min(n.users, key=lambda u: positions[u]) if isinstance(n, fx.Node) and n.users else None
+            writer = G.written_between(n, first, anchor, positions) if first is not None else None
+            if writer is not None:
+                report.skipped.append(Skipped(norm.output.name, "rmsnorm", f"the {what} {n.name} is written in place "
+                                              f"({writer.name}) after the combine reads it and before the tail: the "
+                                              "fused op would read the written values", "pattern"))
+                return
     for what, n in inputs:
         if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
             if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
