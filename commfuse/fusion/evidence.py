@@ -32,8 +32,8 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   -s18: 5.89 against 5.86 ms, decode steps 2-4 2-7% slower; -s19, two runs: 5.84 against 5.86 and 9.24
   against 9.13, decode steps 2 and 4 3-6% slower in both); with mode="reduce-overhead" (CUDA graphs: no
   host time per call) 4.43 against 4.57 ms in one run, 3.58 against 3.50 in another, 4.05 against 4.35
-  in a third: level or faster within the runs' drift, while each local kernel's GPU time is commfuse's or less at decode sizes (above),
-  so with CUDA graphs the local patterns are rewritten.
+  in a third: level or faster within the runs' drift, while each local kernel's GPU time is commfuse's or
+  less at decode sizes (above), so with CUDA graphs the local patterns are rewritten.
 """
 from __future__ import annotations
 
