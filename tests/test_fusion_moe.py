@@ -216,10 +216,8 @@ def _tail(out, residual, weight):
     return weight_before_cast_norm(hs, weight), hs
 
 
-def negative(c, gen, combine, skipped=1):
-    """The layer with `combine` written in: the tail fused without it, the outputs the graph's; returns the
-    report's "moe combine" skips (`skipped` of them; the only one where that is 1)."""
-    t, k, h = 6, 2, 64
+def with_combine(c, gen, combine, t=6, k=2, h=64):
+    """fuse_and_run of the layer with `combine(x, rows, w, t, k, h)` written in (float32 routing weights)."""
     args, _ = moe_setup(c, gen, t, h)
 
     def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
@@ -227,7 +225,13 @@ def negative(c, gen, combine, skipped=1):
         rows = expert_rows(x, sel, w_up, w_down)
         return _tail(combine(x, rows, w, t, k, h), residual, weight)
 
-    gm, report, want, got = fuse_and_run(layer, args, c)
+    return fuse_and_run(layer, args, c)
+
+
+def negative(c, gen, combine, skipped=1, **shape):
+    """The layer with `combine` written in: the tail fused without it, the outputs the graph's; returns the
+    report's "moe combine" skips (`skipped` of them; the only one where that is 1)."""
+    gm, report, want, got = with_combine(c, gen, combine, **shape)
     assert counts(gm) == {FUSED_AR: 1}, report
     assert report.count("commfuse::fused_all_reduce") == 1, report
     skips = [s for s in report.skipped if s.what == "moe combine"]
@@ -315,16 +319,7 @@ def _hf_inverse(perm, n, values=lambda n, device: torch.arange(n, device=device)
 def test_gathered_rows_are_the_finalize_form(quiet_comm, gen, k):
     """HF grouped_mm's experts: rows in expert order weighted, gathered back by the inverse permutation, summed
     over the top-k axis: moe_all_reduce's finalize form (y the rows, row_index the inverse viewed [t, k])."""
-    t, h = 6, 64
-    c = quiet_comm
-    args, _ = moe_setup(c, gen, t, h)
-    combine = _gathered(_reversed, _hf_inverse)
-
-    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
-        w, sel = route(x, router, k, "f32")
-        return _tail(combine(x, expert_rows(x, sel, w_up, w_down), w, t, k, h), residual, weight)
-
-    gm, report, want, got = fuse_and_run(layer, args, c)
+    gm, report, want, got = with_combine(quiet_comm, gen, _gathered(_reversed, _hf_inverse), k=k)
     assert counts(gm) == {MOE_AR: 1}, report
     assert not report.skipped, report
     assert report.fused[0].spelling.startswith("(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"), report
@@ -354,22 +349,13 @@ def test_gathered_rows_not_the_finalize_form(quiet_comm, gen, case):
 def test_gathered_rows_weights_broadcast_over_rows_are_not_matched(quiet_comm, gen):
     """w[perm] viewed [1, t * k] multiplies each row by every weight, which t * k == h lets broadcast: not one
     weight per row, so not the finalize form, though every node but the multiplier's shape is."""
-    t, k, h = 32, 2, 64
-    c = quiet_comm
-    args, _ = moe_setup(c, gen, t, h)
-
-    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
-        w, sel = route(x, router, k, "f32")
-        rows = expert_rows(x, sel, w_up, w_down)
+    def combine(x, rows, w, t, k, h):
         perm = _reversed(t * k, x.device)
         weighted = rows[perm] * w.reshape(-1)[perm].view(1, -1)
-        return _tail(weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype), residual, weight)
+        return weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
 
-    gm, report, want, got = fuse_and_run(layer, args, c)
-    assert counts(gm) == {FUSED_AR: 1}, report
-    (s,) = [s for s in report.skipped if s.what == "moe combine"]
-    assert "permuted like them" in s.reason, report
-    assert_same(got, want)
+    s = negative(quiet_comm, gen, combine, t=32)
+    assert "permuted like them" in s.reason, s
 
 
 @mpi
@@ -378,25 +364,18 @@ def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written
     """perm changed in place after the rows and weights were permuted by it (inv is then not their inverse),
     or the rows written after the combine read them (the op would read them at the tail): not fused with
     the combine, and the outputs are the graph's."""
-    t, k, h = 6, 2, 64
-    c = quiet_comm
-    args, _ = moe_setup(c, gen, t, h)
-
-    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
-        w, sel = route(x, router, k, "f32")
-        rows = expert_rows(x, sel, w_up, w_down)
+    def combine(x, rows, w, t, k, h):
         perm = _reversed(t * k, x.device)
         permuted = rows[perm]
         weighted = permuted * w.reshape(-1)[perm].unsqueeze(-1)
         if written == "perm":
             perm.copy_(perm.roll(1))
-        inv = _hf_inverse(perm, t * k)
-        out = weighted[inv].view(t, k, h).sum(dim=1).to(x.dtype)
+        out = weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
         if written == "rows":
             permuted.mul_(3)
-        return _tail(out, residual, weight)
+        return out
 
-    gm, report, want, got = fuse_and_run(layer, args, c)
+    gm, report, want, got = with_combine(quiet_comm, gen, combine)
     assert MOE_AR not in counts(gm), report
     reasons = " ".join(s.reason for s in report.skipped)
     assert ("not the inverse of a permutation" if written == "perm" else "written in place (mul_)") in reasons, report
