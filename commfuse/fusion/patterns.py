@@ -826,22 +826,35 @@ def _routed_sum_core(s: fx.Node, t_dtype):
     w_rows = rows
     if src is not None:
         w = src
-        if rows and G.kind(w) == "view" and _same_dims(G.shape(G.source(w)), tuple(shape3[:2])):
-            w, w_rows = G.source(w), False  # top_k_weights.reshape(-1): the [t, k] tensor itself
+        if rows and _token_major(w, shape3) is not None:
+            w, w_rows = _token_major(w, shape3), False
     elif not rows:
         w_rows = True  # [t, k, 1] of another spelling: reshaped to [t, k]
-    y_t = _f32_of(y)
-    if y_t is not None:
-        y = y_t
+    y = _f32_of(y) or y
+    why = _operand_dtypes(y, w, t_dtype)
+    if why is not None:
+        return why
+    rows_txt = "(rows * w[:, None]).view(t, k, h)" if rows else "(y * w.unsqueeze(-1))"
+    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod,
+                spelling=f"{rows_txt}.sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+
+
+def _token_major(w: fx.Node, shape3) -> Optional[fx.Node]:
+    """The [t, k] tensor that w (t * k weights) flattens (`top_k_weights.reshape(-1)`), or None."""
+    if G.kind(w) == "view" and _same_dims(G.shape(G.source(w)), tuple(shape3[:2])):
+        return G.source(w)
+    return None
+
+
+def _operand_dtypes(y: fx.Node, w: fx.Node, t_dtype) -> Optional[Mismatch]:
+    """Why the op cannot take these expert outputs and routing weights (their dtypes), or None."""
     if G.dtype(y) != t_dtype:
         return Mismatch(f"the expert outputs {y.name} are {_dt(G.dtype(y))}, the residual {_dt(t_dtype)}: "
                         "commfuse::moe_all_reduce combines T outputs into the T tail", "guard")
     if G.dtype(w) not in (_F32, t_dtype):
         return Mismatch(f"the routing weights {w.name} are {_dt(G.dtype(w))}: commfuse::moe_all_reduce takes float32 "
                         f"or {_dt(t_dtype)} weights", "guard")
-    rows_txt = "(rows * w[:, None]).view(t, k, h)" if rows else "(y * w.unsqueeze(-1))"
-    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod,
-                spelling=f"{rows_txt}.sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+    return None
 
 
 def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
@@ -903,17 +916,12 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
     if y is None:
         return Mismatch(f"{what}: not rows times the routing weights permuted like them (w[perm][:, None], "
                         f"perm = {perm.name})")
-    y_t = _f32_of(y)
-    y = y_t if y_t is not None else y
-    if G.dtype(y) != t_dtype:
-        return Mismatch(f"the expert outputs {y.name} are {_dt(G.dtype(y))}, the residual {_dt(t_dtype)}: "
-                        "commfuse::moe_all_reduce combines T outputs into the T tail", "guard")
-    if G.dtype(w) not in (_F32, t_dtype) or _rank(w) != 1:
-        return Mismatch(f"the routing weights {w.name} are {_dt(G.dtype(w))} {_shape_str(w)}: commfuse::moe_all_reduce "
-                        f"takes float32 or {_dt(t_dtype)} weights, one per token and slot", "guard")
-    w_rows = True
-    if G.kind(w) == "view" and _same_dims(G.shape(G.source(w)), tuple(G.shape(m)[:2])):
-        w, w_rows = G.source(w), False  # top_k_weights.reshape(-1): the [t, k] tensor itself
+    y = _f32_of(y) or y
+    why = _operand_dtypes(y, w, t_dtype)
+    if why is not None:
+        return why
+    w_rows = _token_major(w, G.shape(m)) is None  # w [t * k] (w[perm] matched it to the rows)
+    w = _token_major(w, G.shape(m)) or w
     return dict(y=y, w=w, k=k, nodes=[s, m, gi, prod], y_rows=False, w_rows=w_rows, prod=prod, row_index=idx,
                 spelling="(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"
                          + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
