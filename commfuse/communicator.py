@@ -377,18 +377,19 @@ class Communicator:
         (the combine, then fused_all_reduce)."""
         t, k = weights.shape
         h = y.shape[-1]
-        form = 0 if row_index is None else 1
-        rows = y.shape[0] if form else 0
+        index_dtype = None if row_index is None else row_index.dtype
+        rows = 0 if row_index is None else y.shape[0]
+        combine = (weights.dtype, index_dtype, t, k, h, rows)  # the kernels read weights and indices as given
         if fused:
             p = self._moe_plans.get("fused")
             if p is None:
                 p = self._moe_plans["fused"] = Plan(Collective.NONE, routes.TailRoute.FUSED, moe.MOE_TAIL.name,
                                                     ("world size 1: no all-reduce; the combine is the tail's input",),
                                                     moe.MOE_TAIL.name, combine="fused")
-            return p, moe_tail.launcher(y.dtype, form, t, k, h, rows, spec, self.device.index)
+            return p, moe_tail.launcher(y.dtype, *combine, spec, self.device.index)
         if not kernel or self.workspace is None:
             return None
-        key = ("p2p", y.dtype, form, t, k, h, rows, spec, isinstance(scale, torch.Tensor))
+        key = ("p2p", y.dtype, *combine, spec, isinstance(scale, torch.Tensor))
         if key in self._moe_plans:
             return self._moe_plans[key]
         entry = None
@@ -396,8 +397,7 @@ class Communicator:
         dense = routes.plan(routes.Call.of("fused", residual, residual, weight, scale, spec=spec), self._machine)
         if (dense.collective.algorithm is not None and dense.tail == routes.TailRoute.FUSED
                 and t * h * y.dtype.itemsize <= self.workspace.max_bytes and not index_limits("", t, k, rows)):
-            launch_plan = P2P_ALLREDUCE.plan_moe(self.workspace, y.dtype, form, t, k, h, rows, spec,
-                                                 dense.collective.algorithm)
+            launch_plan = P2P_ALLREDUCE.plan_moe(self.workspace, y.dtype, *combine, spec, dense.collective.algorithm)
             entry = (dataclasses.replace(dense, combine="fused", reasons=dense.reasons + (
                 "the combine runs in the P2P kernel, as it reads each rank's rows",)), native.launcher(launch_plan))
         self._moe_plans[key] = entry

@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
 
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
-// fused_tail's row. Weights float32 and row indices int32 (commfuse/kernels/moe_tail.py converts others):
-// FORM is kCombineReduction or kCombineFinalize32. A residual is required.
+// fused_tail's row. FORM is kCombineReduction or kCombineFinalize. A residual is required.
 //
 // Few tokens (VPT 1, SM 9.0+): launched in clusters of up to 8 CTAs per token (moe_tail.py's split). The
 // combine reads k rows for every row of the tail, and one SM alone does not pull them at the HBM's pace
@@ -118,7 +117,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
         const int end = min(nv, static_cast<int>(rank + 1) * per);
         cluster_wait();  // the first CTA runs: its shared memory may take the stores
         for (int v = rank * per + threadIdx.x; v < end; v += blockDim.x)
-          cluster_store(combined + v, 0, combine_vec<T, float, FORM>(p.combine, row, v));
+          cluster_store(combined + v, 0, combine_vec<T, FORM>(p.combine, row, v));
         cluster_sync();
         if (rank != 0) return;
         av[0] = threadIdx.x < nv ? combined[threadIdx.x] : make_uint4(0, 0, 0, 0);
@@ -129,13 +128,13 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
-      av[i] = v < nv ? combine_vec<T, float, FORM>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
+      av[i] = v < nv ? combine_vec<T, FORM>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
     }
     if constexpr (VPT != 1) tail_load<T, VPT>(p.tail, row, x, w);
     tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, false>(
-        p.tail, row, [&p, row](int v) { return combine_vec<T, float, FORM>(p.combine, row, v); },
+        p.tail, row, [&p, row](int v) { return combine_vec<T, FORM>(p.combine, row, v); },
         quant_scalar<QUANT>(p.tail), red);
   }
 }

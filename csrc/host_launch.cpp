@@ -146,13 +146,6 @@ at::Tensor operand(const at::Tensor& t) {
   return address(c) % 16 ? c.clone() : c;
 }
 
-// launch.py's row_index32: int32 indices as given (the kernels flag one outside [-1, rows)), int64 ones
-// converted with those outside [-1, rows) kept outside (-2 or rows).
-at::Tensor row_index32(const at::Tensor& index, int64_t rows) {
-  if (index.scalar_type() == at::kInt) return index.contiguous();
-  return index.clamp(-2, rows).to(at::kInt).contiguous();
-}
-
 // Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a plain tuple in
 // reference.Tail's order, else the object's attribute (a reference.Tail, a commfuse.FusedResult); None
 // where it has none.
@@ -187,11 +180,10 @@ class Launcher {
   // tail, one for a plain all-reduce; nccl: None, or NcclComm.native_args (commfuse/nccl.py: ncclAllReduce's
   // address, the communicator, the NCCL dtype, the element count, then the watchdog's words, the device
   // address of their DONE, the mark kernel and the begin and end marks' parameters; zeros without one),
-  // enqueued first; combine: the kernels combine MoE expert rows (kZ, the routing weights, read as float32;
-  // kRowIndex as int32).
+  // enqueued first; combine: the kernels combine MoE expert rows (the sources named as a MoE call's arguments).
   Launcher(std::string name, const std::vector<py::tuple>& launches, const std::vector<py::object>& specs,
            bool fused, py::object nccl, int device, bool combine)
-      : name_(std::move(name)), fused_(fused), combine_(combine), inputs_(combine ? kMoeInputNames : kInputNames),
+      : name_(std::move(name)), fused_(fused), inputs_(combine ? kMoeInputNames : kInputNames),
         device_(device) {
     for (const py::tuple& l : launches) {
       KernelLaunch k;
@@ -333,16 +325,7 @@ class Launcher {
   void run(at::Tensor (&t)[kSources]) const {
     const at::Tensor residual_in = t[kResidual];
     for (int i = kX; i < kOut0; ++i) {
-      if (!t[i].defined() || i == kScale) continue;
-      // A MoE plan's weights are read as float32 and its row index as int32, each converted once (the
-      // temporaries' memory is reused only by work queued after them).
-      if (combine_ && i == kZ) {
-        t[i] = operand(t[i].to(at::kFloat));
-      } else if (combine_ && i == kRowIndex) {
-        t[i] = row_index32(t[i], t[kX].size(0));
-      } else {
-        t[i] = operand(t[i]);
-      }
+      if (t[i].defined() && i != kScale) t[i] = operand(t[i]);
     }
     for (int i = 0; i < outputs(); ++i) {
       if (specs_[i].present && !t[kOut0 + i].defined()) t[kOut0 + i] = allocate(specs_[i]);
@@ -446,7 +429,6 @@ class Launcher {
   OutSpec specs_[kOutputs];
   std::string field_names_[kOutputs];  // for the caller-owned outputs' errors: "out.norm" (or "out")
   bool fused_;
-  bool combine_;
   const char* const* inputs_;  // the inputs' names in errors: a MoE call's or the others'
   AllReduce nccl_ = nullptr;
   void* nccl_comm_ = nullptr;

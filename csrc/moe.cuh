@@ -9,25 +9,24 @@
 
 namespace commfuse {
 
-constexpr int kCombineNone = -1;       // no combine: a kernel's input is x itself (p2p_allreduce.cu)
-constexpr int kCombineReduction = 0;   // y [t, k, h]
-constexpr int kCombineFinalize32 = 1;  // y = rows [R, h], row_index int32 [t, k]
-constexpr int kCombineFinalize64 = 2;  // row_index int64
+constexpr int kCombineNone = -1;      // no combine: a kernel's input is x itself (p2p_allreduce.cu)
+constexpr int kCombineReduction = 0;  // y [t, k, h]
+constexpr int kCombineFinalize = 1;   // y = rows [R, h], row_index [t, k]
 
-template <typename W>  // a T weight (fp16 / bf16), converted exactly
-__device__ __forceinline__ float weight_f32(const void* w, size_t i) {
-  return Pack<W>::from_bits(static_cast<const unsigned short*>(w)[i]);
+// The weights' and indices' types are fields, not template parameters: a uniform branch per slot costs
+// nothing beside the row loads, and the callers' tensors are read as given (T weights and int64 indices
+// converted on the host cost up to three more kernels a call, and tripled the variants).
+
+// Routing weight `i` as float32: a float32 weight, or a T one (fp16 / bf16) converted exactly.
+template <typename T>
+__device__ __forceinline__ float combine_weight(const MoeCombineParams& p, size_t i) {
+  if (p.weights_f32) return static_cast<const float*>(p.weights)[i];
+  return Pack<T>::from_bits(static_cast<const unsigned short*>(p.weights)[i]);
 }
 
-template <>
-__device__ __forceinline__ float weight_f32<float>(const void* w, size_t i) {
-  return static_cast<const float*>(w)[i];
-}
-
-template <int FORM>
 __device__ __forceinline__ long long combine_row_index(const MoeCombineParams& p, size_t slot) {
-  if constexpr (FORM == kCombineFinalize32) return static_cast<const int*>(p.row_index)[slot];
-  return static_cast<const long long*>(p.row_index)[slot];
+  if (p.index64) return static_cast<const long long*>(p.row_index)[slot];
+  return static_cast<const int*>(p.row_index)[slot];
 }
 
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
@@ -38,7 +37,7 @@ __device__ __forceinline__ long long combine_row_index(const MoeCombineParams& p
 // tokens (k = 2 and 8) and no faster at 1-64 (more registers, the unused slots' predicates).
 constexpr int kCombineChunk = 4;
 
-template <typename T, typename W, int FORM>
+template <typename T, int FORM>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v) {
   const size_t slot0 = static_cast<size_t>(row) * p.k;
   float acc[8];
@@ -57,7 +56,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
       if constexpr (FORM == kCombineReduction) {
         r[c] = j < p.k ? static_cast<long long>(slot0 + j) : -1;
       } else {
-        r[c] = j < p.k ? combine_row_index<FORM>(p, slot0 + j) : -1;
+        r[c] = j < p.k ? combine_row_index(p, slot0 + j) : -1;
         bad |= r[c] < -1 || r[c] >= p.rows;
         if (r[c] >= p.rows) r[c] = -1;
       }
@@ -69,7 +68,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
       w[c] = 0.0f;
       yv[c] = make_uint4(0, 0, 0, 0);
       if (r[c] >= 0) {
-        w[c] = weight_f32<W>(p.weights, slot0 + j0 + c);
+        w[c] = combine_weight<T>(p, slot0 + j0 + c);
         yv[c] = reinterpret_cast<const uint4*>(static_cast<const T*>(p.y) + static_cast<size_t>(r[c]) * p.h)[v];
       }
     }

@@ -9,14 +9,14 @@
 
 namespace commfuse {
 
-// W: the routing weights' type (float or T). FORM: kCombine*.
-template <typename T, typename W, int FORM>
+// FORM: kCombineReduction or kCombineFinalize.
+template <typename T, int FORM>
 __global__ void __launch_bounds__(256) moe_combine(const __grid_constant__ MoeCombineParams p) {
   pdl_wait();
   pdl_launch_dependents();
   const int row = blockIdx.x;
   uint4* x = reinterpret_cast<uint4*>(static_cast<T*>(p.x) + static_cast<size_t>(row) * p.h);
-  for (int v = threadIdx.x; v < p.h / kVecElems; v += blockDim.x) x[v] = combine_vec<T, W, FORM>(p, row, v);
+  for (int v = threadIdx.x; v < p.h / kVecElems; v += blockDim.x) x[v] = combine_vec<T, FORM>(p, row, v);
 }
 
 }  // namespace commfuse

@@ -163,19 +163,21 @@ def moe_sweep(args) -> None:
         weight = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
         # The reduction form reads y [t, k, h] (here the rows in order), the finalize form the rows through
         # the index, plus the shared expert.
-        forms = {"reduction": (0, rows.view(t, k, h), None, None, reference.moe_reduce(rows.view(t, k, h), w)),
-                 "finalize": (1, rows, idx, shared, reference.moe_finalize(rows, idx, w, shared))}
+        forms = {"reduction": (rows.view(t, k, h), None, None, reference.moe_reduce(rows.view(t, k, h), w)),
+                 "finalize": (rows, idx, shared, reference.moe_finalize(rows, idx, w, shared))}
         for q in args.quants.split(","):
             quant = None if q == "none" else q
             scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
             spec = TailSpec.of(quant, return_norm=quant is None)
             vpt, _ = fused_tail.launch_config(h, t)
             chosen = moe_tail.MOE_TAIL.ctas_per_token(t, k, vpt, dev)
-            for form_name, (form, y, row_index, shared_in, combined) in forms.items():
+            for form_name, (y, row_index, shared_in, combined) in forms.items():
                 want = reference.fused_tail(combined, residual, weight, 1e-6, quant, scale, quant is None)
                 want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
                 for split in (1, 2, 4, 8) if vpt == 1 and moe_tail.clusters(dev) else (1,):
-                    plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, form, t, k, h, rows.shape[0], spec, dev, split=split)
+                    index_dtype, y_rows = (None, 0) if row_index is None else (row_index.dtype, y.shape[0])
+                    plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, index_dtype, t, k, h, y_rows, spec, dev,
+                                                  split=split)
 
                     def call(plan=plan, y=y, row_index=row_index, shared_in=shared_in):
                         out = native.launcher(plan)(y, residual, weight, scale, None, w, row_index, shared_in)

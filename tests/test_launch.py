@@ -9,7 +9,6 @@ import torch
 
 from commfuse.kernels import launch, params, table
 from commfuse.kernels.launch import OUT, RESIDUAL, SCALE, WEIGHT, X, Launch, LaunchPlan, PyLauncher
-from commfuse.kernels.launch import row_index32 as launch_row_index32
 from commfuse.reference import Tail
 from commfuse.tail.spec import OutputSpec, TailSpec
 
@@ -185,25 +184,25 @@ def test_table_keys_moe_calls_by_every_moe_input():
     assert len(calls) == 1
 
 
-def test_py_launcher_converts_a_moe_plans_weights_and_row_index(monkeypatch):
-    """A MoE plan's launcher reads the routing weights as float32 and the row index as int32 (int64 indices
-    outside [-1, rows) kept outside)."""
+@pytest.mark.parametrize("weights_dtype, index_dtype", [(torch.bfloat16, torch.int64), (torch.float32, torch.int32)])
+def test_py_launcher_passes_a_moe_plans_weights_and_row_index_as_given(weights_dtype, index_dtype):
+    """A MoE plan's launcher hands the kernel the routing weights and the row index themselves, whatever their
+    dtypes (the plan's fields say which): no conversion kernel; a strided row index is made dense."""
     rec = Recorder()
     spec = (OutputSpec((3, 8), torch.bfloat16),)
     patches = [(0, X, 0), (8, launch.Z, 0), (16, launch.ROW_INDEX, 0), (24, launch.SHARED, 0)]
     plan = LaunchPlan("moe", (Launch(rec, 3, 64, bytes(64), tuple(patches)),), spec + (None,) * 4, 0, combine=True)
     y = torch.randn(12, 8).bfloat16()
-    w = torch.rand(3, 4).bfloat16()
-    idx = torch.tensor([[0, 1, 2, 3], [4, 5, -1, 7], [8, 12, -5, 11]])
-    made = []
-    monkeypatch.setattr(launch, "row_index32", lambda i, rows: made.append(launch_row_index32(i, rows)) or made[-1])
+    w = torch.rand(3, 4).to(weights_dtype)
+    idx = torch.tensor([[0, 1, 2, 3], [4, 5, -1, 7], [8, 12, -5, 11]], dtype=index_dtype)
     out = Tail(torch.empty(3, 8, dtype=torch.bfloat16), None, None, None)
     PyLauncher(plan)(y, None, None, None, out, w, idx, None)
-    (index,) = made
-    assert index.dtype == torch.int32 and index.tolist() == [[0, 1, 2, 3], [4, 5, -1, 7], [8, 12, -2, 11]]
     ptrs = struct.unpack("<4Q", rec.launches[0][2][:32])
-    assert ptrs[0] == y.data_ptr() and ptrs[2] == index.data_ptr() and ptrs[3] == 0
-    assert ptrs[1] not in (0, w.data_ptr())  # a float32 copy of the bf16 weights
+    assert ptrs == (y.data_ptr(), w.data_ptr(), idx.data_ptr(), 0)
+    strided = idx.t().contiguous().t()
+    PyLauncher(plan)(y, None, None, None, out, w, strided, None)
+    ptrs = struct.unpack("<4Q", rec.launches[1][2][:32])
+    assert ptrs[2] not in (0, strided.data_ptr())
 
 
 def test_table_is_cleared_when_full(monkeypatch):

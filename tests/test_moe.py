@@ -23,10 +23,10 @@ def exact_sum(comm) -> bool:
     return comm.backend != "nccl" or comm.world_size <= 2  # as tests/test_communicator.py
 
 
-def moe_inputs(comm, gen, t, k, h, dtype, form, weights_dtype, with_shared):
+def moe_inputs(comm, gen, t, k, h, dtype, form, weights_dtype, with_shared, index_dtype=torch.int32):
     """Every rank's (y, weights, row_index, shared) and this rank's index: y [t, k, h] (reduction) or
-    permuted rows [t*k + 3, h] with a row_index that drops one slot (finalize); the padding rows and the
-    dropped slot's row hold NaN, which must change nothing."""
+    permuted rows [t*k + 3, h] with a row_index of index_dtype that drops one slot (finalize); the padding
+    rows and the dropped slot's row hold NaN, which must change nothing."""
     per_rank = []
     for _ in range(comm.world_size):
         w = torch.rand(t, k, generator=gen).to(weights_dtype)
@@ -40,7 +40,7 @@ def moe_inputs(comm, gen, t, k, h, dtype, form, weights_dtype, with_shared):
             idx[t // 2, k - 1] = -1
             rows[dropped] = float("nan")
             rows[t * k:] = float("nan")
-            y, idx = rows.to(dtype), idx.to(torch.int32)
+            y, idx = rows.to(dtype), idx.to(index_dtype)
         per_rank.append(tuple(None if v is None else v.to(comm.device) for v in (y, w, idx, shared)))
     return per_rank, dist.get_rank(comm.group)
 
@@ -53,11 +53,14 @@ def combined(y, w, idx, shared):
 @pytest.mark.parametrize("form", ["reduction", "finalize"])
 @pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("t, k, h, weights_fp32, with_shared", [(5, 2, 256, True, False), (3, 8, 128, False, True)])
+@pytest.mark.parametrize("t, k, h, weights_fp32, with_shared, index_dtype", [(5, 2, 256, True, False, torch.int32),
+                                                                          (3, 8, 128, False, True, torch.int64)])
 def test_moe_all_reduce_matches_reference(comm, gen, form, quant, return_norm, sf_layout, dtype, t, k, h,
-                                          weights_fp32, with_shared):
+                                          weights_fp32, with_shared, index_dtype):
+    """Every route and format, both forms, float32 and T routing weights, int32 and int64 row indices (the
+    kernels read both as given)."""
     per_rank, rank = moe_inputs(comm, gen, t, k, h, dtype, form, torch.float32 if weights_fp32 else dtype,
-                                with_shared)
+                                with_shared, index_dtype)
     residual, weight, scale = tail_inputs(comm, gen, t, h, dtype, quant)
     y, w, idx, shared = per_rank[rank]
     saved = [v.clone() for v in (y, w, idx, shared, residual, weight) if v is not None]
@@ -104,7 +107,7 @@ def test_moe_plan_and_caller_outputs(comm, gen):
 def test_moe_repeated_signature_is_served_from_the_table(comm, gen, monkeypatch, form):
     """A signature's second call is launched from the plan table (no Python checks or planning: they are
     made to fail here) on the one-launch routes: the first call's bits, every output written (poisoned),
-    the caller's outputs filled, T weights and int64 indices converted as on a miss; an output overlapping
+    the caller's outputs filled, T weights and int64 indices read as on a miss; an output overlapping
     y still raises, naming it."""
     from commfuse import communicator
 
@@ -378,7 +381,7 @@ def test_moe_tail_split_over_a_cluster_gives_the_unsplit_bits(quant, sf_layout, 
     dev = torch.cuda.current_device()
 
     def run(split):
-        plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, 1, t, k, h, rows.shape[0], spec, dev, split=split)
+        plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, idx.dtype, t, k, h, rows.shape[0], spec, dev, split=split)
         assert plan.launches[0].cluster == split
         return reference.Tail(*native.launcher(plan)(rows, residual, weight, scale, None, w, idx, shared))
 

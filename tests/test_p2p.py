@@ -302,35 +302,38 @@ class _Recorder:
         return launch.PyLauncher(P2P_ALLREDUCE.plan_plain(self.ws, x.dtype, x.shape, algo))(x, out=out)
 
 
-@pytest.mark.parametrize("form, index_dtype", [(0, None), (1, torch.int32), (1, torch.int64)])
-def test_moe_plan_packs_the_combine(monkeypatch, form, index_dtype):
+@pytest.mark.parametrize("weights_dtype, index_dtype", [(torch.float32, None), (torch.float32, torch.int32),
+                                                        (torch.bfloat16, torch.int64)])
+def test_moe_plan_packs_the_combine(monkeypatch, weights_dtype, index_dtype):
     """plan_moe's one launch, run by launch.PyLauncher (CPU tensors, no kernel runs): the MoE variant of the
-    call's form; the combine's y, weights (float32 as given), row index (int32 as given, int64 converted)
-    and shared pointers; t, k, h, rows; the tail's pointers; the MoE launch configuration."""
+    call's form; the combine's y, weights, row index and shared pointers, all as given (the kernels read
+    either weights and index dtype, named by two fields); t, k, h, rows; the tail's pointers; the MoE
+    launch configuration."""
     rec = _Recorder(1 << 20)
     names = []
     monkeypatch.setattr(P2P_ALLREDUCE, "kernel", lambda name, index: names.append(name) or rec)
     t, k, h = 3, 4, 7168
+    form = int(index_dtype is not None)
     g = torch.Generator().manual_seed(11)
     rows = t * k + 2 if form else 0
     y = torch.randn(*((rows, h) if form else (t, k, h)), generator=g).to(torch.bfloat16)
     idx = torch.randperm(t * k, generator=g).view(t, k).to(index_dtype) if form else None
-    w = torch.rand(t, k, generator=g)
+    w = torch.rand(t, k, generator=g).to(weights_dtype)
     shared, residual = (torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2))
     weight = torch.randn(h, generator=g).to(torch.bfloat16)
     spec = TailSpec.of("fp8", eps=1e-5)
     scale = torch.tensor([0.02])
-    plan = P2P_ALLREDUCE.plan_moe(rec.ws, torch.bfloat16, form, t, k, h, rows, spec, "twoshot")
+    plan = P2P_ALLREDUCE.plan_moe(rec.ws, torch.bfloat16, weights_dtype, index_dtype, t, k, h, rows, spec, "twoshot")
     out = reference.Tail(*(None if o is None else launch.allocate(o, "cpu") for o in plan.outputs))
     launch.PyLauncher(plan)(y, residual, weight, scale, out, w, idx, shared)
     vpt, threads = K.moe_launch_config(h, spec.format)
     assert names == [P2P_ALLREDUCE.name_expression(torch.bfloat16, spec.format, vpt, "twoshot", form)]
     (one,) = rec.launches
     y_ptr, w_ptr, idx_ptr, shared_ptr, x_ptr, *sizes = one["combine"]
-    assert (y_ptr, w_ptr, shared_ptr, x_ptr) == (y.data_ptr(), w.data_ptr(), shared.data_ptr(), 0)
-    assert (idx_ptr == 0) if idx is None else (idx_ptr != 0 and (idx_ptr == idx.data_ptr()) == (form and
-                                                                                                 index_dtype == torch.int32))
-    assert sizes == [t, k, h, rows] and one["block"] == threads and vpt == 2
+    assert (y_ptr, w_ptr, idx_ptr, shared_ptr, x_ptr) == (y.data_ptr(), w.data_ptr(), 0 if idx is None else
+                                                          idx.data_ptr(), shared.data_ptr(), 0)
+    assert sizes == [t, k, h, rows, weights_dtype == torch.float32, index_dtype == torch.int64]
+    assert one["block"] == threads and vpt == 2
     assert (one["rows"], one["row_vecs"], one["total_vecs"]) == (t, h // 8, t * h // 8)
     assert one["tail"][0] == residual.data_ptr() and one["tail"][1] == out.residual.data_ptr()
     assert one["tail"][2] == weight.data_ptr() and one["tail"][4] == out.quant.data_ptr()

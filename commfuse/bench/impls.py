@@ -366,8 +366,7 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
         if route != "kernel":
             raise Skip(why)
         from commfuse.kernels import moe_combine
-        moe_combine.warmup(case.dtype, m0.weights.dtype, None if m0.row_index is None else m0.row_index.dtype,
-                           ctx.device)
+        moe_combine.warmup(case.dtype, ctx.device)
 
         def moe_step(i):
             m = case.moe_set(i)

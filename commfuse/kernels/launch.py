@@ -9,8 +9,7 @@ path) and `PyLauncher` here, which stands in where the extension cannot be built
 outputs of a tail (reference.Tail's order, None where absent), or the sum of a plain all-reduce.
 
 Per call, either executor: copies strided or misaligned operands (the kernels read dense rows of 16-byte
-vectors), converts a MoE plan's routing weights (z) to float32 and an int64 row index to int32 (those
-outside [-1, rows) kept outside: -2 or rows; each conversion one more kernel), allocates the outputs the
+vectors; a MoE plan's weights and row index as given, their dtypes being the plan's), allocates the outputs the
 caller did not give (out: None, a tensor for a plain all-reduce, or the five fields; a field None is
 allocated), checks the caller's outputs' alignment and an MN-major view's room (the plan's key holds no
 addresses), runs ncclAllReduce of x into the residual output (a scratch buffer where that output is the
@@ -32,7 +31,7 @@ from ..tail.spec import OutputSpec, TailSpec
 from . import params
 
 __all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch",
-           "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "row_index32", "allocate", "set_poison",
+           "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "allocate", "set_poison",
            "on_poison", "pieces"]
 
 # Where a patched pointer comes from: the call's arguments (a MoE call's y is X, its routing weights Z),
@@ -66,7 +65,7 @@ class LaunchPlan:
     """Everything one call of a signature launches. outputs: five OutputSpecs (None where absent) for a
     tail, one for a plain all-reduce; nccl: the NcclComm whose ncclAllReduce sums x (count elements)
     into the residual output first, or None; device_index: the CUDA device; combine: the kernels combine
-    MoE expert rows (z: the routing weights, read as float32; row_index: read as int32)."""
+    MoE expert rows (z: the routing weights; the call's sources are named as a MoE call's arguments)."""
 
     name: str
     launches: Tuple[Launch, ...]
@@ -147,14 +146,6 @@ def operand(t: torch.Tensor) -> torch.Tensor:
     return c if not c.data_ptr() % 16 else c.clone()
 
 
-def row_index32(row_index: torch.Tensor, rows: int) -> torch.Tensor:
-    """The MoE kernels' int32 row index: int32 as given (the kernel flags one outside [-1, rows)), int64
-    converted with those outside [-1, rows) kept outside (-2 or rows)."""
-    if row_index.dtype == torch.int32:
-        return row_index.contiguous()
-    return row_index.clamp(-2, rows).to(torch.int32).contiguous()
-
-
 _POINTER = struct.Struct("<Q")
 
 
@@ -172,14 +163,7 @@ class PyLauncher:
         inputs = (x, residual, weight, scale, z, row_index, shared)
         t = [None] * SOURCES
         for i, a in enumerate(inputs):
-            if a is None or i == SCALE:
-                t[i] = a
-            elif plan.combine and i == Z:  # temporaries: their memory is reused only by work queued after them
-                t[i] = operand(a.to(torch.float32))
-            elif plan.combine and i == ROW_INDEX:
-                t[i] = row_index32(a, x.shape[0])
-            else:
-                t[i] = operand(a)
+            t[i] = a if a is None or i == SCALE else operand(a)
         given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
         if out is not None:
             no_overlap(OUT_NAMES if plan.fused else ("out",), given, plan.outputs,

@@ -17,11 +17,23 @@ from .family import CTYPE, Family, Limits
 from ..tail.spec import OutputSpec
 from .launch import allocate, operand
 
-__all__ = ["MOE_COMBINE", "SOURCE", "variants", "run", "warmup", "index_limits"]
+__all__ = ["MOE_COMBINE", "SOURCE", "FORMS", "variants", "run", "warmup", "index_limits", "form_of", "fields"]
 
 SOURCE = "moe_combine.cu"
 MAX_THREADS = 256  # __launch_bounds__ of csrc/moe_combine.cu
-FORMS = {None: 0, torch.int32: 1, torch.int64: 2}  # kCombine*: reduction, finalize with int32 / int64 indices
+FORMS = (0, 1)  # kCombineReduction, kCombineFinalize (csrc/moe.cuh)
+
+
+def form_of(row_index_dtype: Optional[torch.dtype]) -> int:
+    """The combine's form: the reduction without a row index, else the finalize form (of either index type)."""
+    return FORMS[row_index_dtype is not None]
+
+
+def fields(t: int, k: int, h: int, rows: int, weights_dtype: torch.dtype,
+           row_index_dtype: Optional[torch.dtype]) -> tuple:
+    """MoeCombineParams' values with its pointers 0 (every kernel that combines patches them per call): the
+    kernels read float32 or T weights and int32 or int64 indices as given, so the dtypes are fields."""
+    return (0,) * 5 + (t, k, h, rows, int(weights_dtype == torch.float32), int(row_index_dtype == torch.int64))
 
 
 def index_limits(name: str, t: int, k: int, rows: int) -> Optional[str]:
@@ -36,16 +48,14 @@ class MoeCombine(Family):
     source = SOURCE
     limits = Limits()
 
-    def name_expression(self, dtype: torch.dtype, weights_dtype: torch.dtype, form: int) -> str:
-        w = "float" if weights_dtype == torch.float32 else CTYPE[weights_dtype]
-        return f"commfuse::moe_combine<{CTYPE[dtype]}, {w}, {form}>"
+    def name_expression(self, dtype: torch.dtype, form: int) -> str:
+        return f"commfuse::moe_combine<{CTYPE[dtype]}, {form}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, w, f) for d in CTYPE for w in (torch.float32, d) for f in FORMS.values()]
+        return [self.name_expression(d, f) for d in CTYPE for f in FORMS]
 
     def configs(self, dtype, spec, hidden):
-        raise TypeError("the combine's variant depends on its weights' and indices' dtypes: "
-                        "commfuse.kernels.moe_combine.warmup")
+        return [self.name_expression(dtype, f) for f in FORMS]
 
     def rejects_combine(self, dtype: torch.dtype, sm: tuple, h: int, t: int, k: int, rows: int) -> Optional[str]:
         """Why the kernel cannot take a combine of t tokens, k slots, rows of h (None when it can); rows:
@@ -77,19 +87,18 @@ def run(y: torch.Tensor, weights: torch.Tensor, row_index: Optional[torch.Tensor
     y, weights = operand(y), weights.contiguous()
     row_index = None if row_index is None else row_index.contiguous()
     shared = None if shared is None else operand(shared)
-    form = FORMS[None if row_index is None else row_index.dtype]
-    kernel = MOE_COMBINE.kernel(MOE_COMBINE.name_expression(y.dtype, weights.dtype, form), y.device.index)
-    blob = params.MOE_COMBINE.pack(y.data_ptr(), weights.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
-                                   0 if shared is None else shared.data_ptr(), x.data_ptr(), t, k, h,
-                                   y.shape[0] if row_index is not None else 0)
+    index_dtype = None if row_index is None else row_index.dtype
+    kernel = MOE_COMBINE.kernel(MOE_COMBINE.name_expression(y.dtype, form_of(index_dtype)), y.device.index)
+    pointers = (y.data_ptr(), weights.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
+                0 if shared is None else shared.data_ptr(), x.data_ptr())
+    rows = 0 if row_index is None else y.shape[0]
+    blob = params.MOE_COMBINE.pack(*pointers, *fields(t, k, h, rows, weights.dtype, index_dtype)[5:])
     threads = min(MAX_THREADS, max(32, -(-(h // 8) // 32) * 32))
     kernel.launch((t, 1, 1), (threads, 1, 1), blob)
     return x
 
 
-def warmup(dtype: torch.dtype, weights_dtype: torch.dtype, row_index_dtype: Optional[torch.dtype] = None,
-           device=None) -> None:
-    """Compile and load the variant of (y's dtype, the weights' dtype, row_index's dtype or None for the
-    reduction form) on `device` (default: current), so later calls can be captured in a CUDA graph."""
-    MOE_COMBINE.kernel(MOE_COMBINE.name_expression(dtype, weights_dtype, FORMS[row_index_dtype]),
-                       jit.device_index(device))
+def warmup(dtype: torch.dtype, device=None) -> None:
+    """Compile and load the variants of y's dtype (both forms; any weights and index dtypes) on `device`
+    (default: current), so later calls can be captured in a CUDA graph."""
+    MOE_COMBINE.warmup(dtype, None, None, device)

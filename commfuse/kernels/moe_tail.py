@@ -7,9 +7,9 @@ Launch configuration: fused_tail's (one CTA per row plus the scale storage's pad
 fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
 variant, k >= 4) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split
 fills at most half the SMs), which combine a slice of its vectors each, the first CTA running the tail:
-one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels take
-float32 weights and int32 row indices: the launchers convert T weights and int64 indices first (exactly:
-[t, k] tensors; commfuse.kernels.launch).
+one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels read the
+routing weights (float32 or T) and the row index (int32 or int64) as given: their dtypes are plan fields
+(moe_combine.fields).
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import torch
 from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
+from .moe_combine import FORMS, fields, form_of
 from .family import CTYPE, Family, Limits
 from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, tail_fields, tail_patches
 
-__all__ = ["MOE_TAIL", "FORMS", "MAX_SPLIT", "variants", "combine_patches", "launcher", "run", "warmup"]
+__all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "combine_patches", "launcher", "run", "warmup"]
 
 SOURCE = fused_tail.SOURCE
-FORMS = (0, 1)  # kCombineReduction, kCombineFinalize32 (csrc/moe.cuh)
 
 
 def combine_patches(base: int) -> list:
@@ -54,10 +54,11 @@ class MoeTail(Family):
         return [self.name_expression(dtype, form, spec.format, fused_tail.row_config(hidden, few)[0])
                 for form in FORMS for few in (True, False)]
 
-    def plan(self, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
-             device_index: int, split: Optional[int] = None) -> LaunchPlan:
-        """The LaunchPlan of t tokens of k slots (combine_patches' sources). split: CTAs per token (default
-        ctas_per_token; more than 1 only for the VPT 1 variant on SM 9.0+)."""
+    def plan(self, dtype: torch.dtype, weights_dtype: torch.dtype, index_dtype: Optional[torch.dtype], t: int, k: int,
+             h: int, rows: int, spec: TailSpec, device_index: int, split: Optional[int] = None) -> LaunchPlan:
+        """The LaunchPlan of t tokens of k slots (combine_patches' sources) with routing weights of
+        weights_dtype and a row index of index_dtype (None: the reduction form). split: CTAs per token
+        (default ctas_per_token; more than 1 only for the VPT 1 variant on SM 9.0+)."""
         launches = ()
         if t:
             vpt, threads = fused_tail.launch_config(h, t)
@@ -65,9 +66,9 @@ class MoeTail(Family):
                 split = self.ctas_per_token(t, k, vpt, device_index)
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
-            blob = params.MOE_TAIL.pack(0, 0, 0, 0, 0, t, k, h, rows, *tail_fields(spec, t, h))
+            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, index_dtype), *tail_fields(spec, t, h))
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
-            kernel = self.kernel(self.name_expression(dtype, form, spec.format, vpt), device_index)
+            kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
             grid = t * split + -(-(spec.row_slots(t) - t) // split) * split
             launches = (Launch(kernel, grid, threads, blob, tuple(patches), split),)
@@ -113,16 +114,18 @@ def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -
 
 
 @functools.lru_cache(maxsize=4096)
-def launcher(dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec, device_index: int):
+def launcher(dtype: torch.dtype, weights_dtype: torch.dtype, index_dtype: Optional[torch.dtype], t: int, k: int,
+             h: int, rows: int, spec: TailSpec, device_index: int):
     """The launcher (commfuse.kernels.native) of MOE_TAIL's plan of this signature, made once:
     launcher(y, residual, weight, scale, out, weights, row_index, shared) -> the five outputs."""
-    return native.launcher(MOE_TAIL.plan(dtype, form, t, k, h, rows, spec, device_index))
+    return native.launcher(MOE_TAIL.plan(dtype, weights_dtype, index_dtype, t, k, h, rows, spec, device_index))
 
 
 def run(y, weights, row_index, shared, residual, weight, scale, spec: TailSpec, out=None) -> tuple:
     """The five outputs (reference.Tail's order) of checked CUDA tensors that MOE_TAIL accepts (commfuse.moe
     plans it); out as for Communicator.fused_all_reduce."""
     t, k = weights.shape
-    form = 0 if row_index is None else 1
-    run_ = launcher(y.dtype, form, t, k, y.shape[-1], y.shape[0] if form else 0, spec, y.device.index)
+    index_dtype = None if row_index is None else row_index.dtype
+    run_ = launcher(y.dtype, weights.dtype, index_dtype, t, k, y.shape[-1], 0 if row_index is None else y.shape[0],
+                    spec, y.device.index)
     return run_(y, residual, weight, scale, out, weights, row_index, shared)

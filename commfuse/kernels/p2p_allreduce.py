@@ -14,7 +14,7 @@ from .. import ipc
 from ..tail import formats
 from ..tail.formats import FORMATS, Format, Layout
 from ..tail.spec import OutputSpec, TailSpec
-from . import fused_tail, moe_tail, params
+from . import fused_tail, moe_combine, moe_tail, params
 from .family import CTYPE, Family, Limits
 from .launch import OUT, RESIDUAL, X, Launch, LaunchPlan, pieces, tail_fields, tail_patches
 
@@ -137,7 +137,7 @@ class P2PAllReduce(Family):
     def name_expression(self, dtype: torch.dtype, fmt: Optional[Format], vpt: int, algo: str,
                         form: Optional[int] = None) -> str:
         """The kernel instantiation; fmt None: the plain all-reduce (no tail, vpt 0); form: the MoE
-        variants' combine form (moe_tail.FORMS, as the fused MoE tail's), None for x as the input."""
+        variants' combine form (moe_combine.FORMS, as the fused MoE tail's), None for x as the input."""
         quant = params.NO_TAIL if fmt is None else fmt.id
         combine = "" if form is None else f", {form}"
         return f"commfuse::p2p_allreduce<{CTYPE[dtype]}, {quant}, {vpt}, {_ALGO_ID[algo]}{combine}>"
@@ -153,7 +153,7 @@ class P2PAllReduce(Family):
     def moe_variants(self) -> List[str]:
         """The MoE variants (Communicator.moe_all_reduce): every tail variant of both combine forms."""
         return [self.name_expression(dtype, f, v, algo, form) for dtype in CTYPE for algo in ALGORITHMS
-                for form in moe_tail.FORMS for f in FORMATS for v in register_vpts(f) + (0,)]
+                for form in moe_combine.FORMS for f in FORMATS for v in register_vpts(f) + (0,)]
 
     def configs(self, dtype, spec, hidden):
         names = [self.name_expression(dtype, None, 0, algo) for algo in ALGORITHMS]
@@ -216,19 +216,21 @@ class P2PAllReduce(Family):
             launches.append(Launch(kernel, ws.nblocks, threads, blob, patches))
         return LaunchPlan(f"{self.name} {algo}", tuple(launches), tuple(outputs), ws.device_index)
 
-    def plan_moe(self, ws, dtype: torch.dtype, form: int, t: int, k: int, h: int, rows: int, spec: TailSpec,
-                 algo: str) -> LaunchPlan:
-        """The LaunchPlan of moe_all_reduce's t tokens of k slots (y [t, k, h], or `rows` permuted rows with
-        form 1) with the combine done as the kernel reads its input and the tail fused: one launch, so the
-        message (t rows of h) must fit ws.max_bytes (Communicator._moe_p2p checks). y is the call's source X,
-        the weights Z, the row index and shared expert (moe_tail.combine_patches)."""
+    def plan_moe(self, ws, dtype: torch.dtype, weights_dtype: torch.dtype, index_dtype: Optional[torch.dtype], t: int,
+                 k: int, h: int, rows: int, spec: TailSpec, algo: str) -> LaunchPlan:
+        """The LaunchPlan of moe_all_reduce's t tokens of k slots (y [t, k, h], or `rows` permuted rows with a
+        row index of index_dtype; routing weights of weights_dtype) with the combine done as the kernel reads
+        its input and the tail fused: one launch, so the message (t rows of h) must fit ws.max_bytes
+        (Communicator._moe_p2p checks). y is the call's source X, the weights Z, the row index and shared
+        expert (moe_tail.combine_patches)."""
         outputs = spec.outputs(t, h, dtype)
         if not t:
             return LaunchPlan(f"{self.name} {algo}", (), tuple(outputs), ws.device_index, combine=True)
         vpt, threads = moe_launch_config(h, spec.format)
+        form = moe_combine.form_of(index_dtype)
         kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, algo, form), ws.device_index)
         blob = ws.params(tail_fields(spec, t, h), t * h // 8, t, h // 8, spec.row_slots(t),
-                         (0, 0, 0, 0, 0, t, k, h, rows))
+                         moe_combine.fields(t, k, h, rows, weights_dtype, index_dtype))
         patches = tuple(tail_patches(_OFF["tail"]) + moe_tail.combine_patches(_OFF["combine"]))
         return LaunchPlan(f"{self.name} {algo}", (Launch(kernel, ws.nblocks, threads, blob, patches),),
                           tuple(outputs), ws.device_index, combine=True)

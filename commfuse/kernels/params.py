@@ -140,6 +140,8 @@ MOE_COMBINE = Struct("MoeCombineParams", [
     Field("k", "int", "i32"),
     Field("h", "int", "i32", comment="a multiple of 8"),
     Field("rows", "int", "i32", comment="rows of y in the finalize form (row_index < rows); else unused"),
+    Field("weights_f32", "int", "i32", comment="1: float32 weights; 0: T weights"),
+    Field("index64", "int", "i32", comment="1: int64 row_index; 0: int32 (or none)"),
 ])
 
 

@@ -262,7 +262,7 @@ class Workspace:
         return self._index
 
     def params(self, tail: tuple, total_vecs: int, rows: int, row_vecs: int, row_slots: int,
-               combine: tuple = (0,) * 9) -> bytes:
+               combine: tuple = (0,) * len(params.MOE_COMBINE.fields)) -> bytes:
         """P2PParams of a launch on this workspace, x and out 0 (the launchers patch them, and the tail's
         pointers, per call): what commfuse.kernels.p2p_allreduce's LaunchPlans hold. combine: the MoE
         variants' MoeCombineParams fields (pointers 0, patched per call too)."""
