@@ -28,6 +28,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "cluster.cuh"
 #include "commfuse_params.cuh"
 
 namespace commfuse {
@@ -572,6 +573,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // its red, and its barrier comes before this scratch is written again. For the same reason the
 // row's block_sum before it need not free red (tail_row, tail_row_looped): every thread has read it
 // before this barrier, the next write of red comes after.
+// A row split over a thread-block cluster (fused_tail.cu's moe_tail: one slice a CTA, every CTA
+// calling this) takes the maximum over the cluster's CTAs, stored by the first.
 template <typename T>
 __device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigned m) {
   __shared__ unsigned warp_max[kTailMaxWarps];
@@ -579,9 +582,13 @@ __device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigne
   const unsigned lane = threadIdx.x & 31;
   if (lane == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
-  const unsigned amax = __reduce_max_sync(0xffffffffu, lane < blockDim.x / 32 ? warp_max[lane] : 0u);
+  unsigned amax = __reduce_max_sync(0xffffffffu, lane < blockDim.x / 32 ? warp_max[lane] : 0u);
+  if (cluster_ctas() > 1) {
+    __shared__ unsigned cluster_max[kMaxClusterCtas];
+    amax = cluster_reduce(amax, cluster_max, [](unsigned a, unsigned b) { return max(a, b); });
+  }
   const float s = fp8_group_scale(Pack<T>::from_bits(amax));
-  if (threadIdx.x == 0) static_cast<float*>(p.scales_out)[row] = s;
+  if (threadIdx.x == 0 && cluster_rank() == 0) static_cast<float*>(p.scales_out)[row] = s;
   return s;
 }
 
@@ -628,8 +635,9 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
 // threadIdx.x holds vectors first + threadIdx.x + i * blockDim.x, i < VPT; anything past nv), and, where
 // the slice ends the row, the row's scale-storage padding. first is a multiple of 16 vectors, so a
 // slice holds whole scale blocks of every format. qs: quant_scalar<QUANT>(p); fp8_per_token computes
-// the scale of the slice here (the row's only where the slice is the whole row: a caller that splits
-// rows must not take that format), fp8_block its blocks' scales.
+// the scale of the slice here (the row's only where the slice is the whole row or the row's slices are
+// a cluster's CTAs, row_scale: a caller that splits rows otherwise must not take that format), fp8_block
+// its blocks' scales.
 template <typename T, int QUANT, int VPT>
 __device__ __forceinline__ void emit_slice(const TailParams& p, int row, const uint4 (&n)[VPT], float qs, int first,
                                            int nv) {

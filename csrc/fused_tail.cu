@@ -78,15 +78,24 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
   }
 }
 
+// The vectors of each CTA's slice of a row cut over `split` CTAs: an equal share rounded up to whole
+// 16-vector blocks, so that every slice holds whole scale blocks of every format (emit_slice);
+// commfuse/kernels/moe_tail.py's slice_vectors, which sizes the CTAs by it.
+__device__ __forceinline__ int moe_slice_vectors(int nv, unsigned split) {
+  return (nv + static_cast<int>(split) * 16 - 1) / (static_cast<int>(split) * 16) * 16;
+}
+
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
 // fused_tail's row. FORM is kCombineReduction or kCombineFinalize. A residual is required.
 //
 // Few tokens (VPT 1, SM 9.0+): launched in clusters of up to 8 CTAs per token (moe_tail.py's split). The
 // combine reads k rows for every row of the tail, and one SM alone does not pull them at the HBM's pace
-// (1 token, k = 8, h = 7168: 4.2 us against the dense tail's 2.2); so each CTA of the cluster combines a
-// slice of the token's vectors into the first CTA's shared memory, and that CTA runs the tail on them.
-// The combine is per vector: the same bits whichever CTA computes it.
+// (1 token, k = 8, h = 7168: 4.5 us against the dense tail's 2.2); so the row is cut into one slice a CTA
+// (moe_slice_vectors), and each CTA runs the whole tail on its slice: the combine, the residual, its sum
+// of squares, which the cluster adds in rank order (cluster_reduce: one word a CTA through distributed
+// shared memory), then the norm and the quantization of its slice (fp8_per_token's row scale is the
+// cluster's maximum, row_scale). The combine is per vector: the same bits whichever CTA computes it.
 template <typename T, int FORM, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(const __grid_constant__ MoeTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
@@ -94,37 +103,46 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   pdl_launch_dependents();
   // split CTAs for each token's row, then one for each padding row (the grid rounded up to clusters).
   const unsigned split = VPT == 1 ? cluster_ctas() : 1;
-  const unsigned rank = split > 1 ? cluster_rank() : 0;
   const unsigned data = static_cast<unsigned>(p.tail.t) * split;
   const int row = blockIdx.x < data ? blockIdx.x / split : p.tail.t + static_cast<int>(blockIdx.x - data);
   if (row >= p.tail.t) {
     if (row < tail_row_slots<QUANT>(p.tail)) tail_padding_row<QUANT>(p.tail, row);
     return;  // a padding row's cluster holds padding rows only (the token rows come first, whole clusters)
   }
-  if (split > 1) cluster_arrive();
+  const int nv = p.tail.h / kVecElems;
+  if constexpr (VPT == 1) {
+    if (split > 1) {
+      cluster_arrive();
+      const int per = moe_slice_vectors(nv, split);
+      const int first = static_cast<int>(cluster_rank()) * per;
+      const int n = max(0, min(nv - first, per));  // a CTA past the row's end takes part in the sums only
+      const int v = first + static_cast<int>(threadIdx.x);
+      const bool mine = static_cast<int>(threadIdx.x) < n;
+      const size_t row_base = static_cast<size_t>(row) * p.tail.h;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const uint4 x = mine ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.tail.residual_in) + row_base)[v]
+                           : zero;
+      const uint4 w = mine ? __ldg(reinterpret_cast<const uint4*>(p.tail.weight) + v) : zero;
+      const uint4 a = mine ? combine_vec<T, FORM>(p.combine, row, v) : zero;
+      float sumsq = 0.f;
+      const uint4 y = norm_input<T, false>(p.tail, a, x, sumsq);
+      if (mine) reinterpret_cast<uint4*>(static_cast<T*>(p.tail.residual_out) + row_base)[v] = y;
+      sumsq = block_sum(sumsq, red);
+      __shared__ unsigned cluster_sums[kMaxClusterCtas];
+      cluster_wait();  // every CTA runs: their shared memory may take the stores
+      const float inv = inv_rms(cluster_reduce(sumsq, cluster_sums, [](float s, float t) { return s + t; }), p.tail);
+      const uint4 normed[1] = {norm_round<T>(y, w, inv, p.tail.weight_offset)};
+      emit_slice<T, QUANT, 1>(p.tail, row, normed, quant_scalar<QUANT>(p.tail), first, n);
+      return;
+    }
+  }
   if constexpr (VPT > 0) {
-    const int nv = p.tail.h / kVecElems;
     // VPT 1 (the few-rows variant up to h = 8192): the residual's and weight's loads go first, in flight
     // during the combine's. Not for VPT 2 and 4: under their 64-register bounds the row held through the
     // combine's chunk would spill.
     uint4 x[VPT], w[VPT];
     if constexpr (VPT == 1) tail_load<T, VPT>(p.tail, row, x, w);
     uint4 av[VPT];
-    if constexpr (VPT == 1) {
-      if (split > 1) {
-        __shared__ uint4 combined[kMaxThreads<1>];  // the token's vectors, in the first CTA's
-        const int per = (nv + split - 1) / split;
-        const int end = min(nv, static_cast<int>(rank + 1) * per);
-        cluster_wait();  // the first CTA runs: its shared memory may take the stores
-        for (int v = rank * per + threadIdx.x; v < end; v += blockDim.x)
-          cluster_store(combined + v, 0, combine_vec<T, FORM>(p.combine, row, v));
-        cluster_sync();
-        if (rank != 0) return;
-        av[0] = threadIdx.x < nv ? combined[threadIdx.x] : make_uint4(0, 0, 0, 0);
-        tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
-        return;
-      }
-    }
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;

@@ -6,8 +6,9 @@ one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(
 Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
 fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
 variant, k >= 4) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split
-fills at most half the SMs), which combine a slice of its vectors each, the first CTA running the tail:
-one SM alone does not read the k expert rows at the HBM's pace (csrc/fused_tail.cu). The kernels read the
+fills at most half the SMs), each running the tail on its slice of the row (slice_vectors), the sum of
+squares added over the cluster: one SM alone does not read the k expert rows at the HBM's pace
+(csrc/fused_tail.cu). The kernels read the
 routing weights (float32 or T) and the row index (int32 or int64) as given: their dtypes are plan fields
 (moe_combine.fields).
 """
@@ -66,6 +67,8 @@ class MoeTail(Family):
                 split = self.ctas_per_token(t, k, vpt, device_index)
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
+            if split > 1:  # a CTA a slice: a thread a vector of it
+                threads = max(32, -(-slice_vectors(h // 8, split) // 32) * 32)
             blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, index_dtype), *tail_fields(spec, t, h))
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)
@@ -91,6 +94,12 @@ class MoeTail(Family):
 
 
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
+
+
+def slice_vectors(nv: int, split: int) -> int:
+    """The 16-byte vectors of each CTA's slice of a row of nv vectors cut over `split` CTAs: an equal share
+    rounded up to whole 16-vector blocks (csrc/fused_tail.cu's moe_slice_vectors)."""
+    return -(-nv // (16 * split)) * 16
 SPLIT_SLOTS = 4  # the fewest slots a token that are split: at k = 2 every split measured slower
 
 
