@@ -13,30 +13,63 @@ constexpr int kCombineNone = -1;      // no combine: a kernel's input is x itsel
 constexpr int kCombineReduction = 0;  // y [t, k, h]
 constexpr int kCombineFinalize = 1;   // y = rows [R, h], row_index [t, k]
 
-// The weights' and indices' types are fields, not template parameters: a uniform branch per slot costs
-// nothing beside the row loads, and the callers' tensors are read as given (T weights and int64 indices
-// converted on the host cost up to three more kernels a call, and tripled the variants).
+// The weights' and indices' types are fields, not template parameters: the callers' tensors are read as
+// given (T weights and int64 indices converted on the host cost up to three more kernels a call), with no
+// more variants.
 
-// Routing weight `i` as float32: a float32 weight, or a T one (fp16 / bf16) converted exactly.
+// The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued before the
+// first sum: two memory latencies a chunk (the indices, then the rows) instead of one or two a slot. 4,
+// not 8: on an H200, chunks of 8 measured 7-10% slower at 1024 tokens (k = 2 and 8) and no faster at
+// 1-64 (more registers, the unused slots' predicates). Each branch on a type below covers a whole chunk,
+// so that its loads can issue together (with a branch per slot the finalize form measured 7-10% slower
+// unsplit than the int32-only kernel before it).
+constexpr int kCombineChunk = 4;
+
+// The rows of slots j0 .. j0 + kCombineChunk - 1 of the token whose first slot is slot0: -1 past k or
+// for a dropped slot (its step is left out, its row not read); an index outside [-1, rows) sets `bad`.
+template <int FORM>
+__device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, size_t slot0, int j0,
+                                           long long (&r)[kCombineChunk], bool& bad) {
+  if constexpr (FORM == kCombineReduction) {
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? static_cast<long long>(slot0 + j0 + c) : -1;
+    return;
+  }
+  if (p.index64) {
+    const long long* index = static_cast<const long long*>(p.row_index) + slot0 + j0;
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? index[c] : -1;
+  } else {
+    const int* index = static_cast<const int*>(p.row_index) + slot0 + j0;
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? index[c] : -1;
+  }
+#pragma unroll
+  for (int c = 0; c < kCombineChunk; ++c) {
+    bad |= r[c] < -1 || r[c] >= p.rows;
+    if (r[c] >= p.rows) r[c] = -1;
+  }
+}
+
+// The routing weights of the chunk's kept slots as float32 (a T weight converted exactly), 0 elsewhere.
 template <typename T>
-__device__ __forceinline__ float combine_weight(const MoeCombineParams& p, size_t i) {
-  if (p.weights_f32) return static_cast<const float*>(p.weights)[i];
-  return Pack<T>::from_bits(static_cast<const unsigned short*>(p.weights)[i]);
+__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, const long long (&r)[kCombineChunk],
+                                              float (&w)[kCombineChunk]) {
+  if (p.weights_f32) {
+    const float* weights = static_cast<const float*>(p.weights) + first;
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) w[c] = r[c] >= 0 ? weights[c] : 0.0f;
+  } else {
+    const unsigned short* weights = static_cast<const unsigned short*>(p.weights) + first;
+#pragma unroll
+    for (int c = 0; c < kCombineChunk; ++c) w[c] = r[c] >= 0 ? Pack<T>::from_bits(weights[c]) : 0.0f;
+  }
 }
 
-__device__ __forceinline__ long long combine_row_index(const MoeCombineParams& p, size_t slot) {
-  if (p.index64) return static_cast<const long long*>(p.row_index)[slot];
-  return static_cast<const int*>(p.row_index)[slot];
-}
 
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
 // [-1, rows) (that index's row is not read; nothing raises without a synchronisation; the reference
-// raises ValueError). The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued
-// before the first sum: two memory latencies a chunk (the indices, then the rows) instead of one or two
-// a slot. The sums stay in slot order. 4, not 8: on an H200, chunks of 8 measured 7-10% slower at 1024
-// tokens (k = 2 and 8) and no faster at 1-64 (more registers, the unused slots' predicates).
-constexpr int kCombineChunk = 4;
-
+// raises ValueError). The sums stay in slot order.
 template <typename T, int FORM>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v) {
   const size_t slot0 = static_cast<size_t>(row) * p.k;
@@ -49,28 +82,15 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   }
   bool bad = false;
   for (int j0 = 0; j0 < p.k; j0 += kCombineChunk) {
-    long long r[kCombineChunk];  // < 0: past k, or a dropped slot (its step is left out, its row not read)
-#pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) {
-      const int j = j0 + c;
-      if constexpr (FORM == kCombineReduction) {
-        r[c] = j < p.k ? static_cast<long long>(slot0 + j) : -1;
-      } else {
-        r[c] = j < p.k ? combine_row_index(p, slot0 + j) : -1;
-        bad |= r[c] < -1 || r[c] >= p.rows;
-        if (r[c] >= p.rows) r[c] = -1;
-      }
-    }
+    long long r[kCombineChunk];
+    chunk_rows<FORM>(p, slot0, j0, r, bad);
     float w[kCombineChunk];
+    chunk_weights<T>(p, slot0 + j0, r, w);
     uint4 yv[kCombineChunk];
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) {
-      w[c] = 0.0f;
-      yv[c] = make_uint4(0, 0, 0, 0);
-      if (r[c] >= 0) {
-        w[c] = combine_weight<T>(p, slot0 + j0 + c);
-        yv[c] = reinterpret_cast<const uint4*>(static_cast<const T*>(p.y) + static_cast<size_t>(r[c]) * p.h)[v];
-      }
+      yv[c] = r[c] >= 0 ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.y) + static_cast<size_t>(r[c]) * p.h)[v]
+                        : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) {

@@ -170,7 +170,7 @@ def moe_sweep(args) -> None:
             scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
             spec = TailSpec.of(quant, return_norm=quant is None)
             vpt, _ = fused_tail.launch_config(h, t)
-            chosen = moe_tail.MOE_TAIL.ctas_per_token(t, k, vpt, dev)
+            chosen = moe_tail.MOE_TAIL.ctas_per_token(t, k, h, vpt, dev)
             for form_name, (y, row_index, shared_in, combined) in forms.items():
                 want = reference.fused_tail(combined, residual, weight, 1e-6, quant, scale, quant is None)
                 want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)

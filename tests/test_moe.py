@@ -400,20 +400,20 @@ def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, s
 
 @needs_gpu
 def test_moe_tail_splits_few_tokens_only():
-    """The default split: up to 8 CTAs a token while t * split fills at most half the SMs, for k >= 4 and
-    the VPT 1 variant; 1 otherwise."""
+    """The default split: up to 8 CTAs a token while the t * split CTAs fit the SMs, for tokens of more than
+    SPLIT_ELEMENTS expert elements and the VPT 1 variant; 1 otherwise."""
     from commfuse.kernels import moe_tail
 
     per_token = moe_tail.MOE_TAIL.ctas_per_token
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if torch.cuda.get_device_capability() < (9, 0):
-        assert per_token(1, 8, 1, dev) == 1
+        assert per_token(1, 8, 7168, 1, dev) == 1
         return
-    assert per_token(1, 8, 1, dev) == moe_tail.MAX_SPLIT
-    assert per_token(1, 8, 2, dev) == per_token(1, moe_tail.SPLIT_SLOTS - 1, 1, dev) == 1
-    assert per_token(sms, 8, 1, dev) == 1
+    assert per_token(1, 8, 7168, 1, dev) == per_token(1, 2, 7168, 1, dev) == moe_tail.MAX_SPLIT
+    assert per_token(1, 8, 7168, 2, dev) == per_token(1, 2, moe_tail.SPLIT_ELEMENTS // 2, 1, dev) == 1
+    assert per_token(sms, 8, 7168, 1, dev) == 1
     for t in range(1, sms):
-        s = per_token(t, 8, 1, dev)
-        assert t * s <= sms // 2 or s == 1, (t, s)
-        assert s == moe_tail.MAX_SPLIT or t * s * 2 > sms // 2, (t, s)
+        s = per_token(t, 8, 7168, 1, dev)
+        assert t * s <= sms, (t, s)
+        assert s == moe_tail.MAX_SPLIT or t * s * 2 > sms, (t, s)

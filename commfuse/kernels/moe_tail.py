@@ -5,8 +5,8 @@ one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(
 
 Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
 fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
-variant, k >= 4) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while t * split
-fills at most half the SMs), each running the tail on its slice of the row (slice_vectors), the sum of
+variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while the t * split
+CTAs fit the SMs), each running the tail on its slice of the row (slice_vectors), the sum of
 squares added over the cluster: one SM alone does not read the k expert rows at the HBM's pace
 (csrc/fused_tail.cu). The kernels read the
 routing weights (float32 or T) and the row index (int32 or int64) as given: their dtypes are plan fields
@@ -64,7 +64,7 @@ class MoeTail(Family):
         if t:
             vpt, threads = fused_tail.launch_config(h, t)
             if split is None:
-                split = self.ctas_per_token(t, k, vpt, device_index)
+                split = self.ctas_per_token(t, k, h, vpt, device_index)
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             if split > 1:  # a CTA a slice: a thread a vector of it
@@ -78,17 +78,18 @@ class MoeTail(Family):
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, True)), device_index, combine=True)
 
     @staticmethod
-    def ctas_per_token(t: int, k: int, vpt: int, device_index: int) -> int:
-        """CTAs per token: for the VPT 1 variant on SM 9.0+ and k >= SPLIT_SLOTS, the most (a power of 2
-        up to MAX_SPLIT) whose t * split CTAs fill at most half the SMs; else 1. H200, h 7168, k 8, the
-        finalize form: 1 token 4.2 us split over 8 against 5.0 unsplit, 16 tokens 4.5 over 4 against 5.1
-        (over 8: 6.7), 32 tokens 5.1 over 2, 64 level; k 2 loses at every split (1 token 3.8 against 3.6;
-        launch/tail_sweep.py --moe)."""
-        if vpt != 1 or k < SPLIT_SLOTS or not clusters(device_index):
+    def ctas_per_token(t: int, k: int, h: int, vpt: int, device_index: int) -> int:
+        """CTAs per token: for the VPT 1 variant on SM 9.0+ and tokens of more than SPLIT_ELEMENTS expert
+        elements (k * h), the most (a power of 2 up to MAX_SPLIT) whose t * split CTAs fit the SMs at once;
+        else 1. H200, the reduction form, us unsplit / split (launch/tail_sweep.py --moe): k 8, h 7168: 1
+        token 4.5 / 3.2 over 8, 16 tokens 4.8 / 3.5 over 8 (3.5 over 4), 64 tokens 5.0 / 4.5 over 2 (4.9
+        over 4); k 2, h 7168: 1 token 3.3 / 2.7 over 8; k 8, h 4096: 1 token 3.3 / 3.2 over 8; k 2, h 4096
+        (8192 elements): 1 token 2.4 / 2.6-2.7."""
+        if vpt != 1 or k * h <= SPLIT_ELEMENTS or not clusters(device_index):
             return 1
         sms = torch.cuda.get_device_properties(device_index).multi_processor_count
         split = 1
-        while split < MAX_SPLIT and t * split * 2 <= sms // 2:
+        while split < MAX_SPLIT and t * split * 2 <= sms:
             split *= 2
         return split
 
@@ -100,7 +101,9 @@ def slice_vectors(nv: int, split: int) -> int:
     """The 16-byte vectors of each CTA's slice of a row of nv vectors cut over `split` CTAs: an equal share
     rounded up to whole 16-vector blocks (csrc/fused_tail.cu's moe_slice_vectors)."""
     return -(-nv // (16 * split)) * 16
-SPLIT_SLOTS = 4  # the fewest slots a token that are split: at k = 2 every split measured slower
+# The most expert elements a token (k * h) left unsplit: k 2 x h 4096 lost at every split, k 2 x h 7168
+# (14336) won from 2 CTAs on.
+SPLIT_ELEMENTS = 8192
 
 
 def clusters(device_index: int) -> bool:
