@@ -87,7 +87,7 @@ __device__ __forceinline__ int moe_slice_vectors(int nv, unsigned split) {
 
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
-// fused_tail's row. FORM is kCombineReduction or kCombineFinalize. A residual is required.
+// fused_tail's row. FORM is kCombineReduction or kCombineFinalize32 / 64. A residual is required.
 //
 // Few tokens (VPT 1, SM 9.0+): launched in clusters of up to 8 CTAs per token (moe_tail.py's split). The
 // combine reads k rows for every row of the tail, and one SM alone does not pull them at the HBM's pace

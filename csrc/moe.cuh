@@ -9,21 +9,30 @@
 
 namespace commfuse {
 
-constexpr int kCombineNone = -1;      // no combine: a kernel's input is x itself (p2p_allreduce.cu)
-constexpr int kCombineReduction = 0;  // y [t, k, h]
-constexpr int kCombineFinalize = 1;   // y = rows [R, h], row_index [t, k]
+constexpr int kCombineNone = -1;        // no combine: a kernel's input is x itself (p2p_allreduce.cu)
+constexpr int kCombineReduction = 0;    // y [t, k, h]
+constexpr int kCombineFinalize32 = 1;   // y = rows [R, h], row_index int32 [t, k]
+constexpr int kCombineFinalize64 = 2;   // row_index int64
 
-// The weights' and indices' types are fields, not template parameters: the callers' tensors are read as
-// given (T weights and int64 indices converted on the host cost up to three more kernels a call), with no
-// more variants.
+// The callers' weights and indices are read as given (T weights and int64 indices converted on the host
+// cost up to three more kernels a call). The index type is the form's, a template parameter: read through
+// a branch on a field, the finalize form measured 8-13% slower unsplit on an H200 (the weights' branch,
+// a field, cost the reduction form 0-3%).
 
 // The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued before the
 // first sum: two memory latencies a chunk (the indices, then the rows) instead of one or two a slot. 4,
 // not 8: on an H200, chunks of 8 measured 7-10% slower at 1024 tokens (k = 2 and 8) and no faster at
-// 1-64 (more registers, the unused slots' predicates). Each branch on a type below covers a whole chunk,
-// so that its loads can issue together (with a branch per slot the finalize form measured 7-10% slower
-// unsplit than the int32-only kernel before it).
+// 1-64 (more registers, the unused slots' predicates).
 constexpr int kCombineChunk = 4;
+
+template <int FORM>
+struct RowIndex {
+  using type = long long;  // kCombineFinalize64
+};
+template <>
+struct RowIndex<kCombineFinalize32> {
+  using type = int;
+};
 
 // The rows of slots j0 .. j0 + kCombineChunk - 1 of the token whose first slot is slot0: -1 past k or
 // for a dropped slot (its step is left out, its row not read); an index outside [-1, rows) sets `bad`.
@@ -33,25 +42,20 @@ __device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, size_t slo
   if constexpr (FORM == kCombineReduction) {
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? static_cast<long long>(slot0 + j0 + c) : -1;
-    return;
-  }
-  if (p.index64) {
-    const long long* index = static_cast<const long long*>(p.row_index) + slot0 + j0;
-#pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? index[c] : -1;
   } else {
-    const int* index = static_cast<const int*>(p.row_index) + slot0 + j0;
+    const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0 + j0;
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? index[c] : -1;
-  }
+    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? static_cast<long long>(index[c]) : -1;
 #pragma unroll
-  for (int c = 0; c < kCombineChunk; ++c) {
-    bad |= r[c] < -1 || r[c] >= p.rows;
-    if (r[c] >= p.rows) r[c] = -1;
+    for (int c = 0; c < kCombineChunk; ++c) {
+      bad |= r[c] < -1 || r[c] >= p.rows;
+      if (r[c] >= p.rows) r[c] = -1;
+    }
   }
 }
 
-// The routing weights of the chunk's kept slots as float32 (a T weight converted exactly), 0 elsewhere.
+// The routing weights of the chunk's kept slots as float32 (a T weight converted exactly), 0 elsewhere: one
+// branch on the weights' type a chunk.
 template <typename T>
 __device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, const long long (&r)[kCombineChunk],
                                               float (&w)[kCombineChunk]) {

@@ -9,7 +9,7 @@
 
 namespace commfuse {
 
-// FORM: kCombineReduction or kCombineFinalize.
+// FORM: kCombineReduction or kCombineFinalize32 / 64.
 template <typename T, int FORM>
 __global__ void __launch_bounds__(256) moe_combine(const __grid_constant__ MoeCombineParams p) {
   pdl_wait();

@@ -698,12 +698,13 @@ __device__ __forceinline__ void zero_padding_rows(const P2PParams& p) {
 // T: __half or __nv_bfloat16. QUANT: kQuantPlain, or epilogue.cuh's kQuantNone/Fp8/Nvfp4/Fp8PerToken/Fp8Block.
 // VPT: vectors per thread of the register tail (blockDim.x * VPT * 8 >= h), or 0 for the looped
 // tail; 0 for plain. ALGO: kAlgoOneshot or kAlgoTwoshot. COMBINE: kCombineNone (the input is x), or
-// the MoE combine's form, kCombineReduction or kCombineFinalize (moe.cuh; a tail only, one launch: row
+// the MoE combine's form, kCombineReduction or kCombineFinalize32 / 64 (moe.cuh; a tail only, one launch: row
 // r is token r). Grid: the workspace's NBLOCKS CTAs.
 template <typename T, int QUANT, int VPT, int ALGO, int COMBINE = kCombineNone>
 __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p_allreduce(const __grid_constant__ P2PParams p) {
   static_assert(ALGO == kAlgoOneshot || ALGO == kAlgoTwoshot, "unknown algorithm");
-  static_assert(COMBINE == kCombineNone || ((COMBINE == kCombineReduction || COMBINE == kCombineFinalize) &&
+  static_assert(COMBINE == kCombineNone || ((COMBINE == kCombineReduction || COMBINE == kCombineFinalize32 ||
+                                             COMBINE == kCombineFinalize64) &&
                                             QUANT != kQuantPlain), "the MoE combine: a tail's input, two forms");
   static_assert(QUANT == kQuantPlain ? VPT == 0 : VPT == 0 || VPT == 1 || VPT == 2,
                 "VPT: 0 for the plain all-reduce and the looped tail, 1 or 2 for the register tails");

@@ -87,7 +87,8 @@ def test_register_only_launch_configs_have_variants(module, family, formats):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_moe_combine_variant_builds(arch, cache_dir):
-    """Both element types x the two forms (the weights' and indices' dtypes are fields, not variants)."""
+    """Both element types x the three forms (reduction, int32 / int64 row indices; the weights' dtype is a
+    field, not a variant)."""
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = moe_combine.variants()

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse import Communicator, p2p, reference, routes
-from commfuse.kernels import fused_tail, jit, launch, moe_tail, native, params
+from commfuse.kernels import fused_tail, jit, launch, moe_combine, native, params
 from commfuse.kernels import p2p_allreduce as K
 from commfuse.kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows, register_vpts
 from commfuse.p2p import P2PLimits
@@ -162,12 +162,12 @@ def _ptxas_report(names):
 
 
 def test_moe_variants_fit_without_spills():
-    """The MoE variants (every tail variant of both combine forms) build for sm_90, the register tails within
+    """The MoE variants (every tail variant of every combine form) build for sm_90, the register tails within
     the registers of K.MOE_THREADS threads per SM and every one without local memory."""
     if 90 not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
     names = P2P_ALLREDUCE.moe_variants()
-    assert len(set(names)) == 2 * 2 * 2 * sum(len(register_vpts(f)) + 1 for f in FORMATS)
+    assert len(set(names)) == 2 * 2 * len(moe_combine.FORMS) * sum(len(register_vpts(f)) + 1 for f in FORMATS)
     for name, (regs, frame, spill_st, spill_ld) in _ptxas_report(names).items():
         threads = K.MOE_THREADS if int(name.split(",")[2]) else K.THREADS
         assert regs <= 65536 // threads and frame == spill_st == spill_ld == 0, (name, regs, frame, spill_st)
@@ -184,7 +184,7 @@ def test_moe_launch_configs_have_variants():
             else:
                 assert threads == K.THREADS and h > 8 * K.MOE_THREADS * max(register_vpts(fmt)), (h, fmt)
             for algo in ALGOS:
-                for form in (0, 1):
+                for form in moe_combine.FORMS.values():
                     assert P2P_ALLREDUCE.name_expression(torch.float16, fmt, vpt, algo, form) in names
 
 
@@ -306,14 +306,14 @@ class _Recorder:
                                                         (torch.bfloat16, torch.int64)])
 def test_moe_plan_packs_the_combine(monkeypatch, weights_dtype, index_dtype):
     """plan_moe's one launch, run by launch.PyLauncher (CPU tensors, no kernel runs): the MoE variant of the
-    call's form; the combine's y, weights, row index and shared pointers, all as given (the kernels read
-    either weights and index dtype, named by two fields); t, k, h, rows; the tail's pointers; the MoE
-    launch configuration."""
+    call's form (the index type's); the combine's y, weights, row index and shared pointers, all as given
+    (the kernels read either weights dtype, which a field names); t, k, h, rows; the tail's pointers; the
+    MoE launch configuration."""
     rec = _Recorder(1 << 20)
     names = []
     monkeypatch.setattr(P2P_ALLREDUCE, "kernel", lambda name, index: names.append(name) or rec)
     t, k, h = 3, 4, 7168
-    form = int(index_dtype is not None)
+    form = moe_combine.form_of(index_dtype)
     g = torch.Generator().manual_seed(11)
     rows = t * k + 2 if form else 0
     y = torch.randn(*((rows, h) if form else (t, k, h)), generator=g).to(torch.bfloat16)
@@ -332,7 +332,7 @@ def test_moe_plan_packs_the_combine(monkeypatch, weights_dtype, index_dtype):
     y_ptr, w_ptr, idx_ptr, shared_ptr, x_ptr, *sizes = one["combine"]
     assert (y_ptr, w_ptr, idx_ptr, shared_ptr, x_ptr) == (y.data_ptr(), w.data_ptr(), 0 if idx is None else
                                                           idx.data_ptr(), shared.data_ptr(), 0)
-    assert sizes == [t, k, h, rows, weights_dtype == torch.float32, index_dtype == torch.int64]
+    assert sizes == [t, k, h, rows, weights_dtype == torch.float32, 0]
     assert one["block"] == threads and vpt == 2
     assert (one["rows"], one["row_vecs"], one["total_vecs"]) == (t, h // 8, t * h // 8)
     assert one["tail"][0] == residual.data_ptr() and one["tail"][1] == out.residual.data_ptr()

@@ -21,19 +21,20 @@ __all__ = ["MOE_COMBINE", "SOURCE", "FORMS", "variants", "run", "warmup", "index
 
 SOURCE = "moe_combine.cu"
 MAX_THREADS = 256  # __launch_bounds__ of csrc/moe_combine.cu
-FORMS = (0, 1)  # kCombineReduction, kCombineFinalize (csrc/moe.cuh)
+# kCombineReduction, kCombineFinalize32 / 64 (csrc/moe.cuh): y [t, k, h], or the rows through an int32 / int64 index
+FORMS = {None: 0, torch.int32: 1, torch.int64: 2}
 
 
 def form_of(row_index_dtype: Optional[torch.dtype]) -> int:
-    """The combine's form: the reduction without a row index, else the finalize form (of either index type)."""
-    return FORMS[row_index_dtype is not None]
+    """The combine's form: the reduction without a row index, else the finalize form of its index type."""
+    return FORMS[row_index_dtype]
 
 
-def fields(t: int, k: int, h: int, rows: int, weights_dtype: torch.dtype,
-           row_index_dtype: Optional[torch.dtype]) -> tuple:
+def fields(t: int, k: int, h: int, rows: int, weights_dtype: torch.dtype) -> tuple:
     """MoeCombineParams' values with its pointers 0 (every kernel that combines patches them per call): the
-    kernels read float32 or T weights and int32 or int64 indices as given, so the dtypes are fields."""
-    return (0,) * 5 + (t, k, h, rows, int(weights_dtype == torch.float32), int(row_index_dtype == torch.int64))
+    kernels read float32 or T weights as given, the weights' dtype being a field (the index type is the
+    form's)."""
+    return (0,) * 5 + (t, k, h, rows, int(weights_dtype == torch.float32), 0)
 
 
 def index_limits(name: str, t: int, k: int, rows: int) -> Optional[str]:
@@ -52,10 +53,10 @@ class MoeCombine(Family):
         return f"commfuse::moe_combine<{CTYPE[dtype]}, {form}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, f) for d in CTYPE for f in FORMS]
+        return [self.name_expression(d, f) for d in CTYPE for f in FORMS.values()]
 
     def configs(self, dtype, spec, hidden):
-        return [self.name_expression(dtype, f) for f in FORMS]
+        return [self.name_expression(dtype, f) for f in FORMS.values()]
 
     def rejects_combine(self, dtype: torch.dtype, sm: tuple, h: int, t: int, k: int, rows: int) -> Optional[str]:
         """Why the kernel cannot take a combine of t tokens, k slots, rows of h (None when it can); rows:
@@ -92,13 +93,13 @@ def run(y: torch.Tensor, weights: torch.Tensor, row_index: Optional[torch.Tensor
     pointers = (y.data_ptr(), weights.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
                 0 if shared is None else shared.data_ptr(), x.data_ptr())
     rows = 0 if row_index is None else y.shape[0]
-    blob = params.MOE_COMBINE.pack(*pointers, *fields(t, k, h, rows, weights.dtype, index_dtype)[5:])
+    blob = params.MOE_COMBINE.pack(*pointers, *fields(t, k, h, rows, weights.dtype)[5:])
     threads = min(MAX_THREADS, max(32, -(-(h // 8) // 32) * 32))
     kernel.launch((t, 1, 1), (threads, 1, 1), blob)
     return x
 
 
 def warmup(dtype: torch.dtype, device=None) -> None:
-    """Compile and load the variants of y's dtype (both forms; any weights and index dtypes) on `device`
-    (default: current), so later calls can be captured in a CUDA graph."""
+    """Compile and load the variants of y's dtype (every form; any weights dtype) on `device` (default:
+    current), so later calls can be captured in a CUDA graph."""
     MOE_COMBINE.warmup(dtype, None, None, device)

@@ -9,8 +9,7 @@ variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes
 CTAs fit the SMs), each running the tail on its slice of the row (slice_vectors), the sum of
 squares added over the cluster: one SM alone does not read the k expert rows at the HBM's pace
 (csrc/fused_tail.cu). The kernels read the
-routing weights (float32 or T) and the row index (int32 or int64) as given: their dtypes are plan fields
-(moe_combine.fields).
+routing weights (float32 or T, a plan field) and the row index (int32 or int64, the variant's form) as given.
 """
 from __future__ import annotations
 
@@ -48,12 +47,12 @@ class MoeTail(Family):
         return f"commfuse::moe_tail<{CTYPE[dtype]}, {form}, {fmt.id}, {vpt}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, form, f, v) for d in CTYPE for form in FORMS for f in FORMATS
+        return [self.name_expression(d, form, f, v) for d in CTYPE for form in FORMS.values() for f in FORMATS
                 for v in fused_tail.VPT_BUCKETS + (0,)]
 
     def configs(self, dtype, spec, hidden):
         return [self.name_expression(dtype, form, spec.format, fused_tail.row_config(hidden, few)[0])
-                for form in FORMS for few in (True, False)]
+                for form in FORMS.values() for few in (True, False)]
 
     def plan(self, dtype: torch.dtype, weights_dtype: torch.dtype, index_dtype: Optional[torch.dtype], t: int, k: int,
              h: int, rows: int, spec: TailSpec, device_index: int, split: Optional[int] = None) -> LaunchPlan:
@@ -69,7 +68,7 @@ class MoeTail(Family):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             if split > 1:  # a CTA a slice: a thread a vector of it
                 threads = max(32, -(-slice_vectors(h // 8, split) // 32) * 32)
-            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, index_dtype), *tail_fields(spec, t, h))
+            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype), *tail_fields(spec, t, h))
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).

@@ -153,7 +153,7 @@ class P2PAllReduce(Family):
     def moe_variants(self) -> List[str]:
         """The MoE variants (Communicator.moe_all_reduce): every tail variant of both combine forms."""
         return [self.name_expression(dtype, f, v, algo, form) for dtype in CTYPE for algo in ALGORITHMS
-                for form in moe_combine.FORMS for f in FORMATS for v in register_vpts(f) + (0,)]
+                for form in moe_combine.FORMS.values() for f in FORMATS for v in register_vpts(f) + (0,)]
 
     def configs(self, dtype, spec, hidden):
         names = [self.name_expression(dtype, None, 0, algo) for algo in ALGORITHMS]
@@ -230,7 +230,7 @@ class P2PAllReduce(Family):
         form = moe_combine.form_of(index_dtype)
         kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, algo, form), ws.device_index)
         blob = ws.params(tail_fields(spec, t, h), t * h // 8, t, h // 8, spec.row_slots(t),
-                         moe_combine.fields(t, k, h, rows, weights_dtype, index_dtype))
+                         moe_combine.fields(t, k, h, rows, weights_dtype))
         patches = tuple(tail_patches(_OFF["tail"]) + moe_tail.combine_patches(_OFF["combine"]))
         return LaunchPlan(f"{self.name} {algo}", (Launch(kernel, ws.nblocks, threads, blob, patches),),
                           tuple(outputs), ws.device_index, combine=True)

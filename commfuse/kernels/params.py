@@ -133,7 +133,7 @@ GATED_NORM = Struct("GatedNormParams", [
 MOE_COMBINE = Struct("MoeCombineParams", [
     Field("y", "const void*", "ptr", comment="T: y [t, k, h] (reduction form) or the permuted rows [rows, h]"),
     Field("weights", "const void*", "ptr", comment="[t, k] routing weights, float or T"),
-    Field("row_index", "const void*", "ptr", comment="int32 / int64 [t, k] (finalize form; -1: a dropped slot); else unused"),
+    Field("row_index", "const void*", "ptr", comment="int32 / int64 [t, k] as the form says (-1: a dropped slot); else unused"),
     Field("shared", "const void*", "ptr", comment="T [t, h], a shared expert's output; nullptr: none"),
     Field("x", "void*", "ptr", comment="T [t, h]: the combine's output"),
     Field("t", "int", "i32"),
@@ -141,7 +141,7 @@ MOE_COMBINE = Struct("MoeCombineParams", [
     Field("h", "int", "i32", comment="a multiple of 8"),
     Field("rows", "int", "i32", comment="rows of y in the finalize form (row_index < rows); else unused"),
     Field("weights_f32", "int", "i32", comment="1: float32 weights; 0: T weights"),
-    Field("index64", "int", "i32", comment="1: int64 row_index; 0: int32 (or none)"),
+    Field("pad", "int", "i32", comment="unused: the struct's size a multiple of 8"),
 ])
 
 
