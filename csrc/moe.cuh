@@ -15,9 +15,9 @@ constexpr int kCombineFinalize32 = 1;   // y = rows [R, h], row_index int32 [t, 
 constexpr int kCombineFinalize64 = 2;   // row_index int64
 
 // The callers' weights and indices are read as given (T weights and int64 indices converted on the host
-// cost up to three more kernels a call). The index type is the form's, a template parameter: read through
-// a branch on a field, the finalize form measured 8-13% slower unsplit on an H200 (the weights' branch,
-// a field, cost the reduction form 0-3%).
+// cost up to three more kernels a call). The index type is the form's, a template parameter (read through
+// a branch on a field, the finalize form's cluster-split tail measured ~4% slower on an H200); the weights'
+// type is a field (MoeCombineParams::weights_f32, one branch a chunk: level in the reduction form).
 
 // The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued before the
 // first sum: two memory latencies a chunk (the indices, then the rows) instead of one or two a slot. 4,
