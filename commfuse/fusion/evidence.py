@@ -11,7 +11,7 @@ it is) every local pattern is rewritten: there the alternative is torch's unfuse
 the formats' codes).
 
 The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*,
--s18-gated-split-sweep*, -s19-*):
+-s18-gated-split-sweep*, -s19-*, 2026-12-04-h200-s20-local-ops-matrix*, -s20-gated-sweep*, -s20-host-profile*):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
@@ -19,11 +19,14 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster or within 2% at groups of 128 everywhere
   (2.1-146.0 us against 3.0-160.2 us), at groups of 1024 and 2048 level or ahead up to 256 tokens (below
   128 its rows are split over CTAs: 2.50 against 2.53 us at 1x8192, group 1024), and from 512 tokens,
-  split again, ahead at 8192 tokens and level at 1024x8192 with groups of 2048 but 6-10% behind at 512-1024
-  tokens of h 7168 / 8192 with groups of 1024 (22.3 against 21.0 us at 1024x8192); NVFP4 quantization 1.7-7.4x
+  split again, ahead at 512 and 8192 tokens (10.6 against 12.1 us at 512x7168) and level at 1024x8192 with
+  groups of 2048 but 6-7% behind at 1024 tokens with groups of 1024 (22.6 against 21.1 us at 1024x8192, -s20;
+  add + RMSNorm there 16.1 / 15.1 and 18.6 / 17.6 us at 1024x7168 / 8192); NVFP4 quantization 1.7-7.4x
   faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
-- The host: a call of the local op through torch.ops costs 1.5-1.7x a torch elementwise op (10.2 us
-  for add + RMSNorm against 6.4 us for torch.add), about what Inductor's own kernel launch costs; but in
+- The host: a call of the local op through torch.ops costs 1.5-1.8x a torch elementwise op (10.2 us
+  for add + RMSNorm against 6.4 us for torch.add; -s20, a slower host: 15.4 against 8.6 us), about what
+  Inductor's own kernel launch costs, and a compiled function of one local op 7-18% more host time than
+  the same function with Inductor's tail (-s18, -s20); in
   a compiled model the op takes the place of a kernel that Inductor also fused with its neighbours (the
   first layer's norm with the embedding lookup, for one), and its outputs are checked in the compiled
   code (a size and stride assertion each). The 8B-shaped decoder of examples/tp_decoder.py (4 layers,
