@@ -26,24 +26,10 @@ __device__ __forceinline__ unsigned cluster_rank() {
 #endif
 }
 
-// *slot = v in the shared memory of the cluster's CTA `rank` (slot: this CTA's address of the same
-// variable), which must have started (cluster_wait). Visible to that CTA after cluster_sync(), and that
-// CTA must not exit before it.
-__device__ __forceinline__ void cluster_store(uint4* slot, unsigned rank, const uint4& v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(slot));
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-#else
-  *slot = v;
-#endif
-}
-
-// The 32-bit word *slot = v in the shared memory of the cluster's CTA `rank`, as cluster_store.
-__device__ __forceinline__ void cluster_store_word(unsigned* slot, unsigned rank, unsigned v) {
+// The word *slot = v in the shared memory of the cluster's CTA `rank` (slot: this CTA's address of the
+// same variable), which must have started (cluster_wait). Visible to that CTA after cluster_sync(), and
+// that CTA must not exit before it.
+__device__ __forceinline__ void cluster_store(unsigned* slot, unsigned rank, unsigned v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(slot));
   unsigned remote;
@@ -81,20 +67,20 @@ __device__ __forceinline__ void cluster_sync() {
 
 constexpr int kMaxClusterCtas = 8;  // the portable cluster size: what commfuse launches at most
 
-// op(...op(v_0, v_1)..., v_{n-1}) over the cluster's n CTAs, v_r being CTA r's value (every thread of a
-// CTA passes it): the same bits in every CTA. Every thread of every CTA calls it, once all have started
-// (cluster_wait); it ends with a cluster_sync. slots: this CTA's __shared__ words, kMaxClusterCtas of them,
-// for this call only (a second call takes others: a fast CTA's stores would land in a slow one's reads).
-// V: float or unsigned.
 __device__ __forceinline__ unsigned word_of(float v) { return __float_as_uint(v); }
 __device__ __forceinline__ unsigned word_of(unsigned v) { return v; }
 __device__ __forceinline__ void of_word(unsigned w, float& v) { v = __uint_as_float(w); }
 __device__ __forceinline__ void of_word(unsigned w, unsigned& v) { v = w; }
 
+// op(...op(v_0, v_1)..., v_{n-1}) over the cluster's n CTAs, v_r being CTA r's value (every thread of a
+// CTA passes it): the same bits in every CTA. Every thread of every CTA calls it, once all have started
+// (cluster_wait); it ends with a cluster_sync. slots: this CTA's __shared__ words, kMaxClusterCtas of them,
+// for this call only (a second call takes others: a fast CTA's stores would land in a slow one's reads).
+// V: float or unsigned (word_of / of_word).
 template <typename V, typename Op>
 __device__ __forceinline__ V cluster_reduce(V v, unsigned (&slots)[kMaxClusterCtas], Op op) {
   const unsigned n = cluster_ctas();
-  if (threadIdx.x < n) cluster_store_word(&slots[cluster_rank()], threadIdx.x, word_of(v));
+  if (threadIdx.x < n) cluster_store(&slots[cluster_rank()], threadIdx.x, word_of(v));
   cluster_sync();
   V total, next;
   of_word(slots[0], total);
