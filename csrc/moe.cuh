@@ -70,7 +70,6 @@ __device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t 
   }
 }
 
-
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
 // [-1, rows) (that index's row is not read; nothing raises without a synchronisation; the reference
 // raises ValueError). The sums stay in slot order.
