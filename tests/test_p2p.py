@@ -237,12 +237,13 @@ def test_params_layout_matches_the_kernel():
     # TailParams (96 bytes) first: its pointers, eps/h/t/sf_swizzled at 56, scales_out 72, weight_offset /
     # scale_layout 80, scale_stride 88; then x 96, peers 112, epochs 176, timeout_ns 200, sig_offset 240,
     # total_vecs 248, rows 256, rank 272; the MoE variants' MoeCombineParams at 280 (5 pointers, t, k, h,
-    # rows); size 336.
+    # rows, weights_f32, pad); size 344.
     fields = list(range(1, 8)) + [0.5, 11, 12, 13] + [14, -0.0, 3, 16] + [21, 22] + list(range(31, 39)) + \
-        [41, 42, 43] + [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0] + [81, 82, 83, 84, 85, 91, 92, 93, 94]
+        [41, 42, 43] + [51, 52, 53, 54, 55, 56] + [61] + [71, 72, 73, 74, 75, 0] + \
+        [81, 82, 83, 84, 85, 91, 92, 93, 94, 95, 96]
     raw = params.P2P.pack(*fields)
-    assert len(raw) == 336
-    assert struct.unpack_from("<5Q4i", raw, 280) == (81, 82, 83, 84, 85, 91, 92, 93, 94)
+    assert len(raw) == 344
+    assert struct.unpack_from("<5Q6i", raw, 280) == (81, 82, 83, 84, 85, 91, 92, 93, 94, 95, 96)
     assert struct.unpack_from("<f3i", raw, 56) == (0.5, 11, 12, 13)
     assert struct.unpack_from("<Qfiq", raw, 72) == (14, -0.0, 3, 16)
     assert struct.unpack_from("<I", raw, 80) == (0x80000000,)  # -0.0: "no weight offset" (epilogue.cuh norm_round)
