@@ -5,11 +5,11 @@ one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(
 
 Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
 fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
-variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes to a thread-block cluster of `split` CTAs (up to 8, while the t * split
-CTAs fit the SMs), each running the tail on its slice of the row (slice_vectors), the sum of
-squares added over the cluster: one SM alone does not read the k expert rows at the HBM's pace
-(csrc/fused_tail.cu). The kernels read the
-routing weights (float32 or T, a plan field) and the row index (int32 or int64, the variant's form) as given.
+variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes to a thread-block cluster
+of `split` CTAs (up to 8, while the t * split CTAs fit the SMs), each running the tail on its slice of the
+row (slice_vectors), the sum of squares added over the cluster: one SM alone does not read the k expert
+rows at the HBM's pace (csrc/fused_tail.cu). The kernels read the routing weights (float32 or T, a plan
+field) and the row index (int32 or int64, the variant's form) as given.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import torch
 from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
-from .moe_combine import FORMS, fields, form_of
 from .family import CTYPE, Family, Limits
 from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, tail_fields, tail_patches
+from .moe_combine import FORMS, fields, form_of
 
 __all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "combine_patches", "launcher", "run", "warmup"]
 
@@ -100,6 +100,8 @@ def slice_vectors(nv: int, split: int) -> int:
     """The 16-byte vectors of each CTA's slice of a row of nv vectors cut over `split` CTAs: an equal share
     rounded up to whole 16-vector blocks (csrc/fused_tail.cu's moe_slice_vectors)."""
     return -(-nv // (16 * split)) * 16
+
+
 # The most expert elements a token (k * h) left unsplit: k 2 x h 4096 lost at every split, k 2 x h 7168
 # (14336) won from 2 CTAs on.
 SPLIT_ELEMENTS = 8192
@@ -119,8 +121,8 @@ def variants() -> List[str]:
 
 
 def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
-    """Compile and load the variants world-1 moe_all_reduce calls of (dtype, quant, hidden) may launch, both
-    forms, any number of tokens, on `device` (default: current), so later calls can be captured."""
+    """Compile and load the variants world-1 moe_all_reduce calls of (dtype, quant, hidden) may launch, every
+    form, any number of tokens, on `device` (default: current), so later calls can be captured."""
     MOE_TAIL.warmup(dtype, TailSpec.of(quant), hidden, device)
 
 
