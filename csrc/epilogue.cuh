@@ -633,8 +633,8 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
 
 // Stores and quantization of the T-rounded norms n of vectors [first, first + nv) of row `row` (thread
 // threadIdx.x holds vectors first + threadIdx.x + i * blockDim.x, i < VPT; anything past nv), and, where
-// the slice ends the row, the row's scale-storage padding. first is a multiple of 16 vectors, so a
-// slice holds whole scale blocks of every format. qs: quant_scalar<QUANT>(p); fp8_per_token computes
+// the slice ends the row (an empty one past the end does not), the row's scale-storage padding. first
+// is a multiple of 16 vectors, so a slice holds whole scale blocks of every format. qs: quant_scalar<QUANT>(p); fp8_per_token computes
 // the scale of the slice here (the row's only where the slice is the whole row or the row's slices are
 // a cluster's CTAs, row_scale: a caller that splits rows otherwise must not take that format), fp8_block
 // its blocks' scales.
@@ -683,7 +683,7 @@ __device__ __forceinline__ void emit_slice(const TailParams& p, int row, const u
       emit_norm<T, QUANT>(p, row, sf_base, first + v, v < nv, n[i], qs);
     }
   }
-  if (first + nv == p.h / kVecElems) tail_row_padding<QUANT>(p, row);
+  if (nv > 0 && first + nv == p.h / kVecElems) tail_row_padding<QUANT>(p, row);
 }
 
 // emit_slice of the whole row.

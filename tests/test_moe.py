@@ -245,6 +245,17 @@ def test_compiled_moe_op_matches_eager_call(quiet_comm, gen, quant):
             assert bits_equal(getattr(got, name), getattr(want, name)), f"t={t}: {name}"
 
 
+def test_kernel_fields_name_the_weights_dtype():
+    """The MoE kernels' combine fields: weights_f32 1 for float32 weights, 0 for y's dtype; any other weights
+    dtype (which the kernels would misread as T) raises ValueError naming it."""
+    from commfuse.kernels import moe_combine
+
+    assert moe_combine.fields(3, 8, 64, 24, torch.float32, torch.bfloat16)[5:] == (3, 8, 64, 24, 1, 0)
+    assert moe_combine.fields(3, 8, 64, 0, torch.bfloat16, torch.bfloat16)[5:] == (3, 8, 64, 0, 0, 0)
+    with pytest.raises(ValueError, match="torch.float16"):
+        moe_combine.fields(3, 8, 64, 0, torch.float16, torch.bfloat16)
+
+
 def test_moe_op_fake_gives_the_output_shapes():
     """The fake (meta) op: fused_all_reduce's outputs of [t, h], t from the routing weights."""
     from torch._subclasses.fake_tensor import FakeTensorMode

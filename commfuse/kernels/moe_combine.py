@@ -30,10 +30,12 @@ def form_of(row_index_dtype: Optional[torch.dtype]) -> int:
     return FORMS[row_index_dtype]
 
 
-def fields(t: int, k: int, h: int, rows: int, weights_dtype: torch.dtype) -> tuple:
+def fields(t: int, k: int, h: int, rows: int, weights_dtype: torch.dtype, dtype: torch.dtype) -> tuple:
     """MoeCombineParams' values with its pointers 0 (every kernel that combines patches them per call): the
-    kernels read float32 or T weights as given, the weights' dtype being a field (the index type is the
-    form's)."""
+    kernels read float32 weights or weights of y's dtype (T) as given, the weights' dtype being a field (the
+    index type is the form's). ValueError for any other weights dtype, which they would misread."""
+    if weights_dtype not in (torch.float32, dtype):
+        raise ValueError(f"the MoE kernels read float32 weights or y's dtype ({dtype}), not {weights_dtype}")
     return (0,) * 5 + (t, k, h, rows, int(weights_dtype == torch.float32), 0)
 
 
@@ -93,7 +95,7 @@ def run(y: torch.Tensor, weights: torch.Tensor, row_index: Optional[torch.Tensor
     pointers = (y.data_ptr(), weights.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
                 0 if shared is None else shared.data_ptr(), x.data_ptr())
     rows = 0 if row_index is None else y.shape[0]
-    blob = params.MOE_COMBINE.pack(*pointers, *fields(t, k, h, rows, weights.dtype)[5:])
+    blob = params.MOE_COMBINE.pack(*pointers, *fields(t, k, h, rows, weights.dtype, y.dtype)[5:])
     threads = min(MAX_THREADS, max(32, -(-(h // 8) // 32) * 32))
     kernel.launch((t, 1, 1), (threads, 1, 1), blob)
     return x

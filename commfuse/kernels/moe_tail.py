@@ -68,7 +68,7 @@ class MoeTail(Family):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             if split > 1:  # a CTA a slice: a thread a vector of it
                 threads = max(32, -(-slice_vectors(h // 8, split) // 32) * 32)
-            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype), *tail_fields(spec, t, h))
+            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h))
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).

@@ -230,7 +230,7 @@ class P2PAllReduce(Family):
         form = moe_combine.form_of(index_dtype)
         kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, algo, form), ws.device_index)
         blob = ws.params(tail_fields(spec, t, h), t * h // 8, t, h // 8, spec.row_slots(t),
-                         moe_combine.fields(t, k, h, rows, weights_dtype))
+                         moe_combine.fields(t, k, h, rows, weights_dtype, dtype))
         patches = tuple(tail_patches(_OFF["tail"]) + moe_tail.combine_patches(_OFF["combine"]))
         return LaunchPlan(f"{self.name} {algo}", (Launch(kernel, ws.nblocks, threads, blob, patches),),
                           tuple(outputs), ws.device_index, combine=True)
