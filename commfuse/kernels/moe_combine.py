@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from . import jit, params
+from . import params
 from .family import CTYPE, Family, Limits
 from ..tail.spec import OutputSpec
 from .launch import allocate, operand
