@@ -826,8 +826,9 @@ def _routed_sum_core(s: fx.Node, t_dtype):
     w_rows = rows
     if src is not None:
         w = src
-        if rows and _token_major(w, shape3) is not None:
-            w, w_rows = _token_major(w, shape3), False
+        token_major = _token_major(w, shape3) if rows else None
+        if token_major is not None:
+            w, w_rows = token_major, False
     elif not rows:
         w_rows = True  # [t, k, 1] of another spelling: reshaped to [t, k]
     y = _f32_of(y) or y
@@ -920,8 +921,8 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
     why = _operand_dtypes(y, w, t_dtype)
     if why is not None:
         return why
-    w_rows = _token_major(w, G.shape(m)) is None  # w [t * k] (w[perm] matched it to the rows)
-    w = _token_major(w, G.shape(m)) or w
+    token_major = _token_major(w, G.shape(m))
+    w_rows, w = token_major is None, token_major or w  # w [t * k] (w[perm] matched it to the rows), or [t, k]
     return dict(y=y, w=w, k=k, nodes=[s, m, gi, prod], y_rows=False, w_rows=w_rows, prod=prod, row_index=idx,
                 spelling="(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"
                          + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
