@@ -6,9 +6,10 @@
 // normalised separately; silu(z) gates x before the norm (norm_before_gate 0) or the weighted norm
 // after it (1); z == nullptr: no gate.
 //
-// Grid: `splits` CTAs per row, plus as many per padding row of the scale storage (as fused_tail.cu),
-// splits = gridDim.x / the row slots. The groups are normalised independently, so a row may be split into
-// slices of whole groups (at few rows, where one CTA a row leaves the GPU idle) that share nothing.
+// Work: `splits` items per row (GatedNormParams::splits), plus as many per padding row of the scale storage
+// (as fused_tail.cu). The groups are normalised independently, so a row may be split into slices of whole
+// groups that share nothing (at few rows, where one CTA a row leaves the GPU idle). Grid: one CTA an item,
+// or at many rows as many as are resident at once, each looping over items (the kernel says why).
 // Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/gated_norm.py; the
 // slice lives in registers (VPT vectors of 8 elements per thread, h / splits <= 8 * VPT * blockDim.x).
 #include "epilogue.cuh"
@@ -90,39 +91,29 @@ __device__ __forceinline__ uint4 gated_norm_round(const uint4& x, const uint4& z
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// The kernel's only parameter is GatedNormParams (TailParams for the outputs and the weight, with
-// no residual; x, z, the group size and the gate's place), declared in commfuse/kernels/params.py.
-template <typename T, int QUANT, int VPT>
-__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
-  __shared__ float part[VPT * kMaxThreads<VPT>];  // the shared-memory path's sums, per vector then per group
-  pdl_wait();
-  pdl_launch_dependents();
-  const TailParams& tp = p.tail;
-  const int splits = gridDim.x / tail_row_slots<QUANT>(tp);
-  const int row = blockIdx.x / splits;
-  if (row >= tp.t) {
-    if (blockIdx.x % splits == 0) tail_padding_row<QUANT>(tp, row);
-    return;
-  }
-  const int nv = tp.h / kVecElems / splits;  // the slice's vectors, whole groups (and 16-vector blocks)
-  const int first = blockIdx.x % splits * nv;
-  const size_t row_base = static_cast<size_t>(row) * tp.h + static_cast<size_t>(first) * kVecElems;
+// x's and z's vectors of `row`'s slice [first, first + nv) as the thread holds them (zero past the slice).
+template <typename T, int VPT>
+__device__ __forceinline__ void gated_load(const GatedNormParams& p, int row, int first, int nv, uint4 (&xv)[VPT],
+                                           uint4 (&zv)[VPT]) {
+  const size_t row_base = static_cast<size_t>(row) * p.tail.h + static_cast<size_t>(first) * kVecElems;
   const uint4* x = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + row_base);
   const uint4* z = reinterpret_cast<const uint4*>(static_cast<const T*>(p.z) + row_base);
-  const bool gated = p.z != nullptr;
-  const bool gate_first = gated && !p.norm_before_gate;
-  const bool gate_after = gated && p.norm_before_gate;
-
-  const uint4* weight = reinterpret_cast<const uint4*>(tp.weight) + first;
-  uint4 xv[VPT], zv[VPT], wv[VPT];
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     xv[i] = v < nv ? x[v] : make_uint4(0, 0, 0, 0);
-    zv[i] = gated && v < nv ? z[v] : make_uint4(0, 0, 0, 0);
-    wv[i] = v < nv ? __ldg(weight + v) : make_uint4(0, 0, 0, 0);
+    zv[i] = p.z != nullptr && v < nv ? z[v] : make_uint4(0, 0, 0, 0);
   }
+}
 
+// The norm of one row's slice, loaded (gated_load), and its stores (emit_slice).
+template <typename T, int QUANT, int VPT>
+__device__ __forceinline__ void gated_slice(const GatedNormParams& p, int row, int first, int nv, uint4 (&xv)[VPT],
+                                            uint4 (&zv)[VPT], const uint4 (&wv)[VPT], float* part) {
+  const TailParams& tp = p.tail;
+  const bool gated = p.z != nullptr;
+  const bool gate_first = gated && !p.norm_before_gate;
+  const bool gate_after = gated && p.norm_before_gate;
   float sumsq[VPT];  // per vector, then its group's
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
@@ -175,6 +166,67 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
     n[i] = gated_norm_round<T>(xv[i], zv[i], wv[i], inv, gate_first, gate_after);
   }
   emit_slice<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp), first, nv);
+}
+
+// Start moving `row`'s slice of x and z into L2 (a row >= t: nothing): an item's loads issued one item early,
+// without the registers to hold them (x and z held twice spilled VPT 2 at its 64-register bound).
+template <typename T>
+__device__ __forceinline__ void gated_prefetch(const GatedNormParams& p, int row, int first, int nv) {
+  if (row >= p.tail.t) return;
+  const size_t row_base = static_cast<size_t>(row) * p.tail.h + static_cast<size_t>(first) * kVecElems;
+  const T* src[2] = {static_cast<const T*>(p.x) + row_base, p.z != nullptr ? static_cast<const T*>(p.z) + row_base : nullptr};
+#if __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {  // one bulk prefetch a tensor: the slice is contiguous, whole 16-byte vectors
+    for (const T* a : src) {
+      if (a != nullptr) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(nv * 16) : "memory");
+    }
+  }
+#else
+  for (int v = threadIdx.x * 8; v < nv; v += blockDim.x * 8) {  // one thread a 128-byte line
+    for (const T* a : src) {
+      if (a != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(a) + v));
+    }
+  }
+#endif
+}
+
+// The kernel's only parameter is GatedNormParams (TailParams for the outputs and the weight, with
+// no residual; x, z, the group size, the gate's place and the slices a row), declared in
+// commfuse/kernels/params.py.
+//
+// Items: (row, slice) pairs, row-major, over the row slots; CTA b takes items b, b + gridDim.x, ... and
+// gridDim.x is a multiple of p.splits, so its slice (and weight vectors) is the same in each. At many
+// rows the grid is what the GPU holds at once, and each CTA starts its next item's loads (into L2)
+// before the current item's: with one item a CTA, an SM's loads sat idle while its rows' silu and
+// norm ran (groups of 1024, [8192, 7168]: ~61% of the HBM copy ceiling).
+template <typename T, int QUANT, int VPT>
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
+  __shared__ float part[VPT * kMaxThreads<VPT>];  // the shared-memory path's sums, per vector then per group
+  pdl_wait();
+  pdl_launch_dependents();
+  const TailParams& tp = p.tail;
+  const int items = tail_row_slots<QUANT>(tp) * p.splits;
+  const int nv = tp.h / kVecElems / p.splits;  // the slice's vectors, whole groups (and 16-vector blocks)
+  const int first = static_cast<int>(blockIdx.x) % p.splits * nv;
+  const uint4* weight = reinterpret_cast<const uint4*>(tp.weight) + first;
+  uint4 wv[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    wv[i] = v < nv ? __ldg(weight + v) : make_uint4(0, 0, 0, 0);
+  }
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int row = item / p.splits, next = item + static_cast<int>(gridDim.x);
+    if (next < items) gated_prefetch<T>(p, next / p.splits, first, nv);
+    if (row < tp.t) {
+      uint4 xv[VPT], zv[VPT];
+      gated_load<T, VPT>(p, row, first, nv, xv, zv);
+      gated_slice<T, QUANT, VPT>(p, row, first, nv, xv, zv, wv, part);
+    } else if (first == 0) {
+      tail_padding_row<QUANT>(tp, row);
+    }
+    if (next < items) __syncthreads();  // the next item's shared-memory sums (part, the format's) reuse these
+  }
 }
 
 }  // namespace commfuse

@@ -15,6 +15,7 @@ looped variant.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import List, Optional, Tuple
@@ -27,7 +28,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import X, Z, LaunchPlan, tail_fields, tail_patches
+from .launch import X, Z, Launch, LaunchPlan, tail_fields, tail_patches
 
 __all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "MAX_HIDDEN", "GROUP_MULTIPLE"]
 
@@ -42,6 +43,7 @@ SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 
 MANY_SPLIT_TOKENS = 512   # from this many rows, a row of large groups is split again (splits)
 MANY_SPLIT_GROUP = 1024   # groups of at least this many elements
 MANY_SPLIT_SLICE = 4096   # elements of such a slice at most
+LOOP_TOKENS = fused_tail.LATENCY_TOKENS  # from this many rows, the CTAs loop over the rows (grid)
 
 
 def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
@@ -80,6 +82,16 @@ def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     return 2, max(32, -(-threads // 32) * 32)
 
 
+def grid(launch: Launch, tokens: int, splits: int) -> int:
+    """CTAs for a launch of one CTA an item (launch.grid: the row slots times `splits`): that, or from
+    LOOP_TOKENS rows as many as the device holds at once (a multiple of `splits`), each looping over items
+    with the next one's loads issued before the current one's arithmetic (csrc/gated_rmsnorm.cu). H200, bf16,
+    groups of 1024, gate first, us, one CTA an item / looping / Inductor: TODO."""
+    if tokens < LOOP_TOKENS:
+        return launch.grid
+    return min(launch.grid, max(splits, launch.kernel.resident(launch.block) // splits * splits))
+
+
 class GatedNorm(Family):
     name = "gated_rmsnorm"
     source = SOURCE
@@ -112,10 +124,11 @@ class GatedNorm(Family):
         if t:
             s = splits(h, t, group_size, spec)
             vpt, threads = launch_config(h // s, t)
-            blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate))
+            blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate), s, 0)
             patches = tail_patches(params.GATED_NORM.offsets["tail"])
             patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s),)
+            launch = self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s)
+            launches = (dataclasses.replace(launch, grid=grid(launch, t, s)),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
 

@@ -128,6 +128,8 @@ GATED_NORM = Struct("GatedNormParams", [
     Field("z", "const void*", "ptr", comment="T [t, h], the gate; nullptr: none"),
     Field("group_size", "int", "i32", comment="elements normalised together: a multiple of 8 dividing h"),
     Field("norm_before_gate", "int", "i32", comment="1: y = norm(x) * w * silu(z); 0: y = norm(x * silu(z)) * w"),
+    Field("splits", "int", "i32", comment="slices a row (whole groups); the grid is a multiple of it"),
+    Field("pad", "int", "i32", comment="unused: the struct's size a multiple of 8"),
 ])
 
 MOE_COMBINE = Struct("MoeCombineParams", [
