@@ -7,7 +7,8 @@ compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
 
 Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail), or
 at few rows (and at many rows of large groups) a row split into slices of whole groups, a CTA each (the
-groups are normalised independently; splits);
+groups are normalised independently; splits); rows not split, from LOOP_TOKENS, on as many CTAs as the GPU
+holds at once, each looping over rows (grid);
 the slice lives in registers, VPT vectors of 8 elements per thread: for few rows fused_tail's few-rows
 rule (VPT 1 up to 1024 threads), for many rows VPT 2 (up to 1024 threads; launch_config says why), so
 h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). There is no
@@ -43,7 +44,7 @@ SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 
 MANY_SPLIT_TOKENS = 512   # from this many rows, a row of large groups is split again (splits)
 MANY_SPLIT_GROUP = 1024   # groups of at least this many elements
 MANY_SPLIT_SLICE = 4096   # elements of such a slice at most
-LOOP_TOKENS = fused_tail.LATENCY_TOKENS  # from this many rows, the CTAs loop over the rows (grid)
+LOOP_TOKENS = fused_tail.LATENCY_TOKENS  # from this many rows (not split), the CTAs loop over them (grid)
 
 
 def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
@@ -83,13 +84,16 @@ def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
 
 
 def grid(launch: Launch, tokens: int, splits: int) -> int:
-    """CTAs for a launch of one CTA an item (launch.grid: the row slots times `splits`): that, or from
-    LOOP_TOKENS rows as many as the device holds at once (a multiple of `splits`), each looping over items
-    with the next one's loads issued before the current one's arithmetic (csrc/gated_rmsnorm.cu). H200, bf16,
-    groups of 1024, gate first, us, one CTA an item / looping / Inductor: TODO."""
-    if tokens < LOOP_TOKENS:
+    """CTAs for a launch of one CTA an item (launch.grid: the row slots times `splits`): that, or for rows
+    not split and from LOOP_TOKENS rows, as many as the device holds at once, each looping over rows with
+    the next one's loads started (into L2) before the current one's arithmetic (csrc/gated_rmsnorm.cu).
+    H200, bf16, gate first (launch/tail_sweep.py --gated; us, one CTA a row / looping / Inductor): groups of
+    128, [8192, 7168] 133.2 / 121.5 / 140.5, [1024, 8192] 21.1 / 20.4 / 21.2; groups of 1024 unsplit,
+    [8192, 7168] 156.7 / 144.5, [1024, 7168] 21.4 / 20.5. Split rows (splits > 1) looped level at 8192 rows
+    and 4-12% slower at 1024 (groups of 1024, [1024, 7168] over 7: 19.8 / 22.1): they keep one CTA an item."""
+    if tokens < LOOP_TOKENS or splits > 1:
         return launch.grid
-    return min(launch.grid, max(splits, launch.kernel.resident(launch.block) // splits * splits))
+    return min(launch.grid, max(1, launch.kernel.resident(launch.block)))
 
 
 class GatedNorm(Family):
