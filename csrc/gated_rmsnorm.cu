@@ -9,7 +9,7 @@
 // Work: `splits` items per row (GatedNormParams::splits), plus as many per padding row of the scale storage
 // (as fused_tail.cu). The groups are normalised independently, so a row may be split into slices of whole
 // groups that share nothing (at few rows, where one CTA a row leaves the GPU idle). Grid: one CTA an item,
-// or at many rows not split as many as are resident at once, each looping over items (the kernel says why).
+// or (LOOP) at many rows not split as many as are resident at once, each looping over items (the kernel says why).
 // Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/gated_norm.py; the
 // slice lives in registers (VPT vectors of 8 elements per thread, h / splits <= 8 * VPT * blockDim.x).
 #include "epilogue.cuh"
@@ -174,33 +174,22 @@ template <typename T>
 __device__ __forceinline__ void gated_prefetch(const GatedNormParams& p, int row, int first, int nv) {
   if (row >= p.tail.t) return;
   const size_t row_base = static_cast<size_t>(row) * p.tail.h + static_cast<size_t>(first) * kVecElems;
-  const T* src[2] = {static_cast<const T*>(p.x) + row_base, p.z != nullptr ? static_cast<const T*>(p.z) + row_base : nullptr};
-#if __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) {  // one bulk prefetch a tensor: the slice is contiguous, whole 16-byte vectors
-    for (const T* a : src) {
-      if (a != nullptr) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(nv * 16) : "memory");
-    }
-  }
-#else
-  for (int v = threadIdx.x * 8; v < nv; v += blockDim.x * 8) {  // one thread a 128-byte line
-    for (const T* a : src) {
-      if (a != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(a) + v));
-    }
-  }
-#endif
+  prefetch_l2_vectors(static_cast<const T*>(p.x) + row_base, nv * 16);
+  if (p.z != nullptr) prefetch_l2_vectors(static_cast<const T*>(p.z) + row_base, nv * 16);
 }
 
 // The kernel's only parameter is GatedNormParams (TailParams for the outputs and the weight, with
 // no residual; x, z, the group size, the gate's place and the slices a row), declared in
 // commfuse/kernels/params.py.
 //
-// Items: (row, slice) pairs, row-major, over the row slots; CTA b takes items b, b + gridDim.x, ... and
-// gridDim.x is a multiple of p.splits, so its slice (and weight vectors) is the same in each. At many
-// rows not split (gated_norm.py's grid) the grid is what the GPU holds at once, and each CTA starts its
-// next item's loads (into L2) before the current item's: with one item a CTA, an SM's loads sat idle
-// while its rows' silu and norm ran (groups of 128, [8192, 7168]: 133 us, 61% of the HBM copy ceiling;
-// looping 121 us).
-template <typename T, int QUANT, int VPT>
+// Items: (row, slice) pairs, row-major, over the row slots. LOOP false: CTA b takes item b. LOOP true (at
+// many rows not split, gated_norm.py's grid): the grid is what the GPU holds at once, gridDim.x a multiple
+// of p.splits, and CTA b takes items b, b + gridDim.x, ... (the same slice, and weight vectors, in each),
+// starting its next item's loads (into L2) before the current item's: with one item a CTA, an SM's loads
+// sat idle while its rows' silu and norm ran (groups of 128, [8192, 7168]: 133 us, 61% of the HBM copy
+// ceiling; looping 121 us). The loop is a template flag, not a runtime one: its registers (VPT 2: 59-64
+// against 56) cost split rows, which keep one CTA an item, 3-5% (groups of 1024, [1024, 7168] over 7).
+template <typename T, int QUANT, int VPT, bool LOOP>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
   __shared__ float part[VPT * kMaxThreads<VPT>];  // the shared-memory path's sums, per vector then per group
   pdl_wait();
@@ -218,7 +207,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
   }
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int row = item / p.splits, next = item + static_cast<int>(gridDim.x);
-    if (next < items) gated_prefetch<T>(p, next / p.splits, first, nv);
+    if (LOOP && next < items) gated_prefetch<T>(p, next / p.splits, first, nv);
     if (row < tp.t) {
       uint4 xv[VPT], zv[VPT];
       gated_load<T, VPT>(p, row, first, nv, xv, zv);
@@ -226,6 +215,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
     } else if (first == 0) {
       tail_padding_row<QUANT>(tp, row);
     }
+    if constexpr (!LOOP) break;
     if (next < items) __syncthreads();  // the next item's shared-memory sums (part, the format's) reuse these
   }
 }

@@ -66,7 +66,8 @@ def test_every_register_only_variant_builds(arch, module, family, formats, cache
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = module.variants()
-    assert len(names) == 2 * len(formats) * len(module.VPT_BUCKETS)
+    looping = 1 if module is gated_norm else 0  # the gated norm's VPT LOOP_VPT also with the loop (gated_norm.loops)
+    assert len(names) == 2 * len(formats) * (len(module.VPT_BUCKETS) + looping)
     built = jit.build(module.SOURCE, names, arch)
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
@@ -81,8 +82,9 @@ def test_register_only_launch_configs_have_variants(module, family, formats):
             vpt, threads = module.launch_config(hidden, tokens)
             assert vpt in module.VPT_BUCKETS and threads % 32 == 0 and threads <= module.MAX_THREADS[vpt]
             assert 8 * vpt * threads >= hidden
+            loop = {"loop": module.loops(tokens, 1)} if module is gated_norm else {}
             for fmt in formats:
-                assert family.name_expression(torch.bfloat16, fmt, vpt) in names
+                assert family.name_expression(torch.bfloat16, fmt, vpt, **loop) in names
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -201,8 +203,8 @@ def test_gated_split_rule():
             for t in (1, gated_norm.MANY_SPLIT_TOKENS) if h % g == 0 else ():
                 n = s(h, t, g, fp8_block)
                 assert h % n == 0 and (h // n) % g == 0 and (h // n) % 128 == 0 and (n == 1 or h // n >= 1024)
-                vpt = gated_norm.launch_config(h // n, t)[0]
-                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fp8_block.format, vpt) in set(
+                vpt, loop = gated_norm.launch_config(h // n, t)[0], gated_norm.loops(t, n)
+                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fp8_block.format, vpt, loop) in set(
                     gated_norm.GATED_NORM.configs(torch.bfloat16, fp8_block, h)), (h, g, t, n)
 
 

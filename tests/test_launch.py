@@ -239,7 +239,8 @@ def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h,
     splits = gated_norm.splits(h, t, 512, spec) if family == "gated_norm" else 1
     assert splits == (4 if (family, t) == ("gated_norm", 1) else 1)  # 1 x 4096: 4 slices of 1024 (MIN_SLICE)
     vpt, threads = module.launch_config(h // splits, t)
-    assert loaded == [fam.name_expression(torch.bfloat16, spec.format, vpt)]
+    loop = {"loop": gated_norm.loops(t, splits)} if family == "gated_norm" else {}
+    assert loaded == [fam.name_expression(torch.bfloat16, spec.format, vpt, **loop)]
     items = spec.row_slots(t) * splits
     if family == "gated_norm" and t >= gated_norm.LOOP_TOKENS and splits == 1:  # as many CTAs as fit (64 here)
         items = min(items, 64)

@@ -530,9 +530,9 @@ def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
 @pytest.mark.parametrize("t, h, group_size", [(300, 7168, 1024), (1030, 8192, 1024), (130, 1024, 128), (7, 2880, 1440)])
 def test_gpu_gated_kernel_loops_over_items(gen, monkeypatch, quant, return_norm, sf_layout, scale_layout, scale_ue8m0,
                                            t, h, group_size):
-    """The gated norm's CTAs loop over items (row, slice) with the next one's loads started early
-    (gated_norm.grid): on the smallest grid, one CTA a slice, each goes through every row and padding
-    row, and the outputs are the bits of one CTA an item."""
+    """The gated norm's looping variant (gated_norm.loops) takes items (row, slice) in turn with the next
+    one's loads started early: on the smallest grid, one CTA a slice, each goes through every row and
+    padding row, and the outputs are the bits of the variant without the loop, one CTA an item."""
     from commfuse.kernels import gated_norm, native
 
     if quant == "fp8_block" and h % 128:
@@ -544,11 +544,14 @@ def test_gpu_gated_kernel_loops_over_items(gen, monkeypatch, quant, return_norm,
               scale_ue8m0=scale_ue8m0)
     spec = TailSpec.of(quant, eps=1e-5, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
                        scale_ue8m0=scale_ue8m0)
-    monkeypatch.setattr(gated_norm, "grid", lambda launch, tokens, splits: launch.grid)
+    monkeypatch.setattr(gated_norm, "loops", lambda tokens, splits: False)
     plan = gated_norm.GATED_NORM.plan(dtype, t, h, spec, group_size, False, 0)
+    assert "false>" in plan.launches[0].kernel.name
     want = native.launcher(plan)(x, None, weight, scale, None, z)
+    monkeypatch.setattr(gated_norm, "loops", lambda tokens, splits: True)
     monkeypatch.setattr(gated_norm, "grid", lambda launch, tokens, splits: splits)
     plan = gated_norm.GATED_NORM.plan(dtype, t, h, spec, group_size, False, 0)
+    assert "true>" in plan.launches[0].kernel.name
     assert plan.launches[0].grid == gated_norm.splits(h, t, group_size, spec) < t
     runs = poisoned_runs(lambda: native.launcher(plan)(x, None, weight, scale, None, z))
     for got, again, ref in zip(*runs, want):

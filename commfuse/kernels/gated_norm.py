@@ -8,11 +8,11 @@ compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
 Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail), or
 at few rows (and at many rows of large groups) a row split into slices of whole groups, a CTA each (the
 groups are normalised independently; splits); rows not split, from LOOP_TOKENS, on as many CTAs as the GPU
-holds at once, each looping over rows (grid);
+holds at once, each looping over rows (loops, grid: a variant of its own, LOOP_VPT);
 the slice lives in registers, VPT vectors of 8 elements per thread: for few rows fused_tail's few-rows
 rule (VPT 1 up to 1024 threads), for many rows VPT 2 (up to 1024 threads; launch_config says why), so
-h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). There is no
-looped variant.
+h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so): there is no
+variant that loops over a row's columns (fused_tail's looped one).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
 from .launch import X, Z, Launch, LaunchPlan, tail_fields, tail_patches
 
-__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "MAX_HIDDEN", "GROUP_MULTIPLE"]
+__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "loops", "grid", "MAX_HIDDEN",
+           "GROUP_MULTIPLE"]
 
 SOURCE = "gated_rmsnorm.cu"
 VPT_BUCKETS = (1, 2, 4)
@@ -44,7 +45,8 @@ SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 
 MANY_SPLIT_TOKENS = 512   # from this many rows, a row of large groups is split again (splits)
 MANY_SPLIT_GROUP = 1024   # groups of at least this many elements
 MANY_SPLIT_SLICE = 4096   # elements of such a slice at most
-LOOP_TOKENS = fused_tail.LATENCY_TOKENS  # from this many rows (not split), the CTAs loop over them (grid)
+LOOP_TOKENS = fused_tail.LATENCY_TOKENS  # from this many rows (not split), the CTAs loop over them (loops)
+LOOP_VPT = 2  # launch_config's VPT from LOOP_TOKENS rows: the only one built with the loop
 
 
 def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
@@ -83,15 +85,21 @@ def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     return 2, max(32, -(-threads // 32) * 32)
 
 
+def loops(tokens: int, splits: int) -> bool:
+    """Whether the launch's CTAs loop over rows (the kernel's LOOP variant, at VPT LOOP_VPT): rows not split,
+    from LOOP_TOKENS rows, with the next one's loads started (into L2) before the current one's arithmetic
+    (csrc/gated_rmsnorm.cu). H200, bf16, gate first (launch/tail_sweep.py --gated; us, one CTA a row /
+    looping / Inductor): groups of 128, [8192, 7168] 133.2 / 121.5 / 140.5, [1024, 8192] 21.1 / 20.4 / 21.2;
+    groups of 1024 unsplit, [8192, 7168] 156.7 / 144.5, [1024, 7168] 21.4 / 20.5. Split rows (splits > 1)
+    looped level at 8192 rows and 4-12% slower at 1024 (groups of 1024, [1024, 7168] over 7: 19.8 / 22.1):
+    they keep one CTA an item, in the variant without the loop's registers."""
+    return tokens >= LOOP_TOKENS and splits == 1
+
+
 def grid(launch: Launch, tokens: int, splits: int) -> int:
-    """CTAs for a launch of one CTA an item (launch.grid: the row slots times `splits`): that, or for rows
-    not split and from LOOP_TOKENS rows, as many as the device holds at once, each looping over rows with
-    the next one's loads started (into L2) before the current one's arithmetic (csrc/gated_rmsnorm.cu).
-    H200, bf16, gate first (launch/tail_sweep.py --gated; us, one CTA a row / looping / Inductor): groups of
-    128, [8192, 7168] 133.2 / 121.5 / 140.5, [1024, 8192] 21.1 / 20.4 / 21.2; groups of 1024 unsplit,
-    [8192, 7168] 156.7 / 144.5, [1024, 7168] 21.4 / 20.5. Split rows (splits > 1) looped level at 8192 rows
-    and 4-12% slower at 1024 (groups of 1024, [1024, 7168] over 7: 19.8 / 22.1): they keep one CTA an item."""
-    if tokens < LOOP_TOKENS or splits > 1:
+    """CTAs for a launch of one CTA an item (launch.grid: the row slots times `splits`): that, or when the
+    CTAs loop (loops), as many as the device holds at once."""
+    if not loops(tokens, splits):
         return launch.grid
     return min(launch.grid, max(1, launch.kernel.resident(launch.block)))
 
@@ -101,18 +109,20 @@ class GatedNorm(Family):
     source = SOURCE
     limits = Limits(max_hidden=MAX_HIDDEN)
 
-    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int) -> str:
-        return f"commfuse::gated_rmsnorm<{CTYPE[dtype]}, {fmt.id}, {vpt}>"
+    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int, loop: bool = False) -> str:
+        return f"commfuse::gated_rmsnorm<{CTYPE[dtype]}, {fmt.id}, {vpt}, {str(loop).lower()}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, f, v) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS]
+        return [self.name_expression(d, f, v, loop) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS
+                for loop in ((False, True) if v == LOOP_VPT else (False,))]
 
     def configs(self, dtype, spec, hidden):
         if not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"no gated RMSNorm kernel for hidden={hidden} (at most {MAX_HIDDEN})")
-        vpts = {launch_config(hidden, t)[0] for t in (1, fused_tail.LATENCY_TOKENS)}
-        vpts |= {launch_config(hidden // s, 1)[0] for s in range(2, 9) if hidden // s >= MIN_SLICE}  # split rows
-        return [self.name_expression(dtype, spec.format, vpt) for vpt in sorted(vpts)]
+        # Rows of one CTA an item (few, many split or not) and looping rows; few split rows' slices.
+        variants = {(launch_config(hidden, t)[0], False) for t in (1, LOOP_TOKENS)} | {(LOOP_VPT, True)}
+        variants |= {(launch_config(hidden // s, 1)[0], False) for s in range(2, 9) if hidden // s >= MIN_SLICE}
+        return [self.name_expression(dtype, spec.format, vpt, loop) for vpt, loop in sorted(variants)]
 
     def rejects(self, dtype, sm, hidden, tokens, spec, world_size=1, group_size: Optional[int] = None):
         why = super().rejects(dtype, sm, hidden, tokens, spec, world_size)
@@ -131,7 +141,7 @@ class GatedNorm(Family):
             blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate), s, 0)
             patches = tail_patches(params.GATED_NORM.offsets["tail"])
             patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-            launch = self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s)
+            launch = self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s, loop=loops(t, s))
             launches = (dataclasses.replace(launch, grid=grid(launch, t, s)),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
