@@ -40,11 +40,15 @@ constexpr int kTailMinBlocks = VPT == 4 && (QUANT == kQuantNone || QUANT == kQua
 // The kernel's only parameter is FusedTailParams (the all-reduced input a, then TailParams),
 // declared in commfuse/kernels/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
 
-// One row slot of the grid: a row's tail, or a padding row's scale storage.
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).
 template <typename T, int QUANT, int VPT>
-__device__ __forceinline__ void fused_tail_row(const FusedTailParams& p, int row, float* red) {
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
+    fused_tail(const __grid_constant__ FusedTailParams p) {
+  __shared__ float red[kMaxThreads<VPT> / 32];
+  pdl_wait();  // the input is the previous kernel's (NCCL's) output
+  pdl_launch_dependents();
+  const int row = blockIdx.x;
   if (row >= p.tail.t) {
     tail_padding_row<QUANT>(p.tail, row);
     return;
@@ -71,33 +75,6 @@ __device__ __forceinline__ void fused_tail_row(const FusedTailParams& p, int row
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, true>(p.tail, row, [a](int v) { return a[v]; },
                                                   quant_scalar<QUANT>(p.tail), red);
-  }
-}
-
-// LOOP false: CTA b takes row slot b. LOOP true: the grid is what the GPU holds at once and CTA b takes
-// slots b, b + gridDim.x, ..., starting its next row's loads (a and the residual, into L2) before the
-// current row's, as the gated RMSNorm does.
-template <typename T, int QUANT, int VPT, bool LOOP = false>
-__global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
-    fused_tail(const __grid_constant__ FusedTailParams p) {
-  __shared__ float red[kMaxThreads<VPT> / 32];
-  pdl_wait();  // the input is the previous kernel's (NCCL's) output
-  pdl_launch_dependents();
-  if constexpr (!LOOP) {
-    fused_tail_row<T, QUANT, VPT>(p, blockIdx.x, red);
-  } else {
-    const int slots = tail_row_slots<QUANT>(p.tail);
-    const unsigned bytes = static_cast<unsigned>(p.tail.h) * sizeof(T);
-    for (int row = blockIdx.x; row < slots; row += gridDim.x) {
-      const int next = row + static_cast<int>(gridDim.x);
-      if (next < p.tail.t) {
-        const size_t base = static_cast<size_t>(next) * p.tail.h;
-        prefetch_l2_vectors(static_cast<const T*>(p.a) + base, bytes);
-        if (p.tail.residual_in != nullptr) prefetch_l2_vectors(static_cast<const T*>(p.tail.residual_in) + base, bytes);
-      }
-      fused_tail_row<T, QUANT, VPT>(p, row, red);
-      __syncthreads();  // the next row's block sums reuse red
-    }
   }
 }
 
