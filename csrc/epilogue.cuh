@@ -599,28 +599,6 @@ __device__ __forceinline__ float inv_rms(float sumsq, int n, float eps) {
 
 __device__ __forceinline__ float inv_rms(float sumsq, const TailParams& p) { return inv_rms(sumsq, p.h, p.eps); }
 
-// ------------------------------------------------------------------ L2 prefetch
-
-// Brings [p, p + bytes) into L2 without holding registers (prefetch.global.L2, one per 128-byte line,
-// spread over the CTA's threads).
-__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
-  const unsigned long long begin = reinterpret_cast<unsigned long long>(p) & ~127ull;
-  const unsigned long long end = reinterpret_cast<unsigned long long>(p) + bytes;
-  for (unsigned long long a = begin + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-  }
-}
-
-// prefetch_l2 of a 16-byte aligned range of whole 16-byte vectors in this GPU's memory: from SM 9.0 one
-// bulk prefetch, issued by thread 0 (one instruction, not one a line in every thread).
-__device__ __forceinline__ void prefetch_l2_vectors(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  prefetch_l2(p, bytes);
-#endif
-}
-
 // ------------------------------------------------------------------ whole rows
 
 // The padding entries row `row` owns in its scale storage: swizzled scale-factor columns, MN-major

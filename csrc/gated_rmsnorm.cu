@@ -8,8 +8,8 @@
 //
 // Work: `splits` items per row (GatedNormParams::splits), plus as many per padding row of the scale storage
 // (as fused_tail.cu). The groups are normalised independently, so a row may be split into slices of whole
-// groups that share nothing (at few rows, where one CTA a row leaves the GPU idle). Grid: one CTA an item,
-// or (LOOP) at many rows not split as many as are resident at once, each looping over items (the kernel says why).
+// groups that share nothing (at few rows, where one CTA a row leaves the GPU idle, and at many rows, where
+// shorter slices keep more rows' loads in flight). Grid: one CTA an item.
 // Block: a multiple of 32 threads, at most kMaxThreads<VPT>, chosen by commfuse/kernels/gated_norm.py; the
 // slice lives in registers (VPT vectors of 8 elements per thread, h / splits <= 8 * VPT * blockDim.x).
 #include "epilogue.cuh"
@@ -168,34 +168,18 @@ __device__ __forceinline__ void gated_slice(const GatedNormParams& p, int row, i
   emit_slice<T, QUANT, VPT>(tp, row, n, quant_scalar<QUANT>(tp), first, nv);
 }
 
-// Start moving `row`'s slice of x and z into L2 (a row >= t: nothing): an item's loads issued one item early,
-// without the registers to hold them (x and z held twice spilled VPT 2 at its 64-register bound).
-template <typename T>
-__device__ __forceinline__ void gated_prefetch(const GatedNormParams& p, int row, int first, int nv) {
-  if (row >= p.tail.t) return;
-  const size_t row_base = static_cast<size_t>(row) * p.tail.h + static_cast<size_t>(first) * kVecElems;
-  prefetch_l2_vectors(static_cast<const T*>(p.x) + row_base, nv * 16);
-  if (p.z != nullptr) prefetch_l2_vectors(static_cast<const T*>(p.z) + row_base, nv * 16);
-}
-
 // The kernel's only parameter is GatedNormParams (TailParams for the outputs and the weight, with
 // no residual; x, z, the group size, the gate's place and the slices a row), declared in
 // commfuse/kernels/params.py.
 //
-// Items: (row, slice) pairs, row-major, over the row slots. LOOP false: CTA b takes item b. LOOP true (at
-// many rows not split, gated_norm.py's grid): the grid is what the GPU holds at once, gridDim.x a multiple
-// of p.splits, and CTA b takes items b, b + gridDim.x, ... (the same slice, and weight vectors, in each),
-// starting its next item's loads (into L2) before the current item's: with one item a CTA, an SM's loads
-// sat idle while its rows' silu and norm ran (groups of 128, [8192, 7168]: 133 us, 61% of the HBM copy
-// ceiling; looping 121 us). The loop is a template flag, not a runtime one: its registers (VPT 2: 59-64
-// against 56) cost split rows, which keep one CTA an item, 3-5% (groups of 1024, [1024, 7168] over 7).
-template <typename T, int QUANT, int VPT, bool LOOP>
+// CTA b takes item b of the (row, slice) pairs, row-major, over the row slots.
+template <typename T, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsnorm(const __grid_constant__ GatedNormParams p) {
   __shared__ float part[VPT * kMaxThreads<VPT>];  // the shared-memory path's sums, per vector then per group
   pdl_wait();
   pdl_launch_dependents();
   const TailParams& tp = p.tail;
-  const int items = tail_row_slots<QUANT>(tp) * p.splits;
+  const int row = blockIdx.x / p.splits;
   const int nv = tp.h / kVecElems / p.splits;  // the slice's vectors, whole groups (and 16-vector blocks)
   const int first = static_cast<int>(blockIdx.x) % p.splits * nv;
   const uint4* weight = reinterpret_cast<const uint4*>(tp.weight) + first;
@@ -205,18 +189,12 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) gated_rmsno
     const int v = threadIdx.x + i * blockDim.x;
     wv[i] = v < nv ? __ldg(weight + v) : make_uint4(0, 0, 0, 0);
   }
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int row = item / p.splits, next = item + static_cast<int>(gridDim.x);
-    if (LOOP && next < items) gated_prefetch<T>(p, next / p.splits, first, nv);
-    if (row < tp.t) {
-      uint4 xv[VPT], zv[VPT];
-      gated_load<T, VPT>(p, row, first, nv, xv, zv);
-      gated_slice<T, QUANT, VPT>(p, row, first, nv, xv, zv, wv, part);
-    } else if (first == 0) {
-      tail_padding_row<QUANT>(tp, row);
-    }
-    if constexpr (!LOOP) break;
-    if (next < items) __syncthreads();  // the next item's shared-memory sums (part, the format's) reuse these
+  if (row < tp.t) {
+    uint4 xv[VPT], zv[VPT];
+    gated_load<T, VPT>(p, row, first, nv, xv, zv);
+    gated_slice<T, QUANT, VPT>(p, row, first, nv, xv, zv, wv, part);
+  } else if (first == 0) {
+    tail_padding_row<QUANT>(tp, row);
   }
 }
 

@@ -599,6 +599,16 @@ __device__ __forceinline__ void store_row(int n, const uint4 (&v)[N], Dst dst, i
   }
 }
 
+// Brings [p, p + bytes) into L2 without holding registers (prefetch.global.L2, one per 128-byte line,
+// spread over the CTA's threads).
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+  const unsigned long long begin = reinterpret_cast<unsigned long long>(p) & ~127ull;
+  const unsigned long long end = reinterpret_cast<unsigned long long>(p) + bytes;
+  for (unsigned long long a = begin + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
+}
+
 // The tail's inputs that do not depend on the peers: the weight and the residual of the CTA's
 // first row (register tails) and the quantizer's scalar. prefetch() is called before a cross-rank
 // wait, so that the loads' HBM latency overlaps the NVLink round trip; emit() uses them for the

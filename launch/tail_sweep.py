@@ -9,8 +9,7 @@ shared expert, at every split: CTAs a token, moe_tail.MOE_TAIL.plan's split, the
 no Inductor column)
        python launch/tail_sweep.py --gated 128 [--shapes ...]
 (--gated G: the gated RMSNorm, groups of G, gate first, at every VPT of its variants and every split of a row
-into CTAs that gated_norm.splits could choose, each with one CTA an item and, where gated_norm.loops, with the
-looping variant on gated_norm.grid's grid)
+into CTAs that gated_norm.splits could choose)
 
 Per (shape, quant): each VPT (1, 2, 4 vectors per thread, with the fewest whole warps that cover the
 row; 0 the looped variant, 256 threads) whose thread limit fits, its GPU time per call (20 calls in a
@@ -21,7 +20,6 @@ then torch.compile (Inductor) of the tail as models write it (bench_local_ops.to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -139,20 +137,15 @@ def gated_sweep(args) -> None:
                 blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, g, 0, s, 0)
                 patches = tail_patches(params.GATED_NORM.offsets["tail"])
                 patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-                launches = [GATED_NORM.row_launch(torch.bfloat16, spec, t, vpt, threads, blob, patches, dev, s)]
-                if gated_norm.loops(t, s) and vpt == gated_norm.LOOP_VPT:  # and the looping variant's grid
-                    loop = GATED_NORM.row_launch(torch.bfloat16, spec, t, vpt, threads, blob, patches, dev, s, loop=True)
-                    launches.append(dataclasses.replace(loop, grid=gated_norm.grid(loop, t, s)))
-                for one in launches:
-                    run = PyLauncher(LaunchPlan("sweep", (one,), tuple(spec.outputs(t, h, torch.bfloat16, False)), dev))
+                launch = GATED_NORM.row_launch(torch.bfloat16, spec, t, vpt, threads, blob, patches, dev, s)
+                run = PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, torch.bfloat16, False)), dev))
 
-                    def call(run=run):
-                        return (run(x, None, w, None, None, z)[1],)
+                def call(run=run):
+                    return (run(x, None, w, None, None, z)[1],)
 
-                    looping = one is not launches[0]
-                    mark = " *" if (s, vpt, threads, looping) == (*chosen, gated_norm.loops(t, split)) else ""
-                    print(f"| {shape} | {g} | {s} x {vpt} x {threads}, grid {one.grid}{' looping' if looping else ''}"
-                          f"{mark} | {_timed(call, want, None)} | {ind} |", flush=True)
+                mark = " *" if (s, vpt, threads) == chosen else ""
+                print(f"| {shape} | {g} | {s} x {vpt} x {threads}{mark} | {_timed(call, want, None)} | {ind} |",
+                      flush=True)
 
 
 def moe_sweep(args) -> None:

@@ -66,8 +66,7 @@ def test_every_register_only_variant_builds(arch, module, family, formats, cache
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = module.variants()
-    looping = 1 if module is gated_norm else 0  # the gated norm's VPT LOOP_VPT also with the loop (gated_norm.loops)
-    assert len(names) == 2 * len(formats) * (len(module.VPT_BUCKETS) + looping)
+    assert len(names) == 2 * len(formats) * len(module.VPT_BUCKETS)
     built = jit.build(module.SOURCE, names, arch)
     assert sorted(built.lowered) == sorted(names)
     for name, symbol in built.lowered.items():
@@ -82,9 +81,8 @@ def test_register_only_launch_configs_have_variants(module, family, formats):
             vpt, threads = module.launch_config(hidden, tokens)
             assert vpt in module.VPT_BUCKETS and threads % 32 == 0 and threads <= module.MAX_THREADS[vpt]
             assert 8 * vpt * threads >= hidden
-            loop = {"loop": module.loops(tokens, 1)} if module is gated_norm else {}
             for fmt in formats:
-                assert family.name_expression(torch.bfloat16, fmt, vpt, **loop) in names
+                assert family.name_expression(torch.bfloat16, fmt, vpt) in names
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -187,8 +185,8 @@ def test_plain_launch_rule_at_measured_shapes():
 
 def test_gated_split_rule():
     """At few rows the gated norm's row is split into slices of whole groups and whole format blocks, at least
-    MIN_SLICE long; from MANY_SPLIT_TOKENS rows a row of groups of 1024 or more into the fewest slices of at
-    most 4096; never between, for smaller groups at many rows, or for a format whose scale is the whole row's."""
+    MIN_SLICE long; from MANY_SPLIT_TOKENS rows into the fewest slices of at most 4096, whatever the group size;
+    never between, where no slicing of whole groups and blocks fits, or for a format whose scale is the whole row's."""
     none, fp8_block, per_token = (TailSpec.of(q) for q in (None, "fp8_block", "fp8_per_token"))
     s = gated_norm.splits
     assert s(8192, 1, 1024, none) == 8 and s(8192, 16, 2048, none) == 4 and s(7168, 1, 1024, none) == 7
@@ -197,14 +195,15 @@ def test_gated_split_rule():
     assert s(2880, 1, 1440, none) == 1 and s(8192, 1, 8, fp8_block) == 8 and s(7168, 1, 64, fp8_block) == 7
     assert s(8192, 1024, 1024, none) == 2 and s(8192, 8192, 2048, none) == 2 and s(7168, 1024, 1024, none) == 7
     assert s(16384, 4096, 2048, fp8_block) == 4 and s(4096, 1024, 1024, none) == 1 and s(8192, 511, 1024, none) == 1
-    assert s(8192, 8192, 512, none) == 1 and s(8192, 8192, 1024, per_token) == 1 and s(2880, 2048, 1440, none) == 1
+    assert s(8192, 8192, 512, none) == 2 and s(8192, 8192, 1024, per_token) == 1 and s(2880, 2048, 1440, none) == 1
+    assert s(7168, 8192, 128, none) == 2 and s(4096, 8192, 128, none) == 1 and s(8192, 511, 128, none) == 1
     for h in range(128, 16385, 128):
         for g in (8, 64, 128, 192, 256, 1024, 2048):
             for t in (1, gated_norm.MANY_SPLIT_TOKENS) if h % g == 0 else ():
                 n = s(h, t, g, fp8_block)
                 assert h % n == 0 and (h // n) % g == 0 and (h // n) % 128 == 0 and (n == 1 or h // n >= 1024)
-                vpt, loop = gated_norm.launch_config(h // n, t)[0], gated_norm.loops(t, n)
-                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fp8_block.format, vpt, loop) in set(
+                vpt = gated_norm.launch_config(h // n, t)[0]
+                assert gated_norm.GATED_NORM.name_expression(torch.bfloat16, fp8_block.format, vpt) in set(
                     gated_norm.GATED_NORM.configs(torch.bfloat16, fp8_block, h)), (h, g, t, n)
 
 

@@ -526,41 +526,6 @@ def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
 
 
 @needs_gpu
-@pytest.mark.parametrize("quant, return_norm, sf_layout, scale_layout, scale_ue8m0", ALL_QUANTS)
-@pytest.mark.parametrize("t, h, group_size", [(300, 7168, 1024), (1030, 8192, 1024), (130, 1024, 128), (7, 2880, 1440)])
-def test_gpu_gated_kernel_loops_over_items(gen, monkeypatch, quant, return_norm, sf_layout, scale_layout, scale_ue8m0,
-                                           t, h, group_size):
-    """The gated norm's looping variant (gated_norm.loops) takes items (row, slice) in turn with the next
-    one's loads started early: on the smallest grid, one CTA a slice, each goes through every row and
-    padding row, and the outputs are the bits of the variant without the loop, one CTA an item."""
-    from commfuse.kernels import gated_norm, native
-
-    if quant == "fp8_block" and h % 128:
-        pytest.skip("fp8_block needs h % 128 == 0")
-    dtype = BF16 if h != 2880 else torch.float16
-    x, z, weight, _ = inputs(gen, t, h, dtype, "cuda")
-    scale = torch.tensor([0.02 if quant == "fp8" else 0.004], device="cuda") if quant in ("fp8", "nvfp4") else None
-    kw = dict(quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
-              scale_ue8m0=scale_ue8m0)
-    spec = TailSpec.of(quant, eps=1e-5, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
-                       scale_ue8m0=scale_ue8m0)
-    monkeypatch.setattr(gated_norm, "loops", lambda tokens, splits: False)
-    plan = gated_norm.GATED_NORM.plan(dtype, t, h, spec, group_size, False, 0)
-    assert "false>" in plan.launches[0].kernel.name
-    want = native.launcher(plan)(x, None, weight, scale, None, z)
-    monkeypatch.setattr(gated_norm, "loops", lambda tokens, splits: True)
-    monkeypatch.setattr(gated_norm, "grid", lambda launch, tokens, splits: splits)
-    plan = gated_norm.GATED_NORM.plan(dtype, t, h, spec, group_size, False, 0)
-    assert "true>" in plan.launches[0].kernel.name
-    assert plan.launches[0].grid == gated_norm.splits(h, t, group_size, spec) < t
-    runs = poisoned_runs(lambda: native.launcher(plan)(x, None, weight, scale, None, z))
-    for got, again, ref in zip(*runs, want):
-        assert (got is None) == (ref is None)
-        if got is not None:
-            assert bits_equal(got, again) and bits_equal(got, ref)
-
-
-@needs_gpu
 @pytest.mark.parametrize("quant, sf_layout, scale_layout, scale_ue8m0",
                          sorted({q[:1] + q[2:] for q in ALL_QUANTS if q[0]}, key=str))
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -69,10 +69,10 @@ class Family:
         return jit.kernel(self.source, name_expression, device=device_index, pdl=True)
 
     def row_launch(self, dtype: torch.dtype, spec: TailSpec, t: int, vpt: int, threads: int, blob: bytes,
-                   patches, device_index: int, splits: int = 1, **variant) -> Launch:
-        """The launch of a tail kernel with `splits` CTAs per row: the (dtype, format, vpt, **variant) variant
-        over t rows and their scale storage's padding rows (spec.row_slots)."""
-        return Launch(self.kernel(self.name_expression(dtype, spec.format, vpt, **variant), device_index),
+                   patches, device_index: int, splits: int = 1) -> Launch:
+        """The launch of a tail kernel with `splits` CTAs per row: the (dtype, format, vpt) variant over t
+        rows and their scale storage's padding rows (spec.row_slots)."""
+        return Launch(self.kernel(self.name_expression(dtype, spec.format, vpt), device_index),
                       spec.row_slots(t) * splits, threads, blob, tuple(patches))
 
     def variants(self) -> List[str]:

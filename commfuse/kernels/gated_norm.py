@@ -6,9 +6,8 @@ docs/semantics.md (gated RMSNorm). silu goes through exp, which torch's GPU kern
 compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
 
 Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail), or
-at few rows (and at many rows of large groups) a row split into slices of whole groups, a CTA each (the
-groups are normalised independently; splits); rows not split, from LOOP_TOKENS, on as many CTAs as the GPU
-holds at once, each looping over rows (loops, grid: a variant of its own, LOOP_VPT);
+at few rows and at many rows of more than MANY_SPLIT_SLICE elements a row split into slices of whole groups,
+a CTA each (the groups are normalised independently; splits);
 the slice lives in registers, VPT vectors of 8 elements per thread: for few rows fused_tail's few-rows
 rule (VPT 1 up to 1024 threads), for many rows VPT 2 (up to 1024 threads; launch_config says why), so
 h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so): there is no
@@ -16,7 +15,6 @@ variant that loops over a row's columns (fused_tail's looped one).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import List, Optional, Tuple
@@ -29,10 +27,9 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import X, Z, Launch, LaunchPlan, tail_fields, tail_patches
+from .launch import X, Z, LaunchPlan, tail_fields, tail_patches
 
-__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "loops", "grid", "MAX_HIDDEN",
-           "GROUP_MULTIPLE"]
+__all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "MAX_HIDDEN", "GROUP_MULTIPLE"]
 
 SOURCE = "gated_rmsnorm.cu"
 VPT_BUCKETS = (1, 2, 4)
@@ -42,11 +39,8 @@ GROUP_MULTIPLE = 8  # a group is whole 16-byte vectors
 SPLIT_TOKENS = 128  # below this many rows, a row may be split over CTAs (splits)
 MIN_SLICE = 1024    # elements of a split row's slice at least (128 threads at VPT 1)
 SLICE_MULTIPLE = 128  # a slice holds whole blocks of every format (fp8_block's 128 elements the longest)
-MANY_SPLIT_TOKENS = 512   # from this many rows, a row of large groups is split again (splits)
-MANY_SPLIT_GROUP = 1024   # groups of at least this many elements
+MANY_SPLIT_TOKENS = 512   # from this many rows, a long row is split again (splits)
 MANY_SPLIT_SLICE = 4096   # elements of such a slice at most
-LOOP_TOKENS = fused_tail.LATENCY_TOKENS  # from this many rows (not split), the CTAs loop over them (loops)
-LOOP_VPT = 2  # launch_config's VPT from LOOP_TOKENS rows: the only one built with the loop
 
 
 def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
@@ -56,20 +50,23 @@ def splits(hidden: int, tokens: int, group_size: int, spec: TailSpec) -> int:
     - below SPLIT_TOKENS rows, the most (up to 8) with slices of at least MIN_SLICE elements: groups of
       1024, [1, 8192] 4.10 / 2.50 (8 CTAs) / 2.53, [64, 8192] 4.49 / 3.27 / 4.31, [1, 7168] 3.78 / 2.55 (7) /
       2.86; groups of 128, [1, 8192] 3.45 / 2.22 / 4.13; but [128, 8192] 4.77 / 5.58 (8);
-    - from MANY_SPLIT_TOKENS rows, with groups of MANY_SPLIT_GROUP elements or more (summed across warps
-      through shared memory, behind a barrier that every warp of the row waits at), the fewest with slices
-      of at most MANY_SPLIT_SLICE elements: groups of 1024, [512, 8192] 11.83 / 11.43 (2) / 10.70, [1024,
-      8192] 23.85 / 22.25 (2) / 21.04, [8192, 7168] 152.72 / 139.77 (7) / 140.56; at [8192, 8192] 166.06 /
-      157.54 (2) / 159.12 and, groups of 2048, [1024, 8192] 24.92 / 23.05 (2) / 23.60 with a variant of the
-      group sums since reverted, which measured level with this one unsplit;
+    - from MANY_SPLIT_TOKENS rows, the fewest with slices of MIN_SLICE to MANY_SPLIT_SLICE elements (shorter
+      slices, more CTAs of fewer threads: more rows' loads in flight while others' silu runs): groups of 128,
+      [8192, 7168] 126.98 / 111.10 (2) / 140.74, [8192, 8192] 142.19 / 130.53 (2) / 160.51, [1024, 7168]
+      17.76 / 16.18 (2) / 18.95, [512, 8192] 10.09 / 9.70 (2) / 13.71, [8192, 4096] 67.68 (1, the fastest
+      of all splits) / 84.29; groups of 1024, [8192, 7168] 150.59 / 135.51 (7) / 139.83, [1024, 8192]
+      23.48 / 21.73 (2) / 20.94; groups of 2048, [8192, 8192] 161.27 / 151.26 (2) / 173.74. A variant whose
+      CTAs instead looped over rows, each prefetching its next row into L2, lost to the split at every such
+      shape (groups of 128, [8192, 7168]: 121.4-135.3 us, by build);
     - else 1."""
     if spec.format.block == 0:
         return 1
     unit = math.lcm(group_size, SLICE_MULTIPLE)
     if tokens < SPLIT_TOKENS:
         return next(s for s in range(8, 0, -1) if s == 1 or (hidden % (s * unit) == 0 and hidden // s >= MIN_SLICE))
-    if tokens >= MANY_SPLIT_TOKENS and group_size >= MANY_SPLIT_GROUP:
-        return next((s for s in range(1, 9) if hidden % (s * unit) == 0 and hidden // s <= MANY_SPLIT_SLICE), 1)
+    if tokens >= MANY_SPLIT_TOKENS:
+        return next((s for s in range(1, 9) if hidden % (s * unit) == 0 and hidden // s <= MANY_SPLIT_SLICE and
+                     (s == 1 or hidden // s >= MIN_SLICE)), 1)
     return 1
 
 
@@ -85,44 +82,23 @@ def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     return 2, max(32, -(-threads // 32) * 32)
 
 
-def loops(tokens: int, splits: int) -> bool:
-    """Whether the launch's CTAs loop over rows (the kernel's LOOP variant, at VPT LOOP_VPT): rows not split,
-    from LOOP_TOKENS rows, with the next one's loads started (into L2) before the current one's arithmetic
-    (csrc/gated_rmsnorm.cu). H200, bf16, gate first (launch/tail_sweep.py --gated; us, one CTA a row /
-    looping / Inductor): groups of 128, [8192, 7168] 133.2 / 121.5 / 140.5, [1024, 8192] 21.1 / 20.4 / 21.2;
-    groups of 1024 unsplit, [8192, 7168] 156.7 / 144.5, [1024, 7168] 21.4 / 20.5. Split rows (splits > 1)
-    looped level at 8192 rows and 4-12% slower at 1024 (groups of 1024, [1024, 7168] over 7: 19.8 / 22.1):
-    they keep one CTA an item, in the variant without the loop's registers."""
-    return tokens >= LOOP_TOKENS and splits == 1
-
-
-def grid(launch: Launch, tokens: int, splits: int) -> int:
-    """CTAs for a launch of one CTA an item (launch.grid: the row slots times `splits`): that, or when the
-    CTAs loop (loops), as many as the device holds at once."""
-    if not loops(tokens, splits):
-        return launch.grid
-    return min(launch.grid, max(1, launch.kernel.resident(launch.block)))
-
-
 class GatedNorm(Family):
     name = "gated_rmsnorm"
     source = SOURCE
     limits = Limits(max_hidden=MAX_HIDDEN)
 
-    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int, loop: bool = False) -> str:
-        return f"commfuse::gated_rmsnorm<{CTYPE[dtype]}, {fmt.id}, {vpt}, {str(loop).lower()}>"
+    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int) -> str:
+        return f"commfuse::gated_rmsnorm<{CTYPE[dtype]}, {fmt.id}, {vpt}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, f, v, loop) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS
-                for loop in ((False, True) if v == LOOP_VPT else (False,))]
+        return [self.name_expression(d, f, v) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS]
 
     def configs(self, dtype, spec, hidden):
         if not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"no gated RMSNorm kernel for hidden={hidden} (at most {MAX_HIDDEN})")
-        # Rows of one CTA an item (few, many split or not) and looping rows; few split rows' slices.
-        variants = {(launch_config(hidden, t)[0], False) for t in (1, LOOP_TOKENS)} | {(LOOP_VPT, True)}
-        variants |= {(launch_config(hidden // s, 1)[0], False) for s in range(2, 9) if hidden // s >= MIN_SLICE}
-        return [self.name_expression(dtype, spec.format, vpt, loop) for vpt, loop in sorted(variants)]
+        vpts = {launch_config(hidden, t)[0] for t in (1, fused_tail.LATENCY_TOKENS)}
+        vpts |= {launch_config(hidden // s, 1)[0] for s in range(2, 9) if hidden // s >= MIN_SLICE}  # split rows
+        return [self.name_expression(dtype, spec.format, vpt) for vpt in sorted(vpts)]
 
     def rejects(self, dtype, sm, hidden, tokens, spec, world_size=1, group_size: Optional[int] = None):
         why = super().rejects(dtype, sm, hidden, tokens, spec, world_size)
@@ -141,8 +117,7 @@ class GatedNorm(Family):
             blob = params.GATED_NORM.pack(*tail_fields(spec, t, h), 0, 0, group_size, int(norm_before_gate), s, 0)
             patches = tail_patches(params.GATED_NORM.offsets["tail"])
             patches += [(params.GATED_NORM.offsets["x"], X, 0), (params.GATED_NORM.offsets["z"], Z, 0)]
-            launch = self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s, loop=loops(t, s))
-            launches = (dataclasses.replace(launch, grid=grid(launch, t, s)),)
+            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, s),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
 

@@ -467,14 +467,6 @@ class Kernel:
         """The CUfunction handle, for launchers outside Python (commfuse.kernels.native)."""
         return int(self._function)
 
-    def resident(self, threads: int) -> int:
-        """How many CTAs of `threads` threads (no dynamic shared memory) the whole device holds at once: its
-        SMs times the driver's occupancy for this kernel's registers and shared memory."""
-        driver = _driver()
-        where = f"occupancy of {self.name} at {threads} threads"
-        per_sm = _cu_check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, threads, 0), where)
-        return int(per_sm) * torch.cuda.get_device_properties(self.device_index).multi_processor_count
-
     def launch(self, grid: Tuple[int, int, int], block: Tuple[int, int, int], params: bytes = b"",
                shared_mem: int = 0, stream: Optional[int] = None, cluster: int = 1) -> None:
         """Launch on `stream` (a raw cudaStream_t as int; default: torch's current stream of the
