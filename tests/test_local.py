@@ -490,7 +490,7 @@ def test_gpu_plain_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
 
 
 # Below gated_norm.SPLIT_TOKENS rows of 7168 / 8192 / 16384 are split over 7 / 8 / 8 CTAs, and from
-# MANY_SPLIT_TOKENS rows those of groups of 1024 / 1024 / 2048 over 7 / 2 / 4 (gated_norm.splits).
+# MANY_SPLIT_TOKENS rows (groups of 1024 / 8 / 2048) over 7 / 2 / 4 (gated_norm.splits).
 GATED_CASES = [(1024, 1024), (1024, 256), (1024, 128), (2880, 1440), (8192, 8), (7168, 1024), (16384, 2048)]
 
 
@@ -506,7 +506,7 @@ def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
     if quant == "fp8_block" and h % 128:
         pytest.skip("fp8_block needs h % 128 == 0")
     if t > 300 and gated_norm.splits(h, t, group_size, TailSpec.of(quant)) == 1:
-        pytest.skip("1030 rows launch as 300 do unless the row is split (groups of 1024 or more from 512 rows)")
+        pytest.skip("1030 rows launch as 300 do unless the row is split (rows over 4096 elements from 512 rows)")
     dtype = BF16 if h != 2880 else torch.float16
     x, z, weight, _ = inputs(gen, t, h, dtype, "cuda")
     z = z if gated else None
