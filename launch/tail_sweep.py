@@ -169,7 +169,7 @@ def moe_sweep(args) -> None:
             quant = None if q == "none" else q
             scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
             spec = TailSpec.of(quant, return_norm=quant is None)
-            vpt, _ = fused_tail.launch_config(h, t)
+            vpt, _ = moe_tail.launch_config(h, t)
             chosen = moe_tail.MOE_TAIL.ctas_per_token(t, k, h, vpt, dev)
             for form_name, (y, row_index, shared_in, combined) in forms.items():
                 want = reference.fused_tail(combined, residual, weight, 1e-6, quant, scale, quant is None)

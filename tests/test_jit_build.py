@@ -10,6 +10,7 @@ import torch
 
 from commfuse import routes
 from commfuse.kernels import fused_tail, gated_norm, jit, moe_combine, moe_tail, nccl_mark, params, quantize
+from commfuse.kernels.moe_combine import FORMS
 from commfuse.routes import Call, Machine, TensorMeta
 from commfuse.tail.formats import FORMATS
 from commfuse.tail.spec import TailSpec
@@ -131,11 +132,27 @@ def test_five_cta_tail_variants_do_not_spill():
 
 
 def test_moe_tail_configs_have_variants():
+    """warmup's configs are built variants and hold launch_config's VPT at every row count, each form."""
     names = set(moe_tail.variants())
+    rows = (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, moe_tail.WIDE_TOKENS - 1, moe_tail.WIDE_TOKENS,
+            8192)
     for hidden in (8, 2880, 4096, 7168, 16384, 32000):
         for fmt in FORMATS:
-            for name in moe_tail.MOE_TAIL.configs(torch.bfloat16, TailSpec.of(fmt.name), hidden):
-                assert name in names
+            configs = set(moe_tail.MOE_TAIL.configs(torch.bfloat16, TailSpec.of(fmt.name), hidden))
+            assert configs <= names
+            for t in rows:
+                vpt = moe_tail.launch_config(hidden, t)[0]
+                assert {moe_tail.MOE_TAIL.name_expression(torch.bfloat16, form, fmt, vpt)
+                        for form in FORMS.values()} <= configs, (hidden, t)
+
+
+def test_moe_tail_launch_rule():
+    """From LATENCY_TOKENS to WIDE_TOKENS rows the MoE tail takes fewer vectors a thread than the dense tail's
+    throughput rule (VPT 1 up to 512 threads, then 2); elsewhere the dense tail's rule."""
+    lc = moe_tail.launch_config
+    assert lc(4096, 256) == (1, 512) and lc(7168, 256) == (2, 448) and lc(8192, 511) == (2, 512)
+    assert lc(4096, 512) == fused_tail.launch_config(4096, 512) == (4, 128)
+    assert lc(7168, 255) == fused_tail.launch_config(7168, 255) == (1, 896) and lc(7168, 1024) == (4, 224)
 
 
 def test_variants_cover_every_launch_config():

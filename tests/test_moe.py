@@ -322,14 +322,16 @@ def test_combine_kernel_makes_a_bad_row_index_nan():
 
 @mpi
 @pytest.mark.parametrize("quant, sf_layout", [("nvfp4", "swizzled"), ("fp8_block", "swizzled"), (None, "swizzled")])
-def test_fused_moe_tail_writes_every_output(comm, gen, quant, sf_layout):
-    """World 1 on a GPU: the one-kernel MoE tail writes every element of every output (130 tokens: padding
-    rows of the swizzled scale layout), the same bits over two poisons, and the reference's residual."""
+@pytest.mark.parametrize("t", [130, 300])
+def test_fused_moe_tail_writes_every_output(comm, gen, quant, sf_layout, t):
+    """World 1 on a GPU: the one-kernel MoE tail writes every element of every output (padding rows of the
+    swizzled scale layout; 300 tokens: moe_tail.launch_config's wide rule, VPT 1), the same bits over two
+    poisons, and the reference's residual."""
     from compare import poisoned_runs
 
     if comm.device.type != "cuda" or comm.world_size != 1:
         pytest.skip("the fused MoE tail runs at world size 1 on a GPU")
-    t, k, h = 130, 4, 2048
+    k, h = 4, 2048
     per_rank, rank = moe_inputs(comm, gen, t, k, h, torch.bfloat16, "finalize", torch.bfloat16, True)
     y, w, idx, shared = per_rank[rank]
     residual, weight, scale = tail_inputs(comm, gen, t, h, torch.bfloat16, quant)

@@ -4,7 +4,8 @@ computes it) read as the tail's input, then residual add, RMSNorm and the quanti
 one kernel. Semantics: reference.fused_tail(reference.moe_reduce / moe_finalize(...), residual, ...).
 
 Launch configuration: fused_tail's (one CTA per row plus the scale storage's padding rows; VPT from
-fused_tail.launch_config, the looped variant for long rows), but for few tokens on SM 9.0+ (the VPT 1
+fused_tail.launch_config, the looped variant for long rows) but with fewer vectors a thread from
+fused_tail.LATENCY_TOKENS to WIDE_TOKENS rows (launch_config), and for few tokens on SM 9.0+ (the VPT 1
 variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes to a thread-block cluster
 of `split` CTAs (up to 8, while the t * split CTAs fit the SMs), each running the tail on its slice of the
 row (slice_vectors), the sum of squares added over the cluster: one SM alone does not read the k expert
@@ -14,7 +15,7 @@ field) and the row index (int32 or int64, the variant's form) as given.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -25,9 +26,23 @@ from .family import CTYPE, Family, Limits
 from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, tail_fields, tail_patches
 from .moe_combine import FORMS, fields, form_of
 
-__all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "combine_patches", "launcher", "run", "warmup"]
+__all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "launch_config", "combine_patches", "launcher", "run", "warmup"]
 
 SOURCE = fused_tail.SOURCE
+WIDE_TOKENS = 512  # below this many rows (from fused_tail.LATENCY_TOKENS), launch_config's wide rule
+
+
+def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
+    """(vpt, threads) of the MoE tail for `tokens` rows of `hidden`: fused_tail.launch_config's, but from
+    fused_tail.LATENCY_TOKENS to WIDE_TOKENS rows VPT 1 up to 512 threads, then VPT 2 (fused_tail.plain_config's
+    few-rows rule): a thread's k expert rows are a chain of loads a vector, and at 256 rows the throughput
+    rule's 4 vectors a thread left the HBM idle. H200, bf16, one CTA a token, us, fused_tail's rule / this
+    (reduction form; finalize): k 8, [256, 4096] 6.56 / 5.17 (VPT 1; 8.40 / 6.22), [256, 7168] 10.54 / 8.74
+    (VPT 2; 13.55 / 10.61); k 2, [256, 4096] 4.60 / 3.84; at 1024 rows the throughput rule stays ahead or level
+    (k 2, [1024, 7168]: VPT 4 21.50, VPT 2 24.17; k 8 43.47 / 43.29)."""
+    if fused_tail.LATENCY_TOKENS <= tokens < WIDE_TOKENS:
+        return fused_tail.plain_config(hidden, True, False)
+    return fused_tail.launch_config(hidden, tokens)
 
 
 def combine_patches(base: int) -> list:
@@ -51,8 +66,8 @@ class MoeTail(Family):
                 for v in fused_tail.VPT_BUCKETS + (0,)]
 
     def configs(self, dtype, spec, hidden):
-        return [self.name_expression(dtype, form, spec.format, fused_tail.row_config(hidden, few)[0])
-                for form in FORMS.values() for few in (True, False)]
+        vpts = {launch_config(hidden, t)[0] for t in (1, fused_tail.LATENCY_TOKENS, WIDE_TOKENS)}
+        return [self.name_expression(dtype, form, spec.format, vpt) for form in FORMS.values() for vpt in sorted(vpts)]
 
     def plan(self, dtype: torch.dtype, weights_dtype: torch.dtype, index_dtype: Optional[torch.dtype], t: int, k: int,
              h: int, rows: int, spec: TailSpec, device_index: int, split: Optional[int] = None) -> LaunchPlan:
@@ -61,7 +76,7 @@ class MoeTail(Family):
         (default ctas_per_token; more than 1 only for the VPT 1 variant on SM 9.0+)."""
         launches = ()
         if t:
-            vpt, threads = fused_tail.launch_config(h, t)
+            vpt, threads = launch_config(h, t)
             if split is None:
                 split = self.ctas_per_token(t, k, h, vpt, device_index)
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
