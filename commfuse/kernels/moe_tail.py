@@ -38,8 +38,9 @@ def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     few-rows rule): a thread's k expert rows are a chain of loads a vector, and at 256 rows the throughput
     rule's 4 vectors a thread left the HBM idle. H200, bf16, one CTA a token, us, fused_tail's rule / this
     (reduction form; finalize): k 8, [256, 4096] 6.56 / 5.17 (VPT 1; 8.40 / 6.22), [256, 7168] 10.54 / 8.74
-    (VPT 2; 13.55 / 10.61); k 2, [256, 4096] 4.60 / 3.84; at 1024 rows the throughput rule stays ahead or level
-    (k 2, [1024, 7168]: VPT 4 21.50, VPT 2 24.17; k 8 43.47 / 43.29)."""
+    (VPT 2; 13.55 / 10.61); k 2, [256, 4096] 4.60 / 3.84. At [384, 7168] it is mixed (k 2 8.68 / 7.77, finalize
+    10.77 / 9.35; k 8 19.32 / 19.71, finalize 21.60 / 23.16); from 512 rows the throughput rule is level or ahead
+    (k 2, [512, 7168] 9.27 against 9.74 at VPT 2; [1024, 7168] 21.50 against 24.17; k 8 43.47 / 43.29)."""
     if fused_tail.LATENCY_TOKENS <= tokens < WIDE_TOKENS:
         return fused_tail.plain_config(hidden, True, False)
     return fused_tail.launch_config(hidden, tokens)
