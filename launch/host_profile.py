@@ -168,11 +168,16 @@ def rows(comm, t: int, h: int):
         yield f"torch.ops.commfuse.quantize quant={quant}", lambda c=code(quant): torch.ops.commfuse.quantize(
             x, scale, c)
     # Compiled (inductor, default mode): the local op inside a compiled function against inductor's own
-    # kernel for the same tail written in torch; each call is the compiled function's whole host path.
+    # kernel for the same tail written in torch; each call is the compiled function's whole host path. The
+    # first row returns the call's Tail, which dynamo rebuilds after the graph on every call; the second is the
+    # op as the fusion pass puts it in a model's graph, its outputs returned as they are.
     for quant in (None, "fp8"):
         sc = scale if quant else None
         yield f"torch.compile: commfuse.fused_add_rmsnorm quant={quant}", _compiled(
             lambda x, r, w, sc, q=quant: commfuse.fused_add_rmsnorm(x, r, w, quant=q, scale=sc), x, r, w, sc)
+        yield f"torch.compile: torch.ops.commfuse.fused_add_rmsnorm quant={quant}", _compiled(
+            lambda x, r, w, sc, c=code(quant): torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, 0.0, c),
+            x, r, w, sc)
         yield f"torch.compile: the torch tail quant={quant}", _compiled(
             lambda x, r, w, sc, q=quant: torch_tail(x, r, w, q, sc), x, r, w, sc)
 
