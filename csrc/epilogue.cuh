@@ -631,6 +631,13 @@ __device__ __forceinline__ void tail_padding_row(const TailParams& p, int row) {
   if constexpr (QUANT == kQuantFp8Block) tail_scale_zero(p, row, 0);
 }
 
+// The vectors of each CTA's slice of a row of nv vectors cut over `split` CTAs: an equal share rounded up to
+// whole 16-vector blocks, so that every slice holds whole scale blocks of every format (emit_slice);
+// commfuse/kernels/launch.py's slice_vectors, which sizes the CTAs by it.
+__device__ __forceinline__ int slice_vectors(int nv, unsigned split) {
+  return (nv + static_cast<int>(split) * 16 - 1) / (static_cast<int>(split) * 16) * 16;
+}
+
 // Stores and quantization of the T-rounded norms n of vectors [first, first + nv) of row `row` (thread
 // threadIdx.x holds vectors first + threadIdx.x + i * blockDim.x, i < VPT; anything past nv), and, where
 // the slice ends the row (an empty one past the end does not), the row's scale-storage padding. first

@@ -78,13 +78,6 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
   }
 }
 
-// The vectors of each CTA's slice of a row cut over `split` CTAs: an equal share rounded up to whole
-// 16-vector blocks, so that every slice holds whole scale blocks of every format (emit_slice);
-// commfuse/kernels/moe_tail.py's slice_vectors, which sizes the CTAs by it.
-__device__ __forceinline__ int moe_slice_vectors(int nv, unsigned split) {
-  return (nv + static_cast<int>(split) * 16 - 1) / (static_cast<int>(split) * 16) * 16;
-}
-
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
 // fused_tail's row. FORM is kCombineReduction or kCombineFinalize32 / 64. A residual is required.
@@ -92,7 +85,7 @@ __device__ __forceinline__ int moe_slice_vectors(int nv, unsigned split) {
 // Few tokens (VPT 1, SM 9.0+): launched in clusters of up to 8 CTAs per token (moe_tail.py's split). The
 // combine reads k rows for every row of the tail, and one SM alone does not pull them at the HBM's pace
 // (1 token, k = 8, h = 7168: 4.5 us against the dense tail's 2.2); so the row is cut into one slice a CTA
-// (moe_slice_vectors), and each CTA runs the whole tail on its slice: the combine, the residual, its sum
+// (slice_vectors), and each CTA runs the whole tail on its slice: the combine, the residual, its sum
 // of squares, which the cluster adds in rank order (cluster_reduce: one word a CTA through distributed
 // shared memory), then the norm and the quantization of its slice (fp8_per_token's row scale is the
 // cluster's maximum, row_scale). The combine is per vector: the same bits whichever CTA computes it.
@@ -113,7 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   if constexpr (VPT == 1) {
     if (split > 1) {
       cluster_arrive();
-      const int per = moe_slice_vectors(nv, split);
+      const int per = slice_vectors(nv, split);
       const int first = static_cast<int>(cluster_rank()) * per;
       const int n = max(0, min(nv - first, per));  // a CTA past the row's end takes part in the sums only
       const int v = first + static_cast<int>(threadIdx.x);

@@ -233,7 +233,8 @@ def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h,
         plan, struct_ = fam.plan(torch.bfloat16, t, h, spec, 0), params.FUSED_TAIL
         inputs = {"a": X}
     (one,) = plan.launches
-    splits = gated_norm.splits(h, t, 512, spec) if family == "gated_norm" else 1
+    splits = {"gated_norm": lambda: gated_norm.splits(h, t, 512, spec), "quantize": lambda: quantize.splits(h, t, spec),
+              "fused_tail": lambda: 1}[family]()
     assert splits == (4 if (family, t) == ("gated_norm", 1) else 1)  # 1 x 4096: 4 slices of 1024 (MIN_SLICE)
     vpt, threads = module.launch_config(h // splits, t)
     assert loaded == [fam.name_expression(torch.bfloat16, spec.format, vpt)]
@@ -271,3 +272,23 @@ def test_warmup_loads_every_kernel_a_plan_launches(monkeypatch, family, quant):
             else:
                 fam.plan(torch.bfloat16, t, h, spec, 0)
             assert loaded and set(loaded) <= configs, (h, t, loaded, configs)
+
+
+@pytest.mark.parametrize("t, h, quant, split, threads", [
+    (1, 7168, "fp8", 7, 128), (1, 8192, "nvfp4", 8, 128), (16, 8192, "fp8", 8, 128), (17, 8192, "fp8", 1, 1024),
+    (64, 7168, "nvfp4", 1, 896), (1, 16384, "mxfp8", 8, 256), (2, 4352, "fp8", 5, 128), (1, 4096, "nvfp4", 1, 512),
+    (3, 2944, "fp8", 1, 384), (1, 8192, "fp8_per_token", 1, 1024), (1, 8192, "fp8_block", 8, 128)])
+def test_quantize_cuts_few_rows_into_slices(t, h, quant, split, threads):
+    """quantize.splits: at few rows a row longer than WHOLE_HIDDEN goes to ceil(h / SLICE) CTAs (at most
+    MAX_SPLIT, the call's at most SPLIT_CTAS), VPT 1, each a slice of whole 16-vector blocks (4352: the last one
+    shorter); never a format whose scale spans the row."""
+    from commfuse.kernels import quantize
+
+    spec = TailSpec.of(quant)
+    assert quantize.splits(h, t, spec) == split
+    vpt, got_threads, got_split = quantize.row_config(h, t, spec)
+    assert (got_threads, got_split) == (threads, split) and (vpt == 1 or split == 1)
+    if split > 1:  # the slices cover the row, each whole 16-vector blocks, none longer than SLICE but at MAX_SPLIT
+        per = launch.slice_vectors(h // 8, split)
+        assert per % 16 == 0 and per * split >= h // 8 > per * (split - 1)
+        assert per * 8 <= quantize.SLICE or split == quantize.MAX_SPLIT

@@ -30,7 +30,7 @@ from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
 
-__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch",
+__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch", "slice_vectors",
            "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "allocate", "set_poison",
            "on_poison", "pieces"]
 
@@ -201,3 +201,10 @@ class PyLauncher:
 def pieces(total: int, piece: int) -> Sequence[Tuple[int, int]]:
     """[begin, end) ranges of `piece` (the last one shorter) covering range(total)."""
     return [(b, min(total, b + piece)) for b in range(0, total, piece)]
+
+
+def slice_vectors(nv: int, split: int) -> int:
+    """The 16-byte vectors of each CTA's slice of a row of nv vectors cut over `split` CTAs: an equal share
+    rounded up to whole 16-vector blocks, so that every slice holds whole scale blocks of every format
+    (csrc/epilogue.cuh's slice_vectors)."""
+    return -(-nv // (16 * split)) * 16

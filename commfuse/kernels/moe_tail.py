@@ -23,7 +23,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, tail_fields, tail_patches
+from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, slice_vectors, tail_fields, tail_patches
 from .moe_combine import FORMS, fields, form_of
 
 __all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "launch_config", "combine_patches", "launcher", "run", "warmup"]
@@ -110,12 +110,6 @@ class MoeTail(Family):
 
 
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
-
-
-def slice_vectors(nv: int, split: int) -> int:
-    """The 16-byte vectors of each CTA's slice of a row of nv vectors cut over `split` CTAs: an equal share
-    rounded up to whole 16-vector blocks (csrc/fused_tail.cu's moe_slice_vectors)."""
-    return -(-nv // (16 * split)) * 16
 
 
 # The most expert elements a token (k * h) left unsplit: k 2 x h 4096 lost at every split, k 2 x h 7168

@@ -5,11 +5,13 @@ Semantics: commfuse.reference.quantize of x (docs/semantics.md sections 4-5 and 
 runs the code that quantizes the tail's T-rounded norm, so the codes and scales are the tail's bit for
 bit. Launch configuration: one CTA per row (plus the padding rows of the scale storage, as
 fused_tail); the row lives in registers as in the gated RMSNorm kernel (fused_tail.register_config),
-so h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so).
+so h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). At few rows
+(splits) a row longer than WHOLE_HIDDEN is cut into slices of up to SLICE elements, a CTA each, VPT 1: one
+SM alone issues a row's loads and stores one after another.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -17,15 +19,41 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, params
 from .family import CTYPE, Family, Limits
-from .launch import X, LaunchPlan, tail_fields, tail_patches
+from .launch import X, LaunchPlan, slice_vectors, tail_fields, tail_patches
 
-__all__ = ["QUANTIZE", "variants", "warmup", "launch_config", "MAX_HIDDEN"]
+__all__ = ["QUANTIZE", "variants", "warmup", "launch_config", "splits", "MAX_HIDDEN"]
 
 SOURCE = "quantize.cu"
 VPT_BUCKETS = (1, 2, 4)
 MAX_THREADS = {v: fused_tail.MAX_THREADS[v] for v in VPT_BUCKETS}  # kMaxThreads<VPT> in quantize.cu
 MAX_HIDDEN = 8 * max(v * MAX_THREADS[v] for v in VPT_BUCKETS)
 launch_config = fused_tail.register_config
+SLICE = 1024        # elements a CTA at most where splits cuts rows
+MAX_SPLIT = 8       # CTAs a row at most
+SPLIT_CTAS = 128    # the most CTAs a call's rows take when cut (about an H100's or H200's multiprocessors)
+WHOLE_HIDDEN = 4096  # rows of at most this many elements stay whole
+
+
+def splits(hidden: int, tokens: int, spec: TailSpec) -> int:
+    """CTAs per row: for rows longer than WHOLE_HIDDEN, ceil(hidden / SLICE), at most MAX_SPLIT, where the
+    tokens' rows cut so take at most SPLIT_CTAS CTAs; else 1. Never for a format whose one scale spans the row
+    (its amax is the row's: block 0). H200, bf16, us, one CTA a row / cut: FP8 1 x 8192 1.46 / 1.30-1.39
+    (Inductor 1.34-1.38), 1 x 7168 1.42 / 1.32-1.35, 16 x 8192 1.54 / 1.42-1.45; NVFP4 1 x 8192 2.54 / 1.88,
+    16 x 8192 2.68 / 1.87; at 64 x 7168 one CTA a row stays ahead (FP8 1.54 against 1.67 over 4), hence
+    SPLIT_CTAS; at h 4096 and below cut rows were level or slower (MXFP8 1 x 4096 1.49 / 1.70; 3 x 2944 FP8
+    1.21 / 1.32), hence WHOLE_HIDDEN."""
+    if spec.format.block == 0 or hidden <= WHOLE_HIDDEN:
+        return 1
+    split = min(MAX_SPLIT, -(-hidden // SLICE))
+    return split if split > 1 and tokens * split <= SPLIT_CTAS else 1
+
+
+def row_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int, int]:
+    """(vpt, threads, split) of `tokens` rows of `hidden`: a cut row's slice at VPT 1, else launch_config."""
+    split = splits(hidden, tokens, spec)
+    if split == 1:
+        return (*launch_config(hidden, tokens), 1)
+    return 1, max(32, -(-slice_vectors(hidden // 8, split) // 32) * 32), split
 
 
 class Quantize(Family):
@@ -42,18 +70,19 @@ class Quantize(Family):
     def configs(self, dtype, spec, hidden):
         if not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"no quantize kernel for hidden={hidden} (at most {MAX_HIDDEN})")
-        return [self.name_expression(dtype, spec.format, launch_config(hidden, t)[0])
-                for t in (1, fused_tail.LATENCY_TOKENS)]
+        # Rows cut (VPT 1), rows too many to cut but few, many rows.
+        return [self.name_expression(dtype, spec.format, row_config(hidden, t, spec)[0])
+                for t in (1, SPLIT_CTAS, fused_tail.LATENCY_TOKENS)]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int) -> LaunchPlan:
         """The LaunchPlan of t rows of h: x (the call's source X) is FusedTailParams' input a; the outputs
         are the spec's without residual and norm (quant, scale_factors, scales)."""
         launches = ()
         if t:
-            vpt, threads = launch_config(h, t)
+            vpt, threads, split = row_config(h, t, spec)
             blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
             patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
-            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index),)
+            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, split),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
 
 
