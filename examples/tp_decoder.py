@@ -57,7 +57,8 @@ the graph rounds otherwise); on GPUs (fused kernels: the norm within 1 ulp of T)
 of the logits below --tol (docs/fusion.md, "Tolerances"). The comparison with the unfused model as
 written (HF's double rounding) is printed beside it: a 1-ulp change of the norms, amplified by the random
 layers. The exit status is 1 when a check fails. Prints the per-step latency table (the slowest rank's
-median over --repeats rounds, each a run of every column in turn) and the fusion reports; --json writes both. main(argv) returns the results as a
+median over --repeats rounds, each a run of every column in turn, each round starting one column on) and
+the fusion reports; --json writes both. main(argv) returns the results as a
 dict (the CI test calls it under mpirun).
 """
 from __future__ import annotations
@@ -483,7 +484,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # Every column is compiled first and stays alive, then the timed runs go round the columns: one run
     # of each in turn, --repeats rounds. A host-bound decode step drifts by tens of percent over a minute
     # (clocks, the host's other work), so columns timed one after another would measure their place in
-    # the run as much as the graph. Dynamo keeps each backend's cache entries apart (its backend guard);
+    # the run as much as the graph; and a column's place within a round moved its steps too (two compiled
+    # columns of one graph read 6% apart in one run, the later one faster), so each round starts one column on
+    # (the same order on every rank: the columns' collectives pair up). Dynamo keeps each backend's cache entries apart (its backend guard);
     # the recompile limit is raised for them all and made an error (never a silent fall back to eager),
     # and between compilations only dynamo's automatic-dynamic state is reset, so that each column
     # compiles as it would first in a process.
@@ -504,8 +507,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 reports[name] = getattr(fn, "fusion_reports", None)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             runs = {name: [] for name in columns}
-            for _ in range(args.repeats):
-                for name, fn in fns.items():
+            order = list(fns.items())
+            for i in range(args.repeats):
+                for name, fn in order[i % len(order):] + order[:i % len(order)]:
                     runs[name].append(run_steps(model, fn, prompt, decode, device))
             if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
                 say("warning: a timed run recompiled: its column's times include a compilation")
