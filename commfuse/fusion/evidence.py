@@ -11,7 +11,8 @@ it is) every local pattern is rewritten: there the alternative is torch's unfuse
 the formats' codes).
 
 The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*,
--s18-gated-split-sweep*, -s19-*, 2026-12-04-h200-s20-local-ops-matrix*, -s20-gated-sweep*, -s20-host-profile*):
+-s18-gated-split-sweep*, -s19-*, 2026-12-04-h200-s20-local-ops-matrix*, -s20-gated-sweep*, -s20-host-profile*,
+-s23-host-*, -s23-tp-decoder-*):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
@@ -25,15 +26,17 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
 - The host: a call of the local op through torch.ops costs 1.5-1.8x a torch elementwise op (10.2 us
   for add + RMSNorm against 6.4 us for torch.add; -s20, a slower host: 15.4 against 8.6 us), about what
-  Inductor's own kernel launch costs, and a compiled function of one local op 7-18% more host time than
-  the same function with Inductor's tail (-s18, -s20); in
+  Inductor's own kernel launch costs; a compiled function of the op as the pass inserts it 4-9% less host
+  time than the same function with Inductor's tail (-s23, 40.9 against 45.0 us interleaved), one that returns
+  the op's Tail 3-18% more (dynamo rebuilds the returned NamedTuple on every call; -s18, -s20, -s23); in
   a compiled model the op takes the place of a kernel that Inductor also fused with its neighbours (the
   first layer's norm with the embedding lookup, for one), and its outputs are checked in the compiled
   code (a size and stride assertion each). The 8B-shaped decoder of examples/tp_decoder.py (4 layers,
   FP8, world 1: every rewrite is local), compiled in Inductor's default mode: 9.93 ms for prefill + 4
   decode steps with every local rewrite against 9.22 ms without (7.7% slower, slower at every step;
   -s18: 5.89 against 5.86 ms, decode steps 2-4 2-7% slower; -s19, two runs: 5.84 against 5.86 and 9.24
-  against 9.13, decode steps 2 and 4 3-6% slower in both); with mode="reduce-overhead" (CUDA graphs: no
+  against 9.13, decode steps 2 and 4 3-6% slower in both; -s23, two runs: 10.21 against 10.43 and 7.92
+  against 7.42, where two columns of one graph read 5-6% apart); with mode="reduce-overhead" (CUDA graphs: no
   host time per call) 4.43 against 4.57 ms in one run, 3.58 against 3.50 in another, 4.05 against 4.35
   in a third: level or faster within the runs' drift, while each local kernel's GPU time is commfuse's or
   less at decode sizes (above), so with CUDA graphs the local patterns are rewritten.
@@ -46,13 +49,12 @@ __all__ = ["REWRITES", "local_rewrite"]
 
 REWRITES = ("auto", "all")
 
-_DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran slower per decode step with every local "
-            "rewrite (H200, three runs: 2-7% at decode steps 2-4, -0.3% to +1.2% over prefill + 4 decode steps; 7.7% "
-            "in an earlier run)")
+_DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran no faster with every local rewrite (H200, "
+            "six runs: -2.0% to +7.7% over prefill + 4 decode steps, single decode steps up to 7% slower)")
 _ADD_RMSNORM = ("Inductor's own kernel for it measured as fast or faster at 1024 tokens (17.8 against 18.5 us at "
                 f"1024x8192, bf16, H200), and {_DECODER}")
 _GATED = ("commfuse's gated norm is faster on the GPU at most shapes (18.9 against 21.2 us at 1024x8192, group 128, "
-          f"H200), but {_DECODER}: the local ops' host time")
+          f"H200), but no compiled model with it was measured end to end in this mode, where {_DECODER}")
 
 
 def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: Optional[str],
