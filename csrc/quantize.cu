@@ -19,7 +19,6 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 
-// The parameter is FusedTailParams with a = x, no residual and no norm output (commfuse/kernels/params.py).
 // Vectors [first, first + nv) of row `row` (a data row), quantized.
 template <typename T, int QUANT, int VPT>
 __device__ __forceinline__ void quantize_slice(const FusedTailParams& p, int row, int first, int nv) {
@@ -33,6 +32,7 @@ __device__ __forceinline__ void quantize_slice(const FusedTailParams& p, int row
   emit_slice<T, QUANT, VPT>(p.tail, row, n, quant_scalar<QUANT>(p.tail), first, nv);
 }
 
+// The parameter is FusedTailParams with a = x, no residual and no norm output (commfuse/kernels/params.py).
 template <typename T, int QUANT, int VPT>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) quantize(const __grid_constant__ FusedTailParams p) {
   pdl_wait();

@@ -30,9 +30,9 @@ from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
 
-__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch", "slice_vectors",
+__all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch",
            "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "allocate", "set_poison",
-           "on_poison", "pieces"]
+           "on_poison", "pieces", "slice_vectors"]
 
 # Where a patched pointer comes from: the call's arguments (a MoE call's y is X, its routing weights Z),
 # its outputs OUT + i (residual, norm, quant, scale_factors, scales; a plain all-reduce's sum is OUT), and
