@@ -45,7 +45,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import native, params
 from .family import CTYPE, MAX_HIDDEN, MAX_TOKENS, Family, Limits
-from .launch import SUM, X, LaunchPlan, tail_fields, tail_patches
+from .launch import SUM, X, LaunchPlan, tail_fields, tail_patches, whole_warps
 
 __all__ = ["FUSED_TAIL", "run", "warmup", "variants", "launch_config", "register_config", "MAX_HIDDEN",
            "MAX_TOKENS"]
@@ -80,10 +80,6 @@ def register_config(hidden: int, tokens: int) -> Tuple[int, int]:
     return (vpt, threads) if vpt else row_config(hidden, True)
 
 
-def _whole_warps(threads: int) -> int:
-    return max(32, -(-threads // 32) * 32)
-
-
 @functools.lru_cache(maxsize=None)
 def row_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
     """launch_config's rule for few rows (decode: each row's chain over as many threads as its variant
@@ -93,14 +89,14 @@ def row_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
         for vpt in VPT_BUCKETS:
             threads = -(-vectors // vpt)
             if threads <= MAX_THREADS[vpt]:
-                return vpt, _whole_warps(threads)
+                return vpt, whole_warps(threads)
         return 0, MAX_THREADS[0]
     if vectors > max(VPT_BUCKETS) * THROUGHPUT_THREADS:
         return 0, MAX_THREADS[0]
     for vpt in sorted(VPT_BUCKETS, reverse=True):
         threads = -(-vectors // vpt)
         if threads >= 64 or vpt == min(VPT_BUCKETS):
-            return vpt, _whole_warps(threads)
+            return vpt, whole_warps(threads)
     raise AssertionError("unreachable: VPT 1 always fits")
 
 
@@ -112,10 +108,10 @@ def plain_config(hidden: int, few_rows: bool, wide: bool) -> Tuple[int, int]:
     if few_rows:
         if -(-vectors // 2) <= MAX_THREADS[2]:
             vpt = 1 if vectors <= FEW_PLAIN_THREADS else 2
-            return vpt, _whole_warps(-(-vectors // vpt))
+            return vpt, whole_warps(-(-vectors // vpt))
         return row_config(hidden, True)
     if wide and 64 <= -(-vectors // 2) <= PLAIN_THREADS:
-        return 2, _whole_warps(-(-vectors // 2))
+        return 2, whole_warps(-(-vectors // 2))
     return row_config(hidden, False)
 
 

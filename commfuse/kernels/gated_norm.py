@@ -27,7 +27,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import X, Z, LaunchPlan, tail_fields, tail_patches
+from .launch import X, Z, LaunchPlan, tail_fields, tail_patches, whole_warps
 
 __all__ = ["GATED_NORM", "run", "warmup", "variants", "launch_config", "splits", "MAX_HIDDEN", "GROUP_MULTIPLE"]
 
@@ -79,7 +79,7 @@ def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     if tokens < fused_tail.LATENCY_TOKENS:
         return fused_tail.row_config(hidden, True)
     threads = -(-hidden // 16)  # 2 vectors of 8 a thread
-    return 2, max(32, -(-threads // 32) * 32)
+    return 2, whole_warps(threads)
 
 
 class GatedNorm(Family):

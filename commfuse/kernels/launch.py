@@ -32,7 +32,7 @@ from . import params
 
 __all__ = ["X", "RESIDUAL", "WEIGHT", "SCALE", "Z", "ROW_INDEX", "SHARED", "OUT", "SUM", "SOURCES", "INPUTS", "Launch",
            "LaunchPlan", "PyLauncher", "tail_fields", "tail_patches", "operand", "allocate", "set_poison",
-           "on_poison", "pieces", "slice_vectors"]
+           "on_poison", "pieces", "slice_vectors", "whole_warps"]
 
 # Where a patched pointer comes from: the call's arguments (a MoE call's y is X, its routing weights Z),
 # its outputs OUT + i (residual, norm, quant, scale_factors, scales; a plain all-reduce's sum is OUT), and
@@ -208,3 +208,8 @@ def slice_vectors(nv: int, split: int) -> int:
     rounded up to whole 16-vector blocks, so that every slice holds whole scale blocks of every format
     (csrc/epilogue.cuh's slice_vectors)."""
     return -(-nv // (16 * split)) * 16
+
+
+def whole_warps(threads: int) -> int:
+    """`threads` rounded up to whole warps of 32, at least one warp: a CTA's block size."""
+    return max(32, -(-threads // 32) * 32)

@@ -15,7 +15,7 @@ import torch
 from . import params
 from .family import CTYPE, Family, Limits
 from ..tail.spec import OutputSpec
-from .launch import allocate, operand
+from .launch import allocate, operand, whole_warps
 
 __all__ = ["MOE_COMBINE", "SOURCE", "FORMS", "variants", "run", "warmup", "index_limits", "form_of", "fields"]
 
@@ -96,7 +96,7 @@ def run(y: torch.Tensor, weights: torch.Tensor, row_index: Optional[torch.Tensor
                 0 if shared is None else shared.data_ptr(), x.data_ptr())
     rows = 0 if row_index is None else y.shape[0]
     blob = params.MOE_COMBINE.pack(*pointers, *fields(t, k, h, rows, weights.dtype, y.dtype)[5:])
-    threads = min(MAX_THREADS, max(32, -(-(h // 8) // 32) * 32))
+    threads = min(MAX_THREADS, whole_warps(h // 8))
     kernel.launch((t, 1, 1), (threads, 1, 1), blob)
     return x
 

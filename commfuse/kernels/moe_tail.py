@@ -23,7 +23,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, native, params
 from .family import CTYPE, Family, Limits
-from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, slice_vectors, tail_fields, tail_patches
+from .launch import ROW_INDEX, SHARED, X, Z, Launch, LaunchPlan, slice_vectors, tail_fields, tail_patches, whole_warps
 from .moe_combine import FORMS, fields, form_of
 
 __all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "launch_config", "combine_patches", "launcher", "run", "warmup"]
@@ -83,7 +83,7 @@ class MoeTail(Family):
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
             if split > 1:  # a CTA a slice: a thread a vector of it
-                threads = max(32, -(-slice_vectors(h // 8, split) // 32) * 32)
+                threads = whole_warps(slice_vectors(h // 8, split))
             blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h))
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)

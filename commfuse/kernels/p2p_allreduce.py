@@ -16,7 +16,7 @@ from ..tail.formats import FORMATS, Format, Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import fused_tail, moe_combine, moe_tail, params
 from .family import CTYPE, Family, Limits
-from .launch import OUT, RESIDUAL, X, Launch, LaunchPlan, pieces, tail_fields, tail_patches
+from .launch import OUT, RESIDUAL, X, Launch, LaunchPlan, pieces, tail_fields, tail_patches, whole_warps
 
 __all__ = ["P2P_ALLREDUCE", "P2PError", "P2PTimeoutError", "P2PMismatchError", "describe_signature", "ALGORITHMS",
            "variants", "warmup", "launch_config", "moe_launch_config", "plain_rows", "chunk_rows", "resident_ctas", "grid_limit",
@@ -116,7 +116,7 @@ def moe_launch_config(hidden: int, fmt: Format = formats.NONE) -> Tuple[int, int
     for vpt in register_vpts(fmt):
         need = -(-nv // vpt)
         if need <= MOE_THREADS:
-            return vpt, max(32, -(-need // 32) * 32)
+            return vpt, whole_warps(need)
     return 0, MAX_THREADS[0]
 
 

@@ -19,7 +19,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import fused_tail, params
 from .family import CTYPE, Family, Limits
-from .launch import X, LaunchPlan, slice_vectors, tail_fields, tail_patches
+from .launch import X, LaunchPlan, slice_vectors, tail_fields, tail_patches, whole_warps
 
 __all__ = ["QUANTIZE", "variants", "warmup", "launch_config", "splits", "MAX_HIDDEN"]
 
@@ -53,7 +53,7 @@ def row_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int, int]
     split = splits(hidden, tokens, spec)
     if split == 1:
         return (*launch_config(hidden, tokens), 1)
-    return 1, max(32, -(-slice_vectors(hidden // 8, split) // 32) * 32), split
+    return 1, whole_warps(slice_vectors(hidden // 8, split)), split
 
 
 class Quantize(Family):
