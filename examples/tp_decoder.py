@@ -56,10 +56,12 @@ the check is bit for bit (but for a compiled column with --backend inductor, who
 the graph rounds otherwise); on GPUs (fused kernels: the norm within 1 ulp of T) it is a relative RMS error
 of the logits below --tol (docs/fusion.md, "Tolerances"). The comparison with the unfused model as
 written (HF's double rounding) is printed beside it: a 1-ulp change of the norms, amplified by the random
-layers. The exit status is 1 when a check fails. Prints the per-step latency table (the slowest rank's
-median over --repeats rounds, each a run of every column in turn, each round starting one column on) and
-the fusion reports; --json writes both. main(argv) returns the results as a
-dict (the CI test calls it under mpirun).
+layers. The exit status is 1 when a check fails. Prints the per-step latency table (over --repeats rounds,
+each a run of every column in an order drawn afresh each round: each step's time is the slowest rank's, the
+table its median over the rounds), then each fused column's time against its unfused one as the median of
+the rounds' ratios (a round's two runs are seconds apart, so the host's drift over a run cancels) with a
+95% confidence interval, and the fusion reports; --json writes them all. main(argv) returns the results as
+a dict (the CI test calls it under mpirun).
 """
 from __future__ import annotations
 
@@ -67,11 +69,12 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -370,12 +373,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _max_over_ranks(v: float, device) -> float:
+def _max_over_ranks(times: List[List[float]], device) -> List[List[float]]:
+    """times [rounds][steps] of this rank -> the slowest rank's time of each round's step."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return v
-    t = torch.tensor([v], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+        return times
+    t = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist()
+
+
+def median_ci(values: List[float], level: float = 0.95) -> Tuple[float, float, float]:
+    """(low, median, high) of values: the median and a distribution-free confidence interval of it, the
+    order statistics x_(j) and x_(n + 1 - j) for the largest j with P(Binomial(n, 1/2) < j) <= (1 - level) / 2
+    (the sample's extremes where n is too small for the level)."""
+    xs = sorted(values)
+    n, tail, below, j = len(xs), (1 - level) / 2, 0.0, 0
+    while j < n // 2:
+        below += math.comb(n, j) / 2 ** n  # P(B = j), summed: P(B < j + 1)
+        if below > tail:
+            break
+        j += 1
+    j = max(j, 1)
+    return xs[j - 1], statistics.median(xs), xs[n - j]
 
 
 def run_steps(model: Decoder, fn, prompt, decode_tokens, device):
@@ -485,8 +504,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # of each in turn, --repeats rounds. A host-bound decode step drifts by tens of percent over a minute
     # (clocks, the host's other work), so columns timed one after another would measure their place in
     # the run as much as the graph; and a column's place within a round moved its steps too (two compiled
-    # columns of one graph read 6% apart in one run, the later one faster), so each round starts one column on
-    # (the same order on every rank: the columns' collectives pair up). Dynamo keeps each backend's cache entries apart (its backend guard);
+    # columns of one graph read 6% apart in one run, the later one faster; with the order rotating, each column
+    # still followed the same one), so each round draws its order afresh (the same on every rank: the columns'
+    # collectives pair up). Dynamo keeps each backend's cache entries apart (its backend guard);
     # the recompile limit is raised for them all and made an error (never a silent fall back to eager),
     # and between compilations only dynamo's automatic-dynamic state is reset, so that each column
     # compiles as it would first in a process.
@@ -508,19 +528,25 @@ def main(argv: Optional[List[str]] = None) -> dict:
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             runs = {name: [] for name in columns}
             order = list(fns.items())
-            for i in range(args.repeats):
-                for name, fn in order[i % len(order):] + order[:i % len(order)]:
+            for i in range(args.repeats):  # the same orders on every rank
+                for name, fn in random.Random(i).sample(order, len(order)):
                     runs[name].append(run_steps(model, fn, prompt, decode, device))
             if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
                 say("warning: a timed run recompiled: its column's times include a compilation")
     finally:
         for k, v in limits.items():
             setattr(config, k, v)
+    rounds = {}  # column -> [round][step] ms, the slowest rank's
     for name, rs in runs.items():
         if not all(torch.equal(a, b) for a, b in zip(outputs[name], rs[-1][0])):
             say(f"warning: {name}: the warm-up's outputs differ from the timed run's")
         outputs[name] = rs[-1][0]
-        results[name] = [_max_over_ranks(statistics.median(s), device) * 1e3 for s in zip(*[r[1] for r in rs])]
+        rounds[name] = [[s * 1e3 for s in r] for r in _max_over_ranks([r[1] for r in rs], device)]
+        results[name] = [statistics.median(s) for s in zip(*rounds[name])]
+    # fused / unfused of each round's step, per pair of columns: median and its 95% interval.
+    ratios = {f: [dict(zip(("low", "median", "high"), median_ci([a / b for a, b in zip(fs, us)])))
+                  for fs, us in zip(zip(*rounds[f]), zip(*rounds[u]))]
+              for f, u in (("eager/fused", "eager/unfused"), ("compiled/fused", "compiled/unfused")) if f in rounds}
     del fns
     step_names = ["prefill"] + [f"decode {i + 1}" for i in range(args.decode_steps)]
 
@@ -564,6 +590,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for i, s in enumerate(step_names):
         lines.append(f"| {s} | " + " | ".join(f"{results[c][i]:.3f}" for c in results) + " |")
     lines.append("| total | " + " | ".join(f"{sum(results[c]):.3f}" for c in results) + " |")
+    lines += ["", f"fused / unfused, the median of the {args.repeats} rounds' ratios [95% interval]",
+              "| step | " + " | ".join(ratios) + " |", "|---|" + "---|" * len(ratios)]
+    for i, s in enumerate(step_names):
+        lines.append(f"| {s} | " + " | ".join(
+            "{median:.3f} [{low:.3f}, {high:.3f}]".format(**ratios[c][i]) for c in ratios) + " |")
     say("\n".join(lines))
     distinct: dict = {}  # the same graph fuses the same way in every column: print each report once
     for name, reps in reports.items():
@@ -589,7 +620,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
            "dtype": args.dtype, "norm": args.norm, "quant": args.quant, "collective": args.collective, "moe": args.moe,
            "tokens": args.tokens, "decode_steps": args.decode_steps, "inner_backend": inner, "mode": args.mode,
            "rewrite": args.rewrite,
-           "steps": step_names, "latency_ms": results, "checks": checks, "ok": ok,
+           "steps": step_names, "latency_ms": results, "rounds_ms": rounds, "ratios": ratios, "checks": checks, "ok": ok,
            "reports": {k: [str(r) for r in (v or [])] for k, v in reports.items()},
            "shared_gpu": bool(comm.topology.shared_gpu)}
     if args.json and rank == 0:

@@ -1,5 +1,7 @@
 """Plot examples/tp_decoder.py's per-step latency tables: one panel per --json result, a bar per column
-and step, the panel titled with the run's mode, rewrite, world and device.
+and step, the panel titled with the run's mode, rewrite, world and device; below it, where the result has
+them, each fused column's time against its unfused one per step (the median of the rounds' ratios, its 95%
+interval as the error bar).
 
 Usage: python launch/decoder_plot.py OUT.png RESULT.json [RESULT.json ...]
 """
@@ -14,7 +16,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(out, paths):
     runs = [json.load(open(p)) for p in paths]
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+    rows = 2 if any(run.get("ratios") for run in runs) else 1
+    fig, axes = plt.subplots(rows, len(runs), figsize=(5.5 * len(runs), 4 * rows), squeeze=False)
+    for ax, run in zip(axes[-1], runs):
+        if rows == 1:
+            break
+        ratios = run.get("ratios", {})
+        for i, name in enumerate(ratios):
+            qs = ratios[name]
+            xs = [s + (i - (len(ratios) - 1) / 2) * 0.2 for s in range(len(qs))]
+            med = [q["median"] for q in qs]
+            err = [[m - q["low"] for m, q in zip(med, qs)], [q["high"] - m for m, q in zip(med, qs)]]
+            ax.errorbar(xs, med, yerr=err, fmt="o", capsize=3, label=f"{name} / unfused")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(run["steps"])), run["steps"], rotation=30)
+        ax.set_ylabel("fused / unfused (median ratio, 95% interval)", fontsize=8)
+        ax.legend(fontsize=7)
     for ax, run in zip(axes[0], runs):
         columns = list(run["latency_ms"])
         width = 0.8 / len(columns)

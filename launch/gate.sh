@@ -2,8 +2,11 @@
 # The decoder gate (examples/tp_decoder.py, by default 8b, 4 layers, FP8; compiled): default mode and reduce-overhead,
 # the pass's own choice and every rewrite, on N ranks (1: the local ops at world 1; more: ranks sharing the
 # GPUs, the collective route, correctness). Writes each run's JSON and text, a plot and a table of totals.
-# Usage: launch/gate.sh [N] [DIR]   (DIR default ./logs/gate; COMMFUSE_GATE_REPEATS rounds, default 7;
+# Usage: launch/gate.sh [N] [DIR]   (DIR default ./logs/gate; COMMFUSE_GATE_REPEATS rounds, default 40;
 # COMMFUSE_GATE_MODEL the model's arguments, default "--size 8b --layers 4 --quant fp8": "--size tiny" on a CPU)
+# The verdict per step is the compiled pair's ratio, fused / unfused, the median of the rounds' ratios with its
+# 95% interval: "slower" where the whole interval lies above 1. Host-bound steps (the default mode) drift by
+# several percent within a run, which is why the rounds are many (a round of the 8b model takes ~60 ms).
 # Ranks sharing a GPU: run it under MPS (`launch/device.sh N mps gate`); time-sliced, each P2P kernel waits for
 # its peers' across time slices (milliseconds a call).
 set -uo pipefail
@@ -21,7 +24,7 @@ for mode in $modes; do
   for rewrite in auto all; do
     tag=w$n-$mode-$rewrite
     read -ra args <<< "${COMMFUSE_GATE_MODEL:---size 8b --layers 4 --quant fp8}"
-    args+=(--compile --rewrite "$rewrite" --repeats "${COMMFUSE_GATE_REPEATS:-7}")
+    args+=(--compile --rewrite "$rewrite" --repeats "${COMMFUSE_GATE_REPEATS:-40}")
     [[ $mode != default ]] && args+=(--mode "$mode")
     rm -f "$dir/$tag.json"  # a failed run must not leave an older result to the plot and table
     "${launcher[@]}" python3 examples/tp_decoder.py "${args[@]}" --json "$dir/$tag.json" > "$dir/$tag.txt" 2>&1 \
@@ -31,12 +34,18 @@ done
 python3 launch/decoder_plot.py "$dir/gate-w$n.png" "$dir"/w$n-*.json || status=1
 python3 - "$dir" "$n" <<'PY' || status=1
 import glob, json, sys
-print(f"{'run':34s} {'column':18s} total ms  (per step)")
+print(f"{'run':30s} {'column':17s} total ms  (per step)")
 for path in sorted(glob.glob(f"{sys.argv[1]}/w{sys.argv[2]}-*.json")):
     r = json.load(open(path))
+    run = path.split('/')[-1][:-5]
     for name in ("compiled/unfused", "compiled/fused"):
         steps = r["latency_ms"].get(name, [])
-        print(f"{path.split('/')[-1][:-5]:34s} {name:18s} {sum(steps):8.3f}  ({' '.join(f'{s:.3f}' for s in steps)})"
+        print(f"{run:30s} {name:17s} {sum(steps):8.3f}  ({' '.join(f'{s:.3f}' for s in steps)})"
               f"{'' if name.endswith('unfused') or r['ok'] else '  CHECK FAILED'}")
+    ratios = r.get("ratios", {}).get("compiled/fused", [])
+    slower = [s for s, q in zip(r["steps"], ratios) if q["low"] > 1]
+    print(f"{run:30s} {'fused / unfused':17s} " + " ".join(f"{q['median']:.3f} [{q['low']:.3f}, {q['high']:.3f}]"
+                                                        for q in ratios)
+          + (f"  SLOWER: {', '.join(slower)}" if slower else "  no step slower"))
 PY
 exit $status

@@ -46,6 +46,13 @@ def test_tp_decoder_tiny(comm, args, tmp_path):
     expect = "commfuse::fused_all_reduce" if world > 1 else "commfuse::fused_add_rmsnorm"
     assert expect in fused and "skipped" in fused, fused
     assert set(res["latency_ms"]) >= {"eager/unfused", "eager/fused"}
+    # one round: each step's ratio is that round's fused / unfused time, its interval the ratio itself
+    assert set(res["ratios"]) == {"eager/fused"} | ({"compiled/fused"} if "--compile" in args else set())
+    for fused, unfused in (("eager/fused", "eager/unfused"), ("compiled/fused", "compiled/unfused"))[:len(res["ratios"])]:
+        want = [f / u for f, u in zip(res["rounds_ms"][fused][0], res["rounds_ms"][unfused][0])]
+        assert [q["median"] for q in res["ratios"][fused]] == pytest.approx(want, rel=1e-12)
+        assert all(q["low"] == q["median"] == q["high"] for q in res["ratios"][fused])
+        assert len(want) == len(res["steps"]) == 3
 
 
 @mpi
@@ -77,3 +84,15 @@ def test_tp_moe_decoder_tiny(comm, args, tmp_path):
         # (with Inductor, rewrite="auto" may leave the local ops to it, and the report says so)
         assert not any("moe_all_reduce" in r for r in reps), reps
         assert all("commfuse::fused_add_rmsnorm" in r or "(evidence)" in r for r in reps), reps
+
+
+def test_median_ci_order_statistics():
+    """The median's 95% interval of 40 values is the 14th and 27th smallest (the binomial table's ranks), of 9
+    values the 2nd and 8th, whatever order the values come in."""
+    example = _example()
+    gen = torch.Generator().manual_seed(3)
+    for n, lo, hi in ((40, 14, 27), (9, 2, 8), (5, 1, 5)):
+        xs = torch.rand(n, generator=gen, dtype=torch.float64).tolist()
+        s = sorted(xs)
+        median = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+        assert example.median_ci(xs) == pytest.approx((s[lo - 1], median, s[hi - 1]), rel=1e-15)
