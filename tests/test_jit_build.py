@@ -151,6 +151,7 @@ def test_moe_tail_launch_rule():
     throughput rule (VPT 1 up to 512 threads, then 2); elsewhere the dense tail's rule."""
     lc = moe_tail.launch_config
     assert lc(4096, 256) == (1, 512) and lc(7168, 256) == (2, 448) and lc(8192, 511) == (2, 512)
+    assert lc(2048, 300) == (1, 256) and lc(16384, 256) == (2, 1024) and lc(16392, 256) == (0, 256)
     assert lc(4096, 512) == fused_tail.launch_config(4096, 512) == (4, 128)
     assert lc(7168, 255) == fused_tail.launch_config(7168, 255) == (1, 896) and lc(7168, 1024) == (4, 224)
 
@@ -168,10 +169,8 @@ def test_variants_cover_every_launch_config():
             few = tokens < fused_tail.LATENCY_TOKENS
             vectors = hidden // 8
             need = -(-vectors // 2)  # threads that cover the row at VPT 2
-            if plain and few and vectors <= 2 * fused_tail.MAX_THREADS[2]:
-                # VPT 1 up to 512 threads, then VPT 2
-                one = vectors <= fused_tail.FEW_PLAIN_THREADS
-                assert (vpt, threads) == ((1, max(32, -(-vectors // 32) * 32)) if one else (2, -(-need // 32) * 32))
+            if plain and few and vectors <= 2 * fused_tail.MAX_THREADS[2]:  # VPT 2
+                assert (vpt, threads) == (2, max(32, -(-need // 32) * 32)), (hidden, tokens)
                 continue
             wide = (residual and need <= fused_tail.THROUGHPUT_THREADS) or (
                 need > fused_tail.THROUGHPUT_THREADS and tokens < fused_tail.PLAIN_WIDE_TOKENS)
@@ -193,7 +192,7 @@ def test_plain_launch_rule_at_measured_shapes():
     """The rule of a tail without quantization at the shapes its numbers were measured (fused_tail's docstring)."""
     lc = fused_tail.launch_config
     assert lc(7168, 16, True) == (2, 448) and lc(8192, 16, True) == (2, 512) and lc(8192, 64, True, False) == (2, 512)
-    assert lc(4096, 1, True) == (1, 512)
+    assert lc(4096, 1, True) == (2, 256) and lc(4096, 128, True, False) == (2, 256) and lc(2048, 1, True) == (2, 128)
     assert lc(4096, 1024, True) == (2, 256) and lc(4096, 8192, True) == (2, 256)
     assert lc(7168, 256, True) == (2, 448) and lc(7168, 256, True, False) == (2, 448)
     assert lc(7168, 1024, True) == (4, 224) and lc(8192, 1024, True) == (4, 256) and lc(8192, 8192, True) == (4, 256)

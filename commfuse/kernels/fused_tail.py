@@ -18,8 +18,11 @@ registers, VPT vectors per thread (VPT in 1, 2, 4):
   one row's loads overlap another's arithmetic (h <= 8192). H200: [8192, 4096] -> NVFP4 65.6 us
   with 4 x 128 against 70.8 us with 2 x 256.
 Without quantization ("plain": little arithmetic to overlap), H200, bf16 (launch/tail_sweep.py):
-- few rows: VPT 1 up to 512 threads, VPT 2 beyond (h 4097-16384): [16, 7168] 2.29 us with 2 x 448
-  against 2.66 with 1 x 896, [16, 8192] 2.36 against 2.78; without a residual [64, 8192] 2.17 against 2.45.
+- few rows: VPT 2 (up to h 16384): [16, 7168] 2.29 us with 2 x 448 against 2.66 with 1 x 896, [16, 8192]
+  2.36 against 2.78, [16, 4096] 1.89-2.01 with 2 x 256 against 2.03-2.14 with 1 x 512, [128, 4096] 2.17
+  against 2.37, [1, 2048] 1.65 with 2 x 128 against 1.72-1.77; without a residual [64, 8192] 2.17 against
+  2.45, [16, 4096] 1.69 against 1.78. (With quantization the few-rows rule above stays: VPT 1 is level or
+  ahead up to h 3072 and 5120, 2-7% behind at 4096.)
 - many rows, a residual add and a norm: 2 vectors per thread where that takes at most 256 threads
   ([1024, 4096] 6.2 us against 7.3, [8192, 4096] 67.8 against 75.1), and up to 512 threads below 512
   rows ([256, 7168] 3.7 against 4.1); else the rule above: [1024, 7168] 15.95 us with 4 x 224 against
@@ -58,7 +61,6 @@ THROUGHPUT_THREADS = 256  # per CTA at most, when there are enough rows to fill 
 LATENCY_TOKENS = 256      # below this many rows, a row gets as many threads as its variant allows
 PLAIN_THREADS = 512       # per CTA at most for a tail without quantization at VPT 2, many rows
 PLAIN_WIDE_TOKENS = 512   # below this many rows, such a tail takes VPT 2 up to PLAIN_THREADS at any hidden size
-FEW_PLAIN_THREADS = 512   # per CTA at most at VPT 1 for a tail without quantization, few rows
 
 
 def launch_config(hidden: int, tokens: int, plain: bool = False, residual: bool = True) -> Tuple[int, int]:
@@ -102,13 +104,12 @@ def row_config(hidden: int, few_rows: bool) -> Tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def plain_config(hidden: int, few_rows: bool, wide: bool) -> Tuple[int, int]:
-    """launch_config's rule for a tail without quantization: few rows take VPT 1 up to FEW_PLAIN_THREADS
-    threads and VPT 2 beyond; many rows VPT 2 up to PLAIN_THREADS where `wide`; else row_config's rule."""
+    """launch_config's rule for a tail without quantization: few rows take VPT 2 where it fits the
+    variant's threads; many rows VPT 2 up to PLAIN_THREADS where `wide`; else row_config's rule."""
     vectors = hidden // 8
+    if few_rows and -(-vectors // 2) <= MAX_THREADS[2]:
+        return 2, whole_warps(-(-vectors // 2))
     if few_rows:
-        if -(-vectors // 2) <= MAX_THREADS[2]:
-            vpt = 1 if vectors <= FEW_PLAIN_THREADS else 2
-            return vpt, whole_warps(-(-vectors // vpt))
         return row_config(hidden, True)
     if wide and 64 <= -(-vectors // 2) <= PLAIN_THREADS:
         return 2, whole_warps(-(-vectors // 2))

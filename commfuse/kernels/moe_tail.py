@@ -30,19 +30,24 @@ __all__ = ["MOE_TAIL", "MAX_SPLIT", "variants", "launch_config", "combine_patche
 
 SOURCE = fused_tail.SOURCE
 WIDE_TOKENS = 512  # below this many rows (from fused_tail.LATENCY_TOKENS), launch_config's wide rule
+WIDE_VPT1_THREADS = 512  # that rule's VPT 1 threads at most (a row of up to 4096 elements)
 
 
 def launch_config(hidden: int, tokens: int) -> Tuple[int, int]:
     """(vpt, threads) of the MoE tail for `tokens` rows of `hidden`: fused_tail.launch_config's, but from
-    fused_tail.LATENCY_TOKENS to WIDE_TOKENS rows VPT 1 up to 512 threads, then VPT 2 (fused_tail.plain_config's
-    few-rows rule): a thread's k expert rows are a chain of loads a vector, and at 256 rows the throughput
+    fused_tail.LATENCY_TOKENS to WIDE_TOKENS rows VPT 1 up to WIDE_VPT1_THREADS threads, then VPT 2: a
+    thread's k expert rows are a chain of loads a vector, and at 256 rows the throughput
     rule's 4 vectors a thread left the HBM idle. H200, bf16, one CTA a token, us, fused_tail's rule / this
     (reduction form; finalize): k 8, [256, 4096] 6.56 / 5.17 (VPT 1; 8.40 / 6.22), [256, 7168] 10.54 / 8.74
     (VPT 2; 13.55 / 10.61); k 2, [256, 4096] 4.60 / 3.84. At [384, 7168] it is mixed (k 2 8.68 / 7.77, finalize
     10.77 / 9.35; k 8 19.32 / 19.71, finalize 21.60 / 23.16); from 512 rows the throughput rule is level or ahead
-    (k 2, [512, 7168] 9.27 against 9.74 at VPT 2; [1024, 7168] 21.50 against 24.17; k 8 43.47 / 43.29)."""
+    (k 2, [512, 7168] 9.27 against 9.74 at VPT 2; [1024, 7168] 21.50 against 24.17; k 8 43.47 / 43.29).
+    VPT 1 rather than 2 at [256, 4096]: k 8 5.17 against 5.50 (finalize 6.22 / 6.56), k 2 level."""
     if fused_tail.LATENCY_TOKENS <= tokens < WIDE_TOKENS:
-        return fused_tail.plain_config(hidden, True, False)
+        vectors = hidden // 8
+        vpt = 1 if vectors <= WIDE_VPT1_THREADS else 2
+        if -(-vectors // vpt) <= fused_tail.MAX_THREADS[vpt]:
+            return vpt, whole_warps(-(-vectors // vpt))
     return fused_tail.launch_config(hidden, tokens)
 
 
