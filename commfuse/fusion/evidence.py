@@ -36,10 +36,16 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   decode steps with every local rewrite against 9.22 ms without (7.7% slower, slower at every step;
   -s18: 5.89 against 5.86 ms, decode steps 2-4 2-7% slower; -s19, two runs: 5.84 against 5.86 and 9.24
   against 9.13, decode steps 2 and 4 3-6% slower in both; -s23, two runs: 10.21 against 10.43 and 7.92
-  against 7.42, where two columns of one graph read 5-6% apart); with mode="reduce-overhead" (CUDA graphs: no
-  host time per call) 4.43 against 4.57 ms in one run, 3.58 against 3.50 in another, 4.05 against 4.35
-  in a third: level or faster within the runs' drift, while each local kernel's GPU time is commfuse's or
-  less at decode sizes (above), so with CUDA graphs the local patterns are rewritten.
+  against 7.42, where two columns of one graph read 5-6% apart). -s24 measured it as the median of 40
+  rounds' paired ratios, fused / unfused, with 95% intervals: prefill 0.954 [0.921, 0.992], decode steps
+  1.004 [0.987, 1.057], 1.051 [1.016, 1.076], 1.058 [1.043, 1.076], 1.047 [1.027, 1.084]: decode steps 2-4
+  slower. cProfile of the decode step (-s24) puts it on the host: an op call through torch.ops costs ~13 us
+  of C++ time against ~11-13 us for a Triton launch, and the wrapper adds its output checks and the first
+  layer's separate embedding kernel, about 50 us a step over 9 ops. With mode="reduce-overhead" (CUDA
+  graphs: no host time per call) no step is slower (-s24: 0.978-1.032, every interval reaching below 1;
+  earlier single runs 4.43 against 4.57 ms, 3.58 against 3.50, 4.05 against 4.35), while each local
+  kernel's GPU time is commfuse's or less at decode sizes (above), so with CUDA graphs the local patterns
+  are rewritten.
 """
 from __future__ import annotations
 
@@ -49,8 +55,9 @@ __all__ = ["REWRITES", "local_rewrite"]
 
 REWRITES = ("auto", "all")
 
-_DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran no faster with every local rewrite (H200, "
-            "six runs: -2.0% to +7.7% over prefill + 4 decode steps, single decode steps up to 7% slower)")
+_DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran its decode steps 4-6% slower with every "
+            "local rewrite (H200, the median of 40 paired rounds, each 95% interval above 1 for steps 2-4: the "
+            "op call's host time in Inductor's wrapper)")
 _ADD_RMSNORM = ("Inductor's own kernel for it measured as fast or faster at 1024 tokens (17.8 against 18.5 us at "
                 f"1024x8192, bf16, H200), and {_DECODER}")
 _GATED = ("commfuse's gated norm is faster on the GPU at most shapes (18.9 against 21.2 us at 1024x8192, group 128, "
