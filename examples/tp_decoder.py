@@ -33,6 +33,12 @@ norm (+ quant) one commfuse::moe_all_reduce. With --quant the experts' input is 
 scale; the router reads the bf16 norm, so that tail returns the norm too) and dequantized for the bf16 bmm
 (no grouped FP8 / NVFP4 GEMM here); the shared expert's gate/up is a torch._scaled_mm on the FP8 codes.
 
+`--gated-attn` puts each attention output through a grouped gated RMSNorm before the output projection, as
+the linear-attention layers of Qwen3-Next and the Mamba2 mixers of Nemotron-H do: the QKV projection also
+yields a gate z (heads / world x head_dim features a rank), and y = norm(attn * silu(z)) * w per group of
+head_dim elements, written as HF's MambaRMSNormGated (class GatedNorm): a local pattern, which the pass
+makes commfuse::gated_rmsnorm (or leaves to Inductor on evidence).
+
 Each variant runs a prefill of --tokens tokens and --decode-steps decode steps (teacher-forced: the
 same tokens for every variant, so their outputs compare step by step):
 - eager / unfused: the model as written;
@@ -83,6 +89,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import commfuse  # noqa: E402
 import commfuse.fusion  # noqa: E402
+from commfuse import reference  # noqa: E402
 
 
 @dataclass
@@ -121,6 +128,28 @@ TOLERANCES = {"none": 0.05, "fp8": 0.15, "nvfp4": 0.4}  # static activation scal
 def _randn(shape, seed, std, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(seed)
     return (torch.randn(shape, generator=g) * std).to(device=device, dtype=dtype)
+
+
+class GatedNorm(torch.nn.Module):
+    """y = norm(x * silu(z)) * w per group of `group` elements: HF Mamba2 / Nemotron-H's MambaRMSNormGated as
+    written ("hf", "torch": float32 math, the weight multiply after the cast back), or commfuse's rounding order
+    ("once": reference.gated_rmsnorm, the check's reference)."""
+
+    def __init__(self, hidden, group, eps, device, dtype, seed):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + _randn((hidden,), seed, 0.1, device, dtype), requires_grad=False)
+        self.group, self.eps, self.style = group, eps, "hf"
+
+    def forward(self, x, z):
+        if self.style == "once":
+            return reference.gated_rmsnorm(x, z, self.weight, self.eps, self.group, False).view(x.shape)
+        input_dtype = x.dtype
+        hidden_states = x.to(torch.float32) * F.silu(z.to(torch.float32))
+        shape = hidden_states.shape
+        hidden_states = hidden_states.view(*shape[:-1], shape[-1] // self.group, self.group)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states * torch.rsqrt(variance + self.eps)).view(shape)
+        return self.weight * hidden_states.to(input_dtype)
 
 
 class RMSNorm(torch.nn.Module):
@@ -259,7 +288,7 @@ class MoE(torch.nn.Module):
 
 class Decoder(torch.nn.Module):
     def __init__(self, cfg: Config, rank: int, world: int, device, dtype, *, norm="hf", quant=None,
-                 collective="dist", comm=None, max_len=256, batch=1):
+                 collective="dist", comm=None, max_len=256, batch=1, gated_attn=False):
         super().__init__()
         assert cfg.heads % world == 0 and cfg.kv_heads % world == 0 and cfg.intermediate % world == 0, \
             f"heads {cfg.heads}, kv heads {cfg.kv_heads}, intermediate {cfg.intermediate} must divide by {world}"
@@ -279,7 +308,10 @@ class Decoder(torch.nn.Module):
             s = 1000 * (i + 1) + 10 * rank  # this rank's shards (column / row slices), reproducible
             layer = torch.nn.Module()
             layer.input_layernorm = RMSNorm(h, cfg.eps, norm, device, dtype, 1000 * (i + 1) + 1)
-            layer.qkv = Linear(h, (self.heads + 2 * self.kv_heads) * hd, quant, device, dtype, s + 2)
+            gates = self.heads if gated_attn else 0  # the gated norm's z: one more head-sized output a head
+            layer.qkv = Linear(h, (self.heads + 2 * self.kv_heads + gates) * hd, quant, device, dtype, s + 2)
+            if gated_attn:
+                layer.attn_norm = GatedNorm(self.heads * hd, hd, cfg.eps, device, dtype, s + 9)
             layer.o_proj = Linear(self.heads * hd, h, None, device, dtype, s + 3)
             layer.post_attention_layernorm = RMSNorm(h, cfg.eps, norm, device, dtype, 1000 * (i + 1) + 4)
             if cfg.experts:
@@ -304,6 +336,8 @@ class Decoder(torch.nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.style = style
+            elif isinstance(m, GatedNorm):
+                m.style = "once" if style == "once" else "hf"
 
     def set_combine_style(self, style: str) -> None:
         """The MoE blocks' combine: "model" (as written) or "commfuse" (reference.moe_reduce's order)."""
@@ -336,7 +370,9 @@ class Decoder(torch.nn.Module):
             residual = hidden
             x = layer.input_layernorm(hidden)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+            gated = hasattr(layer, "attn_norm")
+            q, k, v, *z = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+                                    + ([self.heads * hd] if gated else []), dim=-1)
             q = q.view(b, t, self.heads, hd).transpose(1, 2)
             k = k.view(b, t, self.kv_heads, hd).transpose(1, 2)
             v = v.view(b, t, self.kv_heads, hd).transpose(1, 2)
@@ -349,6 +385,8 @@ class Decoder(torch.nn.Module):
             else:
                 attn = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(b, t, self.heads * hd)
+            if gated:
+                attn = layer.attn_norm(attn, z[0])
             hidden = residual + self.all_reduce(layer.o_proj(attn))
             residual = hidden
             x = layer.post_attention_layernorm(hidden)
@@ -439,6 +477,9 @@ def parse(argv):
     p.add_argument("--moe-intermediate", type=int, default=None,
                    help="each expert's intermediate size (default: the size's intermediate / --experts)")
     p.add_argument("--shared-expert", action="store_true", help="--moe: a shared expert, added before the all-reduce")
+    p.add_argument("--gated-attn", action="store_true",
+                   help="each attention output through a grouped gated RMSNorm (z from the QKV projection, groups "
+                        "of head_dim) before the output projection")
     p.add_argument("--collective", choices=["dist", "funcol", "commfuse"], default="dist")
     p.add_argument("--compile", action="store_true", help="also the torch.compile'd columns")
     p.add_argument("--backend", default=None, help="inner backend of the compiled columns (default: inductor on CUDA, "
@@ -478,7 +519,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     torch.manual_seed(0)
     max_len = args.tokens + args.decode_steps + 1
     model = Decoder(cfg, rank, world, device, dtype, norm=args.norm, quant=quant, collective=args.collective,
-                    comm=comm, max_len=max_len, batch=args.batch)
+                    comm=comm, max_len=max_len, batch=args.batch, gated_attn=args.gated_attn)
     g = torch.Generator().manual_seed(1234)
     prompt = torch.randint(0, cfg.vocab, (args.batch, args.tokens), generator=g).to(device)
     decode = torch.randint(0, cfg.vocab, (args.batch, args.decode_steps), generator=g).to(device)
@@ -486,6 +527,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         f"({comm.backend}), {args.dtype}, norm {args.norm}, quant {args.quant}, collective {args.collective}, "
         + (f"MoE ({cfg.experts} experts of {model.moe_inter * world}, top-{cfg.topk}"
            f"{', a shared expert' if cfg.shared_expert else ''}), " if cfg.experts else "") +
+        ("gated attention norms, " if args.gated_attn else "") +
         f"{args.tokens} prompt tokens + {args.decode_steps} decode steps")
 
     inner = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
@@ -618,6 +660,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                f"max {w['max_rel_err']:.3g} (the graph's own rounding order, amplified by the random layers)"))
     out = {"size": args.size, "config": asdict(cfg), "world": world, "device": str(device), "backend": comm.backend,
            "dtype": args.dtype, "norm": args.norm, "quant": args.quant, "collective": args.collective, "moe": args.moe,
+           "gated_attn": args.gated_attn,
            "tokens": args.tokens, "decode_steps": args.decode_steps, "inner_backend": inner, "mode": args.mode,
            "rewrite": args.rewrite,
            "steps": step_names, "latency_ms": results, "rounds_ms": rounds, "ratios": ratios, "checks": checks, "ok": ok,

@@ -30,6 +30,7 @@ def _example():
 @pytest.mark.parametrize("args", [
     ["--quant", "fp8", "--compile"],
     ["--quant", "nvfp4", "--collective", "funcol", "--norm", "torch"],
+    ["--gated-attn", "--quant", "fp8", "--compile"],
 ])
 def test_tp_decoder_tiny(comm, args, tmp_path):
     res = _run(args, tmp_path)
@@ -38,11 +39,16 @@ def test_tp_decoder_tiny(comm, args, tmp_path):
     for name, check in res["checks"].items():
         if res["device"] == "cpu" and world <= 2:  # gloo's sum is commfuse's bits on 2 ranks only
             assert check["bit_identical"], (name, check)
-        # per graph: 2 tails a layer + the first input norm (no add: a local op); a prefill graph, decode graph(s).
-        # Each is fused or, with Inductor at world 1 (rewrite="auto"), left to it on evidence.
+        # per graph: 2 tails a layer (3 with --gated-attn: its gated norm, local) + the first input norm (no add:
+        # a local op); a prefill graph, decode graph(s). Each is fused or, with Inductor at world 1
+        # (rewrite="auto"), left to it on evidence.
+        per_graph = (3 if res["gated_attn"] else 2) * 2 + 1
         matched = check["fused_ops"] + check["left_on_evidence"]
-        assert matched >= 2 * (2 * 2 + 1) and matched % (2 * 2 + 1) == 0, (name, check)
+        assert matched >= 2 * per_graph and matched % per_graph == 0, (name, check)
     fused = "\n".join(r for reps in res["reports"].values() for r in reps)
+    if res["gated_attn"]:  # every layer's, in every graph: fused, or (Inductor, "auto") left to it on evidence
+        assert all(r.count("gated_rmsnorm -> commfuse::gated_rmsnorm") + r.count("left to Inductor: commfuse's gated")
+                   == 2 for reps in res["reports"].values() for r in reps), fused
     expect = "commfuse::fused_all_reduce" if world > 1 else "commfuse::fused_add_rmsnorm"
     assert expect in fused and "skipped" in fused, fused
     assert set(res["latency_ms"]) >= {"eager/unfused", "eager/fused"}
