@@ -45,6 +45,11 @@ PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "g
 SCALES = {"fp8": 0.02, "nvfp4": 0.004}
 
 
+def _us(v: float) -> str:
+    """A time in us with 3 significant digits (2.05, 18.5, 133): at decode sizes 0.1 us is 5%."""
+    return f"{v:#.3g}" if v < 100 else f"{v:.0f}"
+
+
 def torch_tail(x, residual, weight, eps, quant, scale):
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
@@ -232,7 +237,7 @@ def main(argv=None) -> dict:
             v = r[name]
             copy = f", {v['frac_hbm']:.0%} of copy" if "frac_hbm" in v else ""
             cells.append(f"rejected: {v['rejected']}" if "rejected" in v else
-                         f"{v.get(key, float('nan')):.1f}" + (f" (eager {v['eager']:.1f}{copy})" if cuda else ""))
+                         _us(v.get(key, float("nan"))) + (f" (eager {v['eager']:.1f}{copy})" if cuda else ""))
         print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |")
     machine = torch.cuda.get_device_name(device) if cuda else "cpu"
     out = {"device": str(device), "machine": machine, "torch": torch.__version__, "cuda": cuda, "backend": backend,
