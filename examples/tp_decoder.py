@@ -37,7 +37,7 @@ scale; the router reads the bf16 norm, so that tail returns the norm too) and de
 the linear-attention layers of Qwen3-Next and the Mamba2 mixers of Nemotron-H do: the QKV projection also
 yields a gate z (heads / world x head_dim features a rank), and y = norm(attn * silu(z)) * w per group of
 head_dim elements, written as HF's MambaRMSNormGated (class GatedNorm): a local pattern, which the pass
-makes commfuse::gated_rmsnorm (or leaves to Inductor on evidence).
+makes commfuse::gated_rmsnorm.
 
 Each variant runs a prefill of --tokens tokens and --decode-steps decode steps (teacher-forced: the
 same tokens for every variant, so their outputs compare step by step):
@@ -65,7 +65,7 @@ written (HF's double rounding) is printed beside it: a 1-ulp change of the norms
 layers. The exit status is 1 when a check fails. Prints the per-step latency table (over --repeats rounds,
 each a run of every column in an order drawn afresh each round: each step's time is the slowest rank's, the
 table its median over the rounds), then each fused column's time against its unfused one as the median of
-the rounds' ratios (a round's two runs are seconds apart, so the host's drift over a run cancels) with a
+the rounds' ratios (a round's runs are milliseconds apart, so the host's drift over a run cancels) with a
 95% confidence interval, and the fusion reports; --json writes them all. main(argv) returns the results as
 a dict (the CI test calls it under mpirun).
 """
