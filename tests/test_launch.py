@@ -286,7 +286,7 @@ def test_quantize_cuts_few_rows_into_slices(t, h, quant, split, threads):
 
     spec = TailSpec.of(quant)
     assert quantize.splits(h, t, spec) == split
-    vpt, got_threads, got_split = quantize.row_config(h, t, spec)
+    vpt, got_threads, got_split = quantize.cut_config(h, t, spec)
     assert (got_threads, got_split) == (threads, split) and (vpt == 1 or split == 1)
     if split > 1:  # the slices cover the row, each whole 16-vector blocks, none longer than SLICE but at MAX_SPLIT
         per = launch.slice_vectors(h // 8, split)

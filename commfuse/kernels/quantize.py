@@ -48,7 +48,7 @@ def splits(hidden: int, tokens: int, spec: TailSpec) -> int:
     return split if split > 1 and tokens * split <= SPLIT_CTAS else 1
 
 
-def row_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int, int]:
+def cut_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int, int]:
     """(vpt, threads, split) of `tokens` rows of `hidden`: a cut row's slice at VPT 1, else launch_config."""
     split = splits(hidden, tokens, spec)
     if split == 1:
@@ -71,7 +71,7 @@ class Quantize(Family):
         if not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"no quantize kernel for hidden={hidden} (at most {MAX_HIDDEN})")
         # Rows cut (VPT 1), rows too many to cut but few, many rows.
-        return [self.name_expression(dtype, spec.format, row_config(hidden, t, spec)[0])
+        return [self.name_expression(dtype, spec.format, cut_config(hidden, t, spec)[0])
                 for t in (1, SPLIT_CTAS, fused_tail.LATENCY_TOKENS)]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int) -> LaunchPlan:
@@ -79,7 +79,7 @@ class Quantize(Family):
         are the spec's without residual and norm (quant, scale_factors, scales)."""
         launches = ()
         if t:
-            vpt, threads, split = row_config(h, t, spec)
+            vpt, threads, split = cut_config(h, t, spec)
             blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
             patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
             launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, split),)
