@@ -583,10 +583,7 @@ __device__ __forceinline__ float row_scale(const TailParams& p, int row, unsigne
   if (lane == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
   unsigned amax = __reduce_max_sync(0xffffffffu, lane < blockDim.x / 32 ? warp_max[lane] : 0u);
-  if (cluster_ctas() > 1) {
-    __shared__ unsigned cluster_max[kMaxClusterCtas];
-    amax = cluster_reduce(amax, cluster_max, [](unsigned a, unsigned b) { return max(a, b); });
-  }
+  if (cluster_ctas() > 1) amax = cluster_reduce<kClusterMax>(amax, [](unsigned a, unsigned b) { return max(a, b); });
   const float s = fp8_group_scale(Pack<T>::from_bits(amax));
   if (threadIdx.x == 0 && cluster_rank() == 0) static_cast<float*>(p.scales_out)[row] = s;
   return s;

@@ -121,9 +121,8 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
       const uint4 y = norm_input<T, false>(p.tail, a, x, sumsq);
       if (mine) reinterpret_cast<uint4*>(static_cast<T*>(p.tail.residual_out) + row_base)[v] = y;
       sumsq = block_sum(sumsq, red);
-      __shared__ unsigned cluster_sums[kMaxClusterCtas];
       cluster_wait();  // every CTA runs: their shared memory may take the stores
-      const float inv = inv_rms(cluster_reduce(sumsq, cluster_sums, [](float s, float t) { return s + t; }), p.tail);
+      const float inv = inv_rms(cluster_reduce<kClusterSum>(sumsq, [](float s, float t) { return s + t; }), p.tail);
       const uint4 normed[1] = {norm_round<T>(y, w, inv, p.tail.weight_offset)};
       emit_slice<T, QUANT, 1>(p.tail, row, normed, quant_scalar<QUANT>(p.tail), first, n);
       return;
