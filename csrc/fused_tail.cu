@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
       float sumsq = 0.f;
       const uint4 y = norm_input<T, false>(p.tail, a, x, sumsq);
       if (mine) reinterpret_cast<uint4*>(static_cast<T*>(p.tail.residual_out) + row_base)[v] = y;
-      sumsq = block_sum(sumsq, red);
+      sumsq = block_sum<false>(sumsq, red);  // red is not written again
       cluster_wait();  // every CTA runs: their shared memory may take the stores
       const float inv = inv_rms(cluster_reduce<kClusterSum>(sumsq, [](float s, float t) { return s + t; }), p.tail);
       const uint4 normed[1] = {norm_round<T>(y, w, inv, p.tail.weight_offset)};
