@@ -26,6 +26,18 @@ __device__ __forceinline__ unsigned cluster_rank() {
 #endif
 }
 
+// The cluster's index in the grid: blockIdx.x / cluster_ctas() for the 1-D grids commfuse launches, without the
+// division.
+__device__ __forceinline__ unsigned cluster_id() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned c;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(c));
+  return c;
+#else
+  return blockIdx.x;
+#endif
+}
+
 constexpr int kMaxClusterCtas = 8;  // the portable cluster size: what commfuse launches at most
 
 // The words of one cluster_reduce: a slot per CTA, and the mbarrier that counts their bytes in.
@@ -111,9 +123,12 @@ __device__ __forceinline__ V cluster_reduce(V v, Op op) {
         : "memory");
   V total, next;
   of_word(x.slots[0], total);
-  for (unsigned r = 1; r < n; ++r) {
-    of_word(x.slots[r], next);
-    total = op(total, next);
+#pragma unroll
+  for (unsigned r = 1; r < kMaxClusterCtas; ++r) {
+    if (r < n) {
+      of_word(x.slots[r], next);
+      total = op(total, next);
+    }
   }
   return total;
 #else

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   // split CTAs for each token's row, then one for each padding row (the grid rounded up to clusters).
   const unsigned split = VPT == 1 ? cluster_ctas() : 1;
   const unsigned data = static_cast<unsigned>(p.tail.t) * split;
-  const int row = blockIdx.x < data ? blockIdx.x / split : p.tail.t + static_cast<int>(blockIdx.x - data);
+  const int row = blockIdx.x < data ? (VPT == 1 ? cluster_id() : blockIdx.x) : p.tail.t + static_cast<int>(blockIdx.x - data);
   if (row >= p.tail.t) {
     if (row < tail_row_slots<QUANT>(p.tail)) tail_padding_row<QUANT>(p.tail, row);
     return;  // a padding row's cluster holds padding rows only (the token rows come first, whole clusters)
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   if constexpr (VPT == 1) {
     if (split > 1) {
       cluster_arrive();
-      const int per = slice_vectors(nv, split);
+      const int per = p.slice;  // slice_vectors(nv, split), from the host: no division before the first load
       const int first = static_cast<int>(cluster_rank()) * per;
       const int n = max(0, min(nv - first, per));  // a CTA past the row's end takes part in the sums only
       const int v = first + static_cast<int>(threadIdx.x);

@@ -87,9 +87,10 @@ class MoeTail(Family):
                 split = self.ctas_per_token(t, k, h, vpt, device_index)
             elif split > 1 and (vpt != 1 or not clusters(device_index) or split > MAX_SPLIT):
                 raise ValueError(f"split {split} needs the VPT 1 variant (got {vpt}), SM 9.0+ and <= {MAX_SPLIT}")
+            per = slice_vectors(h // 8, split)
             if split > 1:  # a CTA a slice: a thread a vector of it
-                threads = whole_warps(slice_vectors(h // 8, split))
-            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h))
+                threads = whole_warps(per)
+            blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h), per, 0)
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).

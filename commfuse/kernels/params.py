@@ -176,6 +176,8 @@ P2P = Struct("P2PParams", [
 MOE_TAIL = Struct("MoeTailParams", [
     Field("combine", "MoeCombineParams", MOE_COMBINE, comment="the combine's inputs (x unused: the tail reads the combine)"),
     Field("tail", "TailParams", TAIL),
+    Field("slice", "int", "i32", comment="vectors of each CTA's slice of a row cut over a cluster (slice_vectors); else unused"),
+    Field("pad", "int", "i32", comment="unused: the struct's size a multiple of 8"),
 ])
 
 
