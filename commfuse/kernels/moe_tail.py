@@ -102,10 +102,11 @@ class MoeTail(Family):
     def ctas_per_token(t: int, k: int, h: int, vpt: int, device_index: int) -> int:
         """CTAs per token: for the VPT 1 variant on SM 9.0+ and tokens of more than SPLIT_ELEMENTS expert
         elements (k * h), the most (a power of 2 up to MAX_SPLIT) whose t * split CTAs fit the SMs at once;
-        else 1. H200, the reduction form, us unsplit / split (launch/tail_sweep.py --moe): k 8, h 7168: 1
-        token 4.5 / 3.2 over 8, 16 tokens 4.8 / 3.5 over 8 (3.5 over 4), 64 tokens 5.0 / 4.5 over 2 (4.9
-        over 4); k 2, h 7168: 1 token 3.3 / 2.7 over 8; k 8, h 4096: 1 token 3.3 / 3.2 over 8; k 2, h 4096
-        (8192 elements): 1 token 2.4 / 2.6-2.7."""
+        else 1. H200, the reduction form, us over 1 / 2 / 4 / 8 CTAs (launch/tail_sweep.py --moe, the sum
+        exchanged by st.async): k 8, h 7168: 32 tokens 4.36 / 3.83 / 3.53 / 3.25, 64 tokens 4.50 / 3.96 / 4.40 /
+        5.22, 128 tokens 4.93 / 5.24 / 6.01 / 6.36; k 8, h 4096: 1 token 3.05 / 2.71 / 2.45 / 2.45, 64 tokens
+        3.38 / 3.09 / 3.28 / 3.56; k 2, h 7168: 64 tokens 3.35 / 3.08 / 3.26 / 3.90. At 32 tokens 8 CTAs (two
+        an SM) beat the rule's 4 by 8%, at 64 tokens 4 lose to 2: left as it is."""
         if vpt != 1 or k * h <= SPLIT_ELEMENTS or not clusters(device_index):
             return 1
         sms = torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -118,9 +119,11 @@ class MoeTail(Family):
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
 
 
-# The most expert elements a token (k * h) left unsplit: k 2 x h 4096 lost at every split, k 2 x h 7168
-# (14336) won from 2 CTAs on.
-SPLIT_ELEMENTS = 8192
+# The most expert elements a token (k * h) left unsplit. Since the cluster's sum went from a cluster barrier to
+# st.async (csrc/cluster.cuh), k 2 x h 4096 (8192) wins split too: H200, us unsplit / best split, 1 token 2.29 /
+# 2.02 over 8 (the permuted-rows form 2.78 / 2.24), 16 tokens 2.44 / 2.16 over 4, 64 tokens 2.53 / 2.47 over 2;
+# k 1 x h 7168 won over 8 (3.26 / 2.70). Tokens of fewer elements are not measured split.
+SPLIT_ELEMENTS = 4096
 
 
 def clusters(device_index: int) -> bool:
