@@ -97,7 +97,9 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
   // split CTAs for each token's row, then one for each padding row (the grid rounded up to clusters).
   const unsigned split = VPT == 1 ? cluster_ctas() : 1;
   const unsigned data = static_cast<unsigned>(p.tail.t) * split;
-  const int row = blockIdx.x < data ? (VPT == 1 ? cluster_id() : blockIdx.x) : p.tail.t + static_cast<int>(blockIdx.x - data);
+  const int row = blockIdx.x >= data ? p.tail.t + static_cast<int>(blockIdx.x - data)
+                  : VPT == 1            ? static_cast<int>(cluster_id())  // blockIdx.x / split, without the division
+                                        : static_cast<int>(blockIdx.x);
   if (row >= p.tail.t) {
     if (row < tail_row_slots<QUANT>(p.tail)) tail_padding_row<QUANT>(p.tail, row);
     return;  // a padding row's cluster holds padding rows only (the token rows come first, whole clusters)
