@@ -86,7 +86,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   bool bad = false;
   // Vector v of row 0, and a row's vectors: a kept row's vector is one 32 x 32 -> 64-bit multiply away
   // (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
-  const uint4* y = static_cast<const uint4*>(p.y) + v;
+  const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
   for (int j0 = 0; j0 < p.k; j0 += kCombineChunk) {
     long long r[kCombineChunk];
@@ -96,7 +96,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
     uint4 yv[kCombineChunk];
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) {
-      yv[c] = r[c] >= 0 ? y[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+      yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) {
