@@ -427,6 +427,7 @@ def test_moe_tail_splits_few_tokens_only():
         return
     assert per_token(1, 8, 7168, 1, dev) == per_token(1, 2, 7168, 1, dev) == moe_tail.MAX_SPLIT
     assert per_token(1, 8, 7168, 2, dev) == per_token(1, 2, moe_tail.SPLIT_ELEMENTS // 2, 1, dev) == 1
+    assert per_token(1, 2, 4096, 1, dev) == moe_tail.MAX_SPLIT  # k 2 x h 4096: faster split since the st.async sum
     assert per_token(sms, 8, 7168, 1, dev) == 1
     for t in range(1, sms):
         s = per_token(t, 8, 7168, 1, dev)

@@ -120,9 +120,10 @@ MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable
 
 
 # The most expert elements a token (k * h) left unsplit. Since the cluster's sum went from a cluster barrier to
-# st.async (csrc/cluster.cuh), k 2 x h 4096 (8192) wins split too: H200, us unsplit / best split, 1 token 2.29 /
-# 2.02 over 8 (the permuted-rows form 2.78 / 2.24), 16 tokens 2.44 / 2.16 over 4, 64 tokens 2.53 / 2.47 over 2;
-# k 1 x h 7168 won over 8 (3.26 / 2.70). Tokens of fewer elements are not measured split.
+# st.async (csrc/cluster.cuh), k 2 x h 4096 (8192) wins split too: H200, us unsplit / over ctas_per_token's
+# split, 1 token 2.29 / 2.02 over 8 (the permuted-rows form 2.78 / 2.24-2.35), 16 tokens 2.44 / 2.16-2.30 over 8
+# (2.11-2.20 over 4), 64 tokens 2.53 / 2.43-2.51 over 2; k 1 x h 7168 won over 8 (3.26 / 2.70). Tokens of fewer
+# elements are not measured split.
 SPLIT_ELEMENTS = 4096
 
 
