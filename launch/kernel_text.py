@@ -5,6 +5,7 @@ alone where their inputs did not change. NVRTC only, no GPU.
     python launch/kernel_text.py sm_90 sm_100a > text.json
 """
 import hashlib
+import importlib
 import json
 import struct
 import sys
@@ -35,11 +36,11 @@ def families():
         from commfuse import fused_tail, gated_norm
         from commfuse.p2p import kernels as p2p_allreduce
     modules = [fused_tail, gated_norm, p2p_allreduce]
-    try:
-        from commfuse.kernels import quantize
-        modules.append(quantize)
-    except ImportError:  # a checkout from before the quantize kernel
-        pass
+    for name in ("quantize", "moe_combine", "moe_tail"):
+        try:
+            modules.append(importlib.import_module(f"commfuse.kernels.{name}"))
+        except ImportError:  # a checkout from before that family
+            pass
     return [(m.SOURCE, m.variants()) for m in modules]
 
 
