@@ -372,13 +372,15 @@ def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype):
                                                             ("fp8_per_token", "swizzled", "row"),
                                                             ("fp8_block", "swizzled", "mn_major")])
 # h 1152 (144 vectors): split 8 gives slices of 32 vectors, the fifth CTA's of 16 ending the row, the last three
-# CTAs none (they take part in the cluster's sums only).
-@pytest.mark.parametrize("t, k, h", [(1, 8, 7168), (7, 2, 4096), (33, 4, 3072), (3, 8, 1152)])
-def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, scale_layout, t, k, h):
+# CTAs none (they take part in the cluster's sums only). k 12: three of the combine's chunks of 4 slots.
+@pytest.mark.parametrize("t, k, h", [(1, 8, 7168), (7, 2, 4096), (33, 4, 3072), (3, 8, 1152), (2, 12, 2048)])
+@pytest.mark.parametrize("form", ["reduction", "int32", "int64"])
+def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, scale_layout, t, k, h, form):
     """The world-1 MoE tail with each token's row cut over a cluster of 2, 4 and 8 CTAs, one slice each (SM
-    9.0+): every output written, the scale storage's padding included (poisoned outputs); the residual the
-    same bits as one CTA a token (the combine is per element); every output within the tolerances of
-    reference.fused_tail of the reference combine (the sum of squares is added in another order)."""
+    9.0+), both forms: every output written, the scale storage's padding included (poisoned
+    outputs); the residual the same bits as one CTA a token (the combine is per element); every output within
+    the tolerances of reference.fused_tail of the reference combine (the sum of squares is added in another
+    order). The finalize form drops the last token's last slot, whose row and the padding rows hold NaN."""
     from commfuse.kernels import moe_tail, native
     from commfuse.tail.spec import TailSpec
     from compare import poisoned_runs
@@ -386,23 +388,31 @@ def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, s
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread-block clusters need SM 9.0+")
     gen = torch.Generator().manual_seed(t * 17 + k + h)
-    rows = torch.randn(t * k + 2, h, generator=gen).bfloat16().cuda()
-    idx = torch.randperm(t * k, generator=gen).view(t, k).to(torch.int32).cuda()
+    rows = torch.randn(t * k + 2, h, generator=gen).bfloat16()
     w = torch.rand(t, k, generator=gen).cuda()
     shared = torch.randn(t, h, generator=gen).bfloat16().cuda()
     residual = torch.randn(t, h, generator=gen).bfloat16().cuda()
     weight = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
+    if form == "reduction":
+        y, idx, shared = rows[: t * k].view(t, k, h).cuda(), None, None
+        combine = reference.moe_reduce(y, w)
+    else:
+        idx = torch.randperm(t * k, generator=gen).view(t, k)
+        rows[int(idx[-1, -1])] = rows[t * k:] = float("nan")
+        idx[-1, -1] = -1
+        y, idx = rows.cuda(), idx.to(getattr(torch, form)).cuda()
+        combine = reference.moe_finalize(y, idx, w, shared)
     scale = torch.tensor([0.05]).cuda() if quant in ("fp8", "nvfp4") else None
     spec = TailSpec.of(quant, return_norm=True, sf_layout=sf_layout, scale_layout=scale_layout)
     dev = torch.cuda.current_device()
 
     def run(split):
-        plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, idx.dtype, t, k, h, rows.shape[0], spec, dev, split=split)
+        plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, None if idx is None else idx.dtype, t, k, h,
+                                      0 if idx is None else y.shape[0], spec, dev, split=split)
         assert plan.launches[0].cluster == split
-        return reference.Tail(*native.launcher(plan)(rows, residual, weight, scale, None, w, idx, shared))
+        return reference.Tail(*native.launcher(plan)(y, residual, weight, scale, None, w, idx, shared))
 
-    ref = reference.fused_tail(reference.moe_finalize(rows, idx, w, shared), residual, weight, 1e-6, quant, scale, True,
-                               sf_layout, scale_layout=scale_layout)
+    ref = reference.fused_tail(combine, residual, weight, 1e-6, quant, scale, True, sf_layout, scale_layout=scale_layout)
     one = run(1)
     assert_tail_close(one, ref, quant, sf_layout)
     for split in (2, 4, 8):
