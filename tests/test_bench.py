@@ -363,8 +363,8 @@ def test_host_mode_on_the_cpu():
 
 
 def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
-    """gloo with CUDA inputs: the nccl+* rows skip graph mode (gloo cannot be captured), FlashInfer
-    skips, and a commfuse whose Communicator takes another device's tensors skips (remembered)."""
+    """gloo with CUDA inputs: the nccl+* rows skip graph mode (gloo cannot be captured), FlashInfer's dense
+    rows skip, and a commfuse whose Communicator takes another device's tensors skips (remembered)."""
     ctx = _ctx()
     case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 4, 256)
     assert impls.IMPLS["nccl+eager"].prepare(ctx, case).no_graph == impls.GLOO_NO_GRAPH
@@ -372,7 +372,7 @@ def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
 
     shared = _GpuCtx(_args(), 0, 2, "gloo", torch.device("cpu"))
     assert shared.shared_gpu and not _GpuCtx(_args(), 0, 2, "nccl", torch.device("cpu")).shared_gpu
-    with pytest.raises(Skip, match="^needs NCCL: ranks share a GPU$"):
+    with pytest.raises(Skip, match="^its all-reduce fusion hangs on ranks sharing a GPU$"):
         impls.IMPLS["flashinfer"].prepare(shared, case)
 
     made = []
@@ -569,6 +569,79 @@ def test_flashinfer_rows_take_its_computed_scale_patterns(monkeypatch):
         fi.prepare(ctx, case)
 
 
+def _fi_moe_tail(acc, residual_in, gamma, eps, residual_out, norm_out):
+    """A stand-in's all-reduce (one rank) and tail: its outputs written as FlashInfer's kernels write them."""
+    tail = reference.fused_tail(acc, residual_in, gamma, eps, None, None, True)
+    residual_out.copy_(tail.residual)
+    norm_out.copy_(tail.norm)
+
+
+def test_flashinfer_moe_rows_take_its_layouts_and_its_combine(monkeypatch):
+    """FlashInfer's MoE fusions, with stand-ins for its API written from its kernels' source (no GPU here):
+    the reduction form gets experts-major copies ([k, t, h] rows, [k, t] float32 weights) and zeros for the token
+    input it requires, the finalize form our rows and row_index with the weights in T; both combine in T, slot
+    by slot, and the gate judges them by that combine. A stand-in that reads the rows token-major is rejected;
+    the formats they cannot compute skip with the reason."""
+    calls = []
+
+    def reduce(world_size, world_rank, token_num, hidden_dim, workspace_ptrs, launch_with_pdl, residual_in, rms_gamma,
+               rms_eps, scale_factor, moe_reduction_device_num_experts, moe_reduction_scale_input,
+               moe_reduction_active_experts_token_input, moe_reduction_token_input, layout_code, moe_allreduce_out,
+               residual_out, norm_out, quant_out, scale_out, weight_bias=None):
+        y, w, k = moe_reduction_active_experts_token_input, moe_reduction_scale_input, moe_reduction_device_num_experts
+        calls.append(("reduce", tuple(y.shape), w.dtype, bool(moe_reduction_token_input.eq(0).all())))
+        if token_major:
+            y = y.reshape(token_num, k, hidden_dim).transpose(0, 1)
+        acc = torch.zeros(token_num, hidden_dim, dtype=y.dtype)
+        for j in range(k):
+            acc = acc + (y[j].float() * w[j].unsqueeze(1)).to(y.dtype)  # bf16 + bf16: one rounding
+        _fi_moe_tail(acc + moe_reduction_token_input, residual_in, rms_gamma, rms_eps, residual_out, norm_out)
+
+    def finalize(allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out, residual_out,
+                 quant_out, scale_out, workspace_ptrs, launch_with_pdl, world_rank, world_size, eps,
+                 shared_expert_output, expert_scale_factor, routed_scaling_factor):
+        calls.append(("finalize", tuple(allreduce_in.shape), expert_scale_factor.dtype, routed_scaling_factor))
+        t, k = expanded_idx_to_permuted_idx.shape
+        acc = torch.zeros(t, allreduce_in.shape[1], dtype=allreduce_in.dtype)
+        for i in range(t):
+            for j in range(k):
+                r = int(expanded_idx_to_permuted_idx[i, j])
+                if r >= 0:
+                    acc[i] = acc[i] + (allreduce_in[r].float() * expert_scale_factor[i, j].float()).to(acc.dtype)
+        _fi_moe_tail(acc, residual_in, norm_weight, eps, residual_out, norm_out)
+
+    ctx = _ctx()
+    ctx.cache["flashinfer"] = {"version": "test", "swizzled": 0, "reduce": reduce, "finalize": finalize}
+    ctx.cache["flashinfer_ws"] = (None, torch.zeros(1))
+    fi = impls.IMPLS["flashinfer"]
+    t, h = 5, 256
+    for name, k in (("moe_k2_residual_rmsnorm", 2), ("moe_finalize_k8_residual_rmsnorm", 8)):
+        case = cases.make_case(ctx, cases.PATTERNS[name], "bf16", t, h)
+        for token_major in (False, True):
+            step = fi.prepare(ctx, case)
+            why = fi.mismatch(case, step.call(0), step.expected)
+            assert (why is None) != (token_major and "finalize" not in name), why
+        if "finalize" in name:
+            assert calls[-1] == ("finalize", (t * k + cases.MOE_PADDING_ROWS, h), torch.bfloat16, None)
+        else:
+            assert calls[-1] == ("reduce", (k, t, h), torch.float32, True)
+    # The combine in T, not float32: for these inputs it differs from the oracle's by more than the gate allows.
+    case = cases.make_case(ctx, cases.PATTERNS["moe_k8_residual_rmsnorm"], "bf16", 16, 1024)
+    step, token_major = fi.prepare(ctx, case), False
+    assert fi.mismatch(case, step.call(0), step.expected) is None
+    assert fi.mismatch(case, step.call(0)) is not None
+    case = cases.make_case(ctx, cases.PATTERNS["moe_k8_residual_rmsnorm_fp8"], "bf16", t, h)
+    with pytest.raises(Skip, match="^flashinfer test's trtllm_moe_allreduce_fusion quantizes to NVFP4 only$"):
+        fi.prepare(ctx, case)
+    case = cases.make_case(ctx, cases.PATTERNS["moe_finalize_k2_residual_rmsnorm_nvfp4"], "bf16", t, h)
+    with pytest.raises(Skip, match="trtllm_moe_finalize_allreduce_fusion takes no global scale: it quantizes nothing"):
+        fi.prepare(ctx, case)
+    ctx.cache["flashinfer"]["reduce"] = None
+    case = cases.make_case(ctx, cases.PATTERNS["moe_k2_residual_rmsnorm"], "bf16", t, h)
+    with pytest.raises(Skip, match="^API mismatch: flashinfer test has no trtllm_moe_allreduce_fusion$"):
+        fi.prepare(ctx, case)
+
+
 @pytest.mark.parametrize("argv, error", [(["--shapes", "64"], "TOKENSxHIDDEN"), (["--impls", "nope"], "unknown impl"),
                                          (["--modes", "host,wall"], "unknown mode")])
 def test_bad_options_are_named(argv, error, capsys):
@@ -731,10 +804,3 @@ def test_moe_table_rows_are_the_patterns_own_shapes():
     assert "commfuse-auto / moe_k2_residual_rmsnorm bf16: kernel combine + p2p_oneshot + fused tail (1x7168)" in text
 
 
-def test_flashinfer_skips_the_moe_patterns_with_the_reason():
-    ctx = _ctx()
-    ctx.cache["flashinfer"] = {"fuse": None, "patterns": types.SimpleNamespace(), "version": "test", "params": {},
-                               "swizzled": 0}
-    case = cases.make_case(ctx, cases.PATTERNS["moe_k8_residual_rmsnorm_fp8"], "bf16", 2, 256)
-    with pytest.raises(Skip, match="^flashinfer test not wired for the MoE patterns: .*trtllm_moe_allreduce_fusion"):
-        impls.IMPLS["flashinfer"].prepare(ctx, case)

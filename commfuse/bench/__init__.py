@@ -36,7 +36,9 @@ Rows (--impls), by section:
   the HBM copy ceiling it reaches.
 - MoE patterns (cases.MOE_PATTERNS, `--patterns moe`): the same rows with the expert combine first
   (Communicator.moe_all_reduce for commfuse's, impls.torch_combine + dist.all_reduce for the torch
-  sequence, the combine kernel + fused_tail.run for tail-commfuse); flashinfer skips them.
+  sequence, the combine kernel + fused_tail.run for tail-commfuse); flashinfer's MoE fusions
+  (trtllm_moe_allreduce_fusion for the reduction form, trtllm_moe_finalize_allreduce_fusion for the
+  finalize form), gated against the oracle fed their combine (in T, impls.fi_moe_combine).
 - floor: torch-add, `torch.add(x, residual, out=buf)`: one torch elementwise op on the case's
   inputs, the yardstick of host cost per call (the target: fused_all_reduce at most 2x its host time,
   measured in the same run). Gated against its own definition (x + residual rounded once, exactly),
@@ -59,7 +61,8 @@ Ranks sharing GPUs (more ranks than GPUs on a node): commfuse.init_distributed p
 every rank's CUDA device, so the inputs are CUDA tensors and collectives run over gloo. The nccl+*
 rows then run dist.all_reduce over gloo in eager and host modes and skip graph mode (gloo
 collectives cannot be captured in a CUDA graph); so do commfuse rows whose plan runs over gloo;
-flashinfer skips (it needs NCCL); commfuse rows skip if this commfuse's Communicator does not take
+flashinfer's dense rows skip (its all-reduce fusion hangs there; its MoE fusions run, on a workspace from
+its own allocator); commfuse rows skip if this commfuse's Communicator does not take
 the inputs' device. The JSON says "shared_gpu": true and the table's graph and eager blocks say
 "ranks share GPUs: correctness mode, not speed numbers".
 

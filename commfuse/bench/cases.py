@@ -173,7 +173,8 @@ class Case:
     any of which passes (on > 2 ranks also the tail of the backend's own sum, see make_case).
     expected_tail: the oracle for tail-only rows (tail of this rank's x, no collective).
     moe (MoE patterns): moe[i] = this rank's MoeInputs of input set i; sets[i]'s x is their combine
-    (the oracle's), so the dense rows' view of a case (x, residual) holds for them too.
+    (the oracle's), so the dense rows' view of a case (x, residual) holds for them too. moe_ranks: every
+    rank's MoeInputs of set 0, for rows that combine by other semantics than the oracle's (a peer's).
     """
 
     pattern: Pattern
@@ -189,6 +190,7 @@ class Case:
     expected_tail: Optional[Result]
     sum_ulps: int
     moe: Optional[list] = None
+    moe_ranks: Optional[list] = None
 
     def tail_args(self) -> tuple:
         """reference.fused_tail's arguments after (a, residual), positional."""
@@ -245,7 +247,7 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     def randn(*shape):
         return torch.randn(shape, generator=gen, device=gen_dev, dtype=torch.float32).to(dev)
 
-    moe = None
+    moe = moe_all = None
     if pattern.is_moe:
         moe_all, residual = _moe_draws(ctx, pattern, t, h, dtype, randn, gen, gen_dev)
         xs = [m.combine() for m in moe_all]  # each rank's contribution to the all-reduce
@@ -290,7 +292,7 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     else:
         expected, expected_tail = [Result(a=exact)], None
     return Case(pattern, dname, dtype, t, h, sets, weight, scale, eps, expected, expected_tail,
-                sum_ulps=ctx.world if own_order else 0, moe=moe)
+                sum_ulps=ctx.world if own_order else 0, moe=moe, moe_ranks=moe_all)
 
 
 def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, randn, gen, gen_dev,

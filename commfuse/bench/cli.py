@@ -134,7 +134,8 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
                 step, verdict = None, failed("prepare", e)
             verdict = agree(ctx.world, verdict)
             if verdict.ok:
-                verdict, res = gate(ctx, lambda i, s=step: s.result(s.call(i)), functools.partial(impl.mismatch, case))
+                verdict, res = gate(ctx, lambda i, s=step: s.result(s.call(i)),
+                                    functools.partial(impl.mismatch, case, expected=step.expected))
                 kept.append(res)
                 verdict = agree(ctx.world, verdict)
             if verdict.ok:

@@ -35,11 +35,13 @@ class Step:
     """call(i): one call on input set i, with no host synchronisation so that a CUDA graph can
     capture it; no_graph: why graph mode cannot time it (None: it can); result: what the gate reads
     of call's return value, a Result (made outside the timed loops, which call `call` itself: a row's
-    host time holds no wrapper of ours)."""
+    host time holds no wrapper of ours); expected: the oracles of a row that computes by another
+    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead."""
 
     call: Callable[[int], object]
     no_graph: Optional[str] = None
     result: Callable[[object], Result] = lambda r: r
+    expected: Optional[list] = None
 
 
 @dataclass
@@ -60,11 +62,13 @@ class Impl:
     timed_if_wrong: bool = False
     own_check: Optional[Callable[[Case, Result], Optional[str]]] = None
 
-    def mismatch(self, case: Case, res: Result) -> Optional[str]:
-        """Why one call's result on the checked inputs is wrong; None when it is right."""
+    def mismatch(self, case: Case, res: Result, expected: Optional[list] = None) -> Optional[str]:
+        """Why one call's result on the checked inputs is wrong; None when it is right. expected: the step's
+        own oracles (Step.expected), else the case's."""
         if self.own_check is not None:
             return self.own_check(case, res)
-        expected = [case.expected_tail] if self.section == "tail" else case.expected
+        if expected is None:
+            expected = [case.expected_tail] if self.section == "tail" else case.expected
         reasons = [check(res, exp, case.pattern, case.sum_ulps) for exp in expected]
         return None if None in reasons else reasons[0]
 
@@ -438,8 +442,6 @@ def _load_flashinfer(ctx: Ctx):
         return "needs CUDA GPUs (no GPU)"
     if ctx.world < 2:
         return "needs 2 or more ranks"
-    if ctx.backend != "nccl":
-        return "needs NCCL: ranks share a GPU"
     try:
         import flashinfer
         import flashinfer.comm as fic
@@ -464,20 +466,26 @@ def _load_flashinfer(ctx: Ctx):
     layout = getattr(fic, "QuantizationSFLayout", None) or getattr(fic, "FP4QuantizationSFLayout", None)
     warnings.filterwarnings("ignore", message=".*unified API.*")  # its @deprecated notice, per call
     return {"fuse": fuse, "make_ws": make_ws, "patterns": patterns, "params": params, "version": version,
-            "swizzled": getattr(layout, "SWIZZLED_128x4", getattr(layout, "SWIZZLED", None))}
+            "swizzled": getattr(layout, "SWIZZLED_128x4", getattr(layout, "SWIZZLED", None)),
+            "reduce": getattr(fic, "trtllm_moe_allreduce_fusion", None),
+            "finalize": getattr(fic, "trtllm_moe_finalize_allreduce_fusion", None)}
 
 
 def _flashinfer_workspace(ctx: Ctx, api: dict) -> torch.Tensor:
     """One IPC workspace for the whole run, sized for the largest tokens x hidden (collective)."""
     if "flashinfer_ws" not in ctx.cache:
-        h = max(h for _, h in ctx.args.shape_list)
-        tokens = math.ceil(max(t * h for t, h in ctx.args.shape_list) / h)
+        shapes = list(ctx.args.shape_list) + list(getattr(ctx.args, "moe_shape_list", None) or [])
+        h = max(h for _, h in shapes)
+        tokens = math.ceil(max(t * h for t, h in shapes) / h)
         kw = {}
         sig = inspect.signature(api["make_ws"]).parameters
         if "group" in sig:
             kw["group"] = dist.group.WORLD
         if "use_fp32_lamport" in sig:
             kw["use_fp32_lamport"] = False
+        if ctx.shared_gpu and "use_symm_dev_mem" in sig:
+            # torch's symmetric memory (its default) refuses ranks on one device; its own cuMem allocator does not.
+            kw.update(use_symm_dev_mem=True, create_metadata=True)
         try:
             out = api["make_ws"](ctx.rank, ctx.world, tokens, h, **kw)
             ws = next(o for o in out if isinstance(o, torch.Tensor))
@@ -490,28 +498,141 @@ def _flashinfer_workspace(ctx: Ctx, api: dict) -> torch.Tensor:
     return ws[1]
 
 
-# FlashInfer's MoE fusions (TensorRT-LLM's patterns 6 and 7) are not wired: read from its API docs and
-# header comments only, never run here. trtllm_moe_allreduce_fusion takes the experts-major layout
-# ([k, t, h] expert rows, [k, t] float32 scales, a [t, h] token input it adds), so our y [t, k, h] would
-# need a transpose outside the timed call or inputs drawn in its layout, and it has no pattern code (the
-# outputs passed pick what it writes); trtllm_moe_finalize_allreduce_fusion writes the norm and the
-# residual, no quantized output. Their accumulation order (against our slot order, no FMA) is unknown.
-FI_MOE_REASON = ("not wired for the MoE patterns: flashinfer.comm.trtllm_moe_allreduce_fusion takes experts-major "
-                 "inputs ([k, t, h] rows, [k, t] scales, a [t, h] token input) and "
-                 "trtllm_moe_finalize_allreduce_fusion quantizes nothing; their calls were never checked on a GPU, "
-                 "so the benchmark does not guess them")
+def _flashinfer_outputs(case: Case, dev: torch.device) -> tuple:
+    """(buffers, Result) of FlashInfer's output arguments for the case: preallocated (its API writes into
+    buffers) and poisoned, so an output the kernel does not write fails the gate. Scale-factor padding
+    stays 0 (never written)."""
+    p, t, h, dt = case.pattern, case.tokens, case.hidden, case.dtype
+    k = h // reference.NVFP4_BLOCK
+    sf_rows, sf_cols = -(-t // 128) * 128, -(-k // 4) * 4
+    bufs = dict(allreduce_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
+                residual_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
+                norm_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
+                quant_out=torch.full((t, h), 0xFF, dtype=torch.uint8, device=dev),
+                scale_out=torch.zeros(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
+    if p.quant == "nvfp4":
+        m = torch.arange(t, device=dev).unsqueeze(1)
+        bufs["scale_out"][reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)] = 0x7F
+    elif p.quant == "fp8_per_token":
+        bufs["scale_out"] = torch.full((t,), float("nan"), dtype=torch.float32, device=dev)
+    elif p.quant == "fp8_block":
+        # Our storage (ceil(K/4) x roundup(t, 4) int32, padding 0), each exponent byte poisoned with
+        # the UE8M0 NaN; passed as the reference's [t, ceil(K/4)] view, strides (1, roundup(t, 4)).
+        kb, tp = h // reference.FP8_BLOCK, -(-t // 4) * 4
+        storage = torch.zeros(-(-kb // 4) * tp, dtype=torch.int32, device=dev)
+        m = torch.arange(t, device=dev).unsqueeze(1)
+        storage.view(torch.uint8)[reference.packed_ue8m0_byte_index(m, torch.arange(kb, device=dev), t)] = 0xFF
+        bufs["scale_out"] = torch.as_strided(storage, (t, -(-kb // 4)), (1, tp))
+    if not p.tail:
+        out = Result(a=bufs["allreduce_out"])
+    else:
+        out = Result(residual=bufs["residual_out"], norm=bufs["norm_out"] if p.has_norm else None)
+        if p.quant is not None and by_name(p.quant).codes == "e4m3":
+            out.quant = bufs["quant_out"].view(torch.float8_e4m3fn)
+            if by_name(p.quant).computes_scales:
+                out.scales = bufs["scale_out"]
+        elif p.quant == "nvfp4":
+            out.quant = bufs["quant_out"].view(-1)[: t * h // 2].view(t, h // 2)  # packed, contiguous
+            out.sf = bufs["scale_out"].view(torch.float8_e4m3fn)
+    return bufs, out
+
+
+# FlashInfer's MoE fusions (TensorRT-LLM's patterns 6 and 7), read from its source (0.6.18):
+# - trtllm_moe_allreduce_fusion (the reduction form) takes the experts-major layout: y as [k, t, h], the
+#   weights float32 [k, t] (transposed copies of each input set, made outside the timed call), and a token
+#   input [t, h] that it adds and requires: the shared expert's, zeros for the patterns without one (a
+#   model without shared experts passes zeros too). It quantizes to NVFP4 only (scale_factor, our 1/scale).
+# - trtllm_moe_finalize_allreduce_fusion takes our rows and row_index (int32 [t, k], -1 drops a slot) and
+#   the weights in T (rounded copies: it reads them as T); it takes no global scale, so quantizes nothing.
+# - Both combine in T (fi_moe_combine), not in float32 as ours: their rows are gated against the oracle fed
+#   that combine, summed over the ranks in rank order in T as their one-shot all-reduce does.
+# - Its NVFP4 quantizer is built for SM 10+ only: on an H200 the MoE reduction's NVFP4 variant faulted (an
+#   illegal address, its first call), so it skips below SM 10.
+# On ranks sharing a GPU (MPS) the MoE fusions run, on a workspace from its own cuMem allocator; its dense
+# all-reduce fusion hangs there (_prep_flashinfer skips it).
+_FI_MOE = {"reduce": "trtllm_moe_allreduce_fusion", "finalize": "trtllm_moe_finalize_allreduce_fusion"}
+
+
+def fi_moe_combine(m: MoeInputs, dtype: torch.dtype) -> torch.Tensor:
+    """FlashInfer's MoE combine of one rank's inputs, T [t, h]: acc = 0 in T; for each kept slot in order
+    acc = T(acc + T(float(y_j) * w_j)), w_j float32 (the reduction form) or rounded to T (finalize); then
+    acc = T(acc + shared); -0.0 made +0.0 (its one-shot all-reduce marks unwritten words with -0.0)."""
+    t, k = m.weights.shape
+    if m.row_index is None:
+        rows, keep, w = m.y, None, m.weights.float()
+    else:
+        idx = m.row_index.long()
+        rows, keep, w = m.y[idx.clamp(min=0)], idx >= 0, m.weights.to(dtype).float()
+    acc = torch.zeros(t, rows.shape[-1], dtype=dtype, device=rows.device)
+    for j in range(k):
+        step = (acc.float() + (rows[:, j].float() * w[:, j:j + 1]).to(dtype).float()).to(dtype)
+        acc = step if keep is None else torch.where(keep[:, j:j + 1], step, acc)
+    if m.shared is not None:
+        acc = (acc.float() + m.shared.float()).to(dtype)
+    return torch.where(acc == 0, torch.zeros_like(acc), acc)
+
+
+def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
+    p, t, h, dt, dev = case.pattern, case.tokens, case.hidden, case.dtype, ctx.device
+    version, form = api["version"], "finalize" if p.moe_form == "finalize" else "reduce"
+    fn = api[form]
+    if fn is None:
+        raise Skip(f"API mismatch: flashinfer {version} has no {_FI_MOE[form]}")
+    if form == "reduce" and p.quant not in (None, "nvfp4"):
+        raise Skip(f"flashinfer {version}'s {_FI_MOE[form]} quantizes to NVFP4 only")
+    if form == "finalize" and p.quant is not None:
+        raise Skip(f"flashinfer {version}'s {_FI_MOE[form]} takes no global scale: it quantizes nothing")
+    if p.quant == "nvfp4" and ctx.cuda and torch.cuda.get_device_capability(dev)[0] < 10:
+        raise Skip(f"flashinfer {version}'s {_FI_MOE[form]} quantizes to NVFP4 on SM 10+ only (on SM 9.0 it faults)")
+    ws = _flashinfer_workspace(ctx, api)
+    bufs, out = _flashinfer_outputs(case, dev)
+    outputs = dict(residual_out=bufs["residual_out"], norm_out=bufs["norm_out"] if p.has_norm else None,
+                   quant_out=bufs["quant_out"] if p.quant else None, scale_out=bufs["scale_out"] if p.quant else None)
+    if form == "reduce":
+        zeros = torch.zeros(t, h, dtype=dt, device=dev)
+        sets = [(m.y.transpose(0, 1).contiguous(), m.weights.t().contiguous(), zeros if m.shared is None else m.shared)
+                for m in case.moe]
+        scale = 1.0 / float(case.scale) if p.quant else 1.0
+        static = dict(world_size=ctx.world, world_rank=ctx.rank, token_num=t, hidden_dim=h, workspace_ptrs=ws,
+                      launch_with_pdl=True, rms_gamma=case.weight, rms_eps=case.eps, scale_factor=scale,
+                      moe_reduction_device_num_experts=p.moe_k, layout_code=api["swizzled"], moe_allreduce_out=None,
+                      **outputs)
+
+        def step(i):
+            y, w, token = sets[i % len(sets)]
+            fn(residual_in=case.input_set(i)[1], moe_reduction_scale_input=w,
+               moe_reduction_active_experts_token_input=y, moe_reduction_token_input=token, **static)
+            return out
+    else:
+        weights = [m.weights.to(dt) for m in case.moe]
+        static = dict(norm_weight=case.weight, workspace_ptrs=ws, launch_with_pdl=True, world_rank=ctx.rank,
+                      world_size=ctx.world, eps=case.eps, routed_scaling_factor=None, **outputs)
+
+        def step(i):
+            m = case.moe_set(i)
+            fn(allreduce_in=m.y, residual_in=case.input_set(i)[1], expanded_idx_to_permuted_idx=m.row_index,
+               shared_expert_output=m.shared, expert_scale_factor=weights[i % len(weights)], **static)
+            return out
+    combined = [fi_moe_combine(m, dt).float() for m in case.moe_ranks]
+    total = combined[0]
+    for c in combined[1:]:  # rank order, rounded to T after each addition
+        total = (total.to(dt).float() + c).to(dt).float()
+    expected = [Result.of_tail(reference.fused_tail(total.to(dt), case.input_set(0)[1], *case.tail_args()))]
+    return Step(step, expected=expected)
 
 
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
+    if ctx.shared_gpu and not case.pattern.is_moe:
+        raise Skip("its all-reduce fusion hangs on ranks sharing a GPU")
     if "flashinfer" not in ctx.cache:
         ctx.cache["flashinfer"] = _load_flashinfer(ctx)
     api = ctx.cache["flashinfer"]
     if isinstance(api, str):
         raise Skip(api)
-    p, t, h, dt, dev = case.pattern, case.tokens, case.hidden, case.dtype, ctx.device
+    p, t, h, dev = case.pattern, case.tokens, case.hidden, ctx.device
     version = api["version"]
     if p.is_moe:
-        raise Skip(f"flashinfer {version} " + FI_MOE_REASON)
+        return _prep_flashinfer_moe(ctx, case, api)
     if p.quant == "fp8_block" and (p.scale_layout, p.scale_ue8m0) != ("mn_major", True):
         scales = f"{p.scale_layout} {'UE8M0' if p.scale_ue8m0 else 'float32'}"
         raise Skip(f"flashinfer {version} has no FP8 block pattern with {scales} scales (its per-token-group "
@@ -535,46 +656,14 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
         extra["block_quant_group_size"] = reference.FP8_BLOCK
     ws = _flashinfer_workspace(ctx, api)
 
-    # Outputs are preallocated (its API writes into buffers) and poisoned, so an output the kernel
-    # does not write fails the gate. Every buffer is passed, as FlashInfer's own tests do; the
-    # pattern decides which ones the kernel writes. Scale-factor padding stays 0 (never written).
-    k = h // reference.NVFP4_BLOCK
-    sf_rows, sf_cols = -(-t // 128) * 128, -(-k // 4) * 4
-    bufs = dict(allreduce_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                residual_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                norm_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                quant_out=torch.full((t, h), 0xFF, dtype=torch.uint8, device=dev),
-                scale_out=torch.zeros(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
-    if p.quant == "nvfp4":
-        m = torch.arange(t, device=dev).unsqueeze(1)
-        bufs["scale_out"][reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)] = 0x7F
-    elif p.quant == "fp8_per_token":
-        bufs["scale_out"] = torch.full((t,), float("nan"), dtype=torch.float32, device=dev)
-    elif p.quant == "fp8_block":
-        # Our storage (ceil(K/4) x roundup(t, 4) int32, padding 0), each exponent byte poisoned with
-        # the UE8M0 NaN; passed as the reference's [t, ceil(K/4)] view, strides (1, roundup(t, 4)).
-        kb, tp = h // reference.FP8_BLOCK, -(-t // 4) * 4
-        storage = torch.zeros(-(-kb // 4) * tp, dtype=torch.int32, device=dev)
-        m = torch.arange(t, device=dev).unsqueeze(1)
-        storage.view(torch.uint8)[reference.packed_ue8m0_byte_index(m, torch.arange(kb, device=dev), t)] = 0xFF
-        bufs["scale_out"] = torch.as_strided(storage, (t, -(-kb // 4)), (1, tp))
+    # Every buffer is passed, as FlashInfer's own tests do; the pattern decides which ones the kernel writes.
+    bufs, out = _flashinfer_outputs(case, dev)
     if p.quant == "fp8":
         scale = case.scale
     elif p.quant == "nvfp4":
         scale = torch.reciprocal(case.scale)  # FlashInfer's NVFP4 global scale is the inverse of ours
     else:  # not read by the patterns without a static scale
         scale = torch.ones(1, dtype=torch.float32, device=dev)
-    if not p.tail:
-        out = Result(a=bufs["allreduce_out"])
-    else:
-        out = Result(residual=bufs["residual_out"], norm=bufs["norm_out"] if p.has_norm else None)
-        if p.quant is not None and by_name(p.quant).codes == "e4m3":
-            out.quant = bufs["quant_out"].view(torch.float8_e4m3fn)
-            if by_name(p.quant).computes_scales:
-                out.scales = bufs["scale_out"]
-        elif p.quant == "nvfp4":
-            out.quant = bufs["quant_out"].view(-1)[: t * h // 2].view(t, h // 2)  # packed, contiguous
-            out.sf = bufs["scale_out"].view(torch.float8_e4m3fn)
     static = dict(world_size=ctx.world, world_rank=ctx.rank, token_num=t, hidden_dim=h, workspace_ptrs=ws,
                   launch_with_pdl=True, trigger_completion_at_end=True, fp32_acc=True, pattern_code=code,
                   use_oneshot=None, rms_gamma=case.weight, rms_eps=case.eps, scale_factor=scale,
