@@ -61,8 +61,8 @@ Ranks sharing GPUs (more ranks than GPUs on a node): commfuse.init_distributed p
 every rank's CUDA device, so the inputs are CUDA tensors and collectives run over gloo. The nccl+*
 rows then run dist.all_reduce over gloo in eager and host modes and skip graph mode (gloo
 collectives cannot be captured in a CUDA graph); so do commfuse rows whose plan runs over gloo;
-flashinfer's dense rows skip (its all-reduce fusion hangs there; its MoE fusions run, on a workspace from
-its own allocator); commfuse rows skip if this commfuse's Communicator does not take
+flashinfer's dense rows skip (its all-reduce fusion hung there at 200 x 7168; its MoE fusions run, on a
+workspace from its own allocator); commfuse rows skip if this commfuse's Communicator does not take
 the inputs' device. The JSON says "shared_gpu": true and the table's graph and eager blocks say
 "ranks share GPUs: correctness mode, not speed numbers".
 

@@ -549,7 +549,7 @@ def _flashinfer_outputs(case: Case, dev: torch.device) -> tuple:
 # - Its NVFP4 quantizer is built for SM 10+ only: on an H200 the MoE reduction's NVFP4 variant faulted (an
 #   illegal address, its first call), so it skips below SM 10.
 # On ranks sharing a GPU (MPS) the MoE fusions run, on a workspace from its own cuMem allocator; its dense
-# all-reduce fusion hangs there (_prep_flashinfer skips it).
+# all-reduce fusion ran at 1 x 4096 there but never finished at 200 x 7168, so _prep_flashinfer skips it.
 _FI_MOE = {"reduce": "trtllm_moe_allreduce_fusion", "finalize": "trtllm_moe_finalize_allreduce_fusion"}
 
 
@@ -623,7 +623,7 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
 
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
     if ctx.shared_gpu and not case.pattern.is_moe:
-        raise Skip("its all-reduce fusion hangs on ranks sharing a GPU")
+        raise Skip("its all-reduce fusion hangs on ranks sharing a GPU (it did at 200 x 7168 on an H200)")
     if "flashinfer" not in ctx.cache:
         ctx.cache["flashinfer"] = _load_flashinfer(ctx)
     api = ctx.cache["flashinfer"]
