@@ -2,7 +2,8 @@
 # The benchmark runs whose results are committed under bench/results/ (2 x H200): six shapes from
 # decode (1 token) to prefill (8192 tokens) over hidden 4096, 7168 and 8192 with every implementation,
 # then the torch.compile rows in a run of their own (each compile costs tens of seconds; its FP8/NVFP4
-# tails fail the gate and are timed marked *, see README).
+# tails fail the gate and are timed marked *, see README), then the MoE tails against FlashInfer's MoE
+# fusions (its patterns 6 and 7).
 # Usage: launch/device_bench.sh OUTDIR [N]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,4 +20,7 @@ launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 \
 launch/bench.sh "$n" --machine "$machine" --shapes 64x8192 --dtypes fp16 \
   --patterns residual_rmsnorm,residual_rmsnorm_nvfp4 --impls tail-eager,tail-compile,tail-commfuse \
   --out "$out/fp16" > "$out/fp16.log" 2>&1
-tail -n 60 "$out/main.log"; tail -n 25 "$out/compile.log"; tail -n 25 "$out/fp16.log"
+launch/bench.sh "$n" --machine "$machine" --shapes 1x4096,16x4096,1x7168,16x7168,64x7168,256x7168,1024x7168 \
+  --dtypes bf16 --patterns moe_k2_residual_rmsnorm,moe_k8_residual_rmsnorm,moe_finalize_k8_residual_rmsnorm \
+  --impls nccl+eager,commfuse-auto,flashinfer --out "$out/moe" > "$out/moe.log" 2>&1
+tail -n 60 "$out/main.log"; tail -n 25 "$out/compile.log"; tail -n 25 "$out/fp16.log"; tail -n 40 "$out/moe.log"
