@@ -576,7 +576,7 @@ def _fi_moe_tail(acc, residual_in, gamma, eps, residual_out, norm_out):
     norm_out.copy_(tail.norm)
 
 
-def test_flashinfer_moe_rows_take_its_layouts_and_its_combine(monkeypatch):
+def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
     """FlashInfer's MoE fusions, with stand-ins for its API written from its kernels' source (no GPU here):
     the reduction form gets experts-major copies ([k, t, h] rows, [k, t] float32 weights) and zeros for the token
     input it requires, the finalize form our rows and row_index with the weights in T; both combine in T, slot
