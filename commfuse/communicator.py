@@ -344,7 +344,7 @@ class Communicator:
                               (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared),
                                ("residual", residual), ("weight", weight), ("scale", scale)))
         unfused = moe.fused_rejects(y, weights, residual, weight, scale, spec, self._machine)
-        route, why = moe.plan(y, weights, self._machine.sm if self.device.type == "cuda" else None)
+        route, why = moe.plan(y, weights, self._machine)
         one = self._moe_one_launch(y, weights, row_index, residual, weight, scale, spec, unfused is None,
                                    route == "kernel")
         if one is not None:

@@ -4,9 +4,9 @@ order, rounded once (docs/semantics.md section 14).
 
 At world size 1 (no all-reduce) the combine and the tail are one kernel where the fused tail's guards
 hold (commfuse.kernels.moe_tail; `fused_rejects` says why not). Otherwise the combine runs first: on
-CUDA tensors as one kernel (commfuse.kernels.moe_combine), elsewhere, or where its guards fail,
-commfuse.reference's ops; `plan` says which and why. Either way the combined rows are the
-reference's bits, and the sum's all-reduce, residual add, RMSNorm and quantization follow as
+CUDA tensors as one kernel (commfuse.kernels.moe_combine); elsewhere, where its guards fail or with
+COMMFUSE_DISABLE_FUSION=1, as commfuse.reference's ops; `plan` says which and why. Either way the combined
+rows are the reference's bits, and the sum's all-reduce, residual add, RMSNorm and quantization follow as
 `fused_all_reduce` (whose routes fuse them). Row indices outside [-1, R) raise ValueError on the
 reference's route (which reads them: on a GPU one synchronisation, which a CUDA graph capture does not
 allow) and give NaN rows on the kernel's (which reads them on the device).
@@ -25,13 +25,15 @@ from .tail.spec import TailSpec
 __all__ = ["combine", "plan", "fused_rejects"]
 
 
-def plan(y: Tensor, weights: Tensor, sm: Optional[tuple]) -> Tuple[str, Optional[str]]:
-    """How the combine of these (checked) tensors runs on a device of compute capability `sm`:
-    ("kernel", None), or ("separated", the reason)."""
-    if y.device.type != "cuda" or sm is None:
+def plan(y: Tensor, weights: Tensor, m: routes.Machine) -> Tuple[str, Optional[str]]:
+    """How the combine of these (checked) tensors runs on machine `m`: ("kernel", None), or ("separated",
+    the reason)."""
+    if not m.fusion:
+        return "separated", "combine: COMMFUSE_DISABLE_FUSION=1: separated ops"
+    if y.device.type != "cuda" or m.sm is None:
         return "separated", f"combine: tensors on {y.device.type}: the combine kernel needs CUDA tensors"
     t, k = weights.shape
-    why = MOE_COMBINE.rejects_combine(y.dtype, sm, y.shape[-1], t, k, y.shape[0])
+    why = MOE_COMBINE.rejects_combine(y.dtype, m.sm, y.shape[-1], t, k, y.shape[0])
     return ("separated", f"combine: {why}") if why else ("kernel", None)
 
 

@@ -103,6 +103,42 @@ def test_moe_plan_and_caller_outputs(comm, gen):
 
 
 @mpi
+def test_moe_disable_fusion_separates_the_combine(comm, gen, monkeypatch):
+    """COMMFUSE_DISABLE_FUSION=1 reaches the combine as every tail: reference ops (plan.combine "separated",
+    saying why), whose bits equal the reference's and which raise on a row index outside [-1, R) on every
+    rank, before the collective."""
+    import commfuse
+
+    monkeypatch.setenv("COMMFUSE_DISABLE_FUSION", "1")
+    separated = commfuse.Communicator(comm.group)
+    t, k, h = 6, 4, 256
+    per_rank, rank = moe_inputs(comm, gen, t, k, h, torch.bfloat16, "finalize", torch.float32, True)
+    y, w, idx, shared = per_rank[rank]
+    residual, weight, scale = tail_inputs(comm, gen, t, h, torch.bfloat16, "fp8")
+    r = separated.moe_all_reduce(y, w, residual, weight, 1e-5, "fp8", scale, True, row_index=idx, shared=shared)
+    assert (r.plan.combine, r.plan.tail) == ("separated", "separated"), str(r.plan)
+    assert "combine: COMMFUSE_DISABLE_FUSION=1: separated ops" in r.plan.reasons, r.plan.reasons
+    a = comm.all_reduce(combined(y, w, idx, shared))
+    assert_tail_close(r, reference.fused_tail(a, residual, weight, 1e-5, "fp8", scale, True), "fp8", "swizzled",
+                      exact=True)
+    bad = idx.clone()
+    bad[0, 0] = y.shape[0]
+    with pytest.raises(ValueError, match="row_index"):
+        separated.moe_all_reduce(y, w, residual, weight, 1e-5, "fp8", scale, True, row_index=bad, shared=shared)
+
+
+def test_moe_plan_names_disable_fusion_first():
+    """moe.plan: with fusion disabled the combine is separated for that reason, on any device."""
+    from commfuse import moe
+    from commfuse.routes import Machine
+
+    y, w = torch.empty(4, 2, 64, dtype=torch.bfloat16), torch.empty(4, 2)  # only their metadata is read
+    assert moe.plan(y, w, Machine("local", sm=(9, 0), fusion=False)) == \
+        ("separated", "combine: COMMFUSE_DISABLE_FUSION=1: separated ops")
+    assert moe.plan(y, w, Machine("local", sm=(9, 0)))[1].startswith("combine: tensors on cpu")
+
+
+@mpi
 @pytest.mark.parametrize("form", ["reduction", "finalize"])
 def test_moe_repeated_signature_is_served_from_the_table(comm, gen, monkeypatch, form):
     """A signature's second call is launched from the plan table (no Python checks or planning: they are
@@ -284,6 +320,7 @@ def test_combine_kernel_gives_the_reference_bits(form, dtype, weights_dtype, t, 
     """moe.combine's kernel route against reference.moe_reduce / moe_finalize, bit for bit: NaN in the
     padding rows and in a dropped slot's row, -0.0 products (a -0.0 sum stays -0.0 only with shared -0.0)."""
     from commfuse import moe
+    from commfuse.routes import Machine
     from compare import poisoned_runs
 
     gen = torch.Generator().manual_seed(t * 131 + k * 7 + h)
@@ -300,7 +337,7 @@ def test_combine_kernel_gives_the_reference_bits(form, dtype, weights_dtype, t, 
         perm[t - 1, k - 1] = -1
         rows[t * k:] = float("nan")
         y, idx = rows.to(dtype).cuda(), perm.to(getattr(torch, form)).cuda()
-    assert moe.plan(y, w, torch.cuda.get_device_capability()) == ("kernel", None)
+    assert moe.plan(y, w, Machine.local(y.device)) == ("kernel", None)
     want = reference.moe_reduce(y, w, shared) if idx is None else reference.moe_finalize(y, idx, w, shared)
     for got in poisoned_runs(lambda: moe.combine(y, w, idx, shared, "kernel")):
         assert bits_equal(got, want)
