@@ -267,6 +267,11 @@ class Route:
         it does not (empty: nothing worth saying, e.g. the other backend's route)."""
         raise NotImplementedError
 
+    def chosen(self, call: Call, m: Machine, fused: bool) -> Optional[str]:
+        """Why the route took a call it accepts, where that is worth saying (None: the other routes'
+        reasons say it)."""
+        return None
+
     def launcher(self, call: Call, plan: Plan, res: Resources) -> Callable:
         """The call's launcher: launcher(x, residual, weight, scale, out, z) -> the sum (plain) or the
         five outputs (commfuse.kernels.launch)."""
@@ -320,6 +325,21 @@ class P2PRoute(Route):
         if forced or size <= limits.crossover(self.algorithm):
             return None
         return (f"message {size} B above the measured P2P crossover {limits.crossover(self.algorithm)} B: NCCL",)
+
+    def chosen(self, call, m, fused):
+        if m.strategy in ("oneshot", "twoshot"):  # forced; a forced one-shot that went two-shot said why
+            return f"strategy {m.strategy!r}" if m.strategy == self.algorithm else None
+        limits, size = m.limits, call.message_bytes
+        source = "measured" if limits.measured else "a default: not calibrated on this machine"
+        name = self.algorithm.replace("shot", "-shot")
+        within = f"<= the {name} crossover {limits.crossover(self.algorithm)} B ({source})"
+        if self.algorithm == "oneshot":
+            return f"message {size} B {within}"
+        oneshot_bytes = limits.oneshot_bytes if limits.oneshot_bytes is not None else limits.workspace_bytes
+        above = (f"> the one-shot buffers {oneshot_bytes} B" if size > oneshot_bytes else
+                 f"> the one-shot crossover {limits.crossover('oneshot')} B")
+        pieces = f", in pieces of the {limits.workspace_bytes} B workspace" if size > limits.workspace_bytes else ""
+        return f"message {size} B {above}, {within}{pieces}"
 
     def launcher(self, call, plan, res):
         ws = res.workspace
@@ -476,6 +496,9 @@ def _collective_plan(call: Call, m: Machine, reasons: list) -> Plan:
         reasons.extend(why)
     else:  # pragma: no cover - the backend's route takes every call
         raise RuntimeError(f"no route takes a call over the {m.backend!r} backend")
+    why = route.chosen(call, m, fused)
+    if why:
+        reasons.append(why)
     reasons = tuple(dict.fromkeys(reasons))  # the P2P routes share their first reasons
     p2p = isinstance(route, P2PRoute)
     if call.spec is None:

@@ -5,7 +5,7 @@ import torch
 from commfuse import routes
 from commfuse.kernels.family import Family, Limits
 from commfuse.kernels.p2p_allreduce import chunk_rows
-from commfuse.p2p import P2PLimits
+from commfuse.p2p import P2PLimits, default_limits
 from commfuse.routes import Call, Collective, Machine, TailRoute, TensorMeta
 from commfuse.tail import checks
 from commfuse.tail.spec import TailSpec
@@ -155,6 +155,24 @@ def test_strategy_nccl_forces_fallback_row_on_p2p_machine():
     p = plan(call(), mode="p2p", limits=LIMITS, strategy="nccl")
     assert (p.collective, p.tail, p.kernel) == ("nccl", "fused", "fused_tail")
     assert p.reasons.count("strategy 'nccl': P2P all-reduce not used") == 1, p.reasons
+
+
+def test_p2p_plan_says_what_chose_the_algorithm():
+    """A P2P plan's reasons name the crossover the message is within and whether it was measured, or the
+    forced strategy; a two-shot one what put it past the one-shot."""
+    one = plan(call(t=128), mode="p2p", limits=LIMITS)
+    assert one.reasons == (f"message {128 * 8192} B <= the one-shot crossover {1 << 20} B (measured)",), one.reasons
+    two = plan(call(t=129), mode="p2p", limits=LIMITS)
+    assert two.reasons == (f"message {129 * 8192} B > the one-shot crossover {1 << 20} B, <= the two-shot crossover "
+                           f"{32 << 20} B (measured)",), two.reasons
+    pieces = plan(call(t=129), mode="p2p", limits=OVER)
+    assert pieces.reasons[-1].endswith(f"> the one-shot buffers {512 << 10} B, <= the two-shot crossover {2 << 20} B "
+                                       f"(measured), in pieces of the {1 << 20} B workspace"), pieces.reasons
+    default = plan(call(t=1), mode="p2p", limits=default_limits(64 << 20, 8 << 20))
+    assert default.collective == "p2p_oneshot" and "not calibrated on this machine" in default.reasons[-1]
+    forced = plan(call(t=1), mode="p2p", limits=LIMITS, strategy="twoshot")
+    assert forced.reasons == ("strategy 'twoshot'",), forced.reasons
+    assert "strategy 'twoshot'" in str(forced)
 
 
 def test_forced_algorithm_wins_over_crossover():

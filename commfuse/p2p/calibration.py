@@ -43,12 +43,14 @@ class P2PLimits:
     message goes to the first algorithm whose crossover it does not exceed, past the last one to NCCL.
     Nothing larger than `oneshot_bytes` (the one-shot's own buffers; None: the workspace) goes one-shot,
     even when forced. A message larger than `workspace_bytes` runs two-shot in pieces of whole rows that
-    fit it (p2p_allreduce.chunk_rows), or takes NCCL when not even one piece fits.
+    fit it (p2p_allreduce.chunk_rows), or takes NCCL when not even one piece fits. measured: the
+    crossovers come from this machine's calibration (now or cached), not default_limits.
     """
 
     workspace_bytes: int
     crossovers: Tuple[Tuple[str, int], ...]
     oneshot_bytes: Optional[int] = None
+    measured: bool = True
 
     def crossover(self, algorithm: str) -> int:
         return dict(self.crossovers)[algorithm]
@@ -79,7 +81,7 @@ def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], worksp
 
 def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
     return P2PLimits(max_bytes, (("oneshot", min(DEFAULT_ONESHOT_MAX, oneshot_bytes)), ("twoshot", max_bytes)),
-                     oneshot_bytes)
+                     oneshot_bytes, measured=False)
 
 
 def _source_digest() -> str:
