@@ -26,7 +26,8 @@ from commfuse.bench.context import Ctx
 from commfuse.bench.verdict import OK, Kind, Skip, Verdict, combine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RECORD_FIELDS = {"impl", "pattern", "dtype", "tokens", "hidden", "mode", "us", "us_min", "us_max", "frac_hbm"}
+RECORD_FIELDS = {"impl", "pattern", "dtype", "tokens", "hidden", "mode", "us", "us_min", "us_max", "frac_hbm",
+                 "frac_link"}
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID")
 
 
@@ -140,6 +141,7 @@ def test_bench_sh_quick_on_cpu_writes_json_and_png(tmp_path):
             assert isinstance(r["frac_hbm"], float) and r["frac_hbm"] > 0
         else:
             assert r["frac_hbm"] is None
+        assert r["frac_link"] is None  # no peer GPU
     ran = {(r["impl"], r["pattern"]) for r in records}
     for pattern in cases.QUICK_PATTERNS:
         for impl in ("nccl+eager", "commfuse-fallback", "commfuse-auto", "torch-add"):
@@ -386,7 +388,7 @@ def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
 
 def _rec(impl, us, mode, t=4, pattern="residual_rmsnorm"):
     return {"impl": impl, "pattern": pattern, "dtype": "bf16", "tokens": t, "hidden": 256, "mode": mode,
-            "us": us, "us_min": us, "us_max": us, "frac_hbm": None}
+            "us": us, "us_min": us, "us_max": us, "frac_hbm": None, "frac_link": None}
 
 
 def test_host_table_gives_commfuse_rows_their_ratio_to_torch_add():
@@ -409,6 +411,31 @@ def test_host_table_gives_commfuse_rows_their_ratio_to_torch_add():
                                "commfuse-p2p"]
     assert host[1].split() == ["4", "x", "256", "2.0", "7.0", "5.0", "2.50", "-"]
     assert host[2].split() == ["8", "x", "256", "4.0", "6.0", "1.50", "-"]
+
+
+def test_collective_rows_get_their_bus_bandwidth_against_the_link():
+    """frac_link: a collective row's bus bandwidth (2 (n-1)/n x the all-reduced bytes / time) over the P2P
+    copy ceiling, on 2+ ranks with a measured link only; frac_hbm stays the tail rows'; the table shows it."""
+    pattern = cases.PATTERNS["residual_rmsnorm"]
+    ceilings = {"hbm_copy_GBps": 4000.0, "p2p_GBps": 400.0}
+    t, h = 1024, 8192  # 16 MiB of bf16: on 4 ranks 25.2 MB of bus traffic
+    assert cli.fractions("collective", pattern, t, h, 2, 4, 100.0, ceilings) == \
+        (None, round(1.5 * t * h * 2 / 100e-6 / 400e9, 4))
+    assert cli.fractions("collective", pattern, t, h, 2, 2, 200.0, ceilings)[1] == round(t * h * 2 / 200e-6 / 400e9, 4)
+    assert cli.fractions("collective", pattern, t, h, 2, 1, 100.0, ceilings) == (None, None)  # no all-reduce
+    assert cli.fractions("collective", pattern, t, h, 2, 2, 100.0, {**ceilings, "p2p_GBps": None}) == (None, None)
+    frac_hbm, frac_link = cli.fractions("tail", pattern, t, h, 2, 2, 20.0, ceilings)
+    assert frac_link is None and frac_hbm == round(cases.tail_bytes(pattern, t, h, 2) / 20e-6 / 4000e9, 4)
+
+    args = cli.parse_args(["--modes", "graph", "--shapes", "4x256", "--dtypes", "bf16", "--patterns", "residual_rmsnorm",
+                           "--impls", "commfuse-auto,torch-add"])
+    rec = {**_rec("commfuse-auto", 5.0, "graph"), "frac_link": 0.4321}
+    doc = {"machine": "m", "gpu": "g", "world_size": 2, "backend": "nccl", "date": "d", "versions": {},
+           "ceilings": ceilings, "records": [_rec("torch-add", 2.0, "graph"), rec], "skipped": [], "plans": []}
+    text = report.format_table(doc, {}, args)
+    block = text.split("\n== ")[1].split("\n")
+    assert block[0] == "graph: residual_rmsnorm bf16, % of the P2P copy ceiling in bus bandwidth"
+    assert block[2].split() == ["4", "x", "256", "2.0", "5.0", "(43%)"]
 
 
 def test_check_follows_the_tolerances():

@@ -70,6 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "alone, no GPU wait inside it; synchronised before the start and after the stop), "
                            f"median (min, max) of {r} repeats, slowest rank",
                    "frac_hbm": "tail rows: fewest bytes the tail moves / time / hbm_copy_GBps",
+                   "frac_link": "collective rows on 2+ GPUs: bus bandwidth (2(n-1)/n x t x h x bytes an element / "
+                                "time) / p2p_GBps",
                    "inputs": f"rotating among up to {MAX_INPUT_SETS} input sets (2x the last-level cache)"},
                "plans": ctx.plans,
                "config": {"shapes": [f"{t}x{h}" for t, h in args.shape_list],
@@ -153,13 +155,11 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
                     not_run(impl, case, verdict, [mode])
                     continue
                 us = statistics.median(times)
-                frac = None
-                if impl.section == "tail" and ceilings.get("hbm_copy_GBps") and us > 0:
-                    frac = tail_bytes(pattern, t, h, case.dtype.itemsize) / (us * 1e-6) / (ceilings["hbm_copy_GBps"] * 1e9)
+                frac_hbm, frac_link = fractions(impl.section, pattern, t, h, case.dtype.itemsize, ctx.world, us,
+                                                ceilings)
                 records.append({"impl": impl.name, "pattern": pname, "dtype": dname, "tokens": t, "hidden": h,
                                 "mode": mode, "us": round(us, 3), "us_min": round(min(times), 3),
-                                "us_max": round(max(times), 3),
-                                "frac_hbm": None if frac is None else round(frac, 4),
+                                "us_max": round(max(times), 3), "frac_hbm": frac_hbm, "frac_link": frac_link,
                                 **({"wrong": wrong} if wrong else {})})
                 if mode == args.mode_list[0]:
                     line.append(f"{impl.name} {us:.1f}{'*' if wrong else ''}")
@@ -170,6 +170,22 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
         if ctx.cuda and (n == len(cases) or cases[n][1] != h):
             torch.cuda.empty_cache()
     return records, skipped, status
+
+
+def fractions(section: str, pattern, t: int, h: int, itemsize: int, world: int, us: float,
+              ceilings: dict) -> Tuple[Optional[float], Optional[float]]:
+    """(frac_hbm, frac_link) of a row that took `us` a call, None where they do not apply: a tail row's
+    fewest bytes (tail_bytes) over the HBM copy ceiling; a collective row's bus bandwidth over more than
+    one rank, 2 (n - 1) / n x the all-reduced t x h elements a call (nccl-tests' count), over the P2P copy
+    ceiling (one direction; measured only where rank 0 sees a peer GPU)."""
+    hbm, link = ceilings.get("hbm_copy_GBps"), ceilings.get("p2p_GBps")
+    if us <= 0:
+        return None, None
+    if section == "tail" and hbm:
+        return round(tail_bytes(pattern, t, h, itemsize) / (us * 1e-6) / (hbm * 1e9), 4), None
+    if section == "collective" and link and world > 1:
+        return None, round(2 * (world - 1) / world * t * h * itemsize / (us * 1e-6) / (link * 1e9), 4)
+    return None, None
 
 
 # ------------------------------------------------------------------------------------------ options

@@ -45,8 +45,9 @@ def _cell(rec: Optional[dict], state: Optional[Kind], with_frac: bool) -> str:
         return {Kind.REJECTED: "REJ", Kind.FAILED: "FAIL", Kind.SKIP: "-"}.get(state, "")
     us = rec["us"]
     s = f"{us:.1f}" if us < 1000 else f"{us:.0f}"
-    if with_frac and rec["frac_hbm"] is not None:
-        s += f" ({100 * rec['frac_hbm']:.0f}%)"
+    frac = rec.get("frac_hbm") if rec.get("frac_hbm") is not None else rec.get("frac_link")
+    if with_frac and frac is not None:
+        s += f" ({100 * frac:.0f}%)"
     return s + ("*" if rec.get("wrong") else "")
 
 
@@ -85,13 +86,16 @@ def format_table(doc: dict, status: dict, args) -> str:
                     continue
                 shapes = sorted(shapes_of(args, PATTERNS[pname]), key=lambda s: (s[1], s[0]))
                 for dname in args.dtype_list:
-                    title = ", tail only (no collective), % of HBM copy ceiling" if section == "tail" else ""
+                    link = section == "collective" and any(r.get("frac_link") is not None and r["mode"] == mode and
+                                                           r["pattern"] == pname for r in doc["records"])
+                    title = (", tail only (no collective), % of HBM copy ceiling" if section == "tail" else
+                             ", % of the P2P copy ceiling in bus bandwidth" if link else "")
                     shared = f" -- {SHARED_GPU}" if doc.get("shared_gpu") and mode != "host" else ""
                     out.append(f"\n== {mode}: {pname} {dname}{title}{shared}")
                     columns = [["tokens x hidden"] + [f"{t} x {h}" for t, h in shapes]]
                     for n in names:
                         recs = [by_key.get((n, pname, dname, t, h, mode)) for t, h in shapes]
-                        columns.append([n] + [_cell(rec, status.get((n, pname, dname, t, h, mode)), section == "tail")
+                        columns.append([n] + [_cell(rec, status.get((n, pname, dname, t, h, mode)), section != "floor")
                                               for rec, (t, h) in zip(recs, shapes)])
                         if ratios and is_commfuse(n):
                             cells = [_ratio(rec, by_key.get((YARDSTICK, pname, dname, t, h, mode)))
