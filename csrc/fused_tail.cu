@@ -28,14 +28,15 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 // CTAs become resident (and wait) while this one's run; with 3 slots per SM they crowded this
 // kernel out: at 256 rows the bf16 tail took 6.0 us with PDL against 4.8 us without, and 4.8 us
 // with PDL and 4 slots (H200). The bf16 FP8 variant then spills 4 bytes, which costs it 1-6% at
-// h = 4096 (bench/journal.md). The local tail's VPT 4 rows take 5 where that costs no spill (<= 48
-// registers: no quantization, fp8, nvfp4, its weights loaded after the row's sum): one SM then overlaps
-// more rows (64 registers held 4 CTAs, and 1024 rows took two waves).
+// h = 4096 (bench/journal.md).
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
+// The VPT 4 tails without quantization, fp8 and nvfp4 load the weights after the row's sum (from L1 / L2:
+// every row reads them), not with the row: 55-64 registers, no spill. Against 5 CTAs an SM at 48 registers
+// (which the late weights had made room for), 4 measured 2-10% faster at 256-1024 rows and level from
+// 2048 (H200, session 27 in bench/journal.md).
 template <int VPT, int QUANT>
-constexpr int kTailMinBlocks = VPT == 4 && (QUANT == kQuantNone || QUANT == kQuantFp8 || QUANT == kQuantNvfp4)
-                                   ? 5 : kMinBlocks<VPT>;
+constexpr bool kWeightAfterSum = VPT == 4 && (QUANT == kQuantNone || QUANT == kQuantFp8 || QUANT == kQuantNvfp4);
 
 // The kernel's only parameter is FusedTailParams (the all-reduced input a, then TailParams),
 // declared in commfuse/kernels/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
@@ -43,7 +44,7 @@ constexpr int kTailMinBlocks = VPT == 4 && (QUANT == kQuantNone || QUANT == kQua
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
 // VPT == 0: rows of any length, looped over (two passes over residual_out).
 template <typename T, int QUANT, int VPT>
-__global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
+__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
     fused_tail(const __grid_constant__ FusedTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
   pdl_wait();  // the input is the previous kernel's (NCCL's) output
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kTailMinBlocks<VPT, QUANT>)
       const int v = threadIdx.x + i * blockDim.x;
       av[i] = v < nv ? a[v] : make_uint4(0, 0, 0, 0);
     }
-    constexpr bool kLate = kTailMinBlocks<VPT, QUANT> > kMinBlocks<VPT>;  // weights after the sum: fewer registers
+    constexpr bool kLate = kWeightAfterSum<VPT, QUANT>;
     uint4 x[VPT], w[VPT];
     if (p.tail.residual_in != nullptr) {
       tail_load_residual<T, VPT>(p.tail, row, x);
