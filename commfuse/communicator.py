@@ -228,8 +228,7 @@ class Communicator:
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
         if residual is None:
-            if weight is not None or quant is not None or scale is not None:
-                raise ValueError("residual is required when weight, quant or scale is given")
+            checks.plain_plan(weight, quant, scale)
             spec = None
         else:
             spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
@@ -329,11 +328,7 @@ class Communicator:
         r = self.table.moe(*args)
         if r is not None:
             return r
-        t, _, h = checks.moe(y, weights, row_index, shared, self.device)
-        checks.x_hidden(residual, self.device, name="residual")
-        if tuple(residual.shape) != (t, h) or residual.dtype != y.dtype:
-            raise ValueError(f"residual must have shape [t, h] = {[t, h]} and y's dtype {y.dtype}, got "
-                             f"{tuple(residual.shape)} {residual.dtype}")
+        t, _, h = checks.moe(y, weights, row_index, shared, residual, self.device)
         spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
         # residual stands for the combined rows (their shape, dtype and device) in the tail's checks
         checks.tail(residual, residual, weight, scale, spec, self.device, x_name="residual")

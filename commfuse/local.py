@@ -182,8 +182,7 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     kernel (one launch; reference.quantize's bits) where its guards hold, else the separated ops;
     `plan_quantize` says which. The fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
-        if quant is None:
-            raise ValueError("quant must name a format, got None")
+        checks.quant_named(quant)
         tail = code(quant, False, sf_layout, scale_layout, scale_ue8m0)
         return Quantized(*spread(torch.ops.commfuse.quantize(x, scale, tail), tail, False)[2:])
     args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
@@ -197,8 +196,7 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
 
 
 def _quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0) -> Call:
-    if quant is None:
-        raise ValueError("quant must name a format, got None")
+    checks.quant_named(quant)
     spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     h = checks.x_hidden(x, None)
     checks.scale(spec, scale, h, x.device)

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from .spec import Outputs, TailSpec
 
-__all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "scale", "out", "out_like", "same_device",
-           "fields_of", "storage_room"]
+__all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "quant_named", "plain_plan", "scale", "out",
+           "out_like", "same_device", "fields_of", "storage_room"]
 
 # What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
 # or a float64 tensor.
@@ -141,11 +141,12 @@ def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate) -> int:
     return h
 
 
-def moe(y, weights, row_index, shared, device: torch.device) -> tuple:
-    """A MoE combine's tensors (moe_all_reduce): (t, k, h), checked. y: T[t, k, h] (the reduction form) or,
+def moe(y, weights, row_index, shared, residual, device: torch.device) -> tuple:
+    """A MoE call's tensors (moe_all_reduce): (t, k, h), checked. y: T[t, k, h] (the reduction form) or,
     with row_index int32/int64 [t, k], the permuted rows T[R, h] (the finalize form); weights: [t, k]
-    float32 or T; shared: T[t, h] or None; all on `device`. row_index's values are not read here (on a
-    GPU that would synchronise): the combine checks them (docs/semantics.md section 14)."""
+    float32 or T; shared: T[t, h] or None; residual: T[t, h] (the combined rows' shape); all on `device`.
+    row_index's values are not read here (on a GPU that would synchronise): the combine checks them
+    (docs/semantics.md section 14). The tail's other arguments are `tail`'s, with residual in x's place."""
     _tensor("y", y)
     if y.dtype not in DTYPES:
         raise TypeError(f"y must be float16, bfloat16 or float32, got {y.dtype}")
@@ -177,7 +178,23 @@ def moe(y, weights, row_index, shared, device: torch.device) -> tuple:
         if shared.dtype != y.dtype:
             raise TypeError(f"shared dtype {shared.dtype} must match y dtype {y.dtype}")
         same_device("shared", shared, device)
+    x_hidden(residual, device, name="residual")
+    if tuple(residual.shape) != (t, h) or residual.dtype != y.dtype:
+        raise ValueError(f"residual must have shape [t, h] = {[t, h]} and y's dtype {y.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     return t, k, h
+
+
+def quant_named(quant) -> None:
+    """quantize's format: a name (TailSpec.of checks which), not None."""
+    if quant is None:
+        raise ValueError("quant must name a format, got None")
+
+
+def plain_plan(weight, quant, scale) -> None:
+    """comm.plan of a plain all-reduce (residual None) takes no tail argument."""
+    if weight is not None or quant is not None or scale is not None:
+        raise ValueError("residual is required when weight, quant or scale is given")
 
 
 def storage_room(t: Tensor) -> int:
