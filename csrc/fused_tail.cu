@@ -32,9 +32,8 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 // The VPT 4 tails without quantization, fp8 and nvfp4 load the weights after the row's sum (from L1 / L2:
-// every row reads them), not with the row: 55-64 registers, no spill. Against 5 CTAs an SM at 48 registers
-// (which the late weights had made room for), 4 measured 2-10% faster at 256-1024 rows and level from
-// 2048 (H200, session 27 in bench/journal.md).
+// every row reads them), not with the row: 55-64 registers, no spill. They fit 5 CTAs an SM at 48
+// registers too, but 4 measured 2-10% faster at 256-1024 rows and level from 2048 (H200, bench/journal.md).
 template <int VPT, int QUANT>
 constexpr bool kWeightAfterSum = VPT == 4 && (QUANT == kQuantNone || QUANT == kQuantFp8 || QUANT == kQuantNvfp4);
 

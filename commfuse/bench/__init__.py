@@ -73,7 +73,8 @@ JSON (bench-<machine>.json): {"machine", "gpu", "world_size", "backend", "shared
 "versions", "ceilings": {"hbm_copy_GBps", "p2p_GBps", "nccl_busbw_GBps"}, "methods" (how each
 number was measured), "records": [{"impl", "pattern", "dtype", "tokens", "hidden", "mode" (graph |
 eager | host), "us", "us_min", "us_max", "frac_hbm" (tail rows), "frac_link" (collective rows on 2+
-GPUs), and "wrong" for a baseline timed despite the gate}], "skipped": [{"impl", "pattern", "reason"}] (a reason starting "rejected (" or "failed ("
-for REJ and FAIL rows, else why the row does not apply), "plans" (the route of each commfuse row),
-"config", and "note" on the CPU}. One PNG per mode: bench-<machine>-<mode>.png.
+GPUs), and "wrong" for a baseline timed despite the gate}], "skipped": [{"impl", "pattern", "reason"}]
+(a reason starting "rejected (" or "failed (" for REJ and FAIL rows, else why the row does not apply),
+"plans" (the route of each commfuse row), "config", and "note" on the CPU}. One PNG per mode:
+bench-<machine>-<mode>.png.
 """
