@@ -27,12 +27,14 @@
 #include <vector>
 
 #include <ATen/cuda/EmptyTensor.h>
+#include <ATen/record_function.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 namespace py = pybind11;
@@ -1081,6 +1083,20 @@ Outputs moe_all_reduce_op(const at::Tensor& y, const at::Tensor& weights, const 
       optional_wrap(scale), eps, weight_offset, tail, std::string(comm)));
 }
 
+// An op kernel as a plain function (what Inductor's code calls, commfuse/fusion/lowering.py): without the
+// dispatcher's argument parsing and boxing, which cost more host time than the kernel's own work. The GIL is
+// released as torch.ops does; the op keeps its name in torch.profiler's traces.
+template <typename R, typename... A>
+void def_direct(py::module_& m, const char* name, R (*op)(A...)) {
+  m.def(
+      name,
+      [qualified = std::string("commfuse::") + name, op](A... a) -> R {
+        RECORD_FUNCTION(qualified, std::vector<c10::IValue>());
+        return op(std::forward<A>(a)...);
+      },
+      py::call_guard<py::gil_scoped_release>());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
@@ -1112,6 +1128,12 @@ PYBIND11_MODULE(commfuse_host, m) {
       .def("insert", &Table::insert)
       .def("clear", &Table::clear)
       .def("__len__", &Table::size);
+  def_direct(m, "fused_all_reduce", &fused_all_reduce_op);
+  def_direct(m, "all_reduce", &all_reduce_op);
+  def_direct(m, "fused_add_rmsnorm", &fused_add_rmsnorm_op);
+  def_direct(m, "gated_rmsnorm", &gated_rmsnorm_op);
+  def_direct(m, "quantize", &quantize_op);
+  def_direct(m, "moe_all_reduce", &moe_all_reduce_op);
   m.def("set_pdl", [](bool on) { g_pdl = on; });
   m.def("set_tails", &set_tails);
   m.def("set_poison", [](int byte) { g_poison = byte; });

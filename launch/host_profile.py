@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
+from commfuse.fusion import lowering
 from commfuse.kernels import fused_tail, jit, launch, native, params
 from commfuse.kernels.fused_tail import FUSED_TAIL
 from commfuse.tail.spec import OutputSpec, TailSpec, code
@@ -160,6 +161,8 @@ def rows(comm, t: int, h: int):
             x, r, w, quant=q, scale=sc)
         yield f"torch.ops.commfuse.fused_add_rmsnorm quant={quant}", lambda sc=sc, c=code(quant): (
             torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, 0.0, c))
+        yield f"native.direct.fused_add_rmsnorm quant={quant}", lambda sc=sc, c=code(quant): (
+            native.direct.fused_add_rmsnorm(x, r, w, sc, 1e-6, 0.0, c))
     yield "commfuse.gated_rmsnorm group=h/4", lambda: commfuse.gated_rmsnorm(x, r, w, 1e-5, h // 4, False)
     yield "torch.ops.commfuse.gated_rmsnorm group=h/4", lambda c=code(): torch.ops.commfuse.gated_rmsnorm(
         x, r, w, None, 1e-5, h // 4, False, c)
@@ -170,16 +173,22 @@ def rows(comm, t: int, h: int):
     # Compiled (inductor, default mode): the local op inside a compiled function against inductor's own
     # kernel for the same tail written in torch; each call is the compiled function's whole host path. The
     # first row returns the call's Tail, which dynamo rebuilds after the graph on every call; the second is the
-    # op as the fusion pass puts it in a model's graph, its outputs returned as they are.
-    for quant in (None, "fp8"):
-        sc = scale if quant else None
-        yield f"torch.compile: commfuse.fused_add_rmsnorm quant={quant}", _compiled(
-            lambda x, r, w, sc, q=quant: commfuse.fused_add_rmsnorm(x, r, w, quant=q, scale=sc), x, r, w, sc)
-        yield f"torch.compile: torch.ops.commfuse.fused_add_rmsnorm quant={quant}", _compiled(
-            lambda x, r, w, sc, c=code(quant): torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, 0.0, c),
-            x, r, w, sc)
-        yield f"torch.compile: the torch tail quant={quant}", _compiled(
-            lambda x, r, w, sc, q=quant: torch_tail(x, r, w, q, sc), x, r, w, sc)
+    # op as the fusion pass puts it in a model's graph, its outputs returned as they are, called through
+    # torch's dispatcher; the last the same op with commfuse.fusion's lowerings installed (as its backend
+    # does), which call it through native.direct. The lowerings stay installed: those rows come last.
+    for lowered in (False, True):
+        for quant in (None, "fp8"):
+            sc = scale if quant else None
+            if not lowered:
+                yield f"torch.compile: commfuse.fused_add_rmsnorm quant={quant}", _compiled(
+                    lambda x, r, w, sc, q=quant: commfuse.fused_add_rmsnorm(x, r, w, quant=q, scale=sc), x, r, w, sc)
+            how = "lowered" if lowered else "torch.ops"
+            yield f"torch.compile: commfuse op ({how}) quant={quant}", _compiled(
+                lambda x, r, w, sc, c=code(quant): torch.ops.commfuse.fused_add_rmsnorm(x, r, w, sc, 1e-6, 0.0, c),
+                x, r, w, sc, lowered=lowered)
+            if not lowered:
+                yield f"torch.compile: the torch tail quant={quant}", _compiled(
+                    lambda x, r, w, sc, q=quant: torch_tail(x, r, w, q, sc), x, r, w, sc)
 
 
 def torch_tail(x, r, w, quant, scale, eps=1e-6):
@@ -192,8 +201,17 @@ def torch_tail(x, r, w, quant, scale, eps=1e-6):
     return h, n
 
 
-def _compiled(fn, *args):
+def _compiled(fn, *args, lowered=False):
+    """A call of fn compiled now, afresh (no cache: a row's code is its own), with commfuse.fusion's
+    lowerings installed first where `lowered`."""
+    import torch._inductor.config
+
+    if lowered:
+        lowering.install()
+        torch._dynamo.reset()  # dynamo keeps a frame's compiled code per code object: the rows share theirs
     compiled = torch.compile(fn, dynamic=False)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled(*args)
     return lambda: compiled(*args)
 
 

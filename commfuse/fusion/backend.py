@@ -29,6 +29,7 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
+from . import lowering
 from .evidence import REWRITES
 from .report import FusionReport
 from .rewrite import fuse
@@ -108,6 +109,8 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
             collected.append(report)
         if verbose:
             print(report)
+        if target == "inductor":
+            lowering.install()
         return _inner_compiler(target, m, o, dynamic)(gm, example_inputs)
 
     commfuse_fusion.reports = collected  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ look the table up too.
 
     launcher = native.launcher(plan)        # a C++ Launcher, or launch.PyLauncher where unavailable
     table = native.table(name, error_word, FusedResult, Tail, Quantized)   # native.Table, or table.PyTable
+    native.direct.fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail)  # an op kernel, no dispatcher
 
 Where the module cannot be built (no CUDA torch, no compiler, CUDA headers missing) or
 COMMFUSE_NATIVE=0, `unavailable()` says why and the stand-ins serve, with the same kernels and
@@ -45,9 +46,11 @@ from .launch import LaunchPlan, PyLauncher
 from .table import PyTable
 from ..tail.spec import codes as tail_codes
 
-__all__ = ["SOURCE", "unavailable", "module", "launcher", "table", "NcclFailure"]
+__all__ = ["SOURCE", "OPS", "unavailable", "module", "launcher", "table", "direct", "NcclFailure"]
 
 SOURCE = "host_launch.cpp"
+# The commfuse ops whose C++ kernels the extension also binds as plain functions (`direct`).
+OPS = ("fused_all_reduce", "all_reduce", "fused_add_rmsnorm", "gated_rmsnorm", "quantize", "moe_all_reduce")
 
 
 class NcclFailure(RuntimeError):
@@ -178,3 +181,24 @@ def table(name: str, error_word: int, fused_type, tail_type, quantized_type):
     if mod is None:
         return PyTable(name, error_word, fused_type, tail_type, quantized_type)
     return mod.Table(name, error_word, fused_type, tail_type, quantized_type)
+
+
+class _Direct:
+    """The op kernels of `OPS` as plain functions, each taking its op's arguments (commfuse.ops):
+    `direct.fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail)`. Where the extension
+    is on, its bindings of the same C++ kernels torch's dispatcher reaches (without the dispatcher's
+    argument parsing and boxing: commfuse.fusion.lowering has Inductor's code call these); elsewhere the
+    ops themselves (`torch.ops.commfuse.<op>.default`). Each name is looked up once."""
+
+    def __getattr__(self, name: str):
+        if name not in OPS:
+            raise AttributeError(f"commfuse.kernels.native.direct has no op {name!r}")
+        from .. import ops  # noqa: F401 - defines torch.ops.commfuse
+
+        mod = _load()[0]
+        fn = getattr(mod, name) if mod is not None else getattr(torch.ops.commfuse, name).default
+        setattr(self, name, fn)
+        return fn
+
+
+direct = _Direct()
