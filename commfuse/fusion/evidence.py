@@ -12,7 +12,7 @@ the formats' codes).
 
 The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*,
 -s18-gated-split-sweep*, -s19-*, 2026-12-04-h200-s20-local-ops-matrix*, -s20-gated-sweep*, -s20-host-profile*,
--s23-host-*, -s23-tp-decoder-*, -s24-tp-decoder-*):
+-s23-host-*, -s23-tp-decoder-*, -s24-tp-decoder-*, -s28-host-compiled-ab, -s28-tp-decoder-*):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
@@ -24,28 +24,20 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
   groups of 2048 but 6-7% behind at 1024 tokens with groups of 1024 (22.6 against 21.1 us at 1024x8192, -s20;
   add + RMSNorm there 16.1 / 15.1 and 18.6 / 17.6 us at 1024x7168 / 8192); NVFP4 quantization 1.7-7.4x
   faster than Inductor's compiled torch quantizer (11.9 against 29.2 us at 1024x8192).
-- The host: a call of the local op through torch.ops costs 1.5-1.8x a torch elementwise op (10.2 us
-  for add + RMSNorm against 6.4 us for torch.add; -s20, a slower host: 15.4 against 8.6 us), about what
-  Inductor's own kernel launch costs; a compiled function of the op as the pass inserts it 4-9% less host
-  time than the same function with Inductor's tail (-s23, 40.9 against 45.0 us interleaved), one that returns
-  the op's Tail 3-18% more (dynamo rebuilds the returned NamedTuple on every call; -s18, -s20, -s23); in
-  a compiled model the op takes the place of a kernel that Inductor also fused with its neighbours (the
-  first layer's norm with the embedding lookup, for one), and its outputs are checked in the compiled
-  code (a size and stride assertion each). The 8B-shaped decoder of examples/tp_decoder.py (4 layers,
-  FP8, world 1: every rewrite is local), compiled in Inductor's default mode: 9.93 ms for prefill + 4
-  decode steps with every local rewrite against 9.22 ms without (7.7% slower, slower at every step;
-  -s18: 5.89 against 5.86 ms, decode steps 2-4 2-7% slower; -s19, two runs: 5.84 against 5.86 and 9.24
-  against 9.13, decode steps 2 and 4 3-6% slower in both; -s23, two runs: 10.21 against 10.43 and 7.92
-  against 7.42, where two columns of one graph read 5-6% apart). -s24 measured it as the median of 40
-  rounds' paired ratios, fused / unfused, with 95% intervals: prefill 0.954 [0.921, 0.992], decode steps
-  1.004 [0.987, 1.057], 1.051 [1.016, 1.076], 1.058 [1.043, 1.076], 1.047 [1.027, 1.084]: decode steps 2-4
-  slower. cProfile of the decode step (-s24) puts it on the host: an op call through torch.ops costs ~13 us
-  of C++ time against ~11-13 us for a Triton launch, and the wrapper adds its output checks and the first
-  layer's separate embedding kernel, about 50 us a step over 9 ops. With mode="reduce-overhead" (CUDA
-  graphs: no host time per call) no step is slower (-s24: 0.978-1.032, every interval reaching below 1;
-  earlier single runs 4.43 against 4.57 ms, 3.58 against 3.50, 4.05 against 4.35), while each local
-  kernel's GPU time is commfuse's or less at decode sizes (above), so with CUDA graphs the local patterns
-  are rewritten.
+- The host: Inductor's code calls the op straight into the C++ extension (commfuse.fusion.lowering,
+  -s28): a compiled function of add + RMSNorm [16, 4096] costs 61.4 us against 76.5 us with Inductor's
+  own kernel for the tail (through torch's dispatcher, as before the lowering: 73.6 us; -s28, 101
+  interleaved repeats). In a compiled model the op still takes the place of a kernel that Inductor also
+  fused with its neighbours: the first layer's norm with the embedding lookup, which becomes a kernel of
+  its own. The 8B-shaped decoder of examples/tp_decoder.py (4 layers, FP8, world 1: every rewrite is
+  local), compiled in Inductor's default mode with every local rewrite, per step the median of 40 rounds'
+  paired ratios fused / unfused with 95% intervals (-s28, two runs): prefill 0.926 and 0.936, decode steps
+  1.006, 0.993, 1.009, 1.016 [1.004, 1.036] and 1.004, 0.967, 0.989, 0.975 [0.954, 1.021]: level, one step
+  1.6% slower in one run. Through the dispatcher (-s24) decode steps 2-4 were 4.7-5.8% slower (cProfile:
+  ~13 us of C++ time an op call against ~11-13 us for a Triton launch, plus the output checks). With
+  mode="reduce-overhead" (CUDA graphs: no host time per call) no step is slower (-s28: 0.985-1.039,
+  every interval reaching below 1), while each local kernel's GPU time is commfuse's or less at decode
+  sizes (above), so with CUDA graphs the local patterns are rewritten.
 - The gated norm in a compiled model: the same decoder with each attention output through a grouped gated
   RMSNorm (`--gated-attn`, groups of 128), default mode (-s24, 40 paired rounds): with only the gated norms
   rewritten no step slower, fused / unfused 1.032 [0.975, 1.114] at prefill, 0.985 [0.954, 0.995] at decode
@@ -61,9 +53,9 @@ __all__ = ["REWRITES", "local_rewrite"]
 
 REWRITES = ("auto", "all")
 
-_DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran its decode steps 4-6% slower with every "
-            "local rewrite (H200, the median of 40 paired rounds, each 95% interval above 1 for steps 2-4: the "
-            "op call's host time in Inductor's wrapper)")
+_DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran level with every local rewrite, not "
+            "faster (H200, per step the median of 40 paired rounds, two runs: 0.926-1.016 of the unfused time, "
+            "one decode step 1.6% slower in one run)")
 _ADD_RMSNORM = ("Inductor's own kernel for it measured level or faster at 1024 tokens (18.2 against 18.4 us at "
                 f"1024x8192, bf16, H200), and {_DECODER}")
 
@@ -84,7 +76,7 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
     # 2.4-2.7x faster than Inductor's compiled torch quantizer). With CUDA graphs the kernels' GPU time
     # decides: commfuse's faster or level up to 256 tokens (the gated norm with groups of 128 at every
     # measured shape); the decoder above level with every local rewrite. In the default mode the gated
-    # norm's rewrite measured no step slower in a compiled model, the add + RMSNorm's decode steps slower.
+    # norm's rewrite measured no step slower in a compiled model, the add + RMSNorm's level, not faster.
     if rewrite == "all" or compiler != "inductor" or quant_is_op or cuda_graphs or kind == "gated":
         return None
     return f"left to Inductor: {_ADD_RMSNORM}; rewrite='all' fuses it anyway"
