@@ -75,6 +75,28 @@ def test_compiled_local_ops_call_direct(gen, device, quant):
         assert len(got) == len(want) and all(bits_equal(g, w) for g, w in zip(got, want))
 
 
+def test_ops_in_a_torch_cond_branch_call_direct(gen):
+    """A subgraph's code (torch.cond's branches) reaches the imported name too."""
+    h = 64
+
+    def f(p, x, residual, weight):
+        def add_norm(x, residual, weight):
+            return torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, None, 1e-5, 0.0, 0)[1]
+
+        def norm(x, residual, weight):
+            return torch.ops.commfuse.fused_add_rmsnorm(x, None, weight, None, 1e-5, 0.0, 0)[0]
+
+        return torch.cond(p, add_norm, norm, (x, residual, weight))
+
+    x, residual, weight, _ = inputs(gen, 4, h, BF16)
+    args = [(torch.tensor(p), x, residual, weight) for p in (True, False)]
+    outs, wrapper = compiled_code(f, *args)
+    assert re.findall(r"= commfuse_direct\.(\w+)\(", wrapper) == ["fused_add_rmsnorm"] * 2
+    assert "torch.ops.commfuse" not in wrapper
+    for got, a in zip(outs, args):
+        assert bits_equal(got, f(*a))
+
+
 @mpi
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_compiled_collective_ops_call_direct(quiet_comm, gen, quant):
