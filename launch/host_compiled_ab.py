@@ -8,13 +8,18 @@ for the tail written in torch. torch.add(out=) is the yardstick.
 
 Usage (one GPU): python launch/host_compiled_ab.py [REPEATS]   (default 101; [16, 4096] bf16)
 """
-import statistics, sys, time
+import statistics
+import sys
+import time
+
 import torch
 import torch._inductor.config
+
 import commfuse
 from commfuse.fusion import lowering
 from commfuse.kernels import native
 from commfuse.tail.spec import code
+from host_profile import torch_tail  # the tail as a model writes it in torch (launch/ is the script's directory)
 
 t, h = 16, 4096
 dev, dt = "cuda", torch.bfloat16
@@ -24,15 +29,6 @@ r = torch.randn(t, h, generator=g).to(dev, dt)
 w = torch.randn(h, generator=g).to(dev, dt)
 scale = torch.tensor([0.05], device=dev)
 buf = torch.empty_like(x)
-
-
-def torch_tail(x, r, w, quant, scale, eps=1e-6):
-    hh = x + r
-    hf = hh.float()
-    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-    if quant == "fp8":
-        return hh, (n.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return hh, n
 
 
 def compiled(fn, sc):
