@@ -281,6 +281,19 @@ def test_compiled_moe_op_matches_eager_call(quiet_comm, gen, quant):
             assert bits_equal(getattr(got, name), getattr(want, name)), f"t={t}: {name}"
 
 
+@mpi
+@pytest.mark.parametrize("form, quant", [("reduction", None), ("finalize", "fp8"), ("finalize", "nvfp4")])
+def test_opcheck_moe_all_reduce(quiet_comm, gen, form, quant):
+    """torch.library's checks of the schema and the fake against the kernel (sizes and strides: compiled code
+    does not re-check the outputs, commfuse.fusion.lowering)."""
+    c = quiet_comm
+    per_rank, rank = moe_inputs(c, gen, 5, 2, 128, torch.bfloat16, form, torch.float32, True)
+    y, w, idx, shared = per_rank[rank]
+    residual, weight, scale = tail_inputs(c, gen, 5, 128, torch.bfloat16, quant)
+    torch.library.opcheck(torch.ops.commfuse.moe_all_reduce.default,
+                          (y, w, idx, shared, residual, weight, scale, 1e-6, 0.0, code(quant, True), c.name))
+
+
 def test_kernel_fields_name_the_weights_dtype():
     """The MoE kernels' combine fields: weights_f32 1 for float32 weights, 0 for y's dtype; any other weights
     dtype (which the kernels would misread as T) raises ValueError naming it."""

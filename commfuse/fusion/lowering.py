@@ -13,8 +13,8 @@ wrapper's code:
 - the call goes to `commfuse.kernels.native.direct.<op>`: the extension's binding of the same C++
   kernel the dispatcher reaches (the op itself where the extension is off);
 - the outputs are not re-checked. They are fresh dense tensors made by the kernel from the call's
-  shapes, as the op's fake implementation makes them (tests/test_local.py and test_ops.py run
-  torch.library.opcheck on every op, which compares the two).
+  shapes, as the op's fake implementation makes them (the tests run torch.library.opcheck on every
+  op, which compares the two, sizes and strides).
 The C++ wrapper (AOTInductor) keeps Inductor's own code. commfuse.fusion's backend installs it before
 Inductor compiles a graph; the lowerings are process-wide, so later graphs with the ops get it too.
 """
