@@ -210,7 +210,8 @@ class Communicator:
             return Call.of("plain", x)
         h = checks.tail(x, residual, weight, scale, spec, self.device)
         if out is not None:
-            checks.out(out, spec.outputs(x.numel() // h, h, x.dtype), self.device)
+            checks.out(out, spec.outputs(x.numel() // h, h, x.dtype), self.device,
+                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
         return Call.of("fused", x, residual, weight, scale, spec=spec)
 
     @staticmethod
@@ -242,7 +243,8 @@ class Communicator:
         p = routes.plan(call, self._machine)
         launcher = routes.launcher(call, p, self._resources)
         if self._check_calls:
-            signature = (op, tuple(call.x.shape), str(call.x.dtype), str(call.spec), str(p.collective))
+            spec = None if call.spec is None else call.spec.signature
+            signature = (op, tuple(call.x.shape), str(call.x.dtype), spec, str(p.collective))
             launcher = _Checked(self, signature, launcher)
         self.table.insert(op, args, p, launcher)
         return p, launcher
@@ -333,11 +335,9 @@ class Communicator:
         # residual stands for the combined rows (their shape, dtype and device) in the tail's checks
         checks.tail(residual, residual, weight, scale, spec, self.device, x_name="residual")
         if out is not None:
-            outputs = spec.outputs(t, h, y.dtype)
-            checks.out(out, outputs, self.device)
-            checks.no_overlap(checks.OUT_NAMES, checks.fields_of(out), outputs,
-                              (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared),
-                               ("residual", residual), ("weight", weight), ("scale", scale)))
+            checks.out(out, spec.outputs(t, h, y.dtype), self.device,
+                       (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared),
+                        ("residual", residual), ("weight", weight), ("scale", scale)))
         unfused = moe.fused_rejects(y, weights, residual, weight, scale, spec, self._machine)
         route, why = moe.plan(y, weights, self._machine)
         one = self._moe_one_launch(y, weights, row_index, residual, weight, scale, spec, unfused is None,
@@ -346,8 +346,8 @@ class Communicator:
             # The routes whose one launch combines as it reads: the table launches this signature from now on.
             p, launcher = one
             if self._check_calls:
-                launcher = _Checked(self, ("moe", tuple(y.shape), tuple(weights.shape), str(y.dtype), str(spec),
-                                           str(p.collective)), launcher)
+                launcher = _Checked(self, ("moe", tuple(y.shape), tuple(weights.shape), str(y.dtype),
+                                           spec.signature, str(p.collective)), launcher)
             if self.workspace is not None:
                 self.workspace.check_error()
             self.table.insert("moe", args, p, launcher)

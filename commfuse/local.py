@@ -81,7 +81,8 @@ def _tail_spec(quant, return_norm, eps, weight_offset, sf_layout, scale_layout, 
 def _local_call(x, residual, weight, scale, out, spec) -> Call:
     h = checks.tail(x, residual, weight, scale, spec, None, residual_optional=True, where=_WHERE)
     if out is not None:
-        checks.out(out, spec.outputs(x.numel() // h, h, x.dtype, residual is not None), x.device)
+        checks.out(out, spec.outputs(x.numel() // h, h, x.dtype, residual is not None), x.device,
+                   (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
     return Call.of("local", x, residual, weight, scale, spec=spec)
 
 

@@ -237,7 +237,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float =
     w = float(weight) when weight_offset == 0 (no addition: a -0.0 weight keeps its
     sign), else w = RN(weight_offset + float(weight)), one fp32 addition.
     """
-    xf = x.float()
+    xf = x.float().contiguous()  # the mean's order of summation is a dense row's, whatever x's strides
     inv = torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
     wf = weight.float()
     if _f32(weight_offset) != 0.0:

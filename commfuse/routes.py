@@ -41,8 +41,7 @@ from .kernels.launch import LaunchPlan
 from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
 from .kernels.quantize import QUANTIZE
 from .p2p.calibration import P2PLimits
-from .tail.checks import OUT_FIELDS, OUT_NAMES, fields_of, no_overlap, scale_value
-from .tail.formats import Layout
+from .tail.checks import OUT_NAMES, fields_of, no_overlap, out_placed, scale_value
 from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
 
@@ -388,7 +387,7 @@ class GlooRoute(Route):
 
     def launcher(self, call, plan, res):
         first = _GlooSum(res, describe(call, plan))
-        return _Then(first, _tail_kernel(call, res)) if call.spec is not None else first
+        return _Then(first, _tail_kernel(call, res), _outputs(call)) if call.spec is not None else first
 
 
 class LocalRoute(Route):
@@ -453,14 +452,13 @@ class SeparatedRoute(Route):
         elif call.op == "quantize":
             tail = _SeparatedQuantize(spec)
         else:
-            tail = _SeparatedTail(spec, spec.outputs(call.tokens, call.hidden, call.x.dtype,
-                                                     call.residual is not None))
+            tail = _SeparatedTail(spec, _outputs(call))
         if plan.collective is Collective.NONE:
             return tail
         if plan.collective is Collective.GLOO:  # its exchange checks the whole call, tail included
-            return _Then(_GlooSum(res, describe(call, plan)), tail)
+            return _Then(_GlooSum(res, describe(call, plan)), tail, _outputs(call))
         plain = Call("plain", call.x)  # the collective route's plain all-reduce of x
-        return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail)
+        return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail, _outputs(call))
 
 
 _P2P_ROUTES = (P2PRoute("oneshot"), P2PRoute("twoshot"))
@@ -525,18 +523,24 @@ def _tail_kernel(call: Call, res: Resources):
     return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index))
 
 
+def _outputs(call: Call):
+    """The OutputSpecs of a tail call's outputs."""
+    return call.spec.outputs(call.tokens, call.hidden, call.x.dtype, call.residual is not None)
+
+
 class _Then:
     """A collective's plain all-reduce, then a tail on its sum."""
 
-    __slots__ = ("first", "tail")
+    __slots__ = ("first", "tail", "outputs")
 
-    def __init__(self, first, tail):
-        self.first, self.tail = first, tail
+    def __init__(self, first, tail, outputs):
+        self.first, self.tail, self.outputs = first, tail, outputs  # the tail's OutputSpecs
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+        total = self.first(x)
         if out is not None:  # the tail checks its own inputs; x is the collective's
-            no_overlap(OUT_NAMES, fields_of(out), (None,) * len(OUT_NAMES), (("x", x),))
-        return self.tail(self.first(x), residual, weight, scale, out, z)
+            no_overlap(OUT_NAMES, fields_of(out), self.outputs, (("x", x),))
+        return self.tail(total, residual, weight, scale, out, z)
 
 
 class _TorchAllReduce:
@@ -551,6 +555,7 @@ class _TorchAllReduce:
         if out is None:
             out = x.clone(memory_format=torch.contiguous_format)
         else:
+            out_placed(("out",), (out,), (None,))
             no_overlap(("out",), (out,), (None,), (("x", x),))
             out.copy_(x)
         dist.all_reduce(out, group=self.group)
@@ -559,7 +564,7 @@ class _TorchAllReduce:
 
 def describe(call: Call, plan: Plan) -> str:
     """The call as every rank must make it alike: op, dtype, shape, tail spec and route, in words."""
-    tail = "" if call.spec is None else f", {call.spec}, eps {call.spec.eps!r}"
+    tail = "" if call.spec is None else f", {call.spec.signature}"
     return f"{call.op}({call.x.dtype}, {list(call.x.shape)}{tail}) on {plan.collective} + {plan.tail} tail"
 
 
@@ -641,23 +646,25 @@ class _GlooSum:
         total = reference.all_reduce_sum(xs)
         if out is None:
             return total
+        # After the exchange, which every rank then has made: a rank that raises stays in step.
+        out_placed(("out",), (out,), (None,))
         no_overlap(("out",), (out,), (None,), (("x", x),))
         return out.copy_(total)
 
 
-def _write_out(outputs: tuple, out, spec: TailSpec) -> tuple:
+def _write_out(outputs: tuple, out, specs) -> tuple:
     """The outputs, copied into the caller's tensors of `out` where it gives one (computed whole first:
-    out.residual may be the residual input). MN-major scales get their whole storage, padding rows
-    included, as the fused kernels write it (a view of one column reads as contiguous: the layout says)."""
+    out.residual may be the residual input). MN-major scales (an OutputSpec with strides) get their whole
+    storage, padding rows included, as the fused kernels write it."""
     if out is None:
         return outputs
     written = []
-    for name, mine, theirs in zip(OUT_FIELDS, fields_of(out), outputs):
+    for mine, theirs, spec in zip(fields_of(out), outputs, specs):
         if mine is None or theirs is None:
             written.append(theirs)
             continue
-        if name == "scales" and spec.layout == Layout.MN_MAJOR:
-            n = mine.shape[1] * mine.stride(1)
+        if spec.strides is not None:
+            n = spec.storage_numel
             torch.as_strided(mine, (n,), (1,)).copy_(torch.as_strided(theirs, (n,), (1,)))
         else:
             mine.copy_(theirs)
@@ -682,10 +689,12 @@ class _SeparatedTail:
         if scale is not None:
             scale_value(scale)  # a CPU tensor's value, which a later call of the signature may change
         if out is not None:
-            no_overlap(OUT_NAMES, fields_of(out), self.outputs,
+            given = fields_of(out)
+            out_placed(OUT_NAMES, given, self.outputs)
+            no_overlap(OUT_NAMES, given, self.outputs,
                        (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
         tail = reference.fused_tail(_dense(x), _dense(residual), weight, s.eps, scale=scale, **s.reference_kwargs())
-        return _write_out(tuple(tail), out, s)
+        return _write_out(tuple(tail), out, self.outputs)
 
 
 class _SeparatedGated:

@@ -168,6 +168,30 @@ def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+@pytest.mark.parametrize("name, value", [("weight_offset", 1.0), ("eps", 1e-6)])
+def test_tail_numbers_that_differ_in_a_low_bit_are_a_mismatch(comm, gen, check, name, value):
+    """eps and weight_offset belong to the call the ranks compare, to the last bit (str() of the spec
+    prints them rounded): ranks that differ there would norm one sum differently."""
+    if check == "gloo route":
+        if comm.backend != "gloo":
+            pytest.skip(f"a {comm.backend} group: this comparison is the gloo route's")
+        c = Communicator(comm.group, strategy="nccl")  # off P2P where ranks share a GPU
+        c.check_calls = False
+    else:
+        c = Communicator(comm.group)
+        c.check_calls = True
+    rank = dist.get_rank(c.group)
+    x, _ = rank_inputs(c, gen, (4, 64), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, 4, 64, torch.bfloat16, None)
+    mine = {name: value if rank == 0 else value * (1 + 2 ** -20)}  # apart in float32 too
+    with pytest.raises(commfuse.CallMismatchError, match="ranks disagree on the call"):
+        c.fused_all_reduce(x, residual, weight, **mine)
+    y = torch.ones(2, 64, dtype=torch.bfloat16, device=c.device)
+    assert torch.equal(c.all_reduce(y), torch.full_like(y, c.world_size))  # the group still works
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, check):
     """Rank 0 calls, the others skip the call: rank 0 raises CallTimeoutError after COMMFUSE_GLOO_TIMEOUT_S,
     not after the process group's timeout, and the group itself stays usable. Two checks bound it: the
@@ -214,6 +238,57 @@ def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
     in_place = residual.clone()
     got = c.fused_all_reduce(x, in_place, weight, out=Tail(in_place, None, None, None, None))
     assert got.residual is in_place and torch.equal(in_place, want.residual) and torch.equal(got.norm, want.norm)
+    # MN-major scales [3, 2] span their storage's 8 floats (padding rows at 3 and 7, which the kernels write):
+    # an x that starts at float 7 overlaps only that padding
+    t, h = 3, 256
+    store = torch.zeros(1024, device=c.device)
+    scales = store.as_strided((t, 2), (1, 4))
+    x_in_padding = store.view(torch.bfloat16)[14:14 + t * h].view(t, h).copy_(rank_inputs(c, gen, (t, h), torch.bfloat16)[0])
+    before = x_in_padding.clone()
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    out = Tail(None, None, torch.empty(t, h, dtype=torch.float8_e4m3fn, device=c.device), None, scales)
+    with pytest.raises(ValueError, match="out.scales overlaps x"):
+        c.fused_all_reduce(x_in_padding, residual, weight, quant="fp8_block", scale_layout="mn_major", out=out)
+    assert torch.equal(x_in_padding, before)
+    # the plan raises on the same arguments as the call
+    with pytest.raises(ValueError, match="out.scales overlaps x"):
+        c.plan(x_in_padding, residual, weight, quant="fp8_block", scale_layout="mn_major", out=out)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        c.plan(x, out=x)
+
+
+@mpi
+def test_every_call_checks_where_the_caller_outputs_lie(comm, gen):
+    """The plan table keys a call by its outputs' shapes, strides and dtypes, not by their addresses: a later
+    call of a planned signature with a misaligned output, or with MN-major scales whose storage lacks room
+    for the padding rows, raises as its first call would, on every route, and before anything is written
+    (here the residual, which the call would update in place)."""
+    c = Communicator(comm.group)
+    c.check_calls = False
+    t, h = 3, 256
+    x, _ = rank_inputs(c, gen, (t, h), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    kw = dict(quant="fp8_block", scale_layout="mn_major")
+    want = c.fused_all_reduce(x, residual, weight, **kw)
+    shape, strides = want.scales.shape, want.scales.stride()
+    room = strides[1] * shape[1]  # 4 rows a column: one of padding
+
+    def call(res, scales):
+        q = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=c.device)
+        return c.fused_all_reduce(x, res, weight, **kw, out=Tail(res, None, q, None, scales))
+
+    got = call(residual.clone(), torch.empty(room, device=c.device).as_strided(shape, strides))  # planned
+    assert torch.equal(got.residual, want.residual) and torch.equal(got.scales, want.scales)
+    in_place = residual.clone()
+    with pytest.raises(ValueError, match="out.scales must be a view of a storage of 8 elements"):
+        call(in_place, torch.empty(room - 1, device=c.device).as_strided(shape, strides))
+    assert torch.equal(in_place, residual)
+    aligned = torch.empty(t, h, dtype=torch.bfloat16, device=c.device)
+    c.all_reduce(x, out=aligned)  # planned
+    shifted = torch.empty(t * h + 8, dtype=torch.bfloat16, device=c.device)[1:1 + t * h].view(t, h)
+    with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+        c.all_reduce(x, out=shifted)
+    assert torch.equal(c.all_reduce(x, out=aligned), c.all_reduce(x))  # the group still works
 
 
 @mpi
@@ -373,7 +448,7 @@ def test_computed_scale_fp8_arguments_are_checked(comm, gen):
         comm.fused_all_reduce(x, residual, weight, quant="fp8_per_token", scale=scale)
     with pytest.raises(ValueError, match="applies to quant 'fp8_block' only"):
         comm.fused_all_reduce(x, residual, weight, quant="fp8_per_token", scale_layout="mn_major")
-    with pytest.raises(ValueError, match="weight_offset must be a finite number"):
+    with pytest.raises(ValueError, match="weight_offset must be a finite float32 number"):
         comm.fused_all_reduce(x, residual, weight, weight_offset=float("nan"))
     assert comm.all_reduce(x).shape == x.shape
 

@@ -419,16 +419,21 @@ def test_opcheck_computed_kinds(gen, quant, scale_layout, scale_ue8m0, with_resi
 
 @pytest.mark.parametrize("quant, scale_layout, scale_ue8m0", [(None, "row", False), ("nvfp4", "row", False),
                                                              ("mxfp8", "row", False)] + COMPUTED)
-def test_fakes_have_the_real_shapes(gen, quant, scale_layout, scale_ue8m0):
+@pytest.mark.parametrize("t", [130, 0])
+def test_fakes_have_the_real_shapes(gen, quant, scale_layout, scale_ue8m0, t):
+    """The fakes' shapes and strides are the real outputs', MN-major scales of no rows included (torch's
+    strides of an empty transpose)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x, z, weight, _ = inputs(gen, 130, 256, BF16)
+    x, z, weight, _ = inputs(gen, t, 256, BF16)
     scale = torch.ones(1) if quant == "nvfp4" else None
     layouts = ("swizzled", scale_layout, scale_ue8m0)
     calls = [(torch.ops.commfuse.fused_add_rmsnorm.default, (x, z, weight, scale, 1e-6, 0.0, code(quant, True, *layouts))),
              (torch.ops.commfuse.fused_add_rmsnorm.default,
               (x, None, weight, scale, 1e-6, 0.0, code(quant, False, *layouts))),
              (torch.ops.commfuse.gated_rmsnorm.default, (x, z, weight, scale, 1e-5, 64, True, code(quant, False, *layouts)))]
+    if quant is not None:
+        calls.append((torch.ops.commfuse.quantize.default, (x, scale, code(quant, False, *layouts))))
     for op, args in calls:
         real = op(*args)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -616,6 +621,67 @@ def test_a_scale_that_is_not_positive_and_finite_raises(gen, bad):
         call(scale)
         with pytest.raises(ValueError, match="scale must be positive and finite"):
             call(torch.tensor([bad]))
+
+
+def test_numbers_are_checked_as_the_float32_they_become(gen):
+    """A Python number is taken as float32, as the kernels and the reference compute: a scale that rounds
+    to 0 or overflows, an eps or weight_offset that overflows, raise naming the argument (instead of every
+    code at +-448, or a norm of zeros)."""
+    x, residual, weight, _ = inputs(gen, 4, 64, BF16)
+    for quant in ("fp8", "nvfp4"):
+        for bad in (1e-50, 1e39):
+            with pytest.raises(ValueError, match="scale must be positive and finite in float32"):
+                commfuse.fused_add_rmsnorm(x, residual, weight, quant=quant, scale=bad)
+            with pytest.raises(ValueError, match="scale must be positive and finite in float32"):
+                commfuse.quantize(x, quant, bad)
+    for name in ("eps", "weight_offset"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite float32 number"):
+            commfuse.fused_add_rmsnorm(x, residual, weight, **{name: 1e39})
+    smallest = 1e-45  # rounds to float32's smallest subnormal: positive, so taken
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=smallest)
+    assert bits_equal(got.quant, reference.fused_tail(x, residual, weight, 1e-6, "fp8", torch.tensor([smallest])).quant)
+
+
+def test_every_call_checks_where_the_caller_outputs_lie(gen):
+    """The local table keys a call by its outputs' shapes, strides and dtypes, not by their addresses: a
+    later call of a planned signature with a misaligned output, or with MN-major scales whose storage lacks
+    room for the padding rows, raises as its first call would, before anything is written (here the
+    residual, which the call would update in place)."""
+    t, h = 3, 256
+    x, residual, weight, _ = inputs(gen, t, h, BF16)
+    kw = dict(quant="fp8_block", scale_layout="mn_major")
+    want = reference.fused_tail(x, residual, weight, 1e-6, **kw)
+    shape, strides = want.scales.shape, want.scales.stride()
+    room = strides[1] * shape[1]
+
+    def call(res, scales):
+        q = torch.empty(t, h, dtype=torch.float8_e4m3fn)
+        return commfuse.fused_add_rmsnorm(x, res, weight, **kw, out=Tail(res, None, q, None, scales))
+
+    got = call(residual.clone(), torch.empty(room).as_strided(shape, strides))  # planned
+    assert bits_equal(got.residual, want.residual) and bits_equal(got.scales, want.scales)
+    in_place = residual.clone()
+    with pytest.raises(ValueError, match="out.scales must be a view of a storage of 8 elements"):
+        call(in_place, torch.empty(room - 1).as_strided(shape, strides))
+    assert bits_equal(in_place, residual)
+    aligned = torch.empty(t, h, dtype=BF16)
+    commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(None, aligned, None, None, None))  # planned
+    shifted = torch.empty(t * h + 8, dtype=BF16)[1:1 + t * h].view(t, h)
+    with pytest.raises(ValueError, match="out.norm must be 16-byte aligned"):
+        commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(None, shifted, None, None, None))
+
+
+def test_no_rows_with_mn_major_scales_take_their_own_outputs_back(gen):
+    """A call of 0 tokens returns MN-major scales with torch's strides of an empty transpose, and takes
+    those outputs (or the reference's) back as out=."""
+    x, residual, weight, _ = inputs(gen, 0, 256, BF16)
+    kw = dict(quant="fp8_block", scale_layout="mn_major")
+    want = reference.fused_tail(x, residual, weight, 1e-6, **kw)
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, **kw)
+    assert got.scales.shape == want.scales.shape and got.scales.stride() == want.scales.stride()
+    for out in (got, want):
+        again = commfuse.fused_add_rmsnorm(x, residual, weight, **kw, out=out)
+        assert again.scales is out.scales
 
 
 def test_caller_outputs_may_not_overlap_an_input_or_each_other(gen):

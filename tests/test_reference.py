@@ -501,6 +501,21 @@ def test_rmsnorm(dtype):
     assert torch.allclose(hv, torch.tensor([[3 / math.sqrt(12.5), 8 / math.sqrt(12.5)]]), rtol=1e-6)
 
 
+def test_the_oracle_does_not_depend_on_strides():
+    """A transposed view (its rows strided) gives the bits of its dense copy: the mean of squares is summed
+    in a dense row's order. Over many small row counts, where torch's reduction of a strided last dim would
+    sum in another order."""
+    g = gen(16)
+    for t in range(1, 9):
+        for _ in range(5):
+            a = torch.randn(256, t, generator=g).to(torch.bfloat16).t()
+            r = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+            w = torch.randn(256, generator=g).to(torch.bfloat16)
+            strided, dense = ref.fused_tail(a, r, w), ref.fused_tail(a.contiguous(), r, w)
+            assert torch.equal(strided.norm.view(torch.int16), dense.norm.view(torch.int16)), t
+            assert torch.equal(ref.rmsnorm(a, w).view(torch.int16), ref.rmsnorm(a.contiguous(), w).view(torch.int16))
+
+
 # ----------------------------------------------------------------- fused_tail
 
 

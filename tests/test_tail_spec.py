@@ -33,6 +33,20 @@ def test_code_names_the_wrong_argument():
     assert S.code("") == S.code(None) == S.code()  # the ops' old spelling of no quantization
 
 
+def test_the_signature_tells_apart_what_str_rounds():
+    """Ranks compare calls by `signature`: eps and weight_offset to the last bit, where str() prints %g."""
+    one, near = TailSpec.of(weight_offset=1.0), TailSpec.of(weight_offset=1.000001)
+    assert str(one) == str(near) and one.signature != near.signature
+    assert TailSpec.of(eps=1e-6).signature != TailSpec.of(eps=1.0000001e-6).signature
+
+
+@pytest.mark.parametrize("bad", [1e39, -1e39, float("inf"), float("nan")])
+def test_numbers_must_be_finite_in_float32(bad):
+    for name in ("eps", "weight_offset"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite float32 number"):
+            TailSpec.of(**{name: bad})
+
+
 @pytest.mark.parametrize("bad", [255, -1, True, "1", 1.0, None])
 def test_a_number_that_is_no_spec_raises_naming_tail(bad):
     with pytest.raises(ValueError, match="tail must be the code of a tail spec"):

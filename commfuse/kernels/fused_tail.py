@@ -213,5 +213,5 @@ def run(a: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
         _RUNS[key] = entry
     launcher, outputs = entry
     if out is not None:
-        checks.out(out, outputs, a.device)
+        checks.out(out, outputs, a.device, (("a", a), ("residual", residual), ("weight", weight), ("scale", scale)))
     return Tail(*launcher(a, residual, weight, scale, out))

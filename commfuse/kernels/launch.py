@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..tail.checks import OUT_NAMES, fields_of, no_overlap, storage_room
+from ..tail.checks import OUT_NAMES, fields_of, no_overlap, out_placed
 from ..tail.formats import Layout
 from ..tail.spec import OutputSpec, TailSpec
 from . import params
@@ -166,22 +166,12 @@ class PyLauncher:
             t[i] = a if a is None or i == SCALE else operand(a)
         given = (None,) * len(plan.outputs) if out is None else (fields_of(out) if plan.fused else (out,))
         if out is not None:
-            no_overlap(OUT_NAMES if plan.fused else ("out",), given, plan.outputs,
-                       tuple(zip(MOE_INPUTS if plan.combine else INPUTS, inputs)))
+            names = OUT_NAMES if plan.fused else ("out",)
+            out_placed(names, given, plan.outputs)
+            no_overlap(names, given, plan.outputs, tuple(zip(MOE_INPUTS if plan.combine else INPUTS, inputs)))
         for i, spec in enumerate(plan.outputs):
-            if spec is None:
-                continue
-            o = given[i]
-            if o is None:
-                o = allocate(spec, self._device)
-            else:
-                field = OUT_NAMES[i] if plan.fused else "out"
-                if o.data_ptr() % 16:
-                    raise ValueError(f"{field} must be 16-byte aligned")
-                if spec.strides is not None and storage_room(o) < spec.storage_numel:
-                    raise ValueError(f"{field} must be a view of a storage of {spec.storage_numel} elements "
-                                     "(padding rows included)")
-            t[OUT + i] = o
+            if spec is not None:
+                t[OUT + i] = allocate(spec, self._device) if given[i] is None else given[i]
         if plan.nccl is not None:
             # The sum goes into the residual output, which the tail then updates in place (each element
             # read before it is written, by the same thread); a scratch buffer where that output is the

@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .spec import Outputs, TailSpec
+from .spec import Outputs, TailSpec, fp32
 
 __all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "quant_named", "plain_plan", "scale", "out",
-           "out_like", "same_device", "fields_of", "storage_room"]
+           "out_like", "out_placed", "same_device", "fields_of", "storage_room"]
 
 # What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
 # or a float64 tensor.
@@ -68,13 +68,13 @@ def _weight(weight, x: Tensor, h: int, device: torch.device, where: str, x_name:
     same_device("weight", weight, device, where)
 
 
-def scale(spec: TailSpec, s, h: int, device: torch.device) -> None:
+def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x") -> None:
     """The scale argument against the format: a float32 tensor of one element on `device` (or a
     Python number, which the separated ops round to fp32) where the format takes one, else None;
-    and h a multiple of the format's block."""
+    and h (x_name's hidden size) a multiple of the format's block."""
     f = spec.format
     if f.block and h % f.block:
-        raise ValueError(f"quant={f.name!r} needs x's hidden size to be a multiple of {f.block} (one scale per "
+        raise ValueError(f"quant={f.name!r} needs {x_name}'s hidden size to be a multiple of {f.block} (one scale per "
                          f"{f.block} consecutive elements of a row), got {h}")
     if not f.takes_scale:
         if s is not None:
@@ -103,8 +103,8 @@ def scale_value(s) -> None:
         if s.device.type != "cpu":
             return
         s = float(s)
-    if not (0 < s < math.inf):
-        raise ValueError(f"scale must be positive and finite (the dequant scale), got {s}")
+    if not (0 < fp32(s) < math.inf):  # a Python number is taken as float32: 1e-50 would be 0
+        raise ValueError(f"scale must be positive and finite in float32 (the dequant scale), got {s}")
 
 
 def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device], *, residual_optional: bool = False,
@@ -119,7 +119,7 @@ def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device],
     else:
         _like_x("residual", residual, x, device, where)
     _weight(weight, x, h, device, where, x_name)
-    scale(spec, s, h, device)
+    scale(spec, s, h, device, x_name)
     return h
 
 
@@ -179,9 +179,10 @@ def moe(y, weights, row_index, shared, residual, device: torch.device) -> tuple:
             raise TypeError(f"shared dtype {shared.dtype} must match y dtype {y.dtype}")
         same_device("shared", shared, device)
     x_hidden(residual, device, name="residual")
-    if tuple(residual.shape) != (t, h) or residual.dtype != y.dtype:
-        raise ValueError(f"residual must have shape [t, h] = {[t, h]} and y's dtype {y.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    if tuple(residual.shape) != (t, h):
+        raise ValueError(f"residual must have shape [t, h] = {[t, h]}, got {tuple(residual.shape)}")
+    if residual.dtype != y.dtype:
+        raise TypeError(f"residual dtype {residual.dtype} must match y dtype {y.dtype}")
     return t, k, h
 
 
@@ -216,14 +217,16 @@ def fields_of(out) -> tuple:
     return tuple(getattr(out, f, None) for f in OUT_FIELDS)
 
 
-def out(o, outputs: Outputs, device: torch.device) -> None:
+def out(o, outputs: Outputs, device: torch.device, inputs: Sequence[tuple]) -> None:
     """Raise unless `o` (see fields_of) fits the call's outputs: each field a caller-owned tensor of
     exactly the output's shape, dtype and strides (contiguous, or for MN-major scales the reference's
     strides over a storage holding the padding rows), on `device`, 16-byte aligned, written in place; or
-    None, which is allocated as usual. A tensor for an output the call does not produce raises.
+    None, which is allocated as usual. A tensor for an output the call does not produce raises, and so do
+    outputs that overlap each other or one of `inputs` ((name, tensor or None), see no_overlap).
     out.residual may be the residual input itself (an in-place update: every kernel reads each residual
     element before it writes it, in the same thread)."""
-    for name, spec, t in zip(OUT_FIELDS, outputs, fields_of(o)):
+    given = fields_of(o)
+    for name, spec, t in zip(OUT_FIELDS, outputs, given):
         if t is None:
             continue
         if spec is None:
@@ -238,9 +241,26 @@ def out(o, outputs: Outputs, device: torch.device) -> None:
                 raise ValueError(f"out.{name} must be an MN-major view with strides {spec.strides} of a storage of "
                                  f"{spec.storage_numel} elements (padding rows included), got strides "
                                  f"{tuple(t.stride())} and room for {storage_room(t)}")
-        if t.device != device or not (spec.strides is not None or t.is_contiguous()) or t.data_ptr() % 16:
-            raise ValueError(f"out.{name} must be contiguous, 16-byte aligned and on {device}, got a tensor on "
+        if t.device != device or not (spec.strides is not None or t.is_contiguous()):
+            raise ValueError(f"out.{name} must be contiguous and on {device}, got a tensor on "
                              f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    out_placed(OUT_NAMES, given, outputs)
+    no_overlap(OUT_NAMES, given, outputs, inputs)
+
+
+def out_placed(names: Sequence[str], outputs: Sequence, specs: Sequence) -> None:
+    """What every call checks of the caller's outputs, because a call's signature (the plan table's key:
+    shapes, strides, dtypes) does not hold it: each output 16-byte aligned (the kernels store 16-byte
+    vectors), an MN-major one (its OutputSpec has strides) a view of a storage with room for the padding
+    rows. names, outputs, specs as for no_overlap; a spec may be None for a contiguous output."""
+    for name, t, spec in zip(names, outputs, specs):
+        if t is None:
+            continue
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned, got an address {t.data_ptr() % 16} bytes past it")
+        if spec is not None and spec.strides is not None and storage_room(t) < spec.storage_numel:
+            raise ValueError(f"{name} must be a view of a storage of {spec.storage_numel} elements (padding rows "
+                             f"included), got room for {storage_room(t)}")
 
 
 def _span(t: Tensor, storage_numel: Optional[int] = None) -> tuple:
@@ -273,17 +293,19 @@ def no_overlap(names: Sequence[str], outputs: Sequence, specs: Sequence, inputs:
                 if name == "out.residual" and arg == "residual" and x.data_ptr() == t.data_ptr() and \
                         x.shape == t.shape and x.stride() == t.stride():
                     continue
-                raise ValueError(f"{name} overlaps {arg}: the caller's outputs may not overlap an input "
-                                 "(out.residual may be residual itself, for an in-place update)")
+                why = " (out.residual may be residual itself, for an in-place update)" if "out.residual" in names else ""
+                raise ValueError(f"{name} overlaps {arg}: the caller's outputs may not overlap an input{why}")
 
 
 def out_like(o, x: Tensor) -> None:
     """Raise unless `o` can take a plain all-reduce of x: x's shape and dtype, on x's device,
-    contiguous, 16-byte aligned."""
+    contiguous, 16-byte aligned, not overlapping x."""
     if not isinstance(o, Tensor):
         raise TypeError(f"out must be a tensor, got {type(o).__name__}")
     if o.shape != x.shape or o.dtype != x.dtype or o.device != x.device:
         raise ValueError(f"out must have x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, got "
                          f"{list(o.shape)} {o.dtype} on {o.device}")
-    if not o.is_contiguous() or o.data_ptr() % 16:
-        raise ValueError("out must be contiguous and 16-byte aligned")
+    if not o.is_contiguous():
+        raise ValueError("out must be contiguous")
+    out_placed(("out",), (o,), (None,))
+    no_overlap(("out",), (o,), (None,), (("x", x),))

@@ -13,6 +13,7 @@ ValueError names the option and the formats it applies to.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
 
@@ -21,7 +22,8 @@ import torch
 from . import formats as F
 from .formats import Format, Layout
 
-__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES", "code", "public", "codes", "spread", "fields", "present"]
+__all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES", "code", "public", "codes", "spread", "fields", "present",
+           "fp32"]
 
 FP8_CODES = torch.float8_e4m3fn
 _SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "f32": torch.float32, "ue8m0": torch.uint8}
@@ -38,7 +40,9 @@ class OutputSpec(NamedTuple):
     @property
     def storage_numel(self) -> int:
         """Elements of the storage behind it (an MN-major view's padding rows included)."""
-        return math.prod(self.shape) if self.strides is None else self.shape[1] * self.strides[1]
+        if self.strides is None or not self.shape[0]:
+            return math.prod(self.shape)
+        return self.shape[1] * self.strides[1]
 
 
 class Outputs(NamedTuple):
@@ -51,12 +55,24 @@ class Outputs(NamedTuple):
     scales: Optional[OutputSpec]
 
 
+_F32 = struct.Struct("f")
+
+
+def fp32(v: float) -> float:
+    """v rounded to float32, as the kernels and the reference's fp32 math take a scalar (+-inf where it
+    overflows): a check of a Python number must hold for this value, not for the double."""
+    try:
+        return _F32.unpack(_F32.pack(v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(v).__name__}")
     v = float(v)
-    if not math.isfinite(v) or (minimum is not None and v < minimum):
-        raise ValueError(f"{name} must be a finite number" + (f" >= {minimum:g}" if minimum is not None else "")
+    if not math.isfinite(fp32(v)) or (minimum is not None and v < minimum):
+        raise ValueError(f"{name} must be a finite float32 number" + (f" >= {minimum:g}" if minimum is not None else "")
                          + f", got {v!r}")
     return v
 
@@ -180,7 +196,7 @@ class TailSpec:
         if self.layout == Layout.SWIZZLED:
             return OutputSpec((-(-t // 128) * 128 * (-(-K // 4) * 4),), dtype)
         if self.layout == Layout.MN_MAJOR:
-            tp = -(-t // 4) * 4
+            tp = max(-(-t // 4) * 4, 1)  # torch's strides of a [K, 0] tensor's transpose: (1, 1)
             if self.ue8m0:  # four exponent bytes an int32
                 return OutputSpec((t, -(-K // 4)), torch.int32, (1, tp))
             return OutputSpec((t, K), dtype, (1, tp))
@@ -216,15 +232,24 @@ class TailSpec:
         """Rows that must stay together when a call is cut into pieces: a swizzled tile's 128."""
         return 128 if self.layout == Layout.SWIZZLED else 1
 
-    def __str__(self) -> str:
+    def _words(self, number) -> list:
         parts = [str(self.format)]
         if self.format.layout_arg or self.ue8m0:
             parts.append(self.layout.name.lower() + (" ue8m0" if self.ue8m0 else ""))
         if self.return_norm and self.format.codes:
             parts.append("norm out")
         if self.weight_offset:
-            parts.append(f"weight offset {self.weight_offset:g}")
-        return ", ".join(parts)
+            parts.append(f"weight offset {number(self.weight_offset)}")
+        return parts
+
+    def __str__(self) -> str:
+        return ", ".join(self._words(lambda v: f"{v:g}"))
+
+    @property
+    def signature(self) -> str:
+        """The spec as ranks compare their calls: str()'s words with eps and weight_offset to the last bit
+        (1.0 and 1.000001 print alike under str)."""
+        return ", ".join(self._words(repr) + [f"eps {self.eps!r}"])
 
 
 # The public keyword arguments of every spec by its code, and the code of each such set of arguments, as
