@@ -166,12 +166,28 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
     block.register_forward_hook(all_reduce)
 
 
+def _check_head_norms(path: str, attention: nn.Module, heads: int) -> None:
+    """Raise where an attention's q_norm / k_norm normalises more than one head's features (Olmo2 norms the
+    whole projection): each rank keeps a share of the heads, so its norm would see a part of the row."""
+    q_proj = getattr(attention, "q_proj", None)
+    if not isinstance(q_proj, nn.Linear):
+        return
+    head_dim = q_proj.out_features // heads
+    for name in ("q_norm", "k_norm"):
+        w = getattr(getattr(attention, name, None), "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel() != head_dim:
+            raise ValueError(f"{path}.{name} normalises {w.numel()} features, not one head's {head_dim}: sharding "
+                             "the heads would change it (a norm over the whole projection, as Olmo2's); not a "
+                             "decoder shard_decoder knows")
+
+
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     """Shard `model` (a transformers decoder: *ForCausalLM or its base model) over `group` (None:
     WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError,
     before it changes anything, where the heads, key-value heads or intermediate features (an expert's
     too) do not divide by the world size, where a MoE block's experts store their weights in another
-    layout, or where the model has no layer of the known shape."""
+    layout, where an attention's q/k norm spans more than one head, or where the model has no layer of
+    the known shape."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -184,6 +200,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
             raise ValueError(f"model.config has no {name}: not a decoder shard_decoder knows")
         if value % world:
             raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
+    for path, m in model.named_modules():
+        _check_head_norms(path, m, heads)
     sharded = 0
     in_moe = set()
     blocks = [m for m in model.modules() if _is_moe_block(m)]

@@ -953,3 +953,170 @@ def test_dynamic_floats_eps_and_clamp_bounds(gen):
     assert counts(gm) == {LOCAL: 1} and report.fused[0].quant == "fp8", report
     assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item" and not n.users]
     assert_same(got, want)
+
+
+# --------------------------------------------------------------------------- what looks like the pattern and is not
+
+
+def _add_one(h, w, s):
+    h.add_(1.0)  # the norm below reads h, the add's node: written after it
+    return weight_before_cast_norm(h, w), h
+
+
+def _zero_columns(h, w, s):
+    h[:, :8] = 0
+    return weight_before_cast_norm(h, w), h
+
+
+def _scale_norm(h, w, s):
+    n = weight_before_cast_norm(h, w)
+    n.mul_(4)
+    return fp8(n, s), h
+
+
+def _scale_weight(h, w, s):
+    w.mul_(2)  # an input, which the op would read before the write (at the add)
+    return weight_before_cast_norm(h, w), h
+
+
+IN_PLACE = {"h.add_ before the norm": _add_one, "h[:, :8] = 0 before the norm": _zero_columns,
+            "n.mul_ before the FP8 quant": _scale_norm, "weight.mul_ between the add and the norm": _scale_weight}
+
+
+@pytest.mark.parametrize("case", sorted(IN_PLACE))
+def test_in_place_writes_inside_the_pattern_are_not_fused(gen, case):
+    """The fused op computes from the values before such a write: the pattern is skipped, saying what is
+    written by which node, and the outputs are the graph's. A write after the pattern still fuses."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        return IN_PLACE[case](x + residual, weight, scale)
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    assert not counts(gm), report
+    assert any("written in place" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
+
+    def after(x, residual, weight):
+        h = x + residual
+        n = weight_before_cast_norm(h, weight)
+        h.add_(1.0)
+        return n, h
+
+    gm, report, want, got = fuse_and_run(after, (x, residual, weight), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert_same(got, want)
+
+
+def test_in_place_write_in_an_aten_graph_is_not_fused(gen):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = x + residual
+        h[:, :8] = 0  # a write through a view: the norm reads the add's node
+        return torch_norm(h, weight), h
+
+    gm = make_fx(f)(x, residual, weight)
+    want = gm(x, residual, weight)
+    report = fusion.fuse(gm)
+    assert not counts(gm) and any("written in place" in r for r in _skip_reasons(report)), report
+    assert_same(list(gm(x, residual, weight)), list(want))
+
+
+@pytest.mark.parametrize("clamps, fused", [
+    (lambda q: q.clamp_max(100).clamp(-448, 448), False),
+    (lambda q: q.clamp(min=0).clamp(-448, 448), False),
+    (lambda q: q.clamp(-1000, 1000).clamp(-448, 448), True),  # a looser clamp first changes nothing
+    (lambda q: q.clamp(min=-448).clamp(max=448), True),
+])
+def test_fp8_clamp_chains_must_clamp_to_exactly_448(gen, clamps, fused):
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        h = x + residual
+        return clamps(weight_before_cast_norm(h, weight) / scale).to(torch.float8_e4m3fn), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert report.fused[0].quant == ("fp8" if fused else None), report
+    if not fused:
+        assert any("not [-448, 448]" in r for r in _skip_reasons(report, "quantization")), report
+    assert_same(got, want)
+
+
+def test_arguments_that_change_an_add_or_a_division_are_not_the_pattern(gen):
+    """torch.div(n, s, rounding_mode="floor") is no FP8 quantization's division, and torch.add(mean, eps,
+    alpha=a) no norm's mean + eps."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def floor_div(x, residual, weight, scale):
+        h = x + residual
+        n = weight_before_cast_norm(h, weight)
+        return torch.div(n.float(), scale, rounding_mode="floor").clamp(-448, 448).to(torch.float8_e4m3fn), h
+
+    gm, report, want, got = fuse_and_run(floor_div, (x, residual, weight, scale), None)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].quant is None, report
+    assert_same(got, want)
+
+    def eps_alpha(x, residual, weight):
+        h = (x + residual).float()
+        inv = torch.rsqrt(torch.add(h.pow(2).mean(-1, keepdim=True), 1e-6, alpha=1e6))
+        return (h * inv * weight.float()).to(BF16)
+
+    gm, report, want, got = fuse_and_run(eps_alpha, (x, residual, weight), None)
+    assert not counts(gm), report
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("z_shape", [(5, 1), (1, 64)])
+def test_gated_norm_with_a_broadcast_gate_is_skipped(gen, z_shape):
+    x, _, weight, _ = _local_inputs(gen, h=64)
+    z = torch.randn(*z_shape, generator=gen).to(BF16)
+
+    gm, report, want, got = fuse_and_run(lambda x, z, w: (mamba2_gated_norm(x, z, w, 16),), (x, z, weight), None)
+    assert not counts(gm), report
+    assert any(f"z has shape {list(z_shape)}" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
+
+
+def test_a_layernorm_of_half_activations_is_not_called_float32(gen):
+    """x.float() - mean is normalised in float32: not an RMSNorm of float32 activations (the reason says
+    what is normalised instead)."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def layer_norm(x, residual, weight):
+        h = x + residual
+        hf = h.float()
+        c = hf - hf.mean(-1, keepdim=True)
+        return (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(BF16), h
+
+    gm, report, want, got = fuse_and_run(layer_norm, (x, residual, weight), None)
+    assert not counts(gm), report
+    reasons = _skip_reasons(report, "rmsnorm")
+    assert reasons and not any("float32 activations" in r for r in reasons), report
+    assert any("not a float32 cast of a float16/bfloat16 tensor" in r for r in reasons), report
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("collective", ["dist", "funcol", "commfuse", "commfuse op after"])
+def test_the_sum_added_to_itself_is_no_residual_add(quiet_comm, gen, collective):
+    """h = y + y of an all-reduced y: the residual is the sum itself, which the fused op cannot take as an
+    input. The all-reduce stays, the report says why, the add + norm become the local op."""
+    c = quiet_comm
+    x, _, weight, _, wo = setup(c, gen)
+
+    def layer(x, weight, wo):
+        y = reduce("dist" if collective == "commfuse op after" else collective, c, F.linear(x, wo))
+        if collective == "commfuse op after":
+            r = commfuse.fused_add_rmsnorm(y, y, weight)
+            return r.norm, r.residual
+        h = y + y
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, weight, wo), c)
+    assert FUSED_AR not in counts(gm), report
+    assert any("computed from the all-reduce's sum too" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)

@@ -26,6 +26,7 @@ FAMILIES = {
                                                              first_k_dense_replace=1)),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}  # a family shard_decoder refuses
 LAYERS = 2
 
 
@@ -33,7 +34,7 @@ def tiny(family, dtype, seed=0):
     """Two key-value heads per rank (at least two in all), two query heads per key-value head."""
     import torch.distributed as dist
 
-    config_name, model_name, extra = FAMILIES[family]
+    config_name, model_name, extra = {**FAMILIES, **OTHERS}[family]
     kv = 2 * dist.get_world_size()
     if family in MOE_FAMILIES:
         extra = dict(extra, moe_intermediate_size=32 * kv, shared_expert_intermediate_size=64 * kv)
@@ -144,3 +145,9 @@ def test_shard_decoder_errors(comm):
     with pytest.raises(ValueError, match="intermediate dividing by the world size"):
         shard_decoder(model)
     assert [p.shape for p in model.parameters()] == before  # checked before anything is sharded
+    # Olmo2's q_norm / k_norm normalise the whole projection: a rank's share of the heads would change them
+    model = tiny("olmo2", torch.float32)
+    before = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"self_attn.q_norm normalises [0-9]+ features, not one head's 16"):
+        shard_decoder(model)
+    assert [p.shape for p in model.parameters()] == before

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 import torch.fx as fx
@@ -111,9 +111,22 @@ def _commfuse_kind(target) -> Optional[str]:
 
 
 def kind(node: Any) -> Optional[str]:
-    """The canonical name of what `node` computes (see the tables above), or None."""
+    """The canonical name of what `node` computes (see the tables above), or None; None too for an add
+    or a division whose extra argument changes what it computes (`alpha`, `rounding_mode`)."""
     if not isinstance(node, fx.Node):
         return None
+    k = _kind(node)
+    if k in _TWO_OPERANDS and (len(node.args) > 2 or any(node.kwargs.get(a) is not None for a in _TWO_OPERANDS[k])):
+        return None
+    return k
+
+
+# The binary kinds, and the keyword arguments that make one compute something else: torch.add(a, b,
+# alpha=2) scales b, torch.div(a, b, rounding_mode="floor") rounds the quotient.
+_TWO_OPERANDS = {"add": ("alpha",), "add_": ("alpha",), "div": ("rounding_mode",)}
+
+
+def _kind(node: fx.Node) -> Optional[str]:
     if node.op == "call_method":
         k = _METHODS.get(node.target)
         if k == "view" and node.target == "view" and any(isinstance(a, torch.dtype) for a in node.args[1:]):
@@ -356,9 +369,10 @@ def writes(node: fx.Node, target: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is target
 
 
-def written_between(node: fx.Node, lo: fx.Node, hi: fx.Node, positions: dict) -> Optional[fx.Node]:
-    """A node strictly between lo and hi (graph order) that writes node's memory in place (node itself, a
-    tensor it views or one that views it), or None."""
+def written_between(node: fx.Node, lo: fx.Node, hi: fx.Node, positions: dict,
+                    ignore: Collection[fx.Node] = ()) -> Optional[fx.Node]:
+    """A node strictly between lo and hi (graph order), not in `ignore`, that writes node's memory in place
+    (node itself, a tensor it views or one that views it), or None."""
     root = node
     while may_alias(root) and source(root) is not None:
         root = source(root)
@@ -370,7 +384,7 @@ def written_between(node: fx.Node, lo: fx.Node, hi: fx.Node, positions: dict) ->
                 stack.append(u)
     for a in aliases:
         for u in a.users:
-            if positions[lo] < positions.get(u, -1) < positions[hi] and writes(u, a):
+            if positions[lo] < positions.get(u, -1) < positions[hi] and u not in ignore and writes(u, a):
                 return u
     return None
 

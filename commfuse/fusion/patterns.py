@@ -6,6 +6,7 @@ candidate is not the pattern (or not one the fused ops compute); rewrite.py turn
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -308,7 +309,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
                 prefix = [xx, zz.args[0], zz, base]
                 break
     if h_in is None:
-        if G.dtype(base) == _F32:
+        if G.dtype(base) == _F32 and not _computed_from_half(base):
             return Mismatch(f"RMSNorm at {r.name} of float32 activations: commfuse's fused ops take float16/bfloat16",
                             "guard", base)
         return Mismatch(f"RMSNorm at {r.name}: what is normalised ({base.name}) is not a float32 cast of a "
@@ -347,7 +348,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
             w_t = wn  # promoted: float(w) * rows in fp32
         elif _f32_of(wn) is not None:
             w_t, extra = _f32_of(wn), [wn]
-        elif isinstance(wn, fx.Node) and G.kind(wn) == "add" and "alpha" not in wn.kwargs:
+        elif isinstance(wn, fx.Node) and G.kind(wn) == "add":
             a1, b1 = _binary(wn)
             for num, cf in ((a1, b1), (b1, a1)):
                 if G.number(num) is not None and isinstance(cf, fx.Node) and _f32_of(cf) is not None:
@@ -381,9 +382,29 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
                         f"({u.name} is {G.kind(u) or u.target})", "guard")
     if gate is not None and G.dtype(gate) != t:
         return Mismatch(f"gated RMSNorm at {r.name}: z is {G.dtype(gate)}, x is {t}")
+    if gate is not None and not G.same_shape(gate, h_in):
+        return Mismatch(f"gated RMSNorm at {r.name}: z has shape {_shape_text(gate)}, x {_shape_text(h_in)}: the "
+                        "fused op takes a z of x's shape (no broadcast)")
     return Norm(input=h_in, output=output, weight=weight, eps=eps, nodes=_dedupe(nodes), spelling=spelling,
                 weight_offset=offset, gate=gate, norm_before_gate=norm_before_gate, group_size=group_size,
                 notes=notes, weight_dtype=G.dtype(weight))
+
+
+def _computed_from_half(n: fx.Node, depth: int = 8) -> bool:
+    """Whether float32 n is computed from a float16/bfloat16 tensor within `depth` nodes (LayerNorm's
+    x.float() - mean, a sigmoid gate): then its norm is not one of float32 activations."""
+    seen, frontier = {n}, {n}
+    for _ in range(depth):
+        frontier = {a for u in frontier for a in u.all_input_nodes} - seen
+        if any(G.dtype(a) in T_DTYPES for a in frontier):
+            return True
+        seen |= frontier
+    return False
+
+
+def _shape_text(n: fx.Node) -> str:
+    s = G.shape(n)
+    return "unknown" if s is None else str(list(s))
 
 
 def _dedupe(nodes):
@@ -400,7 +421,7 @@ def _dedupe(nodes):
 
 def match_residual_add(h: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
     """(a, b) when h = a + b of two tensors of h's shape and dtype (no broadcast, no alpha)."""
-    if G.kind(h) != "add" or "alpha" in h.kwargs or len(h.args) > 2:
+    if G.kind(h) != "add":
         return None
     a, b = _binary(h)
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and G.is_tensor(a) and G.is_tensor(b)):
@@ -486,6 +507,28 @@ def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllRed
     if len(wait.users) != 1 or len(copy.users) != 0:
         return Mismatch(f"the all-reduce's {wait.name} / {copy.name} have other users", "guard")
     return found
+
+
+def reads_the_sum(n: fx.Node, v: fx.Node, ar: AllReduce, positions: dict) -> bool:
+    """Whether n, read beside the sum v (the residual of `h = v + n`), is computed from the all-reduce's
+    sum too (`v + v`, `v + 2 * v`): the fused op takes the residual as an input, before the sum exists.
+    After dynamo's in-place form v is the reduced tensor itself, so any read of it after the collective
+    reads the sum."""
+    if n is v:
+        return True
+    sums = set(ar.nodes) | set(ar.chain) | {v}
+    start = positions[ar.nodes[0]]
+    stack, seen = [n], set()
+    while stack:
+        u = stack.pop()
+        if u in seen or positions.get(u, -1) <= start:  # computed before the collective: not from its sum
+            continue
+        seen.add(u)
+        for a in u.all_input_nodes:
+            if a in sums:
+                return True
+            stack.append(a)
+    return False
 
 
 def _private_view(v: fx.Node) -> bool:
@@ -588,7 +631,9 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
                      "is rounded before e4m3; the fused op divides in float32: a neighbouring code at ties")
     nodes.append(cur)
     c = _single_user(cur)
-    lo = hi = None
+    # Clamps in a row clamp to the intersection of their ranges (where it is not empty): the chain must
+    # clamp to exactly [-448, 448], every clamp at most as tight.
+    lo, hi, known = -math.inf, math.inf, True
     clamps, symbolic = [], False
     while c is not None and G.kind(c) in ("clamp", "clamp_min", "clamp_max"):
         kk = G.kind(c)
@@ -598,12 +643,16 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
         if kk in ("clamp", "clamp_max"):
             bounds.append(("hi", G.operand(c, 2 if kk == "clamp" else 1, "max")))
         for which, b in bounds:
+            if b is None and kk == "clamp":  # clamp(max=...) or clamp(min=...): no bound on this side
+                continue
             v, sym = G.hinted_number(b)
             symbolic |= sym
-            if which == "lo":
-                lo = v
+            if v is None:
+                known = False
+            elif which == "lo":
+                lo = max(lo, v)
             else:
-                hi = v
+                hi = min(hi, v)
         clamps.append(c)
         c = _single_user(c)
     if c is None or not _is_cast_to(c, torch.float8_e4m3fn):
@@ -611,8 +660,10 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
     if not clamps:
         return Mismatch(f"FP8 cast at {c.name} without a clamp to +-448: torch's cast is not saturating there, the "
                         "fused op saturates")
+    if not known:
+        return Mismatch(f"FP8 quantization at {c.name} clamps to a bound that is not a number")
     if lo != -FP8_MAX or hi != FP8_MAX:
-        return Mismatch(f"FP8 quantization at {c.name} clamps to [{lo}, {hi}], not [-448, 448]")
+        return Mismatch(f"FP8 quantization at {c.name} clamps to [{lo:g}, {hi:g}], not [-448, 448]")
     if symbolic:
         notes.append("the clamp bounds are symbolic floats (dynamo lifts float constants under dynamic=True), "
                      "+-448 when compiled: the fused op saturates at +-448 whatever they become")
@@ -736,8 +787,6 @@ def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
     if core is None and shared is None and _is_cast_to(cur, t_dtype) and G.kind(G.source(cur)) == "add":
         # (routed_f32 + shared).to(T): the shared output added in float32 after the routed sum.
         add = G.source(cur)
-        if "alpha" in add.kwargs or len(add.args) > 2:  # torch.add(a, b, alpha=...) scales one term
-            return None
         a, b = _binary(add)
         for c, s in ((a, b), (b, a)):
             if not (isinstance(c, fx.Node) and isinstance(s, fx.Node)) or G.dtype(add) != _F32:

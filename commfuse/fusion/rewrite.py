@@ -98,8 +98,8 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs))
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
-            report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm reads its sum",
-                                          "pattern"))
+            report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm (as the pass "
+                                          "recognises one) reads its sum", "pattern"))
     gm.graph.lint()
     gm.recompile()
     return report
@@ -170,6 +170,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                 if found is None:
                     continue
                 x, residual = xa, rb
+                if isinstance(found, P.AllReduce) and P.reads_the_sum(rb, xa, found, positions):
+                    found = P.Mismatch(f"the residual {rb.name} is computed from the all-reduce's sum too: the "
+                                       "fused op takes the residual before the sum exists")
                 if isinstance(found, P.Mismatch):
                     report.skipped.append(Skipped(norm.input.name, "all-reduce", found.reason
                                                   + "; the add + RMSNorm become the local op", found.kind))
@@ -191,14 +194,6 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
     moe = _moe_combine(ar, norm, h, report) if kind == "all_reduce" else None
-    if kind != "all_reduce":
-        quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
-        rewrite, compiler, cuda_graphs = policy
-        why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite,
-                            cuda_graphs)
-        if why:
-            report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
-            return
 
     # Where the op goes: before the add (its outputs replace it), else before the norm's first node.
     anchor = norm.input if residual is not None else min(norm.nodes, key=lambda n: positions[n])
@@ -210,19 +205,22 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if isinstance(norm.weight, fx.Node):
         inputs.append(("weight", norm.weight))
     if moe is not None:
-        combine_inputs = [("expert outputs", moe.y), ("routing weights", moe.weights),
-                          ("shared expert output", moe.shared), ("expert rows' index", moe.row_index)]
-        inputs += combine_inputs
-        # The op reads the combine's inputs at the anchor, the graph from its first use of each: a write
-        # in between would reach the op but not the graph.
-        for what, n in combine_inputs:
-            first = min(n.users, key=lambda u: positions[u]) if isinstance(n, fx.Node) and n.users else None
-            writer = G.written_between(n, first, anchor, positions) if first is not None else None
-            if writer is not None:
-                report.skipped.append(Skipped(norm.output.name, "rmsnorm", f"the {what} {n.name} is written in place "
-                                              f"({writer.name}) after the combine reads it and before the tail: the "
-                                              "fused op would read the written values", "pattern"))
-                return
+        inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared),
+                   ("expert rows' index", moe.row_index)]
+    why = _written_in_place(_matched(norm, quant, residual, ar, moe), inputs, anchor, positions)
+    if why:
+        report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "pattern"))
+        return
+
+    if kind != "all_reduce":
+        quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
+        rewrite, compiler, cuda_graphs = policy
+        why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite,
+                            cuda_graphs)
+        if why:
+            report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
+            return
+
     for what, n in inputs:
         if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
             if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
@@ -424,6 +422,45 @@ def _mark_all_reduce(v: fx.Node, seen: set) -> None:
             stack.append(a)
 
 
+def _matched(norm: P.Norm, quant, residual, ar, moe) -> set:
+    """Every node the rewrite replaces (the residual sum's add included)."""
+    nodes = set(norm.nodes)
+    if residual is not None:
+        nodes.add(norm.input)
+    if quant is not None:
+        for use in quant_uses(quant, norm):
+            nodes.update(use.nodes)
+    if ar is not None:
+        nodes.update(ar.chain + ar.nodes)
+    if moe is not None:
+        nodes.update(moe.nodes)
+    return nodes
+
+
+def _written_in_place(matched: set, inputs: list, anchor: fx.Node, positions: dict) -> Optional[str]:
+    """Why the match cannot become one op because a node outside it writes, in place, what it reads (the
+    op computes from the values before the write), or None. A tensor the match computes: written after it
+    and before the match's last node (`h.add_(1)` between the residual add and the norm, `n.mul_(4)`
+    between the norm and its quantization). An input (name, node): written between its first read (by
+    the graph, or by the op at the anchor) and the match's last node. Writes after the match are the
+    graph's: their tensors are then the op's outputs."""
+    last = max(matched, key=lambda n: positions[n])
+    for n in sorted(matched, key=lambda n: positions[n]):
+        writer = G.written_between(n, n, last, positions, ignore=matched)
+        if writer is not None:
+            return (f"{n.name} is written in place ({writer.name}) before the pattern's last node {last.name} reads "
+                    "what it computes: the fused op would compute from the values before the write")
+    for what, n in inputs:
+        if not isinstance(n, fx.Node):
+            continue
+        first = min([u for u in n.users if u in matched] + [anchor], key=lambda u: positions[u])
+        writer = G.written_between(n, first, last, positions, ignore=matched)
+        if writer is not None:
+            return (f"the {what} {n.name} is written in place ({writer.name}) between the pattern's reads of it: "
+                    f"the fused op reads it once, at {anchor.name}")
+    return None
+
+
 def quant_uses(quant: P.Quant, norm: P.Norm) -> list:
     return getattr(quant, "uses", [quant])
 
@@ -554,6 +591,9 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
     if residual is None:
         why = "commfuse::fused_add_rmsnorm without a residual: commfuse::fused_all_reduce needs one"
+    elif isinstance(residual, fx.Node) and P.reads_the_sum(residual, x, ar, positions):
+        why = (f"the residual {residual.name} is computed from the all-reduce's sum too: commfuse::fused_all_reduce "
+               "takes the residual before the sum exists")
     elif G.dtype(ar.x) != G.dtype(x):
         why = f"the all-reduce sums {G.dtype(ar.x)}, the op reads {G.dtype(x)}"
     else:
