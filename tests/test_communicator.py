@@ -166,20 +166,27 @@ def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
     assert torch.equal(c.all_reduce(y).float(), torch.full((2, 64), c.world_size * (c.world_size + 1) / 2, device=c.device))
 
 
+def _checked_by(comm, check: str) -> Communicator:
+    """A Communicator whose calls the ranks compare by `check`: the gloo route's exchange (a gloo group,
+    strategy "nccl": off P2P where ranks share a GPU), or COMMFUSE_CHECK's comparison on any route."""
+    if check == "gloo route":
+        if comm.backend != "gloo":
+            pytest.skip(f"a {comm.backend} group: this check is the gloo route's")
+        c = Communicator(comm.group, strategy="nccl")
+        c.check_calls = False
+    else:
+        c = Communicator(comm.group)
+        c.check_calls = True
+    return c
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 @pytest.mark.parametrize("name, value", [("weight_offset", 1.0), ("eps", 1e-6)])
 def test_tail_numbers_that_differ_in_a_low_bit_are_a_mismatch(comm, gen, check, name, value):
     """eps and weight_offset belong to the call the ranks compare, to the last bit (str() of the spec
     prints them rounded): ranks that differ there would norm one sum differently."""
-    if check == "gloo route":
-        if comm.backend != "gloo":
-            pytest.skip(f"a {comm.backend} group: this comparison is the gloo route's")
-        c = Communicator(comm.group, strategy="nccl")  # off P2P where ranks share a GPU
-        c.check_calls = False
-    else:
-        c = Communicator(comm.group)
-        c.check_calls = True
+    c = _checked_by(comm, check)
     rank = dist.get_rank(c.group)
     x, _ = rank_inputs(c, gen, (4, 64), torch.bfloat16)
     residual, weight, _ = tail_inputs(c, gen, 4, 64, torch.bfloat16, None)
@@ -200,14 +207,7 @@ def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, ch
     import time
 
     monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
-    if check == "gloo route":
-        if comm.backend != "gloo":
-            pytest.skip(f"a {comm.backend} group: this bound is the gloo route's")
-        c = Communicator(comm.group, strategy="nccl")  # off P2P where ranks share a GPU
-        c.check_calls = False
-    else:
-        c = Communicator(comm.group)
-        c.check_calls = True
+    c = _checked_by(comm, check)
     x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
     if check == "gloo route":
         assert c.plan(x).collective == "gloo", c.plan(x)
