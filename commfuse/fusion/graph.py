@@ -227,17 +227,6 @@ def static_int(d: Any) -> Optional[int]:
         return None
 
 
-def last_stride_one(node: Any) -> bool:
-    v = value(node)
-    if v is None:
-        return True
-    stride = v.stride() if callable(getattr(v, "stride", None)) else getattr(v, "stride", None)
-    if not stride:
-        return True
-    s = static_int(stride[-1])
-    return s is None or s == 1 or static_int(v.shape[-1]) == 1
-
-
 def same_shape(a: Any, b: Any) -> bool:
     """Shapes equal as written (symbolic sizes compared by expression: no guard is added)."""
     sa, sb = shape(a), shape(b)

@@ -3,9 +3,9 @@
 Inductor runs an op it cannot compile as a fallback: its Python wrapper calls
 `torch.ops.commfuse.<op>.default(...)` through torch's dispatcher (the schema's argument parsing, the
 boxed call), then checks each output's sizes and strides (`assert_size_stride`). In a compiled step of
-Inductor's default mode the host's pace is the step's time, and that path cost each op more than a
-Triton kernel's launch: replacing Inductor's own tail kernels with commfuse's made a decode step slower
-(bench/journal.md, sessions 18 and 28).
+Inductor's default mode the host's pace is the step's time, and that path costs each op more than a
+Triton kernel's launch: through it, replacing Inductor's own tail kernels with commfuse's makes a decode
+step slower (measured in bench/journal.md).
 
 `install()` registers a lowering for each op of commfuse.kernels.native.OPS that builds Inductor's own
 fallback node (the same buffers, scheduling and layout rules) and changes two things in the Python

@@ -151,7 +151,8 @@ class P2PAllReduce(Family):
         return names + [DELAY_KERNEL] + self.moe_variants()
 
     def moe_variants(self) -> List[str]:
-        """The MoE variants (Communicator.moe_all_reduce): every tail variant of both combine forms."""
+        """The MoE variants (Communicator.moe_all_reduce): every tail variant of each combine form
+        (moe_combine.FORMS)."""
         return [self.name_expression(dtype, f, v, algo, form) for dtype in CTYPE for algo in ALGORITHMS
                 for form in moe_combine.FORMS.values() for f in FORMATS for v in register_vpts(f) + (0,)]
 

@@ -103,7 +103,7 @@ fused_tail.launch_config's few-rows rule, taken for every row count: the P2P gri
 whatever t is, so the reason the local tail takes fewer threads for many rows (several CTAs per SM
 overlapping each other) does not apply, and 4 x 256 (its throughput shape) is not built. The world
 size is a run-time argument (loops over ranks unrolled to 8 with uniform predicates) rather than a
-template argument: 69 variants instead of several hundred, so that the CPU build of every variant
+template argument: tens of dense variants instead of several hundred, so that the CPU build of every variant
 for every arch stays quick. The tail's numerics do not depend on these choices beyond the order of
 the row's sum of squares (1 ulp of the norm at most, which the tolerances allow); for t < 256 the
 P2P tail runs the local tail kernel's configuration, so the two give the same bits.
