@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import moe, nccl, ops, p2p, routes, topology
+from . import env, moe, nccl, ops, p2p, routes, topology
 from .kernels import jit, moe_tail, native
 from .kernels.moe_combine import index_limits
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
@@ -149,12 +149,14 @@ class Communicator:
         """The call checks (the gloo route's signature exchange, and COMMFUSE_CHECK's on every route) run
         over a gloo group of their own whose timeout, COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P
         route's), bounds how long a call waits for a rank that skipped it or died; the group's own timeout
-        stays the caller's for everything else. Only this group's ranks take part in making it, and the Communicators of one group with one
-        timeout share it (each gloo group holds sockets and threads) until a call times out on it.
-        A Communicator whose call timed out stays unusable; later ones get a new check group."""
-        timeout = float(os.environ.get("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S))
-        if not timeout > 0:
-            raise ValueError(f"COMMFUSE_GLOO_TIMEOUT_S must be a positive number of seconds, got {timeout}")
+        stays the caller's for everything else. The Communicators of one group with one timeout share it
+        (each gloo group holds sockets and threads) until a call times out on it. A Communicator whose
+        call timed out stays unusable; later ones get a new check group.
+        Over every rank of the world, every rank takes part in making it, as in any dist.new_group. Over a
+        subgroup only its ranks do (the others do not make this Communicator): torch names such a group
+        from its ranks and the number of process groups each rank holds, so the ranks of the subgroup
+        must hold as many (else making it times out, and this raises saying so)."""
+        timeout = env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)
         ranks = tuple(dist.get_process_group_ranks(self.group))
         key = (ranks, timeout)
         group = _CHECK_GROUPS.get(key)
@@ -166,8 +168,19 @@ class Communicator:
             if any(votes):
                 group = None
         if group is None:
-            group = _CHECK_GROUPS[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout),
-                                                        backend="gloo", use_local_synchronization=True)
+            whole = len(ranks) == dist.get_world_size()
+            try:
+                group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout), backend="gloo",
+                                       use_local_synchronization=not whole)
+            except Exception as e:  # noqa: BLE001 - torch's store timeout, said in commfuse's terms
+                if whole:
+                    raise
+                raise RuntimeError(
+                    f"the call checks' gloo group of ranks {list(ranks)} was not made within {timeout:g} s: torch "
+                    "names a group that only its ranks make from the number of process groups each rank holds, and "
+                    "these ranks likely hold different numbers (a subgroup some of them are in). Make this "
+                    "Communicator before such groups, or make the same groups on each of its ranks") from e
+            _CHECK_GROUPS[key] = group
         return group
 
     def _open_nccl(self) -> None:

@@ -42,12 +42,36 @@ def local_world_size() -> int:
 
 
 def _launch_env() -> tuple:
+    """(rank, world, local rank, local world, launcher); ValueError naming the variable where a launcher's
+    value is no integer or out of range (a rank >= the world size would wait for peers that never come)."""
     for i, (r, w, l, n) in enumerate(_ENV_LAYOUTS):
         if r in os.environ and w in os.environ:
-            rank, world = int(os.environ[r]), int(os.environ[w])
-            return (rank, world, int(os.environ.get(l, rank)), int(os.environ.get(n, world)),
-                    "torchrun" if i == 0 else "mpi")
+            world = _int_env(w, 1)
+            rank = _int_env(r, 0)
+            if rank >= world:
+                raise ValueError(f"{r}={rank} must be less than {w}={world}")
+            local_world = _int_env(n, 1, world)
+            local_rank = _int_env(l, 0, rank)
+            return rank, world, local_rank, local_world, "torchrun" if i == 0 else "mpi"
     return 0, 1, 0, 1, None
+
+
+def _int_env(name: str, minimum: int, default: int | None = None) -> int:
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {v}")
+    return v
+
+
+def _master_port() -> int:
+    """MASTER_PORT, checked; 0 where it is unset or empty."""
+    return _int_env("MASTER_PORT", 1) if os.environ.get("MASTER_PORT") else 0
 
 
 def _free_port() -> int:
@@ -62,7 +86,7 @@ def _mpi_rendezvous(rank: int) -> tuple:
     addr = None
     if rank == 0:
         addr = (os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname()),
-                int(os.environ.get("MASTER_PORT") or _free_port()))
+                _master_port() or _free_port())
     return MPI.COMM_WORLD.bcast(addr, root=0)
 
 
@@ -86,6 +110,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e9):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     rank, world, local_rank, local_world, launcher = _launch_env()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -95,7 +121,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         addr, port = _mpi_rendezvous(rank)
     else:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT") or (_free_port() if world == 1 else 29500))
+        port = _master_port() or (_free_port() if world == 1 else 29500)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     if backend == "gloo":

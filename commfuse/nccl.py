@@ -57,6 +57,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import env
 from .kernels import nccl_mark
 
 NCCL_SUCCESS = 0
@@ -276,16 +277,11 @@ class NcclComm:
             raise ValueError(f"NcclComm needs a CUDA device, got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        timeout = env.seconds("COMMFUSE_NCCL_TIMEOUT_S", 10.0, zero=True)  # 0: no watchdog
         uid = broadcast_unique_id(group, nccl.unique_id)
         with torch.cuda.device(index):
             handle = nccl.init_rank(self.world_size, uid, self.rank)
         self._attach(nccl, handle, index)
-        text = os.environ.get("COMMFUSE_NCCL_TIMEOUT_S", "10")
-        try:
-            timeout = float(text)
-        except ValueError:
-            raise ValueError(f"COMMFUSE_NCCL_TIMEOUT_S must be a number of seconds (0: no watchdog), "
-                             f"got {text!r}") from None
         if timeout > 0:
             self._watch(timeout, os.environ.get("COMMFUSE_NCCL_WATCH_REPLAYS", "1") != "0")
 

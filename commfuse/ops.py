@@ -45,6 +45,7 @@ import torch
 
 from . import local
 from .reference import Tail
+from .tail.checks import fields_of
 from .tail.spec import TailSpec, code, present, public, spread
 
 __all__ = ["all_reduce", "fused_all_reduce", "moe_all_reduce"]
@@ -101,10 +102,13 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
         r = comm.fused_all_reduce(x, residual, weight, eps, quant or None, scale, return_norm, sf_layout, out=out, **kw)
-        return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
+        got = (r.residual, r.norm, r.quant, r.scale_factors, r.scales)
+        if out is not None:  # as the out op returns: the caller's tensors, None where out has none
+            got = tuple(None if o is None else g for o, g in zip(fields_of(out), got))
+        return Tail(*got)
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     if out is not None:
-        outs = (out.residual, out.norm, out.quant, out.scale_factors, getattr(out, "scales", None))
+        outs = fields_of(out)
         torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
                                                 comm.name, *outs)
         return Tail(*outs)

@@ -197,6 +197,34 @@ def test_tail_numbers_that_differ_in_a_low_bit_are_a_mismatch(comm, gen, check, 
     assert torch.equal(c.all_reduce(y), torch.full_like(y, c.world_size))  # the group still works
 
 
+@mpi
+def test_a_bad_check_timeout_is_named(comm, monkeypatch):
+    """COMMFUSE_GLOO_TIMEOUT_S that is no number of seconds raises naming it, on every rank, where the
+    check group is made (a gloo group's Communicator; an NCCL group's first checked call)."""
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "abc")
+    with pytest.raises(ValueError, match="COMMFUSE_GLOO_TIMEOUT_S must be a number, got 'abc'"):
+        c = Communicator(comm.group)
+        c.check_calls = True
+        c.all_reduce(torch.ones(2, 8, device=comm.device))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_communicator_after_an_uneven_subgroup(comm, gen, monkeypatch):
+    """Every rank makes dist.new_group([1]), which only rank 1 then holds: the ranks hold different numbers
+    of process groups, which must not keep a Communicator over every rank from making its check group
+    (torch names a group made by its own ranks alone from that number)."""
+    dist.new_group([1], backend="gloo")
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "11")  # a check group of its own (one per timeout)
+    c = Communicator(comm.group)
+    c.check_calls = True  # an NCCL group makes its check group at the first checked call
+    x, xs = rank_inputs(c, gen, (3, 64), torch.bfloat16)
+    y, want = c.all_reduce(x), reference.all_reduce_sum(xs)
+    if exact_sum(c):
+        assert torch.equal(y, want)
+    else:
+        assert_within_ulp(y, want, c.world_size, "all-reduce")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, check):

@@ -134,6 +134,26 @@ def test_out_ops_write_the_callers_tensors(quiet_comm, gen):
 
 
 @mpi
+def test_out_with_a_field_left_none_returns_the_same_eager_and_compiled(quiet_comm, gen):
+    """out= naming only the residual, on a call that also has a norm: the norm is made and not returned
+    (the out op returns nothing of its own), eager as compiled."""
+    c = quiet_comm
+    x, _ = rank_inputs(c, gen, (5, 128), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, 5, 128, torch.bfloat16, None)
+    want = c.fused_all_reduce(x, residual, weight)
+
+    def f(x, residual, weight, mine):
+        t = ops.fused_all_reduce(c, x, residual, weight, out=commfuse.reference.Tail(mine, None, None, None, None))
+        return t.residual, t.norm
+
+    torch._dynamo.reset()
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        mine = torch.empty_like(want.residual)
+        got, norm = fn(x, residual, weight, mine)
+        assert norm is None and bits_equal(mine, want.residual) and bits_equal(got, want.residual)
+
+
+@mpi
 def test_eager_wrappers_give_the_ops_bits(quiet_comm, gen):
     """Outside torch.compile the wrappers call the Communicator directly: the same bits as the op."""
     c = quiet_comm

@@ -183,7 +183,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON (fields: see the module docstring)")
     args = parser.parse_args(argv)
-    _, world, _, launcher = launch_env()
+    try:
+        _, world, _, launcher = launch_env()
+    except ValueError as e:  # a broken launcher is a message, not a traceback
+        print(f"commfuse-probe: {e}", file=sys.stderr)
+        return 1
     if launcher is None or world == 1:
         rep = single_report()
         if launcher is not None:

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .. import ipc
+from .. import env, ipc
 from ..distributed import gather_objects
 from ..kernels import native, params
 from ..kernels.p2p_allreduce import (MAX_BLOCKS, MAX_WORLD, P2P_ALLREDUCE, P2PMismatchError, P2PTimeoutError,
@@ -56,21 +56,6 @@ def layout(max_bytes: int, world: int, nblocks: int) -> Layout:
 
 
 
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {raw!r}")
-    return value
-
-
-
-
 class Workspace:
     """The IPC buffers of one group's P2P all-reduce, and the launches that use them.
 
@@ -99,14 +84,14 @@ class Workspace:
         self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self._index)
         if max_bytes is None:
-            max_bytes = int(_env_number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20) * 2**20)
+            max_bytes = math.ceil(env.number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20) * 2**20)
         if int(max_bytes) <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = -(-int(max_bytes) // ALIGN) * ALIGN
-        self.timeout_s = float(timeout_s) if timeout_s is not None else _env_number("COMMFUSE_P2P_TIMEOUT_S",
+        self.timeout_s = float(timeout_s) if timeout_s is not None else env.seconds("COMMFUSE_P2P_TIMEOUT_S",
                                                                                       DEFAULT_TIMEOUT_S)
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= env.MAX_SECONDS):
+            raise ValueError(f"timeout_s must be a number > 0 and at most {env.MAX_SECONDS:g} s, got {timeout_s!r}")
         calibrate = bool(calibrate) and os.environ.get("COMMFUSE_P2P_CALIBRATE") != "0"
 
         self._ptr = self._host_ptr = None

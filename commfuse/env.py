@@ -1,0 +1,34 @@
+"""The numbers commfuse reads from environment variables, parsed in one place: unset or empty is the
+default; anything else must be a number in range, or ValueError names the variable
+(docs/environment.md lists them)."""
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["MAX_SECONDS", "number", "seconds"]
+
+# About 11.6 days: a longer bound on a wait is no bound, and far larger values overflow the kernels'
+# nanosecond counters and datetime.timedelta.
+MAX_SECONDS = 1e6
+
+
+def number(name: str, default: float, *, maximum: float = math.inf, zero: bool = False) -> float:
+    """The variable `name` as a float: `default` where it is unset or empty, else a finite number > 0 (>= 0
+    with `zero`) and at most `maximum`."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= maximum):
+        raise ValueError(f"{name} must be a number {'>= 0' if zero else '> 0'}"
+                         + (f" and at most {maximum:g}" if maximum < math.inf else "") + f", got {raw!r}")
+    return value
+
+
+def seconds(name: str, default: float, *, zero: bool = False) -> float:
+    """A wait's bound in seconds from `name` (see `number`), at most MAX_SECONDS."""
+    return number(name, default, maximum=MAX_SECONDS, zero=zero)

@@ -1,0 +1,94 @@
+"""What commfuse reads from the environment: the launchers' variables (commfuse.distributed) and the
+numbers of COMMFUSE_* variables (commfuse.env). A value that is no number in range raises ValueError
+naming the variable, before anything waits on it. CPU, one process."""
+import math
+import subprocess
+import sys
+
+import pytest
+
+from commfuse import env
+from commfuse.distributed import _ENV_LAYOUTS, launch_env, local_world_size
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    """No launcher variable set."""
+    for layout in _ENV_LAYOUTS:
+        for name in layout:
+            monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_launcher_variables_are_read_in_order(clean):
+    assert launch_env() == (0, 1, 0, None) and local_world_size() == 1
+    clean.setenv("OMPI_COMM_WORLD_RANK", "3")
+    clean.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    assert launch_env() == (3, 8, 3, "mpi") and local_world_size() == 8  # local rank and size default
+    clean.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    clean.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert launch_env() == (3, 8, 1, "mpi") and local_world_size() == 4
+    clean.setenv("RANK", "5")
+    clean.setenv("WORLD_SIZE", "6")
+    assert launch_env() == (5, 6, 5, "torchrun")  # torchrun's layout first
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 must be less than WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE must be an integer, got 'abc'"),
+    ({"RANK": "", "WORLD_SIZE": "2"}, "RANK must be an integer, got ''"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be at least 1, got 0"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK must be at least 0, got -1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK must be an integer"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "0"}, "MPI_LOCALNRANKS must be at least 1"),
+])
+def test_a_broken_launcher_variable_is_named(clean, variables, message):
+    for k, v in variables.items():
+        clean.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        launch_env()
+
+
+def _run(code: str, **variables) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter with only these launcher variables (no group in this process)."""
+    import os
+
+    environ = {k: v for k, v in os.environ.items() if not any(k in layout for layout in _ENV_LAYOUTS)}
+    environ.update(variables)
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+
+
+def test_init_distributed_and_the_probe_say_what_is_wrong():
+    """A rank beyond the world would wait for peers that never come (the timeout, 600 s by default):
+    init_distributed raises at once instead, and commfuse-probe prints a line rather than a traceback."""
+    r = _run("import commfuse; commfuse.init_distributed()", RANK="1", WORLD_SIZE="1")
+    assert r.returncode != 0 and "ValueError: RANK=1 must be less than WORLD_SIZE=1" in r.stderr, r.stderr
+    r = _run("import commfuse; commfuse.init_distributed()", RANK="0", WORLD_SIZE="1", MASTER_PORT="abc")
+    assert "MASTER_PORT must be an integer, got 'abc'" in r.stderr, r.stderr
+    r = _run("import commfuse; commfuse.init_distributed(timeout_s=0)")
+    assert "timeout_s must be a positive number of seconds" in r.stderr, r.stderr
+    r = _run("import sys; from commfuse.cli.probe import main; sys.exit(main([]))", RANK="0", WORLD_SIZE="abc")
+    assert r.returncode == 1 and r.stderr.strip() == "commfuse-probe: WORLD_SIZE must be an integer, got 'abc'", r
+
+
+@pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "0", "1e7"])
+def test_a_bad_number_is_named(monkeypatch, raw):
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", raw)
+    with pytest.raises(ValueError, match=r"COMMFUSE_TEST_SECONDS must be a number"):
+        env.seconds("COMMFUSE_TEST_SECONDS", 10.0)
+
+
+def test_numbers_in_range_and_defaults(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_TEST_SECONDS", raising=False)
+    assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0) == 10.0
+    for raw, want in (("", 10.0), (" ", 10.0), ("0.25", 0.25), ("1e6", 1e6)):
+        monkeypatch.setenv("COMMFUSE_TEST_SECONDS", raw)
+        assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0) == want
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "0")
+    assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True) == 0.0  # e.g. no NCCL watchdog
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "-0.5")
+    with pytest.raises(ValueError, match=">= 0 and at most 1e\\+06"):
+        env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True)
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1e300")
+    assert env.number("COMMFUSE_TEST_SECONDS", 1.0) == 1e300  # a number with no maximum (not a wait)
+    assert env.MAX_SECONDS < math.inf
