@@ -245,6 +245,16 @@ def test_nvml_failure_is_reported_not_raised(monkeypatch, capsys):
         assert any("NVLink of GPU 0 (NVML)" in n for n in rep["notes"])
 
 
+@pytest.mark.parametrize("strategy, noted", [("bogus", True), ("nccl", False)])
+def test_probe_names_a_strategy_a_communicator_would_refuse(monkeypatch, capsys, strategy, noted):
+    monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 1, 0, None))
+    monkeypatch.setenv("COMMFUSE_STRATEGY", strategy)
+    assert probe_cli.main(["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["strategy"] == strategy
+    assert any(f"COMMFUSE_STRATEGY='{strategy}' is not a strategy" in n for n in rep["notes"]) is noted, rep["notes"]
+
+
 def test_bus_ids_normalised():
     assert topology._norm_bus_id(b"00000000:3B:00.0\x00") == "0000:3b:00.0"
     assert topology._norm_bus_id("0001:c1:1f.7") == "0001:c1:1f.7"

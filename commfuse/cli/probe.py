@@ -16,8 +16,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   versions      {torch, cuda_runtime, nccl, driver, driver_cuda} of this process (null: unreadable)
   gpus          GPUs visible to this process: [{index, name, sm ("9.0"), uuid, pci_bus_id, memory_bytes,
                 nvlink ({gpu_links: {pci_bus_id: links}, switch_links} or null), fused}] where fused maps
-                each pattern (residual_rmsnorm, residual_rmsnorm_fp8, residual_rmsnorm_nvfp4) to
-                "fused-hw" | "fused-sw" | "separated"
+                each pattern of topology.PATTERNS (residual_rmsnorm, then one per quantization format)
+                to "fused-hw" | "fused-sw" | "separated"
   ranks         one entry per rank of the group: the fields of gpus (index: the rank's CUDA ordinal,
                 null without a GPU) plus rank, host, node, versions
   matrix_of     "gpus" (single process) or "ranks": what rows and columns of the matrices index
@@ -29,7 +29,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   reasons       why, as a list of strings
   local_group   single process with GPUs: {mode, reasons} a group of one rank per local GPU would get
                 from the driver's P2P answer (not IPC-confirmed); null under a launcher or without GPUs
-  strategy      the Communicator's strategy here: COMMFUSE_STRATEGY or "auto"
+  strategy      the Communicator's strategy here: COMMFUSE_STRATEGY or "auto" (a value that is no
+                strategy is named in notes: a Communicator raises on it)
   overrides     {COMMFUSE_STRATEGY, COMMFUSE_PRETEND_NO_P2P, COMMFUSE_DISABLE_FUSION}: values set, or null
   notes         what could not be measured and why ("rank i: ..." under a launcher)
 """
@@ -46,6 +47,7 @@ import torch
 
 from .. import topology
 from ..distributed import launch_env
+from ..routes import STRATEGIES
 
 OVERRIDES = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_FUSION")
 _SHORT = {p: "+" + p[len("residual_rmsnorm_"):] if p != "residual_rmsnorm" else "rmsnorm" for p in topology.PATTERNS}
@@ -209,6 +211,10 @@ def main(argv=None) -> int:
         if topo.rank != 0:
             return 0
         rep = group_report(topo, launcher)
+    strategy = os.environ.get("COMMFUSE_STRATEGY")
+    if strategy and strategy not in STRATEGIES:
+        rep["notes"].append(f"COMMFUSE_STRATEGY={strategy!r} is not a strategy (one of {', '.join(STRATEGIES)}): a "
+                            "Communicator raises ValueError")
     print(json.dumps(rep, indent=2) if args.json else render(rep))
     return 0
 
