@@ -241,6 +241,21 @@ def negative(c, gen, combine, skipped=1, **shape):
 
 
 @mpi
+@pytest.mark.parametrize("added_in", ["T", "float32"])
+def test_the_combine_added_to_itself_is_no_shared_expert(quiet_comm, gen, added_in):
+    """routed + routed is twice the combine, not a shared expert's output added to it: the combine stays
+    in the graph, and the all-reduce tail is fused as usual."""
+    def combine(x, rows, w, t, k, h):
+        routed = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
+        if added_in == "T":
+            routed = routed.to(x.dtype)
+            return routed + routed
+        return (routed + routed).to(x.dtype)
+
+    negative(quiet_comm, gen, combine, skipped=0)
+
+
+@mpi
 def test_sum_over_another_dim_is_not_the_combine(quiet_comm, gen):
     def combine(x, rows, w, t, k, h):  # the slots on dim 0: [k, t, h]
         return (rows.view(t, k, h).transpose(0, 1) * w.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)

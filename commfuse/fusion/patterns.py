@@ -776,7 +776,7 @@ def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
             return None
         for c, s in (pair, pair[::-1]):
             inner: list = []
-            if _routed_sum(_strip_views(c, inner), t_dtype) is not None:
+            if c is not s and _routed_sum(_strip_views(c, inner), t_dtype) is not None:  # routed + routed: 2x
                 nodes.append(cur)
                 shared, shared_order, spelling_tail = s, "T", f" + shared ({s.name}, added in {_dt(t_dtype)})"
                 cur = _strip_views(c, nodes)
@@ -789,7 +789,7 @@ def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
         add = G.source(cur)
         a, b = _binary(add)
         for c, s in ((a, b), (b, a)):
-            if not (isinstance(c, fx.Node) and isinstance(s, fx.Node)) or G.dtype(add) != _F32:
+            if not (isinstance(c, fx.Node) and isinstance(s, fx.Node)) or c is s or G.dtype(add) != _F32:
                 continue
             s_t = _f32_of(s) if G.dtype(s) == _F32 else s
             inner = []
