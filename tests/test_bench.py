@@ -213,6 +213,49 @@ def test_gate_rejects_a_wrong_implementation(tmp_path):
     assert "residual" in rejected["residual_rmsnorm"] and "all-reduce" in rejected["allreduce"]
 
 
+WRONG_COMMFUSE = r'''
+import os, sys
+import commfuse
+from commfuse.bench import cli
+
+real, seen = commfuse.Communicator.fused_all_reduce, set()
+
+def fused_all_reduce(self, x, residual, weight, *args, out=None, **kw):
+    if os.environ["WRONG"] == "out" and out is not None:
+        return out  # writes nothing into the caller's outputs
+    r = real(self, x, residual, weight, *args, out=out, **kw)
+    key = (tuple(x.shape), out is not None)
+    if os.environ["WRONG"] == "later" and key in seen:  # right at a signature's first call only
+        r.residual.add_(1)
+    seen.add(key)
+    return r
+
+commfuse.Communicator.fused_all_reduce = fused_all_reduce
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+@cpu_smoke
+@pytest.mark.parametrize("wrong, rejected", [("out", {"commfuse-auto-out"}),
+                                             ("later", {"commfuse-auto", "commfuse-auto-out"})])
+def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wrong, rejected):
+    """A row whose out= path writes nothing (its outputs are poisoned before each checked call), or whose
+    calls after a signature's first (those the plan table launches, as the timed ones) are wrong, is
+    rejected, and commfuse-bench exits 1: commfuse's own rows must be right."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", WRONG_COMMFUSE, "--quick", "--impls", "commfuse-auto,commfuse-auto-out",
+                        "--patterns", "residual_rmsnorm_fp8", "--shapes", "4x256", "--repeats", "1",
+                        "--calls-per-graph", "2", "--out", str(out)], cwd=tmp_path, env={**_child_env(), "WRONG": wrong},
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 1, p.stderr[-3000:]
+    doc = _load(out)
+    assert {r["impl"] for r in doc["records"]} == {"commfuse-auto", "commfuse-auto-out"} - rejected
+    reasons = {s["impl"]: s["reason"] for s in doc["skipped"]}
+    assert set(reasons) == rejected, reasons
+    if wrong == "later":
+        assert all("checked call 2 (from the plan table)" in r for r in reasons.values()), reasons
+
+
 COMPUTED = ("residual_rmsnorm_fp8_per_token", "residual_rmsnorm_fp8_block", "residual_rmsnorm_fp8_block_ue8m0")
 NEW_PATTERNS = COMPUTED + ("residual_gemma_rmsnorm_fp8",)
 
@@ -311,7 +354,7 @@ def test_torch_add_is_gated_against_its_own_definition():
     add = impls.IMPLS["torch-add"]
     step = add.prepare(ctx, case)
     assert step.no_graph is None
-    verdict, res = cases.gate(ctx, step.call, lambda r: add.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step, lambda r: add.mismatch(case, r))
     assert verdict is OK
     x, residual = case.sets[0]
     assert torch.equal(res.a, (x.float() + residual.float()).bfloat16())
@@ -322,12 +365,12 @@ def test_torch_add_is_gated_against_its_own_definition():
         r = step.call(i)
         r.a.view(-1)[3] = torch.nextafter(r.a.view(-1)[3], torch.tensor(float("inf")).bfloat16())
         return r
-    verdict, _ = cases.gate(ctx, off, lambda r: add.mismatch(case, r))
+    verdict, _ = cases.gate(ctx, impls.Step(off), lambda r: add.mismatch(case, r))
     assert verdict.kind is Kind.REJECTED and "x + residual" in verdict.reason
-    verdict, _ = cases.gate(ctx, lambda i: 1 / 0, lambda r: add.mismatch(case, r))
+    verdict, _ = cases.gate(ctx, impls.Step(lambda i: 1 / 0), lambda r: add.mismatch(case, r))
     assert verdict == Verdict(Kind.FAILED, "the checked call raised ZeroDivisionError: division by zero")
     # Judged by the oracle instead, its output (no tail) is not even comparable: a rejection.
-    verdict, _ = cases.gate(ctx, step.call, lambda r: impls.IMPLS["tail-eager"].mismatch(case, r))
+    verdict, _ = cases.gate(ctx, step, lambda r: impls.IMPLS["tail-eager"].mismatch(case, r))
     assert verdict.kind is Kind.REJECTED and "not comparable with the oracle" in verdict.reason
 
 
@@ -514,7 +557,7 @@ def test_new_patterns_verify_and_wrong_results_are_rejected(name):
     assert (case.scale is None) == (p.quant != "fp8")
     impl = impls.IMPLS["tail-eager"]
     step = impl.prepare(ctx, case)
-    verdict, res = cases.gate(ctx, step.call, lambda r: impl.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step, lambda r: impl.mismatch(case, r))
     assert verdict is OK
     if p.weight_offset:
         x, residual = case.sets[0]
@@ -669,8 +712,13 @@ def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
         fi.prepare(ctx, case)
 
 
-@pytest.mark.parametrize("argv, error", [(["--shapes", "64"], "TOKENSxHIDDEN"), (["--impls", "nope"], "unknown impl"),
-                                         (["--modes", "host,wall"], "unknown mode")])
+@pytest.mark.parametrize("argv, error", [
+    (["--shapes", "64"], "TOKENSxHIDDEN"), (["--impls", "nope"], "unknown impl"), (["--modes", "host,wall"], "unknown mode"),
+    (["--shapes", "0x512"], "tokens >= 1"), (["--shapes", "4x0"], "hidden a multiple of 8"),
+    (["--repeats", "0"], "--repeats and --calls-per-graph must be >= 1"),
+    (["--calls-per-graph", "0"], "--repeats and --calls-per-graph must be >= 1"),
+    (["--shapes", "2x136", "--patterns", "residual_rmsnorm_nvfp4"], "needs a hidden size that is a multiple of 16"),
+])
 def test_bad_options_are_named(argv, error, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
@@ -692,7 +740,7 @@ def test_mxfp8_pattern_verifies_and_wrong_scale_factors_are_rejected():
     assert case.scale is None
     impl = impls.IMPLS["tail-eager"]
     step = impl.prepare(ctx, case)
-    verdict, res = cases.gate(ctx, step.call, lambda r: impl.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step, lambda r: impl.mismatch(case, r))
     assert verdict is OK and res.sf.dtype == torch.uint8 and res.scales is None
     for index, change, why in ((0, 2, "UE8M0 scale factors"), (res.sf.numel() - 1, 1, "swizzle padding not 0")):
         r = step.call(0)

@@ -360,18 +360,26 @@ def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0) -> Opti
                                    SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0)
 
 
-def gate(ctx: Ctx, step: Callable[[int], Result],
-         mismatch: Callable[[Result], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:
-    """One call on the checked inputs (set 0); mismatch(result) says why it is wrong (None: right).
-    Returns (verdict, result); the caller keeps the result alive until every row is gated."""
-    try:
-        res = step(0)
-        if ctx.cuda:
-            torch.cuda.synchronize()
-    except Exception as e:
-        return failed("the checked call", e), None
-    try:
-        why = mismatch(res)
-    except Exception as e:  # e.g. not a Result, or tensors on the wrong device
-        why = f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"
-    return (OK if why is None else Verdict(Kind.REJECTED, why)), res
+def gate(ctx: Ctx, step, mismatch: Callable[[Result], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:
+    """The row's checked calls on the checked inputs (set 0): step.checked_calls of them, each after
+    step.poison() where the row owns its outputs (impls.Step); mismatch(result) says why one is wrong
+    (None: right). Returns (verdict, the last result); the caller keeps it alive until every row is
+    gated."""
+    res = None
+    for n in range(step.checked_calls):
+        which = "the checked call" if step.checked_calls == 1 else f"checked call {n + 1}"
+        try:
+            if step.poison is not None:
+                step.poison()
+            res = step.result(step.call(0))
+            if ctx.cuda:
+                torch.cuda.synchronize()
+        except Exception as e:
+            return failed(which, e), None
+        try:
+            why = mismatch(res)
+        except Exception as e:  # e.g. not a Result, or tensors on the wrong device
+            why = f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"
+        if why is not None:
+            return Verdict(Kind.REJECTED, why if n == 0 else f"{which} (from the plan table): {why}"), res
+    return OK, res

@@ -30,6 +30,11 @@ from .verdict import OK, Kind, Skip, Verdict, agree, failed
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    try:  # the results are written at the end: a folder that cannot take them is said now, on every rank
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        print(f"commfuse-bench: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     rank, world = init_distributed(timeout_s=float(os.environ.get("COMMFUSE_BENCH_TIMEOUT", 600)))
     backend = str(dist.get_backend())
     # CUDA whenever there is a GPU, whatever the backend: ranks sharing a GPU run gloo on CUDA tensors.
@@ -81,7 +86,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           "warmup": args.warmup, "quick": args.quick, "eps": args.eps, "seed": args.seed}}
         if note:
             doc["note"] = note
-        os.makedirs(args.out, exist_ok=True)
         stem = os.path.join(args.out, "bench-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", args.machine))
         report.write_json(stem + ".json", doc)
         pngs = []
@@ -93,7 +97,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if world > 1:
         dist.barrier()
     dist.destroy_process_group()
-    return 0
+    # commfuse's own rows must be right: a wrong or failed one fails the run (the others are baselines).
+    ours = [k for k, v in status.items() if IMPLS[k[0]].ours and v in (Kind.REJECTED, Kind.FAILED)]
+    if ours and rank == 0:
+        print(f"commfuse-bench: {len(ours)} of commfuse's own rows were wrong or failed (see 'not run')",
+              file=sys.stderr, flush=True)
+    return 1 if ours else 0
 
 
 def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
@@ -136,8 +145,7 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
                 step, verdict = None, failed("prepare", e)
             verdict = agree(ctx.world, verdict)
             if verdict.ok:
-                verdict, res = gate(ctx, lambda i, s=step: s.result(s.call(i)),
-                                    functools.partial(impl.mismatch, case, expected=step.expected))
+                verdict, res = gate(ctx, step, functools.partial(impl.mismatch, case, expected=step.expected))
                 kept.append(res)
                 verdict = agree(ctx.world, verdict)
             if verdict.ok:
@@ -200,7 +208,11 @@ def _shapes(s: str) -> List[Tuple[int, int]]:
         m = re.fullmatch(r"(\d+)[xX](\d+)", v)
         if not m:
             raise argparse.ArgumentTypeError(f"shape {v!r} is not TOKENSxHIDDEN, e.g. 64x8192")
-        out.append((int(m[1]), int(m[2])))
+        t, h = int(m[1]), int(m[2])
+        if t < 1 or h < 8 or h % 8:
+            raise argparse.ArgumentTypeError(f"shape {v!r}: tokens >= 1 and hidden a multiple of 8 (the tail's "
+                                             "16-byte rows)")
+        out.append((t, h))
     return out
 
 
@@ -250,8 +262,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.pattern_list = list(dict.fromkeys(patterns)) or list(QUICK_PATTERNS if q else DEFAULT_PATTERNS)
     args.mode_list = args.modes or ["graph", "eager"]
     args.impl_list = args.impls or list(DEFAULT_IMPLS)
-    args.repeats = args.repeats or (5 if q else 10)
-    args.calls_per_graph = args.calls_per_graph or (10 if q else 20)
+    args.repeats = args.repeats if args.repeats is not None else (5 if q else 10)
+    args.calls_per_graph = args.calls_per_graph if args.calls_per_graph is not None else (10 if q else 20)
     args.warmup = args.warmup if args.warmup is not None else (2 if q else 3)
     for what, got, known in (("dtype", args.dtype_list, DTYPES), ("pattern", args.pattern_list, PATTERNS),
                              ("mode", args.mode_list, MODES), ("impl", args.impl_list, IMPLS)):
@@ -260,4 +272,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             ap.error(f"unknown {what} {bad}; known: {', '.join(known)}")
     if min(args.repeats, args.calls_per_graph) < 1 or args.warmup < 0:
         ap.error("--repeats and --calls-per-graph must be >= 1, --warmup >= 0")
+    for p in args.pattern_list:  # each shape must be one the pattern's format can take
+        multiple = PATTERNS[p].spec.hidden_multiple
+        bad = [f"{t}x{h}" for t, h in (args.moe_shape_list if PATTERNS[p].is_moe else args.shape_list) if h % multiple]
+        if bad:
+            ap.error(f"pattern {p} needs a hidden size that is a multiple of {multiple}, got {', '.join(bad)}")
     return args

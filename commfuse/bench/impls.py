@@ -36,12 +36,31 @@ class Step:
     capture it; no_graph: why graph mode cannot time it (None: it can); result: what the gate reads
     of call's return value, a Result (made outside the timed loops, which call `call` itself: a row's
     host time holds no wrapper of ours); expected: the oracles of a row that computes by another
-    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead."""
+    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead.
+    checked_calls: calls the gate checks (commfuse's rows: 2, the first call of a signature, which plans
+    it, and one launched from the plan table, as the timed calls are); poison: fills the row's
+    caller-owned outputs before each checked call, so that a call that leaves them unwritten fails."""
 
     call: Callable[[int], object]
     no_graph: Optional[str] = None
     result: Callable[[object], Result] = lambda r: r
     expected: Optional[list] = None
+    checked_calls: int = 1
+    poison: Optional[Callable[[], None]] = None
+
+
+def _poisoner(outputs) -> Callable[[], None]:
+    """A Step.poison for caller-owned `outputs` (a tensor, a Tail or a FusedResult): every byte of the
+    storage behind each set to 0xFF (NaN in every float format; NVFP4 codes -6), padding included, which
+    commfuse writes too."""
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else \
+        [t for t in (outputs.residual, outputs.norm, outputs.quant, outputs.scale_factors, outputs.scales)
+         if t is not None]
+
+    def poison() -> None:
+        for t in tensors:
+            torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(0xFF)
+    return poison
 
 
 @dataclass
@@ -61,6 +80,11 @@ class Impl:
     about: str = ""
     timed_if_wrong: bool = False
     own_check: Optional[Callable[[Case, Result], Optional[str]]] = None
+
+    @property
+    def ours(self) -> bool:
+        """A row of commfuse's own (a baseline's wrong result is the baseline's; ours fails the run)."""
+        return self.name.startswith("commfuse") or self.name == "tail-commfuse"
 
     def mismatch(self, case: Case, res: Result, expected: Optional[list] = None) -> Optional[str]:
         """Why one call's result on the checked inputs is wrong; None when it is right. expected: the step's
@@ -278,7 +302,8 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
                 if not p.tail:
                     return Result(a=r)
                 return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors, scales=r.scales)
-        return Step(step, GLOO_NO_GRAPH if plan.collective == "gloo" else None, result)
+        return Step(step, GLOO_NO_GRAPH if plan.collective == "gloo" else None, result, checked_calls=2,
+                    poison=None if owned is None else _poisoner(owned))
     return prepare
 
 
@@ -321,7 +346,7 @@ def _prep_commfuse_moe(ctx: Ctx, case: Case, comm: Communicator, strategy: str, 
 
         def result(r):
             return Result(residual=r.residual, norm=r.norm, quant=r.quant, sf=r.scale_factors, scales=r.scales)
-    return Step(step, no_graph, result)
+    return Step(step, no_graph, result, checked_calls=2, poison=None if owned is None else _poisoner(owned))
 
 
 IMPL_OF_STRATEGY = {"nccl": "commfuse-fallback", "oneshot": "commfuse-p2p",
