@@ -113,6 +113,8 @@ def make_case(pattern, t, h, dtype, device, gen):
 
 
 def check(got, want, quant, pattern="") -> str:
+    if len(got) != len(want):
+        return f"{len(got)} outputs, the reference has {len(want)}"
     if pattern.startswith("quantize_"):  # the kernel gives the reference's bits
         for g, w in zip(got, want):
             if g.shape != w.shape or not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
@@ -200,6 +202,18 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, aot_eager on CPU")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    for pattern in args.patterns.split(","):
+        name, _, group = pattern.partition(":")
+        if name not in PATTERNS or (group and (name != "gated_rmsnorm" or not group.isdigit() or int(group) < 1)):
+            p.error(f"unknown pattern {pattern!r}: one of {', '.join(PATTERNS)}, or gated_rmsnorm:G (G >= 1)")
+    for shape in args.shapes.split(","):
+        t, _, h = shape.partition("x")
+        if not (t.isdigit() and h.isdigit() and int(t) >= 1 and int(h) >= 8 and int(h) % 8 == 0):
+            p.error(f"shape {shape!r} is not TOKENSxHIDDEN with tokens >= 1 and hidden a multiple of 8")
+    if any(d not in ("bf16", "fp16") for d in args.dtypes.split(",")):
+        p.error(f"--dtypes takes bf16 and fp16, got {args.dtypes!r}")
+    if args.calls < 1 or args.repeats < 1:
+        p.error("--calls and --repeats must be at least 1")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     backend = args.compile_backend or ("inductor" if cuda else "aot_eager")

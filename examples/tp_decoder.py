@@ -495,7 +495,21 @@ def parse(argv):
                    "reference where the route is not bit-exact (default by --quant: %s)" % TOLERANCES)
     p.add_argument("--json", default=None, help="write the table, the checks and the reports here")
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, least in (("layers", 1), ("tokens", 1), ("decode_steps", 0), ("batch", 1), ("repeats", 1)):
+        v = getattr(args, name)
+        if v is not None and v < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
+    moe_options = [o for o, given in (("--experts", args.experts != 4), ("--moe-topk", args.moe_topk != 2),
+                                      ("--moe-intermediate", args.moe_intermediate is not None),
+                                      ("--shared-expert", args.shared_expert)) if given]
+    if moe_options and not args.moe:
+        p.error(f"{', '.join(moe_options)} need{'s' if len(moe_options) == 1 else ''} --moe")
+    if args.moe and not 1 <= args.moe_topk <= args.experts:
+        p.error(f"--moe needs 1 <= --moe-topk <= --experts, got {args.moe_topk} of {args.experts}")
+    if args.moe_intermediate is not None and args.moe_intermediate < 1:
+        p.error(f"--moe-intermediate must be at least 1, got {args.moe_intermediate}")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -507,10 +521,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     device = comm.device
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     cfg = SIZES[args.size]
-    if args.layers:
+    if args.layers is not None:
         cfg = Config(**{**asdict(cfg), "layers": args.layers})
-    if args.shared_expert and not args.moe:
-        raise SystemExit("--shared-expert needs --moe")
     if args.moe:
         cfg = Config(**{**asdict(cfg), "experts": args.experts, "topk": args.moe_topk,
                         "moe_intermediate": args.moe_intermediate or 0, "shared_expert": args.shared_expert})

@@ -36,3 +36,16 @@ def test_local_ops_bench_checks_and_counts_bytes(tmp_path):
     assert row["add_rmsnorm_nvfp4"]["bytes"] == 2 * x + w + 4 + x + t * h // 2 + sf
     assert row["gated_rmsnorm:64"]["bytes"] == 3 * x + w  # x, gate, weight; norm
     assert row["quantize_fp8"]["bytes"] == x + 4 + t * h
+
+
+def test_a_dropped_output_is_rejected_and_bad_options_named(capsys):
+    """An op that returns fewer outputs than the reference (its norm dropped) fails the check, not only a
+    wrong value; an unknown pattern (a typo would run another op under its name) or shape is refused."""
+    import pytest
+
+    bench = _bench()
+    assert bench.check((1,), (1, 2), None) == "1 outputs, the reference has 2"
+    for argv in (["--patterns", "add_rmsnorm_fp4"], ["--shapes", "0x512"], ["--repeats", "0"], ["--dtypes", "fp32"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    assert "unknown pattern 'add_rmsnorm_fp4'" in capsys.readouterr().err

@@ -752,6 +752,33 @@ def test_gated_rmsnorm_is_found(gen, form):
         assert_rounding_order_close(got, want, ["norm"])
 
 
+def test_gated_rmsnorm_under_dynamic_shapes(gen):
+    """Mamba2's gated norm reads the sizes of x * silu(z) (`shape = hidden_states.shape`), which dynamo
+    queries with size() under dynamic shapes: the pass answers them from x and fuses the norm, for any
+    token count without a recompile."""
+    _, _, weight, _ = _local_inputs(gen, h=64)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight.clone())
+
+        def forward(self, x, z):
+            return mamba2_gated_norm(x, z, self.weight, 16)
+
+    torch._dynamo.reset()
+    compiled = fusion.compile(M(), None, backend="aot_eager", fullgraph=True)
+    for i, t in enumerate((5, 17, 3)):
+        x, z = (torch.randn(t, 64, generator=gen).to(BF16) for _ in range(2))
+        for a in (x, z):
+            torch._dynamo.mark_dynamic(a, 0)  # the tokens, as a model's activations (its hidden size is static)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(x, z)
+        assert bits_equal(got, reference.gated_rmsnorm(x, z, weight, 1e-5, 16, False)), t
+    (report,) = compiled.fusion_reports
+    assert report.count("commfuse::gated_rmsnorm") == 1, report
+
+
 # ---- rewrite="auto": a local pattern is left to Inductor where commfuse.fusion.evidence says it does as well
 
 

@@ -31,6 +31,7 @@ def _example():
     ["--quant", "fp8", "--compile"],
     ["--quant", "nvfp4", "--collective", "funcol", "--norm", "torch"],
     ["--gated-attn", "--quant", "fp8", "--compile"],
+    ["--gated-attn", "--dynamic"],  # the gated norm's sizes read by size(): fused all the same
 ])
 def test_tp_decoder_tiny(comm, args, tmp_path):
     res = _run(args, tmp_path)
@@ -90,6 +91,18 @@ def test_tp_moe_decoder_tiny(comm, args, tmp_path):
         # (with Inductor, rewrite="auto" may leave the local ops to it, and the report says so)
         assert not any("moe_all_reduce" in r for r in reps), reps
         assert all("commfuse::fused_add_rmsnorm" in r or "(evidence)" in r for r in reps), reps
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--repeats", "0"], "--repeats must be at least 1"), (["--tokens", "0"], "--tokens must be at least 1"),
+    (["--layers", "0"], "--layers must be at least 1"), (["--experts", "8"], "--experts needs --moe"),
+    (["--moe", "--moe-topk", "5"], "1 <= --moe-topk <= --experts, got 5 of 4"),
+    (["--moe", "--experts", "0"], "got 2 of 0"), (["--shared-expert"], "--shared-expert needs --moe"),
+])
+def test_options_that_would_crash_or_be_ignored_are_refused(args, error, capsys):
+    with pytest.raises(SystemExit):
+        _example().parse(args)
+    assert error in capsys.readouterr().err
 
 
 def test_median_ci_order_statistics():

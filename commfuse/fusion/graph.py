@@ -152,6 +152,18 @@ def _kind(node: fx.Node) -> Optional[str]:
     return None
 
 
+_SHAPE_METHODS = ("size", "dim", "numel")
+_SHAPE_FUNCTIONS = tuple(_overloads(aten.sym_size, "int", "default") + _overloads(aten.sym_numel, "default"))
+
+
+def is_shape_query(node: fx.Node) -> bool:
+    """Whether node reads only its tensor argument's sizes, not its values or strides (`x.size()`,
+    `aten.sym_size.int(x, 0)`: what dynamo and make_fx insert under dynamic shapes)."""
+    if node.op == "call_method":
+        return node.target in _SHAPE_METHODS
+    return node.op == "call_function" and node.target in _SHAPE_FUNCTIONS
+
+
 def _to_has_dtype(node: fx.Node) -> bool:
     return any(isinstance(a, (torch.dtype, fx.Node)) for a in node.args[1:]) or "dtype" in node.kwargs
 

@@ -41,7 +41,9 @@ class Norm:
     a float, or a Node holding a SymFloat (dynamo lifts some float attributes); nodes: every node of
     the norm after `input` up to `output` (all replaced); gate: z of a gated norm (norm_before_gate
     says where silu(z) multiplies); group_size: elements normalised together (None: the row);
-    weight_dtype: the weight's dtype where the graph says (the rewrite needs the activations')."""
+    weight_dtype: the weight's dtype where the graph says (the rewrite needs the activations');
+    shape_queries: (user, node) where a node of the norm of `input`'s shape is read only for its sizes
+    (`x.size()` under dynamic shapes): the rewrite points the user at `input`, which has those sizes."""
 
     input: fx.Node
     output: fx.Node
@@ -55,6 +57,7 @@ class Norm:
     group_size: Optional[int] = None
     notes: List[str] = field(default_factory=list)
     weight_dtype: Optional[torch.dtype] = None
+    shape_queries: List[Tuple[fx.Node, fx.Node]] = field(default_factory=list)
 
     @property
     def gated(self) -> bool:
@@ -292,12 +295,15 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
                 return Mismatch(f"grouped RMSNorm at {r.name}: the normalised groups are not viewed back to rows")
             base, group_size, out = src, (hv if hv != hs else None), back
             core = [v] + core + [back]
-    # Interior nodes may feed nothing outside the norm.
-    inside = set(core)
+    # Interior nodes may feed nothing outside the norm but a query of their sizes (checked below).
+    inside, queries = set(core), []
     for n in core[:-1]:
         for u in n.users:
-            if u not in inside:
+            if u in inside:
+                continue
+            if not G.is_shape_query(u):
                 return Mismatch(f"RMSNorm at {r.name}: its intermediate {n.name} is also used by {u.name}")
+            queries.append((u, n))
     # What is normalised: float32(H) (plain), or float32(x) * silu(float32(z)) (gated before the norm).
     gate, norm_before_gate, prefix = None, False, []
     h_in = _f32_of(base)
@@ -315,12 +321,18 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
         return Mismatch(f"RMSNorm at {r.name}: what is normalised ({base.name}) is not a float32 cast of a "
                         f"float16/bfloat16 tensor")
     cast_in = [base] if gate is None else prefix
-    # The cast of the input may also feed the (plain) norm's multiply only.
+    # The cast of the input may also feed the (plain) norm's multiply only, and queries of its sizes.
     inside |= set(cast_in)
     for n in cast_in:
         for u in n.users:
-            if u not in inside:
+            if u in inside:
+                continue
+            if not G.is_shape_query(u):
                 return Mismatch(f"RMSNorm at {r.name}: {n.name} is also used by {u.name}")
+            queries.append((u, n))
+    for u, n in queries:  # answered by x after the rewrite: only where n has x's sizes
+        if not G.same_shape(n, h_in):
+            return Mismatch(f"RMSNorm at {r.name}: the sizes of {n.name}, which are not x's, are read by {u.name}")
     t = G.dtype(h_in)
     nodes = cast_in + core
     spelling = "RMSNorm (hand-written)" if gate is None and group_size is None else "gated RMSNorm"
@@ -387,7 +399,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
                         "fused op takes a z of x's shape (no broadcast)")
     return Norm(input=h_in, output=output, weight=weight, eps=eps, nodes=_dedupe(nodes), spelling=spelling,
                 weight_offset=offset, gate=gate, norm_before_gate=norm_before_gate, group_size=group_size,
-                notes=notes, weight_dtype=G.dtype(weight))
+                notes=notes, weight_dtype=G.dtype(weight), shape_queries=queries)
 
 
 def _computed_from_half(n: fx.Node, depth: int = 8) -> bool:

@@ -232,6 +232,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                                               f"the tail starts ({anchor.name}): nowhere to put one op", "pattern"))
                 return
 
+    for u, n in norm.shape_queries:  # x has the sizes of the replaced node they read
+        u.replace_input_with(n, norm.input)
+
     # The op, on [tokens, h] views of its row inputs: it returns [tokens, h] outputs whatever the inputs'
     # rank, and a [b, s, h] view of a GEMM's [b * s, h] output would reach it through a view per input and
     # call in the compiled code, where this view of a view is the GEMM's output itself.
