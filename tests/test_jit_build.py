@@ -4,6 +4,7 @@ failures become JitErrors that say which kernel and why, and the cubin cache key
 No GPU needed; skipped with a reason when NVRTC cannot be loaded.
 """
 import itertools
+import os
 
 import pytest
 import torch
@@ -296,13 +297,35 @@ def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
         m.setattr(jit, "_nvrtc_compile", no_nvrtc)
         assert jit.compile_cubin(str(src), names, "sm_90") == cubin
 
-    # A damaged entry is rebuilt, not loaded.
-    entry.write_bytes(b"garbage")
-    assert jit.compile_cubin(str(src), names, "sm_90") == cubin
+    # A damaged entry is rebuilt, not loaded: garbage, a body cut short, a flipped byte, a header that is
+    # not an object.
+    whole = entry.read_bytes()
+    head = whole[:len(whole) - len(cubin)]
+    flipped = bytearray(whole)
+    flipped[-10] ^= 0x40
+    for damaged in (b"garbage", whole[:len(head) + len(cubin) // 2], bytes(flipped), jit._CACHE_MAGIC + b"null\n" + cubin):
+        entry.write_bytes(damaged)
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(jit, "_nvrtc_compile", lambda *a, real=jit._nvrtc_compile: calls.append(1) or real(*a))
+            assert jit.compile_cubin(str(src), names, "sm_90") == cubin
+        assert calls == [1] and entry.read_bytes() == whole  # rebuilt and rewritten
 
     # Any change of the sources changes the key.
     src.write_text(src.read_text() + "// edited\n")
     assert jit.cache_path(str(src), names, "sm_90") != entry
+
+
+def test_the_cache_goes_to_a_temporary_folder_without_a_home(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_CACHE_DIR", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(jit.Path, "home", staticmethod(no_home))
+    assert jit.cache_dir() == jit.Path(jit.tempfile.gettempdir()) / f"commfuse-cache-{os.getuid()}"
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", "/somewhere")
+    assert jit.cache_dir() == jit.Path("/somewhere")
 
 
 def test_arch_for_capability():

@@ -84,7 +84,9 @@ CSRC_DIR = _find_csrc()
 # Headers whose content the cubins depend on besides csrc/ (the key hashes them: a new
 # nvidia-cuda-runtime wheel with the same NVRTC must not reuse old cubins).
 _CUDA_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp8.h", "cuda_fp8.hpp")
-_CACHE_MAGIC = b"commfuse-cubin-1\n"
+# An entry: this line, a JSON header ({"lowered": name expression -> lowered name, "sha256": the
+# cubin's}), a newline, the cubin. The digest catches a body cut short or damaged on disk.
+_CACHE_MAGIC = b"commfuse-cubin-2\n"
 
 
 # --------------------------------------------------------------------------- NVRTC
@@ -180,8 +182,15 @@ def compile_options(arch: str, source_dir: Optional[Path] = None) -> Tuple[str, 
 
 
 def cache_dir() -> Path:
-    """COMMFUSE_CACHE_DIR, else ~/.cache/commfuse: where cubins, the native extension and the calibration go."""
-    return Path(os.environ.get("COMMFUSE_CACHE_DIR") or Path.home() / ".cache" / "commfuse")
+    """COMMFUSE_CACHE_DIR, else ~/.cache/commfuse: where cubins, the native extension and the calibration go
+    (without a home directory, one in the temporary folder per user: a cache is never a reason to fail)."""
+    given = os.environ.get("COMMFUSE_CACHE_DIR")
+    if given:
+        return Path(given)
+    try:
+        return Path.home() / ".cache" / "commfuse"
+    except RuntimeError:  # no HOME and no passwd entry (a container's arbitrary uid)
+        return Path(tempfile.gettempdir()) / f"commfuse-cache-{os.getuid()}"
 
 
 def _source_path(source_file: str) -> Path:
@@ -233,16 +242,20 @@ def _read_cache(path: Path, names: Tuple[str, ...]):
         return None
     header, sep, cubin = blob[len(_CACHE_MAGIC):].partition(b"\n")
     try:
-        lowered = json.loads(header)
+        meta = json.loads(header)
     except ValueError:
         return None
-    if not sep or not cubin or not all(n in lowered for n in names):
+    lowered = meta.get("lowered") if isinstance(meta, dict) else None
+    if not sep or not isinstance(lowered, dict) or not all(isinstance(lowered.get(n), str) for n in names):
+        return None
+    if meta.get("sha256") != hashlib.sha256(cubin).hexdigest():  # cut short or damaged: rebuilt
         return None
     return cubin, lowered
 
 
 def _write_cache(path: Path, cubin: bytes, lowered: dict) -> None:
-    write_atomic(path, _CACHE_MAGIC + json.dumps(lowered).encode() + b"\n" + cubin, "the kernel cache")
+    header = json.dumps({"lowered": lowered, "sha256": hashlib.sha256(cubin).hexdigest()})
+    write_atomic(path, _CACHE_MAGIC + header.encode() + b"\n" + cubin, "the kernel cache")
 
 
 def write_atomic(path: Path, data: bytes, what: str) -> None:
