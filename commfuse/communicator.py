@@ -256,7 +256,7 @@ class Communicator:
         p = routes.plan(call, self._machine)
         launcher = routes.launcher(call, p, self._resources)
         if self._check_calls:
-            spec = None if call.spec is None else call.spec.signature
+            spec = None if call.spec is None else call.spec.signature + routes.scale_form(call)
             signature = (op, tuple(call.x.shape), str(call.x.dtype), spec, str(p.collective))
             launcher = _Checked(self, signature, launcher)
         self.table.insert(op, args, p, launcher)

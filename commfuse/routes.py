@@ -46,7 +46,7 @@ from .tail.spec import OutputSpec, TailSpec
 from .topology import MIN_FUSED_SM
 
 __all__ = ["TensorMeta", "Call", "Machine", "Collective", "TailRoute", "Plan", "Route", "ROUTES", "STRATEGIES",
-           "CallMismatchError", "CallTimeoutError", "describe", "exchange_signature",
+           "CallMismatchError", "CallTimeoutError", "describe", "scale_form", "exchange_signature",
            "Resources", "plan", "tail_guard", "launcher", "FUSED_DTYPES", "MIN_FUSED_SM"]
 
 FUSED_DTYPES = tuple(CTYPE)
@@ -227,9 +227,8 @@ def tail_guard(call: Call, m: Machine) -> Optional[str]:
         return f"SM {m.sm[0]}.{m.sm[1]} < {MIN_FUSED_SM[0]}.{MIN_FUSED_SM[1]}: no fused kernels"
     if call.x.dtype not in FUSED_DTYPES:
         return f"dtype {call.x.dtype}: fused kernels take float16 and bfloat16"
-    for name, meta in (("x", call.x), ("residual", call.residual), ("weight", call.weight), ("z", call.z)):
-        if meta is not None and meta.last_stride != 1:
-            return f"{name} has stride {meta.last_stride} on its last dim: fused kernels need stride 1"
+    # (Strided tensors are no reason: the launchers read a dense copy. Nothing here may differ between
+    # ranks that make the same call, since the tail decides the P2P kernel and its limits.)
     if spec.format.takes_scale and call.scale is None:
         return "scale given as a Python float: fused kernels take a float32 CUDA tensor"
     if call.scale is not None and not call.scale.contiguous:
@@ -243,6 +242,11 @@ def tail_guard(call: Call, m: Machine) -> Optional[str]:
                     "separated ops raise ValueError on it too)")
         return why
     return None
+
+
+def _fallback(m: Machine) -> str:
+    """The collective a call off P2P takes: the group's own."""
+    return "gloo" if m.backend == "gloo" else "NCCL"
 
 
 def _rejects(family: Family, call: Call, m: Machine, spec: Optional[TailSpec], **extra) -> Optional[str]:
@@ -309,7 +313,7 @@ class P2PRoute(Route):
         if size > limits.workspace_bytes and not chunk_rows(row_bytes, call.spec if fused else None,
                                                             limits.workspace_bytes):
             return (f"message {size} B > P2P workspace {limits.workspace_bytes} B, which holds no piece of it "
-                    "(a row, or 128 rows for swizzled scale factors): NCCL",)
+                    f"(a row, or 128 rows for swizzled scale factors): {_fallback(m)}",)
         # The one-shot's buffers bound it whatever the crossovers say: a larger message would overrun them.
         oneshot_bytes = limits.oneshot_bytes if limits.oneshot_bytes is not None else limits.workspace_bytes
         forced = m.strategy in ("oneshot", "twoshot")
@@ -323,7 +327,9 @@ class P2PRoute(Route):
             return ()
         if forced or size <= limits.crossover(self.algorithm):
             return None
-        return (f"message {size} B above the measured P2P crossover {limits.crossover(self.algorithm)} B: NCCL",)
+        source = "measured" if limits.measured else "default"
+        return (f"message {size} B above the {source} P2P crossover {limits.crossover(self.algorithm)} B: "
+                f"{_fallback(m)}",)
 
     def chosen(self, call, m, fused):
         if m.strategy in ("oneshot", "twoshot"):  # forced; a forced one-shot that went two-shot said why
@@ -564,8 +570,17 @@ class _TorchAllReduce:
 
 def describe(call: Call, plan: Plan) -> str:
     """The call as every rank must make it alike: op, dtype, shape, tail spec and route, in words."""
-    tail = "" if call.spec is None else f", {call.spec.signature}"
-    return f"{call.op}({call.x.dtype}, {list(call.x.shape)}{tail}) on {plan.collective} + {plan.tail} tail"
+    tail = "" if call.spec is None else f", {call.spec.signature}{scale_form(call)}"
+    # Not the tail's route: ranks of different SMs each pick their own, after the exchange.
+    return f"{call.op}({call.x.dtype}, {list(call.x.shape)}{tail}) on {plan.collective}"
+
+
+def scale_form(call: Call) -> str:
+    """How the call gives a scale its format takes, in words ("" where it takes none): ranks must give it
+    alike, since a Python number keeps the tail off the fused kernels and so changes the P2P kernel."""
+    if call.spec is None or not call.spec.format.takes_scale:
+        return ""
+    return ", scale a tensor" if call.scale is not None else ", scale a Python number"
 
 
 class CallMismatchError(ValueError):

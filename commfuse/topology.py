@@ -153,8 +153,9 @@ def gpu_sharers(ranks: Sequence[RankInfo]) -> tuple:
     return tuple(1 if k is None else keys.count(k) for k in keys)
 
 
-def sharing_reason(ranks: Sequence[RankInfo]) -> Optional[str]:
-    """Which ranks share which GPU, and what that means, in words; None without sharing."""
+def sharing_reason(ranks: Sequence[RankInfo], p2p: bool = True) -> Optional[str]:
+    """Which ranks share which GPU, and what that means, in words (p2p: whether the group's mode uses the
+    P2P all-reduce); None without sharing."""
     counts = gpu_sharers(ranks)
     groups: dict = {}
     for i, (r, n) in enumerate(zip(ranks, counts)):
@@ -166,8 +167,9 @@ def sharing_reason(ranks: Sequence[RankInfo]) -> Optional[str]:
     for members in groups.values():
         r = ranks[members[0]]
         parts.append(f"ranks {','.join(map(str, members))} share GPU {r.device} ({r.gpu_name})")
-    return ("; ".join(parts) + ": gloo for host exchanges (NCCL refuses two ranks on one GPU), P2P over "
-            "same-device IPC; the GPU time-slices the ranks unless MPS runs (a correctness mode, not a speed mode)")
+    return ("; ".join(parts) + ": gloo for host exchanges (NCCL refuses two ranks on one GPU)"
+            + (", P2P over same-device IPC" if p2p else "")
+            + "; the GPU time-slices the ranks unless MPS runs (a correctness mode, not a speed mode)")
 
 
 def decide_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]],
@@ -176,27 +178,29 @@ def decide_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]],
     A gloo group whose ranks share GPUs works on CUDA tensors, so it is decided like a NCCL group."""
     if any(r.device is None for r in ranks):
         return "cpu", ("a rank has no GPU: gloo and separated ops",)
-    sharing = sharing_reason(ranks)
-    if backend is not None and backend != "nccl" and sharing is None:
+    sharing = sharing_reason(ranks) is not None
+    if backend is not None and backend != "nccl" and not sharing:
         return "cpu", (f"group backend {backend}: CPU tensors, separated ops",)
-    mode, reasons = _decide_gpu_mode(ranks, p2p, pretend_no_p2p)
-    return mode, reasons + ((sharing,) if sharing else ())
+    # The collective off P2P: the group's own (gloo where ranks share GPUs).
+    mode, reasons = _decide_gpu_mode(ranks, p2p, pretend_no_p2p, "gloo" if backend == "gloo" else "NCCL")
+    return mode, reasons + ((sharing_reason(ranks, mode == "p2p"),) if sharing else ())
 
 
-def _decide_gpu_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]], pretend_no_p2p: bool) -> tuple:
+def _decide_gpu_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]], pretend_no_p2p: bool,
+                     fallback: str) -> tuple:
     hosts = {r.host for r in ranks}
     if len(hosts) > 1:
-        return "fallback", (f"ranks span {len(hosts)} nodes: NCCL between nodes",)
+        return "fallback", (f"ranks span {len(hosts)} nodes: {fallback} between nodes",)
     if len(ranks) == 1:
-        return "fallback", ("one rank: nothing to exchange, NCCL path",)
+        return "fallback", (f"one rank: nothing to exchange, {fallback} path",)
     sms = sorted({tuple(r.sm) for r in ranks if r.sm is not None})
     if len(sms) > 1:
         # Every rank must take the same collective; per-rank kernel choices could diverge and hang.
         return "fallback", ("ranks have different SMs (" + ", ".join(f"{a}.{b}" for a, b in sms) +
-                            "): NCCL, each rank picks its own tail",)
+                            f"): {fallback}, each rank picks its own tail",)
     if sms and sms[0] < MIN_FUSED_SM:
         return "fallback", (f"SM {sms[0][0]}.{sms[0][1]} < {MIN_FUSED_SM[0]}.{MIN_FUSED_SM[1]}: "
-                            "no P2P kernels, NCCL",)
+                            f"no P2P kernels, {fallback}",)
     if pretend_no_p2p:
         return "fallback", ("COMMFUSE_PRETEND_NO_P2P=1: P2P treated as absent",)
     missing = [(i, j) for i in range(len(ranks)) for j in range(len(ranks)) if i != j and not p2p[i][j]]

@@ -359,10 +359,9 @@ def test_cached_plans_still_check_every_call(comm, gen):
         comm.plan(x, residual, weight, eps=-1.0, quant="fp8", scale=scale)
     with pytest.raises(TypeError, match="quant must be None or one of"):
         comm.plan(x, residual, weight, quant=["fp8"], scale=scale)
+    # A strided view plans as a dense x (a rank's strides are its own; the launchers read a dense copy).
     strided = torch.empty(4, 128, dtype=x.dtype, device=x.device)[:, ::2]
-    p = comm.plan(strided, residual, weight, quant="fp8", scale=scale)
-    why = "stride 2" if comm.device.type == "cuda" else "on cpu"  # the first guard that fails
-    assert p.tail == "separated" and any(why in r for r in p.reasons), p.reasons
+    assert comm.plan(strided, residual, weight, quant="fp8", scale=scale) == good
 
 
 @mpi

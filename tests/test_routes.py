@@ -54,6 +54,32 @@ def test_computed_scale_fp8_and_weight_offset_fuse_on_every_route(kw):
     assert (p.collective, p.tail, p.kernel) == ("p2p_oneshot", "fused", "p2p_allreduce")
 
 
+def test_a_strided_tensor_plans_as_a_dense_one():
+    """Strides are each rank's own: the plan, whose tail decides the P2P kernel and its limits, must not
+    depend on them, or ranks making one call could take different collectives (the launchers read a dense
+    copy). The same for a message whose fused rows the P2P kernel cannot take: it goes NCCL either way."""
+    for c in (call(), call(h=1 << 17)):
+        strided = call(h=c.hidden, x=meta((16, c.hidden), last_stride=2))
+        for mode, limits in (("fallback", None), ("p2p", LIMITS)):
+            assert plan(strided, mode=mode, limits=limits) == plan(c, mode=mode, limits=limits)
+    assert plan(call(), mode="p2p", limits=LIMITS).tail == "fused"
+
+
+def test_the_compared_call_holds_the_scales_form_not_the_tails_route():
+    """What ranks compare (routes.describe): a scale given as a Python number on one rank and a tensor on
+    another differs (it changes the P2P kernel); the tail's route does not (ranks of different SMs each
+    pick their own, after the collective)."""
+    tensor, number = call(quant="fp8"), call(quant="fp8", scale=None)
+    p = plan(tensor)
+    assert routes.describe(tensor, p) != routes.describe(number, p)
+    assert "scale a Python number" in routes.describe(number, p)
+    separated = plan(tensor, sm=(7, 5))
+    assert separated.tail != p.tail and routes.describe(tensor, separated) == routes.describe(tensor, p)
+    # off P2P, the reasons name the group's own collective
+    gloo = plan(call(t=8192, h=4096), mode="p2p", backend="gloo", limits=LIMITS)
+    assert gloo.collective == "gloo" and any(r.endswith(": gloo") and "measured" in r for r in gloo.reasons), gloo
+
+
 def test_fp8_block_needs_whole_blocks():
     p = plan(call(h=4104, quant="fp8_block"))
     assert p.tail == "separated" and any("multiple of 128" in r and "fp8_block" in r for r in p.reasons), p.reasons
@@ -69,7 +95,6 @@ def test_nvfp4_fused_on_every_sm_from_8_0(sm):
     (dict(c=call(dtype=torch.float32)), "float32"),
     (dict(c=call(device=torch.device("cpu")), sm=None, backend="gloo"), "cpu"),
     (dict(c=call(h=4100)), "multiple of 8"),
-    (dict(c=call(x=meta((16, 4096), last_stride=2))), "stride 2"),
     (dict(c=call(quant="fp8", scale=None)), "Python float"),
     (dict(c=call(quant="fp8", scale=meta((1,), torch.float32, contiguous=False))), "not contiguous"),
     (dict(fusion=False), "COMMFUSE_DISABLE_FUSION"),

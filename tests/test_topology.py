@@ -97,8 +97,12 @@ def test_ranks_sharing_one_gpu_take_p2p_over_gloo_and_say_so(world):
     assert f"{world} ranks on one node" in reasons[0]
     assert f"ranks {','.join(map(str, range(world)))} share GPU 0" in reasons[-1]
     assert "time-slices" in reasons[-1] and "MPS" in reasons[-1] and "not a speed mode" in reasons[-1]
+    assert "P2P over same-device IPC" in reasons[-1]
     mode, reasons = decide_mode(ranks, full(world), pretend_no_p2p=True, backend="gloo")
     assert mode == "fallback" and "PRETEND" in reasons[0] and "share GPU 0" in reasons[-1]
+    assert "P2P" not in reasons[-1]  # every reason true: no P2P in this mode
+    mode, reasons = decide_mode([gpu(device=0, sm=(7, 5)) for _ in range(world)], full(world), backend="gloo")
+    assert mode == "fallback" and reasons[0].endswith("no P2P kernels, gloo"), reasons  # the group's collective
     broken = full(world)
     broken[world - 1][0] = False  # the same-device IPC check failed one way
     mode, reasons = decide_mode(ranks, broken, backend="gloo")
