@@ -60,13 +60,12 @@ class TensorMeta:
     dtype: torch.dtype
     device: torch.device
     contiguous: bool
-    last_stride: int
 
     @classmethod
     def of(cls, t: Optional[torch.Tensor]) -> Optional["TensorMeta"]:
         if not isinstance(t, torch.Tensor):
             return None
-        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.stride(-1) if t.dim() else 1)
+        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous())
 
     @property
     def numel(self) -> int:

@@ -79,14 +79,14 @@ def test_python_float_scale_and_shapes(gen):
     assert got.residual.shape == (6, 64) and bits_equal(got.quant, want.quant) and got.norm is None
 
 
-def _local_plan(op="local", dtype=BF16, h=64, quant="fp8", residual=True, scale=True, stride=1, sm=(9, 0),
+def _local_plan(op="local", dtype=BF16, h=64, quant="fp8", residual=True, scale=True, contiguous=True, sm=(9, 0),
                 group_size=0):
     """routes.plan of a local call on a simulated CUDA device (metadata only)."""
     cuda = torch.device("cuda", 0)
-    m = lambda shape, d=dtype: TensorMeta(shape, d, cuda, True, stride)  # noqa: E731
+    m = lambda shape, d=dtype: TensorMeta(shape, d, cuda, contiguous)  # noqa: E731
     spec = TailSpec.of(quant)
     c = Call(op, m((4, h)), m((4, h)) if residual and op == "local" else None, m((h,)),
-             TensorMeta((1,), torch.float32, cuda, True, 1) if scale and spec.format.takes_scale else None,
+             TensorMeta((1,), torch.float32, cuda, True) if scale and spec.format.takes_scale else None,
              m((4, h)) if op == "gated" else None, spec,
              group_size=group_size)
     return routes.plan(c, Machine("local", sm=sm))
@@ -99,7 +99,7 @@ def test_plan_names_the_route(gen):
     assert "cpu" in local.plan(x, None, weight).reasons[0]
     assert _local_plan().tail == "fused"
     assert _local_plan(residual=False).tail == "fused"  # plain RMSNorm: the same kernel
-    assert _local_plan(residual=False, stride=2).tail == "fused"  # a strided view: the launcher reads a dense copy
+    assert _local_plan(residual=False, contiguous=False).tail == "fused"  # strided: the launcher reads a dense copy
     for quant in ("fp8_per_token", "fp8_block"):  # no scale argument
         assert _local_plan(quant=quant, scale=False, h=256).tail == "fused"
     assert "multiple of 128" in _local_plan(quant="fp8_block", h=192).reasons[0]
@@ -358,7 +358,7 @@ def test_gated_guard_reasons(gen):
     assert "group_size 12" in _local_plan(**{**kw, "h": 1032, "group_size": 12, "quant": None}).reasons[0]
     assert "16384]" in _local_plan(**{**kw, "h": 16384 + 256}).reasons[0]
     assert "SM 7.5" in _local_plan(**kw, sm=(7, 5)).reasons[0]
-    assert _local_plan(**kw, stride=2).tail == "fused"  # a strided view: the launcher reads a dense copy
+    assert _local_plan(**kw, contiguous=False).tail == "fused"  # strided: the launcher reads a dense copy
     assert "float16 and bfloat16" in _local_plan(**{**kw, "dtype": torch.float32}).reasons[0]
     assert "float32 CUDA tensor" in _local_plan(**kw, scale=False).reasons[0]
     x, z, weight, _ = inputs(gen, 2, 64, BF16)

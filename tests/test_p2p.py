@@ -420,7 +420,7 @@ def test_derive_limits():
 
 
 def _meta(shape, dtype=torch.bfloat16):
-    return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0), True, 1)
+    return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0), True)
 
 
 def test_routes_take_the_p2p_kernels_limits():

@@ -14,8 +14,8 @@ CUDA = torch.device("cuda", 0)
 LIMITS = P2PLimits(64 << 20, (("oneshot", 1 << 20), ("twoshot", 32 << 20)))
 
 
-def meta(shape, dtype=torch.bfloat16, device=CUDA, contiguous=True, last_stride=1):
-    return TensorMeta(tuple(shape), dtype, device, contiguous, last_stride)
+def meta(shape, dtype=torch.bfloat16, device=CUDA, contiguous=True):
+    return TensorMeta(tuple(shape), dtype, device, contiguous)
 
 
 def call(t=16, h=4096, dtype=torch.bfloat16, quant=None, device=CUDA, plain=False, x=None, scale="tensor", **spec):
@@ -59,7 +59,7 @@ def test_a_strided_tensor_plans_as_a_dense_one():
     depend on them, or ranks making one call could take different collectives (the launchers read a dense
     copy). The same for a message whose fused rows the P2P kernel cannot take: it goes NCCL either way."""
     for c in (call(), call(h=1 << 17)):
-        strided = call(h=c.hidden, x=meta((16, c.hidden), last_stride=2))
+        strided = call(h=c.hidden, x=meta((16, c.hidden), contiguous=False))
         for mode, limits in (("fallback", None), ("p2p", LIMITS)):
             assert plan(strided, mode=mode, limits=limits) == plan(c, mode=mode, limits=limits)
     assert plan(call(), mode="p2p", limits=LIMITS).tail == "fused"
