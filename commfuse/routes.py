@@ -38,7 +38,7 @@ from .kernels.family import CTYPE, Family
 from .kernels.fused_tail import FUSED_TAIL
 from .kernels.gated_norm import GATED_NORM
 from .kernels.launch import LaunchPlan
-from .kernels.p2p_allreduce import P2P_ALLREDUCE, chunk_rows
+from .kernels.p2p_allreduce import MAX_WORLD, P2P_ALLREDUCE, chunk_rows
 from .kernels.quantize import QUANTIZE
 from .p2p.calibration import P2PLimits
 from .tail.checks import OUT_NAMES, fields_of, no_overlap, out_placed, scale_value
@@ -300,6 +300,8 @@ class P2PRoute(Route):
             return tuple(m.mode_reasons) or (f"topology mode {m.mode!r}: no P2P all-reduce",)
         limits = m.limits
         if limits is None:
+            if m.world_size > MAX_WORLD:  # the Communicator makes no workspace for it
+                return (f"world size {m.world_size} > {MAX_WORLD}: no P2P kernels for it, no P2P workspace",)
             return ("no P2P workspace",)
         if call.x.device.type != "cuda":
             return ()

@@ -417,6 +417,28 @@ def test_derive_limits():
     inf = float("inf")
     times = [(1, 2, 10)] * 3 + [(inf, 2, 10)] * 2
     assert p2p.derive_limits(sizes, times, 1 << 20, 64 << 10) == _limits(1 << 20, 64 << 10, 1 << 20, 64 << 10)
+    # A time not measured (NaN) is never the fastest, wherever it stands in its row.
+    nan = float("nan")
+    assert p2p.derive_limits(sizes, [(nan, 2, 10)] * 5, 1 << 20) == _limits(1 << 20, 0, 1 << 20)
+    assert p2p.derive_limits(sizes, [(1, nan, 10)] * 5, 1 << 20) == _limits(1 << 20, 1 << 20, 1 << 20)
+    for bad_sizes, bad_times in ((sizes[::-1], [(1, 2, 10)] * 5), (sizes, [(1, 2)] * 5), (sizes, [(1, 2, 10)] * 4)):
+        with pytest.raises(ValueError, match="ascending sizes and a row of 3 times"):
+            p2p.derive_limits(bad_sizes, bad_times, 1 << 20)
+
+
+@pytest.mark.parametrize("crossovers", [[["oneshot", 1024]], [["twoshot", 1], ["oneshot", 2]],
+                                        [["oneshot", 4096], ["twoshot", 1024]], [["oneshot", -1], ["twoshot", 8]],
+                                        [["oneshot", 1], ["twoshot", 1 << 40]]])
+def test_a_cached_calibration_that_derive_limits_would_not_make_is_measured_again(tmp_path, crossovers):
+    from commfuse.p2p import calibration
+
+    key = {"k": 1}
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20,
+                                                       "crossovers": [["oneshot", 4096], ["twoshot", 65536]]}}))
+    assert calibration._read_limits(path, key) == _limits(1 << 20, 4096, 65536)
+    path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20, "crossovers": crossovers}}))
+    assert calibration._read_limits(path, key) is None
 
 
 def _meta(shape, dtype=torch.bfloat16):

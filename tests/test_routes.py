@@ -213,6 +213,9 @@ def test_fusion_disabled_keeps_p2p_collective_but_separates_tail():
 def test_p2p_world_size_not_supported_goes_to_nccl():
     p = plan(call(), mode="p2p", world=9, limits=LIMITS)
     assert p.collective == "nccl" and any("world size 9" in r for r in p.reasons)
+    # as a Communicator of 9 ranks plans it: no workspace was made, and the reason says why
+    p = plan(call(), mode="p2p", world=9, limits=None)
+    assert p.collective == "nccl" and any(r.startswith("world size 9 > 8") for r in p.reasons), p.reasons
 
 
 def test_topology_reasons_are_carried():

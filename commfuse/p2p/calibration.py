@@ -66,6 +66,9 @@ def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], worksp
     is no slower than every later algorithm at every size.
     """
     k = len(ALGORITHMS)
+    if list(sizes) != sorted(sizes) or len(times) != len(sizes) or any(len(row) != k + 1 for row in times):
+        raise ValueError(f"derive_limits needs ascending sizes and a row of {k + 1} times per size")
+    times = [[t if t == t else math.inf for t in row] for row in times]  # NaN: not measured, never the fastest
     limits = [0] * k
     for size, row in zip(sizes, times):
         if not min(row[:k]) < row[k]:
@@ -97,9 +100,14 @@ def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
         if json.dumps(entry["key"], sort_keys=True) != json.dumps(key, sort_keys=True):
             return None
         lim = entry["limits"]
-        return P2PLimits(int(lim["workspace_bytes"]), tuple((str(a), int(b)) for a, b in lim["crossovers"]))
+        limits = P2PLimits(int(lim["workspace_bytes"]), tuple((str(a), int(b)) for a, b in lim["crossovers"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or damaged: measure again
+    crossovers = [c for _, c in limits.crossovers]
+    if [a for a, _ in limits.crossovers] != list(ALGORITHMS) or crossovers != sorted(crossovers) or \
+            not 0 <= crossovers[0] <= crossovers[-1] <= limits.workspace_bytes:
+        return None  # not what derive_limits makes: measure again
+    return limits
 
 
 def _write_limits(path: Path, entry: dict) -> None:
