@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse import Communicator, moe, reference, tolerance
+from commfuse.tail.checks import fields_of
 from commfuse.tail.formats import by_name
 from commfuse.tail.spec import spread
 
@@ -53,9 +54,7 @@ def _poisoner(outputs) -> Callable[[], None]:
     """A Step.poison for caller-owned `outputs` (a tensor, a Tail or a FusedResult): every byte of the
     storage behind each set to 0xFF (NaN in every float format; NVFP4 codes -6), padding included, which
     commfuse writes too."""
-    tensors = [outputs] if isinstance(outputs, torch.Tensor) else \
-        [t for t in (outputs.residual, outputs.norm, outputs.quant, outputs.scale_factors, outputs.scales)
-         if t is not None]
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in fields_of(outputs) if t is not None]
 
     def poison() -> None:
         for t in tensors:

@@ -236,11 +236,9 @@ def out(o, outputs: Outputs, device: torch.device, inputs: Sequence[tuple]) -> N
         if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
             raise ValueError(f"out.{name} must have shape {list(spec.shape)} and dtype {spec.dtype}, got "
                              f"{list(t.shape)} {t.dtype}")
-        if spec.strides is not None:
-            if tuple(t.stride()) != spec.strides or storage_room(t) < spec.storage_numel:
-                raise ValueError(f"out.{name} must be an MN-major view with strides {spec.strides} of a storage of "
-                                 f"{spec.storage_numel} elements (padding rows included), got strides "
-                                 f"{tuple(t.stride())} and room for {storage_room(t)}")
+        if spec.strides is not None and tuple(t.stride()) != spec.strides:  # its storage's room: out_placed
+            raise ValueError(f"out.{name} must be an MN-major view with strides {spec.strides} (of a storage of "
+                             f"{spec.storage_numel} elements, padding rows included), got strides {tuple(t.stride())}")
         if t.device != device or not (spec.strides is not None or t.is_contiguous()):
             raise ValueError(f"out.{name} must be contiguous and on {device}, got a tensor on "
                              f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
