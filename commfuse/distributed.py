@@ -43,7 +43,9 @@ def local_world_size() -> int:
 
 def _launch_env() -> tuple:
     """(rank, world, local rank, local world, launcher); ValueError naming the variable where a launcher's
-    value is no integer or out of range (a rank >= the world size would wait for peers that never come)."""
+    value is no integer or out of range (a rank >= the world size would wait for peers that never come),
+    and where two launchers' variables disagree (_one_launcher)."""
+    found = []
     for i, (r, w, l, n) in enumerate(_ENV_LAYOUTS):
         if r in os.environ and w in os.environ:
             world = _int_env(w, 1)
@@ -52,8 +54,25 @@ def _launch_env() -> tuple:
                 raise ValueError(f"{r}={rank} must be less than {w}={world}")
             local_world = _int_env(n, 1, world)
             local_rank = _int_env(l, 0, rank)
-            return rank, world, local_rank, local_world, "torchrun" if i == 0 else "mpi"
-    return 0, 1, 0, 1, None
+            found.append((i, (rank, world, local_rank, local_world, "torchrun" if i == 0 else "mpi")))
+    return _one_launcher(found) if found else (0, 1, 0, 1, None)
+
+
+def _one_launcher(found: list) -> tuple:
+    """The launcher whose variables to trust among those present. They agree on rank and world size where
+    one launcher started another (torchrun under a one-rank mpirun sets its own, and says so in
+    TORCHELASTIC_RUN_ID: its layout then wins). Where they disagree otherwise, one set is stale (RANK and
+    WORLD_SIZE exported in a shell that then runs mpirun): every rank would take a world of its own and
+    sum nothing, so that raises, naming both."""
+    first = found[0][1]
+    if found[0][0] == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        return first
+    for i, other in found[1:]:
+        if other[:2] != first[:2]:
+            a, b = _ENV_LAYOUTS[found[0][0]], _ENV_LAYOUTS[i]
+            raise ValueError(f"launcher variables disagree: {a[0]}={first[0]} {a[1]}={first[1]} but "
+                             f"{b[0]}={other[0]} {b[1]}={other[1]}; unset the stale ones")
+    return first
 
 
 def _int_env(name: str, minimum: int, default: int | None = None) -> int:

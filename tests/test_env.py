@@ -17,6 +17,7 @@ def clean(monkeypatch):
     for layout in _ENV_LAYOUTS:
         for name in layout:
             monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     return monkeypatch
 
 
@@ -28,9 +29,21 @@ def test_launcher_variables_are_read_in_order(clean):
     clean.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
     clean.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
     assert launch_env() == (3, 8, 1, "mpi") and local_world_size() == 4
+    clean.setenv("RANK", "3")
+    clean.setenv("WORLD_SIZE", "8")
+    assert launch_env() == (3, 8, 3, "torchrun")  # torchrun's layout first where both agree
     clean.setenv("RANK", "5")
     clean.setenv("WORLD_SIZE", "6")
-    assert launch_env() == (5, 6, 5, "torchrun")  # torchrun's layout first
+    clean.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert launch_env() == (5, 6, 5, "torchrun")  # torchrun started under MPI: its own variables
+
+
+def test_stale_launcher_variables_are_refused(clean):
+    """RANK and WORLD_SIZE exported in a shell that then runs mpirun: each rank would be a world of one."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}.items():
+        clean.setenv(k, v)
+    with pytest.raises(ValueError, match="RANK=0 WORLD_SIZE=1 but OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2"):
+        launch_env()
 
 
 @pytest.mark.parametrize("variables, message", [
