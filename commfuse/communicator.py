@@ -8,6 +8,7 @@ csrc/epilogue.cuh.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -32,6 +33,20 @@ __all__ = ["Communicator", "FusedResult", "STRATEGIES"]
 STRATEGIES = routes.STRATEGIES
 GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_GLOO_TIMEOUT_S)
 _CHECK_GROUPS: dict = {}  # (ranks, timeout) -> the gloo check group those Communicators share
+
+
+@atexit.register
+def _drop_gloo_groups() -> None:
+    """A gloo group still alive when the interpreter finalizes can abort the process after a clean run
+    ("terminate called without an active exception": a worker thread releasing a finished collective's
+    tensors needs Python, which no longer runs). So at exit, while Python still runs, commfuse drops its
+    own references to gloo groups: each group that nothing else holds is then destroyed, its threads
+    joined. The Communicators are unusable after that. Registered when commfuse is imported, so it runs
+    after the caller's own exit handlers and after init_distributed's destruction of the group it made."""
+    for comm in list(ops.live_communicators()):
+        comm._drop_gloo_groups()
+    _CHECK_GROUPS.clear()
+    routes.BROKEN_CHECK_GROUPS.clear()
 
 
 @dataclass(slots=True)  # slots: the plan table sets the fields of a hit's result without __init__
@@ -438,6 +453,15 @@ class Communicator:
         self.nccl_binding = "torch.distributed (closed)"
         self._machine = dataclasses.replace(self._machine, limits=None)
         self._resources = Resources(self.group, self.device, check_group=self._check_group)
+
+    def _drop_gloo_groups(self) -> None:
+        """At exit (_drop_gloo_groups): the references to gloo groups, the table's launchers' included. An NCCL
+        group is kept: its destruction is torch's (init_distributed's docstring says why)."""
+        self._check_group = None
+        if self.backend == "gloo":
+            self.table.clear()
+            self._moe_plans.clear()
+            self.group = self._resources = None
 
     def check_same_call(self, signature: tuple) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang or sum the

@@ -19,6 +19,7 @@ import atexit
 import datetime
 import os
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -122,8 +123,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     CUDA and when ranks share GPUs (more ranks on the node than GPUs: see the module docstring).
     With CUDA, each process is bound to GPU `local_rank % device_count` before the group is made.
     Safe to call again: an existing group is kept. A gloo group made here is destroyed at interpreter
-    exit (unless the caller destroyed it): gloo's worker threads left running can abort a process after
-    a clean run ("terminate called without an active exception"). An NCCL group is not: torch's
+    exit (unless the caller destroyed it): a gloo group still alive when the interpreter finalizes can
+    abort a process after a clean run ("terminate called without an active exception"); commfuse's
+    Communicators let go of their gloo groups at exit too, but a caller's own references keep a group
+    alive (drop them, or destroy the group, before exit). An NCCL group is not destroyed: torch's
     destroy_process_group flushes the group's collectives and waits for them, which would hang the exit
     of a rank whose peers died; torch warns at exit instead ("destroy_process_group() was not called").
     """
@@ -144,12 +147,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     if backend == "gloo":
-        atexit.register(_destroy_at_exit, dist.group.WORLD)
+        atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))  # weak: a strong one kept it alive
     return rank, world
 
 
 def _destroy_at_exit(made) -> None:
-    if dist.is_initialized() and dist.group.WORLD is made:  # not a group the caller made since
+    if dist.is_initialized() and dist.group.WORLD is made():  # not a group the caller made since
         try:
             dist.destroy_process_group()  # every group, the default one last
         except Exception:  # noqa: BLE001 - nothing may fail a process at exit after its work is done

@@ -61,6 +61,11 @@ def register(comm) -> str:
     return name
 
 
+def live_communicators() -> list:
+    """Every Communicator of this process still alive."""
+    return list(_COMMUNICATORS.values())
+
+
 def communicator(name: str):
     """The live Communicator of that name (LookupError if there is none)."""
     comm = _COMMUNICATORS.get(name)
