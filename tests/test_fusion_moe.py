@@ -398,6 +398,32 @@ def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written
 
 
 @mpi
+@pytest.mark.parametrize("written", ["weights", "float32 outputs", "gathered weights"])
+def test_combine_inputs_written_after_their_reads_are_not_matched(quiet_comm, gen, written):
+    """An input of the combine written in place after the graph read it through a view, a cast or a gather
+    (the weights' unsqueeze, y's float32 cast, w[perm]), before the tail: the op would read it at the tail,
+    after the write. Nothing is fused, the reason says so, and the outputs are the graph's."""
+    def combine(x, rows, w, t, k, h):
+        if written == "weights":
+            out = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
+            w.mul_(0.5)
+        elif written == "float32 outputs":
+            y = rows.to(x.dtype).view(t, k, h)
+            out = (y.float() * w[..., None]).sum(dim=1)
+            y.mul_(3)
+        else:
+            perm = _reversed(t * k, x.device)
+            out = (rows[perm] * w.reshape(-1)[perm].unsqueeze(-1))[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1)
+            w.view(-1)[0] = 100
+        return out.to(x.dtype)
+
+    gm, report, want, got = with_combine(quiet_comm, gen, combine)
+    assert MOE_AR not in counts(gm) and FUSED_AR not in counts(gm), report
+    assert "is written in place" in " ".join(s.reason for s in report.skipped), report
+    assert_same(got, want)
+
+
+@mpi
 def test_index_add_combine_is_reported(quiet_comm, gen):
     """HF Mixtral's older eager experts loop: one graph in torch 2.13 (torch.where per expert traced with
     data-dependent sizes), the combine an index_add_ into zeros: not matched, the tail still fused."""

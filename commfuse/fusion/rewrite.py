@@ -456,12 +456,28 @@ def _written_in_place(matched: set, inputs: list, anchor: fx.Node, positions: di
     for what, n in inputs:
         if not isinstance(n, fx.Node):
             continue
-        first = min([u for u in n.users if u in matched] + [anchor], key=lambda u: positions[u])
+        first = min([u for u in n.users if _feeds(u, matched, positions[last], positions)] + [anchor],
+                    key=lambda u: positions[u])
         writer = G.written_between(n, first, last, positions, ignore=matched)
         if writer is not None:
             return (f"the {what} {n.name} is written in place ({writer.name}) between the pattern's reads of it: "
                     f"the fused op reads it once, at {anchor.name}")
     return None
+
+
+def _feeds(u: fx.Node, matched: set, last: int, positions: dict) -> bool:
+    """Whether u's value reaches the match: u is in it, or a node before its last (at position `last`)
+    that reads u does (the views, casts and gathers between a MoE input and the combine's own nodes)."""
+    todo, seen = [u], set()
+    while todo:
+        v = todo.pop()
+        if v in matched:
+            return True
+        if v in seen or positions[v] > last:
+            continue
+        seen.add(v)
+        todo.extend(v.users)
+    return False
 
 
 def quant_uses(quant: P.Quant, norm: P.Norm) -> list:
