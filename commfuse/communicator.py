@@ -156,8 +156,7 @@ class Communicator:
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
         self._check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
-        # moe_all_reduce's plans: of the combine + fused_all_reduce routes by (that plan, the combine's route, the
-        # reasons); of the one-launch routes, by "fused" or the P2P signature ((plan, launcher) or None)
+        # moe_all_reduce's one-launch routes: by "fused" or the P2P signature ((plan, launcher) or None)
         self._moe_plans: dict = {}
 
     def _open_check_group(self):
@@ -355,9 +354,21 @@ class Communicator:
         """
         args = (y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
                 weight_offset, scale_layout, scale_ue8m0)
-        r = self.table.moe(*args)
-        if r is not None:
+        try:
+            r = self.table.moe(*args)
+            if r is None:
+                p, launcher = self._moe_first(args)
+                r = FusedResult(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=p)
             return r
+        except native.NcclFailure as e:
+            raise self._nccl.error(int(e.args[0])) from None
+
+    def _moe_first(self, args: tuple):
+        """Plan a MoE call (moe_all_reduce's arguments), put its launcher in the table, and return (plan,
+        launcher): one launch where it combines as it reads, else a commfuse.moe.Launcher (the combine, then
+        the dense call's route). Raises on a call that has no meaning, naming the argument."""
+        (y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
+         weight_offset, scale_layout, scale_ue8m0) = args
         t, _, h = checks.moe(y, weights, row_index, shared, residual, self.device)
         spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
         # residual stands for the combined rows (their shape, dtype and device) in the tail's checks
@@ -366,30 +377,32 @@ class Communicator:
             checks.out(out, spec.outputs(t, h, y.dtype), self.device,
                        (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared),
                         ("residual", residual), ("weight", weight), ("scale", scale)))
+        if self.workspace is not None:
+            self.workspace.check_error()
         unfused = moe.fused_rejects(y, weights, residual, weight, scale, spec, self._machine)
         route, why = moe.plan(y, weights, self._machine)
+        # The combined rows, which residual stands for: fused_all_reduce's call.
+        call = Call.of("fused", residual, residual, weight, scale, spec=spec)
+        text = moe.describe(y, weights, row_index, shared)
         one = self._moe_one_launch(y, weights, row_index, residual, weight, scale, spec, unfused is None,
                                    route == "kernel")
-        if one is not None:
-            # The routes whose one launch combines as it reads: the table launches this signature from now on.
+        if one is not None:  # one launch that combines as it reads
             p, launcher = one
             if self._check_calls:
-                launcher = _Checked(self, ("moe", tuple(y.shape), tuple(weights.shape), str(y.dtype),
-                                           spec.signature, str(p.collective)), launcher)
-            if self.workspace is not None:
-                self.workspace.check_error()
-            self.table.insert("moe", args, p, launcher)
-            return FusedResult(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=p)
-        x = moe.combine(y, weights, row_index, shared, route)
-        r = self.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, weight_offset,
-                                  scale_layout, scale_ue8m0, out=out)
-        key = (r.plan, route, why, unfused)
-        p = self._moe_plans.get(key)
-        if p is None:
+                launcher = _Checked(self, (text, spec.signature + routes.scale_form(call), str(p.collective)),
+                                    launcher)
+        else:  # the combine, then fused_all_reduce's route
+            dense = routes.plan(call, self._machine)
             extra = tuple(w for w in (unfused if self.world_size == 1 else None, why) if w)
-            p = self._moe_plans[key] = dataclasses.replace(r.plan, combine=route, reasons=r.plan.reasons + extra)
-        r.plan = p
-        return r
+            p = dataclasses.replace(dense, combine=route, reasons=dense.reasons + extra)
+            check = None
+            if self._check_calls:
+                def check(note, tail=spec.signature + routes.scale_form(call), collective=str(p.collective)):
+                    self.check_same_call((note, tail, collective))
+            launcher = moe.Launcher(route, routes.launcher(call, dense, self._resources), spec.outputs(t, h, y.dtype),
+                                    text, dense.collective is Collective.GLOO, check)
+        self.table.insert("moe", args, p, launcher)
+        return p, launcher
 
     def _moe_one_launch(self, y, weights, row_index, residual, weight, scale, spec: TailSpec, fused: bool,
                         kernel: bool):

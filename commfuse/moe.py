@@ -7,22 +7,27 @@ hold (commfuse.kernels.moe_tail; `fused_rejects` says why not). Otherwise the co
 CUDA tensors as one kernel (commfuse.kernels.moe_combine); elsewhere, where its guards fail or with
 COMMFUSE_DISABLE_FUSION=1, as commfuse.reference's ops; `plan` says which and why. Either way the combined
 rows are the reference's bits, and the sum's all-reduce, residual add, RMSNorm and quantization follow as
-`fused_all_reduce` (whose routes fuse them). Row indices outside [-1, R) raise ValueError on the
-reference's route (which reads them: on a GPU one synchronisation, which a CUDA graph capture does not
+`fused_all_reduce` (whose routes fuse them): `Launcher`. Row indices outside [-1, R) raise ValueError on
+the reference's route (which reads them: on a GPU one synchronisation, which a CUDA graph capture does not
 allow) and give NaN rows on the kernel's (which reads them on the device).
+
+Ranks compare a MoE call as a whole, its combine included, where they compare calls at all (the gloo
+route's exchange, COMMFUSE_CHECK's): one rank's out-of-range indices then make every rank raise, in step,
+rather than one rank raising before the collective that its peers enter.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from torch import Tensor
 
 from . import reference, routes
 from .kernels.moe_combine import MOE_COMBINE, index_limits, run
 from .kernels.moe_tail import MOE_TAIL
+from .tail.checks import OUT_NAMES, fields_of, no_overlap
 from .tail.spec import TailSpec
 
-__all__ = ["combine", "plan", "fused_rejects"]
+__all__ = ["combine", "plan", "fused_rejects", "describe", "Launcher"]
 
 
 def plan(y: Tensor, weights: Tensor, m: routes.Machine) -> Tuple[str, Optional[str]]:
@@ -62,3 +67,44 @@ def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shar
     if row_index is None:
         return reference.moe_reduce(y, weights, shared)
     return reference.moe_finalize(y, row_index, weights, shared)
+
+
+def describe(y: Tensor, weights: Tensor, row_index: Optional[Tensor], shared: Optional[Tensor]) -> str:
+    """The combine of a MoE call as ranks must make it alike, in words."""
+    rows = "reduction form" if row_index is None else f"row_index {row_index.dtype}"
+    return (f"after moe_combine(y {y.dtype} {list(y.shape)}, weights {weights.dtype} {list(weights.shape)}, {rows}, "
+            f"{'a shared expert' if shared is not None else 'no shared expert'})")
+
+
+class Launcher:
+    """moe_all_reduce's launcher where the collective does not combine as it reads: the combine (`route`,
+    "kernel" or "separated"), then `dense`, the launcher of fused_all_reduce's route for the combined rows.
+    `text`: describe()'s. On the gloo route (`gloo`) the sum's exchange carries the text too; `check`, where
+    given (COMMFUSE_CHECK), compares it across the ranks first. Either way the reference's route reads the
+    row indices first and the text says whether they are in range, so that a rank whose are not makes every
+    rank raise (CallMismatchError) before any rank writes an output."""
+
+    __slots__ = ("route", "dense", "outputs", "text", "gloo", "check")
+
+    def __init__(self, route: str, dense, outputs, text: str, gloo: bool, check: Optional[Callable[[str], None]]):
+        self.route, self.dense, self.outputs = route, dense, outputs  # outputs: the call's OutputSpecs
+        self.text, self.gloo, self.check = text, gloo, check
+
+    def __call__(self, y, residual, weight, scale, out, weights, row_index, shared):
+        if out is not None:  # the dense launcher checks out against the others
+            no_overlap(OUT_NAMES, fields_of(out), self.outputs,
+                       (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared)))
+        bad = None
+        if row_index is not None and self.route == "separated":
+            bad = reference.row_index_error(row_index, y.shape[0])
+        note = self.text if bad is None else f"{self.text}, {bad}"
+        if self.check is not None:
+            self.check(note)
+        if bad is not None:
+            if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written)
+                self.dense.first(residual.new_zeros(residual.shape), note=note)
+            raise ValueError(bad)
+        x = combine(y, weights, row_index, shared, self.route)
+        if self.gloo:
+            return self.dense(x, residual, weight, scale, out, note=note)
+        return self.dense(x, residual, weight, scale, out)

@@ -197,13 +197,23 @@ def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optio
         raise ValueError(f"weights must be [t, k] = {[t, k]}, got {tuple(weights.shape)}")
     if shared is not None and tuple(shared.shape) != (t, rows.shape[1]):
         raise ValueError(f"shared must be [t, h] = {[t, rows.shape[1]]}, got {tuple(shared.shape)}")
+    why = row_index_error(row_index, rows.shape[0])
+    if why:
+        raise ValueError(why)
     idx = row_index.long()
-    if idx.numel() and ((idx < -1) | (idx >= rows.shape[0])).any():
-        raise ValueError(f"row_index must hold rows in [-1, {rows.shape[0]}), got {int(idx.min())} .. {int(idx.max())}")
     # A dropped slot reads row 0 and is then left out (kept); with no rows at all, a row of zeros stands in.
     src = rows if rows.shape[0] else rows.new_zeros(1, rows.shape[1])
     return _combine(t, k, rows.shape[1], lambda j: src[idx[:, j].clamp_min(0)], weights, shared, rows.dtype,
                     rows.device, kept=idx >= 0)
+
+
+def row_index_error(row_index: Tensor, rows: int) -> Optional[str]:
+    """Why `row_index` (int32 / int64 [t, k]) holds a row outside [-1, rows), in words; None where it holds
+    none. Reads the indices (on a GPU one synchronisation)."""
+    idx = row_index.long()
+    if idx.numel() and ((idx < -1) | (idx >= rows)).any():
+        return f"row_index must hold rows in [-1, {rows}), got {int(idx.min())} .. {int(idx.max())}"
+    return None
 
 
 def _row_blocks(x: Tensor, block: int, what: str) -> Tensor:

@@ -543,8 +543,8 @@ class _Then:
     def __init__(self, first, tail, outputs):
         self.first, self.tail, self.outputs = first, tail, outputs  # the tail's OutputSpecs
 
-    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
-        total = self.first(x)
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, note: str = ""):
+        total = self.first(x, note=note) if note else self.first(x)  # a note: the gloo sum's (_GlooSum)
         if out is not None:  # the tail checks its own inputs; x is the collective's
             no_overlap(OUT_NAMES, fields_of(out), self.outputs, (("x", x),))
         return self.tail(total, residual, weight, scale, out, z)
@@ -652,9 +652,11 @@ class _GlooSum:
         self.check_group = res.check_group if res.check_group is not None else res.group
         self.checked = os.environ.get("COMMFUSE_GLOO_CHECK") != "0"
 
-    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, note: str = ""):
+        """note: more of the call, compared with the rest (a MoE call's combine: commfuse.moe.Launcher)."""
         xc = x.contiguous()
-        xs = exchange_signature(self.check_group, self.text, xc.numel() * xc.element_size(), xc,
+        text = f"{self.text}, {note}" if note else self.text
+        xs = exchange_signature(self.check_group, text, xc.numel() * xc.element_size(), xc,
                                 self.INLINE_BYTES) if self.checked else None
         if xs is None:
             xs = [torch.empty_like(xc) for _ in range(dist.get_world_size(self.group))]

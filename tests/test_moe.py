@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import commfuse
 from commfuse import ops, reference
 from commfuse.kernels import launch
 from commfuse.reference import Tail
@@ -253,6 +254,45 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
         bad = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]], dtype=torch.int32, device=dev)  # row 8 of 8 rows
         with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):
             comm.moe_all_reduce(y.view(t * k, h), w, residual, weight, row_index=bad)
+    ones = torch.ones(2, 64, device=dev)
+    assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differ", ["shared", "k", "form", "weights dtype", "fused op", "row index"])
+def test_moe_calls_that_differ_raise_on_every_rank(comm, gen, differ):
+    """Where the ranks compare calls (the gloo route's exchange; COMMFUSE_CHECK's on the others) a MoE call
+    whose combine differs on one rank (rank 1) raises CallMismatchError on every rank, naming each rank's
+    combine, and so does one rank's row index out of range: in step, so that the next call sums right."""
+    if comm.backend != "gloo" and not comm.check_calls:
+        pytest.skip("the ranks compare calls on the gloo route, or with COMMFUSE_CHECK=1")
+    if differ == "row index" and comm.device.type == "cuda":
+        pytest.skip("the combine kernel makes the token's row NaN instead of reading the indices")
+    t, k, h = 4, 2, 64
+    dev = comm.device
+    residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
+    y = torch.randn(t, k, h, generator=gen).bfloat16().to(dev)
+    w = torch.rand(t, k, generator=gen).to(dev)
+    kw = {}
+    if differ == "row index":  # every rank the finalize form; rank 1's last slot reads row t * k of t * k rows
+        y = y.view(t * k, h)
+        kw["row_index"] = torch.arange(t * k, dtype=torch.int32, device=dev).view(t, k).flip(0).contiguous()
+    if dist.get_rank(comm.group) == 1:
+        if differ == "shared":
+            kw["shared"] = residual.clone()
+        elif differ == "k":
+            y, w = y.repeat(1, 2, 1), w.repeat(1, 2)
+        elif differ == "form":
+            y, kw["row_index"] = y.view(t * k, h), torch.arange(t * k, dtype=torch.int32, device=dev).view(t, k)
+        elif differ == "weights dtype":
+            w = w.bfloat16()
+        elif differ == "row index":
+            kw["row_index"][0, 0] = t * k
+    with pytest.raises(commfuse.CallMismatchError, match="moe_combine\\(y torch.bfloat16"):
+        if differ == "fused op" and dist.get_rank(comm.group) == 1:
+            comm.fused_all_reduce(y.sum(1), residual, weight)
+        else:
+            comm.moe_all_reduce(y, w, residual, weight, **kw)
     ones = torch.ones(2, 64, device=dev)
     assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
 
