@@ -112,14 +112,23 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
             got = tuple(None if o is None else g for o, g in zip(fields_of(out), got))
         return Tail(*got)
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
-    if out is not None:
-        outs = fields_of(out)
+    outs = None if out is None else fields_of(out)
+    if outs is not None and (outs[4] is None or scale_layout != "mn_major"):
         torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
                                                 comm.name, *outs)
         return Tail(*outs)
-    outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset), tail,
-                                               comm.name)
-    return Tail(*spread(outs, tail))
+    got = spread(torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset),
+                                                     tail, comm.name), tail)
+    if outs is None:
+        return Tail(*got)
+    # MN-major out.scales: the op would write their padding rows too, which lie outside the [t, K] view that
+    # compiled code copies and writes back (AOTAutograd's functionalization); the view's elements are copied
+    # instead, the padding rows left as they are (a GEMM reads them only for rows past t, whose outputs it
+    # discards).
+    for o, g in zip(outs, got):
+        if o is not None:
+            o.copy_(g)
+    return Tail(*outs)
 
 
 def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

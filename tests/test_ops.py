@@ -154,6 +154,35 @@ def test_out_with_a_field_left_none_returns_the_same_eager_and_compiled(quiet_co
 
 
 @mpi
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("t", [5, 130])
+def test_compiled_out_takes_mn_major_scales(quiet_comm, gen, ue8m0, t):
+    """A caller's MN-major out.scales in compiled code: its [t, K] elements get the eager call's bits on every
+    backend (compiled code writes back a mutated argument's view: the op's writes to the padding rows, which
+    lie outside it, cannot reach the caller), and the padding stays as it was."""
+    c, h = quiet_comm, 512
+    x, _ = rank_inputs(c, gen, (t, h), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    kw = dict(quant="fp8_block", scale_layout="mn_major", scale_ue8m0=ue8m0)
+    want = c.fused_all_reduce(x, residual, weight, **kw)
+    tp = want.scales.stride(1)
+    storage = torch.full((want.scales.shape[1] * tp,), 7, dtype=want.scales.dtype, device=c.device)
+    out = commfuse.reference.Tail(torch.empty_like(want.residual), None, torch.empty_like(want.quant), None,
+                                  storage.as_strided(want.scales.shape, want.scales.stride()))
+
+    def f(x, residual, weight, out):
+        return ops.fused_all_reduce(c, x, residual, weight, out=out, **kw)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend=backend(c))(x, residual, weight, out)
+    assert got.scales is out.scales
+    for name in ("residual", "quant", "scales"):
+        assert bits_equal(getattr(out, name), getattr(want, name)), name
+    padding = storage.view(-1, tp)[:, t:]
+    assert bool((padding == 7).all()), padding
+
+
+@mpi
 def test_eager_wrappers_give_the_ops_bits(quiet_comm, gen):
     """Outside torch.compile the wrappers call the Communicator directly: the same bits as the op."""
     c = quiet_comm
