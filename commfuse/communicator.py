@@ -395,10 +395,8 @@ class Communicator:
             dense = routes.plan(call, self._machine)
             extra = tuple(w for w in (unfused if self.world_size == 1 else None, why) if w)
             p = dataclasses.replace(dense, combine=route, reasons=dense.reasons + extra)
-            check = None
-            if self._check_calls:
-                def check(note, tail=spec.signature + routes.scale_form(call), collective=str(p.collective)):
-                    self.check_same_call((note, tail, collective))
+            tail = spec.signature + routes.scale_form(call)
+            check = (lambda note: self.check_same_call((note, tail, str(p.collective)))) if self._check_calls else None
             launcher = moe.Launcher(route, routes.launcher(call, dense, self._resources), spec.outputs(t, h, y.dtype),
                                     text, dense.collective is Collective.GLOO, check)
         self.table.insert("moe", args, p, launcher)

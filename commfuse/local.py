@@ -65,6 +65,16 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _op_scale(scale, x: Tensor):
+    """A scale as the ops take it in compiled code: a Python number (which eager calls take as such) as a
+    float32 tensor of one element on x's device, checked as eager calls check it."""
+    if scale is None or isinstance(scale, Tensor):
+        return scale
+    if not checks.scale_in_range(scale):  # scale_value's check; its message would print a traced number
+        raise ValueError("scale must be positive and finite in float32 (the dequant scale)")
+    return torch.full((1,), scale, dtype=torch.float32, device=x.device)
+
+
 def _planned(op: str, args: tuple, call: Call, device: torch.device):
     """Plan a call, put its launcher in the local table, and return (plan, launcher)."""
     p = routes.plan(call, Machine.local(device))
@@ -118,7 +128,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
         if out is not None:
             raise TypeError("fused_add_rmsnorm: out= is for eager calls (a compiled model's outputs are its own)")
         tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
-        outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail)
+        outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, _op_scale(scale, x), eps, weight_offset, tail)
         return Tail(*spread(outs, tail, residual is not None))
     args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout,
             scale_ue8m0)
@@ -151,7 +161,8 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
         group_size = x.shape[-1]
     if _compiling():
         tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
-        outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, tail)
+        outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, _op_scale(scale, x), eps, group_size, norm_before_gate,
+                                                tail)
         return Tail(*spread(outs, tail, False))
     args = (x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm, sf_layout, scale_layout,
             scale_ue8m0)
@@ -185,7 +196,7 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     if _compiling():
         checks.quant_named(quant)
         tail = code(quant, False, sf_layout, scale_layout, scale_ue8m0)
-        return Quantized(*spread(torch.ops.commfuse.quantize(x, scale, tail), tail, False)[2:])
+        return Quantized(*spread(torch.ops.commfuse.quantize(x, _op_scale(scale, x), tail), tail, False)[2:])
     args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)
     r = _table().quantize(*args)
     if r is not None:

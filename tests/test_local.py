@@ -268,6 +268,26 @@ def test_compiled_ops_dynamic_tokens(gen):
             assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_compiled_ops_take_a_python_number_scale(gen, quant):
+    """A Python number scale, which eager calls take, in compiled code too: the eager call's bits, for each
+    value (no stale specialisation); one that is no positive finite float32 raises naming the scale."""
+    def f(x, residual, weight, z, scale):
+        t = commfuse.fused_add_rmsnorm(x, residual, weight, quant=quant, scale=scale)
+        g = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 32, False, quant=quant, scale=scale)
+        return t.quant, g.quant, commfuse.quantize(x, quant, scale).quant
+
+    x, residual, weight, scale = inputs(gen, 5, 64, BF16, quant=quant)
+    z = torch.randn(5, 64, generator=gen).to(BF16)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for s in (float(scale), float(scale) * 3):
+        for a, b in zip(compiled(x, residual, weight, z, s), f(x, residual, weight, z, s)):
+            assert bits_equal(a, b)
+    with pytest.raises(Exception, match="scale must be positive and finite in float32"):
+        compiled(x, residual, weight, z, 1e-50)
+
+
 @functools.cache
 def inductor_cpu_fails() -> str:
     """Why Inductor cannot build CPU code here ('' where it can). On the GPU machine under mpirun, its

@@ -29,7 +29,6 @@ scale_factors, scales).
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 

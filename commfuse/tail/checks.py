@@ -7,14 +7,12 @@ x's device.
 """
 from __future__ import annotations
 
-import math
-
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .spec import Outputs, TailSpec, fp32
+from .spec import Outputs, TailSpec
 
 __all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "quant_named", "plain_plan", "scale", "out",
            "out_like", "out_placed", "same_device", "fields_of", "storage_room"]
@@ -95,6 +93,16 @@ def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x") ->
     scale_value(s)
 
 
+_F32_ROUNDS_ABOVE_0 = 2.0 ** -150  # half the smallest subnormal: it and below round to 0 (ties to even)
+_F32_ROUNDS_TO_INF = 2.0 ** 128 - 2.0 ** 103  # the largest float32 plus half its ulp: it and above round to inf
+
+
+def scale_in_range(s: float) -> bool:
+    """Whether the Python number s is a positive finite float32 once rounded to one (1e-50 would be 0), by
+    plain comparisons: torch.compile traces them (and a symbolic float)."""
+    return _F32_ROUNDS_ABOVE_0 < s < _F32_ROUNDS_TO_INF
+
+
 def scale_value(s) -> None:
     """Raise unless a dequant scale is positive and finite, where reading it costs nothing: a Python number
     or a CPU tensor (a negative scale would flip every code's sign, zero or NaN make every code NaN or
@@ -103,7 +111,7 @@ def scale_value(s) -> None:
         if s.device.type != "cpu":
             return
         s = float(s)
-    if not (0 < fp32(s) < math.inf):  # a Python number is taken as float32: 1e-50 would be 0
+    if not scale_in_range(s):
         raise ValueError(f"scale must be positive and finite in float32 (the dequant scale), got {s}")
 
 
