@@ -187,6 +187,8 @@ def reduce(kind, comm, y):
         return y
     if kind == "funcol":
         return fc.all_reduce(y, "sum", dist.group.WORLD)
+    if kind == "funcol waited":  # waited explicitly: a second wait_tensor in the graph
+        return fc.wait_tensor(fc.all_reduce(y, "sum", dist.group.WORLD))
     return commfuse.ops.all_reduce(comm, y)
 
 
@@ -198,7 +200,7 @@ def fp8(n, scale):
 
 
 @mpi
-@pytest.mark.parametrize("collective", ["dist", "funcol", "commfuse"])
+@pytest.mark.parametrize("collective", ["dist", "funcol", "funcol waited", "commfuse"])
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_all_reduce_add_norm_is_fused(quiet_comm, gen, collective, norm):
     c = quiet_comm

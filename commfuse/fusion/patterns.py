@@ -467,15 +467,19 @@ def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllR
 
 def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
     k = G.kind(v)
-    if k == "cf_all_reduce" or (k == "wait" and G.kind(G.operand(v, 0, "input")) == "funcol_all_reduce"):
+    waits = [v]
+    inner = G.operand(v, 0, "input") if k == "wait" else None
+    if G.kind(inner) == "wait" and len(inner.users) == 1:  # fc.wait_tensor(fc.all_reduce(...)): a second wait
+        waits.insert(0, inner)
+    if k == "cf_all_reduce" or (k == "wait" and G.kind(G.operand(waits[0], 0, "input")) == "funcol_all_reduce"):
         others = [u.name for u in v.users if u is not before]
         if others:
             return Mismatch(f"the all-reduced {v.name} is also read by {', '.join(others)}: the fused op does not "
                             "return the sum", "guard")
         if k == "cf_all_reduce":
             return AllReduce(x=v.args[0], nodes=[v], chain=[], spelling="commfuse.ops.all_reduce", comm=v.args[1])
-        src = G.operand(v, 0, "input")
-        return _funcol(src, [src, v], "functional all_reduce")
+        src = G.operand(waits[0], 0, "input")
+        return _funcol(src, [src, *waits], "functional all_reduce")
     if k == "wait":
         return None
     # dynamo's form of torch.distributed.all_reduce(v): all_reduce(v) -> wait_tensor -> v.copy_(wait),
