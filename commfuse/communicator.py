@@ -60,7 +60,8 @@ class FusedResult:
     scale_factors: the block scales of nvfp4 (float8_e4m3fn) and mxfp8 (uint8 UE8M0 exponents), in the
         swizzled 128x4 tiles (flat) or linear [t, h / block]; None for the other formats.
     scales: the dequant scales the FP8 formats with computed scales produce: float32[t] (fp8_per_token),
-        float32[t, h/128] row-major or MN-major, or UE8M0 bytes (fp8_block; reference.quantize_fp8_block);
+        float32[t, h/128] row-major or MN-major, or UE8M0 exponents (fp8_block: uint8[t, h/128] row-major,
+        MN-major packed four to an int32[t, ceil(h/512)]; reference.quantize_fp8_block);
         None otherwise. Every format's fields are its registry entry's (commfuse.tail.formats).
     plan: the route this call took.
     """
@@ -98,7 +99,7 @@ class Communicator:
 
     Construction is collective. Where the topology's mode is "p2p" (NCCL group on one node, P2P
     between every pair) and the strategy is not "nccl", it creates the P2P workspace
-    (commfuse.p2p.Workspace: IPC buffers, about 384 MiB per rank by default) and, for "auto",
+    (commfuse.p2p.Workspace: IPC buffers, about 416 MiB per rank by default) and, for "auto",
     calibrates the one-shot/two-shot/NCCL crossovers (cached on disk); so construct the
     Communicator before any CUDA graph capture. `check()` surfaces a P2P timeout (also one inside a
     graph replay) as commfuse.P2PTimeoutError; `close()` releases the workspace (collective).
@@ -451,8 +452,8 @@ class Communicator:
             self._nccl.check()
 
     def close(self) -> None:
-        """Release the P2P workspace (collective: every rank calls it); later calls take
-        torch.distributed's NCCL."""
+        """Release the P2P workspace (collective: every rank calls it); later calls take the group's own
+        collective through torch.distributed (NCCL, or gloo)."""
         self.table.clear()  # its launchers may hold the workspace or commfuse.nccl's communicator
         self._moe_plans.clear()  # so may the MoE P2P launchers
         self.table = native.table(self.name, 0, FusedResult, Tail, Quantized)

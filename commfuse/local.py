@@ -14,8 +14,8 @@ traces, and run it directly otherwise.
 
 Routes (commfuse.routes): `fused_add_rmsnorm` runs the fused_tail kernel (one launch; without a
 residual it reads and writes none) where the fused tail's guards hold: CUDA tensors on SM 8.0+,
-float16/bfloat16, h % 8 == 0 (and the format's multiple), stride 1 on the last dims, the scale a
-float32 tensor on x's device, fusion not disabled (`COMMFUSE_DISABLE_FUSION=1`). `gated_rmsnorm` runs
+float16/bfloat16, h % 8 == 0 (and the format's multiple), any strides (a strided operand is copied),
+the scale a float32 tensor on x's device, fusion not disabled (`COMMFUSE_DISABLE_FUSION=1`). `gated_rmsnorm` runs
 the gated RMSNorm kernel under the same guards plus group_size % 8 == 0 and h <= 16384. Everything else
 takes the separated ops of commfuse.reference (the same semantics). `quantize` runs the quantize kernel
 under the same guards as fused_add_rmsnorm's plus h <= 16384 (the row lives in registers).

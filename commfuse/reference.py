@@ -729,7 +729,7 @@ class Tail(NamedTuple):
     scales (5th, default None, so 4-field construction still works): the dequant scales
     the tail computed, for quant "fp8_per_token" (float32 [t]) and "fp8_block" (in
     scale_layout / scale_ue8m0, see :func:`quantize_fp8_block`); None otherwise.
-    scale_factors stays the NVFP4 scale factors only."""
+    scale_factors: the block scales of "nvfp4" and "mxfp8" only."""
 
     residual: Tensor
     norm: Optional[Tensor]

@@ -12,9 +12,9 @@ The collective routes, in the order they are tried (the strategy= names come fro
 
 and for commfuse.local's calls: local (the fused_tail kernel alone), gated (the gated RMSNorm kernel),
 quantize (the quantize kernel).
-Where the fused tail's guards do not hold (dtype, layout, sizes, SM, CPU tensors, fusion disabled), the
-tail is `separated`: commfuse.reference's ops after the collective route's plain all-reduce (or on the
-local op's input): the same results, slower.
+Where the fused tail's guards do not hold (dtype, a Python number scale, sizes, SM, CPU tensors, fusion
+disabled), the tail is `separated`: commfuse.reference's ops after the collective route's plain all-reduce
+(or on the local op's input): the same results, slower.
 
 Deciding is a pure function of tensor metadata, the tail spec and the machine's facts (`Machine`), so
 every decision is tested on a CPU by simulating them (tests/test_routes.py). A guard that fails never
