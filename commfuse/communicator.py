@@ -41,12 +41,21 @@ def _drop_gloo_groups() -> None:
     ("terminate called without an active exception": a worker thread releasing a finished collective's
     tensors needs Python, which no longer runs). So at exit, while Python still runs, commfuse drops its
     own references to gloo groups: each group that nothing else holds is then destroyed, its threads
-    joined. The Communicators are unusable after that. Registered when commfuse is imported, so it runs
-    after the caller's own exit handlers and after init_distributed's destruction of the group it made."""
-    for comm in list(ops.live_communicators()):
-        comm._drop_gloo_groups()
-    _CHECK_GROUPS.clear()
-    routes.BROKEN_CHECK_GROUPS.clear()
+    joined. The check groups are destroyed too, which an NCCL world's destruction (torch's, never
+    commfuse's) would not do. The Communicators are unusable after that. Registered when commfuse is
+    imported, so it runs after the caller's own exit handlers and after init_distributed's destruction of
+    the group it made."""
+    try:
+        for comm in list(ops.live_communicators()):
+            comm._drop_gloo_groups()
+    finally:
+        for g in list(_CHECK_GROUPS.values()) + routes.BROKEN_CHECK_GROUPS:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - destroyed already (with the world), or no group any more
+                pass
+        _CHECK_GROUPS.clear()
+        routes.BROKEN_CHECK_GROUPS.clear()
 
 
 @dataclass(slots=True)  # slots: the plan table sets the fields of a hit's result without __init__
@@ -467,13 +476,20 @@ class Communicator:
         self._resources = Resources(self.group, self.device, check_group=self._check_group)
 
     def _drop_gloo_groups(self) -> None:
-        """At exit (_drop_gloo_groups): the references to gloo groups, the table's launchers' included. An NCCL
-        group is kept: its destruction is torch's (init_distributed's docstring says why)."""
+        """At exit (_drop_gloo_groups): the references to gloo groups, the table's launchers' and the P2P
+        workspace's included. An NCCL group is kept: its destruction is torch's (init_distributed's docstring
+        says why). A Communicator whose construction raised has only some of its attributes."""
         self._check_group = None
-        if self.backend == "gloo":
-            self.table.clear()
-            self._moe_plans.clear()
+        resources = getattr(self, "_resources", None)
+        if resources is not None:
+            self._resources = dataclasses.replace(resources, check_group=None)
+        if getattr(self, "backend", None) == "gloo":
+            if hasattr(self, "table"):
+                self.table.clear()
+                self._moe_plans.clear()
             self.group = self._resources = None
+            if getattr(self, "workspace", None) is not None:  # ranks sharing a GPU: kept for its close
+                self.workspace.group = None
 
     def check_same_call(self, signature: tuple) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang or sum the

@@ -60,13 +60,13 @@ def _launch_env() -> tuple:
 
 
 def _one_launcher(found: list) -> tuple:
-    """The launcher whose variables to trust among those present. They agree on rank and world size where
-    one launcher started another (torchrun under a one-rank mpirun sets its own, and says so in
-    TORCHELASTIC_RUN_ID: its layout then wins). Where they disagree otherwise, one set is stale (RANK and
-    WORLD_SIZE exported in a shell that then runs mpirun): every rank would take a world of its own and
-    sum nothing, so that raises, naming both."""
+    """The launcher whose variables to trust among those present: the first layout's, where the others
+    agree on rank and world size. Where they disagree, torchrun's wins when it says it started this process
+    (TORCHELASTIC_RUN_ID) or MPI's world is one process (an MPI singleton that started its own workers);
+    otherwise one set is stale (RANK and WORLD_SIZE exported in a shell that then runs mpirun -n 2): every
+    rank would take a world of its own and sum nothing, so that raises, naming both."""
     first = found[0][1]
-    if found[0][0] == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+    if found[0][0] == 0 and ("TORCHELASTIC_RUN_ID" in os.environ or all(o[1] == 1 for _, o in found[1:])):
         return first
     for i, other in found[1:]:
         if other[:2] != first[:2]:

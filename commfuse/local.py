@@ -70,6 +70,8 @@ def _op_scale(scale, x: Tensor):
     float32 tensor of one element on x's device, checked as eager calls check it."""
     if scale is None or isinstance(scale, Tensor):
         return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError("scale must be a float32 tensor of one element or a Python number")
     if not checks.scale_in_range(scale):  # scale_value's check; its message would print a traced number
         raise ValueError("scale must be positive and finite in float32 (the dequant scale)")
     return torch.full((1,), scale, dtype=torch.float32, device=x.device)

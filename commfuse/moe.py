@@ -82,7 +82,8 @@ class Launcher:
     `text`: describe()'s. On the gloo route (`gloo`) the sum's exchange carries the text too; `check`, where
     given (COMMFUSE_CHECK), compares it across the ranks first. Either way the reference's route reads the
     row indices first and the text says whether they are in range, so that a rank whose are not makes every
-    rank raise (CallMismatchError) before any rank writes an output."""
+    rank raise (CallMismatchError) before any rank writes an output; with COMMFUSE_GLOO_CHECK=0 (no
+    signature) that rank raises ValueError and its peers' sums are NaN."""
 
     __slots__ = ("route", "dense", "outputs", "text", "gloo", "check")
 
@@ -101,8 +102,9 @@ class Launcher:
         if self.check is not None:
             self.check(note)
         if bad is not None:
-            if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written)
-                self.dense.first(residual.new_zeros(residual.shape), note=note)
+            if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written);
+                # NaN rows where it exchanges no signature (COMMFUSE_GLOO_CHECK=0), as the kernel route's
+                self.dense.first(residual.new_full(residual.shape, float("nan")), note=note)
             raise ValueError(bad)
         x = combine(y, weights, row_index, shared, self.route)
         if self.gloo:

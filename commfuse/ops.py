@@ -46,7 +46,8 @@ import torch
 from . import local
 from .reference import Tail
 from .tail.checks import fields_of
-from .tail.spec import TailSpec, code, present, public, spread
+from .tail import formats
+from .tail.spec import TailSpec, code, mn_major_scales, present, public, spread
 
 __all__ = ["all_reduce", "fused_all_reduce", "moe_all_reduce"]
 
@@ -112,22 +113,30 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
             got = tuple(None if o is None else g for o, g in zip(fields_of(out), got))
         return Tail(*got)
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
-    outs = None if out is None else fields_of(out)
-    if outs is not None and (outs[4] is None or scale_layout != "mn_major"):
+    if out is None:
+        outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset), tail,
+                                                   comm.name)
+        return Tail(*spread(outs, tail))
+    outs = fields_of(out)
+    scales = outs[4]
+    if scales is None or scale_layout != "mn_major":
         torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
                                                 comm.name, *outs)
         return Tail(*outs)
-    got = spread(torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset),
-                                                     tail, comm.name), tail)
-    if outs is None:
-        return Tail(*got)
-    # MN-major out.scales: the op would write their padding rows too, which lie outside the [t, K] view that
-    # compiled code copies and writes back (AOTAutograd's functionalization); the view's elements are copied
-    # instead, the padding rows left as they are (a GEMM reads them only for rows past t, whose outputs it
-    # discards).
-    for o, g in zip(outs, got):
-        if o is not None:
-            o.copy_(g)
+    # MN-major out.scales: the op writes their padding rows too, which lie outside the [t, K] view that compiled
+    # code copies and writes back (AOTAutograd's functionalization), so the op writes a buffer of the graph's own
+    # and the view's elements are copied into the caller's, its padding rows left as they are (a GEMM reads them
+    # only for rows past t, whose outputs it discards). The caller's view is checked here, the rest by the op.
+    h = x.shape[-1]
+    spec = mn_major_scales(x.numel() // h, h // formats.by_name("fp8_block").block, torch.float32, scale_ue8m0)
+    if tuple(scales.shape) != tuple(spec.shape) or scales.dtype != spec.dtype or \
+            tuple(scales.stride()) != tuple(spec.strides):
+        raise ValueError("out.scales must have the MN-major scales' shape, dtype and strides (docs/semantics.md "
+                         "section 11)")
+    mine = x.new_empty((spec.storage_numel,), dtype=spec.dtype).as_strided(spec.shape, spec.strides)
+    torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
+                                            comm.name, *outs[:4], mine)
+    scales.copy_(mine)
     return Tail(*outs)
 
 

@@ -377,7 +377,7 @@ class NcclRoute(Route):
             return native.launcher(LaunchPlan("ncclAllReduce", (), (OutputSpec(x.shape, x.dtype),), res.device.index,
                                               res.nccl, x.numel))
         first = _TorchAllReduce(res.group)
-        return _Then(first, _tail_kernel(call, res)) if fused else first
+        return _Then(first, _tail_kernel(call, res), _outputs(call)) if fused else first
 
 
 class GlooRoute(Route):

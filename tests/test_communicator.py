@@ -688,6 +688,12 @@ commfuse.init_distributed(backend="gloo")
 comm = commfuse.Communicator()
 comm.fused_all_reduce(torch.randn(2, 64), torch.randn(2, 64), torch.ones(64))
 groups = [weakref.ref(comm.group), weakref.ref(comm._check_group)]
+import os
+os.environ["COMMFUSE_GLOO_TIMEOUT_S"] = "abc"
+try:  # a Communicator whose construction raised, kept alive by the exception
+    commfuse.Communicator()
+except ValueError as e:
+    kept = e
 communicator._drop_gloo_groups()  # the exit handlers, in either order
 dist.destroy_process_group()
 gc.collect()

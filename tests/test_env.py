@@ -44,6 +44,10 @@ def test_stale_launcher_variables_are_refused(clean):
         clean.setenv(k, v)
     with pytest.raises(ValueError, match="RANK=0 WORLD_SIZE=1 but OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2"):
         launch_env()
+    # An MPI singleton (mpirun -n 1) that started workers of its own, which set RANK and WORLD_SIZE
+    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}.items():
+        clean.setenv(k, v)
+    assert launch_env() == (3, 4, 3, "torchrun")
 
 
 @pytest.mark.parametrize("variables, message", [

@@ -286,6 +286,8 @@ def test_compiled_ops_take_a_python_number_scale(gen, quant):
             assert bits_equal(a, b)
     with pytest.raises(Exception, match="scale must be positive and finite in float32"):
         compiled(x, residual, weight, z, 1e-50)
+    with pytest.raises(Exception, match="scale must be a float32 tensor of one element or a Python number"):
+        compiled(x, residual, weight, z, True)
 
 
 @functools.cache

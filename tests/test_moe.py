@@ -260,12 +260,17 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("differ", ["shared", "k", "form", "weights dtype", "fused op", "row index"])
-def test_moe_calls_that_differ_raise_on_every_rank(comm, gen, differ):
-    """Where the ranks compare calls (the gloo route's exchange; COMMFUSE_CHECK's on the others) a MoE call
+@pytest.mark.parametrize("compared_by", ["COMMFUSE_CHECK", "the gloo exchange"])
+def test_moe_calls_that_differ_raise_on_every_rank(comm, quiet_comm, gen, differ, compared_by):
+    """Where the ranks compare calls (the gloo route's exchange; COMMFUSE_CHECK's on every route) a MoE call
     whose combine differs on one rank (rank 1) raises CallMismatchError on every rank, naming each rank's
     combine, and so does one rank's row index out of range: in step, so that the next call sums right."""
-    if comm.backend != "gloo" and not comm.check_calls:
-        pytest.skip("the ranks compare calls on the gloo route, or with COMMFUSE_CHECK=1")
+    if compared_by == "the gloo exchange":
+        if comm.backend != "gloo":
+            pytest.skip("the gloo route's exchange: a gloo group's")
+        comm = quiet_comm  # no COMMFUSE_CHECK: the exchange alone compares
+    elif not comm.check_calls:
+        pytest.skip("COMMFUSE_CHECK=0")
     if differ == "row index" and comm.device.type == "cuda":
         pytest.skip("the combine kernel makes the token's row NaN instead of reading the indices")
     t, k, h = 4, 2, 64
@@ -295,6 +300,31 @@ def test_moe_calls_that_differ_raise_on_every_rank(comm, gen, differ):
             comm.moe_all_reduce(y, w, residual, weight, **kw)
     ones = torch.ones(2, 64, device=dev)
     assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_moe_row_index_out_of_range_without_the_gloo_check_gives_nan(comm, gen, monkeypatch):
+    """COMMFUSE_GLOO_CHECK=0 (no signature in the gloo exchange): a rank whose row index is out of range raises
+    ValueError after the exchange, and its NaN rows make its peers' sums NaN rather than a plausible wrong sum."""
+    if comm.backend != "gloo":
+        pytest.skip("the gloo route's exchange: a gloo group's")
+    import commfuse
+
+    monkeypatch.setenv("COMMFUSE_GLOO_CHECK", "0")
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    t, k, h = 4, 2, 64
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    y = torch.randn(t * k, h, generator=gen).bfloat16()
+    w = torch.rand(t, k, generator=gen)
+    index = torch.arange(t * k, dtype=torch.int32).view(t, k)
+    if dist.get_rank(c.group) == 1:
+        index[2, 1] = t * k
+        with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):
+            c.moe_all_reduce(y, w, residual, weight, row_index=index)
+    else:
+        r = c.moe_all_reduce(y, w, residual, weight, row_index=index)
+        assert bool(r.residual.isnan().all()), r.residual
 
 
 @mpi

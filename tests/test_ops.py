@@ -180,6 +180,13 @@ def test_compiled_out_takes_mn_major_scales(quiet_comm, gen, ue8m0, t):
         assert bits_equal(getattr(out, name), getattr(want, name)), name
     padding = storage.view(-1, tp)[:, t:]
     assert bool((padding == 7).all()), padding
+    bad = {"quant": torch.empty(t, h, device=c.device), "residual": torch.empty(3, t, h, device=c.device),
+           "norm": torch.empty_like(want.residual), "scales": torch.empty(want.scales.shape, dtype=want.scales.dtype,
+                                                                          device=c.device)}
+    for name, tensor in bad.items():  # checked as eager calls check them, not cast or broadcast into
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"out.{name}"):
+            torch.compile(f, fullgraph=True, backend=backend(c))(x, residual, weight, out._replace(**{name: tensor}))
 
 
 @mpi

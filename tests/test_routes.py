@@ -182,6 +182,17 @@ def test_strategy_nccl_forces_fallback_row_on_p2p_machine():
     assert p.reasons.count("strategy 'nccl': P2P all-reduce not used") == 1, p.reasons
 
 
+@pytest.mark.parametrize("quant", [None, "nvfp4"])
+def test_nccl_route_without_commfuse_nccl_runs_the_tail_after_torchs_all_reduce(monkeypatch, quant):
+    """The NCCL route where commfuse.nccl is not loaded (COMMFUSE_NCCL=0, or after close()): torch's
+    all_reduce, then the fused_tail kernel on the sum, with the call's outputs (their specs check out=)."""
+    monkeypatch.setattr(routes, "_tail_kernel", lambda c, res: "the fused_tail kernel")
+    c = call(quant=quant)
+    launcher = routes.ROUTES["nccl"].launcher(c, plan(c), routes.Resources(device=CUDA))
+    assert isinstance(launcher, routes._Then) and launcher.tail == "the fused_tail kernel"
+    assert launcher.outputs == c.spec.outputs(16, 4096, torch.bfloat16)
+
+
 def test_p2p_plan_says_what_chose_the_algorithm():
     """A P2P plan's reasons name the crossover the message is within and whether it was measured, or the
     forced strategy; a two-shot one what put it past the one-shot."""

@@ -23,7 +23,7 @@ from . import formats as F
 from .formats import Format, Layout
 
 __all__ = ["TailSpec", "OutputSpec", "Outputs", "FP8_CODES", "code", "public", "codes", "spread", "fields", "present",
-           "fp32"]
+           "fp32", "mn_major_scales"]
 
 FP8_CODES = torch.float8_e4m3fn
 _SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "f32": torch.float32, "ue8m0": torch.uint8}
@@ -43,6 +43,16 @@ class OutputSpec(NamedTuple):
         if self.strides is None or not self.shape[0]:
             return math.prod(self.shape)
         return self.shape[1] * self.strides[1]
+
+
+def mn_major_scales(t: int, blocks: int, dtype: torch.dtype, ue8m0: bool) -> OutputSpec:
+    """The MN-major block scales of t rows of `blocks` blocks (docs/semantics.md section 11): a [t, blocks]
+    view with strides (1, tp) of `dtype`, or with ue8m0 the exponent bytes packed four to an int32 [t,
+    ceil(blocks / 4)]; tp = roundup(t, 4). Plain arithmetic, which torch.compile traces."""
+    tp = max(-(-t // 4) * 4, 1)  # torch's strides of a [K, 0] tensor's transpose: (1, 1)
+    if ue8m0:
+        return OutputSpec((t, -(-blocks // 4)), torch.int32, (1, tp))
+    return OutputSpec((t, blocks), dtype, (1, tp))
 
 
 class Outputs(NamedTuple):
@@ -196,10 +206,7 @@ class TailSpec:
         if self.layout == Layout.SWIZZLED:
             return OutputSpec((-(-t // 128) * 128 * (-(-K // 4) * 4),), dtype)
         if self.layout == Layout.MN_MAJOR:
-            tp = max(-(-t // 4) * 4, 1)  # torch's strides of a [K, 0] tensor's transpose: (1, 1)
-            if self.ue8m0:  # four exponent bytes an int32
-                return OutputSpec((t, -(-K // 4)), torch.int32, (1, tp))
-            return OutputSpec((t, K), dtype, (1, tp))
+            return mn_major_scales(t, K, dtype, self.ue8m0)
         return OutputSpec((t, K), dtype)
 
     def outputs(self, t: int, h: int, dtype: torch.dtype, residual: bool = True) -> Outputs:
