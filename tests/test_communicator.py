@@ -84,10 +84,13 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
 
 @mpi
 def test_fused_all_reduce_flattens_leading_dims(comm, gen):
-    x, _ = rank_inputs(comm, gen, (2, 3, 64), torch.bfloat16)
+    x, xs = rank_inputs(comm, gen, (2, 3, 64), torch.bfloat16)
     residual, weight, _ = tail_inputs(comm, gen, 6, 64, torch.bfloat16, None)
     r = comm.fused_all_reduce(x, residual.view(2, 3, 64), weight)
     assert r.residual.shape == (6, 64) and r.norm.shape == (6, 64) and r.quant is None
+    # the rows in x's order: token (b, s) is row b * 3 + s
+    want = reference.fused_tail(comm.all_reduce(x).reshape(6, 64), residual, weight)
+    assert_tail_close(r, want, None, exact=exact_sum(comm))
 
 
 @mpi
@@ -305,8 +308,9 @@ def test_every_call_checks_where_the_caller_outputs_lie(comm, gen):
         q = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=c.device)
         return c.fused_all_reduce(x, res, weight, **kw, out=Tail(res, None, q, None, scales))
 
-    got = call(residual.clone(), torch.empty(room, device=c.device).as_strided(shape, strides))  # planned
-    assert torch.equal(got.residual, want.residual) and torch.equal(got.scales, want.scales)
+    got = call(residual.clone(), torch.full((room,), float("nan"), device=c.device).as_strided(shape, strides))
+    assert torch.equal(got.residual, want.residual) and torch.equal(got.scales, want.scales)  # planned
+    assert torch.equal(got.quant.view(torch.uint8), want.quant.view(torch.uint8))
     in_place = residual.clone()
     with pytest.raises(ValueError, match="out.scales must be a view of a storage of 8 elements"):
         call(in_place, torch.empty(room - 1, device=c.device).as_strided(shape, strides))
@@ -377,21 +381,26 @@ def test_caller_owned_outputs_are_written_and_returned(comm, gen, quant, return_
     want = comm.fused_all_reduce(x, residual, weight, **kw)
     out = reference.Tail(*(None if w is None else torch.full_like(w.view(torch.uint8), 0xA5).view(w.dtype)
                            for w in (want.residual, want.norm, want.quant, want.scale_factors)))
+    def written(name: str, out, result) -> None:
+        """The call returned the caller's tensors, which hold a fresh call's bits; then a new poison."""
+        for f in ("residual", "norm", "quant", "scale_factors"):
+            mine, w = getattr(out, f), getattr(want, f)
+            assert (mine is None) == (w is None), f
+            if mine is not None:
+                assert getattr(result, f) is mine, f"{name}: {f} is not the caller's tensor"
+                assert torch.equal(mine.view(torch.uint8), w.view(torch.uint8)), f"{name}: {f} differs"
+                mine.view(torch.uint8).fill_(0x5A)
+
     got = comm.fused_all_reduce(x, residual, weight, out=out, **kw)
+    written("out=Tail", out, got)
     again = comm.fused_all_reduce(x, residual, weight, out=got, **kw)  # a FusedResult as out
+    written("out=FusedResult", out, again)
     total = torch.full_like(x, float("nan"))
     plain = comm.all_reduce(x, out=total)
-    in_place = residual.clone()
-    expect_residual = comm.fused_all_reduce(x, residual, weight, **kw).residual
-    updated = comm.fused_all_reduce(x, in_place, weight, out=reference.Tail(in_place, *out[1:]), **kw)
-    for name in ("residual", "norm", "quant", "scale_factors"):
-        mine, w = getattr(out, name), getattr(want, name)
-        assert (mine is None) == (w is None), name
-        if mine is not None:
-            assert getattr(got, name) is mine and getattr(again, name) is mine, name
-            assert torch.equal(mine.view(torch.uint8), w.view(torch.uint8)), f"{name} differs from a fresh call"
     assert plain is total and torch.equal(total, comm.all_reduce(x))
-    assert updated.residual is in_place and torch.equal(in_place, expect_residual)
+    in_place = out._replace(residual=residual.clone())
+    written("out.residual the residual input", in_place,
+            comm.fused_all_reduce(x, in_place.residual, weight, out=in_place, **kw))
 
 
 @mpi
@@ -407,10 +416,11 @@ def test_caller_owned_outputs_are_checked(comm, gen):
                               out=reference.Tail(torch.empty_like(x), None, q.view(torch.uint8), None))
     with pytest.raises(TypeError, match="out.residual must be a tensor or None"):
         comm.fused_all_reduce(x, residual, weight, out=reference.Tail(3, torch.empty_like(x), None, None))
-    norm = torch.empty_like(x)  # a field None is allocated: one rule with the local ops
+    norm = torch.full_like(x, float("nan"))  # a field None is allocated: one rule with the local ops
     r = comm.fused_all_reduce(x, residual, weight, out=reference.Tail(None, norm, None, None))
-    assert r.norm is norm and r.residual is not None and torch.equal(r.residual, comm.fused_all_reduce(
-        x, residual, weight).residual)
+    fresh = comm.fused_all_reduce(x, residual, weight)
+    assert r.norm is norm and torch.equal(norm, fresh.norm)
+    assert r.residual is not None and torch.equal(r.residual, fresh.residual)
     with pytest.raises(ValueError, match="contiguous"):
         comm.fused_all_reduce(x, residual, weight,
                               out=reference.Tail(torch.empty(64, 4, dtype=x.dtype, device=x.device).t(),

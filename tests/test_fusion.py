@@ -65,6 +65,15 @@ def _cloned(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
+_EPS_ARG = {FUSED_AR: 4, LOCAL: 4, GATED: 4, torch.ops.commfuse.moe_all_reduce.default: 7}
+
+
+def op_eps(gm) -> list:
+    """The eps argument of each fused op of the graph: the graph's own norm's, which the outputs barely
+    show (rows of mean square far above eps)."""
+    return [n.args[_EPS_ARG[n.target]] for n in gm.graph.nodes if n.target in _EPS_ARG]
+
+
 def counts(gm) -> collections.Counter:
     return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function"
                                and str(n.target).startswith("commfuse."))
@@ -132,6 +141,15 @@ def assert_rounding_order_close(got, want, kinds):
         else:
             why, _ = tolerance.codes_close(g.view(torch.uint8), w.view(torch.uint8), 0x80, 1.0, "fp8", 0x7F)
             assert why is None, why
+
+
+def assert_codes_of_the_fused_norm(q, h, weight, scale, eps=1e-6, weight_offset=0.0):
+    """The FP8 codes of a fused tail whose graph rounds in another order: exactly the codes of commfuse's norm of
+    its residual output h (the op's semantics), where the route is exact; assert_rounding_order_close only
+    bounds them by a neighbouring code of the graph's."""
+    if exact_sums():
+        norm = reference.rmsnorm(h.reshape(-1, h.shape[-1]), weight, eps, weight_offset)
+        assert bits_equal(q.reshape(norm.shape), reference.quantize_fp8(norm, scale)), "codes"
 
 
 def setup(comm, gen, t=6, h=128, dtype=BF16, quant=None, shape=None):
@@ -213,7 +231,7 @@ def test_all_reduce_add_norm_is_fused(quiet_comm, gen, collective, norm):
 
     norm_fn = NORMS[norm]
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
-    assert counts(gm) == {FUSED_AR: 1}, report
+    assert counts(gm) == {FUSED_AR: 1} and op_eps(gm) == [1e-6], report
     assert report.count("commfuse::fused_all_reduce") == 1 and not report.skipped, report
     f = report.fused[0]
     assert f.pattern == "all_reduce + add + rmsnorm" and f.comm == c.name
@@ -264,6 +282,7 @@ def test_fp8_consumer_feeding_scaled_mm(quiet_comm, gen, norm):
         assert_same(got, want)
     else:
         assert_rounding_order_close(got[:2], want[:2], ["fp8", "residual"])
+        assert_codes_of_the_fused_norm(got[0], got[1], weight, scale)
 
 
 @mpi
@@ -326,7 +345,7 @@ def test_nvfp4_through_commfuse_quantize(quiet_comm, gen, sf_layout):
             return q, sf, h
 
     gm, report, want, got = fuse_and_run(Block(), (x, residual, wo, scale), c)
-    assert counts(gm) == {FUSED_AR: 1}, report
+    assert counts(gm) == {FUSED_AR: 1} and op_eps(gm) == [1e-5], report
     assert report.fused[0].quant == "nvfp4" and "torch.rms_norm" in report.fused[0].spelling, report
     assert_same(got, want)
 
@@ -353,7 +372,7 @@ def test_computed_scale_formats_through_commfuse_quantize(quiet_comm, gen, quant
             return q, sf if sf is not None else s, h
 
     gm, report, want, got = fuse_and_run(Block(), (x, residual, wo), c)
-    assert counts(gm) == {FUSED_AR: 1}, report
+    assert counts(gm) == {FUSED_AR: 1} and op_eps(gm) == [1e-5], report
     assert report.fused[0].quant == quant, report
     assert_same(got, want)
 
@@ -617,7 +636,7 @@ def test_gemma_norm_fuses_with_the_all_reduce(quiet_comm, gen):
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
     assert counts(gm) == {FUSED_AR: 1}, report
     node = next(n for n in gm.graph.nodes if n.target is FUSED_AR)
-    assert node.args[5] == 1.0  # weight_offset
+    assert node.args[5] == 1.0 and op_eps(gm) == [1e-6]  # weight_offset, eps
     assert_same(got, want)
 
 
@@ -690,6 +709,8 @@ def test_local_add_norm_fp8(gen, norm):
     assert report.fused[0].pattern == "add + rmsnorm + fp8" and report.fused[0].return_norm, report
     if norm == "hf":
         assert_rounding_order_close(got, want, ["fp8", "norm", "residual"])
+        assert_codes_of_the_fused_norm(got[0], got[2], weight, scale)
+        assert bits_equal(got[1], reference.rmsnorm(got[2], weight, 1e-6))
     else:
         assert_same(got, want)
 
@@ -748,6 +769,7 @@ def test_gated_rmsnorm_is_found(gen, form):
     assert counts(gm) == {GATED: 1}, report
     node = next(n for n in gm.graph.nodes if n.target is GATED)
     assert node.args[5] == {"mamba2_grouped": 16}.get(form, 64) and node.args[6] is (form == "norm_before_gate")
+    assert op_eps(gm) == [1e-5]
     if form == "norm_before_gate":
         assert_same(got, want)
     else:

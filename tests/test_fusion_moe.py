@@ -22,8 +22,9 @@ import commfuse
 from commfuse import reference
 
 from inputs import tail_inputs
-from test_fusion import (BF16, FUSED_AR, _cloned, assert_close_under_sum_order, assert_rounding_order_close,
-                         assert_same, counts, fp8, fuse_and_run, hf_norm, reduce, weight_before_cast_norm)
+from test_fusion import (BF16, FUSED_AR, _cloned, assert_close_under_sum_order, assert_codes_of_the_fused_norm,
+                         assert_rounding_order_close, assert_same, counts, fp8, fuse_and_run, hf_norm, op_eps, reduce,
+                         weight_before_cast_norm)
 
 mpi = pytest.mark.mpi(min_size=1)
 MOE_AR = torch.ops.commfuse.moe_all_reduce.default
@@ -133,6 +134,8 @@ def test_moe_combine_all_reduce_tail_is_fused(quiet_comm, gen, layout, k, wdtype
         assert_same(got, ref)
     else:
         assert_rounding_order_close(got, ref, kinds)
+        if quant:
+            assert_codes_of_the_fused_norm(got[0], got[1], args[7], scale)
     # Against the unfused graph: its combine is commfuse's order where the report notes none.
     combine_notes = wdtype == "T" or k > 2 or shared_at
     if not combine_notes and norm == "weight_before_cast":
@@ -200,7 +203,7 @@ def test_hf_mixtral_batched_mm_block(quiet_comm, gen):
         return norm(hs), hs
 
     gm, report, want, got = fuse_and_run(layer, (x, residual), c)
-    assert counts(gm) == {MOE_AR: 1}, report
+    assert counts(gm) == {MOE_AR: 1} and op_eps(gm) == [1e-5], report
     assert report.count("commfuse::moe_all_reduce") == 1 and not report.skipped, report
     assert report.fused[0].spelling.startswith("(rows * w[:, None]).view(t, k, h).sum(dim=1).to(bfloat16)"), report
     assert got[0].shape == (1, 5, h) and got[1].shape == (1, 5, h)

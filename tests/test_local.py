@@ -187,8 +187,10 @@ def _mamba_ssm_rms_norm_ref(x, weight, z, eps, group_size, norm_before_gate):
 @pytest.mark.parametrize("group_size", [None, 16, 64])
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
-def test_gated_rmsnorm_matches_mamba_ssm_reference(gen, group_size, norm_before_gate, gated):
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3])  # 1e-3: groups whose mean square is of eps's order
+def test_gated_rmsnorm_matches_mamba_ssm_reference(gen, group_size, norm_before_gate, gated, magnitude):
     x, z, weight, _ = inputs(gen, 5, 128, BF16)
+    x = (x.float() * magnitude).to(BF16)
     z = z if gated else None
     got = commfuse.gated_rmsnorm(x, z, weight, 1e-5, group_size, norm_before_gate)
     want = _mamba_ssm_rms_norm_ref(x, weight, z, 1e-5, group_size or 128, norm_before_gate)
@@ -198,8 +200,9 @@ def test_gated_rmsnorm_matches_mamba_ssm_reference(gen, group_size, norm_before_
 def test_gated_rmsnorm_quant_and_errors(gen):
     x, z, weight, scale = inputs(gen, 3, 64, BF16, quant="nvfp4")
     got = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 32, False, quant="nvfp4", scale=scale, return_norm=True)
-    q, sf = reference.quantize_nvfp4(got.norm, scale)
-    assert bits_equal(got.quant, q) and bits_equal(got.scale_factors, sf)
+    norm = reference.gated_rmsnorm(x, z, weight, 1e-5, 32, False)
+    q, sf = reference.quantize_nvfp4(norm, scale)
+    assert bits_equal(got.norm, norm) and bits_equal(got.quant, q) and bits_equal(got.scale_factors, sf)
     with pytest.raises(ValueError, match="group_size"):
         commfuse.gated_rmsnorm(x, z, weight, 1e-5, 48, False)
     with pytest.raises(ValueError, match="z must have"):
@@ -680,14 +683,16 @@ def test_every_call_checks_where_the_caller_outputs_lie(gen):
         q = torch.empty(t, h, dtype=torch.float8_e4m3fn)
         return commfuse.fused_add_rmsnorm(x, res, weight, **kw, out=Tail(res, None, q, None, scales))
 
-    got = call(residual.clone(), torch.empty(room).as_strided(shape, strides))  # planned
+    got = call(residual.clone(), torch.full((room,), float("nan")).as_strided(shape, strides))  # planned
     assert bits_equal(got.residual, want.residual) and bits_equal(got.scales, want.scales)
+    assert bits_equal(got.quant, want.quant)
     in_place = residual.clone()
     with pytest.raises(ValueError, match="out.scales must be a view of a storage of 8 elements"):
         call(in_place, torch.empty(room - 1).as_strided(shape, strides))
     assert bits_equal(in_place, residual)
-    aligned = torch.empty(t, h, dtype=BF16)
+    aligned = torch.full((t, h), float("nan"), dtype=BF16)
     commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(None, aligned, None, None, None))  # planned
+    assert bits_equal(aligned, reference.fused_tail(x, residual, weight, 1e-6).norm)
     shifted = torch.empty(t * h + 8, dtype=BF16)[1:1 + t * h].view(t, h)
     with pytest.raises(ValueError, match="out.norm must be 16-byte aligned"):
         commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(None, shifted, None, None, None))
@@ -715,7 +720,7 @@ def test_caller_outputs_may_not_overlap_an_input_or_each_other(gen):
     got = commfuse.fused_add_rmsnorm(x, in_place, weight, quant="fp8", scale=scale, return_norm=True,
                                      out=Tail(in_place, None, None, None, None))
     assert got.residual is in_place and bits_equal(in_place, want.residual) and bits_equal(got.norm, want.norm)
-    buf = torch.empty(3, 4, 64, dtype=BF16)
+    buf = torch.full((3, 4, 64), float("nan"), dtype=BF16)
     storage = torch.empty(5 * 64, dtype=BF16)
     shifted_residual = storage[:256].view(4, 64).copy_(residual)
     cases = [  # (residual argument, out, the error)
@@ -729,4 +734,5 @@ def test_caller_outputs_may_not_overlap_an_input_or_each_other(gen):
         with pytest.raises(ValueError, match=why):
             commfuse.fused_add_rmsnorm(x, r, weight, return_norm=True, out=out)
     got = commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(buf[1], buf[2], None, None, None))  # separate
-    assert bits_equal(buf[1], want.residual)
+    assert bits_equal(buf[1], want.residual) and got.norm.data_ptr() == buf[2].data_ptr()
+    assert bits_equal(buf[2], want.norm)

@@ -496,9 +496,18 @@ def test_rmsnorm(dtype):
     want = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert got.dtype == dtype and got.shape == x.shape
     assert ((got.double() - want).abs() <= ulp(got)).all()
-    # hand value: [3, 4] -> rms = sqrt(12.5)
+    # hand values: [3, 4] -> rms = sqrt(12.5); with eps 0.5, sqrt(13); a zero row stays 0
     hv = ref.rmsnorm(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0]), 0.0)
     assert torch.allclose(hv, torch.tensor([[3 / math.sqrt(12.5), 8 / math.sqrt(12.5)]]), rtol=1e-6)
+    hv = ref.rmsnorm(torch.tensor([[3.0, 4.0], [0.0, 0.0]]), torch.tensor([1.0, 2.0]), 0.5)
+    assert torch.allclose(hv, torch.tensor([[3 / math.sqrt(13), 8 / math.sqrt(13)], [0.0, 0.0]]), rtol=1e-6)
+    # rows whose mean square is of eps's order: eps itself shows in every element
+    small = (torch.randn(64, 512, generator=g) * 1e-3).to(dtype)
+    for eps in (1e-6, 4e-6):
+        got = ref.rmsnorm(small, w, eps).double()
+        sd = small.double()
+        want = sd / torch.sqrt((sd * sd).mean(-1, keepdim=True) + eps) * w.double()
+        assert ((got - want).abs() <= ulp(got.to(dtype))).all(), eps
 
 
 def test_the_oracle_does_not_depend_on_strides():
