@@ -16,7 +16,7 @@ from commfuse import Communicator, nccl, reference, tolerance
 from commfuse.kernels import native, table
 from commfuse.reference import Tail
 
-from compare import assert_tail_close, assert_within_ulp, poisoned_runs
+from compare import assert_tail_close, assert_within_ulp, bits_equal, poisoned_runs
 from inputs import rank_inputs, tail_inputs
 
 mpi = pytest.mark.mpi(min_size=1)  # one rank too: on one GPU that is the NCCL route (the sum is a copy)
@@ -62,8 +62,12 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
     residual, weight, scale = tail_inputs(c, gen, t, h, dtype, quant)
     saved = [v.clone() for v in (x, residual, weight)]
     a = c.all_reduce(x)
-    r = c.fused_all_reduce(x, residual, weight, eps=1e-5, quant=quant, scale=scale,
-                           return_norm=return_norm, sf_layout=sf_layout)
+    runs = poisoned_runs(lambda: c.fused_all_reduce(x, residual, weight, eps=1e-5, quant=quant, scale=scale,
+                                                    return_norm=return_norm, sf_layout=sf_layout))
+    for f in ("residual", "norm", "quant", "scale_factors", "scales"):
+        p, q = (getattr(run, f) for run in runs)
+        assert (p is None) == (q is None) and (p is None or bits_equal(p, q)), f"{f}: an element left unwritten"
+    r = runs[0]
     for before, after in zip(saved, (x, residual, weight)):
         assert torch.equal(before, after), "fused_all_reduce modified an input"
     # The tail is judged against the reference fed the same all-reduced values; the sum itself

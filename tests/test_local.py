@@ -43,8 +43,11 @@ PATTERNS = [(None, False, "swizzled"), ("fp8", False, "swizzled"), ("fp8", True,
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 def test_fused_add_rmsnorm_is_the_reference_tail(gen, quant, return_norm, sf_layout, dtype):
     x, residual, weight, scale = inputs(gen, 7, 256, dtype, quant=quant)
-    got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale, return_norm=return_norm,
-                                     sf_layout=sf_layout)
+    runs = poisoned_runs(lambda: commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale,
+                                                            return_norm=return_norm, sf_layout=sf_layout))
+    for a, b in zip(*runs):
+        assert bits_equal(a, b), "an output element is left unwritten"
+    got = runs[0]
     want = reference.fused_tail(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
     assert_tail_close(got, want, quant, sf_layout, exact=True)
 
@@ -362,7 +365,8 @@ def test_gpu_separated_routes_and_out(gen):
     want = reference.fused_tail(x, residual, weight, 1e-6, weight_offset=1.0)
     assert_tail_close(got, want, None)
     res = residual.clone()
-    got = commfuse.fused_add_rmsnorm(x, res, weight, quant="fp8", scale=scale, out=Tail(res, None, None, None))
+    got = commfuse.fused_add_rmsnorm(x, res, weight, quant="fp8", scale=scale,
+                                     out=Tail(res, None, torch.full_like(x, float("nan")).to(torch.float8_e4m3fn), None))
     want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", scale)
     assert got.residual is res and bits_equal(res, want.residual)
     assert_tail_close(got, want, "fp8")
