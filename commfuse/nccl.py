@@ -251,9 +251,21 @@ def available() -> Optional[str]:
 
 
 def broadcast_unique_id(group, make_id: Callable[[], bytes]) -> bytes:
-    """make_id() on the group's rank 0, broadcast to every rank of the group (any backend)."""
-    obj = [make_id() if dist.get_rank(group) == 0 else None]
+    """make_id() on the group's rank 0, broadcast to every rank of the group (any backend). Where it raises,
+    its message travels instead and every rank raises (rank 0 its own error): the others would wait for an
+    id that never comes."""
+    error = None
+    obj: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            obj[0] = make_id()
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error, obj[0] = e, f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+    if error is not None:
+        raise error
+    if isinstance(obj[0], str):
+        raise RuntimeError(f"rank 0 could not make the NCCL unique id: {obj[0]}")
     return obj[0]
 
 
@@ -283,7 +295,17 @@ class NcclComm:
             handle = nccl.init_rank(self.world_size, uid, self.rank)
         self._attach(nccl, handle, index)
         if timeout > 0:
-            self._watch(timeout, os.environ.get("COMMFUSE_NCCL_WATCH_REPLAYS", "1") != "0")
+            try:
+                self._watch(timeout, os.environ.get("COMMFUSE_NCCL_WATCH_REPLAYS", "1") != "0")
+            except BaseException:
+                # No one else holds the communicator, so nothing would destroy it; aborting is this rank's
+                # alone (its peers' next all-reduce times out, as with any rank that fails here).
+                self._handle = None
+                try:
+                    nccl.check("ncclCommAbort", nccl.lib.ncclCommAbort(handle))
+                except Exception:  # noqa: BLE001 - the watchdog's error is the one to raise
+                    pass
+                raise
 
     def _attach(self, nccl: Nccl, handle: int, index: int) -> None:
         self.nccl = nccl

@@ -879,3 +879,19 @@ def test_moe_table_rows_are_the_patterns_own_shapes():
     assert "commfuse-auto / moe_k2_residual_rmsnorm bf16: kernel combine + p2p_oneshot + fused tail (1x7168)" in text
 
 
+
+
+def test_tail_commfuse_row_plans_the_moe_combine_on_the_machine(monkeypatch):
+    """The benchmark's tail-commfuse row asks commfuse.moe.plan for the combine's route on the bench's device
+    (a routes.Machine), and skips with its reason where the combine kernel cannot run (here: CPU tensors)."""
+    from commfuse.bench import impls
+    from commfuse.bench.verdict import Skip
+    from commfuse.kernels import fused_tail
+
+    monkeypatch.setattr(fused_tail, "warmup", lambda *a, **k: None)  # no NVRTC here
+    m0 = types.SimpleNamespace(y=torch.randn(4, 2, 256).bfloat16(), weights=torch.rand(4, 2), row_index=None,
+                               shared=None)
+    case = types.SimpleNamespace(pattern=types.SimpleNamespace(is_moe=True, quant=None), dtype=torch.bfloat16,
+                                 hidden=256, moe_set=lambda i: m0)
+    with pytest.raises(Skip, match="combine: tensors on cpu"):
+        impls._prep_tail_commfuse(types.SimpleNamespace(cuda=True, device=torch.device("cpu")), case)

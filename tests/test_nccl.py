@@ -462,6 +462,23 @@ def test_unique_id_is_made_on_rank_0_and_reaches_every_rank(gloo_group):
 
 
 @mpi(min_size=2)
+def test_a_unique_id_that_rank_0_cannot_make_raises_on_every_rank(gloo_group):
+    """ncclGetUniqueId failing on rank 0 (NCCL's bootstrap finds no interface, say): every rank raises, rank 0
+    its own error, rather than the others waiting for the id until the group's timeout."""
+    def make_id():
+        raise nccl.NcclError("ncclGetUniqueId", 2, "no socket interface found")
+
+    with pytest.raises(Exception, match="no socket interface found"):
+        nccl.broadcast_unique_id(gloo_group, make_id)
+    if dist.get_rank(gloo_group) == 0:
+        with pytest.raises(nccl.NcclError):
+            nccl.broadcast_unique_id(gloo_group, make_id)
+    else:
+        with pytest.raises(RuntimeError, match="rank 0 could not make the NCCL unique id: NcclError"):
+            nccl.broadcast_unique_id(gloo_group, make_id)
+
+
+@mpi(min_size=2)
 def test_unique_id_over_a_subgroup_comes_from_its_first_rank(gloo_group):
     world = dist.get_world_size(gloo_group)
     ranks = list(range(1, world))  # not WORLD's rank 0: the broadcast's source is a group rank

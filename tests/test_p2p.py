@@ -437,6 +437,10 @@ def test_a_cached_calibration_that_derive_limits_would_not_make_is_measured_agai
     path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20,
                                                        "crossovers": [["oneshot", 4096], ["twoshot", 65536]]}}))
     assert calibration._read_limits(path, key) == _limits(1 << 20, 4096, 65536)
+    # derive_limits measures up to twice the workspace: a two-shot crossover there is one it makes
+    path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20,
+                                                       "crossovers": [["oneshot", 4096], ["twoshot", 2 << 20]]}}))
+    assert calibration._read_limits(path, key) == _limits(1 << 20, 4096, 2 << 20)
     path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20, "crossovers": crossovers}}))
     assert calibration._read_limits(path, key) is None
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from commfuse import Communicator, moe, reference, tolerance
+from commfuse import Communicator, moe, reference, routes, tolerance
 from commfuse.tail.checks import fields_of
 from commfuse.tail.formats import by_name
 from commfuse.tail.spec import spread
@@ -390,7 +390,7 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
     if p.is_moe:
         # The combine kernel, then the tail kernel: moe_all_reduce's local work without the collective.
         m0 = case.moe_set(0)
-        route, why = moe.plan(m0.y, m0.weights, torch.cuda.get_device_capability(ctx.device))
+        route, why = moe.plan(m0.y, m0.weights, routes.Machine.local(ctx.device))
         if route != "kernel":
             raise Skip(why)
         from commfuse.kernels import moe_combine

@@ -105,8 +105,8 @@ def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
         return None  # absent or damaged: measure again
     crossovers = [c for _, c in limits.crossovers]
     if [a for a, _ in limits.crossovers] != list(ALGORITHMS) or crossovers != sorted(crossovers) or \
-            not 0 <= crossovers[0] <= crossovers[-1] <= limits.workspace_bytes:
-        return None  # not what derive_limits makes: measure again
+            not 0 <= crossovers[0] <= crossovers[-1] <= 2 * limits.workspace_bytes:
+        return None  # not what derive_limits makes (it measures up to twice the workspace): measure again
     return limits
 
 
