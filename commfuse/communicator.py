@@ -153,7 +153,7 @@ class Communicator:
                 # Crossovers timed on a shared GPU would say nothing about real machines: defaults.
                 self.workspace = p2p.Workspace(self.group, self.device,
                                                calibrate=self.strategy == "auto" and not self.topology.shared_gpu,
-                                               topology=self.topology)
+                                               topology=self.topology, nccl=self._nccl)
         self._machine = Machine(self.topology.mode, self.backend, self.topology.sm, self.world_size, self.strategy,
                                 os.environ.get("COMMFUSE_DISABLE_FUSION") != "1",
                                 self.workspace.limits if self.workspace is not None else None,

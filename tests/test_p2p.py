@@ -445,6 +445,21 @@ def test_a_cached_calibration_that_derive_limits_would_not_make_is_measured_agai
     assert calibration._read_limits(path, key) is None
 
 
+
+def test_the_calibration_cache_key_names_how_nccl_was_timed():
+    """A file measured with torch's all_reduce of a copy (tens of microseconds more at the largest sizes)
+    is not reused where the NCCL route calls ncclAllReduce itself, nor the other way."""
+    from types import SimpleNamespace
+
+    from commfuse.p2p import calibration
+
+    ws = SimpleNamespace(world=2, max_bytes=1 << 20, lamport_bytes=1 << 18, nblocks=132)
+    topo = SimpleNamespace(versions=None, ranks=[SimpleNamespace(gpu_name="GPU")] * 2, p2p=((True,) * 2,) * 2,
+                           nvlink=((0,) * 2,) * 2)
+    plain, bound = calibration.cache_key(ws, topo), calibration.cache_key(ws, topo, nccl=object())
+    assert plain["nccl_route"] == "torch.distributed" and bound["nccl_route"] == "commfuse.nccl"
+    assert {k: v for k, v in plain.items() if k != "nccl_route"} == {k: v for k, v in bound.items() if k != "nccl_route"}
+
 def _meta(shape, dtype=torch.bfloat16):
     return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0), True)
 
@@ -1054,6 +1069,36 @@ def test_calibration_is_sane_and_cached(comm, tmp_path, monkeypatch):
         assert len(files) == 1
     assert seconds < 30, f"calibration took {seconds:.1f} s (first compilation included)"
 
+
+
+@mpi
+def test_calibration_times_nccl_as_the_route_runs_it(comm, monkeypatch):
+    """With commfuse.nccl loaded the NCCL column is its out-of-place ncclAllReduce (the route's call), not
+    torch's all_reduce of a copy, which charges NCCL two more passes over the message."""
+    _skip_unless_p2p(comm)
+    bound = comm._nccl
+    if bound is None:
+        pytest.skip(f"the NCCL route runs {comm.nccl_binding}, not commfuse.nccl (ranks sharing a GPU take gloo)")
+    calls = []
+    real = bound.all_reduce
+
+    def counted(send, recv, stream=None):
+        calls.append((send.data_ptr() != recv.data_ptr(), send.numel()))
+        return real(send, recv, stream)
+
+    torch_all_reduce = dist.all_reduce
+
+    def no_torch(tensor, *args, **kwargs):  # the times' maximum over the ranks (float64) is torch's
+        if tensor.dtype == torch.bfloat16:
+            raise AssertionError("calibration timed torch.distributed's all_reduce although commfuse.nccl is loaded")
+        return torch_all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(bound, "all_reduce", counted)
+    monkeypatch.setattr(p2p.calibration.dist, "all_reduce", no_torch)
+    sizes, times = p2p.calibration.measure(comm.workspace, sizes=[4096, 65536], nccl=bound)
+    monkeypatch.undo()
+    assert sizes == [4096, 65536] and all(0 < t < 1e4 for row in times for t in row), times
+    assert {c for c in calls} == {(True, 2048), (True, 32768)}, "out of place, each size's elements"
 
 def test_caller_owned_outputs_reach_the_launch(monkeypatch):
     """out=: the P2P launches write the caller's tensors (pointers in P2PParams), nothing is allocated."""

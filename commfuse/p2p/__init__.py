@@ -79,7 +79,9 @@ advance them like eager calls. Kernels must be loaded before capture (call once 
 NCCL: the double-buffering argument relies on a rank's call E finishing before its call E + 1 starts.
 
 Calibration (strategy "auto", at creation, i.e. before any capture): times one-shot, two-shot and
-NCCL plain bf16 all-reduces (NCCL with the copy of x that the NCCL route makes) for messages of 4 KiB, 8 KiB, ... up to max_bytes and at 2 x max_bytes
+NCCL plain bf16 all-reduces (NCCL as the NCCL route runs it: commfuse.nccl's ncclAllReduce out of
+place, or without it torch's in-place all_reduce of a copy of x) for messages of 4 KiB, 8 KiB, ...
+up to max_bytes and at 2 x max_bytes
 (two-shot in two pieces there; one-shot up to lamport_bytes). Each timing is
 GPU time of back-to-back eager calls held behind a short delay kernel (so Python launch overhead
 does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is taken so every rank
@@ -88,7 +90,7 @@ beats NCCL at every measured size; one-shot's the largest size up to which one-s
 two-shot (P2PLimits.crossovers).
 Between measured sizes the smaller one's decision applies (conservative), and above the largest
 measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
-JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size,
+JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size, the NCCL route's binding,
 NVLink/P2P matrices, torch/CUDA/NCCL/driver versions, workspace size, grid and kernel source;
 rank 0 reads and writes it, every rank takes rank 0's answer. It takes well under 2 s (plus the
 first compilation of the plain kernels). COMMFUSE_P2P_CALIBRATE=0 skips it and uses

@@ -20,7 +20,7 @@ from ..kernels import jit
 from ..kernels.p2p_allreduce import ALGORITHMS, DELAY_KERNEL, SOURCE
 
 DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 _CAL_REPS = 3
 _CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
 
@@ -116,19 +116,29 @@ def _write_limits(path: Path, entry: dict) -> None:
 
 
 
-def cache_key(ws, topo) -> dict:
+def nccl_route(nccl) -> str:
+    """How the NCCL column is run, a part of the cache key: the NCCL route's binding (commfuse.nccl's
+    ncclAllReduce out of place, or torch.distributed's all_reduce of a copy) moves its times by tens of
+    microseconds at the largest sizes."""
+    return "torch.distributed" if nccl is None else "commfuse.nccl"
+
+
+def cache_key(ws, topo, nccl=None) -> dict:
     vers = topo.versions
     return {
         "calibration": CALIBRATION_VERSION, "kernel": _source_digest(), "world": ws.world,
+        "nccl_route": nccl_route(nccl),
         "gpus": [r.gpu_name for r in topo.ranks], "p2p": topo.p2p, "nvlink": topo.nvlink,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": vers.nccl if vers else None, "driver": vers.driver if vers else None,
         "workspace_bytes": ws.max_bytes, "lamport_bytes": ws.lamport_bytes, "nblocks": ws.nblocks,
     }
 
-def calibrate(ws, topo) -> P2PLimits:
-    """Measured limits, from the disk cache when this machine and software were measured before."""
-    key = cache_key(ws, topo)
+def calibrate(ws, topo, nccl=None) -> P2PLimits:
+    """Measured limits, from the disk cache when this machine and software were measured before.
+    nccl: the NCCL route's NcclComm (None: the route runs torch.distributed's all_reduce), timed as the
+    route runs it."""
+    key = cache_key(ws, topo, nccl)
     # JSON round trip: tuples become lists, so the cached key compares equal.
     key = json.loads(json.dumps(key))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
@@ -137,7 +147,7 @@ def calibrate(ws, topo) -> P2PLimits:
     cached = gather_objects(ws.group, cached)[0]
     if cached is not None:  # the buffers' size is this workspace's, never the file's
         return dataclasses.replace(cached, oneshot_bytes=ws.lamport_bytes)
-    sizes, times = measure(ws)
+    sizes, times = measure(ws, nccl=nccl)
     limits = derive_limits(sizes, times, ws.max_bytes, ws.lamport_bytes)
     if ws.rank == 0:
         _write_limits(path, {"key": key, "sizes": sizes, "times_us": times,
@@ -146,10 +156,11 @@ def calibrate(ws, topo) -> P2PLimits:
                                         "crossovers": [list(c) for c in limits.crossovers]}})
     return limits
 
-def measure(ws, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[List[float]]]:
+def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[int], List[List[float]]]:
     """(sizes, times): microseconds per plain bf16 all-reduce of each size in bytes (default
-    calibration_sizes(max_bytes)) for (one-shot, two-shot, NCCL), the max over ranks.
-    Collective; not allowed during CUDA graph capture."""
+    calibration_sizes(max_bytes)) for (one-shot, two-shot, NCCL), the max over ranks. NCCL as the
+    route runs it: nccl (an NcclComm) out of place, or (None) torch.distributed's in-place all_reduce
+    of a copy of x. Collective; not allowed during CUDA graph capture."""
     sizes = list(sizes) if sizes is not None else calibration_sizes(ws.max_bytes)
     if any(s % 16 or s <= 0 for s in sizes):
         raise ValueError(f"sizes must be positive multiples of 16 B, got {sizes}")
@@ -164,11 +175,15 @@ def measure(ws, sizes: Optional[Sequence[int]] = None) -> Tuple[List[int], List[
     times = []
     for size in sizes:
         n = size // 2
-        # NCCL as the Communicator's NCCL route runs it: torch's all_reduce works in place, so the
-        # route copies x first (x is the caller's): 2 x 112 MiB of HBM traffic at 112 MiB, ~55 us.
+        # NCCL as the Communicator's NCCL route runs it. Without commfuse.nccl the route copies x first
+        # (torch's all_reduce works in place, and x is the caller's): 2 x 112 MiB more HBM traffic at
+        # 112 MiB, ~55 us, which would move the crossovers toward P2P where the route has no copy.
         launchers = [ws.plain_launcher((n,), torch.bfloat16, algo) for algo in ALGORITHMS]
         runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers]
-        runs.append(lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
+        if nccl is not None:
+            runs.append(lambda: nccl.all_reduce(x[:n], out[:n]))
+        else:
+            runs.append(lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
         calls = 8 if size <= 16 << 20 else 3
         row = []
         for run in runs[size > ws.lamport_bytes:]:  # one-shot (the first) takes at most its buffers

@@ -65,14 +65,16 @@ class Workspace:
     default_max_bytes(world)); larger ones run two-shot in pieces;
     timeout_s: longest wait for a peer (default: COMMFUSE_P2P_TIMEOUT_S, else 10 s); calibrate:
     measure the crossovers (else default_limits; COMMFUSE_P2P_CALIBRATE=0 also turns it off);
-    topology: the group's Topology, for the calibration cache key (default: topology.detect(group)).
+    topology: the group's Topology, for the calibration cache key (default: topology.detect(group));
+    nccl: the NCCL route's NcclComm, which calibration times as the route runs it (None: the route's
+    torch.distributed all_reduce of a copy).
     Every rank must use the same max_bytes and calibrate setting (checked: all ranks raise).
     Attributes: limits (P2PLimits, which commfuse.routes reads), max_bytes, lamport_bytes (the largest one-shot
     message), nblocks, world, rank, device.
     """
 
     def __init__(self, group, device, *, max_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
-                 calibrate: bool = True, topology=None):
+                 calibrate: bool = True, topology=None, nccl=None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -116,7 +118,7 @@ class Workspace:
         (self.slot_bytes, self.lamport_offset, self.lamport_bytes, self.sig_offset, self.flags_offset,
          self.total_bytes) = layout(self.max_bytes, self.world, self.nblocks)
         self._create()
-        self.limits = (calibration.calibrate(self, topology) if calibrate
+        self.limits = (calibration.calibrate(self, topology, nccl) if calibrate
                        else calibration.default_limits(self.max_bytes, self.lamport_bytes))
 
     # ---------------------------------------------------------------- creation and teardown
