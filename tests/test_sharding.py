@@ -1,6 +1,7 @@
-"""commfuse.sharding on transformers' own decoder classes (tiny configs, random weights), 2+ ranks on
-CPU over gloo: the sharded model computes the unsharded one's logits, and commfuse.fusion fuses every
-all-reduce tail of it. Skipped with a reason where transformers is not installed."""
+"""commfuse.sharding on transformers' own decoder classes (tiny configs, random weights), 2+ ranks (on the
+CPU over gloo, or ranks sharing a GPU): the sharded model computes the unsharded one's logits, and
+commfuse.fusion fuses every all-reduce tail of it, the model on the Communicator's device. Skipped with a
+reason where transformers is not installed."""
 import pytest
 import torch
 
@@ -77,7 +78,8 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
     torch._dynamo.reset()
     ids = tokens(2)
     with torch.inference_mode():
-        model = shard_decoder(tiny(family, torch.bfloat16))
+        model = shard_decoder(tiny(family, torch.bfloat16)).to(c.device)
+        ids = ids.to(c.device)
         moe = family in MOE_FAMILIES
         if moe:  # the combine as a sum over the top-k rows (the default loop's index_add_ is reported, not fused)
             model.config._experts_implementation = "batched_mm"
@@ -105,10 +107,10 @@ def test_default_experts_combine_is_fused(comm):
     c.check_calls = False
     torch._dynamo.reset()
     with torch.inference_mode():
-        model = shard_decoder(tiny("mixtral", torch.bfloat16))
+        model = shard_decoder(tiny("mixtral", torch.bfloat16)).to(c.device)
         compiled = fusion.compile(model, c, backend="aot_eager", dynamic=True)
         for i, n in enumerate((9, 13)):  # one graph for both token counts (t * k rows, arange(t * k) symbolic)
-            ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+            ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)).to(c.device)
             want = model(ids, use_cache=False).logits.float()
             with torch._dynamo.config.patch(error_on_recompile=i > 0):
                 got = compiled(ids, use_cache=False).logits.float()
