@@ -332,12 +332,26 @@ def _hf_inverse(perm, n, values=lambda n, device: torch.arange(n, device=device)
     return inv
 
 
+def _sorted_perm(n, device):
+    """A sort's indices (transformers sorts the expert ids): 5 is coprime to n = t * k here, so the keys are
+    distinct and the permutation is not the identity."""
+    return torch.argsort(torch.arange(n, device=device) * 5 % n)
+
+
+# The inverse permutation as transformers versions write it: scattered by setitem, or the argsort of the sort's
+# indices (a permutation, whose argsort is its inverse).
+INVERSES = {"setitem": (_reversed, _hf_inverse), "argsort": (_sorted_perm, lambda perm, n: torch.argsort(perm)),
+            "sort's indices": (lambda n, d: torch.sort(torch.arange(n, device=d) * 5 % n)[1],
+                               lambda perm, n: perm.argsort(stable=True))}
+
+
 @mpi
 @pytest.mark.parametrize("k", [2, 4])
-def test_gathered_rows_are_the_finalize_form(quiet_comm, gen, k):
+@pytest.mark.parametrize("inverse", sorted(INVERSES))
+def test_gathered_rows_are_the_finalize_form(quiet_comm, gen, k, inverse):
     """HF grouped_mm's experts: rows in expert order weighted, gathered back by the inverse permutation, summed
     over the top-k axis: moe_all_reduce's finalize form (y the rows, row_index the inverse viewed [t, k])."""
-    gm, report, want, got = with_combine(quiet_comm, gen, _gathered(_reversed, _hf_inverse), k=k)
+    gm, report, want, got = with_combine(quiet_comm, gen, _gathered(*INVERSES[inverse]), k=k)
     assert counts(gm) == {MOE_AR: 1}, report
     assert not report.skipped, report
     assert report.fused[0].spelling.startswith("(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"), report
@@ -351,14 +365,36 @@ def test_gathered_rows_are_the_finalize_form(quiet_comm, gen, k):
 
 
 @mpi
-@pytest.mark.parametrize("case", ["gathered by the permutation", "not its inverse", "weights not permuted"])
+def test_the_sorts_values_written_in_place_leave_its_permutation_alone(quiet_comm, gen):
+    """HF grouped_mm sorts the expert ids (`expert_ids_g, perm = torch.sort(expert_ids)`) and may clamp the sorted
+    ids in place before the gather (`expert_ids_g.clamp_`, as some transformers versions do): sort's two outputs
+    are separate tensors, so the permutation is unchanged and the combine is still the finalize form."""
+    def combine(x, rows, w, t, k, h):
+        ids = torch.arange(t * k, device=x.device) * 5 % (t * k)  # 5 coprime to t * k = 12: distinct keys
+        ids_sorted, perm = torch.sort(ids)
+        weighted = rows[perm] * w.reshape(-1)[perm].unsqueeze(-1)
+        ids_sorted.clamp_(max=3)
+        return weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
+
+    gm, report, want, got = with_combine(quiet_comm, gen, combine)
+    assert counts(gm) == {MOE_AR: 1}, report
+    assert not report.skipped, report
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("case", ["gathered by the permutation", "not its inverse", "weights not permuted",
+                                  "argsort of an index not known to be a permutation", "descending argsort"])
 def test_gathered_rows_not_the_finalize_form(quiet_comm, gen, case):
     """Gathers that are not the inverse of the rows' permutation, or weights not permuted with the rows: the
-    combine left as written, reported, the tail fused."""
+    combine left as written, reported, the tail fused. The argsort of an index is its inverse only where the
+    index is a permutation, which the graph shows only for a sort's indices."""
     combine = {"gathered by the permutation": _gathered(_reversed, lambda perm, n: perm),
                "not its inverse": _gathered(lambda n, d: torch.arange(n, device=d) * 5 % n,  # 5 coprime to t * k = 12
                                             lambda p, n: _hf_inverse(p, n, _reversed)),
-               "weights not permuted": _gathered(_reversed, _hf_inverse, permute_weights=False)}[case]
+               "weights not permuted": _gathered(_reversed, _hf_inverse, permute_weights=False),
+               "argsort of an index not known to be a permutation": _gathered(_reversed, lambda p, n: torch.argsort(p)),
+               "descending argsort": _gathered(_sorted_perm, lambda p, n: torch.argsort(p, descending=True))}[case]
     s = negative(quiet_comm, gen, combine)
     assert s.kind == "pattern" and "gathered" in s.reason, s
 

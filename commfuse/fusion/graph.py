@@ -75,6 +75,8 @@ def _table() -> dict:
     put("setitem", operator.setitem)
     put("empty_like", torch.empty_like)
     put("arange", torch.arange)
+    put("argsort", torch.argsort)
+    put("sort", torch.sort)
     put("copy_", _overloads(aten.copy_, "default"))
     put("funcol_all_reduce", _overloads(torch.ops._c10d_functional.all_reduce, "default"))
     put("funcol_all_reduce_", _overloads(torch.ops._c10d_functional.all_reduce_, "default"))
@@ -91,6 +93,7 @@ _METHODS = {
     "view": "view", "reshape": "view", "view_as": "view", "reshape_as": "view", "flatten": "view",
     "contiguous": "identity", "clone": "identity", "copy_": "copy_",
     "sum": "sum", "unsqueeze": "unsqueeze", "index_add": "index_add", "index_add_": "index_add_",
+    "argsort": "argsort", "sort": "sort",
 }
 # commfuse's own ops, resolved late (they are registered when commfuse.ops imports).
 _COMMFUSE = {"all_reduce": "cf_all_reduce", "fused_add_rmsnorm": "cf_tail", "quantize": "cf_quantize",
@@ -340,6 +343,11 @@ def may_alias(node: Any) -> bool:
         return False
     t = node.target
     if t is operator.getitem:
+        # An item of a multi-output op shares memory only where the op returns views (split, unbind): sort's
+        # values and indices, or topk's, are separate tensors (a write to one leaves the other alone).
+        container = node.args[0] if node.args else None
+        if isinstance(value(container), (tuple, list)):
+            return may_alias(container)
         return True
     schema = getattr(t, "_schema", None)
     if schema is not None:

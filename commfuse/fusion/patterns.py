@@ -924,30 +924,60 @@ def _operand_dtypes(y: fx.Node, w: fx.Node, t_dtype) -> Optional[Mismatch]:
 
 
 def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
-    """perm, where idx is its inverse permutation as HF grouped_mm writes it (`inv = torch.empty_like(perm);
-    inv[perm] = torch.arange(n)`, n = perm's length), before `reader`, nothing else writes idx and nothing
-    writes perm before `reader`; else None."""
-    if G.kind(idx) != "empty_like":
+    """perm, where idx is its inverse permutation as transformers' grouped_mm experts write it, before
+    `reader`: `inv = torch.empty_like(perm); inv[perm] = torch.arange(n)` (n = perm's length), or
+    `inv = torch.argsort(perm)` of a perm that is a sort's indices (the argsort of a permutation is its
+    inverse; of anything else it is not); nothing else writes idx and nothing writes perm before `reader`;
+    else None."""
+    if G.kind(idx) == "argsort":
+        perm = G.operand(idx, 0, "input")
+        if not _sort_indices(perm) or not _ascending_over_dim0(idx):
+            return None
+        written = idx
+    elif G.kind(idx) == "empty_like":
+        perm = G.operand(idx, 0, "input")
+        writes = [u for u in idx.users if G.kind(u) == "setitem"]
+        if not isinstance(perm, fx.Node) or _rank(perm) != 1 or len(writes) != 1 or len(writes[0].args) != 3:
+            return None
+        target, where, value = writes[0].args
+        if target is not idx or where is not perm or G.kind(value) != "arange" or \
+                value.kwargs.get("dtype") not in (None, torch.int64):
+            return None
+        bounds = list(value.args)
+        if len(bounds) == 2 and bounds[0] == 0:
+            bounds = bounds[1:]
+        if len(bounds) != 1 or not _same_dims(G.shape(value), G.shape(perm)):
+            return None
+        written = writes[0]
+    else:
         return None
-    perm = G.operand(idx, 0, "input")
-    writes = [u for u in idx.users if G.kind(u) == "setitem"]
-    if not isinstance(perm, fx.Node) or _rank(perm) != 1 or len(writes) != 1 or len(writes[0].args) != 3:
-        return None
-    target, where, value = writes[0].args
-    if target is not idx or where is not perm or G.kind(value) != "arange" or \
-            value.kwargs.get("dtype") not in (None, torch.int64):
-        return None
-    bounds = list(value.args)
-    if len(bounds) == 2 and bounds[0] == 0:
-        bounds = bounds[1:]
-    if len(bounds) != 1 or not _same_dims(G.shape(value), G.shape(perm)):
-        return None
-    if any(u is not writes[0] and (G.kind(u) != "getitem" or u.args[1] is not idx) for u in idx.users):
+    if any(u is not written and (G.kind(u) != "getitem" or u.args[1] is not idx) for u in idx.users):
         return None  # idx read as anything but an index of the gather, or written again
     positions = G.order(idx.graph)
-    if not positions[writes[0]] < positions[reader] or G.written_between(perm, perm, reader, positions) is not None:
+    if not positions[written] < positions[reader] or G.written_between(perm, perm, reader, positions) is not None:
         return None  # inv written after the gather reads it, or perm changed after the rows were permuted by it
     return perm
+
+
+def _sort_indices(node: Any) -> bool:
+    """Whether node is a permutation of 0 .. n - 1 by construction: the indices of a 1-D tensor's
+    argsort, or of its sort (`values, perm = torch.sort(x)`), over dim 0."""
+    if not isinstance(node, fx.Node) or _rank(node) != 1:
+        return False
+    if G.kind(node) == "argsort":
+        return _ascending_over_dim0(node, descending_ok=True)
+    if G.kind(node) == "getitem" and len(node.args) == 2 and node.args[1] == 1 and G.kind(node.args[0]) == "sort":
+        return _ascending_over_dim0(node.args[0], descending_ok=True)
+    return False
+
+
+def _ascending_over_dim0(node: fx.Node, descending_ok: bool = False) -> bool:
+    """A sort / argsort of a 1-D tensor over its only dim (dim -1 or 0, torch's positional order: input,
+    dim, descending), ascending unless descending_ok."""
+    x = G.operand(node, 0, "input")
+    dim = G.operand(node, 1, "dim", -1)
+    descending = G.operand(node, 2, "descending", False)
+    return _rank(x) == 1 and dim in (0, -1) and (descending_ok or descending is False)
 
 
 def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
@@ -961,7 +991,8 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
     if perm is None:
         return Mismatch(f"{what} before the sum over the top-k axis: the index is not the inverse of a "
                         "permutation written as HF grouped_mm writes it (inv = empty_like(perm); inv[perm] = "
-                        "arange(n)), so which row holds which token is unknown")
+                        "arange(n), or inv = argsort(perm) of a sort's indices perm, neither written before "
+                        "the gather), so which row holds which token is unknown")
     if dim % 3 != 1:
         return Mismatch(f"the sum {s.name} is over dim {dim} of the {_shape_str(m)} gathered rows, not the top-k "
                         "axis: commfuse::moe_all_reduce sums each token's k rows")
