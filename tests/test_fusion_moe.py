@@ -413,18 +413,21 @@ def test_gathered_rows_weights_broadcast_over_rows_are_not_matched(quiet_comm, g
 
 
 @mpi
-@pytest.mark.parametrize("written", ["perm", "rows"])
+@pytest.mark.parametrize("written", ["perm", "perm through out=", "rows"])
 def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written):
-    """perm changed in place after the rows and weights were permuted by it (inv is then not their inverse),
-    or the rows written after the combine read them (the op would read them at the tail): not fused with
-    the combine, and the outputs are the graph's."""
+    """perm changed in place after the rows and weights were permuted by it (inv is then not their inverse;
+    also as a call's `out=`, which dynamo keeps), or the rows written after the combine read them (the op
+    would read them at the tail): not fused with the combine, and the outputs are the graph's."""
     def combine(x, rows, w, t, k, h):
-        perm = _reversed(t * k, x.device)
+        perm = _sorted_perm(t * k, x.device)
         permuted = rows[perm]
         weighted = permuted * w.reshape(-1)[perm].unsqueeze(-1)
         if written == "perm":
             perm.copy_(perm.roll(1))
-        out = weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
+        elif written == "perm through out=":
+            torch.remainder(perm + 1, t * k, out=perm)
+        inverse = torch.argsort(perm) if written == "perm through out=" else _hf_inverse(perm, t * k)
+        out = weighted[inverse].view(t, k, h).sum(dim=1).to(x.dtype)
         if written == "rows":
             permuted.mul_(3)
         return out
@@ -432,7 +435,7 @@ def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written
     gm, report, want, got = with_combine(quiet_comm, gen, combine)
     assert MOE_AR not in counts(gm), report
     reasons = " ".join(s.reason for s in report.skipped)
-    assert ("not the inverse of a permutation" if written == "perm" else "written in place (mul_)") in reasons, report
+    assert ("written in place (mul_)" if written == "rows" else "not the inverse of a permutation") in reasons, report
     assert_same(got, want)
 
 

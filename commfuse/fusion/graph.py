@@ -343,16 +343,28 @@ def may_alias(node: Any) -> bool:
         return False
     t = node.target
     if t is operator.getitem:
-        # An item of a multi-output op shares memory only where the op returns views (split, unbind): sort's
-        # values and indices, or topk's, are separate tensors (a write to one leaves the other alone).
+        # An item of sort's, topk's, ... result is a tensor of its own (a write to the values leaves the
+        # indices alone); any other container's items may be views (split, vsplit, unsafe_chunk, a module's tuple).
         container = node.args[0] if node.args else None
-        if isinstance(value(container), (tuple, list)):
-            return may_alias(container)
-        return True
+        return not (isinstance(value(container), (tuple, list)) and _name(container) in _FRESH_TUPLES)
     schema = getattr(t, "_schema", None)
     if schema is not None:
         return any(r.alias_info is not None for r in schema.returns)
     return getattr(t, "__name__", None) in _ALIASING
+
+
+# Ops whose tuple results are new tensors, none a view of an input or of another.
+_FRESH_TUPLES = {"sort", "topk", "kthvalue", "mode", "median", "max", "min", "aminmax", "var_mean", "std_mean"}
+
+
+def _name(node: fx.Node) -> Optional[str]:
+    """The name of what a call node runs: a method's, a function's, or an aten overload's packet."""
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet if packet is not None else node.target, "__name__", None)
 
 
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -362,7 +374,11 @@ _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.
 
 def writes(node: fx.Node, target: fx.Node) -> bool:
     """Whether node writes `target` in place: `target.add_(...)`, `target[i] = v`, `target /= s`, an op
-    whose schema marks that argument written (aten's copy_, a functional collective's in-place form)."""
+    whose schema marks that argument written (aten's copy_, a functional collective's in-place form), or a
+    call that takes it as `out=` (dynamo keeps those in the graph)."""
+    out = node.kwargs.get("out")
+    if out is target or (isinstance(out, (tuple, list)) and any(o is target for o in out)):
+        return True
     if node.op == "call_method":
         name = node.target
         return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is target
