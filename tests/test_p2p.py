@@ -448,7 +448,8 @@ def test_a_cached_calibration_that_derive_limits_would_not_make_is_measured_agai
 
 def test_the_calibration_cache_key_names_how_nccl_was_timed():
     """A file measured with torch's all_reduce of a copy (tens of microseconds more at the largest sizes)
-    is not reused where the NCCL route calls ncclAllReduce itself, nor the other way."""
+    is not reused where the NCCL route calls ncclAllReduce itself, nor the other way, nor with another
+    library behind commfuse.nccl."""
     from types import SimpleNamespace
 
     from commfuse.p2p import calibration
@@ -456,8 +457,11 @@ def test_the_calibration_cache_key_names_how_nccl_was_timed():
     ws = SimpleNamespace(world=2, max_bytes=1 << 20, lamport_bytes=1 << 18, nblocks=132)
     topo = SimpleNamespace(versions=None, ranks=[SimpleNamespace(gpu_name="GPU")] * 2, p2p=((True,) * 2,) * 2,
                            nvlink=((0,) * 2,) * 2)
-    plain, bound = calibration.cache_key(ws, topo), calibration.cache_key(ws, topo, nccl=object())
-    assert plain["nccl_route"] == "torch.distributed" and bound["nccl_route"] == "commfuse.nccl"
+    plain = calibration.cache_key(ws, topo)
+    bound = calibration.cache_key(ws, topo, nccl=SimpleNamespace(version="2.28.9"))
+    other = calibration.cache_key(ws, topo, nccl=SimpleNamespace(version="2.29.1"))  # COMMFUSE_NCCL_LIBRARY's, say
+    assert plain["nccl_route"] == "torch.distributed" and bound["nccl_route"] == "commfuse.nccl (NCCL 2.28.9)"
+    assert other["nccl_route"] != bound["nccl_route"]
     assert {k: v for k, v in plain.items() if k != "nccl_route"} == {k: v for k, v in bound.items() if k != "nccl_route"}
 
 def _meta(shape, dtype=torch.bfloat16):

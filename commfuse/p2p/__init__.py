@@ -90,7 +90,7 @@ beats NCCL at every measured size; one-shot's the largest size up to which one-s
 two-shot (P2PLimits.crossovers).
 Between measured sizes the smaller one's decision applies (conservative), and above the largest
 measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
-JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size, the NCCL route's binding,
+JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size, the NCCL route's binding and library,
 NVLink/P2P matrices, torch/CUDA/NCCL/driver versions, workspace size, grid and kernel source;
 rank 0 reads and writes it, every rank takes rank 0's answer. It takes well under 2 s (plus the
 first compilation of the plain kernels). COMMFUSE_P2P_CALIBRATE=0 skips it and uses

@@ -119,8 +119,8 @@ def _write_limits(path: Path, entry: dict) -> None:
 def nccl_route(nccl) -> str:
     """How the NCCL column is run, a part of the cache key: the NCCL route's binding (commfuse.nccl's
     ncclAllReduce out of place, or torch.distributed's all_reduce of a copy) moves its times by tens of
-    microseconds at the largest sizes."""
-    return "torch.distributed" if nccl is None else "commfuse.nccl"
+    microseconds at the largest sizes; commfuse.nccl's own library version, which may not be torch's."""
+    return "torch.distributed" if nccl is None else f"commfuse.nccl (NCCL {nccl.version})"
 
 
 def cache_key(ws, topo, nccl=None) -> dict:
