@@ -382,6 +382,51 @@ def test_the_sorts_values_written_in_place_leave_its_permutation_alone(quiet_com
     assert_same(got, want)
 
 
+def _zeroed(mask_shape, value=0.0, after_gather=False):
+    """transformers 5.8-5.9's grouped_mm combine: the weighted rows of some slots (expert-parallel sentinels,
+    the sorted ids past the experts) zeroed in place between the products and the gather."""
+    def combine(x, rows, w, t, k, h):
+        n = t * k
+        ids_sorted, perm = torch.sort(torch.arange(n, device=x.device) * 5 % n)
+        mask = ids_sorted >= n - 3  # three rows zeroed
+        mask = mask.unsqueeze(-1) if mask_shape == "[R, 1]" else mask
+        weighted = rows[perm] * w.reshape(-1)[perm].unsqueeze(-1)
+        if not after_gather:
+            weighted.masked_fill_(mask, value)
+        gathered = weighted[_hf_inverse(perm, n)]
+        if after_gather:
+            weighted.masked_fill_(mask, value)
+        return gathered.view(t, k, h).sum(dim=1).to(x.dtype)
+
+    return combine
+
+
+@mpi
+def test_gathered_rows_zeroed_by_a_mask_are_dropped_slots(quiet_comm, gen):
+    """Rows zeroed by masked_fill_(mask, 0) before the gather add nothing: the op takes their slots as dropped
+    (row index -1), and the outputs are the graph's bit for bit (k = 2: the combine exact)."""
+    gm, report, want, got = with_combine(quiet_comm, gen, _zeroed("[R, 1]"))
+    assert counts(gm) == {MOE_AR: 1}, report
+    assert not report.skipped, report
+    assert ".masked_fill_(mask, 0)[inv_perm]" in report.fused[0].spelling, report
+    assert any("drops those slots" in n for n in report.fused[0].notes), report
+    (op,) = [n for n in gm.graph.nodes if n.target is MOE_AR]
+    assert op.args[2] is not None  # the row index, with -1 where the mask holds
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("case", ["filled with 1", "filled after the gather", "a mask over the columns"])
+def test_gathered_rows_filled_otherwise_are_not_matched(quiet_comm, gen, case):
+    """A fill with another value is no dropped slot, one after the gather leaves the gathered rows as they were
+    (the op reads the rows at the tail), and a mask of R = t * k = h elements broadcasts over the columns, not
+    the rows: the combine stays in the graph, reported, the tail fused."""
+    combine = {"filled with 1": _zeroed("[R, 1]", value=1.0), "filled after the gather": _zeroed("[R, 1]", after_gather=True),
+               "a mask over the columns": _zeroed("[R]")}[case]
+    s = negative(quiet_comm, gen, combine, **({"t": 32} if case == "a mask over the columns" else {}))
+    assert "also read by masked_fill_" in s.reason, s
+
+
 @mpi
 @pytest.mark.parametrize("case", ["gathered by the permutation", "not its inverse", "weights not permuted",
                                   "argsort of an index not known to be a permutation", "descending argsort"])

@@ -731,6 +731,7 @@ class MoeCombine:
     y_rows: bool = False
     w_rows: bool = False
     row_index: Optional[fx.Node] = None  # the finalize form: y the rows [R, h], token (i, j) at row_index[i, j]
+    row_mask: Optional[fx.Node] = None  # bool [R, 1]: rows the graph zeroes after weighting (dropped slots)
 
 
 def _strip_views(n, nodes: list):
@@ -1019,9 +1020,31 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
         return why
     token_major = _token_major(w, G.shape(m))
     w_rows, w = token_major is None, token_major or w  # w [t * k] (w[perm] matched it to the rows), or [t, k]
-    return dict(y=y, w=w, k=k, nodes=[s, m, gi, prod], y_rows=False, w_rows=w_rows, prod=prod, row_index=idx,
-                spelling="(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)"
-                         + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+    fill = _zeroed_rows(prod, gi)
+    mask = None if fill is None else G.operand(fill, 1, "mask")
+    return dict(y=y, w=w, k=k, nodes=[s, m, gi, prod] + ([fill] if fill is not None else []), y_rows=False,
+                w_rows=w_rows, prod=prod, row_index=idx, row_mask=mask,
+                spelling="(rows * w[perm][:, None])" + (".masked_fill_(mask, 0)" if fill is not None else "")
+                         + "[inv_perm].view(t, k, h).sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+
+
+def _zeroed_rows(prod: fx.Node, gather: fx.Node) -> Optional[fx.Node]:
+    """The one `prod.masked_fill_(mask, 0)` before `gather` that zeroes whole weighted rows (mask bool [R, 1];
+    transformers 5.8-5.9's grouped_mm experts zero the expert-parallel sentinels' rows so on every call), or
+    None: a zeroed row adds nothing, as a dropped slot (row index -1) does. (A mask [R] would broadcast over
+    the columns, where R = h.)"""
+    positions = G.order(prod.graph)
+    rows = G.shape(prod)
+    fills = [u for u in prod.users if u.op == "call_method" and u.target == "masked_fill_" and u.args[:1] == (prod,)]
+    if len(fills) != 1 or rows is None or not positions[fills[0]] < positions[gather]:
+        return None
+    fill = fills[0]
+    mask, fill_value = G.operand(fill, 1, "mask"), G.operand(fill, 2, "value")
+    shape = G.shape(mask) if isinstance(mask, fx.Node) else None
+    if isinstance(fill_value, bool) or not isinstance(fill_value, (int, float)) or fill_value != 0 or \
+            G.dtype(mask) != torch.bool or shape is None or not _same_dims(shape, tuple(rows[:1]) + (1,)):
+        return None
+    return fill
 
 
 def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
@@ -1051,9 +1074,13 @@ def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
                      "the float32 sum from it (slot order: shared, then j = 0..k-1): a few float32 ulps apart "
                      f"before the one rounding to {t}, so the combined rows within 1 ulp of {t} except where the "
                      "terms cancel")
+    if core.get("row_mask") is not None:
+        notes.append("the graph zeroes the weighted rows where its mask holds (masked_fill_) and sums them; the op "
+                     "drops those slots (row index -1): the same sums, but for the sign of a zero (a sum of -0.0 "
+                     "terms and a zeroed row is +0.0 in the graph, -0.0 in the op)")
     return MoeCombine(y=core["y"], weights=core["w"], shared=shared, k=k, nodes=_dedupe(nodes + core["nodes"]),
                       spelling=core["spelling"] + spelling_tail, notes=notes, y_rows=core["y_rows"],
-                      w_rows=core["w_rows"], row_index=core.get("row_index"))
+                      w_rows=core["w_rows"], row_index=core.get("row_index"), row_mask=core.get("row_mask"))
 
 
 def index_add_combine(x: fx.Node) -> Optional[fx.Node]:

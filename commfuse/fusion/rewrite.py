@@ -206,7 +206,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         inputs.append(("weight", norm.weight))
     if moe is not None:
         inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared),
-                   ("expert rows' index", moe.row_index)]
+                   ("expert rows' index", moe.row_index), ("zeroed rows' mask", moe.row_mask)]
     why = _written_in_place(_matched(norm, quant, residual, ar, moe), inputs, anchor, positions)
     if why:
         report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "pattern"))
@@ -261,7 +261,11 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         if moe is not None:
             y = moe.y if not moe.y_rows else g.call_method("reshape", (moe.y, -1, moe.k, h))
             w = moe.weights if not moe.w_rows else g.call_method("reshape", (moe.weights, -1, moe.k))
-            index = None if moe.row_index is None else g.call_method("reshape", (moe.row_index, -1, moe.k))
+            index = moe.row_index
+            if moe.row_mask is not None:  # a zeroed row's slot dropped: row index -1
+                zeroed = g.call_function(operator.getitem, (g.call_method("reshape", (moe.row_mask, -1)), index))
+                index = g.call_function(torch.where, (zeroed, -1, index))
+            index = None if index is None else g.call_method("reshape", (index, -1, moe.k))
             args = (y, w, index, rows(moe.shared), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "all_reduce":
             args = (rows(ar.x), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
