@@ -404,14 +404,37 @@ def _zeroed(mask_shape, value=0.0, after_gather=False):
 @mpi
 def test_gathered_rows_zeroed_by_a_mask_are_dropped_slots(quiet_comm, gen):
     """Rows zeroed by masked_fill_(mask, 0) before the gather add nothing: the op takes their slots as dropped
-    (row index -1), and the outputs are the graph's bit for bit (k = 2: the combine exact)."""
+    (row index -1; its sum starts at +0.0, so a zeroed row's +0.0 changes nothing either), and the outputs are
+    the graph's bit for bit (k = 2: the combine exact)."""
     gm, report, want, got = with_combine(quiet_comm, gen, _zeroed("[R, 1]"))
     assert counts(gm) == {MOE_AR: 1}, report
     assert not report.skipped, report
     assert ".masked_fill_(mask, 0)[inv_perm]" in report.fused[0].spelling, report
-    assert any("drops those slots" in n for n in report.fused[0].notes), report
     (op,) = [n for n in gm.graph.nodes if n.target is MOE_AR]
     assert op.args[2] is not None  # the row index, with -1 where the mask holds
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("spelling", ["the mask", "its source through a no-op cast", "its source through ravel"])
+def test_gathered_rows_mask_written_after_the_fill_is_not_matched(quiet_comm, gen, spelling):
+    """The op reads the zeroed rows' mask at the tail: a write to it after the fill, also through the tensor a
+    no-op cast (.bool() of a bool tensor) or ravel returns itself, keeps the combine in the graph."""
+    def combine(x, rows, w, t, k, h):
+        n = t * k
+        ids_sorted, perm = torch.sort(torch.arange(n, device=x.device) * 5 % n)
+        flags = (ids_sorted >= n - 3).view(1, n)
+        mask = {"the mask": (ids_sorted >= n - 3).unsqueeze(-1), "its source through a no-op cast": flags.bool()[0, :, None],
+                "its source through ravel": flags.ravel().unsqueeze(-1)}[spelling]
+        weighted = rows[perm] * w.reshape(-1)[perm].unsqueeze(-1)
+        weighted.masked_fill_(mask, 0.0)
+        out = weighted[_hf_inverse(perm, n)].view(t, k, h).sum(dim=1).to(x.dtype)
+        (mask if spelling == "the mask" else flags).fill_(False)
+        return out
+
+    gm, report, want, got = with_combine(quiet_comm, gen, combine)
+    assert MOE_AR not in counts(gm), report
+    assert "mask" in " ".join(s.reason for s in report.skipped if "written in place" in s.reason), report
     assert_same(got, want)
 
 
@@ -485,15 +508,23 @@ def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written
 
 
 @mpi
-@pytest.mark.parametrize("written", ["weights", "float32 outputs", "gathered weights"])
+@pytest.mark.parametrize("written", ["weights", "float32 outputs", "gathered weights", "weights through a no-op cast",
+                                     "weights through ravel"])
 def test_combine_inputs_written_after_their_reads_are_not_matched(quiet_comm, gen, written):
     """An input of the combine written in place after the graph read it through a view, a cast or a gather
-    (the weights' unsqueeze, y's float32 cast, w[perm]), before the tail: the op would read it at the tail,
-    after the write. Nothing is fused, the reason says so, and the outputs are the graph's."""
+    (the weights' unsqueeze, y's float32 cast, w[perm]; a cast to the dtype w has and ravel return w itself),
+    before the tail: the op would read it at the tail, after the write. Nothing is fused, the reason says so,
+    and the outputs are the graph's."""
     def combine(x, rows, w, t, k, h):
         if written == "weights":
             out = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
             w.mul_(0.5)
+        elif written in ("weights through a no-op cast", "weights through ravel"):
+            n = t * k
+            _, perm = torch.sort(torch.arange(n, device=x.device) * 5 % n)
+            wv = w.type(torch.float32).reshape(-1) if written == "weights through a no-op cast" else w.ravel()
+            out = (rows[perm] * wv[perm].unsqueeze(-1))[_hf_inverse(perm, n)].view(t, k, h).sum(dim=1)
+            w.mul_(2.0)
         elif written == "float32 outputs":
             y = rows.to(x.dtype).view(t, k, h)
             out = (y.float() * w[..., None]).sum(dim=1)

@@ -330,13 +330,17 @@ def passthrough(node: Any) -> bool:
 _ALIASING = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "transpose", "t", "permute",
              "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind",
              "as_strided", "diagonal", "detach", "alias", "contiguous", "movedim", "swapaxes", "unfold", "view_as_real",
-             "view_as_complex", "split_with_sizes", "tensor_split", "__getitem__"}
+             "view_as_complex", "split_with_sizes", "tensor_split", "__getitem__", "ravel"}
 
 
 def may_alias(node: Any) -> bool:
     """Whether node's value may share memory with one of its inputs (a view, a slice, ...)."""
     if not isinstance(node, fx.Node):
         return False
+    if kind(node) == "cast" or (node.op == "call_method" and node.target in _DTYPE_METHODS):
+        src = source(node)
+        if dtype(node) is not None and dtype(node) == dtype(src):
+            return True  # a cast to the dtype it has returns its input itself (x.bool() of a bool x, x.to(x.dtype))
     if node.op == "call_method":
         return node.target in _ALIASING
     if node.op != "call_function":
@@ -353,6 +357,8 @@ def may_alias(node: Any) -> bool:
     return getattr(t, "__name__", None) in _ALIASING
 
 
+# Tensor methods that cast to a dtype (those graph.kind does not name "cast" too).
+_DTYPE_METHODS = {"bool", "int", "long", "short", "byte", "char", "double"}
 # Ops whose tuple results are new tensors, none a view of an input or of another.
 _FRESH_TUPLES = {"sort", "topk", "kthvalue", "mode", "median", "max", "min", "aminmax", "var_mean", "std_mean"}
 

@@ -1074,10 +1074,6 @@ def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
                      "the float32 sum from it (slot order: shared, then j = 0..k-1): a few float32 ulps apart "
                      f"before the one rounding to {t}, so the combined rows within 1 ulp of {t} except where the "
                      "terms cancel")
-    if core.get("row_mask") is not None:
-        notes.append("the graph zeroes the weighted rows where its mask holds (masked_fill_) and sums them; the op "
-                     "drops those slots (row index -1): the same sums, but for the sign of a zero (a sum of -0.0 "
-                     "terms and a zeroed row is +0.0 in the graph, -0.0 in the op)")
     return MoeCombine(y=core["y"], weights=core["w"], shared=shared, k=k, nodes=_dedupe(nodes + core["nodes"]),
                       spelling=core["spelling"] + spelling_tail, notes=notes, y_rows=core["y_rows"],
                       w_rows=core["w_rows"], row_index=core.get("row_index"), row_mask=core.get("row_mask"))
