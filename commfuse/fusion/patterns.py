@@ -934,7 +934,7 @@ def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
         perm = G.operand(idx, 0, "input")
         if not _sort_indices(perm) or not _ascending_over_dim0(idx):
             return None
-        written = idx
+        made = idx  # the node after which inv holds the inverse
     elif G.kind(idx) == "empty_like":
         perm = G.operand(idx, 0, "input")
         writes = [u for u in idx.users if G.kind(u) == "setitem"]
@@ -949,13 +949,13 @@ def _inverse_of(idx: fx.Node, reader: fx.Node) -> Optional[fx.Node]:
             bounds = bounds[1:]
         if len(bounds) != 1 or not _same_dims(G.shape(value), G.shape(perm)):
             return None
-        written = writes[0]
+        made = writes[0]
     else:
         return None
-    if any(u is not written and (G.kind(u) != "getitem" or u.args[1] is not idx) for u in idx.users):
+    if any(u is not made and (G.kind(u) != "getitem" or u.args[1] is not idx) for u in idx.users):
         return None  # idx read as anything but an index of the gather, or written again
     positions = G.order(idx.graph)
-    if not positions[written] < positions[reader] or G.written_between(perm, perm, reader, positions) is not None:
+    if not positions[made] < positions[reader] or G.written_between(perm, perm, reader, positions) is not None:
         return None  # inv written after the gather reads it, or perm changed after the rows were permuted by it
     return perm
 
