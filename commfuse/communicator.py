@@ -296,14 +296,11 @@ class Communicator:
         (contiguous, not overlapping x) to write the sum into instead, and return: a decode loop then
         allocates nothing.
         """
-        try:
-            y = self.table.plain(x, out)
-            if y is None:
-                _, launcher = self._first("plain", (x, out), self._call(x, None, None, None, out, None))
-                y = launcher(x, None, None, None, out)
-            return y
-        except native.NcclFailure as e:
-            raise self._nccl.error(int(e.args[0])) from None
+        y = self.table.plain(x, out)
+        if y is None:
+            _, launcher = self._first("plain", (x, out), self._call(x, None, None, None, out, None))
+            y = launcher(x, None, None, None, out)
+        return y
 
     def fused_all_reduce(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                          eps: float = 1e-6, quant: Optional[str] = None,
@@ -329,18 +326,15 @@ class Communicator:
         may be `residual` itself: the residual is updated in place (every route reads each residual
         element before it writes it).
         """
-        try:
-            r = self.table.fused(x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
-                                 scale_layout, scale_ue8m0)
-            if r is None:
-                args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
-                        scale_layout, scale_ue8m0)
-                spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-                p, launcher = self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
-                r = FusedResult(*launcher(x, residual, weight, scale, out), plan=p)
-            return r
-        except native.NcclFailure as e:
-            raise self._nccl.error(int(e.args[0])) from None
+        r = self.table.fused(x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                             scale_layout, scale_ue8m0)
+        if r is None:
+            args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                    scale_layout, scale_ue8m0)
+            spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+            p, launcher = self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
+            r = FusedResult(*launcher(x, residual, weight, scale, out), plan=p)
+        return r
 
     def moe_all_reduce(self, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float = 1e-6, quant: Optional[str] = None, scale: Union[torch.Tensor, float, None] = None,
@@ -364,14 +358,11 @@ class Communicator:
         """
         args = (y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
                 weight_offset, scale_layout, scale_ue8m0)
-        try:
-            r = self.table.moe(*args)
-            if r is None:
-                p, launcher = self._moe_first(args)
-                r = FusedResult(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=p)
-            return r
-        except native.NcclFailure as e:
-            raise self._nccl.error(int(e.args[0])) from None
+        r = self.table.moe(*args)
+        if r is None:
+            p, launcher = self._moe_first(args)
+            r = FusedResult(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=p)
+        return r
 
     def _moe_first(self, args: tuple):
         """Plan a MoE call (moe_all_reduce's arguments), put its launcher in the table, and return (plan,

@@ -51,6 +51,7 @@ import importlib.util
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -312,6 +313,7 @@ class NcclComm:
         self.device_index = index
         self.version = nccl.version()
         self._handle = handle
+        _BY_HANDLE[int(handle)] = self
         self._all_reduce = nccl.lib.ncclAllReduce
         self._progress = None  # the watchdog's words (ctypes int64 array), None without a watchdog
         self._marks = None  # the begin and end marks' parameters, None where captured all-reduces get none
@@ -483,6 +485,21 @@ class NcclComm:
 
 
 _SHARED: dict = {}
+# The live communicators by handle, for the errors of the native launchers, which hold only the handle.
+_BY_HANDLE: "weakref.WeakValueDictionary[int, NcclComm]" = weakref.WeakValueDictionary()
+
+
+def native_error(code: int, handle: int) -> Exception:
+    """The error a native launcher (commfuse.kernels.native) raises for an all-reduce on the communicator
+    `handle` that failed with `code` (an ncclResult_t, or TIMED_OUT where the watchdog had aborted it): what
+    NcclComm.all_reduce raises, so that eager calls, torch.ops calls and compiled graphs raise alike."""
+    comm = _BY_HANDLE.get(handle)
+    if comm is not None:
+        return comm.error(code)
+    if code == TIMED_OUT:
+        return NcclTimeoutError(f"an NCCL all-reduce on communicator {handle:#x} did not finish within "
+                                "COMMFUSE_NCCL_TIMEOUT_S: the communicator was aborted")
+    return NcclError("ncclAllReduce", code, f"error on communicator {handle:#x}")
 
 
 def shared(group, device: torch.device) -> NcclComm:

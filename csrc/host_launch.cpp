@@ -96,9 +96,20 @@ const Driver& driver() {
 bool g_pdl = true;   // jit.disable_pdl turns programmatic dependent launch off process-wide
 int g_poison = -1;   // the GPU tests' poison byte for fresh outputs (launch.set_poison), -1: none
 
-struct NcclFailure : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+// commfuse.nccl.native_error, set at load: (code, communicator handle) -> the exception NcclComm.all_reduce
+// raises. Never freed: a launcher may raise while the interpreter exits.
+py::object* g_nccl_error = nullptr;
+
+// Raises an NCCL failure of a launcher as commfuse.nccl's own exception (NcclTimeoutError, NcclError), set as
+// the Python error, so that a direct call, a torch.ops call and a compiled graph's call all raise that type
+// (torch's op dispatch and pybind11 both pass a Python error through). code: the ncclResult_t, or kTimedOut.
+[[noreturn]] void raise_nccl_error(int code, void* comm) {
+  py::gil_scoped_acquire gil;  // the op kernels run without it
+  if (g_nccl_error == nullptr) throw std::runtime_error("ncclAllReduce failed: code " + std::to_string(code));
+  const py::object e = (*g_nccl_error)(code, reinterpret_cast<uintptr_t>(comm));
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
+  throw py::error_already_set();
+}
 
 // One output of the call: its shape, and for an MN-major view the strides over a flat storage of
 // storage_numel elements (strides empty: contiguous).
@@ -322,8 +333,8 @@ class Launcher {
   }
 
   // t: the operands at kX..kZ (undefined where absent) and the caller's outputs at kOut0 + i (undefined
-  // where not given); allocates the others and enqueues the work. Touches no Python object: the op
-  // kernels call it without the GIL.
+  // where not given); allocates the others and enqueues the work. Touches no Python object but to raise an
+  // NCCL failure (under the GIL it takes then): the op kernels call it without the GIL.
   void run(at::Tensor (&t)[kSources]) const {
     const at::Tensor residual_in = t[kResidual];
     for (int i = kX; i < kOut0; ++i) {
@@ -338,12 +349,12 @@ class Launcher {
       at::Tensor& sum = t[kSum];
       const bool aliased = fused_ && residual_in.defined() && address(t[kOut0]) == address(residual_in);
       sum = aliased ? allocate(specs_[0]) : t[kOut0];
-      if (progress_ != nullptr && progress_[kAborted] != 0) throw NcclFailure(std::to_string(kTimedOut));
+      if (progress_ != nullptr && progress_[kAborted] != 0) raise_nccl_error(kTimedOut, nccl_comm_);
       const int captured = progress_ != nullptr ? capturing() : -1;
       if (captured == 1 && marked_) launch(marks_[0], t);
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
-      if (rc != 0) throw NcclFailure(std::to_string(rc));
+      if (rc != 0) raise_nccl_error(rc, nccl_comm_);
       if (captured == 1 && marked_) launch(marks_[1], t);
       if (captured == 0) stamp();
     }
@@ -953,15 +964,7 @@ bool run_op(std::string_view name, const Call& c, at::Tensor (&t)[kSources]) {
     launcher = table->second->op_launcher(c);
   }
   if (launcher == nullptr) return false;
-  try {
-    launcher->run(t);
-  } catch (const NcclFailure& e) {
-    if (std::string_view(e.what()) == std::to_string(kTimedOut))
-      throw std::runtime_error("an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue (of "
-                               "its start, replayed from a CUDA graph): a rank skipped the call, died, or lags that "
-                               "far behind; the communicator was aborted");
-    throw std::runtime_error(std::string("ncclAllReduce failed: ncclResult_t ") + e.what());
-  }
+  launcher->run(t);
   return true;
 }
 
@@ -1110,7 +1113,6 @@ TORCH_LIBRARY_IMPL(commfuse, CUDA, m) {
 
 PYBIND11_MODULE(commfuse_host, m) {
   m.doc() = "commfuse's eager hot path (csrc/host_launch.cpp)";
-  py::register_exception<NcclFailure>(m, "NcclFailure", PyExc_RuntimeError);
   py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
       .def(py::init<std::string, const std::vector<py::tuple>&, const std::vector<py::object>&, bool, py::object,
                     int, bool>())
@@ -1137,6 +1139,7 @@ PYBIND11_MODULE(commfuse_host, m) {
   m.def("set_pdl", [](bool on) { g_pdl = on; });
   m.def("set_tails", &set_tails);
   m.def("set_poison", [](int byte) { g_poison = byte; });
+  m.def("set_nccl_error", [](py::object f) { g_nccl_error = new py::object(std::move(f)); });
   py::dict sources;
   for (const auto& [name, value] : {std::pair<const char*, int>{"X", kX}, {"RESIDUAL", kResidual}, {"WEIGHT", kWeight},
                                     {"SCALE", kScale}, {"Z", kZ}, {"ROW_INDEX", kRowIndex}, {"SHARED", kShared},

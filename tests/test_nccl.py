@@ -280,6 +280,23 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     assert "ncclCommDestroy" not in lib.calls  # aborted: nothing left to destroy
 
 
+def test_a_native_launchers_failure_raises_the_communicators_own_error():
+    """nccl.native_error, which the C++ launchers call with (code, handle): the error NcclComm.all_reduce raises
+    for that communicator, with its rank and timeout; a handle no live communicator has still gets the type."""
+    lib = FakeLib()
+    comm = watched(lib, 0.5)
+    timed_out = nccl.native_error(nccl.TIMED_OUT, 0xABC)
+    assert type(timed_out) is nccl.NcclTimeoutError and str(timed_out) == str(comm.timeout_error())
+    assert "rank 0:" in str(timed_out) and "= 0.5 s" in str(timed_out)
+    failed = nccl.native_error(5, 0xABC)
+    assert type(failed) is NcclError and (failed.function, failed.code) == ("ncclAllReduce", 5)
+    assert "invalid usage: detail of the failure" in str(failed)
+    stranger = nccl.native_error(nccl.TIMED_OUT, 0xDEF)
+    assert type(stranger) is nccl.NcclTimeoutError and "0xdef" in str(stranger)
+    assert type(nccl.native_error(4, 0xDEF)) is NcclError
+    comm.close()
+
+
 def test_without_replay_marks_a_captured_call_is_neither_marked_nor_stamped():
     """COMMFUSE_NCCL_WATCH_REPLAYS=0 (no marks: _marks None): captured all-reduces run bare, eager ones are
     stamped as before."""
@@ -635,6 +652,50 @@ def test_the_watchdog_aborts_a_stalled_all_reduce_and_later_calls_raise(comm, ge
     torch.cuda.synchronize()
     with pytest.raises(nccl.NcclTimeoutError, match="did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"):
         c.all_reduce(x, y)
+    c.close()
+
+
+@mpi
+@needs_nccl_gpu
+def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_compiled(comm, gen, monkeypatch):
+    """A Communicator on a one-rank NCCL group of each rank's own, with a 1 s watchdog: after the watchdog aborted
+    an all-reduce (queued behind 3 s of GPU spin), every later call raises NcclTimeoutError, naming the rank and
+    the timeout, on every path to the native launchers: the eager call (the C++ table), torch.ops (the op's C++
+    kernel) and a compiled graph, where a RuntimeError of the C++ kernel's would escape an `except
+    NcclTimeoutError`."""
+    import commfuse
+
+    if dist.get_backend(comm.group) != "nccl":
+        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
+    from commfuse.kernels import native
+
+    if native.unavailable():
+        pytest.skip(f"the native launchers are off: {native.unavailable()}")
+    monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
+    groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
+    c = commfuse.Communicator(groups[dist.get_rank()])
+    x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
+    r, w = torch.randn_like(x), torch.randn(4096, generator=gen).to(torch.bfloat16).cuda()
+    torch.testing.assert_close(c.all_reduce(x), x, rtol=0, atol=0)  # the route works, and its launcher is cached
+    c.fused_all_reduce(x, r.clone(), w)
+    words = c._nccl._progress
+    torch.cuda._sleep(6 * 10 ** 9)  # cycles: 3 s at the H200's 1.98 GHz, longer at a lower clock
+    c.all_reduce(x)
+    start = time.monotonic()
+    while not words[nccl.ABORTED] and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    assert words[nccl.ABORTED]
+    torch.cuda.synchronize()
+    expected = fr"rank {dist.get_rank()}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"
+    with pytest.raises(nccl.NcclTimeoutError, match=expected):
+        c.all_reduce(x)
+    with pytest.raises(nccl.NcclTimeoutError, match=expected):
+        c.fused_all_reduce(x, r.clone(), w)
+    with pytest.raises(nccl.NcclTimeoutError, match=expected):
+        torch.ops.commfuse.all_reduce(x, c.name)
+    compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
+    with pytest.raises(nccl.NcclTimeoutError, match=expected):
+        compiled(x)
     c.close()
 
 

@@ -26,6 +26,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -1103,6 +1104,59 @@ def test_calibration_times_nccl_as_the_route_runs_it(comm, monkeypatch):
     monkeypatch.undo()
     assert sizes == [4096, 65536] and all(0 < t < 1e4 for row in times for t in row), times
     assert {c for c in calls} == {(True, 2048), (True, 32768)}, "out of place, each size's elements"
+
+
+@mpi
+def test_a_rank_that_cannot_set_calibration_up_makes_every_rank_raise_before_any_timed_collective(comm, monkeypatch):
+    """Rank 1 fails where a rank fails alone (out of memory for a launcher's kernels, stand-in): every rank
+    raises CalibrationError naming it, before any timed launch; a rank raising alone would leave its peers in
+    the timed collectives. CPU (gloo) works: nothing is launched."""
+    if dist.get_world_size(comm.group) < 2:
+        pytest.skip("needs 2+ ranks")
+    rank = dist.get_rank(comm.group)
+    monkeypatch.setattr(p2p.calibration.jit, "kernel", lambda *args, **kwargs: object())
+
+    def plain_launcher(shape, dtype, algo):
+        if rank == 1 and algo == "twoshot" and shape == (32768,):
+            raise RuntimeError("out of memory (stand-in)")
+
+        def launch(x, out=None):
+            raise AssertionError("calibration timed a launch although a rank could not set up")
+        return launch
+
+    ws = types.SimpleNamespace(group=comm.group, device=torch.device("cpu"), device_index=0, max_bytes=1 << 20,
+                               lamport_bytes=1 << 16, plain_launcher=plain_launcher)
+    with pytest.raises(p2p.CalibrationError,
+                       match=r"^P2P calibration could not start: rank 1: RuntimeError: out of memory \(stand-in\)$") as e:
+        p2p.calibration.measure(ws, sizes=[4096, 65536])
+    assert (e.value.__cause__ is not None) == (rank == 1)
+
+
+@mpi
+def test_a_workspace_whose_calibration_fails_is_released_on_every_rank(comm, monkeypatch):
+    """CalibrationError comes on every rank together, so the workspace tears itself down (collectively) before
+    it propagates: the peers' mappings closed and the buffers freed, nothing held by a workspace never made."""
+    _skip_unless_p2p(comm)
+    monkeypatch.delenv("COMMFUSE_P2P_CALIBRATE", raising=False)
+    made = []
+    real = p2p.Workspace._teardown
+
+    def teardown(ws):
+        made.append(ws)
+        real(ws)
+
+    def calibrate(ws, topology, nccl=None):
+        raise p2p.CalibrationError("stand-in")
+
+    monkeypatch.setattr(p2p.Workspace, "_teardown", teardown)
+    monkeypatch.setattr(p2p.calibration, "calibrate", calibrate)
+    with pytest.raises(p2p.CalibrationError, match="stand-in"):
+        p2p.Workspace(comm.group, comm.device, max_bytes=1 << 20, topology=comm.topology)
+    assert len(made) == 1
+    ws = made[0]
+    assert ws._ptr is None and ws._host_ptr is None and ws._peers == [None] * ws.world and ws._state is None
+    assert gather(comm, "past it") == ["past it"] * comm.world_size  # no rank is left in a collective
+
 
 def test_caller_owned_outputs_reach_the_launch(monkeypatch):
     """out=: the P2P launches write the caller's tensors (pointers in P2PParams), nothing is allocated."""

@@ -46,16 +46,11 @@ from .launch import LaunchPlan, PyLauncher
 from .table import PyTable
 from ..tail.spec import codes as tail_codes
 
-__all__ = ["SOURCE", "OPS", "unavailable", "module", "launcher", "table", "direct", "NcclFailure"]
+__all__ = ["SOURCE", "OPS", "unavailable", "module", "launcher", "table", "direct"]
 
 SOURCE = "host_launch.cpp"
 # The commfuse ops whose C++ kernels the extension also binds as plain functions (`direct`).
 OPS = ("fused_all_reduce", "all_reduce", "fused_add_rmsnorm", "gated_rmsnorm", "quantize", "moe_all_reduce")
-
-
-class NcclFailure(RuntimeError):
-    """ncclAllReduce returned an error inside a launcher (args[0]: the ncclResult_t as text); the
-    loaded module's own class replaces this one."""
 
 
 def _flags() -> Tuple[list, list]:
@@ -132,8 +127,7 @@ def _load():
     mod.set_tails(tail_codes())  # the op kernels' `tail` codes, decoded as the Python calls spell them
     jit.on_pdl_off(mod.set_pdl)
     launch.on_poison(lambda byte: mod.set_poison(-1 if byte is None else int(byte)))
-    global NcclFailure
-    NcclFailure = mod.NcclFailure
+    mod.set_nccl_error(nccl.native_error)  # a launcher's NCCL failure, raised as NcclComm raises it
     return mod, None
 
 

@@ -110,8 +110,8 @@ for every arch stays quick. The tail's numerics do not depend on these choices b
 the row's sum of squares (1 ulp of the norm at most, which the tolerances allow); for t < 256 the
 P2P tail runs the local tail kernel's configuration, so the two give the same bits.
 """
-from .calibration import P2PLimits, calibration_sizes, default_limits, derive_limits
+from .calibration import CalibrationError, P2PLimits, calibration_sizes, default_limits, derive_limits
 from .workspace import ALIGN, Workspace, default_max_bytes, layout
 
-__all__ = ["Workspace", "P2PLimits", "derive_limits", "default_limits", "calibration_sizes", "default_max_bytes",
+__all__ = ["Workspace", "CalibrationError", "P2PLimits", "derive_limits", "default_limits", "calibration_sizes", "default_max_bytes",
            "layout", "ALIGN"]

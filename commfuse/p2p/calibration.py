@@ -25,6 +25,12 @@ _CAL_REPS = 3
 _CAL_DELAY_NS = 1_000_000         # covers the host's enqueueing of one timed batch
 
 
+class CalibrationError(RuntimeError):
+    """Calibration could not measure: raised on every rank of the group at the same point (a rank that
+    raised alone would leave its peers waiting in the timed collectives), so the workspace can be
+    released collectively; on the rank that failed, the cause is chained."""
+
+
 def calibration_sizes(max_bytes: int) -> List[int]:
     """Message sizes calibration measures: 4 KiB, 8 KiB, ... below max_bytes, then max_bytes and
     2 x max_bytes (two pieces)."""
@@ -164,11 +170,23 @@ def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[
     sizes = list(sizes) if sizes is not None else calibration_sizes(ws.max_bytes)
     if any(s % 16 or s <= 0 for s in sizes):
         raise ValueError(f"sizes must be positive multiples of 16 B, got {sizes}")
-    n_max = max(sizes) // 2
-    x = torch.zeros(n_max, dtype=torch.bfloat16, device=ws.device)
-    out = torch.empty_like(x)  # also NCCL's buffer: only the time is kept
+    # What a rank can fail at alone (memory for the buffers, compiling the kernels) comes first, and the
+    # ranks agree on it before the first timed collective.
+    cause = None
+    try:
+        n_max = max(sizes) // 2
+        x = torch.zeros(n_max, dtype=torch.bfloat16, device=ws.device)
+        out = torch.empty_like(x)  # also NCCL's buffer: only the time is kept
+        delay = jit.kernel(SOURCE, DELAY_KERNEL, device=ws.device_index)
+        launchers = {size: [ws.plain_launcher((size // 2,), torch.bfloat16, algo) for algo in ALGORITHMS]
+                     for size in sizes}
+    except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
+        cause = e
+    failed = gather_objects(ws.group, None if cause is None else f"{type(cause).__name__}: {cause}")
+    if any(failed):
+        raise CalibrationError("P2P calibration could not start: " + "; ".join(
+            f"rank {i}: {f}" for i, f in enumerate(failed) if f)) from cause
     stream = torch.cuda.current_stream(ws.device)
-    delay = jit.kernel(SOURCE, DELAY_KERNEL, device=ws.device_index)
     delay_params = struct.pack("<Q", _CAL_DELAY_NS)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -178,8 +196,7 @@ def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[
         # NCCL as the Communicator's NCCL route runs it. Without commfuse.nccl the route copies x first
         # (torch's all_reduce works in place, and x is the caller's): 2 x 112 MiB more HBM traffic at
         # 112 MiB, ~55 us, which would move the crossovers toward P2P where the route has no copy.
-        launchers = [ws.plain_launcher((n,), torch.bfloat16, algo) for algo in ALGORITHMS]
-        runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers]
+        runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers[size]]
         if nccl is not None:
             runs.append(lambda: nccl.all_reduce(x[:n], out[:n]))
         else:
@@ -206,9 +223,12 @@ def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[
     torch.cuda.synchronize(ws.device)
     codes = gather_objects(ws.group, ws.error_code())
     if any(codes):
-        ws.check_error()
-        raise RuntimeError(f"P2P calibration: a kernel timed out on rank(s) "
-                           f"{[i for i, c in enumerate(codes) if c]}")
+        try:
+            ws.check_error()
+        except RuntimeError as e:  # P2PTimeoutError, P2PMismatchError, an unknown code
+            cause = e
+        raise CalibrationError(f"P2P calibration: a kernel failed on rank(s) {[i for i, c in enumerate(codes) if c]}"
+                               + (f" ({cause})" if cause else "")) from cause
     t = torch.tensor(times, dtype=torch.float64, device=ws.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ws.group)
     return sizes, t.cpu().tolist()

@@ -118,8 +118,12 @@ class Workspace:
         (self.slot_bytes, self.lamport_offset, self.lamport_bytes, self.sig_offset, self.flags_offset,
          self.total_bytes) = layout(self.max_bytes, self.world, self.nblocks)
         self._create()
-        self.limits = (calibration.calibrate(self, topology, nccl) if calibrate
-                       else calibration.default_limits(self.max_bytes, self.lamport_bytes))
+        try:
+            self.limits = (calibration.calibrate(self, topology, nccl) if calibrate
+                           else calibration.default_limits(self.max_bytes, self.lamport_bytes))
+        except calibration.CalibrationError:
+            self._teardown()  # every rank raised it at the same point: the teardown's barriers pair
+            raise
 
     # ---------------------------------------------------------------- creation and teardown
 
