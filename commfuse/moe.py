@@ -92,9 +92,6 @@ class Launcher:
         self.text, self.gloo, self.check = text, gloo, check
 
     def __call__(self, y, residual, weight, scale, out, weights, row_index, shared):
-        if out is not None:  # the dense launcher checks out against the others
-            no_overlap(OUT_NAMES, fields_of(out), self.outputs,
-                       (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared)))
         bad = None
         if row_index is not None and self.route == "separated":
             bad = reference.row_index_error(row_index, y.shape[0])
@@ -107,6 +104,11 @@ class Launcher:
                 self.dense.first(residual.new_full(residual.shape, float("nan")), note=note)
             raise ValueError(bad)
         x = combine(y, weights, row_index, shared, self.route)
+        # out against the combine's inputs (the dense launcher checks it against the others): on the gloo
+        # route after the exchange, as the dense route's checks, so that a rank that raises stays in step.
+        inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))
         if self.gloo:
-            return self.dense(x, residual, weight, scale, out, note=note)
+            return self.dense(x, residual, weight, scale, out, note=note, inputs=inputs)
+        if out is not None:
+            no_overlap(OUT_NAMES, fields_of(out), self.outputs, inputs)
         return self.dense(x, residual, weight, scale, out)

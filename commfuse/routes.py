@@ -543,10 +543,13 @@ class _Then:
     def __init__(self, first, tail, outputs):
         self.first, self.tail, self.outputs = first, tail, outputs  # the tail's OutputSpecs
 
-    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, note: str = ""):
-        total = self.first(x, note=note) if note else self.first(x)  # a note: the gloo sum's (_GlooSum)
+    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, note: str = "",
+                 inputs: tuple = ()):
+        """note, inputs: a MoE call's (commfuse.moe.Launcher): more of the call for the gloo sum to compare
+        (_GlooSum), and its combine's inputs ((name, tensor or None)), which out may not overlap either."""
+        total = self.first(x, note=note) if note else self.first(x)
         if out is not None:  # the tail checks its own inputs; x is the collective's
-            no_overlap(OUT_NAMES, fields_of(out), self.outputs, (("x", x),))
+            no_overlap(OUT_NAMES, fields_of(out), self.outputs, (("x", x), *inputs))
         return self.tail(total, residual, weight, scale, out, z)
 
 

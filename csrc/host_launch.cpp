@@ -26,10 +26,12 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <ATen/record_function.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -285,6 +287,13 @@ class Launcher {
         at::Tensor& o = t[kOut0 + i];
         o = tensor(h, field.c_str());
         if (address(o) % 16) throw py::value_error(field + " must be 16-byte aligned");
+        // The kernels write through the pointer, past autograd and inference mode: refuse what those guard
+        // (commfuse/tail/checks.py's out_placed, in the same words).
+        if (o.requires_grad() && at::GradMode::is_enabled())
+          throw py::value_error(field + " requires grad: commfuse writes it outside autograd, which torch's out= "
+                                        "refuses too; pass one that does not, or call under torch.no_grad()");
+        if (o.is_inference() && !c10::InferenceMode::is_enabled())
+          throw py::value_error(field + " is an inference tensor: it may be written only under torch.inference_mode()");
         // The key holds an MN-major view's shape and strides, not the room of its storage (the kernels
         // write the padding rows too).
         if (!specs_[i].strides.empty() &&

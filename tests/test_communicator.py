@@ -293,6 +293,45 @@ def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
 
 
 @mpi
+def test_caller_outputs_that_autograd_or_inference_mode_guard_raise_before_anything_is_written(comm, gen):
+    """A caller's output that requires grad (with grad mode on) or is an inference tensor (outside inference
+    mode) cannot be written in place by torch, and the kernels would write it behind autograd's back: every
+    route raises ValueError naming the field, on first calls and planned ones, before writing anything (here
+    the residual, updated in place); under torch.no_grad() an output that requires grad is written, as
+    torch's out= allows."""
+    c = Communicator(comm.group)
+    c.check_calls = False
+    t, h = 4, 64
+    x, _ = rank_inputs(c, gen, (t, h), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    want = c.fused_all_reduce(x, residual, weight, return_norm=True)
+    with torch.inference_mode():
+        frozen = torch.empty(t, h, dtype=torch.bfloat16, device=c.device)
+    for planned in (False, True):
+        if planned:  # the signatures planned with outputs that may be written
+            c.fused_all_reduce(x, residual.clone(), weight, return_norm=True,
+                               out=Tail(None, torch.empty_like(residual), None, None, None))
+            c.all_reduce(x, out=torch.empty_like(x))
+        for norm, field, why in ((torch.empty_like(residual).requires_grad_(), "out.norm", "requires grad"),
+                                 (frozen, "out.norm", "is an inference tensor")):
+            in_place = residual.clone()
+            with pytest.raises(ValueError, match=f"^{field} {why}"):
+                c.fused_all_reduce(x, in_place, weight, return_norm=True, out=Tail(in_place, norm, None, None, None))
+            assert torch.equal(in_place, residual), "the residual was written by a call that raised"
+        with pytest.raises(ValueError, match="^out requires grad"):
+            c.all_reduce(x, out=torch.empty_like(x).requires_grad_())
+        with pytest.raises(ValueError, match="^out is an inference tensor"):
+            c.all_reduce(x, out=frozen)
+    norm = torch.empty_like(residual).requires_grad_()
+    with torch.no_grad():
+        got = c.fused_all_reduce(x, residual.clone(), weight, return_norm=True, out=Tail(None, norm, None, None, None))
+    assert got.norm is norm and torch.equal(norm.detach(), want.norm)
+    with torch.inference_mode():
+        got = c.fused_all_reduce(x, residual.clone(), weight, return_norm=True, out=Tail(None, frozen, None, None, None))
+    assert got.norm is frozen and torch.equal(frozen, want.norm)
+
+
+@mpi
 def test_every_call_checks_where_the_caller_outputs_lie(comm, gen):
     """The plan table keys a call by its outputs' shapes, strides and dtypes, not by their addresses: a later
     call of a planned signature with a misaligned output, or with MN-major scales whose storage lacks room

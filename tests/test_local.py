@@ -740,3 +740,17 @@ def test_caller_outputs_may_not_overlap_an_input_or_each_other(gen):
     got = commfuse.fused_add_rmsnorm(x, residual, weight, out=Tail(buf[1], buf[2], None, None, None))  # separate
     assert bits_equal(buf[1], want.residual) and got.norm.data_ptr() == buf[2].data_ptr()
     assert bits_equal(buf[2], want.norm)
+
+
+def test_caller_outputs_that_autograd_guards_raise_before_the_residual_is_written(gen):
+    """An out field that requires grad (grad mode on) raises ValueError naming it, on the first call and on a
+    planned one, before anything is written: here out.residual, the residual itself, comes first."""
+    x, residual, weight, _ = inputs(gen, 4, 64, BF16)
+    for _ in range(2):
+        in_place = residual.clone()
+        norm = torch.empty_like(residual).requires_grad_()
+        with pytest.raises(ValueError, match="^out.norm requires grad"):
+            commfuse.fused_add_rmsnorm(x, in_place, weight, return_norm=True, out=Tail(in_place, norm, None, None, None))
+        assert bits_equal(in_place, residual)
+        commfuse.fused_add_rmsnorm(x, in_place, weight, return_norm=True,
+                                   out=Tail(in_place, torch.empty_like(residual), None, None, None))

@@ -258,10 +258,18 @@ def out_placed(names: Sequence[str], outputs: Sequence, specs: Sequence) -> None
     """What every call checks of the caller's outputs, because a call's signature (the plan table's key:
     shapes, strides, dtypes) does not hold it: each output 16-byte aligned (the kernels store 16-byte
     vectors), an MN-major one (its OutputSpec has strides) a view of a storage with room for the padding
-    rows. names, outputs, specs as for no_overlap; a spec may be None for a contiguous output."""
+    rows; none that autograd or inference mode keeps from being written in place, which a copy into it
+    (the separated routes) would find only after writing the fields before it (out.residual may be the
+    residual input), and a kernel not at all. names, outputs, specs as for no_overlap; a spec may be None
+    for a contiguous output."""
     for name, t, spec in zip(names, outputs, specs):
         if t is None:
             continue
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad: commfuse writes it outside autograd, which torch's out= refuses "
+                             "too; pass one that does not, or call under torch.no_grad()")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{name} is an inference tensor: it may be written only under torch.inference_mode()")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned, got an address {t.data_ptr() % 16} bytes past it")
         if spec is not None and spec.strides is not None and storage_room(t) < spec.storage_numel:
