@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import importlib.util
 import os
 import threading
@@ -313,7 +314,8 @@ class NcclComm:
         self.device_index = index
         self.version = nccl.version()
         self._handle = handle
-        _BY_HANDLE[int(handle)] = self
+        self.token = next(_TOKENS)  # how a native launcher names it (a handle may be reused after a close)
+        _BY_TOKEN[self.token] = self
         self._all_reduce = nccl.lib.ncclAllReduce
         self._progress = None  # the watchdog's words (ctypes int64 array), None without a watchdog
         self._marks = None  # the begin and end marks' parameters, None where captured all-reduces get none
@@ -441,13 +443,14 @@ class NcclComm:
         """What a native launcher (commfuse.kernels.native) needs to enqueue all_reduce of `count` elements of
         `dtype` itself: (ncclAllReduce's address, the communicator handle, NCCL's dtype, count, then the
         watchdog's: its words' host address and DONE's device address, 0 and 0 without a watchdog; the mark
-        kernel's CUfunction and the begin and end marks' parameter bytes, 0, b"", b"" without marks)."""
+        kernel's CUfunction and the begin and end marks' parameter bytes, 0, b"", b"" without marks; its token,
+        which the launcher passes to native_error)."""
         if self._handle is None:
             raise RuntimeError("NcclComm.native_args after close()")
         watch = (0, 0) if self._progress is None else (self._progress_address, self._done_address)
         marks = (0, b"", b"") if self._marks is None else (self._mark_kernel.function, *self._marks)
         return (ctypes.cast(self._all_reduce, ctypes.c_void_p).value, int(self._handle), NCCL_DTYPES[dtype], count,
-                *watch, *marks)
+                *watch, *marks, self.token)
 
     def _dtype_error(self, send, recv) -> str:
         kinds = "float16, bfloat16 or float32"
@@ -485,21 +488,22 @@ class NcclComm:
 
 
 _SHARED: dict = {}
-# The live communicators by handle, for the errors of the native launchers, which hold only the handle.
-_BY_HANDLE: "weakref.WeakValueDictionary[int, NcclComm]" = weakref.WeakValueDictionary()
+# The live communicators by token, for the errors of the native launchers (native_args hands them the token).
+_TOKENS = itertools.count(1)
+_BY_TOKEN: "weakref.WeakValueDictionary[int, NcclComm]" = weakref.WeakValueDictionary()
 
 
-def native_error(code: int, handle: int) -> Exception:
-    """The error a native launcher (commfuse.kernels.native) raises for an all-reduce on the communicator
-    `handle` that failed with `code` (an ncclResult_t, or TIMED_OUT where the watchdog had aborted it): what
-    NcclComm.all_reduce raises, so that eager calls, torch.ops calls and compiled graphs raise alike."""
-    comm = _BY_HANDLE.get(handle)
+def native_error(code: int, token: int) -> Exception:
+    """The error a native launcher (commfuse.kernels.native) raises for an all-reduce of the communicator whose
+    `token` it holds that failed with `code` (an ncclResult_t, or TIMED_OUT where the watchdog had aborted it):
+    what NcclComm.all_reduce raises, so that eager calls, torch.ops calls and compiled graphs raise alike."""
+    comm = _BY_TOKEN.get(token)
     if comm is not None:
         return comm.error(code)
     if code == TIMED_OUT:
-        return NcclTimeoutError(f"an NCCL all-reduce on communicator {handle:#x} did not finish within "
-                                "COMMFUSE_NCCL_TIMEOUT_S: the communicator was aborted")
-    return NcclError("ncclAllReduce", code, f"error on communicator {handle:#x}")
+        return NcclTimeoutError("an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S: the communicator "
+                                "was aborted (and is gone)")
+    return NcclError("ncclAllReduce", code, "a communicator that is gone")
 
 
 def shared(group, device: torch.device) -> NcclComm:

@@ -98,17 +98,17 @@ const Driver& driver() {
 bool g_pdl = true;   // jit.disable_pdl turns programmatic dependent launch off process-wide
 int g_poison = -1;   // the GPU tests' poison byte for fresh outputs (launch.set_poison), -1: none
 
-// commfuse.nccl.native_error, set at load: (code, communicator handle) -> the exception NcclComm.all_reduce
+// commfuse.nccl.native_error, set at load: (code, the communicator's token) -> the exception NcclComm.all_reduce
 // raises. Never freed: a launcher may raise while the interpreter exits.
 py::object* g_nccl_error = nullptr;
 
 // Raises an NCCL failure of a launcher as commfuse.nccl's own exception (NcclTimeoutError, NcclError), set as
 // the Python error, so that a direct call, a torch.ops call and a compiled graph's call all raise that type
 // (torch's op dispatch and pybind11 both pass a Python error through). code: the ncclResult_t, or kTimedOut.
-[[noreturn]] void raise_nccl_error(int code, void* comm) {
+[[noreturn]] void raise_nccl_error(int code, int64_t token) {
   py::gil_scoped_acquire gil;  // the op kernels run without it
   if (g_nccl_error == nullptr) throw std::runtime_error("ncclAllReduce failed: code " + std::to_string(code));
-  const py::object e = (*g_nccl_error)(code, reinterpret_cast<uintptr_t>(comm));
+  const py::object e = (*g_nccl_error)(code, token);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
   throw py::error_already_set();
 }
@@ -240,6 +240,7 @@ class Launcher {
       count_ = n[3].cast<int64_t>();
       progress_ = reinterpret_cast<volatile int64_t*>(n[4].cast<uintptr_t>());
       done_ = static_cast<CUdeviceptr>(n[5].cast<uintptr_t>());
+      nccl_token_ = n[9].cast<int64_t>();
       if (n[6].cast<uintptr_t>() != 0) {  // COMMFUSE_NCCL_WATCH_REPLAYS=0: captured calls get no marks
         marked_ = true;
         for (int end = 0; end < 2; ++end) {
@@ -358,12 +359,12 @@ class Launcher {
       at::Tensor& sum = t[kSum];
       const bool aliased = fused_ && residual_in.defined() && address(t[kOut0]) == address(residual_in);
       sum = aliased ? allocate(specs_[0]) : t[kOut0];
-      if (progress_ != nullptr && progress_[kAborted] != 0) raise_nccl_error(kTimedOut, nccl_comm_);
+      if (progress_ != nullptr && progress_[kAborted] != 0) raise_nccl_error(kTimedOut, nccl_token_);
       const int captured = progress_ != nullptr ? capturing() : -1;
       if (captured == 1 && marked_) launch(marks_[0], t);
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
-      if (rc != 0) raise_nccl_error(rc, nccl_comm_);
+      if (rc != 0) raise_nccl_error(rc, nccl_token_);
       if (captured == 1 && marked_) launch(marks_[1], t);
       if (captured == 0) stamp();
     }
@@ -454,6 +455,7 @@ class Launcher {
   const char* const* inputs_;  // the inputs' names in errors: a MoE call's or the others'
   AllReduce nccl_ = nullptr;
   void* nccl_comm_ = nullptr;
+  int64_t nccl_token_ = 0;  // commfuse.nccl's name for the communicator, for its errors
   int nccl_dtype_ = 0;
   int64_t count_ = 0;
   volatile int64_t* progress_ = nullptr;  // the NCCL watchdog's words, nullptr without one

@@ -280,21 +280,29 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     assert "ncclCommDestroy" not in lib.calls  # aborted: nothing left to destroy
 
 
-def test_a_native_launchers_failure_raises_the_communicators_own_error():
-    """nccl.native_error, which the C++ launchers call with (code, handle): the error NcclComm.all_reduce raises
-    for that communicator, with its rank and timeout; a handle no live communicator has still gets the type."""
-    lib = FakeLib()
-    comm = watched(lib, 0.5)
-    timed_out = nccl.native_error(nccl.TIMED_OUT, 0xABC)
+def test_a_native_launchers_failure_raises_the_communicators_own_error(stub, stub_nccl):
+    """nccl.native_error, which the C++ launchers call with (code, the token of native_args): the error
+    NcclComm.all_reduce raises for that communicator, with its rank and timeout, also where another
+    communicator has the same handle (NCCL may reuse one after a close); a token of no live communicator
+    still gets the type."""
+    comm, twin = watched(FakeLib(), 0.5), watched(FakeLib(), 2)  # the same handle, 0xABC
+    twin.rank = 1
+    plain = attached(stub_nccl.lib, stub_nccl.init_rank(1, stub_nccl.unique_id(), 0), stub_nccl.path)
+    assert plain.native_args(torch.float32, 8)[-1] == plain.token  # what a launcher is made with
+    token = comm.token
+    assert len({token, twin.token, plain.token}) == 3
+    timed_out = nccl.native_error(nccl.TIMED_OUT, token)
     assert type(timed_out) is nccl.NcclTimeoutError and str(timed_out) == str(comm.timeout_error())
     assert "rank 0:" in str(timed_out) and "= 0.5 s" in str(timed_out)
-    failed = nccl.native_error(5, 0xABC)
+    assert "rank 1:" in str(nccl.native_error(nccl.TIMED_OUT, twin.token))
+    failed = nccl.native_error(5, token)
     assert type(failed) is NcclError and (failed.function, failed.code) == ("ncclAllReduce", 5)
     assert "invalid usage: detail of the failure" in str(failed)
-    stranger = nccl.native_error(nccl.TIMED_OUT, 0xDEF)
-    assert type(stranger) is nccl.NcclTimeoutError and "0xdef" in str(stranger)
-    assert type(nccl.native_error(4, 0xDEF)) is NcclError
+    gone = max(comm.token, twin.token) + 1000
+    assert type(nccl.native_error(nccl.TIMED_OUT, gone)) is nccl.NcclTimeoutError
+    assert type(nccl.native_error(4, gone)) is NcclError
     comm.close()
+    twin.close()
 
 
 def test_without_replay_marks_a_captured_call_is_neither_marked_nor_stamped():
@@ -674,6 +682,7 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
     monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
     groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
     c = commfuse.Communicator(groups[dist.get_rank()])
+    c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
     x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
     r, w = torch.randn_like(x), torch.randn(4096, generator=gen).to(torch.bfloat16).cuda()
     torch.testing.assert_close(c.all_reduce(x), x, rtol=0, atol=0)  # the route works, and its launcher is cached
@@ -686,7 +695,7 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
         time.sleep(0.01)
     assert words[nccl.ABORTED]
     torch.cuda.synchronize()
-    expected = fr"rank {dist.get_rank()}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"
+    expected = "rank 0: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"  # of its group
     with pytest.raises(nccl.NcclTimeoutError, match=expected):
         c.all_reduce(x)
     with pytest.raises(nccl.NcclTimeoutError, match=expected):
@@ -697,6 +706,43 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
     with pytest.raises(nccl.NcclTimeoutError, match=expected):
         compiled(x)
     c.close()
+
+
+@mpi
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the native launchers)")
+def test_an_nccl_error_in_a_native_launcher_raises_nccl_error_eager_through_torch_ops_and_compiled(comm, stub,
+                                                                                                   stub_nccl, gen):
+    """The stub on the GPU behind a Communicator of a one-rank NCCL group: an ncclAllReduce that returns an error
+    (stub_fail_next) inside a native launcher raises NcclError with NCCL's words on every path, and the next
+    call works (the error was the call's, not the communicator's)."""
+    import commfuse
+    from commfuse.kernels import native
+
+    if dist.get_backend(comm.group) != "nccl":
+        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
+    if native.unavailable():
+        pytest.skip(f"the native launchers are off: {native.unavailable()}")
+    s = stub[1]
+    assert s.stub_on_device(1) == 0, "libcuda's functions for the stub"
+    try:
+        groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
+        c = commfuse.Communicator(groups[dist.get_rank()])
+        c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
+        assert c._nccl is not None and c._nccl.nccl.path == stub[0], c.nccl_binding
+        x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
+        assert torch.equal(c.all_reduce(x), x)  # the stub's sum of one rank: a copy; the launcher is cached
+        compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
+        assert torch.equal(compiled(x), x * 2 + 1)
+        calls = ((lambda: c.all_reduce(x), x), (lambda: torch.ops.commfuse.all_reduce(x, c.name), x),
+                 (lambda: compiled(x), x * 2 + 1))
+        for call, want in calls:
+            s.stub_fail_next(5)
+            with pytest.raises(NcclError, match="^ncclAllReduce failed: invalid usage"):
+                call()
+            assert torch.equal(call(), want)
+        c.close()
+    finally:
+        s.stub_on_device(0)
 
 
 @mpi

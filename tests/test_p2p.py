@@ -1133,6 +1133,50 @@ def test_a_rank_that_cannot_set_calibration_up_makes_every_rank_raise_before_any
 
 
 @mpi
+def test_a_rank_whose_timed_calls_fail_makes_every_rank_raise_after_its_peers_finish(comm, monkeypatch):
+    """Rank 1's NCCL call fails in the timed loop (its watchdog aborted the communicator): it launches nothing
+    more, and every rank, rank 0 after its loop, raises CalibrationError naming it, so that the workspace's
+    teardown pairs. CPU stand-ins for the stream, the events and the kernels."""
+    if dist.get_world_size(comm.group) < 2:
+        pytest.skip("needs 2+ ranks")
+    from commfuse import nccl
+
+    rank = dist.get_rank(comm.group)
+
+    class Event:
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: Event())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(p2p.calibration.jit, "kernel",
+                        lambda *args, **kwargs: types.SimpleNamespace(launch=lambda *args: None))
+    calls = []
+
+    class Nccl:
+        def all_reduce(self, send, recv):
+            calls.append(send.numel())
+            if rank == 1 and len(calls) == 3:
+                raise nccl.NcclTimeoutError("rank 1: an NCCL all-reduce did not finish (stand-in)")
+
+    ws = types.SimpleNamespace(group=comm.group, device=torch.device("cpu"), device_index=0, max_bytes=1 << 20,
+                               lamport_bytes=1 << 16, error_code=lambda: 0, check_error=lambda: None,
+                               plain_launcher=lambda shape, dtype, algo: (lambda x, out=None: None))
+    with pytest.raises(p2p.CalibrationError, match=r"^P2P calibration failed: rank 1: NcclTimeoutError: rank 1: "
+                                                   r"an NCCL all-reduce did not finish \(stand-in\)$") as e:
+        p2p.calibration.measure(ws, sizes=[4096, 8192], nccl=Nccl())
+    assert (e.value.__cause__ is not None) == (rank == 1)
+    assert len(calls) == (3 if rank == 1 else 2 * (1 + 3 * (1 + 8)))  # both sizes: first use, reps x (1 + calls)
+
+
+@mpi
 def test_a_workspace_whose_calibration_fails_is_released_on_every_rank(comm, monkeypatch):
     """CalibrationError comes on every rank together, so the workspace tears itself down (collectively) before
     it propagates: the peers' mappings closed and the buffers freed, nothing held by a workspace never made."""

@@ -162,6 +162,15 @@ def calibrate(ws, topo, nccl=None) -> P2PLimits:
                                         "crossovers": [list(c) for c in limits.crossovers]}})
     return limits
 
+def _raise_together(group, cause: Optional[BaseException], what: str) -> None:
+    """Collective: every rank reports its failure (cause, or None); where any rank has one, every rank raises
+    CalibrationError naming each, this rank's cause chained."""
+    failed = gather_objects(group, None if cause is None else f"{type(cause).__name__}: {cause}")
+    if any(failed):
+        raise CalibrationError(f"P2P calibration {what}: " + "; ".join(
+            f"rank {i}: {f}" for i, f in enumerate(failed) if f)) from cause
+
+
 def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[int], List[List[float]]]:
     """(sizes, times): microseconds per plain bf16 all-reduce of each size in bytes (default
     calibration_sizes(max_bytes)) for (one-shot, two-shot, NCCL), the max over ranks. NCCL as the
@@ -182,53 +191,49 @@ def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[
                      for size in sizes}
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
         cause = e
-    failed = gather_objects(ws.group, None if cause is None else f"{type(cause).__name__}: {cause}")
-    if any(failed):
-        raise CalibrationError("P2P calibration could not start: " + "; ".join(
-            f"rank {i}: {f}" for i, f in enumerate(failed) if f)) from cause
+    _raise_together(ws.group, cause, "could not start")
     stream = torch.cuda.current_stream(ws.device)
     delay_params = struct.pack("<Q", _CAL_DELAY_NS)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     times = []
-    for size in sizes:
-        n = size // 2
-        # NCCL as the Communicator's NCCL route runs it. Without commfuse.nccl the route copies x first
-        # (torch's all_reduce works in place, and x is the caller's): 2 x 112 MiB more HBM traffic at
-        # 112 MiB, ~55 us, which would move the crossovers toward P2P where the route has no copy.
-        runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers[size]]
-        if nccl is not None:
-            runs.append(lambda: nccl.all_reduce(x[:n], out[:n]))
-        else:
-            runs.append(lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
-        calls = 8 if size <= 16 << 20 else 3
-        row = []
-        for run in runs[size > ws.lamport_bytes:]:  # one-shot (the first) takes at most its buffers
-            run()  # first use: loads kernels, sets NCCL up
-            best = math.inf
-            for _ in range(_CAL_REPS):
-                # The delay holds the stream while Python enqueues the batch; the first call then
-                # lines the ranks up (it completes on all ranks together), the rest are timed.
-                delay.launch((1, 1, 1), (1, 1, 1), delay_params, 0, stream.cuda_stream)
-                run()
-                start.record(stream)
-                for _ in range(calls):
+    try:
+        for size in sizes:
+            n = size // 2
+            # NCCL as the Communicator's NCCL route runs it. Without commfuse.nccl the route copies x first
+            # (torch's all_reduce works in place, and x is the caller's): 2 x 112 MiB more HBM traffic at
+            # 112 MiB, ~55 us, which would move the crossovers toward P2P where the route has no copy.
+            runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers[size]]
+            if nccl is not None:
+                runs.append(lambda: nccl.all_reduce(x[:n], out[:n]))
+            else:
+                runs.append(lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
+            calls = 8 if size <= 16 << 20 else 3
+            row = []
+            for run in runs[size > ws.lamport_bytes:]:  # one-shot (the first) takes at most its buffers
+                run()  # first use: loads kernels, sets NCCL up
+                best = math.inf
+                for _ in range(_CAL_REPS):
+                    # The delay holds the stream while Python enqueues the batch; the first call then
+                    # lines the ranks up (it completes on all ranks together), the rest are timed.
+                    delay.launch((1, 1, 1), (1, 1, 1), delay_params, 0, stream.cuda_stream)
                     run()
-                end.record(stream)
-                end.synchronize()
-                best = min(best, start.elapsed_time(end) * 1e3 / calls)
-            row.append(best)
-        times.append([math.inf] * (len(runs) - len(row)) + row)
-    # A timeout during calibration must not pass silently, and must raise on every rank together.
-    torch.cuda.synchronize(ws.device)
-    codes = gather_objects(ws.group, ws.error_code())
-    if any(codes):
-        try:
-            ws.check_error()
-        except RuntimeError as e:  # P2PTimeoutError, P2PMismatchError, an unknown code
-            cause = e
-        raise CalibrationError(f"P2P calibration: a kernel failed on rank(s) {[i for i, c in enumerate(codes) if c]}"
-                               + (f" ({cause})" if cause else "")) from cause
+                    start.record(stream)
+                    for _ in range(calls):
+                        run()
+                    end.record(stream)
+                    end.synchronize()
+                    ws.check_error()  # a P2P kernel timed out: launch no more, each would wait its timeout
+                    best = min(best, start.elapsed_time(end) * 1e3 / calls)
+                row.append(best)
+            times.append([math.inf] * (len(runs) - len(row)) + row)
+        torch.cuda.synchronize(ws.device)
+        ws.check_error()
+    except Exception as e:  # noqa: BLE001 - a kernel's timeout, an aborted NCCL call: every rank must hear of it
+        cause = e
+    # Every rank gets here, the failing one early: its peers' waits for it end (the P2P kernels' timeout, the
+    # NCCL watchdog; without commfuse.nccl, torch's process group timeout), and all raise together.
+    _raise_together(ws.group, cause, "failed")
     t = torch.tensor(times, dtype=torch.float64, device=ws.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ws.group)
     return sizes, t.cpu().tolist()
