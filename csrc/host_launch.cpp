@@ -295,6 +295,7 @@ class Launcher {
                                         "refuses too; pass one that does not, or call under torch.no_grad()");
         if (o.is_inference() && !c10::InferenceMode::is_enabled())
           throw py::value_error(field + " is an inference tensor: it may be written only under torch.inference_mode()");
+        o.unsafeGetTensorImpl()->bump_version();  // as torch's out= does: autograd sees the write
         // The key holds an MN-major view's shape and strides, not the room of its storage (the kernels
         // write the padding rows too).
         if (!specs_[i].strides.empty() &&

@@ -308,9 +308,9 @@ def test_caller_outputs_that_autograd_or_inference_mode_guard_raise_before_anyth
     with torch.inference_mode():
         frozen = torch.empty(t, h, dtype=torch.bfloat16, device=c.device)
     for planned in (False, True):
-        if planned:  # the signatures planned with outputs that may be written
-            c.fused_all_reduce(x, residual.clone(), weight, return_norm=True,
-                               out=Tail(None, torch.empty_like(residual), None, None, None))
+        if planned:  # the signatures planned (the same outputs given) with outputs that may be written
+            r = residual.clone()
+            c.fused_all_reduce(x, r, weight, return_norm=True, out=Tail(r, torch.empty_like(residual), None, None, None))
             c.all_reduce(x, out=torch.empty_like(x))
         for norm, field, why in ((torch.empty_like(residual).requires_grad_(), "out.norm", "requires grad"),
                                  (frozen, "out.norm", "is an inference tensor")):
@@ -329,6 +329,13 @@ def test_caller_outputs_that_autograd_or_inference_mode_guard_raise_before_anyth
     with torch.inference_mode():
         got = c.fused_all_reduce(x, residual.clone(), weight, return_norm=True, out=Tail(None, frozen, None, None, None))
     assert got.norm is frozen and torch.equal(frozen, want.norm)
+    # The outputs' version counters move, as torch's out= does: autograd sees the write (a residual saved
+    # for backward and updated in place makes backward raise rather than use the new values).
+    r, out = residual.clone(), torch.empty_like(x)
+    versions = r._version, out._version
+    c.fused_all_reduce(x, r, weight, out=Tail(r, None, None, None, None))
+    c.all_reduce(x, out=out)
+    assert r._version > versions[0] and out._version > versions[1]
 
 
 @mpi

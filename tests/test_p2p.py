@@ -1133,10 +1133,14 @@ def test_a_rank_that_cannot_set_calibration_up_makes_every_rank_raise_before_any
 
 
 @mpi
-def test_a_rank_whose_timed_calls_fail_makes_every_rank_raise_after_its_peers_finish(comm, monkeypatch):
-    """Rank 1's NCCL call fails in the timed loop (its watchdog aborted the communicator): it launches nothing
-    more, and every rank, rank 0 after its loop, raises CalibrationError naming it, so that the workspace's
-    teardown pairs. CPU stand-ins for the stream, the events and the kernels."""
+@pytest.mark.parametrize("failing", ["an NCCL call", "a P2P kernel, NCCL through torch.distributed"])
+def test_a_rank_whose_timed_calls_fail_makes_every_rank_raise_in_step(comm, monkeypatch, failing):
+    """Rank 1 fails in the timed calls (its NCCL call finds the communicator aborted; or one of its P2P kernels
+    timed out where its peer's finished, which one-shot allows): it launches nothing more, and every rank
+    raises CalibrationError naming it at the agreement that ends that column, so that the workspace's
+    teardown pairs; rank 0 makes no collective the other does not (with NCCL through torch.distributed, a
+    P2P failure left alone would have met rank 0's all_reduce with rank 1's gather). CPU stand-ins for the
+    stream, the events and the kernels; torch.distributed's column runs over gloo."""
     if dist.get_world_size(comm.group) < 2:
         pytest.skip("needs 2+ ranks")
     from commfuse import nccl
@@ -1155,25 +1159,32 @@ def test_a_rank_whose_timed_calls_fail_makes_every_rank_raise_after_its_peers_fi
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: Event())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(p2p.calibration.jit, "kernel",
                         lambda *args, **kwargs: types.SimpleNamespace(launch=lambda *args: None))
-    calls = []
+    nccl_calls, checks = [], []
 
     class Nccl:
         def all_reduce(self, send, recv):
-            calls.append(send.numel())
-            if rank == 1 and len(calls) == 3:
+            nccl_calls.append(send.numel())
+            if rank == 1 and len(nccl_calls) == 3:
                 raise nccl.NcclTimeoutError("rank 1: an NCCL all-reduce did not finish (stand-in)")
 
+    def check_error():
+        checks.append(1)
+        if rank == 1 and failing.startswith("a P2P") and len(checks) == 2:
+            raise RuntimeError("rank 1: a P2P kernel timed out waiting for rank 0 (stand-in)")
+
     ws = types.SimpleNamespace(group=comm.group, device=torch.device("cpu"), device_index=0, max_bytes=1 << 20,
-                               lamport_bytes=1 << 16, error_code=lambda: 0, check_error=lambda: None,
+                               lamport_bytes=1 << 16, error_code=lambda: 0, check_error=check_error,
                                plain_launcher=lambda shape, dtype, algo: (lambda x, out=None: None))
-    with pytest.raises(p2p.CalibrationError, match=r"^P2P calibration failed: rank 1: NcclTimeoutError: rank 1: "
-                                                   r"an NCCL all-reduce did not finish \(stand-in\)$") as e:
-        p2p.calibration.measure(ws, sizes=[4096, 8192], nccl=Nccl())
+    what = "NcclTimeoutError: rank 1: an NCCL all-reduce" if failing == "an NCCL call" else \
+        "RuntimeError: rank 1: a P2P kernel timed out"
+    with pytest.raises(p2p.CalibrationError, match=f"^P2P calibration failed: rank 1: {what}") as e:
+        p2p.calibration.measure(ws, sizes=[4096, 8192], nccl=Nccl() if failing == "an NCCL call" else None)
     assert (e.value.__cause__ is not None) == (rank == 1)
-    assert len(calls) == (3 if rank == 1 else 2 * (1 + 3 * (1 + 8)))  # both sizes: first use, reps x (1 + calls)
+    if failing == "an NCCL call":  # rank 0: the first size's NCCL column whole (first use, reps x (1 + calls))
+        assert len(nccl_calls) == (3 if rank == 1 else 1 + 3 * (1 + 8))
+    assert gather(comm, "past it") == ["past it"] * comm.world_size  # no rank is left in a collective
 
 
 @mpi

@@ -185,6 +185,9 @@ class PyLauncher:
                 p = t[source]
                 _POINTER.pack_into(buf, offset, p.data_ptr() + delta if p is not None else 0)
             launch.kernel.launch((launch.grid, 1, 1), (launch.block, 1, 1), bytes(buf), cluster=launch.cluster)
+        for o in given:
+            if o is not None:
+                torch.autograd.graph.increment_version(o)  # as torch's out= does: autograd sees the write
         return tuple(t[OUT:OUT + 5]) if plan.fused else t[OUT]
 
 

@@ -196,44 +196,50 @@ def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[
     delay_params = struct.pack("<Q", _CAL_DELAY_NS)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
+
+    def timed(run, calls: int) -> float:
+        run()  # first use: loads kernels, sets NCCL up
+        best = math.inf
+        for _ in range(_CAL_REPS):
+            # The delay holds the stream while Python enqueues the batch; the first call then lines the
+            # ranks up (it completes on all ranks together), the rest are timed.
+            delay.launch((1, 1, 1), (1, 1, 1), delay_params, 0, stream.cuda_stream)
+            run()
+            start.record(stream)
+            for _ in range(calls):
+                run()
+            end.record(stream)
+            end.synchronize()
+            ws.check_error()  # a P2P kernel failed: launch no more (a peer's late kernel returns at once)
+            best = min(best, start.elapsed_time(end) * 1e3 / calls)
+        return best
+
     times = []
-    try:
-        for size in sizes:
-            n = size // 2
-            # NCCL as the Communicator's NCCL route runs it. Without commfuse.nccl the route copies x first
-            # (torch's all_reduce works in place, and x is the caller's): 2 x 112 MiB more HBM traffic at
-            # 112 MiB, ~55 us, which would move the crossovers toward P2P where the route has no copy.
-            runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers[size]]
-            if nccl is not None:
-                runs.append(lambda: nccl.all_reduce(x[:n], out[:n]))
-            else:
-                runs.append(lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group))
-            calls = 8 if size <= 16 << 20 else 3
-            row = []
-            for run in runs[size > ws.lamport_bytes:]:  # one-shot (the first) takes at most its buffers
-                run()  # first use: loads kernels, sets NCCL up
-                best = math.inf
-                for _ in range(_CAL_REPS):
-                    # The delay holds the stream while Python enqueues the batch; the first call then
-                    # lines the ranks up (it completes on all ranks together), the rest are timed.
-                    delay.launch((1, 1, 1), (1, 1, 1), delay_params, 0, stream.cuda_stream)
-                    run()
-                    start.record(stream)
-                    for _ in range(calls):
-                        run()
-                    end.record(stream)
-                    end.synchronize()
-                    ws.check_error()  # a P2P kernel timed out: launch no more, each would wait its timeout
-                    best = min(best, start.elapsed_time(end) * 1e3 / calls)
-                row.append(best)
-            times.append([math.inf] * (len(runs) - len(row)) + row)
-        torch.cuda.synchronize(ws.device)
-        ws.check_error()
-    except Exception as e:  # noqa: BLE001 - a kernel's timeout, an aborted NCCL call: every rank must hear of it
-        cause = e
-    # Every rank gets here, the failing one early: its peers' waits for it end (the P2P kernels' timeout, the
-    # NCCL watchdog; without commfuse.nccl, torch's process group timeout), and all raise together.
-    _raise_together(ws.group, cause, "failed")
+    for size in sizes:
+        n = size // 2
+        calls = 8 if size <= 16 << 20 else 3
+        # One-shot (the first) takes at most its buffers.
+        p2p_runs = [lambda launch=launch: launch(x[:n], out=out[:n]) for launch in launchers[size]]
+        p2p_runs = p2p_runs[size > ws.lamport_bytes:]
+        # NCCL as the Communicator's NCCL route runs it. Without commfuse.nccl the route copies x first
+        # (torch's all_reduce works in place, and x is the caller's): 2 x 112 MiB more HBM traffic at
+        # 112 MiB, ~55 us, which would move the crossovers toward P2P where the route has no copy.
+        if nccl is not None:
+            nccl_run = lambda: nccl.all_reduce(x[:n], out[:n])  # noqa: E731
+        else:
+            nccl_run = lambda: dist.all_reduce(out[:n].copy_(x[:n]), group=ws.group)  # noqa: E731
+        row = []
+        # The P2P columns, then NCCL's, each ending where every rank agrees: a rank that failed (a kernel's
+        # timeout, an aborted NCCL call) launches nothing more and goes there at once, its peers when their
+        # waits for it end (the P2P kernels' timeout, the NCCL watchdog), and all raise together. Without
+        # the agreement before NCCL's column, the failed rank's gather would meet a peer's all_reduce.
+        for runs in (p2p_runs, [nccl_run]):
+            try:
+                row += [timed(run, calls) for run in runs]
+            except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
+                cause = e
+            _raise_together(ws.group, cause, "failed")
+        times.append([math.inf] * (len(ALGORITHMS) + 1 - len(row)) + row)
     t = torch.tensor(times, dtype=torch.float64, device=ws.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ws.group)
     return sizes, t.cpu().tolist()
