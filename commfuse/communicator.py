@@ -272,6 +272,32 @@ class Communicator:
             spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
         return routes.plan(self._call(x, residual, weight, scale, out, spec), self._machine)
 
+    def _planned(self, first):
+        """first(): a call's planning (its checks, its plan, its launcher in the table), which a signature's first
+        call runs, and every call the table cannot key (a Python-float scale). Where it raises on this rank, the
+        rank still makes the first exchange its peers make in the call, naming its error, then raises that
+        error: its peers raise CallMismatchError with it rather than pair that exchange with this rank's next
+        call (wrong sums on both, then a timeout). That exchange is COMMFUSE_CHECK's comparison, or the gloo
+        route's; where there is neither (the NCCL and P2P routes without COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK=0)
+        the peers' collective waits for its timeout, as for a rank that skipped the call."""
+        try:
+            return first()
+        except Exception as e:
+            if self.world_size > 1 and (self._check_calls or (
+                    self.backend == "gloo" and self.workspace is None and os.environ.get("COMMFUSE_GLOO_CHECK") != "0")):
+                if self._check_group is None:  # an NCCL group's, made at every rank's first checked call
+                    self._check_group = self._open_check_group()
+                # The buffer as the peers' exchange has it: COMMFUSE_CHECK's 16 bytes on the CPU, the gloo
+                # route's with room for x, on x's device.
+                payload, room = ((None, 0) if self._check_calls else
+                                 (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
+                try:
+                    routes.exchange_signature(self._check_group, f"a call that raised {type(e).__name__}: {e}", 0,
+                                              payload, room)
+                except (routes.CallMismatchError, routes.CallTimeoutError):
+                    pass  # the peers' side of it: this rank raises its own error
+            raise
+
     def _first(self, op: str, args: tuple, call: Call):
         """Plan a call, put its launcher in the table, and return (plan, launcher). Raises a pending P2P
         error first (the table misses while one is pending)."""
@@ -298,7 +324,7 @@ class Communicator:
         """
         y = self.table.plain(x, out)
         if y is None:
-            _, launcher = self._first("plain", (x, out), self._call(x, None, None, None, out, None))
+            _, launcher = self._planned(lambda: self._first("plain", (x, out), self._call(x, None, None, None, out, None)))
             y = launcher(x, None, None, None, out)
         return y
 
@@ -331,8 +357,11 @@ class Communicator:
         if r is None:
             args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                     scale_layout, scale_ue8m0)
-            spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-            p, launcher = self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
+
+            def first():
+                spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
+                return self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
+            p, launcher = self._planned(first)
             r = FusedResult(*launcher(x, residual, weight, scale, out), plan=p)
         return r
 
@@ -360,7 +389,7 @@ class Communicator:
                 weight_offset, scale_layout, scale_ue8m0)
         r = self.table.moe(*args)
         if r is None:
-            p, launcher = self._moe_first(args)
+            p, launcher = self._planned(lambda: self._moe_first(args))
             r = FusedResult(*launcher(y, residual, weight, scale, out, weights, row_index, shared), plan=p)
         return r
 

@@ -635,6 +635,9 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     return [b[16:16 + nbytes].view(payload.dtype).view(payload.shape) for b in bufs]
 
 
+GLOO_INLINE_BYTES = 16384  # a decode step's rows (8192 bf16 elements) travel with the gloo route's signature
+
+
 class _GlooSum:
     """Every rank's x, gathered and summed in fp32 in rank order (reference.all_reduce_sum).
 
@@ -646,7 +649,7 @@ class _GlooSum:
     signature out (x alone, one collective). The exchange goes over the Communicator's check group, whose
     timeout (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died."""
 
-    INLINE_BYTES = 16384  # a decode step's rows (8192 bf16 elements) travel with the signature
+    INLINE_BYTES = GLOO_INLINE_BYTES
 
     __slots__ = ("group", "check_group", "text", "checked")
 

@@ -257,6 +257,51 @@ def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, ch
                        torch.full((3,), float(comm.world_size), device=comm.device))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+@pytest.mark.parametrize("bad", ["a misaligned out", "a Python-float scale of 0", "a MoE int16 row_index"])
+def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, gen, check, bad):
+    """Rank 0's call raises in planning (a signature it never planned, whose checks read per-call facts; or a
+    Python-float scale, which the plan table cannot key: every such call is planned) while its peers' calls
+    are good: rank 0 still makes the exchange its peers make, naming its error, so they raise
+    CallMismatchError with it, rank 0 raises its own ValueError, and the next calls sum right on every rank.
+    Before, the peers' exchange paired with rank 0's next call: wrong sums on every rank, then a timeout."""
+    c = _checked_by(comm, check)
+    rank = dist.get_rank(c.group)
+    t, h = 4, 256
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(3)]
+
+    def call(x, scale=0.5, out=None, index=torch.int32):
+        if bad == "a misaligned out":
+            return c.all_reduce(x, out=out)
+        if bad == "a MoE int16 row_index":  # the finalize form, each token's one row its own
+            return c.moe_all_reduce(x, torch.ones(t, 1, device=c.device), residual, weight,
+                                    row_index=torch.arange(t, dtype=index).view(t, 1).to(c.device)).residual
+        return c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale).residual
+
+    call(steps[0][0])  # planned on every rank
+    x, _ = steps[1]
+    if rank == 0:
+        if bad == "a misaligned out":
+            with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+                call(x, out=torch.empty(t * h + 8, dtype=torch.bfloat16, device=c.device)[1:1 + t * h].view(t, h))
+        elif bad == "a MoE int16 row_index":
+            with pytest.raises(TypeError, match="row_index"):
+                call(x, index=torch.int16)
+        else:
+            with pytest.raises(ValueError, match="scale must be"):
+                call(x, scale=0.0)
+    else:
+        with pytest.raises(commfuse.CallMismatchError, match="rank 0: a call that raised (Value|Type)Error"):
+            call(x)
+    for x, xs in (steps[2], steps[0]):
+        total = reference.all_reduce_sum(xs)
+        want = total if bad == "a misaligned out" else reference.fused_tail(total, residual, weight, 1e-6).residual
+        got = call(x)
+        assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
+
+
 @mpi
 def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
     """docs/guards.md's one rule, per call: all_reduce's out may not be x; a tail's out.norm may not be x;
