@@ -278,8 +278,10 @@ class Communicator:
         rank still makes the first exchange its peers make in the call, naming its error, then raises that
         error: its peers raise CallMismatchError with it rather than pair that exchange with this rank's next
         call (wrong sums on both, then a timeout). That exchange is COMMFUSE_CHECK's comparison, or the gloo
-        route's; where there is neither (the NCCL and P2P routes without COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK=0)
-        the peers' collective waits for its timeout, as for a rank that skipped the call."""
+        route's. Where there is neither (the NCCL and P2P routes without COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK=0),
+        or a rank cannot tell which its peers make (ranks sharing a GPU with a P2P workspace, whose larger
+        messages take the gloo route), nothing compares the calls: the peers' collective waits for the
+        timeout or pairs with this rank's next call, as docs/guards.md says of unchecked calls."""
         try:
             return first()
         except Exception as e:

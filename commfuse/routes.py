@@ -611,7 +611,8 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     inline = payload is not None and nbytes <= room
     device = payload.device if payload is not None else torch.device("cpu")
     mine = torch.zeros(16 + room, dtype=torch.uint8, device=device)
-    mine[:16].copy_(torch.tensor([zlib.crc32(text.encode()), nbytes], dtype=torch.int64).view(torch.uint8))
+    crc = zlib.crc32(text.encode(errors="backslashreplace"))  # an error's text may hold any character
+    mine[:16].copy_(torch.tensor([crc, nbytes], dtype=torch.int64).view(torch.uint8))
     if inline and nbytes:
         mine[16:16 + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
     bufs = [torch.empty_like(mine) for _ in range(world)]

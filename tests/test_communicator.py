@@ -259,7 +259,7 @@ def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, ch
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
-@pytest.mark.parametrize("bad", ["a misaligned out", "a Python-float scale of 0", "a MoE int16 row_index"])
+@pytest.mark.parametrize("bad", ["a misaligned out", "a sparse x", "a Python-float scale of 0", "a MoE int16 row_index"])
 def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, gen, check, bad):
     """Rank 0's call raises in planning (a signature it never planned, whose checks read per-call facts; or a
     Python-float scale, which the plan table cannot key: every such call is planned) while its peers' calls
@@ -273,7 +273,7 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
     steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(3)]
 
     def call(x, scale=0.5, out=None, index=torch.int32):
-        if bad == "a misaligned out":
+        if bad in ("a misaligned out", "a sparse x"):
             return c.all_reduce(x, out=out)
         if bad == "a MoE int16 row_index":  # the finalize form, each token's one row its own
             return c.moe_all_reduce(x, torch.ones(t, 1, device=c.device), residual, weight,
@@ -286,6 +286,9 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
         if bad == "a misaligned out":
             with pytest.raises(ValueError, match="out must be 16-byte aligned"):
                 call(x, out=torch.empty(t * h + 8, dtype=torch.bfloat16, device=c.device)[1:1 + t * h].view(t, h))
+        elif bad == "a sparse x":  # the table cannot key it, planning names it
+            with pytest.raises(TypeError, match="x must be a dense tensor, got a torch.sparse_coo one"):
+                call(x.to_sparse())
         elif bad == "a MoE int16 row_index":
             with pytest.raises(TypeError, match="row_index"):
                 call(x, index=torch.int16)
@@ -297,7 +300,8 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
             call(x)
     for x, xs in (steps[2], steps[0]):
         total = reference.all_reduce_sum(xs)
-        want = total if bad == "a misaligned out" else reference.fused_tail(total, residual, weight, 1e-6).residual
+        plain = bad in ("a misaligned out", "a sparse x")
+        want = total if plain else reference.fused_tail(total, residual, weight, 1e-6).residual
         got = call(x)
         assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
 

@@ -47,7 +47,7 @@ class _Unkeyable(Exception):
 def _tensor(t):
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested:  # planning says why
         raise _Unkeyable
     return (t.dtype, t.device, t.shape, t.stride())
 

@@ -32,6 +32,8 @@ def same_device(name: str, t: Tensor, device: torch.device, where: str = "this c
 def _tensor(name: str, t) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:  # no strides and pointer to compute on
+        raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
     return t
 
 
@@ -241,6 +243,7 @@ def out(o, outputs: Outputs, device: torch.device, inputs: Sequence[tuple]) -> N
             raise ValueError(f"out.{name} must be None: this call has no such output")
         if not isinstance(t, Tensor):
             raise TypeError(f"out.{name} must be a tensor or None, got {type(t).__name__}")
+        _tensor(f"out.{name}", t)
         if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
             raise ValueError(f"out.{name} must have shape {list(spec.shape)} and dtype {spec.dtype}, got "
                              f"{list(t.shape)} {t.dtype}")
@@ -316,6 +319,7 @@ def out_like(o, x: Tensor) -> None:
     contiguous, 16-byte aligned, not overlapping x."""
     if not isinstance(o, Tensor):
         raise TypeError(f"out must be a tensor, got {type(o).__name__}")
+    _tensor("out", o)
     if o.shape != x.shape or o.dtype != x.dtype or o.device != x.device:
         raise ValueError(f"out must have x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, got "
                          f"{list(o.shape)} {o.dtype} on {o.device}")
