@@ -84,14 +84,27 @@ class FusedResult:
 
 
 class _Checked:
-    """A launcher behind COMMFUSE_CHECK's cross-rank comparison of the call, which runs first every call."""
+    """A launcher behind COMMFUSE_CHECK's cross-rank comparison of the call, which runs first every call. What
+    the launcher would refuse of the call's own facts, which the signature (the plan table's key) does not
+    hold (where the caller's outputs lie, a CPU scale's value: checks.per_call), is checked first and
+    compared with it, so that one rank's bad call makes every rank raise rather than leave its peers in
+    the collective. outputs: the call's OutputSpecs; inputs: the name of each launcher argument that is an
+    input (None for the others), in the launcher's order (x, residual, weight, scale, out, ...)."""
 
-    __slots__ = ("comm", "signature", "inner")
+    __slots__ = ("comm", "signature", "inner", "outputs", "inputs")
 
-    def __init__(self, comm: "Communicator", signature: tuple, inner):
+    def __init__(self, comm: "Communicator", signature: tuple, inner, outputs: tuple, inputs: tuple):
         self.comm, self.signature, self.inner = comm, signature, inner
+        self.outputs, self.inputs = outputs, inputs
 
     def __call__(self, *args):
+        out, fused = args[4], len(self.outputs) > 1
+        try:
+            given = (None,) * len(self.outputs) if out is None else (checks.fields_of(out) if fused else (out,))
+            checks.per_call(checks.OUT_NAMES if fused else ("out",), given, self.outputs,
+                            tuple((n, a) for n, a in zip(self.inputs, args) if n is not None), args[3])
+        except (TypeError, ValueError) as e:
+            self.comm.check_same_call(self.signature, refused=e)
         self.comm.check_same_call(self.signature)
         return self.inner(*args)
 
@@ -310,7 +323,8 @@ class Communicator:
         if self._check_calls:
             spec = None if call.spec is None else call.spec.signature + routes.scale_form(call)
             signature = (op, tuple(call.x.shape), str(call.x.dtype), spec, str(p.collective))
-            launcher = _Checked(self, signature, launcher)
+            outputs = (None,) if call.spec is None else tuple(routes.outputs_of(call))
+            launcher = _Checked(self, signature, launcher, outputs, ("x", "residual", "weight", "scale"))
         self.table.insert(op, args, p, launcher)
         return p, launcher
 
@@ -422,13 +436,14 @@ class Communicator:
             p, launcher = one
             if self._check_calls:
                 launcher = _Checked(self, (text, spec.signature + routes.scale_form(call), str(p.collective)),
-                                    launcher)
+                                    launcher, tuple(spec.outputs(t, h, y.dtype)), moe.LAUNCHER_INPUTS)
         else:  # the combine, then fused_all_reduce's route
             dense = routes.plan(call, self._machine)
             extra = tuple(w for w in (unfused if self.world_size == 1 else None, why) if w)
             p = dataclasses.replace(dense, combine=route, reasons=dense.reasons + extra)
             tail = spec.signature + routes.scale_form(call)
-            check = (lambda note: self.check_same_call((note, tail, str(p.collective)))) if self._check_calls else None
+            check = (lambda note, refused=None: self.check_same_call((note, tail, str(p.collective)), refused)) \
+                if self._check_calls else None
             launcher = moe.Launcher(route, routes.launcher(call, dense, self._resources), spec.outputs(t, h, y.dtype),
                                     text, dense.collective is Collective.GLOO, check)
         self.table.insert("moe", args, p, launcher)
@@ -513,12 +528,21 @@ class Communicator:
             if getattr(self, "workspace", None) is not None:  # ranks sharing a GPU: kept for its close
                 self.workspace.group = None
 
-    def check_same_call(self, signature: tuple) -> None:
+    def check_same_call(self, signature: tuple, refused: Optional[Exception] = None) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang or sum the
         wrong bytes): COMMFUSE_CHECK's comparison of `signature`, one 16-byte all-gather over the check
         group (routes.exchange_signature): CallMismatchError naming every rank's call, or CallTimeoutError
         after COMMFUSE_GLOO_TIMEOUT_S where a rank skipped the call. An NCCL group's Communicator makes its
-        check group here, at its first comparison: every rank's first checked call, a collective point."""
+        check group here, at its first comparison: every rank's first checked call, a collective point.
+        refused: this rank's error for its call, compared as part of it (its peers raise CallMismatchError
+        naming it; where every rank has the same, none does), then raised."""
         if self._check_group is None:
             self._check_group = self._open_check_group()
-        routes.exchange_signature(self._check_group, str(signature), 0)
+        if refused is None:
+            routes.exchange_signature(self._check_group, str(signature), 0)
+            return
+        try:
+            routes.exchange_signature(self._check_group, f"{signature}, refused {type(refused).__name__}: {refused}", 0)
+        except (routes.CallMismatchError, routes.CallTimeoutError):
+            pass  # the peers' side of it: this rank raises its own error
+        raise refused

@@ -24,6 +24,7 @@ from torch import Tensor
 from . import reference, routes
 from .kernels.moe_combine import MOE_COMBINE, index_limits, run
 from .kernels.moe_tail import MOE_TAIL
+from .tail import checks
 from .tail.checks import OUT_NAMES, fields_of, no_overlap
 from .tail.spec import TailSpec
 
@@ -55,6 +56,11 @@ def fused_rejects(y: Tensor, weights: Tensor, residual: Tensor, weight: Tensor, 
     return f"moe_tail: {why}" if why and not why.startswith(MOE_TAIL.name) else why
 
 
+# The names of a MoE launcher's arguments that are inputs, in its order: (y, residual, weight, scale, out,
+# weights, row_index, shared).
+LAUNCHER_INPUTS = ("y", "residual", "weight", "scale", None, "weights", "row_index", "shared")
+
+
 def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shared: Optional[Tensor] = None,
             route: str = "separated") -> Tensor:
     """x = round_T(shared + sum_j weights[:, j] * y_j) of one rank: T[t, h], by `route` (plan's).
@@ -80,14 +86,15 @@ class Launcher:
     """moe_all_reduce's launcher where the collective does not combine as it reads: the combine (`route`,
     "kernel" or "separated"), then `dense`, the launcher of fused_all_reduce's route for the combined rows.
     `text`: describe()'s. On the gloo route (`gloo`) the sum's exchange carries the text too; `check`, where
-    given (COMMFUSE_CHECK), compares it across the ranks first. Either way the reference's route reads the
+    given (COMMFUSE_CHECK: check(note, refused=None)), compares it across the ranks first, with what the
+    routes would refuse of the call's own facts (checks.per_call). Either way the reference's route reads the
     row indices first and the text says whether they are in range, so that a rank whose are not makes every
     rank raise (CallMismatchError) before any rank writes an output; with COMMFUSE_GLOO_CHECK=0 (no
     signature) that rank raises ValueError and its peers' sums are NaN."""
 
     __slots__ = ("route", "dense", "outputs", "text", "gloo", "check")
 
-    def __init__(self, route: str, dense, outputs, text: str, gloo: bool, check: Optional[Callable[[str], None]]):
+    def __init__(self, route: str, dense, outputs, text: str, gloo: bool, check: Optional[Callable[..., None]]):
         self.route, self.dense, self.outputs = route, dense, outputs  # outputs: the call's OutputSpecs
         self.text, self.gloo, self.check = text, gloo, check
 
@@ -97,6 +104,12 @@ class Launcher:
             bad = reference.row_index_error(row_index, y.shape[0])
         note = self.text if bad is None else f"{self.text}, {bad}"
         if self.check is not None:
+            try:  # what the routes would refuse of this call's own facts, compared with the call
+                given = (None,) * len(self.outputs) if out is None else fields_of(out)
+                inputs = zip(LAUNCHER_INPUTS, (y, residual, weight, scale, out, weights, row_index, shared))
+                checks.per_call(OUT_NAMES, given, self.outputs, tuple((n, a) for n, a in inputs if n), scale)
+            except (TypeError, ValueError) as e:
+                self.check(note, refused=e)
             self.check(note)
         if bad is not None:
             if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written);

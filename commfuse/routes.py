@@ -377,7 +377,7 @@ class NcclRoute(Route):
             return native.launcher(LaunchPlan("ncclAllReduce", (), (OutputSpec(x.shape, x.dtype),), res.device.index,
                                               res.nccl, x.numel))
         first = _TorchAllReduce(res.group)
-        return _Then(first, _tail_kernel(call, res), _outputs(call)) if fused else first
+        return _Then(first, _tail_kernel(call, res), outputs_of(call)) if fused else first
 
 
 class GlooRoute(Route):
@@ -394,7 +394,7 @@ class GlooRoute(Route):
 
     def launcher(self, call, plan, res):
         first = _GlooSum(res, describe(call, plan))
-        return _Then(first, _tail_kernel(call, res), _outputs(call)) if call.spec is not None else first
+        return _Then(first, _tail_kernel(call, res), outputs_of(call)) if call.spec is not None else first
 
 
 class LocalRoute(Route):
@@ -459,13 +459,13 @@ class SeparatedRoute(Route):
         elif call.op == "quantize":
             tail = _SeparatedQuantize(spec)
         else:
-            tail = _SeparatedTail(spec, _outputs(call))
+            tail = _SeparatedTail(spec, outputs_of(call))
         if plan.collective is Collective.NONE:
             return tail
         if plan.collective is Collective.GLOO:  # its exchange checks the whole call, tail included
-            return _Then(_GlooSum(res, describe(call, plan)), tail, _outputs(call))
+            return _Then(_GlooSum(res, describe(call, plan)), tail, outputs_of(call))
         plain = Call("plain", call.x)  # the collective route's plain all-reduce of x
-        return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail, _outputs(call))
+        return _Then(ROUTES[str(plan.collective)].launcher(plain, plan, res), tail, outputs_of(call))
 
 
 _P2P_ROUTES = (P2PRoute("oneshot"), P2PRoute("twoshot"))
@@ -530,7 +530,7 @@ def _tail_kernel(call: Call, res: Resources):
     return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index))
 
 
-def _outputs(call: Call):
+def outputs_of(call: Call):
     """The OutputSpecs of a tail call's outputs."""
     return call.spec.outputs(call.tokens, call.hidden, call.x.dtype, call.residual is not None)
 

@@ -306,6 +306,52 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
         assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bad", ["a misaligned out", "an out that requires grad", "a CPU scale tensor of 0"])
+def test_commfuse_check_compares_what_a_planned_call_would_refuse(comm, gen, bad):
+    """COMMFUSE_CHECK on a planned call (a table hit: the signature holds no addresses or values): rank 0's call,
+    which its launcher would refuse for its own facts (where its outputs lie, a CPU scale's value), makes every
+    rank raise at the comparison, the others CallMismatchError naming the refusal, rather than leave them in
+    the collective (on NCCL, until the watchdog aborts the communicator); the next calls sum right."""
+    c = _checked_by(comm, "COMMFUSE_CHECK")
+    rank = dist.get_rank(c.group)
+    t, h = 4, 256
+    residual, weight, scale = tail_inputs(c, gen, t, h, torch.bfloat16, "fp8")
+    cpu_scale = bad == "a CPU scale tensor of 0"
+    if cpu_scale and c.device.type != "cpu":
+        pytest.skip("a scale's value is read on the CPU routes only (a GPU one would synchronise every call)")
+    steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(3)]
+
+    def call(x, out=None, s=scale):
+        if cpu_scale:
+            return c.fused_all_reduce(x, residual, weight, quant="fp8", scale=s).residual
+        return c.all_reduce(x, out=out)
+
+    def good_out():
+        return None if cpu_scale else torch.empty(t, h, dtype=torch.bfloat16, device=c.device)
+
+    call(steps[0][0], good_out())  # planned on every rank
+    x, _ = steps[1]
+    if rank == 0:
+        if bad == "a misaligned out":
+            with pytest.raises(ValueError, match="^out must be 16-byte aligned"):
+                call(x, torch.empty(t * h + 8, dtype=torch.bfloat16, device=c.device)[1:1 + t * h].view(t, h))
+        elif bad == "an out that requires grad":
+            with pytest.raises(ValueError, match="^out requires grad"):
+                call(x, good_out().requires_grad_())
+        else:
+            with pytest.raises(ValueError, match="^scale must be positive"):
+                call(x, s=torch.zeros(1))
+    else:
+        with pytest.raises(commfuse.CallMismatchError, match="rank 0: .*refused ValueError"):
+            call(x, good_out())
+    for x, xs in (steps[2], steps[0]):
+        total = reference.all_reduce_sum(xs)
+        want = reference.fused_tail(total, residual, weight, 1e-6).residual if cpu_scale else total
+        got = call(x, good_out())
+        assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
+
+
 @mpi
 def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
     """docs/guards.md's one rule, per call: all_reduce's out may not be x; a tail's out.norm may not be x;

@@ -109,7 +109,8 @@ def test_one_ranks_out_overlapping_y_on_a_planned_call_keeps_the_gloo_route_in_s
     """On the gloo route a rank whose out.norm overlaps its y on a planned signature (the plan table's key holds
     no addresses) raises ValueError after the exchange, as the dense route's checks do: its peers get the right
     sums, nothing of that rank's out is written, and the next call sums right on every rank. Raised before the
-    exchange, its peers' exchange would pair with its next call: a sum of two steps' rows."""
+    exchange, its peers' exchange would pair with its next call: a sum of two steps' rows. With COMMFUSE_CHECK
+    the comparison carries the refusal: the other ranks raise CallMismatchError naming it."""
     if comm.backend != "gloo" or quiet_comm.workspace is not None:
         pytest.skip("the gloo route (a rank raising before an NCCL or P2P collective leaves its peers to the timeout)")
     t, k, h = 4, 2, 64
@@ -128,6 +129,10 @@ def test_one_ranks_out_overlapping_y_on_a_planned_call_keeps_the_gloo_route_in_s
                 with pytest.raises(ValueError, match="out.norm overlaps y"):
                     c.moe_all_reduce(y, w, residual, weight, row_index=idx, out=Tail(None, norm, None, None, None))
                 assert bits_equal(y, before)
+                continue
+            if step == 1 and c.check_calls:
+                with pytest.raises(commfuse.CallMismatchError, match="refused ValueError: out.norm overlaps y"):
+                    c.moe_all_reduce(y, w, residual, weight, row_index=idx, out=Tail(None, norm, None, None, None))
                 continue
             got = c.moe_all_reduce(y, w, residual, weight, row_index=idx, out=Tail(None, norm, None, None, None))
             assert got.norm is norm and bits_equal(norm, want.norm), f"step {step}"

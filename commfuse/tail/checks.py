@@ -15,7 +15,7 @@ from torch import Tensor
 from .spec import Outputs, TailSpec
 
 __all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "quant_named", "plain_plan", "scale", "out",
-           "out_like", "out_placed", "same_device", "fields_of", "storage_room"]
+           "out_like", "out_placed", "per_call", "same_device", "fields_of", "storage_room"]
 
 # What any route can take: sums are accumulated in fp32 (the semantics), which would round an integer
 # or a float64 tensor.
@@ -278,6 +278,17 @@ def out_placed(names: Sequence[str], outputs: Sequence, specs: Sequence) -> None
         if spec is not None and spec.strides is not None and storage_room(t) < spec.storage_numel:
             raise ValueError(f"{name} must be a view of a storage of {spec.storage_numel} elements (padding rows "
                              f"included), got room for {storage_room(t)}")
+
+
+def per_call(names: Sequence[str], outputs: Sequence, specs: Sequence, inputs: Sequence[tuple], scale) -> None:
+    """What a planned call's launcher checks of the call's own facts, which the plan's key does not hold: where
+    the caller's outputs lie (out_placed, no_overlap: names, outputs, specs, inputs as there) and a CPU scale
+    tensor's value (scale_value). For COMMFUSE_CHECK's comparison, which runs it before the collective."""
+    if any(t is not None for t in outputs):
+        out_placed(names, outputs, specs)
+        no_overlap(names, outputs, specs, inputs)
+    if scale is not None:
+        scale_value(scale)
 
 
 def _span(t: Tensor, storage_numel: Optional[int] = None) -> tuple:
