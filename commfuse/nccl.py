@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import importlib.util
+import itertools
 import os
 import threading
 import time
