@@ -162,6 +162,7 @@ def calibrate(ws, topo, nccl=None) -> P2PLimits:
                                         "crossovers": [list(c) for c in limits.crossovers]}})
     return limits
 
+
 def _raise_together(group, cause: Optional[BaseException], what: str) -> None:
     """Collective: every rank reports its failure (cause, or None); where any rank has one, every rank raises
     CalibrationError naming each, this rank's cause chained."""
