@@ -309,8 +309,10 @@ class Communicator:
                 try:
                     routes.exchange_signature(self._check_group, f"a call that raised {type(e).__name__}: {e}", 0,
                                               payload, room)
-                except (routes.CallMismatchError, routes.CallTimeoutError):
+                except routes.CallMismatchError:
                     pass  # the peers' side of it: this rank raises its own error
+                except routes.CallTimeoutError as timeout:  # a peer skipped the call: the check group is broken
+                    raise e from timeout
             raise
 
     def _first(self, op: str, args: tuple, call: Call):
@@ -543,6 +545,8 @@ class Communicator:
             return
         try:
             routes.exchange_signature(self._check_group, f"{signature}, refused {type(refused).__name__}: {refused}", 0)
-        except (routes.CallMismatchError, routes.CallTimeoutError):
+        except routes.CallMismatchError:
             pass  # the peers' side of it: this rank raises its own error
+        except routes.CallTimeoutError as timeout:  # a peer skipped the call: the check group is broken
+            raise refused from timeout
         raise refused

@@ -352,6 +352,23 @@ def test_commfuse_check_compares_what_a_planned_call_would_refuse(comm, gen, bad
         assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_refused_call_that_a_peer_skipped_says_the_check_timed_out(comm, gen, monkeypatch):
+    """COMMFUSE_CHECK: rank 0's planned call would be refused (a misaligned out) while rank 1 skips the call:
+    rank 0 raises its own ValueError after COMMFUSE_GLOO_TIMEOUT_S, caused by the CallTimeoutError, so that the
+    user learns that the check group is broken from then on."""
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
+    c = _checked_by(comm, "COMMFUSE_CHECK")
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
+    c.all_reduce(x, out=torch.empty_like(x))  # planned on every rank
+    if dist.get_rank(c.group) == 0:
+        bad = torch.empty(4 * 64 + 8, dtype=torch.bfloat16, device=c.device)[1:1 + 4 * 64].view(4, 64)
+        with pytest.raises(ValueError, match="^out must be 16-byte aligned") as info:
+            c.all_reduce(x, out=bad)
+        assert isinstance(info.value.__cause__, commfuse.CallTimeoutError), repr(info.value.__cause__)
+    dist.barrier(comm.group)  # the communicator's own group has nothing pending
+
+
 @mpi
 def test_outputs_overlapping_an_input_raise_on_every_route(comm, gen):
     """docs/guards.md's one rule, per call: all_reduce's out may not be x; a tail's out.norm may not be x;
