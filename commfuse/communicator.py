@@ -306,13 +306,7 @@ class Communicator:
                 # route's with room for x, on x's device.
                 payload, room = ((None, 0) if self._check_calls else
                                  (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
-                try:
-                    routes.exchange_signature(self._check_group, f"a call that raised {type(e).__name__}: {e}", 0,
-                                              payload, room)
-                except routes.CallMismatchError:
-                    pass  # the peers' side of it: this rank raises its own error
-                except routes.CallTimeoutError as timeout:  # a peer skipped the call: the check group is broken
-                    raise e from timeout
+                routes.refuse(self._check_group, "a call that raised", e, payload, room)
             raise
 
     def _first(self, op: str, args: tuple, call: Call):
@@ -540,13 +534,6 @@ class Communicator:
         naming it; where every rank has the same, none does), then raised."""
         if self._check_group is None:
             self._check_group = self._open_check_group()
-        if refused is None:
-            routes.exchange_signature(self._check_group, str(signature), 0)
-            return
-        try:
-            routes.exchange_signature(self._check_group, f"{signature}, refused {type(refused).__name__}: {refused}", 0)
-        except routes.CallMismatchError:
-            pass  # the peers' side of it: this rank raises its own error
-        except routes.CallTimeoutError as timeout:  # a peer skipped the call: the check group is broken
-            raise refused from timeout
-        raise refused
+        if refused is not None:
+            routes.refuse(self._check_group, f"{signature}, refused", refused)
+        routes.exchange_signature(self._check_group, str(signature), 0)

@@ -636,6 +636,20 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     return [b[16:16 + nbytes].view(payload.dtype).view(payload.shape) for b in bufs]
 
 
+def refuse(check_group, call: str, error: Exception, payload=None, room: int = 0) -> None:
+    """Raise `error`, this rank's for a call its peers make, after taking part in their exchange of it
+    (exchange_signature's arguments payload and room as theirs), its text `call` then "<Error>: <message>": its
+    peers raise CallMismatchError naming it rather than pair the exchange with this rank's next call. Where
+    a peer skipped the call, the error is caused by the CallTimeoutError: the check group is broken."""
+    try:
+        exchange_signature(check_group, f"{call} {type(error).__name__}: {error}", 0, payload, room)
+    except CallMismatchError:
+        pass  # the peers' side of it: this rank raises its own error
+    except CallTimeoutError as timeout:
+        raise error from timeout
+    raise error
+
+
 GLOO_INLINE_BYTES = 16384  # a decode step's rows (8192 bf16 elements) travel with the gloo route's signature
 
 
