@@ -12,7 +12,9 @@ the partial products are summed with `torch.distributed.all_reduce` in place, as
 bias added once, after the sum). That all-reduce is followed by the residual add and the next RMSNorm:
 the tail commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attention reshapes
 with `-1` heads (transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged
-on their share of the heads.
+on their share of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
+up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the projections to
+the latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated.
 
 A MoE block (transformers 5's layout: a router `gate` and an `experts` module holding every expert's
 `gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate]) is sharded the
@@ -26,7 +28,8 @@ the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is
 written, and the all-reduce tail after it fused.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, and the MoE ones Mixtral,
-Qwen2-MoE (with its gated shared expert), Qwen3-MoE and GLM4-MoE (shared experts, dense first layers).
+Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense first
+layers; DeepSeek's latent attention).
 Others raise ValueError naming what is missing.
 """
 from __future__ import annotations
@@ -40,8 +43,12 @@ from torch import nn
 
 __all__ = ["shard_decoder", "RowParallelLinear"]
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# q_b_proj and kv_b_proj: multi-head latent attention's per-head up-projections (DeepSeek V2 / V3); its
+# down-projections to the shared latents (q_a_proj, kv_a_proj_with_mqa) and their norms stay replicated.
+_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
+_ATTENTION = ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"})
+_MLP = {"gate_proj", "up_proj", "down_proj"}
 
 
 class RowParallelLinear(nn.Module):
@@ -215,7 +222,7 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         if parent in in_moe:
             continue
         names = {n for n, _ in parent.named_children()}
-        if not (names >= {"q_proj", "k_proj", "v_proj", "o_proj"} or names >= {"gate_proj", "up_proj", "down_proj"}):
+        if not (any(names >= a for a in _ATTENTION) or names >= _MLP):
             continue
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
@@ -226,6 +233,6 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
                 setattr(parent, child_name, _row(child, rank, world, group))
                 sharded += 1
     if not sharded:
-        raise ValueError("no attention (q/k/v/o_proj), MLP (gate/up/down_proj) or MoE (gate, experts) layers "
-                         "found: not a decoder shard_decoder knows")
+        raise ValueError("no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE (gate, "
+                         "experts) layers found: not a decoder shard_decoder knows")
     return model

@@ -26,22 +26,32 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(MOE, n_routed_experts=4, n_shared_experts=1,
                                                              first_k_dense_replace=1)),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+# Latent attention (per-head dims 8 + 16 for q and k, the rotary part head_dim's 16; 16 for v), the router's
+# groups one, as above otherwise.
+DEEPSEEK = dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=16)
+FAMILIES.update({"deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK),
+                 "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
+                 "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None))})
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_no_q_lora")
 OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}  # a family shard_decoder refuses
 LAYERS = 2
 
 
 def tiny(family, dtype, seed=0):
-    """Two key-value heads per rank (at least two in all), two query heads per key-value head."""
+    """Two key-value heads per rank (at least two in all), two query heads per key-value head (latent attention:
+    one each)."""
     import torch.distributed as dist
 
     config_name, model_name, extra = {**FAMILIES, **OTHERS}[family]
     kv = 2 * dist.get_world_size()
     if family in MOE_FAMILIES:
         extra = dict(extra, moe_intermediate_size=32 * kv, shared_expert_intermediate_size=64 * kv)
+    # Latent attention expands every query head's own key and value: as many key-value heads as heads.
+    kv_heads = 2 * kv if "kv_lora_rank" in extra else kv
     config = getattr(transformers, config_name)(hidden_size=2 * kv * 16, intermediate_size=128 * kv,
                                                 num_hidden_layers=LAYERS, num_attention_heads=2 * kv,
-                                                num_key_value_heads=kv, head_dim=16, vocab_size=128,
+                                                num_key_value_heads=kv_heads, head_dim=16, vocab_size=128,
                                                 max_position_embeddings=64, **extra)
     torch.manual_seed(seed)  # the same weights on every rank
     return getattr(transformers, model_name)(config).to(dtype).eval()
@@ -65,8 +75,9 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
         got = model(ids, use_cache=False).logits
     rows = sum(isinstance(m, RowParallelLinear) for m in model.modules())
     assert rows == 2 * LAYERS - moe_layers(model)  # o_proj's, and down_proj's in a dense MLP
-    q = model.model.layers[0].self_attn.q_proj
-    assert q.out_features == model.config.num_attention_heads * 16 // comm.world_size
+    attention = model.model.layers[0].self_attn
+    q = attention.q_b_proj if getattr(attention, "q_b_proj", None) is not None else attention.q_proj
+    assert q.out_features == model.config.num_attention_heads * getattr(model.config, "qk_head_dim", 16) // comm.world_size
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -92,7 +103,7 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
     text = "\n".join(map(str, reports))
     # Every one: o_proj's, and down_proj's in a dense MLP or the MoE block's (its combine with it).
     assert (fused, moe_fused) == (2 * LAYERS - moe_layers(model), moe_layers(model)), text
-    assert moe_layers(model) == (0 if not moe else LAYERS - (family == "glm4_moe")), text
+    assert moe_layers(model) == (0 if not moe else LAYERS - FAMILIES[family][2].get("first_k_dense_replace", 0)), text
     assert not any(s.what == "all-reduce" for r in reports for s in r.skipped), text
     # The fused norms round once where the model's round twice (docs/fusion.md, Tolerances).
     err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
