@@ -8,16 +8,19 @@ model, unchanged" can be tried on transformers' own classes in a few lines.
 Per decoder layer: the attention's q_proj / k_proj / v_proj and the MLP's gate_proj / up_proj become
 column-parallel (each rank keeps its 1 / world of the heads and of the intermediate features, biases
 included), o_proj and down_proj row-parallel: each rank multiplies its slice of the input features and
-the partial products are summed with `torch.distributed.all_reduce` in place, as models write it (the
-bias added once, after the sum). That all-reduce is followed by the residual add and the next RMSNorm:
-the tail commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attention reshapes
-with `-1` heads (transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged
-on their share of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
-up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the projections to
-the latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated.
+the partial products are summed with `torch.distributed.all_reduce` in place, as models write it (a
+bias added to rank 0's partial product only, as vLLM does, so that the sum holds it once). That
+all-reduce is followed by the residual add and the next RMSNorm: the tail commfuse.fusion fuses.
+Embeddings, norms and the LM head stay replicated. Attention reshapes with `-1` heads (transformers'
+Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged on their share
+of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
+up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the
+projections to the latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms)
+replicated.
 
-A MoE block (transformers 5's layout: a router `gate` and an `experts` module holding every expert's
-`gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate]) is sharded the
+A MoE block (transformers 5's layout: a router `gate` (gpt-oss: `router`) and an `experts` module holding
+every expert's `gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate], or
+both transposed, gate and up concatenated or interleaved, with or without biases) is sharded the
 same way inside each expert: every rank keeps its 1 / world of each expert's intermediate features, the
 router stays replicated, and the block's output (the routing-weighted combine of the experts' partial
 products, plus a shared expert's, whose down_proj is then a partial product too) is all-reduced in place
@@ -29,7 +32,8 @@ written, and the all-reduce tail after it fused.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, and the MoE ones Mixtral,
 Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense first
-layers; DeepSeek's latent attention).
+layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with biases; attention sinks,
+one per head, shared out with the heads).
 Others raise ValueError naming what is missing.
 """
 from __future__ import annotations
@@ -52,10 +56,13 @@ _MLP = {"gate_proj", "up_proj", "down_proj"}
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard @ W_shard^T) + bias: one rank's slice of a row-parallel linear layer.
+    """y = all_reduce(x_shard @ W_shard^T + bias): one rank's slice of a row-parallel linear layer.
 
-    weight: [out, in / world] (this rank's columns), bias: [out] or None, both replicated values of
-    the unsharded layer's; group: the tensor-parallel group (None: WORLD)."""
+    weight: [out, in / world] (this rank's columns of the unsharded layer's); bias: [out], the unsharded
+    layer's, on one rank of the group, None on the others (or on every rank); group: the tensor-parallel
+    group (None: WORLD). The bias goes into one partial product rather than after the sum, so that
+    what reads the all-reduce's sum (the residual add and norm) reads it directly: the tail
+    commfuse.fusion fuses."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group=None):
         super().__init__()
@@ -64,9 +71,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return y
 
 
 def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
@@ -84,7 +91,7 @@ def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
 def _row(linear: nn.Linear, rank: int, world: int, group) -> RowParallelLinear:
     cols = linear.in_features // world
     weight = linear.weight.detach()[:, rank * cols:(rank + 1) * cols].contiguous()
-    bias = None if linear.bias is None else linear.bias.detach().clone()
+    bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
     return RowParallelLinear(weight, bias, group)
 
 
@@ -102,41 +109,64 @@ def _slice_linear(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
     return new
 
 
+_ROUTERS = ("gate", "router")  # gpt-oss names it router
+
+
 def _is_moe_block(module: nn.Module) -> bool:
     experts = getattr(module, "experts", None)
-    return hasattr(module, "gate") and all(isinstance(getattr(experts, n, None), torch.Tensor)
-                                           for n in ("gate_up_proj", "down_proj"))
+    return any(hasattr(module, n) for n in _ROUTERS) and all(isinstance(getattr(experts, n, None), torch.Tensor)
+                                                             for n in ("gate_up_proj", "down_proj"))
 
 
 _SHARED = ("shared_expert", "shared_experts")  # Qwen2-MoE's; DeepSeek's and GLM4-MoE's
-_MOE_CHILDREN = {"gate", "experts", "shared_expert_gate", *_SHARED}
+_MOE_CHILDREN = {*_ROUTERS, "experts", "shared_expert_gate", *_SHARED}
 
 
 def _shared_expert(block: nn.Module) -> Optional[nn.Module]:
     return next((getattr(block, n) for n in _SHARED if getattr(block, n, None) is not None), None)
 
 
+def _intermediate_axes(experts: nn.Module) -> tuple[int, int]:
+    """The axes of gate_up_proj and down_proj that run over the intermediate features: transformers stores
+    them [experts, 2 * intermediate, h] and [experts, h, intermediate], or transposed (gpt-oss)."""
+    return (2, 1) if getattr(experts, "is_transposed", False) else (1, 2)
+
+
+def _gate_up_share(t: torch.Tensor, axis: int, inter: int, rank: int, n: int, concatenated: bool) -> torch.Tensor:
+    """This rank's n gate and n up features of `t` along its 2 * inter `axis`: a share of each half where
+    gate and up are concatenated, one run of (gate, up) pairs where they are interleaved (gpt-oss)."""
+    if concatenated:
+        return torch.cat([t.narrow(axis, rank * n, n), t.narrow(axis, inter + rank * n, n)], dim=axis).contiguous()
+    return t.narrow(axis, 2 * rank * n, 2 * n).contiguous()
+
+
 def _check_moe_block(block: nn.Module, world: int) -> None:
     """ValueError where shard_decoder cannot shard this MoE block over `world` ranks (before any is)."""
     experts = block.experts
-    layout = {n: getattr(experts, n, d) for n, d in (("is_transposed", False), ("is_concatenated", True),
-                                                     ("has_gate", True), ("has_bias", False),
-                                                     ("has_post_expert_norm", False))}
-    if layout != {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
-                  "has_post_expert_norm": False}:
+    layout = {n: getattr(experts, n, d) for n, d in (("has_gate", True), ("has_post_expert_norm", False))}
+    if layout != {"has_gate": True, "has_post_expert_norm": False}:
         raise ValueError(f"MoE experts {type(experts).__name__} store their weights as {layout}: shard_decoder "
-                         "knows concatenated [gate; up] weights, not transposed, without biases or a norm per expert")
+                         "knows gated experts (gate_up_proj) without a norm per expert")
     # A part of the block that the hook's all-reduce would sum once per rank unless it is sharded.
     other = [n for n, m in block.named_children() if n not in _MOE_CHILDREN and any(True for _ in m.parameters())]
     if other:
         raise ValueError(f"MoE block {type(block).__name__} has {other} beside its router, experts and shared "
                          "expert: shard_decoder does not know how to shard them")
     up, down = experts.gate_up_proj, experts.down_proj
-    inter = down.shape[-1]
-    if up.dim() != 3 or down.dim() != 3 or up.shape[1] != 2 * inter or inter % world:
+    up_axis, down_axis = _intermediate_axes(experts)
+    inter = down.shape[down_axis] if down.dim() == 3 else 0
+    if up.dim() != 3 or down.dim() != 3 or up.shape[up_axis] != 2 * inter or inter % world:
+        want = ("[experts, h, 2 * intermediate] and [experts, intermediate, h]" if up_axis == 2 else
+                "[experts, 2 * intermediate, h] and [experts, h, intermediate]")
         raise ValueError(f"MoE experts with gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)}: "
-                         f"expected [experts, 2 * intermediate, h] and [experts, h, intermediate], intermediate "
-                         f"dividing by the world size {world}")
+                         f"expected {want}, intermediate dividing by the world size {world}")
+    if getattr(experts, "has_bias", False):
+        h = up.shape[3 - up_axis]
+        shapes = {n: tuple(b.shape) if isinstance(b := getattr(experts, n, None), torch.Tensor) else None
+                  for n in ("gate_up_proj_bias", "down_proj_bias")}
+        if shapes != {"gate_up_proj_bias": (up.shape[0], 2 * inter), "down_proj_bias": (up.shape[0], h)}:
+            raise ValueError(f"MoE experts with biases {shapes}: expected gate_up_proj_bias [experts, "
+                             "2 * intermediate] and down_proj_bias [experts, h]")
     shared = _shared_expert(block)
     if shared is not None and not all(isinstance(getattr(shared, n, None), nn.Linear)
                                       for n in ("gate_proj", "up_proj", "down_proj")):
@@ -149,18 +179,25 @@ def _check_moe_block(block: nn.Module, world: int) -> None:
 
 def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
     """Each expert's (and the shared expert's) intermediate features over the ranks; the block's output
-    all-reduced in place by a forward hook."""
+    all-reduced in place by a forward hook. The experts' down_proj biases are kept on rank 0 only, so that
+    the sum adds each once."""
     experts = block.experts
-    up, down = experts.gate_up_proj, experts.down_proj
-    inter = down.shape[-1]
+    up_axis, down_axis = _intermediate_axes(experts)
+    inter = experts.down_proj.shape[down_axis]
     n = inter // world
-    mine = slice(rank * n, (rank + 1) * n)
+    concatenated = getattr(experts, "is_concatenated", True)
+    shares = {"gate_up_proj": lambda t: _gate_up_share(t, up_axis, inter, rank, n, concatenated),
+              "down_proj": lambda t: t.narrow(down_axis, rank * n, n).contiguous()}
+    if getattr(experts, "has_bias", False):
+        shares["gate_up_proj_bias"] = lambda t: _gate_up_share(t, 1, inter, rank, n, concatenated)
+        shares["down_proj_bias"] = lambda t: t.clone() if rank == 0 else torch.zeros_like(t)
     with torch.no_grad():
-        gate_up = torch.cat([up[:, :inter][:, mine], up[:, inter:][:, mine]], dim=1).contiguous()
-        experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=up.requires_grad)
-        experts.down_proj = nn.Parameter(down[:, :, mine].contiguous(), requires_grad=down.requires_grad)
-    if hasattr(experts, "intermediate_dim"):
-        experts.intermediate_dim = n
+        for name, share in shares.items():
+            old = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(share(old.detach()), requires_grad=old.requires_grad))
+    for name in ("intermediate_dim", "intermediate_size"):
+        if isinstance(getattr(experts, name, None), int):
+            setattr(experts, name, n)
     shared = _shared_expert(block)
     if shared is not None:
         shared.gate_proj = _column(shared.gate_proj, rank, world)
@@ -168,14 +205,27 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
         shared.down_proj = _slice_linear(shared.down_proj, rank, world)
 
     def all_reduce(module, args, output):
-        dist.all_reduce(output, group=group)
+        # gpt-oss's block returns (output, router scores)
+        dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=group)
 
     block.register_forward_hook(all_reduce)
 
 
-def _check_head_norms(path: str, attention: nn.Module, heads: int) -> None:
+def _shard_sinks(attention: nn.Module, rank: int, world: int) -> None:
+    """An attention's per-head sink logits (gpt-oss): this rank's heads' share."""
+    sinks = attention.sinks
+    n = sinks.shape[0] // world
+    attention.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=sinks.requires_grad)
+
+
+def _check_attention(path: str, attention: nn.Module, heads: int) -> None:
     """Raise where an attention's q_norm / k_norm normalises more than one head's features (Olmo2 norms the
-    whole projection): each rank keeps a share of the heads, so its norm would see a part of the row."""
+    whole projection): each rank keeps a share of the heads, so its norm would see a part of the row; or
+    where its sink logits are not one per head."""
+    sinks = getattr(attention, "sinks", None)
+    if isinstance(sinks, torch.Tensor) and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"{path}.sinks has shape {tuple(sinks.shape)}, not one logit per head ({heads},): "
+                         "shard_decoder cannot share it out by heads")
     q_proj = getattr(attention, "q_proj", None)
     if not isinstance(q_proj, nn.Linear):
         return
@@ -193,8 +243,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError,
     before it changes anything, where the heads, key-value heads or intermediate features (an expert's
     too) do not divide by the world size, where a MoE block's experts store their weights in another
-    layout, where an attention's q/k norm spans more than one head, or where the model has no layer of
-    the known shape."""
+    layout, where an attention's q/k norm spans more than one head or its sinks are not one per head, or
+    where the model has no layer of the known shape."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -208,7 +258,7 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         if value % world:
             raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
     for path, m in model.named_modules():
-        _check_head_norms(path, m, heads)
+        _check_attention(path, m, heads)
     sharded = 0
     in_moe = set()
     blocks = [m for m in model.modules() if _is_moe_block(m)]
@@ -224,6 +274,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         names = {n for n, _ in parent.named_children()}
         if not (any(names >= a for a in _ATTENTION) or names >= _MLP):
             continue
+        if isinstance(getattr(parent, "sinks", None), torch.Tensor):
+            _shard_sinks(parent, rank, world)
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue

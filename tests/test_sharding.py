@@ -32,8 +32,11 @@ DEEPSEEK = dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_repla
                 q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=16)
 FAMILIES.update({"deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK),
                  "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
-                 "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None))})
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_no_q_lora")
+                 "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None)),
+                 # experts transposed, gate and up interleaved, with biases; attention sinks; sliding layers
+                 "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(MOE, num_local_experts=4, sliding_window=4))})
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_no_q_lora",
+                "gpt_oss")
 OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}  # a family shard_decoder refuses
 LAYERS = 2
 
@@ -54,7 +57,12 @@ def tiny(family, dtype, seed=0):
                                                 num_key_value_heads=kv_heads, head_dim=16, vocab_size=128,
                                                 max_position_embeddings=64, **extra)
     torch.manual_seed(seed)  # the same weights on every rank
-    return getattr(transformers, model_name)(config).to(dtype).eval()
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # biases and sinks start at zero or near it: random ones, so a wrong share shows
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5)
+    return model.to(dtype).eval()
 
 
 def moe_layers(model):
@@ -146,8 +154,20 @@ def test_shard_decoder_errors(comm):
     with pytest.raises(ValueError, match="not a decoder"):
         shard_decoder(torch.nn.Linear(4, 4))
     model = tiny("qwen2_moe", torch.float32)
-    model.model.layers[0].mlp.experts.is_transposed = True  # e.g. gpt-oss's [experts, h, 2 * intermediate]
+    model.model.layers[0].mlp.experts.is_transposed = True  # the weights' shapes are not transposed ones
+    with pytest.raises(ValueError, match=r"expected \[experts, h, 2 \* intermediate\]"):
+        shard_decoder(model)
+    model = tiny("qwen2_moe", torch.float32)
+    model.model.layers[0].mlp.experts.has_post_expert_norm = True  # a norm of each expert's partial product
     with pytest.raises(ValueError, match="store their weights as"):
+        shard_decoder(model)
+    model = tiny("gpt_oss", torch.float32)
+    model.model.layers[1].mlp.experts.down_proj_bias.data = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="MoE experts with biases"):
+        shard_decoder(model)
+    model = tiny("gpt_oss", torch.float32)
+    model.model.layers[1].self_attn.sinks.data = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.sinks has shape \(3,\), not one logit per head"):
         shard_decoder(model)
     model = tiny("glm4_moe", torch.float32)
     model.model.layers[1].mlp.extra = torch.nn.Linear(4, 4)  # would be summed once per rank by the all-reduce
