@@ -446,6 +446,32 @@ def test_view_reshape_and_no_op_cast_chains(quiet_comm, gen):
 
 
 @mpi
+@pytest.mark.parametrize("spelling", ["F.dropout", "nn.Dropout", "torch.dropout", "training"])
+def test_dropout_outside_training_is_no_step(quiet_comm, gen, spelling):
+    """Dropout on the residual branch (Seed-OSS's, Phi-3's) returns its input outside training: the tail is fused
+    across it. In training it draws a mask, and the all-reduce is left as written."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    module = torch.nn.Dropout(0.1).eval()
+    drop = {"F.dropout": lambda y: F.dropout(y, p=0.1, training=False), "nn.Dropout": module,
+            "torch.dropout": lambda y: torch.dropout(y, 0.1, False), "training": lambda y: F.dropout(y, 0.1, True)}[spelling]
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + drop(y)
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    if spelling == "training":
+        assert counts(gm).get(FUSED_AR, 0) == 0, report
+        assert [s.what for s in report.skipped] == ["all-reduce"], report
+        return
+    assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+    assert_same(got, want)
+
+
+@mpi
 def test_commfuse_local_op_after_all_reduce_becomes_fused_all_reduce(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")

@@ -139,6 +139,8 @@ def _kind(node: fx.Node) -> Optional[str]:
         return k
     if node.op == "call_function":
         k = _FUNCTIONS.get(node.target)
+        if node.target in _DROPOUTS:
+            return "identity" if _dropout_is_identity(node) else None
         if k is None:
             try:
                 k = _commfuse_kind(node.target)
@@ -151,8 +153,30 @@ def _kind(node: fx.Node) -> Optional[str]:
             return "rms_norm"
         if isinstance(mod, torch.nn.SiLU):
             return "silu"
+        if type(mod) is torch.nn.Dropout and not mod.training and not mod.inplace:
+            return "identity"
         return None
     return None
+
+
+# Dropout outside training returns its input: models write it on the residual branch (Seed-OSS's, Phi-3's
+# residual dropout), between the all-reduce and the residual add. The training flag and its default per
+# spelling: F.dropout(input, p, training=True, inplace=False), torch.dropout / aten.dropout(input, p, train).
+_DROPOUTS = {F.dropout: ("training", True), torch.dropout: ("train", None),
+             **{t: ("train", None) for t in _overloads(aten.dropout, "default")}}
+
+
+def _is_dropout(node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(_module(node), torch.nn.Dropout)
+    return node.op == "call_function" and node.target in _DROPOUTS
+
+
+def _dropout_is_identity(node: fx.Node) -> bool:
+    name, default = _DROPOUTS[node.target]
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get(name, default)
+    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
+    return training is False and inplace is False
 
 
 _SHAPE_METHODS = ("size", "dim", "numel")
@@ -337,6 +361,8 @@ def may_alias(node: Any) -> bool:
     """Whether node's value may share memory with one of its inputs (a view, a slice, ...)."""
     if not isinstance(node, fx.Node):
         return False
+    if _is_dropout(node):
+        return True  # outside training it returns its input itself
     if kind(node) == "cast" or (node.op == "call_method" and node.target in _DTYPE_METHODS):
         src = source(node)
         if dtype(node) is not None and dtype(node) == dtype(src):
