@@ -30,7 +30,7 @@ grouped_mm experts (its default where a model supports it: rows in expert order 
 the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is reported and left as
 written, and the all-reduce tail after it fused.
 
-Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, and the MoE ones Mixtral,
+Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, and the MoE ones Mixtral,
 Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense first
 layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with biases; attention sinks,
 one per head, shared out with the heads).

@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),  # dropout between each all-reduce and its add
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4, sliding_window=None)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(MOE, num_experts=4)),  # with a shared expert
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, num_experts=4)),
