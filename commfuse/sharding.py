@@ -30,10 +30,13 @@ grouped_mm experts (its default where a model supports it: rows in expert order 
 the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is reported and left as
 written, and the all-reduce tail after it fused.
 
-Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, and the MoE ones Mixtral,
-Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense first
-layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with biases; attention sinks,
-one per head, shared out with the heads).
+An attention or MLP holding any other weighted part, or a projection that is not a plain nn.Linear, is
+refused (ValueError) rather than sharded wrong.
+
+Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM, and the
+MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
+experts, dense first layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with
+biases; attention sinks, one per head, shared out with the heads).
 Others raise ValueError naming what is missing.
 """
 from __future__ import annotations
@@ -211,31 +214,72 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
     block.register_forward_hook(all_reduce)
 
 
-def _shard_sinks(attention: nn.Module, rank: int, world: int) -> None:
-    """An attention's per-head sink logits (gpt-oss): this rank's heads' share."""
-    sinks = attention.sinks
-    n = sinks.shape[0] // world
-    attention.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=sinks.requires_grad)
+# What an attention may hold beside the projections it shards: per-head q/k norms (checked), and latent
+# attention's replicated down-projections with their norms. Its head counts are set to a rank's share.
+_ATTENTION_KEEPS = {"q_norm", "k_norm", "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
-def _check_attention(path: str, attention: nn.Module, heads: int) -> None:
-    """Raise where an attention's q_norm / k_norm normalises more than one head's features (Olmo2 norms the
-    whole projection): each rank keeps a share of the heads, so its norm would see a part of the row; or
-    where its sink logits are not one per head."""
-    sinks = getattr(attention, "sinks", None)
+def _layers(model: nn.Module, blocks: list) -> list:
+    """(path, module, is_attention) of each attention and each dense MLP outside the MoE blocks."""
+    in_moe = {m for b in blocks for m in b.modules()}
+    found = []
+    for path, layer in model.named_modules():
+        names = {n for n, _ in layer.named_children()}
+        if layer in in_moe:
+            continue
+        if any(names >= a for a in _ATTENTION):
+            found.append((path, layer, True))
+        elif names >= _MLP:
+            found.append((path, layer, False))
+    return found
+
+
+def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int) -> None:
+    """Raise where shard_decoder cannot shard this attention or MLP: a weighted part it does not know (each
+    rank would keep all of it, or the wrong share: DiffLlama's lambdas, BitNet's norm of the whole
+    projection), a projection that is not an nn.Linear, a q_norm / k_norm over more than one head's
+    features (Olmo2 norms the whole projection: a rank's share of the heads would change it), or sinks
+    that are not one per head."""
+    known = {*_COLUMN, *_ROW, *(_ATTENTION_KEEPS if attention else ())}
+    other = [n for n, m in layer.named_children() if n not in known and any(True for _ in m.parameters())]
+    other += [n for n, _ in layer.named_parameters(recurse=False) if not (attention and n == "sinks")]
+    if other:
+        raise ValueError(f"{path} ({type(layer).__name__}) has {other} beside its projections: shard_decoder "
+                         "does not know how to shard them")
+    for name, child in layer.named_children():
+        if name in (*_COLUMN, *_ROW) and type(child) is not nn.Linear:
+            raise ValueError(f"{path}.{name} is a {type(child).__name__}, not an nn.Linear: shard_decoder "
+                             "shards plain linear layers")
+    if not attention:
+        return
+    sinks = getattr(layer, "sinks", None)
     if isinstance(sinks, torch.Tensor) and tuple(sinks.shape) != (heads,):
         raise ValueError(f"{path}.sinks has shape {tuple(sinks.shape)}, not one logit per head ({heads},): "
                          "shard_decoder cannot share it out by heads")
-    q_proj = getattr(attention, "q_proj", None)
+    q_proj = getattr(layer, "q_proj", None)
     if not isinstance(q_proj, nn.Linear):
         return
     head_dim = q_proj.out_features // heads
     for name in ("q_norm", "k_norm"):
-        w = getattr(getattr(attention, name, None), "weight", None)
+        w = getattr(getattr(layer, name, None), "weight", None)
         if isinstance(w, torch.Tensor) and w.numel() != head_dim:
             raise ValueError(f"{path}.{name} normalises {w.numel()} features, not one head's {head_dim}: sharding "
                              "the heads would change it (a norm over the whole projection, as Olmo2's); not a "
                              "decoder shard_decoder knows")
+
+
+def _shard_attention(layer: nn.Module, rank: int, world: int) -> None:
+    """An attention's sinks (gpt-oss's per-head logits) and the head counts it keeps (StableLM views its
+    projections with its own num_heads): a rank's share."""
+    sinks = getattr(layer, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        n = sinks.shape[0] // world
+        layer.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=sinks.requires_grad)
+    for name in _HEAD_COUNTS:
+        count = getattr(layer, name, None)
+        if type(count) is int and count % world == 0:
+            setattr(layer, name, count // world)
 
 
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
@@ -243,8 +287,9 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError,
     before it changes anything, where the heads, key-value heads or intermediate features (an expert's
     too) do not divide by the world size, where a MoE block's experts store their weights in another
-    layout, where an attention's q/k norm spans more than one head or its sinks are not one per head, or
-    where the model has no layer of the known shape."""
+    layout, where an attention or MLP holds a weighted part it does not know or a projection that is not an
+    nn.Linear, where an attention's q/k norm spans more than one head or its sinks are not one per head,
+    or where the model has no layer of the known shape."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -257,34 +302,23 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
             raise ValueError(f"model.config has no {name}: not a decoder shard_decoder knows")
         if value % world:
             raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
-    for path, m in model.named_modules():
-        _check_attention(path, m, heads)
-    sharded = 0
-    in_moe = set()
     blocks = [m for m in model.modules() if _is_moe_block(m)]
-    for block in blocks:
-        _check_moe_block(block, world)
-    for block in blocks:
-        _shard_moe_block(block, rank, world, group)
-        in_moe.update(block.modules())
-        sharded += 1
-    for parent in list(model.modules()):
-        if parent in in_moe:
-            continue
-        names = {n for n, _ in parent.named_children()}
-        if not (any(names >= a for a in _ATTENTION) or names >= _MLP):
-            continue
-        if isinstance(getattr(parent, "sinks", None), torch.Tensor):
-            _shard_sinks(parent, rank, world)
-        for child_name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if child_name in _COLUMN:
-                setattr(parent, child_name, _column(child, rank, world))
-            elif child_name in _ROW:
-                setattr(parent, child_name, _row(child, rank, world, group))
-                sharded += 1
-    if not sharded:
+    layers = _layers(model, blocks)
+    if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
         raise ValueError("no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE (gate, "
                          "experts) layers found: not a decoder shard_decoder knows")
+    for block in blocks:
+        _check_moe_block(block, world)
+    for path, layer, attention in layers:
+        _check_layer(path, layer, attention, heads)
+    for block in blocks:
+        _shard_moe_block(block, rank, world, group)
+    for _, layer, attention in layers:
+        if attention:
+            _shard_attention(layer, rank, world)
+        for name, child in list(layer.named_children()):
+            if name in _COLUMN:
+                setattr(layer, name, _column(child, rank, world))
+            elif name in _ROW:
+                setattr(layer, name, _row(child, rank, world, group))
     return model
