@@ -61,20 +61,21 @@ _MLP = {"gate_proj", "up_proj", "down_proj"}
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T + bias): one rank's slice of a row-parallel linear layer.
 
-    weight: [out, in / world] (this rank's columns of the unsharded layer's); bias: [out], the unsharded
-    layer's, on one rank of the group, None on the others (or on every rank); group: the tensor-parallel
-    group (None: WORLD). The bias goes into one partial product rather than after the sum, so that
-    what reads the all-reduce's sum (the residual add and norm) reads it directly: the tail
-    commfuse.fusion fuses."""
+    weight: [out, in / world] (this rank's columns of the unsharded layer's); bias: [out] or None, the
+    unsharded layer's, the same on every rank; group: the tensor-parallel group (None: WORLD). The
+    group's first rank adds the bias to its partial product (as vLLM does) rather than every rank after
+    the sum, so that what reads the all-reduce's sum (the residual add and norm) reads it directly: the
+    tail commfuse.fusion fuses."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group=None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
+        self.adds_bias = dist.get_rank(group) == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias if self.adds_bias else None)
         dist.all_reduce(y, group=self.group)
         return y
 
@@ -94,7 +95,7 @@ def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
 def _row(linear: nn.Linear, rank: int, world: int, group) -> RowParallelLinear:
     cols = linear.in_features // world
     weight = linear.weight.detach()[:, rank * cols:(rank + 1) * cols].contiguous()
-    bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
+    bias = None if linear.bias is None else linear.bias.detach().clone()
     return RowParallelLinear(weight, bias, group)
 
 
@@ -143,13 +144,16 @@ def _gate_up_share(t: torch.Tensor, axis: int, inter: int, rank: int, n: int, co
     return t.narrow(axis, 2 * rank * n, 2 * n).contiguous()
 
 
-def _check_moe_block(block: nn.Module, world: int) -> None:
+def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
     """ValueError where shard_decoder cannot shard this MoE block over `world` ranks (before any is)."""
     experts = block.experts
     layout = {n: getattr(experts, n, d) for n, d in (("has_gate", True), ("has_post_expert_norm", False))}
     if layout != {"has_gate": True, "has_post_expert_norm": False}:
         raise ValueError(f"MoE experts {type(experts).__name__} store their weights as {layout}: shard_decoder "
                          "knows gated experts (gate_up_proj) without a norm per expert")
+    if getattr(block, "zero_expert_num", 0):  # LongcatFlash's
+        raise ValueError(f"{path} ({type(block).__name__}) has {block.zero_expert_num} zero experts, which add "
+                         "the block's input itself: the all-reduce would sum it once per rank")
     # A part of the block that the hook's all-reduce would sum once per rank unless it is sharded.
     other = [n for n, m in block.named_children() if n not in _MOE_CHILDREN and any(True for _ in m.parameters())]
     if other:
@@ -170,11 +174,19 @@ def _check_moe_block(block: nn.Module, world: int) -> None:
         if shapes != {"gate_up_proj_bias": (up.shape[0], 2 * inter), "down_proj_bias": (up.shape[0], h)}:
             raise ValueError(f"MoE experts with biases {shapes}: expected gate_up_proj_bias [experts, "
                              "2 * intermediate] and down_proj_bias [experts, h]")
+    # Other expert weights (a quantized checkpoint's scales) would stay whole on every rank.
+    weights = {"gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias")
+                                              if getattr(experts, "has_bias", False) else ())}
+    other = [n for n, _ in experts.named_parameters() if n not in weights]
+    if other:
+        raise ValueError(f"{path}.experts has {other} beside {sorted(weights)}: shard_decoder does not know how to "
+                         "shard them")
     shared = _shared_expert(block)
-    if shared is not None and not all(isinstance(getattr(shared, n, None), nn.Linear)
-                                      for n in ("gate_proj", "up_proj", "down_proj")):
+    if shared is not None and not _MLP <= {n for n, _ in shared.named_children()}:
         raise ValueError(f"MoE block {type(block).__name__}'s shared expert {type(shared).__name__} is not an MLP "
                          "of gate_proj, up_proj and down_proj")
+    if shared is not None:
+        _check_layer(f"{path}'s shared expert", shared, False, 0)
     if shared is not None and shared.gate_proj.out_features % world:
         raise ValueError(f"the shared expert's {shared.gate_proj.out_features} intermediate features do not "
                          f"divide by the world size {world}")
@@ -302,16 +314,16 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
             raise ValueError(f"model.config has no {name}: not a decoder shard_decoder knows")
         if value % world:
             raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
-    blocks = [m for m in model.modules() if _is_moe_block(m)]
-    layers = _layers(model, blocks)
+    blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
+    layers = _layers(model, [m for _, m in blocks])
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
         raise ValueError("no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE (gate, "
                          "experts) layers found: not a decoder shard_decoder knows")
-    for block in blocks:
-        _check_moe_block(block, world)
+    for path, block in blocks:
+        _check_moe_block(path, block, world)
     for path, layer, attention in layers:
         _check_layer(path, layer, attention, heads)
-    for block in blocks:
+    for _, block in blocks:
         _shard_moe_block(block, rank, world, group)
     for _, layer, attention in layers:
         if attention:

@@ -472,6 +472,30 @@ def test_dropout_outside_training_is_no_step(quiet_comm, gen, spelling):
 
 
 @mpi
+@pytest.mark.parametrize("spelling", ["F.dropout", "F.alpha_dropout", "F.feature_alpha_dropout", "nn.Dropout1d"])
+def test_all_reduce_in_place_of_a_dropout_output_is_not_fused(quiet_comm, gen, spelling):
+    """Outside training every dropout returns its input itself: an in-place all-reduce of its output writes the
+    sum into the projection's output too, which the graph also returns; fused, that output would keep the
+    partial product."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    drop = {"F.dropout": lambda y: F.dropout(y, 0.1, False), "F.alpha_dropout": lambda y: F.alpha_dropout(y, 0.1, False),
+            "F.feature_alpha_dropout": lambda y: F.feature_alpha_dropout(y, 0.1, False),
+            "nn.Dropout1d": torch.nn.Dropout1d(0.1).eval()}[spelling]
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        z = drop(y)
+        dist.all_reduce(z)
+        h = residual + z
+        return torch_norm(h, weight), h, y * 1.0
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm).get(FUSED_AR, 0) == 0 and [s.what for s in report.skipped] == ["all-reduce"], report
+    assert_same(got, want)
+
+
+@mpi
 def test_commfuse_local_op_after_all_reduce_becomes_fused_all_reduce(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, scale, wo = setup(c, gen, quant="fp8")

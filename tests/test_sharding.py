@@ -167,6 +167,18 @@ def test_shard_decoder_errors(comm):
     model.model.layers[0].mlp.experts.has_post_expert_norm = True  # a norm of each expert's partial product
     with pytest.raises(ValueError, match="store their weights as"):
         shard_decoder(model)
+    model = tiny("qwen3_moe", torch.float32)
+    model.model.layers[1].mlp.zero_expert_num = 2  # LongcatFlash's experts that return the block's input
+    with pytest.raises(ValueError, match=r"layers.1.mlp \(Qwen3MoeSparseMoeBlock\) has 2 zero experts"):
+        shard_decoder(model)
+    model = tiny("qwen2_moe", torch.float32)
+    model.model.layers[1].mlp.experts.down_proj_scale = torch.nn.Parameter(torch.ones(4))  # e.g. a quantized one's
+    with pytest.raises(ValueError, match=r"layers.1.mlp.experts has \['down_proj_scale'\] beside"):
+        shard_decoder(model)
+    model = tiny("qwen2_moe", torch.float32)
+    model.model.layers[0].mlp.shared_expert.sub_norm = torch.nn.RMSNorm(8)  # a norm of its whole intermediate
+    with pytest.raises(ValueError, match=r"layers.0.mlp's shared expert \(Qwen2MoeMLP\) has \['sub_norm'\] beside"):
+        shard_decoder(model)
     model = tiny("gpt_oss", torch.float32)
     model.model.layers[1].mlp.experts.down_proj_bias.data = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="MoE experts with biases"):
@@ -199,3 +211,22 @@ def test_shard_decoder_errors(comm):
     model.model.layers[1].mlp.down_proj = type("QuantLinear", (torch.nn.Linear,), {})(4, 4)  # would lose its kind
     with pytest.raises(ValueError, match=r"layers.1.mlp.down_proj is a QuantLinear, not an nn.Linear"):
         shard_decoder(model)
+
+
+@mpi
+def test_row_parallel_linear_adds_the_bias_once(comm, gen):
+    """Every rank passes the unsharded layer's bias (the contract shard_decoder's layers keep); the sum holds it
+    once."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(comm.group), comm.world_size
+    full = torch.nn.Linear(8 * world, 16).eval()
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(16, 8 * world, generator=gen))
+        full.bias.copy_(torch.randn(16, generator=gen))
+    full = full.to(comm.device)
+    x = torch.randn(3, 8 * world, generator=gen).to(comm.device)
+    layer = RowParallelLinear(full.weight.detach()[:, rank * 8:(rank + 1) * 8].clone(), full.bias.detach().clone(),
+                              comm.group)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[:, rank * 8:(rank + 1) * 8]), full(x), rtol=1e-5, atol=1e-5)

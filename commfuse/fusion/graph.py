@@ -164,12 +164,17 @@ def _kind(node: fx.Node) -> Optional[str]:
 # spelling: F.dropout(input, p, training=True, inplace=False), torch.dropout / aten.dropout(input, p, train).
 _DROPOUTS = {F.dropout: ("training", True), torch.dropout: ("train", None),
              **{t: ("train", None) for t in _overloads(aten.dropout, "default")}}
+# Every dropout returns its input itself outside training (alpha, feature and 1d-3d ones too): each may alias.
+_ALIASING_DROPOUTS = {*_DROPOUTS, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                      torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+                      *_overloads(aten.alpha_dropout, "default"), *_overloads(aten.feature_dropout, "default"),
+                      *_overloads(aten.feature_alpha_dropout, "default")}
 
 
 def _is_dropout(node: fx.Node) -> bool:
     if node.op == "call_module":
-        return isinstance(_module(node), torch.nn.Dropout)
-    return node.op == "call_function" and node.target in _DROPOUTS
+        return isinstance(_module(node), torch.nn.modules.dropout._DropoutNd)
+    return node.op == "call_function" and node.target in _ALIASING_DROPOUTS
 
 
 def _dropout_is_identity(node: fx.Node) -> bool:
