@@ -33,8 +33,8 @@ written, and the all-reduce tail after it fused.
 An attention or MLP holding any other weighted part, or a projection that is not a plain nn.Linear, is
 refused (ValueError) rather than sharded wrong.
 
-Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM, and the
-MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
+Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM, HunYuan,
+and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads).
 Others raise ValueError naming what is missing.
@@ -228,7 +228,8 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
 
 # What an attention may hold beside the projections it shards: per-head q/k norms (checked), and latent
 # attention's replicated down-projections with their norms. Its head counts are set to a rank's share.
-_ATTENTION_KEEPS = {"q_norm", "k_norm", "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}
+_HEAD_NORMS = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")  # the latter two HunYuan's
+_ATTENTION_KEEPS = {*_HEAD_NORMS, "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
@@ -273,12 +274,18 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int) -> No
     if not isinstance(q_proj, nn.Linear):
         return
     head_dim = q_proj.out_features // heads
-    for name in ("q_norm", "k_norm"):
-        w = getattr(getattr(layer, name, None), "weight", None)
-        if isinstance(w, torch.Tensor) and w.numel() != head_dim:
-            raise ValueError(f"{path}.{name} normalises {w.numel()} features, not one head's {head_dim}: sharding "
-                             "the heads would change it (a norm over the whole projection, as Olmo2's); not a "
-                             "decoder shard_decoder knows")
+    for name in _HEAD_NORMS:
+        norm = getattr(layer, name, None)
+        params = [] if norm is None else list(norm.parameters())
+        if not params:
+            continue
+        # One head's weight (and bias) that every head shares; not one per head, nor one over the projection.
+        w = getattr(norm, "weight", None)
+        if not (isinstance(w, torch.Tensor) and len(params) <= 2 and all(p.numel() == head_dim for p in params)):
+            what = f"{w.numel()} features" if isinstance(w, torch.Tensor) else f"with {len(params)} weights"
+            raise ValueError(f"{path}.{name} normalises {what}, not one head's {head_dim}: sharding the heads "
+                             "would change it (a norm over the whole projection, as Olmo2's); not a decoder "
+                             "shard_decoder knows")
 
 
 def _shard_attention(layer: nn.Module, rank: int, world: int) -> None:

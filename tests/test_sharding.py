@@ -20,6 +20,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),  # dropout between each all-reduce and its add
+    "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),  # query_ / key_layernorm per head
     # views its projections with its own num_heads; LayerNorm, which the pass does not fuse
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4, sliding_window=None)),
@@ -207,6 +208,10 @@ def test_shard_decoder_errors(comm):
         with pytest.raises(ValueError, match=match):
             shard_decoder(model)
         assert [p.shape for p in model.parameters()] == before, family  # checked before anything is sharded
+    model = tiny("qwen3", torch.float32)  # a norm per head: rank r would apply head i's to its head i
+    model.model.layers[0].self_attn.q_norm = torch.nn.ModuleList(torch.nn.RMSNorm(16) for _ in range(4))
+    with pytest.raises(ValueError, match=r"self_attn.q_norm normalises with 4 weights, not one head's 16"):
+        shard_decoder(model)
     model = tiny("llama", torch.float32)
     model.model.layers[1].mlp.down_proj = type("QuantLinear", (torch.nn.Linear,), {})(4, 4)  # would lose its kind
     with pytest.raises(ValueError, match=r"layers.1.mlp.down_proj is a QuantLinear, not an nn.Linear"):
