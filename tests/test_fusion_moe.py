@@ -148,6 +148,61 @@ def test_moe_combine_all_reduce_tail_is_fused(quiet_comm, gen, layout, k, wdtype
 
 
 @mpi
+@pytest.mark.parametrize("order", ["routed + shared", "shared + routed"])
+@pytest.mark.parametrize("collective", ["dist", "funcol"])
+def test_shared_expert_all_reduced_apart_is_the_ops_shared_input(quiet_comm, gen, order, collective):
+    """transformers' expert parallelism all-reduces the routed combine, and its row-parallel shared expert
+    all-reduces its own down_proj, then adds the two sums: one moe_all_reduce with the shared expert's partial
+    output as `shared` (each rank adds its part before the one collective)."""
+    c = quiet_comm
+    t, h, k = 6, 128, 2
+    args, _ = moe_setup(c, gen, t, h)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight, ref=False):
+        w, sel = route(x, router, k, "f32")
+        rows = expert_rows(x, sel, w_up, w_down)
+        shared = F.linear(F.silu(F.linear(x, ws_up)), ws_down)
+        if ref:  # commfuse's order: the shared output starts each rank's float32 combine, one all-reduce
+            out = reduce("dist", c, reference.moe_reduce(rows.view(t, k, h), w, shared))
+        else:
+            routed = reduce(collective, c, (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1).to(x.dtype))
+            shared = reduce(collective, c, shared)
+            out = routed + shared if order == "routed + shared" else shared + routed
+        hs = residual + out
+        return weight_before_cast_norm(hs, weight), hs
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert counts(gm) == {MOE_AR: 1} and not report.skipped, report
+    f = report.fused[0]
+    assert "all-reduced apart" in f.spelling and any("apart" in n for n in f.notes), report
+    assert_same(got, list(layer(*_cloned(args), ref=True)))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close_under_sum_order(g, w, i)
+
+
+@mpi
+def test_two_all_reduces_added_without_a_combine_are_reported(quiet_comm, gen):
+    """A parallel block's attention and MLP outputs, each all-reduced, then added: no fused op takes two
+    collectives' inputs; the add + RMSNorm become the local op and the outputs stay the graph's."""
+    c = quiet_comm
+    args, _ = moe_setup(c, gen, 6, 128)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        a = F.linear(x, ws_down @ ws_up)
+        b = F.linear(F.silu(F.linear(x, ws_up)), ws_down)
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+        hs = residual + (a + b)
+        return weight_before_cast_norm(hs, weight), hs
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert counts(gm).get(MOE_AR, 0) == 0 and counts(gm).get(FUSED_AR, 0) == 0, report
+    assert any(s.what == "all-reduce" and "sums of two all-reduces are added" in s.reason for s in report.skipped), \
+        report
+    assert_same(got, want)
+
+
+@mpi
 @pytest.mark.parametrize("collective", ["funcol", "commfuse"])
 def test_moe_combine_other_collectives_dynamic_tokens(quiet_comm, gen, collective):
     """Functional collectives and commfuse.ops.all_reduce, the token count symbolic (dynamic=True; top-k

@@ -79,6 +79,9 @@ class AllReduce:
     spelling: str
     group: Optional[str] = None
     comm: Optional[str] = None
+    # The input of a second all-reduce over the same group whose sum the graph adds to this one's (a MoE
+    # block's shared expert, all-reduced apart from the routed combine): the fused op sums the two per rank.
+    added: Optional[fx.Node] = None
 
 
 @dataclass
@@ -463,6 +466,31 @@ def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllR
         cur = G.source(cur)
         if cur is None:
             return None
+
+
+def trace_all_reduce_sum(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
+    """`v` as the sum of two all-reduces' sums over one group (`all_reduce(a) + all_reduce(b)`, through views
+    and no-op casts that feed nothing else), read at `before`: one AllReduce of a whose `added` is b, its
+    nodes both collectives' and the add. None when v is no such sum."""
+    chain, cur = [], v
+    while G.passthrough(cur) and len(cur.users) == 1 and G.source(cur) is not None:
+        chain.append(cur)
+        cur = G.source(cur)
+    pair = match_residual_add(cur)
+    if pair is None or len(cur.users) != 1:
+        return None
+    found = [trace_all_reduce(n, cur, positions) for n in pair]
+    if any(f is None for f in found):
+        return None
+    for f in found:
+        if isinstance(f, Mismatch):
+            return f
+    first, second = found
+    if (first.group, first.comm) != (second.group, second.comm):
+        return Mismatch(f"{cur.name} adds the sums of all-reduces over two groups", "guard")
+    return AllReduce(x=first.x, nodes=first.nodes + second.nodes, chain=first.chain + second.chain + [cur] + chain,
+                     spelling=f"{first.spelling} + {second.spelling}", group=first.group, comm=first.comm,
+                     added=second.x)
 
 
 def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:

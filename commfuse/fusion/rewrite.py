@@ -168,6 +168,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             for xa, rb in (pair, pair[::-1]):
                 found = P.trace_all_reduce(xa, norm.input, positions)
                 if found is None:
+                    found = P.trace_all_reduce_sum(xa, norm.input, positions)
+                if found is None:
                     continue
                 x, residual = xa, rb
                 if isinstance(found, P.AllReduce) and P.reads_the_sum(rb, xa, found, positions):
@@ -194,6 +196,11 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
     moe = _moe_combine(ar, norm, h, report) if kind == "all_reduce" else None
+    if ar is not None and ar.added is not None and moe is None:
+        report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", "the sums of two all-reduces are added: fused "
+                                      "only where one reduces a MoE combine and the other its shared expert's "
+                                      "output; the add + RMSNorm become the local op", "pattern"))
+        kind, ar = "local", None
 
     # Where the op goes: before the add (its outputs replace it), else before the norm's first node.
     anchor = norm.input if residual is not None else min(norm.nodes, key=lambda n: positions[n])
@@ -360,6 +367,8 @@ def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
     """The MoE combine the all-reduce reads (patterns.match_moe_combine), or None: its skip reasons are
     reported, and the all-reduce + add + RMSNorm then become commfuse::fused_all_reduce as usual."""
     then = "; the all-reduce + add + RMSNorm become commfuse::fused_all_reduce, the combine stays in the graph"
+    if ar.added is not None:
+        return _moe_combine_and_shared(ar, norm, h, report)
     found = P.match_moe_combine(ar.x, G.dtype(norm.input))
     if found is None:
         ia = P.index_add_combine(ar.x)
@@ -384,6 +393,37 @@ def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
                                       f"size {G.hidden(found.y)}, the tail {h}" + then, "guard"))
         return None
     return found
+
+
+def _moe_combine_and_shared(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
+    """Two all-reduces added (transformers' expert parallelism: the routed combine's, and the shared expert's
+    row-parallel down_proj's): the combine one reduces, the other's input as the op's shared expert output.
+    None where neither reduces a combine without a shared expert of its own."""
+    t = G.dtype(norm.input)
+    for x, shared in ((ar.x, ar.added), (ar.added, ar.x)):
+        found = P.match_moe_combine(x, t)
+        if not isinstance(found, P.MoeCombine) or found.shared is not None or not _same_rows(shared, x) \
+                or G.dtype(shared) != t:
+            continue
+        alone = P.AllReduce(x=x, nodes=ar.nodes, chain=ar.chain, spelling=ar.spelling, group=ar.group, comm=ar.comm)
+        found = _moe_combine(alone, norm, h, report)
+        if found is None:
+            return None
+        found.shared = shared
+        found.spelling += f" + shared ({shared.name}, all-reduced apart)"
+        found.notes.append(f"the graph all-reduces the routed combine and the shared expert's output apart and adds "
+                           f"the two sums in {P._dt(t)}; the op adds the shared output to each rank's combine in "
+                           f"float32 before the one all-reduce: the terms round in another order (within an ulp of "
+                           f"{P._dt(t)} of the row unless they cancel)")
+        return found
+    return None
+
+
+def _same_rows(a: fx.Node, b: fx.Node) -> bool:
+    """The same [tokens, h] rows however viewed ([b, s, h] and [b * s, h]): sizes compared as written."""
+    sa, sb = G.shape(a), G.shape(b)
+    return sa is not None and sb is not None and len(sa) > 0 and len(sb) > 0 and str(sa[-1]) == str(sb[-1]) \
+        and str(math.prod(sa[:-1])) == str(math.prod(sb[:-1]))
 
 
 def _early(n, positions, anchor) -> bool:
