@@ -30,8 +30,9 @@ grouped_mm experts (its default where a model supports it: rows in expert order 
 the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is reported and left as
 written, and the all-reduce tail after it fused.
 
-An attention or MLP holding any other weighted part, or a projection that is not a plain nn.Linear, is
-refused (ValueError) rather than sharded wrong.
+An attention or MLP holding any other weighted part, a projection that is not a plain nn.Linear or whose
+sharded features do not divide, or a head count that does not divide, is refused (ValueError) rather than
+sharded wrong.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM, HunYuan,
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
@@ -186,10 +187,7 @@ def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
         raise ValueError(f"MoE block {type(block).__name__}'s shared expert {type(shared).__name__} is not an MLP "
                          "of gate_proj, up_proj and down_proj")
     if shared is not None:
-        _check_layer(f"{path}'s shared expert", shared, False, 0)
-    if shared is not None and shared.gate_proj.out_features % world:
-        raise ValueError(f"the shared expert's {shared.gate_proj.out_features} intermediate features do not "
-                         f"divide by the world size {world}")
+        _check_layer(f"{path}'s shared expert", shared, False, 0, world)
 
 
 def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
@@ -248,12 +246,13 @@ def _layers(model: nn.Module, blocks: list) -> list:
     return found
 
 
-def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int) -> None:
-    """Raise where shard_decoder cannot shard this attention or MLP: a weighted part it does not know (each
-    rank would keep all of it, or the wrong share: DiffLlama's lambdas, BitNet's norm of the whole
-    projection), a projection that is not an nn.Linear, a q_norm / k_norm over more than one head's
-    features (Olmo2 norms the whole projection: a rank's share of the heads would change it), or sinks
-    that are not one per head."""
+def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world: int) -> None:
+    """Raise where shard_decoder cannot shard this attention or MLP over `world` ranks: a weighted part it
+    does not know (each rank would keep all of it, or the wrong share: DiffLlama's lambdas, BitNet's norm
+    of the whole projection), a projection that is not an nn.Linear or whose sharded features do not
+    divide, an MLP that picks among its intermediate features (Gemma 3n's activation sparsity), a head
+    count that does not divide, a q_norm / k_norm over more than one head's features (Olmo2 norms the
+    whole projection: a rank's share of the heads would change it), or sinks that are not one per head."""
     known = {*_COLUMN, *_ROW, *(_ATTENTION_KEEPS if attention else ())}
     other = [n for n, m in layer.named_children() if n not in known and any(True for _ in m.parameters())]
     other += [n for n, _ in layer.named_parameters(recurse=False) if not (attention and n == "sinks")]
@@ -264,8 +263,19 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int) -> No
         if name in (*_COLUMN, *_ROW) and type(child) is not nn.Linear:
             raise ValueError(f"{path}.{name} is a {type(child).__name__}, not an nn.Linear: shard_decoder "
                              "shards plain linear layers")
+        features = child.out_features if name in _COLUMN else child.in_features if name in _ROW else 0
+        if features % world:
+            raise ValueError(f"{path}.{name} has {features} {'output' if name in _COLUMN else 'input'} features, "
+                             f"which do not divide by the world size {world}")
     if not attention:
+        if getattr(layer, "activation_sparsity", 0):
+            raise ValueError(f"{path} ({type(layer).__name__}) keeps a top share of its intermediate features "
+                             "(activation sparsity), chosen over all of them: a rank sees only its share")
         return
+    for name in _HEAD_COUNTS:
+        count = getattr(layer, name, None)
+        if type(count) is int and count % world:
+            raise ValueError(f"{path}.{name} = {count} does not divide by the world size {world}")
     sinks = getattr(layer, "sinks", None)
     if isinstance(sinks, torch.Tensor) and tuple(sinks.shape) != (heads,):
         raise ValueError(f"{path}.sinks has shape {tuple(sinks.shape)}, not one logit per head ({heads},): "
@@ -297,7 +307,7 @@ def _shard_attention(layer: nn.Module, rank: int, world: int) -> None:
         layer.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=sinks.requires_grad)
     for name in _HEAD_COUNTS:
         count = getattr(layer, name, None)
-        if type(count) is int and count % world == 0:
+        if type(count) is int:
             setattr(layer, name, count // world)
 
 
@@ -306,19 +316,29 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError,
     before it changes anything, where the heads, key-value heads or intermediate features (an expert's
     too) do not divide by the world size, where a MoE block's experts store their weights in another
-    layout, where an attention or MLP holds a weighted part it does not know or a projection that is not an
-    nn.Linear, where an attention's q/k norm spans more than one head or its sinks are not one per head,
-    or where the model has no layer of the known shape."""
+    layout, where an attention or MLP holds a weighted part it does not know, a projection that is not an
+    nn.Linear or whose sharded features do not divide, or a head count that does not divide, where an
+    attention's q/k norm spans more than one head or its sinks are not one per head, where a config size
+    is not one int, or where the model has no layer of the known shape."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", getattr(config, "intermediate_size", None))):
+    sizes = {}
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        try:
+            sizes[name] = getattr(config, name, None)
+        except Exception as e:  # noqa: BLE001 - a config whose layers differ (Gemma 4) raises its own error
+            raise ValueError(f"model.config.{name} cannot be read as one value ({e}): not a decoder shard_decoder "
+                             "knows") from e
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    heads = sizes["num_attention_heads"]
+    for name, value in sizes.items():
         if value is None:
             raise ValueError(f"model.config has no {name}: not a decoder shard_decoder knows")
+        if type(value) is not int:
+            raise ValueError(f"model.config.{name} = {value!r} is not one int (sizes per layer?): not a decoder "
+                             "shard_decoder knows")
         if value % world:
             raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
     blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
@@ -329,7 +349,7 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     for path, block in blocks:
         _check_moe_block(path, block, world)
     for path, layer, attention in layers:
-        _check_layer(path, layer, attention, heads)
+        _check_layer(path, layer, attention, heads, world)
     for _, block in blocks:
         _shard_moe_block(block, rank, world, group)
     for _, layer, attention in layers:

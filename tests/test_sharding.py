@@ -212,6 +212,30 @@ def test_shard_decoder_errors(comm):
     model.model.layers[0].self_attn.q_norm = torch.nn.ModuleList(torch.nn.RMSNorm(16) for _ in range(4))
     with pytest.raises(ValueError, match=r"self_attn.q_norm normalises with 4 weights, not one head's 16"):
         shard_decoder(model)
+    # Each refused in the last layer (of a MoE model where it can): nothing, MoE blocks included, is sharded
+    # before the checks.
+    import types
+
+    odd = 2 * comm.world_size + 1
+    cases = [("qwen3_moe", lambda m: setattr(m.model.layers[1].self_attn, "extra", torch.nn.Linear(4, 4)),
+              r"layers.1.self_attn \(Qwen3MoeAttention\) has \['extra'\] beside its projections"),
+             ("qwen3_moe", lambda m: setattr(m.model.layers[1].self_attn, "num_heads", odd),
+              rf"layers.1.self_attn.num_heads = {odd} does not divide"),
+             ("qwen3_moe", lambda m: setattr(m.model.layers[1].self_attn, "o_proj",
+                                             torch.nn.Linear(odd, m.config.hidden_size)),
+              rf"layers.1.self_attn.o_proj has {odd} input features, which do not divide"),
+             ("llama", lambda m: setattr(m.model.layers[1].mlp, "activation_sparsity", 0.95),  # Gemma 3n's
+              r"layers.1.mlp \(LlamaMLP\) keeps a top share of its intermediate features"),
+             ("qwen3_moe", lambda m: setattr(m, "config", types.SimpleNamespace(  # Gemma 3n's sizes per layer
+                 num_attention_heads=m.config.num_attention_heads, num_key_value_heads=m.config.num_key_value_heads,
+                 intermediate_size=[128, 256])), r"model.config.intermediate_size = \[128, 256\] is not one int")]
+    for family, change, match in cases:
+        model = tiny(family, torch.float32)
+        change(model)
+        before = [p.shape for p in model.parameters()]
+        with pytest.raises(ValueError, match=match):
+            shard_decoder(model)
+        assert [p.shape for p in model.parameters()] == before, match
     model = tiny("llama", torch.float32)
     model.model.layers[1].mlp.down_proj = type("QuantLinear", (torch.nn.Linear,), {})(4, 4)  # would lose its kind
     with pytest.raises(ValueError, match=r"layers.1.mlp.down_proj is a QuantLinear, not an nn.Linear"):
