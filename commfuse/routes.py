@@ -659,12 +659,10 @@ class _GlooSum:
     The ranks first compare the call (exchange_signature: `describe`'s text and x's size): gloo would
     abort on payloads of different sizes and sum payloads of different shapes or dtypes as if they
     matched, so a mismatched call raises CallMismatchError on every rank instead. x travels with the
-    signature where it fits (INLINE_BYTES): then the exchange is the call's only collective; a larger x
+    signature where it fits (GLOO_INLINE_BYTES): then the exchange is the call's only collective; a larger x
     follows in a second one. COMMFUSE_GLOO_CHECK=0, read when the signature is planned, leaves the
     signature out (x alone, one collective). The exchange goes over the Communicator's check group, whose
     timeout (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died."""
-
-    INLINE_BYTES = GLOO_INLINE_BYTES
 
     __slots__ = ("group", "check_group", "text", "checked")
 
@@ -678,7 +676,7 @@ class _GlooSum:
         xc = x.contiguous()
         text = f"{self.text}, {note}" if note else self.text
         xs = exchange_signature(self.check_group, text, xc.numel() * xc.element_size(), xc,
-                                self.INLINE_BYTES) if self.checked else None
+                                GLOO_INLINE_BYTES) if self.checked else None
         if xs is None:
             xs = [torch.empty_like(xc) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(xs, xc, group=self.group)

@@ -236,9 +236,9 @@ def _layers(model: nn.Module, blocks: list) -> list:
     in_moe = {m for b in blocks for m in b.modules()}
     found = []
     for path, layer in model.named_modules():
-        names = {n for n, _ in layer.named_children()}
         if layer in in_moe:
             continue
+        names = {n for n, _ in layer.named_children()}
         if any(names >= a for a in _ATTENTION):
             found.append((path, layer, True))
         elif names >= _MLP:

@@ -133,7 +133,7 @@ def test_ranks_passing_different_shapes_raise_instead_of_hanging(comm, gen):
 
 MISMATCHES = {  # kind: (rank 0's call, every other rank's) as (shape, dtype, quant)
     "tokens": (((8, 256), torch.bfloat16, None), ((4, 256), torch.bfloat16, None)),
-    # 4 KiB travels with the signature, 32 KiB after it (the route's INLINE_BYTES: 16 KiB)
+    # 4 KiB travels with the signature, 32 KiB after it (routes.GLOO_INLINE_BYTES: 16 KiB)
     "tokens, one call past the inline size": (((8, 256), torch.bfloat16, None), ((64, 256), torch.bfloat16, None)),
     "same bytes, other shape": (((8, 256), torch.bfloat16, None), ((4, 512), torch.bfloat16, None)),
     "hidden": (((8, 256), torch.bfloat16, None), ((8, 128), torch.bfloat16, None)),
