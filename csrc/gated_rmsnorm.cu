@@ -24,9 +24,18 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 2 : 1;
 
-// silu in fp32 as torch computes it on a GPU, z / (1 + exp(-z)) with the accurate expf and an IEEE
-// division: the reference run on the same GPU gives the same bits (exp is not pinned across devices).
-__device__ __forceinline__ float silu(float z) { return __fdiv_rn(z, __fadd_rn(1.f, expf(-z))); }
+// silu in fp32 as z * sigmoid(z), sigmoid(z) = (z >= 0 ? 1 : e) / (1 + e) with e = exp(-|z|) from the SFU
+// (__expf) and an approximate division whose divisor lies in [1, 2]. torch's formula, z / (1 + expf(-z)) with
+// the accurate expf and an IEEE division, cost a quarter of the kernel's time at many rows: its arithmetic, not
+// its bytes, set the pace. For |z| <= 64 __expf is within 2 + 1.2 |z| fp32 ulps (< 2^-16.5 relative), silu
+// within that plus the division's 2 ulps and the product's rounding, so the norm stays within an ulp of T of
+// the reference (docs/semantics.md). Below about -87 e = exp(z) is subnormal, which __expf flushes to 0
+// where torch's silu is a tiny nonzero value: from -64 down silu takes torch's formula (rare: a branch).
+__device__ __forceinline__ float silu(float z) {
+  if (z < -64.f) return __fdiv_rn(z, __fadd_rn(1.f, expf(-z)));
+  const float e = __expf(-fabsf(z));
+  return __fmul_rn(z, __fdividef(z >= 0.f ? 1.f : e, __fadd_rn(1.f, e)));
+}
 
 // A vector's 8 norm inputs as fp32: x widened, or (gated first) the fp32 values gate_first_in_place
 // left in the registers of x and z.
@@ -42,8 +51,8 @@ __device__ __forceinline__ void norm_inputs(const uint4& x, const uint4& z, bool
 }
 
 // Gated first: v = RN(x * silu(z)) for 8 elements, computed once and kept as fp32 bits in the registers
-// that held x and z (floats 0-3 in x, 4-7 in z): silu's accurate expf and IEEE division are the
-// kernel's costliest steps, and recomputing them for the norm doubled them (the same bits either way).
+// that held x and z (floats 0-3 in x, 4-7 in z): silu is the kernel's costliest step, and recomputing it
+// for the norm doubled it (the same bits either way).
 template <typename T>
 __device__ __forceinline__ void gate_first_in_place(uint4& x, uint4& z) {
   float fx[8], fz[8];
