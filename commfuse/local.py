@@ -156,8 +156,8 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
 
     Route: the gated RMSNorm kernel (one launch) where its guards hold (fused_add_rmsnorm's,
     group_size % 8 == 0, h <= 16384), else the separated ops (fp32 torch) on x's device; `plan_gated`
-    says which. silu goes through exp, which the GPU and the CPU round differently: the kernel matches
-    the reference run on the same GPU (docs/semantics.md). Returns a Tail with residual None: norm
+    says which. The kernel's silu takes the GPU's fast exp: its norm is within an ulp of T of the
+    reference (docs/semantics.md). Returns a Tail with residual None: norm
     [t, h] (None when quantizing without return_norm), quant, scale_factors, scales."""
     if group_size is None and isinstance(x, Tensor) and x.dim():
         group_size = x.shape[-1]

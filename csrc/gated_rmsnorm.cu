@@ -24,17 +24,20 @@ constexpr int kMaxThreads = VPT == 1 || VPT == 2 ? 1024 : 256;
 template <int VPT>
 constexpr int kMinBlocks = VPT == 4 ? 2 : 1;
 
-// silu in fp32 as z * sigmoid(z), sigmoid(z) = (z >= 0 ? 1 : e) / (1 + e) with e = exp(-|z|) from the SFU
-// (__expf) and an approximate division whose divisor lies in [1, 2]. torch's formula, z / (1 + expf(-z)) with
-// the accurate expf and an IEEE division, cost a quarter of the kernel's time at many rows: its arithmetic, not
-// its bytes, set the pace. For |z| <= 64 __expf is within 2 + 1.2 |z| fp32 ulps (< 2^-16.5 relative), silu
-// within that plus the division's 2 ulps and the product's rounding, so the norm stays within an ulp of T of
-// the reference (docs/semantics.md). Below about -87 e = exp(z) is subnormal, which __expf flushes to 0
-// where torch's silu is a tiny nonzero value: from -64 down silu takes torch's formula (rare: a branch).
+// silu in fp32 as z * sigmoid(z), sigmoid(z) = (z >= 0 ? 1 : e) / (1 + e) with e = 2^(-|z| log2(e)) from the
+// SFU (exp2f: ex2.approx, subnormal results kept) and its approximate reciprocal of 1 + e, in [1, 2].
+// torch's formula, z / (1 + expf(-z)) with the accurate expf and an IEEE division, cost a quarter of the
+// kernel's time at many rows: its arithmetic, not its bytes, set the pace. The exponent's rounding (|z| log2(e)
+// < 2^7, so within 2^-17 absolute) dominates: silu is within 2^-17 relative, and the norm within an ulp of T
+// of the reference (docs/semantics.md). Below -88.72 torch's expf(-z) overflows and its silu is -0 (no bf16
+// or fp16 value lies between -88.75 and -88.6875): so is this one. No branch: the 8 elements of a vector
+// interleave their SFU latencies.
 __device__ __forceinline__ float silu(float z) {
-  if (z < -64.f) return __fdiv_rn(z, __fadd_rn(1.f, expf(-z)));
-  const float e = __expf(-fabsf(z));
-  return __fmul_rn(z, __fdividef(z >= 0.f ? 1.f : e, __fadd_rn(1.f, e)));
+  constexpr float kLog2E = 1.4426950408889634f;
+  const float e = exp2f(-fabsf(z) * kLog2E);
+  const float r = __fdividef(1.f, __fadd_rn(1.f, e));
+  const float s = z >= 0.f ? r : __fmul_rn(e, r);  // e may be subnormal: a plain multiply keeps it
+  return __fmul_rn(z, z < -88.72f ? 0.f : s);
 }
 
 // A vector's 8 norm inputs as fp32: x widened, or (gated first) the fp32 values gate_first_in_place
