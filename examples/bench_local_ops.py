@@ -220,6 +220,14 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = []
     ceiling = copy_ceiling_GBps(device, args.repeats) if cuda else None
+    machine = torch.cuda.get_device_name(device) if cuda else "cpu"
+    out = {"device": str(device), "machine": machine, "torch": torch.__version__, "cuda": cuda, "backend": backend,
+           "hbm_copy_GBps": ceiling, "rows": rows}
+
+    def save():  # after every row: a run cut short by its time limit keeps the rows it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
     with torch.inference_mode():
         for dt in args.dtypes.split(","):
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
@@ -240,6 +248,7 @@ def main(argv=None) -> dict:
                         if ceiling and row[name].get("graph"):
                             row[name]["frac_hbm"] = row["bytes"] / (row[name]["graph"] * 1e3) / ceiling
                     rows.append(row)
+                    save()
     key = "graph" if cuda else "host"
     print(f"local ops, us per call ({'GPU time, CUDA graphs' if cuda else 'host wall time: not GPU numbers'}), "
           f"torch.compile backend {backend}" + (f"; HBM copy ceiling {ceiling:.0f} GB/s" if ceiling else ""))
@@ -253,12 +262,7 @@ def main(argv=None) -> dict:
             cells.append(f"rejected: {v['rejected']}" if "rejected" in v else
                          _us(v.get(key, float("nan"))) + (f" (eager {v['eager']:.1f}{copy})" if cuda else ""))
         print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |")
-    machine = torch.cuda.get_device_name(device) if cuda else "cpu"
-    out = {"device": str(device), "machine": machine, "torch": torch.__version__, "cuda": cuda, "backend": backend,
-           "hbm_copy_GBps": ceiling, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    save()
     return out
 
 
