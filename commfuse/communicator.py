@@ -361,8 +361,8 @@ class Communicator:
         MN-major scales the reference's strides over a storage holding the padding rows) on the device,
         16-byte aligned, validated once per call signature; or None, allocated as usual. The outputs may
         overlap neither each other nor an input (checked per call, ValueError), except that out.residual
-        may be `residual` itself: the residual is updated in place (every route reads each residual
-        element before it writes it).
+        may be `residual` itself, or `residual.view(-1, h)` of a contiguous residual of another shape: the
+        residual is updated in place (every route reads each residual element before it writes it).
         """
         r = self.table.fused(x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                              scale_layout, scale_ue8m0)

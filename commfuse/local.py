@@ -119,7 +119,8 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     checked (the output's exact shape, dtype, strides, device; 16-byte aligned) and written in place,
     None is allocated as usual, a tensor for an output the call does not produce raises. The outputs
     may overlap neither each other nor an input, except that out.residual may be the residual input
-    itself (an in-place update: out=Tail(residual, None, None, None)).
+    itself (an in-place update: out=Tail(residual, None, None, None)), or residual.view(-1, h) of a
+    contiguous residual of another shape.
 
     Returns a Tail of [t, h] tensors (scale factors as in Communicator.fused_all_reduce): residual
     (None without a residual), norm (None when quantizing without return_norm), quant, scale_factors

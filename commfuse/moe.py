@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from . import reference, routes
+from .routes import CallMismatchError
 from .kernels.moe_combine import MOE_COMBINE, index_limits, run
 from .kernels.moe_tail import MOE_TAIL
 from .tail import checks
@@ -70,9 +72,10 @@ def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shar
     [t, k] float32 or T; shared: T[t, h] or None; all on one device."""
     if route == "kernel":
         return run(y, weights, row_index, shared)
-    if row_index is None:
-        return reference.moe_reduce(y, weights, shared)
-    return reference.moe_finalize(y, row_index, weights, shared)
+    with torch.no_grad():  # outside autograd, as the kernel (an inference y with weights that require grad)
+        if row_index is None:
+            return reference.moe_reduce(y, weights, shared)
+        return reference.moe_finalize(y, row_index, weights, shared)
 
 
 def describe(y: Tensor, weights: Tensor, row_index: Optional[Tensor], shared: Optional[Tensor]) -> str:
@@ -90,7 +93,9 @@ class Launcher:
     routes would refuse of the call's own facts (checks.per_call). Either way the reference's route reads the
     row indices first and the text says whether they are in range, so that a rank whose are not makes every
     rank raise (CallMismatchError) before any rank writes an output; with COMMFUSE_GLOO_CHECK=0 (no
-    signature) that rank raises ValueError and its peers' sums are NaN."""
+    signature) that rank raises ValueError and its peers' sums are NaN. A combine that raises (torch refusing
+    an input no check foresaw) runs before any exchange and takes part in them as a refusal: the rank raises
+    its error, its peers CallMismatchError naming it (NaN sums without a signature)."""
 
     __slots__ = ("route", "dense", "outputs", "text", "gloo", "check")
 
@@ -99,10 +104,15 @@ class Launcher:
         self.text, self.gloo, self.check = text, gloo, check
 
     def __call__(self, y, residual, weight, scale, out, weights, row_index, shared):
-        bad = None
+        bad = failed = None
         if row_index is not None and self.route == "separated":
             bad = reference.row_index_error(row_index, y.shape[0])
         note = self.text if bad is None else f"{self.text}, {bad}"
+        if bad is None:
+            try:  # before any exchange: a rank whose combine raises still makes its peers' exchanges
+                x = combine(y, weights, row_index, shared, self.route)
+            except Exception as e:  # noqa: BLE001 - raised below, after the peers have heard of it
+                failed = e
         if self.check is not None:
             try:  # what the routes would refuse of this call's own facts, compared with the call
                 given = (None,) * len(self.outputs) if out is None else fields_of(out)
@@ -110,13 +120,20 @@ class Launcher:
                 checks.per_call(OUT_NAMES, given, self.outputs, tuple((n, a) for n, a in inputs if n), scale)
             except (TypeError, ValueError) as e:
                 self.check(note, refused=e)
+            if failed is not None:
+                self.check(note, refused=failed)
             self.check(note)
-        if bad is not None:
+        if bad is not None or failed is not None:
             if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written);
                 # NaN rows where it exchanges no signature (COMMFUSE_GLOO_CHECK=0), as the kernel route's
-                self.dense.first(residual.new_full(residual.shape, float("nan")), note=note)
-            raise ValueError(bad)
-        x = combine(y, weights, row_index, shared, self.route)
+                if failed is not None:
+                    note = f"{self.text}, a combine that raised {type(failed).__name__}: {failed}"
+                try:
+                    self.dense.first(residual.new_full(residual.shape, float("nan")), note=note)
+                except CallMismatchError:
+                    if failed is None:
+                        raise
+            raise failed if failed is not None else ValueError(bad)
         # out against the combine's inputs (the dense launcher checks it against the others): on the gloo
         # route after the exchange, as the dense route's checks, so that a rank that raises stays in step.
         inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))

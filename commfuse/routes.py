@@ -730,8 +730,9 @@ class _SeparatedTail:
             out_placed(OUT_NAMES, given, self.outputs)
             no_overlap(OUT_NAMES, given, self.outputs,
                        (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
-        tail = reference.fused_tail(_dense(x), _dense(residual), weight, s.eps, scale=scale, **s.reference_kwargs())
-        return _write_out(tuple(tail), out, self.outputs)
+        with torch.no_grad():  # outside autograd, as the kernels: no output (nor out= tensor) gains a history
+            tail = reference.fused_tail(_dense(x), _dense(residual), weight, s.eps, scale=scale, **s.reference_kwargs())
+            return _write_out(tuple(tail), out, self.outputs)
 
 
 class _SeparatedGated:
@@ -744,10 +745,11 @@ class _SeparatedGated:
         s = self.spec
         if scale is not None:
             scale_value(scale)
-        norm = reference.gated_rmsnorm(_dense(x), _dense(z), weight, s.eps, self.group_size, self.norm_before_gate)
-        if s.quant is None:
-            return None, norm, None, None, None
-        q, sf, scales = reference.quantize(norm, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
+        with torch.no_grad():  # as _SeparatedTail
+            norm = reference.gated_rmsnorm(_dense(x), _dense(z), weight, s.eps, self.group_size, self.norm_before_gate)
+            if s.quant is None:
+                return None, norm, None, None, None
+            q, sf, scales = reference.quantize(norm, s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
         return None, norm if s.return_norm else None, q, sf, scales
 
 
@@ -761,5 +763,6 @@ class _SeparatedQuantize:
         s = self.spec
         if scale is not None:
             scale_value(scale)
-        q, sf, scales = reference.quantize(_dense(x), s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
+        with torch.no_grad():  # as _SeparatedTail
+            q, sf, scales = reference.quantize(_dense(x), s.quant, scale, s.sf_layout, s.scale_layout, s.scale_ue8m0)
         return None, None, q, sf, scales

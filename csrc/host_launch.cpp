@@ -310,8 +310,8 @@ class Launcher {
   }
 
   // The caller's outputs (defined in t[kOut0 + i]) overlap neither each other nor an input, except
-  // out.residual being the residual input itself (an in-place update): tail/checks.py's no_overlap, per
-  // call, as the key holds no addresses.
+  // out.residual being the residual input's own memory (an in-place update: the same address and
+  // elements, both contiguous): tail/checks.py's no_overlap, per call, as the key holds no addresses.
   void check_overlaps(const at::Tensor (&t)[kSources]) const {
     const auto out_span = [&](int i) {
       return span(t[kOut0 + i], specs_[i].strides.empty() ? -1 : specs_[i].storage_numel);
@@ -328,12 +328,12 @@ class Launcher {
       for (int k = kX; k < kOut0; ++k) {
         const at::Tensor& in = t[k];
         if (!in.defined() || !overlap(s, span(in))) continue;
-        if (fused_ && i == 0 && k == kResidual && address(in) == address(o) && in.sizes() == o.sizes() &&
-            in.strides() == o.strides())
+        if (fused_ && i == 0 && k == kResidual && address(in) == address(o) && in.numel() == o.numel() &&
+            in.is_contiguous() && o.is_contiguous())
           continue;
         throw py::value_error(field_names_[i] + " overlaps " + inputs_[k] +
                               ": the caller's outputs may not overlap an input (out.residual may be residual "
-                              "itself, for an in-place update)");
+                              "itself, or a [t, h] view of a contiguous residual, for an in-place update)");
       }
     }
   }

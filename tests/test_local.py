@@ -157,6 +157,50 @@ def test_out_tensors_are_written_in_place(gen):
             commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=scale, return_norm=True, out=out)
 
 
+def test_a_residual_of_another_shape_is_updated_in_place_through_a_view(gen):
+    """The outputs are [t, h]: a [b, s, h] residual is updated in place through residual.view(-1, h), its own
+    memory; a view of a strided residual is not its memory (the kernels read a dense copy of it) and raises."""
+    x, residual, weight, _ = inputs(gen, 6, 64, BF16)
+    x, residual = x.view(2, 3, 64), residual.view(2, 3, 64)
+    want = reference.fused_tail(x, residual, weight, 1e-6, None, None, True)
+    for _ in range(2):  # the signature's first call, then a planned one
+        res = residual.clone()
+        got = commfuse.fused_add_rmsnorm(x, res, weight, return_norm=True, out=Tail(res.view(-1, 64), None, None, None))
+        assert got.residual.data_ptr() == res.data_ptr() and bits_equal(res.view(-1, 64), want.residual)
+        assert bits_equal(got.norm, want.norm)
+    wide = torch.zeros(6, 128, dtype=BF16)
+    strided = wide[:, :64]
+    strided.copy_(residual.view(6, 64))
+    with pytest.raises(ValueError, match="out.residual overlaps residual: .*a \\[t, h\\] view of a contiguous residual"):
+        commfuse.fused_add_rmsnorm(x.view(6, 64), strided, weight, out=Tail(wide.view(-1)[:6 * 64].view(6, 64), None,
+                                                                            None, None))
+
+
+def test_separated_outputs_have_no_autograd_history(gen):
+    """The ops are outside autograd on every route (the kernels write behind it): on the separated route (CPU)
+    too, no output and no caller tensor given as out= gains a history from a weight that requires grad (an
+    nn.Parameter), so that out= is reusable call after call; inference-mode inputs mixed with inputs that
+    require grad compute as any others."""
+    x, residual, weight, scale = inputs(gen, 4, 64, BF16, quant="fp8")
+    param = torch.nn.Parameter(weight.clone())
+    want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", scale, True)
+    norm = torch.empty_like(residual)
+    for _ in range(2):
+        got = commfuse.fused_add_rmsnorm(x, residual, param, quant="fp8", scale=scale, return_norm=True,
+                                         out=Tail(None, norm, None, None))
+        assert got.norm is norm and not norm.requires_grad and norm.grad_fn is None
+        assert not any(t.requires_grad for t in got[:4] if t is not None)
+        assert bits_equal(norm, want.norm) and bits_equal(got.quant, want.quant)
+    with torch.inference_mode():
+        frozen = x.float()
+    z = residual.float().requires_grad_()
+    g = commfuse.gated_rmsnorm(frozen, z, param.float(), 1e-5, 16, False)
+    assert not g.norm.requires_grad
+    assert bits_equal(g.norm, reference.gated_rmsnorm(frozen, z.detach(), weight.float(), 1e-5, 16, False))
+    q = commfuse.quantize(x.float().requires_grad_(), "fp8", scale)
+    assert not q.quant.requires_grad
+
+
 def test_separated_out_writes_mn_major_padding_rows(gen):
     """On the separated route (CPU), caller-owned MN-major scales get the padding rows of their storage
     written, as the fused kernels write them: a view of one column (h = 128) reads as contiguous."""

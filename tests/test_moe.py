@@ -138,6 +138,56 @@ def test_one_ranks_out_overlapping_y_on_a_planned_call_keeps_the_gloo_route_in_s
             assert got.norm is norm and bits_equal(norm, want.norm), f"step {step}"
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_combine_that_raises_on_one_rank_keeps_the_ranks_in_step(comm, quiet_comm, gen, monkeypatch):
+    """A rank whose combine raises (an error no check foresaw, as torch refusing an input) raises it after taking
+    part in the call's exchanges as a refusal: its peers raise CallMismatchError naming it, with COMMFUSE_CHECK's
+    comparison and with the gloo exchange's alone, and the next call sums right on every rank. Raised before the
+    exchange, the peers' exchange paired with that rank's next call: a sum of two steps' rows."""
+    if comm.backend != "gloo" or quiet_comm.workspace is not None:
+        pytest.skip("the gloo route (a rank raising before an NCCL or P2P collective leaves its peers to the timeout)")
+    import commfuse.moe
+
+    t, k, h = 4, 2, 64
+    for c in (comm, quiet_comm):
+        residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+        for form in ("reduction", "finalize"):
+            steps = [moe_inputs(c, gen, t, k, h, torch.bfloat16, form, torch.float32, False) for _ in range(2)]
+            for step, (per_rank, rank) in enumerate(steps):
+                y, w, idx, _ = per_rank[rank]
+                if step == 0:
+                    if rank == 1:
+                        def fails(*args):
+                            raise RuntimeError("combine failed")
+                        monkeypatch.setattr(commfuse.moe, "combine", fails)
+                        with pytest.raises(RuntimeError, match="^combine failed$"):
+                            c.moe_all_reduce(y, w, residual, weight, row_index=idx)
+                        monkeypatch.undo()
+                    else:
+                        with pytest.raises(commfuse.CallMismatchError, match="RuntimeError: combine failed"):
+                            c.moe_all_reduce(y, w, residual, weight, row_index=idx)
+                    continue
+                want = reference.fused_tail(reference.all_reduce_sum([combined(*r) for r in per_rank]), residual,
+                                            weight, 1e-6)
+                assert bits_equal(c.moe_all_reduce(y, w, residual, weight, row_index=idx).residual, want.residual)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_moe_inputs_from_inference_mode_with_weights_that_require_grad(comm, gen):
+    """The ops are outside autograd on every route: an inference-mode y with routing weights that require grad
+    (the separated combine used to record them for backward, which torch refuses for inference tensors) sums
+    as any inputs, and no output gains a history."""
+    t, k, h = 4, 2, 64
+    residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
+    per_rank, rank = moe_inputs(comm, gen, t, k, h, torch.bfloat16, "reduction", torch.float32, False)
+    y, w, _, _ = per_rank[rank]
+    with torch.inference_mode():
+        frozen = y.clone()
+    got = comm.moe_all_reduce(frozen, w.clone().requires_grad_(), residual, weight)
+    want = reference.fused_tail(reference.all_reduce_sum([combined(*r) for r in per_rank]), residual, weight, 1e-6)
+    assert not got.residual.requires_grad and bits_equal(got.residual, want.residual)
+
+
 @mpi
 def test_moe_disable_fusion_separates_the_combine(comm, gen, monkeypatch):
     """COMMFUSE_DISABLE_FUSION=1 reaches the combine as every tail: reference ops (plan.combine "separated",

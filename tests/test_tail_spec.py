@@ -40,7 +40,8 @@ def test_the_signature_tells_apart_what_str_rounds():
     assert TailSpec.of(eps=1e-6).signature != TailSpec.of(eps=1.0000001e-6).signature
 
 
-@pytest.mark.parametrize("bad", [1e39, -1e39, float("inf"), float("nan")])
+@pytest.mark.parametrize("bad", [1e39, -1e39, float("inf"), float("nan"), pytest.param(10**400, id="int 10**400"),
+                                 pytest.param(-10**400, id="int -10**400")])
 def test_numbers_must_be_finite_in_float32(bad):
     for name in ("eps", "weight_offset"):
         with pytest.raises(ValueError, match=f"{name} must be a finite float32 number"):

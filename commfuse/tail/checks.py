@@ -301,7 +301,8 @@ def _span(t: Tensor, storage_numel: Optional[int] = None) -> tuple:
 
 def no_overlap(names: Sequence[str], outputs: Sequence, specs: Sequence, inputs: Sequence[tuple]) -> None:
     """Raise unless the caller's outputs overlap neither each other nor an input; out.residual may be the
-    residual input itself (the same tensor: an in-place update). names, outputs, specs: each output's
+    residual input's own memory (an in-place update): the residual itself, or, for a residual of another
+    shape ([..., h]), a [t, h] view of it, both contiguous. names, outputs, specs: each output's
     name ("out.norm"), the caller's tensor or None, its OutputSpec or None (an MN-major one spans its
     storage, padding rows included); inputs: (name, tensor or None). Per call: the plan's key holds no
     addresses. The rule is every route's: the kernels read an input while they write the outputs."""
@@ -319,9 +320,10 @@ def no_overlap(names: Sequence[str], outputs: Sequence, specs: Sequence, inputs:
             b2, e2 = _span(x)
             if b < e2 and b2 < e:
                 if name == "out.residual" and arg == "residual" and x.data_ptr() == t.data_ptr() and \
-                        x.shape == t.shape and x.stride() == t.stride():
+                        x.numel() == t.numel() and x.is_contiguous() and t.is_contiguous():
                     continue
-                why = " (out.residual may be residual itself, for an in-place update)" if "out.residual" in names else ""
+                why = (" (out.residual may be residual itself, or a [t, h] view of a contiguous residual, for an "
+                       "in-place update)") if "out.residual" in names else ""
                 raise ValueError(f"{name} overlaps {arg}: the caller's outputs may not overlap an input{why}")
 
 

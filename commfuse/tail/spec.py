@@ -80,7 +80,10 @@ def fp32(v: float) -> float:
 def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # an int beyond any float
+        v = math.inf if v > 0 else -math.inf
     if not math.isfinite(fp32(v)) or (minimum is not None and v < minimum):
         raise ValueError(f"{name} must be a finite float32 number" + (f" >= {minimum:g}" if minimum is not None else "")
                          + f", got {v!r}")
