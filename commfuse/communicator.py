@@ -329,8 +329,8 @@ class Communicator:
     def all_reduce(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum of `x` over the group, in a new tensor of x's shape and dtype (x is not modified).
 
-        x: any shape, fp16 / bf16 / fp32, on the communicator's device (CUDA for NCCL and for ranks
-        sharing a GPU, CPU for gloo). out: a caller-owned tensor of x's shape, dtype and device
+        x: [..., h] with h > 0, fp16 / bf16 / fp32, on the communicator's device (CUDA for NCCL and for
+        ranks sharing a GPU, CPU for gloo). out: a caller-owned tensor of x's shape, dtype and device
         (contiguous, not overlapping x) to write the sum into instead, and return: a decode loop then
         allocates nothing.
         """
