@@ -32,7 +32,7 @@ __all__ = ["Communicator", "FusedResult", "STRATEGIES"]
 
 STRATEGIES = routes.STRATEGIES
 GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_GLOO_TIMEOUT_S)
-_CHECK_GROUPS: dict = {}  # (ranks, timeout) -> the gloo check group those Communicators share
+_CHECK_GROUPS: dict = {}  # (group name, ranks, timeout) -> the gloo check group those Communicators share
 
 
 @atexit.register
@@ -134,9 +134,10 @@ class Communicator:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
-        strategy = os.environ.get("COMMFUSE_STRATEGY") or strategy
+        given = os.environ.get("COMMFUSE_STRATEGY")
+        name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            raise ValueError(f"{name} must be one of {STRATEGIES}, got {strategy!r}")
         self.group = group if group is not None else dist.group.WORLD
         self.strategy = strategy
         self.backend = str(dist.get_backend(self.group))
@@ -187,7 +188,9 @@ class Communicator:
         over a gloo group of their own whose timeout, COMMFUSE_GLOO_TIMEOUT_S (default 10 s, as the P2P
         route's), bounds how long a call waits for a rank that skipped it or died; the group's own timeout
         stays the caller's for everything else. The Communicators of one group with one timeout share it
-        (each gloo group holds sockets and threads) until a call times out on it. A Communicator whose
+        (each gloo group holds sockets and threads) until a call times out on it; those of another group
+        over the same ranks do not: their calls, made in another order or from other threads than this
+        group's, would pair with this group's in one exchange (sums of each other's rows). A Communicator whose
         call timed out stays unusable; later ones get a new check group.
         Over every rank of the world, every rank takes part in making it, as in any dist.new_group. Over a
         subgroup only its ranks do (the others do not make this Communicator): torch names such a group
@@ -195,7 +198,7 @@ class Communicator:
         must hold as many (else making it times out, and this raises saying so)."""
         timeout = env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)
         ranks = tuple(dist.get_process_group_ranks(self.group))
-        key = (ranks, timeout)
+        key = (self.group.group_name, ranks, timeout)
         group = _CHECK_GROUPS.get(key)
         if group is not None:
             # A call that timed out closed the group's connections (on the other ranks too, whether they

@@ -173,16 +173,18 @@ def test_gloo_route_detects_every_mismatched_call(comm, gen, kind):
     assert torch.equal(c.all_reduce(y).float(), torch.full((2, 64), c.world_size * (c.world_size + 1) / 2, device=c.device))
 
 
-def _checked_by(comm, check: str) -> Communicator:
-    """A Communicator whose calls the ranks compare by `check`: the gloo route's exchange (a gloo group,
-    strategy "nccl": off P2P where ranks share a GPU), or COMMFUSE_CHECK's comparison on any route."""
+def _checked_by(comm, check: str, group=None) -> Communicator:
+    """A Communicator of `group` (comm's by default) whose calls the ranks compare by `check`: the gloo route's
+    exchange (a gloo group, strategy "nccl": off P2P where ranks share a GPU), or COMMFUSE_CHECK's comparison on
+    any route."""
+    group = comm.group if group is None else group
     if check == "gloo route":
         if comm.backend != "gloo":
             pytest.skip(f"a {comm.backend} group: this check is the gloo route's")
-        c = Communicator(comm.group, strategy="nccl")
+        c = Communicator(group, strategy="nccl")
         c.check_calls = False
     else:
-        c = Communicator(comm.group)
+        c = Communicator(group)
         c.check_calls = True
     return c
 
@@ -230,6 +232,29 @@ def test_a_communicator_after_an_uneven_subgroup(comm, gen, monkeypatch):
         assert torch.equal(y, want)
     else:
         assert_within_ulp(y, want, c.world_size, "all-reduce")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+def test_communicators_of_two_groups_over_the_same_ranks_do_not_pair_their_calls(comm, gen, monkeypatch, check):
+    """Two process groups over the same ranks: their Communicators exchange over check groups of their own (those
+    of one group share one). Rank 0 calls the first group's Communicator while the others call the second's:
+    every rank raises CallTimeoutError, where one shared check group paired the two calls into one exchange and
+    returned each rank the other call's sums, silently."""
+    ranks = dist.get_process_group_ranks(comm.group)
+    groups = [dist.new_group(ranks, backend=comm.backend) for _ in range(2)]
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "2")
+    first, second = (_checked_by(comm, check, g) for g in groups)
+    if check == "COMMFUSE_CHECK":  # an NCCL group makes its check group at the first checked call
+        for c in (first, second):
+            c.all_reduce(torch.ones(2, 8, device=c.device))
+    assert first._check_group is not second._check_group
+    assert _checked_by(comm, check, groups[0])._check_group is first._check_group  # one group's share it
+    x = torch.full((2, 64), float(1 + dist.get_rank(comm.group)), device=comm.device)
+    mine = first if dist.get_rank(comm.group) == 0 else second
+    with pytest.raises(commfuse.CallTimeoutError, match="not every rank made the call"):
+        mine.all_reduce(x)
+    dist.barrier(comm.group)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -503,8 +528,11 @@ def test_communicator_needs_initialised_group(monkeypatch):
 @mpi
 def test_unknown_strategy_raises(comm, monkeypatch):
     monkeypatch.delenv("COMMFUSE_STRATEGY", raising=False)  # the env would override the argument
-    with pytest.raises(ValueError, match="strategy must be one of"):
+    with pytest.raises(ValueError, match="^strategy must be one of"):
         Communicator(comm.group, strategy="fastest")
+    monkeypatch.setenv("COMMFUSE_STRATEGY", "AUTO")  # the variable named, not the argument it overrides
+    with pytest.raises(ValueError, match="^COMMFUSE_STRATEGY must be one of .*, got 'AUTO'"):
+        Communicator(comm.group)
 
 
 @mpi
