@@ -2,8 +2,9 @@
 tail's optional quantization (every format of commfuse.tail.formats) in one kernel.
 
 Semantics: commfuse.reference.gated_rmsnorm, then the reference quantizers on its T-rounded output; see
-docs/semantics.md (gated RMSNorm). silu goes through exp, which torch's GPU kernels and the CPU
-compute differently: the kernel's silu is torch's on a GPU (z / (1 + expf(-z))).
+docs/semantics.md (gated RMSNorm). silu goes through exp, which no two implementations compute alike: the
+kernel's comes from the SFU's exp2 and reciprocal (csrc/gated_rmsnorm.cu), within an ulp of T of the
+reference's norm.
 
 Launch configuration: one CTA per row (plus the padding rows of the scale storage, as fused_tail), or
 at few rows and at many rows of more than MANY_SPLIT_SLICE elements a row split into slices of whole groups,
