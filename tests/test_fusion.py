@@ -662,6 +662,43 @@ def test_all_reduce_of_a_split_item_in_place_is_not_fused(quiet_comm, gen, split
     assert_same(got, want)
 
 
+ALIASES = {"mT": lambda y: y.mT, "swapdims": lambda y: torch.swapdims(y, 0, 1),
+           "moveaxis": lambda y: torch.moveaxis(y, 0, 1), "broadcast_to": lambda y: torch.broadcast_to(y, y.shape)}
+
+
+@mpi
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_all_reduce_through_any_view_spelling_is_not_fused(quiet_comm, gen, alias):
+    """Views whose spelling dynamo keeps as a function or attribute (not view/transpose): one taken before the
+    collective holds the sum, and an all-reduce of a graph input's view writes the caller's tensor."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    view = ALIASES[alias]
+
+    def view_before(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        a = view(y)
+        dist.all_reduce(y)
+        h = residual + y
+        return torch_norm(h, weight), h, a * 2
+
+    gm, report, want, got = fuse_and_run(view_before, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert any("taken before the collective" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+    def input_view(x, residual, weight):
+        y = view(view(x)) if alias != "broadcast_to" else view(x)
+        dist.all_reduce(y)
+        h = residual + y
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(input_view, (x, residual, weight), c)
+    assert FUSED_AR not in counts(gm), report
+    assert any("view of another tensor" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+
 @mpi
 def test_all_reduce_of_a_view_in_place_is_not_fused(quiet_comm, gen):
     c = quiet_comm
@@ -1149,8 +1186,40 @@ def _scale_weight(h, w, s):
     return weight_before_cast_norm(h, w), h
 
 
+_RELU = torch.nn.ReLU(inplace=True)
+
+
+def _relu_in_place(h, w, s):
+    F.relu(h, inplace=True)  # dynamo keeps the keyword: no schema, no trailing underscore
+    return weight_before_cast_norm(h, w), h
+
+
+def _relu_module_in_place(h, w, s):
+    _RELU(h)
+    return weight_before_cast_norm(h, w), h
+
+
+def _hardtanh_in_place_by_position(h, w, s):
+    F.hardtanh(h, -1.0, 1.0, True)
+    return weight_before_cast_norm(h, w), h
+
+
+def _through(view):
+    def write(h, w, s):
+        view(h).mul_(2)  # a write to h through a view whose spelling names no view
+        return weight_before_cast_norm(h, w), h
+    return write
+
+
 IN_PLACE = {"h.add_ before the norm": _add_one, "h[:, :8] = 0 before the norm": _zero_columns,
-            "n.mul_ before the FP8 quant": _scale_norm, "weight.mul_ between the add and the norm": _scale_weight}
+            "n.mul_ before the FP8 quant": _scale_norm, "weight.mul_ between the add and the norm": _scale_weight,
+            "F.relu(h, inplace=True)": _relu_in_place, "nn.ReLU(inplace=True)(h)": _relu_module_in_place,
+            "F.hardtanh(h, -1, 1, True)": _hardtanh_in_place_by_position,
+            "h.T.mul_": _through(lambda h: h.T), "h.data.mul_": _through(lambda h: h.data),
+            "torch.swapdims(h, 0, 1).mul_": _through(lambda h: torch.swapdims(h, 0, 1)),
+            "torch.moveaxis(h, 0, 1).mul_": _through(lambda h: torch.moveaxis(h, 0, 1)),
+            "h.adjoint().mul_": _through(lambda h: h.adjoint()),
+            "torch.atleast_2d(h).mul_": _through(torch.atleast_2d)}
 
 
 @pytest.mark.parametrize("case", sorted(IN_PLACE))
@@ -1193,6 +1262,69 @@ def test_in_place_write_in_an_aten_graph_is_not_fused(gen):
     report = fusion.fuse(gm)
     assert not counts(gm) and any("written in place" in r for r in _skip_reasons(report)), report
     assert_same(list(gm(x, residual, weight)), list(want))
+
+
+def test_a_norm_viewed_back_to_rows_keeps_the_graphs_shape(gen):
+    """A norm of [b, s, h] computed on its [b * s, h] rows and left as rows: the fused op's norm has the
+    graph's [b * s, h] shape (not the input's), so its readers (a sum over rows here) see the same shapes."""
+    x, residual, weight, _ = _local_inputs(gen, t=6)
+
+    def f(x, residual, weight):
+        h = x + residual
+        hf = h.float().view(-1, 64)
+        hf = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).view(-1, 64)
+        n = (hf * weight).to(h.dtype)
+        return n, n.sum(0), h
+
+    gm, report, want, got = fuse_and_run(f, (x.view(2, 3, 64), residual.view(2, 3, 64), weight), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert_same(got, want)
+
+
+def test_a_norm_viewed_to_another_shape_is_not_fused(gen):
+    """A grouped gated norm viewed back to [3, 2, h] from its [6, h] input: neither the input's shape nor
+    rows, so the pass leaves it, saying why."""
+    x, z, weight, _ = _local_inputs(gen, t=6)
+
+    def f(x, z, weight):
+        g = (x.float() * F.silu(z.float())).view(6, 4, 16)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (g.view(3, 2, 64) * weight).to(x.dtype)
+
+    gm, report, want, got = fuse_and_run(f, (x, z, weight), None)
+    assert not counts(gm), report
+    assert any("the fused ops give the input's shape" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
+
+
+def test_an_fp8_scale_that_broadcasts_the_codes_is_not_fused(gen):
+    """A one-element scale of higher rank than the norm makes the graph's codes [1, t, h]: the fused op's
+    would be [t, h], so the quantization stays in the graph (the add + norm still fuse)."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        n = weight_before_cast_norm(x + residual, weight)
+        return fp8(n.float(), scale)
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, torch.full((1, 1, 1), 0.02)), None)
+    assert report.fused and report.fused[0].quant is None, report
+    assert any("broadcasts" in r for r in _skip_reasons(report, "quantization")), report
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert_same(got, want)
+
+
+def test_torch_rms_norm_over_a_symbolic_hidden_size_says_so(gen):
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = x + residual
+        return F.rms_norm(h, (h.shape[-1],), weight, 1e-5), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None, dynamic=True)
+    assert not counts(gm), report
+    assert _skip_reasons(report, "rmsnorm") == ["the hidden size is symbolic: the fused ops need a fixed one"], report
+    assert_same(got, want)
 
 
 @pytest.mark.parametrize("clamps, fused", [

@@ -12,6 +12,8 @@ is there.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import operator
 from typing import Any, Collection, Optional
@@ -356,10 +358,17 @@ def passthrough(node: Any) -> bool:
     return False
 
 
+# Ops (by name, in any spelling) whose result may be an input itself or a view of one. A deny-list: an op
+# missing here is taken for a new tensor, so every spelling that dynamo keeps in a graph belongs here.
 _ALIASING = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "transpose", "t", "permute",
-             "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind",
-             "as_strided", "diagonal", "detach", "alias", "contiguous", "movedim", "swapaxes", "unfold", "view_as_real",
-             "view_as_complex", "split_with_sizes", "tensor_split", "__getitem__", "ravel"}
+             "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "narrow", "select", "split", "chunk",
+             "unbind", "hsplit", "vsplit", "dsplit", "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes",
+             "as_strided", "diagonal", "detach", "alias", "contiguous", "movedim", "moveaxis", "swapaxes",
+             "swapdims", "adjoint", "unfold", "view_as_real", "view_as_complex", "split_with_sizes", "tensor_split",
+             "__getitem__", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "positive", "conj", "resolve_conj",
+             "resolve_neg", "cpu", "cuda", "_get_data_attr"}
+# Tensor attributes that are views of the tensor (dynamo keeps `x.T` as getattr(x, "T")).
+_ALIASING_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
 
 
 def may_alias(node: Any) -> bool:
@@ -377,6 +386,8 @@ def may_alias(node: Any) -> bool:
     if node.op != "call_function":
         return False
     t = node.target
+    if t is getattr:
+        return len(node.args) > 1 and (node.args[1] in _ALIASING_ATTRIBUTES or isinstance(value(node), torch.Tensor))
     if t is operator.getitem:
         # An item of sort's, topk's, ... result is a tensor of its own (a write to the values leaves the
         # indices alone); any other container's items may be views (split, vsplit, unsafe_chunk, a module's tuple).
@@ -411,10 +422,13 @@ _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.
 
 def writes(node: fx.Node, target: fx.Node) -> bool:
     """Whether node writes `target` in place: `target.add_(...)`, `target[i] = v`, `target /= s`, an op
-    whose schema marks that argument written (aten's copy_, a functional collective's in-place form), or a
-    call that takes it as `out=` (dynamo keeps those in the graph)."""
+    whose schema marks that argument written (aten's copy_, a functional collective's in-place form), a
+    call that takes it as `out=` (dynamo keeps those in the graph), or one told `inplace=True`
+    (F.relu(target, inplace=True), an nn.ReLU(inplace=True) module)."""
     out = node.kwargs.get("out")
     if out is target or (isinstance(out, (tuple, list)) and any(o is target for o in out)):
+        return True
+    if node.op in ("call_function", "call_module") and node.args and node.args[0] is target and _inplace(node):
         return True
     if node.op == "call_method":
         name = node.target
@@ -429,6 +443,32 @@ def writes(node: fx.Node, target: fx.Node) -> bool:
                    for i, a in enumerate(schema.arguments))
     name = getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is target
+
+
+def _inplace(node: fx.Node) -> bool:
+    """Whether a call_function or call_module node is told to write its first operand (`inplace=True`, by
+    keyword or position, as torch.nn.functional's activations take it; a module's `inplace` attribute)."""
+    if node.op == "call_module":
+        return getattr(_module(node), "inplace", False) is True
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"] is True
+    try:
+        params = _parameters(node.target)
+    except TypeError:  # an unhashable callable
+        return False
+    if "inplace" not in params:
+        return False
+    i = params.index("inplace")
+    return i < len(node.args) and node.args[i] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> tuple:
+    """The names of fn's parameters in order, () where Python cannot tell (a builtin, an OpOverload)."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def written_between(node: fx.Node, lo: fx.Node, hi: fx.Node, positions: dict,

@@ -230,8 +230,10 @@ def _match_rms_op(n: fx.Node) -> Union[Norm, Mismatch]:
         return Mismatch(f"{spelling} of a non-tensor")
     notes = []
     h = G.hidden(x)
+    if len(shape) == 1 and (h is None or isinstance(shape[0], fx.Node)) and G.shape(x):
+        return Mismatch("the hidden size is symbolic: the fused ops need a fixed one", norm_input=x)
     if len(shape) != 1 or h is None or G.number(shape[0]) != h:
-        return Mismatch(f"{spelling} over {shape}: the fused ops normalise the last dimension only")
+        return Mismatch(f"{spelling} over {shape}: the fused ops normalise the last dimension only", norm_input=x)
     if weight is None:
         return Mismatch(f"{spelling} without a weight (elementwise_affine=False): no fused op takes that yet",
                         "guard")
@@ -670,6 +672,11 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
                      "section 4): a neighbouring FP8 code where the two round differently")
     else:
         return None
+    if G.shape(cur) is not None and G.shape(prev) is not None and \
+            tuple(map(str, G.shape(cur))) != tuple(map(str, G.shape(prev))):
+        return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name}: the scale broadcasts the norm's "
+                                  f"{G.shape(prev)} to {G.shape(cur)}; the fused op's codes have the norm's shape",
+                                  "pattern")
     if G.dtype(cur) not in (_F32,):
         notes.append(f"n / scale is computed in {G.dtype(cur)} in the graph (a 0-dim scale does not promote), so it "
                      "is rounded before e4m3; the fused op divides in float32: a neighbouring code at ties")

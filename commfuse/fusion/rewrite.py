@@ -123,6 +123,16 @@ def _propagate(gm: fx.GraphModule, example_inputs) -> None:
 # --------------------------------------------------------------------------- one norm
 
 
+def _takes_shape(out: fx.Node, like: fx.Node, h: int) -> bool:
+    """Whether `out` has `like`'s shape or the fused ops' [tokens, h] (or either is unknown): the shapes in which
+    the rewrite can hand the fused ops' outputs to out's readers."""
+    a, b = G.shape(out), G.shape(like)
+    if a is None or b is None:
+        return True
+    a = tuple(map(str, a))
+    return a == tuple(map(str, b)) or (len(a) == 2 and a[1] == str(h))
+
+
 class _Skip(Exception):
     def __init__(self, where, what, reason, kind="guard"):
         super().__init__(reason)
@@ -151,6 +161,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             raise _Skip(norm.output.name, "rmsnorm", f"the weight has shape {G.shape(norm.weight)}, not [{h}]")
         if isinstance(norm.eps, float) and not math.isfinite(norm.eps):
             raise _Skip(norm.output.name, "rmsnorm", f"eps {norm.eps} is not finite")
+        if not _takes_shape(norm.output, norm.input, h):
+            raise _Skip(norm.output.name, "rmsnorm", f"the norm has shape {G.shape(norm.output)}, its input "
+                        f"{G.shape(norm.input)}: the fused ops give the input's shape (or [tokens, {h}])", "pattern")
     except _Skip as s:
         report.skipped.append(s.skipped)
         if not norm.gated:
@@ -246,7 +259,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     # rank, and a [b, s, h] view of a GEMM's [b * s, h] output would reach it through a view per input and
     # call in the compiled code, where this view of a view is the GEMM's output itself.
     shape_ref = residual if residual is not None else norm.input
-    rank = len(G.shape(shape_ref))
+    shape_ref_shape = G.shape(shape_ref)
+    rank = len(shape_ref_shape)
     return_norm = quant is None or bool(others)
 
     def rows(n: Optional[fx.Node]) -> Optional[fx.Node]:
@@ -287,7 +301,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     def output(field: str, replaces: fx.Node, view: bool) -> fx.Node:
         with g.inserting_before(replaces):
             out = g.call_function(operator.getitem, (fused, out_fields.index(field)))
-            if view and rank != 2:
+            if view and rank != 2 and len(G.shape(replaces) or shape_ref_shape) != 2:
                 out.meta = {}
                 out = g.call_method("view_as", (out, shape_ref))
         out.meta = dict(replaces.meta)
