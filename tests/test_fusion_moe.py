@@ -314,6 +314,37 @@ def test_the_combine_added_to_itself_is_no_shared_expert(quiet_comm, gen, added_
 
 
 @mpi
+def test_one_tokens_combine_broadcast_by_the_shared_add_is_no_combine(quiet_comm, gen):
+    """(routed + shared.float()).to(T) where routed is one token's combine that the add broadcasts over every
+    token: the op's combine is one row per token, so it stays in the graph (not reported: no combine of the
+    all-reduce's rows is there), and the tail is fused."""
+    def combine(x, rows, w, t, k, h):
+        routed = (rows.view(t, k, h)[:1] * w[:1].unsqueeze(-1)).sum(dim=1)
+        return (routed + x.float()).to(x.dtype)
+
+    negative(quiet_comm, gen, combine, skipped=0)
+
+
+@mpi
+def test_sum_in_t_of_float32_products_is_noted(quiet_comm, gen):
+    """sum(dim=1, dtype=T) casts each float32 product to T before the sum: the op's combine rounds once, so the
+    report says so (its numerics note) and spells the dtype."""
+    def combine(x, rows, w, t, k, h, cast=True):
+        products = rows.view(t, k, h).float() * w.unsqueeze(-1)
+        return products.sum(dim=1, dtype=x.dtype) if cast else products.sum(dim=1).to(x.dtype)
+
+    same = torch.Generator().set_state(gen.get_state())
+    gm, report, _, got = with_combine(quiet_comm, gen, combine)
+    assert counts(gm) == {MOE_AR: 1}, report
+    f = report.fused[0]
+    assert ".sum(dim=1, dtype=bfloat16)" in f.spelling, report
+    assert any("rounding each product" in n and "dtype=" in n for n in f.notes), report
+    # The op's combine is the float32 sum's (k = 2: exact), whatever the graph's dtype=.
+    _, _, want, _ = with_combine(quiet_comm, same, lambda *a: combine(*a, cast=False))
+    assert_same(got, want)
+
+
+@mpi
 def test_sum_over_another_dim_is_not_the_combine(quiet_comm, gen):
     def combine(x, rows, w, t, k, h):  # the slots on dim 0: [k, t, h]
         return (rows.view(t, k, h).transpose(0, 1) * w.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)
@@ -532,6 +563,20 @@ def test_gathered_rows_weights_broadcast_over_rows_are_not_matched(quiet_comm, g
         return weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
 
     s = negative(quiet_comm, gen, combine, t=32)
+    assert "permuted like them" in s.reason, s
+
+
+@mpi
+def test_gathered_rows_weights_of_more_than_the_rows_are_not_matched(quiet_comm, gen):
+    """w_all[perm] where w_all holds more weights than there are rows: the gather picks one a row, but the op
+    takes the routing weights as [t, k] of w_all itself. Not matched, reported; the tail fused."""
+    def combine(x, rows, w, t, k, h):
+        perm = _reversed(t * k, x.device)
+        w_all = torch.cat([w.reshape(-1), torch.ones(2, device=x.device)])
+        weighted = rows[perm] * w_all[perm].unsqueeze(-1)
+        return weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
+
+    s = negative(quiet_comm, gen, combine)
     assert "permuted like them" in s.reason, s
 
 

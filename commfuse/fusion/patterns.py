@@ -848,7 +848,7 @@ def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
             c0 = _strip_views(c, inner)
             if s_t is None or G.dtype(s_t) != t_dtype or not _same_dims(G.shape(s_t), G.shape(add)):
                 continue
-            if G.kind(c0) == "sum" and G.dtype(c0) == _F32:
+            if G.kind(c0) == "sum" and G.dtype(c0) == _F32 and _same_dims(G.shape(c0), G.shape(add)):
                 core = _routed_sum_core(c0, t_dtype)
                 if core is None:
                     continue
@@ -887,6 +887,10 @@ def _routed_sum_core(s: fx.Node, t_dtype):
     dim, keepdim = _sum_dims(s)
     if dim is None or keepdim:
         return None
+    cast = s.kwargs.get("dtype")  # sum(dtype=...) casts the products to it first
+    if cast not in (None, _F32, t_dtype):
+        return Mismatch(f"the sum {s.name} casts the products to {_dt(cast)} (dtype=): commfuse::moe_all_reduce "
+                        f"sums float32 products in float32", "pattern")
     # Which layout: the products as [t, k, h] (y viewed first), or rows [t*k, h] viewed after the multiply.
     nodes = [s]
     if G.kind(m) == "mul":
@@ -937,8 +941,9 @@ def _routed_sum_core(s: fx.Node, t_dtype):
     if why is not None:
         return why
     rows_txt = "(rows * w[:, None]).view(t, k, h)" if rows else "(y * w.unsqueeze(-1))"
-    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod,
-                spelling=f"{rows_txt}.sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+    sum_txt = f".sum(dim=1, dtype={_dt(cast)})" if cast is not None else ".sum(dim=1)"
+    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod, products=cast or G.dtype(prod),
+                spelling=f"{rows_txt}{sum_txt}" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
 
 
 def _token_major(w: fx.Node, shape3) -> Optional[fx.Node]:
@@ -1043,7 +1048,8 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
         one_per_row = isinstance(ww, fx.Node) and _same_dims(G.shape(ww), rows_shape[:-1] + (1,))
         src = _weights_source(ww, rows_shape[:-1]) if one_per_row else None
         if isinstance(yy, fx.Node) and _same_dims(G.shape(yy), rows_shape) and G.kind(src) == "getitem" and \
-                src.args[1] is perm:
+                src.args[1] is perm and G.shape(src.args[0]) is not None and \
+                _same_dims(tuple(G.shape(src.args[0])), rows_shape[:1]):  # w[perm] of exactly one weight a row
             y, w = yy, src.args[0]
             break
     if y is None:
@@ -1088,8 +1094,10 @@ def _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype):
     t = _dt(t_dtype)
     notes = []
     prod, k = core["prod"], core["k"]
-    if G.dtype(prod) != _F32:
-        notes.append(f"the graph multiplies the expert outputs by the routing weights in {t}, rounding each product "
+    if core.get("products", G.dtype(prod)) != _F32:
+        how = f"multiplies the expert outputs by the routing weights in {t}" if G.dtype(prod) != _F32 else \
+            f"casts the float32 products of the expert outputs and routing weights to {t} (the sum's dtype=)"
+        notes.append(f"the graph {how}, rounding each product "
                      f"to {t} (torch then sums them in float32 and rounds once); the op multiplies in float32 and "
                      f"rounds the combined row once (docs/semantics.md section 14): the combined rows differ by up to "
                      f"about k/2 = {k / 2:g} ulps of {t} of the largest product plus the final rounding (more ulps of "
