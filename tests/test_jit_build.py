@@ -92,10 +92,13 @@ def test_register_only_launch_configs_have_variants(module, family, formats):
     names = set(module.variants())
     for hidden in (8, 128, 1024, 2880, 4096, 8192, 8200, 12336, 16384):
         for tokens in (1, 255, 256, 8192):
-            vpt, threads = module.launch_config(hidden, tokens)
-            assert vpt in module.VPT_BUCKETS and threads % 32 == 0 and threads <= module.MAX_THREADS[vpt]
-            assert 8 * vpt * threads >= hidden
             for fmt in formats:
+                if module is quantize:
+                    vpt, threads = module.launch_config(hidden, tokens, TailSpec.of(fmt.name))
+                else:
+                    vpt, threads = module.launch_config(hidden, tokens)
+                assert vpt in module.VPT_BUCKETS and threads % 32 == 0 and threads <= module.MAX_THREADS[vpt]
+                assert 8 * vpt * threads >= hidden
                 assert family.name_expression(torch.bfloat16, fmt, vpt) in names
 
 

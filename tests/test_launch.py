@@ -236,7 +236,7 @@ def test_row_kernel_families_plan_one_launch_per_call(monkeypatch, family, t, h,
     splits = {"gated_norm": lambda: gated_norm.splits(h, t, 512, spec), "quantize": lambda: quantize.splits(h, t, spec),
               "fused_tail": lambda: 1}[family]()
     assert splits == (4 if (family, t) == ("gated_norm", 1) else 1)  # 1 x 4096: 4 slices of 1024 (MIN_SLICE)
-    vpt, threads = module.launch_config(h // splits, t)
+    vpt, threads = module.launch_config(h // splits, t, *([spec] if family == "quantize" else []))
     assert loaded == [fam.name_expression(torch.bfloat16, spec.format, vpt)]
     assert (one.grid, one.block, len(one.params)) == (spec.row_slots(t) * splits, threads, struct_.size)
     if family == "gated_norm":
@@ -272,6 +272,20 @@ def test_warmup_loads_every_kernel_a_plan_launches(monkeypatch, family, quant):
             else:
                 fam.plan(torch.bfloat16, t, h, spec, 0)
             assert loaded and set(loaded) <= configs, (h, t, loaded, configs)
+
+
+@pytest.mark.parametrize("t, h, quant, vpt", [
+    (255, 4096, "fp8", 1), (256, 4096, "fp8", 2), (8192, 8192, "fp8", 2), (1024, 4096, "nvfp4", 2),
+    (1024, 8192, "nvfp4", 4), (8192, 4096, "nvfp4", 4), (1024, 4096, "mxfp8", 4), (1024, 16384, "fp8", 2)])
+def test_quantize_many_rows_of_fp8_take_vpt_2(t, h, quant, vpt):
+    """quantize.launch_config: from LATENCY_TOKENS rows static FP8 (NVFP4 up to 2^22 elements) runs at VPT 2,
+    h / 16 threads a row; larger NVFP4 calls and the other formats keep register_config's VPT 4."""
+    from commfuse.kernels import quantize
+
+    got_vpt, threads = quantize.launch_config(h, t, TailSpec.of(quant))
+    assert got_vpt == vpt and 8 * vpt * threads >= h and threads <= quantize.MAX_THREADS[vpt]
+    if vpt == 2:
+        assert threads == h // 16
 
 
 @pytest.mark.parametrize("t, h, quant, split, threads", [

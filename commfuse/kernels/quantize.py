@@ -27,11 +27,29 @@ SOURCE = "quantize.cu"
 VPT_BUCKETS = (1, 2, 4)
 MAX_THREADS = {v: fused_tail.MAX_THREADS[v] for v in VPT_BUCKETS}  # kMaxThreads<VPT> in quantize.cu
 MAX_HIDDEN = 8 * max(v * MAX_THREADS[v] for v in VPT_BUCKETS)
-launch_config = fused_tail.register_config
+VPT2_ELEMENTS = {"fp8": None, "nvfp4": 1 << 22}  # formats whose many-row calls take VPT 2, up to these elements
+
+
+def launch_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int]:
+    """(vpt, threads) of `tokens` whole rows of `hidden`: fused_tail.register_config, except that from
+    fused_tail.LATENCY_TOKENS rows static FP8 (and NVFP4 up to 2^22 elements) take VPT 2, twice register_config's
+    threads a row: more warps in flight for a kernel that only loads, converts and stores. H100, bf16, graph us,
+    VPT 4 (register_config) / 2: FP8 256 x 4096 2.16-2.26 / 1.95, 1024 x 4096 5.00-5.12 / 3.77, 1024 x 8192
+    6.28-6.44 / 5.90, 8192 x 8192 68.1-68.7 / 67.7; NVFP4 256 x 4096 3.32 / 2.91, 1024 x 4096 8.11-8.24 / 6.84,
+    but 1024 x 8192 11.75-11.93 / 12.11 and 8192 x 8192 81.9-82.7 / 89.9 (its software e2m1 keeps the ALUs
+    busy: more elements a thread amortise the block scales' work). Other formats: not measured, register_config."""
+    vpt, threads = fused_tail.register_config(hidden, tokens)
+    if spec.quant not in VPT2_ELEMENTS or tokens < fused_tail.LATENCY_TOKENS:
+        return vpt, threads
+    most = VPT2_ELEMENTS[spec.quant]
+    if most is not None and tokens * hidden > most:
+        return vpt, threads
+    return 2, whole_warps(-(-hidden // 16))
 SLICE = 1024        # elements a CTA at most where splits cuts rows
 MAX_SPLIT = 8       # CTAs a row at most
 SPLIT_CTAS = 128    # the most CTAs a call's rows take when cut (about an H100's or H200's multiprocessors)
 WHOLE_HIDDEN = 4096  # rows of at most this many elements stay whole
+MANY_TOKENS = 1 << 16  # a token count past every size rule (configs: the variants warmup loads)
 
 
 def splits(hidden: int, tokens: int, spec: TailSpec) -> int:
@@ -52,7 +70,7 @@ def cut_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int, int]
     """(vpt, threads, split) of `tokens` rows of `hidden`: a cut row's slice at VPT 1, else launch_config."""
     split = splits(hidden, tokens, spec)
     if split == 1:
-        return (*launch_config(hidden, tokens), 1)
+        return (*launch_config(hidden, tokens, spec), 1)
     return 1, whole_warps(slice_vectors(hidden // 8, split)), split
 
 
@@ -72,7 +90,7 @@ class Quantize(Family):
             raise ValueError(f"no quantize kernel for hidden={hidden} (at most {MAX_HIDDEN})")
         # Rows cut (VPT 1), rows too many to cut but few, many rows.
         return [self.name_expression(dtype, spec.format, cut_config(hidden, t, spec)[0])
-                for t in (1, SPLIT_CTAS, fused_tail.LATENCY_TOKENS)]
+                for t in (1, SPLIT_CTAS, fused_tail.LATENCY_TOKENS, MANY_TOKENS)]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int) -> LaunchPlan:
         """The LaunchPlan of t rows of h: x (the call's source X) is FusedTailParams' input a; the outputs
