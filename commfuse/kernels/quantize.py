@@ -4,8 +4,8 @@ quantization (every format but None of commfuse.tail.formats, every scale layout
 Semantics: commfuse.reference.quantize of x (docs/semantics.md sections 4-5 and 10-13); the kernel
 runs the code that quantizes the tail's T-rounded norm, so the codes and scales are the tail's bit for
 bit. Launch configuration: one CTA per row (plus the padding rows of the scale storage, as
-fused_tail); the row lives in registers as in the gated RMSNorm kernel (fused_tail.register_config),
-so h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). At few rows
+fused_tail); the row lives in registers as in the gated RMSNorm kernel (launch_config: fused_tail's
+register_config, with more threads a row for many rows of FP8), so h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). At few rows
 (splits) a row longer than WHOLE_HIDDEN is cut into slices of up to SLICE elements, a CTA each, VPT 1: one
 SM alone issues a row's loads and stores one after another.
 """
