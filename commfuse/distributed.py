@@ -76,7 +76,7 @@ def _one_launcher(found: list) -> tuple:
     return first
 
 
-def _int_env(name: str, minimum: int, default: int | None = None) -> int:
+def _int_env(name: str, minimum: int, default: int | None = None, maximum: int | None = None) -> int:
     text = os.environ.get(name)
     if text is None and default is not None:
         return default
@@ -84,14 +84,15 @@ def _int_env(name: str, minimum: int, default: int | None = None) -> int:
         v = int(text)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be an integer, got {text!r}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {v}")
+    if v < minimum or (maximum is not None and v > maximum):
+        bound = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bound}, got {v}")
     return v
 
 
 def _master_port() -> int:
-    """MASTER_PORT, checked; 0 where it is unset or empty."""
-    return _int_env("MASTER_PORT", 1) if os.environ.get("MASTER_PORT") else 0
+    """MASTER_PORT, checked (a TCP port); 0 where it is unset or empty."""
+    return _int_env("MASTER_PORT", 1, maximum=65535) if os.environ.get("MASTER_PORT") else 0
 
 
 def _free_port() -> int:
@@ -101,13 +102,21 @@ def _free_port() -> int:
 
 
 def _mpi_rendezvous(rank: int) -> tuple:
+    """(address, port) of rank 0, sent to every rank; rank 0's error (a bad MASTER_PORT, say) is sent instead
+    and raised on every rank, which would otherwise wait in the broadcast for good."""
     from mpi4py import MPI
 
     addr = None
     if rank == 0:
-        addr = (os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname()),
-                _master_port() or _free_port())
-    return MPI.COMM_WORLD.bcast(addr, root=0)
+        try:
+            addr = (os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname()),
+                    _master_port() or _free_port())
+        except Exception as e:  # noqa: BLE001 - any failure here must reach the other ranks
+            addr = e
+    addr = MPI.COMM_WORLD.bcast(addr, root=0)
+    if isinstance(addr, Exception):
+        raise addr if rank == 0 else type(addr)(f"rank 0: {addr}")
+    return addr
 
 
 def default_backend(cuda: bool, local_world: int, gpus: int) -> str:

@@ -82,6 +82,8 @@ def test_init_distributed_and_the_probe_say_what_is_wrong():
     assert r.returncode != 0 and "ValueError: RANK=1 must be less than WORLD_SIZE=1" in r.stderr, r.stderr
     r = _run("import commfuse; commfuse.init_distributed()", RANK="0", WORLD_SIZE="1", MASTER_PORT="abc")
     assert "MASTER_PORT must be an integer, got 'abc'" in r.stderr, r.stderr
+    r = _run("import commfuse; commfuse.init_distributed()", RANK="0", WORLD_SIZE="1", MASTER_PORT="70000")
+    assert "MASTER_PORT must be in [1, 65535], got 70000" in r.stderr, r.stderr
     r = _run("import commfuse; commfuse.init_distributed(timeout_s=0)")
     assert "timeout_s must be a positive number of seconds" in r.stderr, r.stderr
     r = _run("import sys; from commfuse.cli.probe import main; sys.exit(main([]))", RANK="0", WORLD_SIZE="abc")
@@ -109,3 +111,18 @@ def test_numbers_in_range_and_defaults(monkeypatch):
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1e300")
     assert env.number("COMMFUSE_TEST_SECONDS", 1.0) == 1e300  # a number with no maximum (not a wait)
     assert env.MAX_SECONDS < math.inf
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_0s_rendezvous_error_reaches_every_rank(monkeypatch):
+    """Under mpirun rank 0 alone reads MASTER_ADDR / MASTER_PORT, then broadcasts them: its error is
+    broadcast instead and raised on every rank, which would otherwise wait in the broadcast for good."""
+    from mpi4py import MPI
+
+    from commfuse import distributed
+
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    with pytest.raises(ValueError, match="MASTER_PORT must be an integer, got 'abc'"):
+        distributed._mpi_rendezvous(MPI.COMM_WORLD.Get_rank())
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    assert distributed._mpi_rendezvous(MPI.COMM_WORLD.Get_rank())[1] == 29533  # and the world goes on

@@ -109,6 +109,11 @@ def test_bad_arguments_name_themselves(comm):
         torch.ops.commfuse.all_reduce(x, "no-such")
     with pytest.raises(ValueError, match="quant"):
         ops.fused_all_reduce(comm, x, x, x[0], quant="int4")
+    for falsy in (False, 0):  # only "" stands for None: any other value is checked, eager as compiled
+        with pytest.raises(TypeError, match="quant"):
+            ops.fused_all_reduce(comm, x, x, x[0], quant=falsy)
+        with pytest.raises(TypeError, match="quant"):
+            ops.moe_all_reduce(comm, x.view(2, 1, 16), torch.ones(2, 1, device=comm.device), x, x[0], quant=falsy)
     with pytest.raises(ValueError, match="tail must be the code of a tail spec"):
         torch.ops.commfuse.fused_all_reduce(x, x, x[0], None, 1e-6, 0.0, 255, comm.name)
 
