@@ -219,7 +219,7 @@ def fields_of(out) -> tuple:
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
         if len(out) not in (4, 5):
             raise TypeError(f"out must be a commfuse.reference.Tail (or a tuple of its {len(OUT_FIELDS)} fields: "
-                            f"{', '.join(OUT_FIELDS)}), got a tuple of {len(out)}")
+                            f"{', '.join(OUT_FIELDS)}; or of the first 4), got a tuple of {len(out)}")
         return tuple(out) + (None,) * (5 - len(out))
     if not all(hasattr(out, f) for f in OUT_FIELDS[:4]):
         raise TypeError(f"out must be a commfuse.reference.Tail or commfuse.FusedResult (fields "
