@@ -3,7 +3,9 @@ failures become JitErrors that say which kernel and why, and the cubin cache key
 
 No GPU needed; skipped with a reason when NVRTC cannot be loaded.
 """
+import hashlib
 import itertools
+import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -288,11 +290,11 @@ def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
     nvrtc_archs()
     src = tmp_path / "tiny.cu"
     src.write_text("template <int N> __global__ void tiny(int* x) { x[threadIdx.x] = N; }\n")
-    names = ["tiny<1>"]
+    names = ["tiny<1>", "tiny<2>"]
     entry = jit.cache_path(str(src), names, "sm_90")
     assert entry.parent == cache_dir
     assert entry != jit.cache_path(str(src), names, "sm_80")
-    assert entry != jit.cache_path(str(src), ["tiny<2>"], "sm_90")
+    assert entry != jit.cache_path(str(src), ["tiny<1>"], "sm_90")
     monkeypatch.setenv("COMMFUSE_JIT_DEBUG", "1")
     assert "-lineinfo" in jit.compile_options("sm_90")
     assert entry != jit.cache_path(str(src), names, "sm_90")
@@ -316,13 +318,27 @@ def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
     head = whole[:len(whole) - len(cubin)]
     flipped = bytearray(whole)
     flipped[-10] ^= 0x40
-    for damaged in (b"garbage", whole[:len(head) + len(cubin) // 2], bytes(flipped), jit._CACHE_MAGIC + b"null\n" + cubin):
+    # The header is covered too: names swapped (their body digest recomputed), an entry written for another
+    # key's name (another arch's cubin copied over), a header nested past the recursion limit.
+    lowered = json.loads(head[len(jit._CACHE_MAGIC):].decode())["lowered"]
+    swapped = dict(zip(lowered, reversed(list(lowered.values()))))  # tiny<1> would load tiny<2>'s symbol
+    assert swapped != lowered
+    forged = {"lowered": swapped, "sha256": hashlib.sha256(cubin).hexdigest()}
+    other = entry.with_name(entry.name.replace("sm_90", "sm_80"))
+    copied = {"lowered": lowered, "sha256": jit._digest(other, lowered, cubin)}
+    nested = b"[" * 100000 + b"]" * 100000
+    header_cases = [jit._CACHE_MAGIC + json.dumps(h).encode() + b"\n" + cubin for h in (forged, copied)]
+    for damaged in (b"garbage", whole[:len(head) + len(cubin) // 2], bytes(flipped), jit._CACHE_MAGIC + b"null\n" + cubin,
+                    *header_cases, jit._CACHE_MAGIC + nested + b"\n" + cubin):
         entry.write_bytes(damaged)
         calls = []
         with monkeypatch.context() as m:
             m.setattr(jit, "_nvrtc_compile", lambda *a, real=jit._nvrtc_compile: calls.append(1) or real(*a))
             assert jit.compile_cubin(str(src), names, "sm_90") == cubin
         assert calls == [1] and entry.read_bytes() == whole  # rebuilt and rewritten
+    entry.unlink()
+    os.mkfifo(entry)  # reading it would wait for a writer: rebuilt, the FIFO replaced
+    assert jit.compile_cubin(str(src), names, "sm_90") == cubin and entry.read_bytes() == whole
 
     # Any change of the sources changes the key.
     src.write_text(src.read_text() + "// edited\n")

@@ -76,3 +76,32 @@ def test_a_failed_build_says_why_and_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"failed \(3\): host_launch.cpp:1: error: this compiler always fails"):
         native._build()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("commfuse_host")]
+
+
+def test_a_library_cut_short_or_unwritable_is_built_again(tmp_path, monkeypatch):
+    """The library is loaded only where its digest file (written after it) agrees: a library cut short would
+    end the process when loaded (SIGBUS), not raise. A cache folder that cannot be written builds it in a
+    temporary folder, with a warning, rather than turning the hot path off."""
+    try:
+        native._flags()
+    except OSError as e:
+        pytest.skip(f"no headers to compile against: {e}")
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    builds = tmp_path / "builds"
+    script = tmp_path / "fake-cxx"  # "compiles" by writing a fixed library and counting its runs
+    script.write_text(f"#!/bin/sh\nfor a; do case $prev in -o) out=$a;; esac; prev=$a; done\n"
+                      f"printf 'a whole library' > \"$out\"; echo x >> {builds}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    target = native._build()
+    assert target.read_bytes() == b"a whole library" and builds.read_text().count("x") == 1
+    assert native._build() == target and builds.read_text().count("x") == 1  # intact: not built again
+    target.write_bytes(b"a whole")  # cut short
+    assert native._build() == target and target.read_bytes() == b"a whole library"
+    assert builds.read_text().count("x") == 2
+    blocked = tmp_path / "a-file"  # a cache folder under a file cannot be made, by root neither
+    blocked.write_text("")
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(blocked / "cache"))
+    with pytest.warns(UserWarning, match="cannot write the native hot path"):
+        other = native._build()
+    assert other.parent != target.parent and other.read_bytes() == b"a whole library"

@@ -433,7 +433,7 @@ def test_derive_limits():
 def test_a_cached_calibration_that_derive_limits_would_not_make_is_measured_again(tmp_path, crossovers):
     from commfuse.p2p import calibration
 
-    key = {"k": 1}
+    key = {"k": 1, "workspace_bytes": 1 << 20}
     path = tmp_path / "limits.json"
     path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20,
                                                        "crossovers": [["oneshot", 4096], ["twoshot", 65536]]}}))
@@ -443,6 +443,34 @@ def test_a_cached_calibration_that_derive_limits_would_not_make_is_measured_agai
                                                        "crossovers": [["oneshot", 4096], ["twoshot", 2 << 20]]}}))
     assert calibration._read_limits(path, key) == _limits(1 << 20, 4096, 2 << 20)
     path.write_text(json.dumps({"key": key, "limits": {"workspace_bytes": 1 << 20, "crossovers": crossovers}}))
+    assert calibration._read_limits(path, key) is None
+
+
+def test_a_damaged_calibration_file_is_measured_again_never_raised(tmp_path):
+    """Rank 0 alone reads the file before the ranks exchange its answer: whatever the file holds, the read
+    returns None (measure again), or the other ranks would wait for an answer that never comes. The
+    workspace size is the key's, not the file's."""
+    import os
+
+    from commfuse.p2p import calibration
+
+    key = {"k": 1, "workspace_bytes": 1 << 20}
+    path = tmp_path / "limits.json"
+
+    def limits(workspace, crossovers):
+        return json.dumps({"key": key, "limits": {"workspace_bytes": workspace, "crossovers": crossovers}})
+
+    path.write_text(limits(1 << 20, [["oneshot", 4096], ["twoshot", 65536]]))
+    assert calibration._read_limits(path, key) == _limits(1 << 20, 4096, 65536)
+    for text in (limits(1 << 20, [["oneshot", 4096], ["twoshot", float("inf")]]),  # JSON Infinity
+                 limits(float("inf"), [["oneshot", 1], ["twoshot", 2]]),
+                 "[" * 100000 + "]" * 100000,  # nested past the recursion limit
+                 limits(1 << 40, [["oneshot", 4096], ["twoshot", 1 << 40]]),  # another workspace's limits
+                 limits(4096, [["oneshot", 1024], ["twoshot", 4096]])):
+        path.write_text(text)
+        assert calibration._read_limits(path, key) is None, text[:80]
+    path.unlink()
+    os.mkfifo(path)  # reading it would wait for a writer
     assert calibration._read_limits(path, key) is None
 
 

@@ -84,9 +84,11 @@ CSRC_DIR = _find_csrc()
 # Headers whose content the cubins depend on besides csrc/ (the key hashes them: a new
 # nvidia-cuda-runtime wheel with the same NVRTC must not reuse old cubins).
 _CUDA_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp8.h", "cuda_fp8.hpp")
-# An entry: this line, a JSON header ({"lowered": name expression -> lowered name, "sha256": the
-# cubin's}), a newline, the cubin. The digest catches a body cut short or damaged on disk.
-_CACHE_MAGIC = b"commfuse-cubin-2\n"
+# An entry: this line, a JSON header ({"lowered": name expression -> lowered name, "sha256": _digest's}), a
+# newline, the cubin. The digest covers the entry's name (its key: sources, names, arch, options), the names
+# and the cubin: it catches a body cut short or damaged on disk, a header altered, an entry copied to
+# another key's name.
+_CACHE_MAGIC = b"commfuse-cubin-3\n"
 
 
 # --------------------------------------------------------------------------- NVRTC
@@ -233,28 +235,34 @@ def _entry(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ..
     return cache_dir() / f"{path.stem}-{arch}-{_key(path, names, arch, options)}.cubin"
 
 
+def _digest(path: Path, lowered: dict, cubin: bytes) -> str:
+    names = json.dumps(lowered, sort_keys=True).encode()
+    return hashlib.sha256(path.name.encode() + b"\0" + len(names).to_bytes(8, "little") + names + cubin).hexdigest()
+
+
 def _read_cache(path: Path, names: Tuple[str, ...]):
+    """(cubin, lowered names) of the entry at path, or None where it is absent or is not one written for this
+    path (then it is rebuilt and rewritten)."""
     try:
+        if not path.is_file():  # a directory or a FIFO in its place too (reading a FIFO waits for good)
+            return None
         blob = path.read_bytes()
-    except OSError:
-        return None
-    if not blob.startswith(_CACHE_MAGIC):
-        return None
-    header, sep, cubin = blob[len(_CACHE_MAGIC):].partition(b"\n")
-    try:
+        if not blob.startswith(_CACHE_MAGIC):
+            return None
+        header, sep, cubin = blob[len(_CACHE_MAGIC):].partition(b"\n")
         meta = json.loads(header)
-    except ValueError:
-        return None
-    lowered = meta.get("lowered") if isinstance(meta, dict) else None
-    if not sep or not isinstance(lowered, dict) or not all(isinstance(lowered.get(n), str) for n in names):
-        return None
-    if meta.get("sha256") != hashlib.sha256(cubin).hexdigest():  # cut short or damaged: rebuilt
+        lowered = meta.get("lowered") if isinstance(meta, dict) else None
+        if not sep or not isinstance(lowered, dict) or not all(isinstance(lowered.get(n), str) for n in names):
+            return None
+        if meta.get("sha256") != _digest(path, lowered, cubin):
+            return None
+    except (OSError, ValueError, RecursionError):  # unreadable, or a header no JSON parser takes
         return None
     return cubin, lowered
 
 
 def _write_cache(path: Path, cubin: bytes, lowered: dict) -> None:
-    header = json.dumps({"lowered": lowered, "sha256": hashlib.sha256(cubin).hexdigest()})
+    header = json.dumps({"lowered": lowered, "sha256": _digest(path, lowered, cubin)})
     write_atomic(path, _CACHE_MAGIC + header.encode() + b"\n" + cubin, "the kernel cache")
 
 

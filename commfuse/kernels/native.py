@@ -27,6 +27,7 @@ Environment (docs/environment.md):
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.machinery
@@ -35,7 +36,9 @@ import os
 import subprocess
 import sys
 import sysconfig
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -79,23 +82,52 @@ def _build() -> Path:
     for part in (source.read_bytes(), torch.__version__.encode(), sys.version.encode(), cxx.encode(),
                  "\n".join(compile_flags + link_flags).encode()):
         h.update(len(part).to_bytes(8, "little") + part)
-    target = jit.cache_dir() / f"commfuse_host-{h.hexdigest()[:32]}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    if target.is_file():
+    name = f"commfuse_host-{h.hexdigest()[:32]}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    target = jit.cache_dir() / name
+    if _intact(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Ranks building at once each write their own file, then rename: none loads a half-written one.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Ranks building at once each write their own file, then rename: none loads a half-written one.
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    except OSError as e:  # a cache folder that cannot be written costs the cache, not the hot path
+        folder = tempfile.mkdtemp(prefix="commfuse-native-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        warnings.warn(f"commfuse: cannot write the native hot path to {target.parent} ({e}); built in {folder}, "
+                      "for this process only", stacklevel=2)
+        target = Path(folder) / name
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=name, suffix=".tmp")
     os.close(fd)
     try:
         done = subprocess.run([cxx, *compile_flags, str(source), "-o", tmp, *link_flags], capture_output=True,
                               text=True)
         if done.returncode:
             raise OSError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        digest = _file_digest(Path(tmp))
         os.replace(tmp, target)
+        jit.write_atomic(_digest_path(target), digest.encode(), "the native hot path's digest")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(target: Path) -> bool:
+    """Whether target is the library a build wrote there, whole: its digest file (written after it) agrees.
+    A library cut short would not fail to load but end the process (SIGBUS), so it is rebuilt instead."""
+    try:
+        return target.is_file() and _digest_path(target).is_file() and \
+            _digest_path(target).read_text() == _file_digest(target)
+    except OSError:
+        return False
 
 
 @functools.cache

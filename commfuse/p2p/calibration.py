@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import gather_objects
-from ..kernels import jit
+from ..kernels import jit, params
 from ..kernels.p2p_allreduce import ALGORITHMS, DELAY_KERNEL, SOURCE
 
 DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
@@ -94,26 +94,35 @@ def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
 
 
 def _source_digest() -> str:
+    """What the measured kernels are built from: every CUDA source and header (the kernel's includes among
+    them), the generated parameter header and the NVRTC version, as the kernel cache keys its entries."""
     h = hashlib.sha256()
-    for name in (SOURCE, "epilogue.cuh", "pdl.cuh"):
-        h.update((jit.CSRC_DIR / name).read_bytes())
+    for p in sorted(p for p in jit.CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    h.update(params.header().encode() + repr(jit.nvrtc_version()).encode())
     return h.hexdigest()[:16]
 
 
 def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
+    """The limits cached at path for this key, or None (absent, damaged, or not what derive_limits makes for
+    the key's workspace: measured again). Never raises: rank 0 alone reads the file, and an error here would
+    leave the other ranks waiting for its answer."""
     try:
+        if not path.is_file():  # absent, or a directory or FIFO in its place (reading a FIFO waits for good)
+            return None
         entry = json.loads(path.read_text())
         if json.dumps(entry["key"], sort_keys=True) != json.dumps(key, sort_keys=True):
             return None
         lim = entry["limits"]
         limits = P2PLimits(int(lim["workspace_bytes"]), tuple((str(a), int(b)) for a, b in lim["crossovers"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # absent or damaged: measure again
-    crossovers = [c for _, c in limits.crossovers]
-    if [a for a, _ in limits.crossovers] != list(ALGORITHMS) or crossovers != sorted(crossovers) or \
-            not 0 <= crossovers[0] <= crossovers[-1] <= 2 * limits.workspace_bytes:
-        return None  # not what derive_limits makes (it measures up to twice the workspace): measure again
-    return limits
+        crossovers = [c for _, c in limits.crossovers]
+        # What derive_limits makes for the key's workspace (it measures up to twice its size), or measured again.
+        made = limits.workspace_bytes == key["workspace_bytes"] and \
+            [a for a, _ in limits.crossovers] == list(ALGORITHMS) and crossovers == sorted(crossovers) and \
+            0 <= crossovers[0] <= crossovers[-1] <= 2 * limits.workspace_bytes
+    except Exception:  # noqa: BLE001 - damaged in any way (Infinity, nesting past the recursion limit, ...)
+        return None
+    return limits if made else None
 
 
 def _write_limits(path: Path, entry: dict) -> None:
