@@ -948,6 +948,38 @@ def test_gated_rmsnorm_under_dynamic_shapes(gen):
     assert report.count("commfuse::gated_rmsnorm") == 1, report
 
 
+def test_a_graph_autograd_differentiates_is_left_whole(gen):
+    """With grad mode on and a parameter that requires grad, the fused ops (which have no gradient) would
+    take the place of nodes that backward differentiates, and the gradients through them would be missing
+    (torch only warns): the pass leaves such a graph alone, saying why, and the gradients are eager's. Under
+    torch.no_grad() dynamo compiles another graph, which is fused."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64, dtype=BF16)
+            self.weight = torch.nn.Parameter(weight.clone())
+
+        def forward(self, x, residual):
+            return weight_before_cast_norm(self.proj(x) + residual, self.weight).float().sum()
+
+    m = M()
+    with torch.enable_grad():
+        m(x, residual).backward()
+        want = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        torch._dynamo.reset()
+        compiled = fusion.compile(m, None, backend="aot_eager", rewrite="all", fullgraph=True)
+        compiled(x, residual).backward()
+        assert all(p.grad is not None and torch.equal(p.grad, g) for p, g in zip(m.parameters(), want))
+    (report,) = compiled.fusion_reports
+    assert not report.fused and [s.what for s in report.skipped] == ["graph"], report
+    assert "requires grad" in report.skipped[0].reason and "torch.no_grad()" in report.skipped[0].reason, report
+    compiled(x, residual)  # under the module's no_grad: dynamo's other graph, fused
+    assert compiled.fusion_reports[-1].count("commfuse::fused_add_rmsnorm") == 1, compiled.fusion_reports[-1]
+
+
 # ---- rewrite="auto": a local pattern is left to Inductor where commfuse.fusion.evidence says it does as well
 
 

@@ -20,7 +20,8 @@ dynamic shapes), and Inductor compiles the rest around them, with CUDA graphs in
 is reproduced); another inner backend ignores a mode, with a warning.
 
 Inference only: the fused ops have no autograd formula. Run compiled models under torch.no_grad() /
-torch.inference_mode() (or with parameters that do not require grad).
+torch.inference_mode() (or with parameters that do not require grad): a graph compiled with grad mode on and an
+input that requires grad is left whole (the report says so), since backward would miss gradients through the ops.
 """
 from __future__ import annotations
 

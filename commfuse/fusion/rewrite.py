@@ -76,8 +76,12 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     if example_inputs is not None and not _has_meta(gm):
         _propagate(gm, example_inputs)
-    targets = _targets()
     report = FusionReport()
+    why = _differentiated(gm)
+    if why:
+        report.skipped.append(Skipped("the graph", "graph", why, "guard"))
+        return report
+    targets = _targets()
     seen_all_reduce: set = set()
     erased: set = set()
     for node in list(gm.graph.nodes):
@@ -121,6 +125,28 @@ def _propagate(gm: fx.GraphModule, example_inputs) -> None:
 
 
 # --------------------------------------------------------------------------- one norm
+
+
+def _differentiated(gm: fx.GraphModule) -> Optional[str]:
+    """Why autograd may differentiate through gm (so it is left whole), or None: grad mode is on and an input
+    requires grad (a parameter dynamo lifts, or a symbolic_trace module's). The fused ops have no gradient: in
+    their place a backward pass would silently miss every gradient that flows through them. Dynamo guards on
+    grad mode, so the graph it compiles for torch.no_grad() is another one, which the pass fuses."""
+    if not torch.is_grad_enabled():
+        return None
+    needs = [n.name for n in gm.graph.nodes if n.op == "placeholder" and getattr(G.value(n), "requires_grad", False)]
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            try:
+                if getattr(gm.get_parameter(n.target), "requires_grad", False):
+                    needs.append(n.target)
+            except AttributeError:  # a buffer or constant: no gradient
+                pass
+    if not needs:
+        return None
+    return (f"grad mode is on and {needs[0]} requires grad" + (f" ({len(needs)} inputs do)" if len(needs) > 1 else "")
+            + ": the fused ops have no gradient, so a backward pass through them would miss gradients silently; "
+            "the graph is left as it is (run the model under torch.no_grad() or torch.inference_mode() to fuse it)")
 
 
 def _takes_shape(out: fx.Node, like: fx.Node, h: int) -> bool:
