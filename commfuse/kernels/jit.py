@@ -202,14 +202,21 @@ def _source_path(source_file: str) -> Path:
     return path
 
 
-def _key(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]) -> str:
+def _hasher():
+    """(sha256 object, add(tag, bytes)): each part framed by its tag and length."""
     h = hashlib.sha256()
 
     def add(tag: str, data: bytes) -> None:
         h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
 
+    return h, add
+
+
+def _add_build_inputs(add, extra: Sequence[Path] = ()) -> None:
+    """What every kernel build reads: csrc's sources and headers (and `extra` sources), the CUDA headers,
+    the generated parameter header, the NVRTC version."""
     sources = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
-    for p in sources + [path]:
+    for p in sources + list(extra):
         add(f"src:{p.name}", p.read_bytes())
     for d in cuda_include_dirs():
         for name in _CUDA_HEADERS:
@@ -217,11 +224,23 @@ def _key(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]
             if header.is_file():
                 add(f"hdr:{name}", header.read_bytes())
     add(f"gen:{params.HEADER_NAME}", params.header().encode())
+    add("nvrtc", repr(nvrtc_version()).encode())
+
+
+def sources_digest() -> str:
+    """A digest of what every kernel build reads (the P2P calibration keys its timings by it)."""
+    h, add = _hasher()
+    _add_build_inputs(add)
+    return h.hexdigest()[:16]
+
+
+def _key(path: Path, names: Tuple[str, ...], arch: str, options: Tuple[str, ...]) -> str:
+    h, add = _hasher()
+    _add_build_inputs(add, [path])
     add("file", str(path.name).encode())
     add("names", "\n".join(names).encode())
     add("arch", arch.encode())
     add("options", "\n".join(options).encode())
-    add("nvrtc", repr(nvrtc_version()).encode())
     return h.hexdigest()[:40]
 
 

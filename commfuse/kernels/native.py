@@ -34,9 +34,9 @@ import importlib.machinery
 import importlib.util
 import os
 import subprocess
+import shutil
 import sys
 import sysconfig
-import shutil
 import tempfile
 import warnings
 from pathlib import Path

@@ -5,8 +5,8 @@ Semantics: commfuse.reference.quantize of x (docs/semantics.md sections 4-5 and 
 runs the code that quantizes the tail's T-rounded norm, so the codes and scales are the tail's bit for
 bit. Launch configuration: one CTA per row (plus the padding rows of the scale storage, as
 fused_tail); the row lives in registers as in the gated RMSNorm kernel (launch_config: fused_tail's
-register_config, with more threads a row for many rows of FP8), so h <= MAX_HIDDEN = 16384; longer rows take the separated ops (commfuse.routes says so). At few rows
-(splits) a row longer than WHOLE_HIDDEN is cut into slices of up to SLICE elements, a CTA each, VPT 1: one
+register_config, with more threads a row for many rows of FP8), so h <= MAX_HIDDEN = 16384; longer rows take
+the separated ops (commfuse.routes says so). At few rows (splits) a row longer than WHOLE_HIDDEN is cut into slices of up to SLICE elements, a CTA each, VPT 1: one
 SM alone issues a row's loads and stores one after another.
 """
 from __future__ import annotations
@@ -28,6 +28,11 @@ VPT_BUCKETS = (1, 2, 4)
 MAX_THREADS = {v: fused_tail.MAX_THREADS[v] for v in VPT_BUCKETS}  # kMaxThreads<VPT> in quantize.cu
 MAX_HIDDEN = 8 * max(v * MAX_THREADS[v] for v in VPT_BUCKETS)
 VPT2_ELEMENTS = {"fp8": None, "nvfp4": 1 << 22}  # formats whose many-row calls take VPT 2, up to these elements
+SLICE = 1024        # elements a CTA at most where splits cuts rows
+MAX_SPLIT = 8       # CTAs a row at most
+SPLIT_CTAS = 128    # the most CTAs a call's rows take when cut (about an H100's or H200's multiprocessors)
+WHOLE_HIDDEN = 4096  # rows of at most this many elements stay whole
+MANY_TOKENS = 1 << 16  # a token count past every size rule (configs: the variants warmup loads)
 
 
 def launch_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int]:
@@ -45,11 +50,7 @@ def launch_config(hidden: int, tokens: int, spec: TailSpec) -> Tuple[int, int]:
     if most is not None and tokens * hidden > most:
         return vpt, threads
     return 2, whole_warps(-(-hidden // 16))
-SLICE = 1024        # elements a CTA at most where splits cuts rows
-MAX_SPLIT = 8       # CTAs a row at most
-SPLIT_CTAS = 128    # the most CTAs a call's rows take when cut (about an H100's or H200's multiprocessors)
-WHOLE_HIDDEN = 4096  # rows of at most this many elements stay whole
-MANY_TOKENS = 1 << 16  # a token count past every size rule (configs: the variants warmup loads)
+
 
 
 def splits(hidden: int, tokens: int, spec: TailSpec) -> int:
@@ -88,7 +89,7 @@ class Quantize(Family):
     def configs(self, dtype, spec, hidden):
         if not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"no quantize kernel for hidden={hidden} (at most {MAX_HIDDEN})")
-        # Rows cut (VPT 1), rows too many to cut but few, many rows.
+        # Rows cut (VPT 1), rows too many to cut but few, many rows (VPT 2 for FP8), more (NVFP4's VPT 4).
         return [self.name_expression(dtype, spec.format, cut_config(hidden, t, spec)[0])
                 for t in (1, SPLIT_CTAS, fused_tail.LATENCY_TOKENS, MANY_TOKENS)]
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import gather_objects
-from ..kernels import jit, params
+from ..kernels import jit
 from ..kernels.p2p_allreduce import ALGORITHMS, DELAY_KERNEL, SOURCE
 
 DEFAULT_ONESHOT_MAX = 512 << 10   # without calibration
@@ -93,16 +93,6 @@ def default_limits(max_bytes: int, oneshot_bytes: int) -> P2PLimits:
                      oneshot_bytes, measured=False)
 
 
-def _source_digest() -> str:
-    """What the measured kernels are built from: every CUDA source and header (the kernel's includes among
-    them), the generated parameter header and the NVRTC version, as the kernel cache keys its entries."""
-    h = hashlib.sha256()
-    for p in sorted(p for p in jit.CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    h.update(params.header().encode() + repr(jit.nvrtc_version()).encode())
-    return h.hexdigest()[:16]
-
-
 def _read_limits(path: Path, key: dict) -> Optional[P2PLimits]:
     """The limits cached at path for this key, or None (absent, damaged, or not what derive_limits makes for
     the key's workspace: measured again). Never raises: rank 0 alone reads the file, and an error here would
@@ -141,7 +131,7 @@ def nccl_route(nccl) -> str:
 def cache_key(ws, topo, nccl=None) -> dict:
     vers = topo.versions
     return {
-        "calibration": CALIBRATION_VERSION, "kernel": _source_digest(), "world": ws.world,
+        "calibration": CALIBRATION_VERSION, "kernel": jit.sources_digest(), "world": ws.world,
         "nccl_route": nccl_route(nccl),
         "gpus": [r.gpu_name for r in topo.ranks], "p2p": topo.p2p, "nvlink": topo.nvlink,
         "torch": torch.__version__, "cuda": torch.version.cuda,
