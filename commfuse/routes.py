@@ -59,13 +59,12 @@ class TensorMeta:
     shape: tuple
     dtype: torch.dtype
     device: torch.device
-    contiguous: bool
 
     @classmethod
     def of(cls, t: Optional[torch.Tensor]) -> Optional["TensorMeta"]:
         if not isinstance(t, torch.Tensor):
             return None
-        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous())
+        return cls(tuple(t.shape), t.dtype, t.device)
 
     @property
     def numel(self) -> int:
@@ -230,8 +229,6 @@ def tail_guard(call: Call, m: Machine) -> Optional[str]:
     # ranks that make the same call, since the tail decides the P2P kernel and its limits.)
     if spec.format.takes_scale and call.scale is None:
         return "scale given as a Python float: fused kernels take a float32 CUDA tensor"
-    if call.scale is not None and not call.scale.contiguous:
-        return "scale is not contiguous"
     multiple = max(8, spec.hidden_multiple)
     if call.hidden % multiple:
         block = spec.format.block

@@ -161,11 +161,17 @@ at::Tensor operand(const at::Tensor& t) {
   return address(c) % 16 ? c.clone() : c;
 }
 
-// Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a plain tuple in
+// Whether tail/checks.py's fields_of reads `out` by position: a tuple that is not a namedtuple (a
+// subclass of tuple too, or its fields would be read as absent attributes and never written).
+bool positional(py::handle out) {
+  return PyTuple_CheckExact(out.ptr()) || (PyTuple_Check(out.ptr()) && !py::hasattr(out, "_fields"));
+}
+
+// Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a tuple by position in
 // reference.Tail's order, else the object's attribute (a reference.Tail, a commfuse.FusedResult); None
 // where it has none.
 py::object out_field(py::handle out, int i) {
-  if (PyTuple_CheckExact(out.ptr())) {
+  if (positional(out)) {
     const Py_ssize_t n = PyTuple_GET_SIZE(out.ptr());
     return i < n ? py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(out.ptr(), i)) : py::none();
   }
@@ -295,7 +301,6 @@ class Launcher {
                                         "refuses too; pass one that does not, or call under torch.no_grad()");
         if (o.is_inference() && !c10::InferenceMode::is_enabled())
           throw py::value_error(field + " is an inference tensor: it may be written only under torch.inference_mode()");
-        o.unsafeGetTensorImpl()->bump_version();  // as torch's out= does: autograd sees the write
         // The key holds an MN-major view's shape and strides, not the room of its storage (the kernels
         // write the padding rows too).
         if (!specs_[i].strides.empty() &&
@@ -305,6 +310,11 @@ class Launcher {
                                 std::to_string(specs_[i].storage_numel) + " elements (padding rows included)");
       }
       check_overlaps(t);
+      // As torch's out= does, autograd sees the write; only once every check has passed, as a refused call
+      // writes nothing.
+      for (int i = 0; i < outputs(); ++i) {
+        if (t[kOut0 + i].defined()) t[kOut0 + i].unsafeGetTensorImpl()->bump_version();
+      }
     }
     run(t);
   }
@@ -617,9 +627,9 @@ bool from_out(py::handle out, bool fused, Call& c) {
   c.has_out = !out.is_none();
   if (!c.has_out) return true;
   if (!fused) return from_tensor(out, c.outs[0], false);
-  // Only an `out` that fields_of takes (tail/checks.py) has a key: a plain tuple of 4 or 5 fields, or an
-  // object with the first four; any other misses, and the checks raise.
-  const bool tuple = PyTuple_CheckExact(out.ptr());
+  // Only an `out` that fields_of takes (tail/checks.py) has a key: a tuple of 4 or 5 fields, or an object
+  // with the first four; any other misses, and the checks raise.
+  const bool tuple = positional(out);
   if (tuple && PyTuple_GET_SIZE(out.ptr()) != kOutputs - 1 && PyTuple_GET_SIZE(out.ptr()) != kOutputs) return false;
   for (int i = 0; i < kOutputs; ++i) {
     if (tuple) {

@@ -366,7 +366,7 @@ def test_arch_for_capability():
 
 
 def _meta(shape, dtype=torch.bfloat16, device="cuda:0"):
-    return TensorMeta(tuple(shape), dtype, torch.device(device), True)
+    return TensorMeta(tuple(shape), dtype, torch.device(device))
 
 
 def test_the_routes_use_the_familys_limits():

@@ -82,14 +82,14 @@ def test_python_float_scale_and_shapes(gen):
     assert got.residual.shape == (6, 64) and bits_equal(got.quant, want.quant) and got.norm is None
 
 
-def _local_plan(op="local", dtype=BF16, h=64, quant="fp8", residual=True, scale=True, contiguous=True, sm=(9, 0),
+def _local_plan(op="local", dtype=BF16, h=64, quant="fp8", residual=True, scale=True, sm=(9, 0),
                 group_size=0):
     """routes.plan of a local call on a simulated CUDA device (metadata only)."""
     cuda = torch.device("cuda", 0)
-    m = lambda shape, d=dtype: TensorMeta(shape, d, cuda, contiguous)  # noqa: E731
+    m = lambda shape, d=dtype: TensorMeta(shape, d, cuda)  # noqa: E731
     spec = TailSpec.of(quant)
     c = Call(op, m((4, h)), m((4, h)) if residual and op == "local" else None, m((h,)),
-             TensorMeta((1,), torch.float32, cuda, True) if scale and spec.format.takes_scale else None,
+             TensorMeta((1,), torch.float32, cuda) if scale and spec.format.takes_scale else None,
              m((4, h)) if op == "gated" else None, spec,
              group_size=group_size)
     return routes.plan(c, Machine("local", sm=sm))
@@ -102,7 +102,6 @@ def test_plan_names_the_route(gen):
     assert "cpu" in local.plan(x, None, weight).reasons[0]
     assert _local_plan().tail == "fused"
     assert _local_plan(residual=False).tail == "fused"  # plain RMSNorm: the same kernel
-    assert _local_plan(residual=False, contiguous=False).tail == "fused"  # strided: the launcher reads a dense copy
     for quant in ("fp8_per_token", "fp8_block"):  # no scale argument
         assert _local_plan(quant=quant, scale=False, h=256).tail == "fused"
     assert "multiple of 128" in _local_plan(quant="fp8_block", h=192).reasons[0]
@@ -126,6 +125,7 @@ def test_bad_arguments_name_themselves(gen):
         (ValueError, "quant must be", lambda: f(x, residual, weight, quant="int4", scale=scale)),
         (ValueError, "needs scale", lambda: f(x, residual, weight, quant="fp8")),
         (TypeError, "scale must be float32", lambda: f(x, residual, weight, quant="fp8", scale=scale.double())),
+        (TypeError, "scale must be a dense tensor", lambda: f(x, residual, weight, quant="fp8", scale=scale.to_sparse())),
         (ValueError, "scale is only meaningful", lambda: f(x, residual, weight, scale=scale)),
         (ValueError, "multiple of 16", lambda: f(x[:, :40], residual[:, :40], weight[:40], quant="nvfp4",
                                                  scale=scale)),
@@ -418,6 +418,24 @@ def test_gpu_separated_routes_and_out(gen):
     want = reference.fused_tail(x, residual, weight, 1e-6, "fp8", scale)
     assert got.residual is res and bits_equal(res, want.residual)
     assert_tail_close(got, want, "fp8")
+
+    class Fields(tuple):  # a tuple subclass, not a namedtuple: read by position on every path
+        pass
+
+    res, q = residual.clone(), torch.full_like(x, float("nan")).to(torch.float8_e4m3fn)
+    for _ in range(2):  # the second call takes the plan table's entry
+        res.copy_(residual)
+        q.fill_(float("nan"))
+        got = commfuse.fused_add_rmsnorm(x, res, weight, quant="fp8", scale=scale, out=Fields((res, None, q, None)))
+        assert got.residual is res and got.quant is q and bits_equal(res, want.residual)
+        assert_tail_close(got, want, "fp8")
+    # A refused call writes nothing, and autograd sees no write: out.quant over out.residual's memory, of
+    # the metadata the table's entry was planned for (so the per-call address checks refuse it).
+    alias = torch.empty(0, dtype=q.dtype, device=q.device).set_(res.untyped_storage(), 0, q.shape, q.stride())
+    before = res._version, alias._version
+    with pytest.raises(ValueError, match="overlap"):
+        commfuse.fused_add_rmsnorm(x, res, weight, quant="fp8", scale=scale, out=Fields((res, None, alias, None)))
+    assert (res._version, alias._version) == before
     g = commfuse.gated_rmsnorm(x, residual, weight, 1e-5, 128, False)
     # silu (exp) on the GPU need not give the CPU's bits: within 1 ulp of T
     assert_within_ulp(g.norm.cpu(), reference.gated_rmsnorm(x.cpu(), residual.cpu(), weight.cpu(), 1e-5, 128, False),
@@ -435,7 +453,6 @@ def test_gated_guard_reasons(gen):
     assert "group_size 12" in _local_plan(**{**kw, "h": 1032, "group_size": 12, "quant": None}).reasons[0]
     assert "16384]" in _local_plan(**{**kw, "h": 16384 + 256}).reasons[0]
     assert "SM 7.5" in _local_plan(**kw, sm=(7, 5)).reasons[0]
-    assert _local_plan(**kw, contiguous=False).tail == "fused"  # strided: the launcher reads a dense copy
     assert "float16 and bfloat16" in _local_plan(**{**kw, "dtype": torch.float32}).reasons[0]
     assert "float32 CUDA tensor" in _local_plan(**kw, scale=False).reasons[0]
     x, z, weight, _ = inputs(gen, 2, 64, BF16)

@@ -494,7 +494,7 @@ def test_the_calibration_cache_key_names_how_nccl_was_timed():
     assert {k: v for k, v in plain.items() if k != "nccl_route"} == {k: v for k, v in bound.items() if k != "nccl_route"}
 
 def _meta(shape, dtype=torch.bfloat16):
-    return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0), True)
+    return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0))
 
 
 def test_routes_take_the_p2p_kernels_limits():

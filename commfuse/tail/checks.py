@@ -84,6 +84,7 @@ def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x") ->
     if s is None:
         raise ValueError(f"quant={f.name!r} needs scale (the dequant scale, fp32 tensor of one element)")
     if isinstance(s, Tensor):
+        _tensor("scale", s)
         if s.numel() != 1:
             raise ValueError(f"scale must have one element, got shape {tuple(s.shape)}")
         if s.dtype != torch.float32:
