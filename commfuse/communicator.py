@@ -134,12 +134,9 @@ class Communicator:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
-        given = os.environ.get("COMMFUSE_STRATEGY")
-        name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"{name} must be one of {STRATEGIES}, got {strategy!r}")
+        settings = self._agreed_settings(group, strategy)
         self.group = group if group is not None else dist.group.WORLD
-        self.strategy = strategy
+        self.strategy, self._gloo_timeout_s = settings["strategy"], settings["COMMFUSE_GLOO_TIMEOUT_S"]
         self.backend = str(dist.get_backend(self.group))
         Collective.of_backend(self.backend)  # nccl or gloo, else a clear error now rather than at a call
         self.topology = topology.detect(self.group)
@@ -158,18 +155,14 @@ class Communicator:
             self._open_nccl()
         if (self.device.type == "cuda" and self.topology.mode == "p2p"
                 and self.world_size in P2P_ALLREDUCE.limits.world_sizes):
-            # Creating the workspace is collective: every rank must take the same decision.
-            strategies: list = [None] * self.world_size
-            dist.all_gather_object(strategies, self.strategy, group=self.group)
-            if len(set(strategies)) > 1:
-                raise ValueError(f"ranks disagree on the strategy: {strategies}")
+            # Creating the workspace is collective: the ranks agreed on the strategy (_agreed_settings).
             if self.strategy != "nccl":
                 # Crossovers timed on a shared GPU would say nothing about real machines: defaults.
                 self.workspace = p2p.Workspace(self.group, self.device,
                                                calibrate=self.strategy == "auto" and not self.topology.shared_gpu,
                                                topology=self.topology, nccl=self._nccl)
         self._machine = Machine(self.topology.mode, self.backend, self.topology.sm, self.world_size, self.strategy,
-                                os.environ.get("COMMFUSE_DISABLE_FUSION") != "1",
+                                not settings["COMMFUSE_DISABLE_FUSION"],
                                 self.workspace.limits if self.workspace is not None else None,
                                 tuple(self.topology.reasons))
         # The gloo route's exchange needs the check group at every call; an NCCL group's Communicator makes
@@ -179,9 +172,48 @@ class Communicator:
         # A hit must not skip the P2P error check: the table reads the workspace's error word itself.
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
-        self._check_calls = os.environ.get("COMMFUSE_CHECK") == "1"
+        self._check_calls = settings["COMMFUSE_CHECK"]
         # moe_all_reduce's one-launch routes: by "fused" or the P2P signature ((plan, launcher) or None)
         self._moe_plans: dict = {}
+
+    @staticmethod
+    def _agreed_settings(group, strategy: str) -> dict:
+        """{name: value} of the strategy (the argument or COMMFUSE_STRATEGY) and of the settings read from
+        the environment that decide which collectives a call makes (COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK,
+        COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION), checked, then compared across the group in the
+        construction's first collective. A rank whose own are wrong raises its error after taking part, and
+        its peers raise saying so; ranks whose settings differ all raise naming them. Raising before that
+        collective would leave the peers waiting in it for the group's timeout, then with broken connections."""
+        try:
+            given = os.environ.get("COMMFUSE_STRATEGY")
+            name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
+            if strategy not in STRATEGIES:
+                raise ValueError(f"{name} must be one of {STRATEGIES}, got {strategy!r}")
+            settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
+                        ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
+                        ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),
+                        ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"))
+            error = None
+        except Exception as e:  # noqa: BLE001 - raised after the exchange, on this rank as it was
+            settings, error = None, e
+        group = group if group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        if world < 1:  # not a member: no collective over the group to take part in
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group")
+        every: list = [None] * world
+        dist.all_gather_object(every, settings if error is None else f"{type(error).__name__}: {error}",
+                               group=group)
+        del group  # not held by the frame of an error raised below (the exit handlers let go of every gloo group)
+        if error is not None:
+            raise error
+        failed = [f"rank {r}: {e}" for r, e in enumerate(every) if isinstance(e, str)]
+        if failed:
+            raise ValueError(f"a rank could not make the Communicator ({'; '.join(failed)})")
+        if any(theirs != settings for theirs in every):
+            differ = [n for i, (n, _) in enumerate(settings) if len({theirs[i][1] for theirs in every}) > 1]
+            raise ValueError("ranks disagree on " + ", ".join(differ) + ": " +
+                             "; ".join(f"rank {r}: {dict(theirs)}" for r, theirs in enumerate(every)))
+        return dict(settings)
 
     def _open_check_group(self):
         """The call checks (the gloo route's signature exchange, and COMMFUSE_CHECK's on every route) run
@@ -196,7 +228,7 @@ class Communicator:
         subgroup only its ranks do (the others do not make this Communicator): torch names such a group
         from its ranks and the number of process groups each rank holds, so the ranks of the subgroup
         must hold as many (else making it times out, and this raises saying so)."""
-        timeout = env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)
+        timeout = self._gloo_timeout_s
         ranks = tuple(dist.get_process_group_ranks(self.group))
         key = (self.group.group_name, ranks, timeout)
         group = _CHECK_GROUPS.get(key)
@@ -240,12 +272,19 @@ class Communicator:
     @property
     def check_calls(self) -> bool:
         """Whether every call compares its signature across the ranks first (COMMFUSE_CHECK=1); it may
-        be turned off (or on) for this communicator."""
+        be turned off (or on) for this communicator. Setting it is collective: every rank sets the same
+        value (a rank that compares its calls and a peer that does not would make different exchanges),
+        else every rank raises CallMismatchError and the setting stays as it was."""
         return self._check_calls
 
     @check_calls.setter
     def check_calls(self, on: bool) -> None:
-        self._check_calls = bool(on)
+        on = bool(on)
+        if self.world_size > 1:
+            if self._check_group is None:  # an NCCL group's: this is a collective point on every rank
+                self._check_group = self._open_check_group()
+            routes.exchange_signature(self._check_group, f"check_calls = {on}", 0)
+        self._check_calls = on
         self.table.clear()  # the launchers of the other setting: with the check, or without it
 
     @property

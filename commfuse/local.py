@@ -26,7 +26,7 @@ tensors look it up too.
 """
 from __future__ import annotations
 
-import functools
+import threading
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -54,9 +54,20 @@ class Quantized(NamedTuple):
     scales: Optional[Tensor] = None
 
 
-@functools.cache
+_TABLE = None
+_TABLE_LOCK = threading.Lock()
+
+
 def _table():
-    return native.table("local", 0, Tail, Tail, Quantized)
+    """The local ops' plan table, made once. Under a lock: the native table registers itself by name for the
+    op kernels, and of two made at once by racing threads the one kept here could be the one unregistered,
+    leaving compiled code's ops on the Python path for good."""
+    global _TABLE
+    if _TABLE is None:
+        with _TABLE_LOCK:
+            if _TABLE is None:
+                _TABLE = native.table("local", 0, Tail, Tail, Quantized)
+    return _TABLE
 
 
 def _compiling() -> bool:

@@ -37,6 +37,7 @@ outputs are unused: the same on every rank.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Optional
@@ -75,6 +76,22 @@ def communicator(name: str):
     return comm
 
 
+def _raise(error: Exception):
+    raise error
+
+
+def _tensor_scale(comm, scale) -> None:
+    """The ops take scale as a tensor (or None), as their schemas do. An eager call that gives another raises
+    through the Communicator's refusal (comm._planned): its peers, whose calls are good, raise naming it
+    rather than wait for this rank in the call's collective."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return
+    error = TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    if torch.compiler.is_compiling():
+        raise error
+    comm._planned(functools.partial(_raise, error))
+
+
 def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`comm.all_reduce(x)` as a custom op: the sum of x over comm's group, in a new tensor, or in
     `out` (caller-owned, x's shape, dtype and device, contiguous: op all_reduce_out), returned.
@@ -103,8 +120,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     fused_all_reduce_out, which writes them; a field None there is allocated and not returned), returned
     as the Tail; through the op, out.residual must be a tensor of its own (the in-place residual update is
     the Communicator call's)."""
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    _tensor_scale(comm, scale)
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
         quant = None if quant == "" else quant  # the op's "" for None; anything else goes as given (and is checked)
@@ -151,8 +167,7 @@ def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch
     y: T[t, k, h], or the permuted rows T[R, h] with row_index int32/int64 [t, k]; weights: [t, k] float32 or
     T; shared: T[t, h] or None; residual: T[t, h]; weight: T[h]; scale: float32[1] where the format takes one;
     all on comm's device. Returns a Tail as fused_all_reduce does (eager: the Communicator call directly)."""
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    _tensor_scale(comm, scale)
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():
         quant = None if quant == "" else quant

@@ -323,6 +323,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of group: only its ranks hold its shards")
     config = getattr(model, "config", None)
     sizes = {}
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):

@@ -1013,6 +1013,10 @@ py::object optional_wrap(const std::optional<at::Tensor>& t) { return t.has_valu
 bool op_call(Call& c, Op op, at::Tensor (&t)[kSources], const at::Tensor& x, const at::Tensor* residual,
              const at::Tensor* weight, const std::optional<at::Tensor>& scale, const at::Tensor* z, double eps,
              double weight_offset, int64_t tail) {
+  // A None passed for a required tensor arrives undefined: the Python kernel names the argument.
+  for (const at::Tensor* given : {&x, residual, weight, z}) {
+    if (given != nullptr && !given->defined()) return false;
+  }
   c.op = op;
   c.x = &x;
   c.residual = residual;
@@ -1047,7 +1051,7 @@ at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {
   c.x = &x;
   at::Tensor t[kSources];
   t[kX] = x;
-  if (run_op(comm, c, t)) return t[kOut0];
+  if (x.defined() && run_op(comm, c, t)) return t[kOut0];
   py::gil_scoped_acquire gil;
   return wrap_back(py::module_::import("commfuse.ops").attr("_all_reduce")(wrap(x), std::string(comm)));
 }

@@ -535,6 +535,58 @@ def test_unknown_strategy_raises(comm, monkeypatch):
         Communicator(comm.group)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bad", ["strategy", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_CHECK on one rank"])
+def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, gen, monkeypatch, bad):
+    """Construction is collective: a rank whose own argument or environment is wrong, or whose settings differ
+    from its peers', raises after the ranks compare them, and its peers raise naming it, within the
+    construction's first collective. Before, rank 0 raised alone and its peers waited in the next collective
+    for the group's timeout, which left the group's connections broken (or, for a bad COMMFUSE_GLOO_TIMEOUT_S,
+    the ranks' group counts apart: every later Communicator failed)."""
+    rank = dist.get_rank(comm.group)
+    for name in ("COMMFUSE_STRATEGY", "COMMFUSE_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    strategy = "auto"
+    if rank == 0:
+        if bad == "strategy":
+            strategy = "fastest"
+        elif bad == "COMMFUSE_GLOO_TIMEOUT_S":
+            monkeypatch.setenv(bad, "10s")
+        else:
+            monkeypatch.setenv("COMMFUSE_CHECK", "1")
+    if bad == "COMMFUSE_CHECK on one rank":
+        want = r"ranks disagree on COMMFUSE_CHECK: rank 0: .*'COMMFUSE_CHECK': True.*rank 1: .*'COMMFUSE_CHECK': False"
+    elif rank == 0:
+        want = "^strategy must be one of" if bad == "strategy" else "COMMFUSE_GLOO_TIMEOUT_S must be a number"
+    else:
+        want = r"a rank could not make the Communicator \(rank 0: ValueError: "
+    with pytest.raises(ValueError, match=want):
+        Communicator(comm.group, strategy=strategy)
+    monkeypatch.undo()
+    c = Communicator(comm.group)  # the group is whole and every rank in step
+    x, xs = rank_inputs(c, gen, (3, 64), torch.bfloat16)
+    y, want_sum = c.all_reduce(x), reference.all_reduce_sum(xs)
+    assert torch.equal(y, want_sum) if exact_sum(c) else torch.allclose(y.float(), want_sum.float(), rtol=2e-2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_calls_set_differently_raises_on_every_rank_and_keeps_the_setting(comm, gen):
+    """Setting check_calls is collective: a rank that compares its calls and a peer that does not would make
+    different exchanges (on gloo, of different sizes: gloo aborted the process). Every rank raises
+    CallMismatchError naming both settings, the setting stays as it was, and the calls go on in step."""
+    c = Communicator(comm.group)
+    before = c.check_calls
+    rank = dist.get_rank(c.group)
+    with pytest.raises(commfuse.CallMismatchError, match=r"rank 0: check_calls = True.*rank 1: check_calls = False"):
+        c.check_calls = rank == 0
+    assert c.check_calls == before
+    c.check_calls = not before  # alike on every rank: taken
+    assert c.check_calls == (not before)
+    x, xs = rank_inputs(c, gen, (3, 64), torch.bfloat16)
+    y, want = c.all_reduce(x), reference.all_reduce_sum(xs)
+    assert torch.equal(y, want) if exact_sum(c) else torch.allclose(y.float(), want.float(), rtol=2e-2)
+
+
 @mpi
 def test_env_strategy_overrides_argument(comm, monkeypatch):
     monkeypatch.setenv("COMMFUSE_STRATEGY", "nccl")

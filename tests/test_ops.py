@@ -7,6 +7,7 @@ backend, NCCL on GPUs with inductor.
 """
 import pytest
 import torch
+import torch.distributed as dist
 
 import commfuse
 from commfuse import ops
@@ -14,6 +15,7 @@ from commfuse.tail.spec import code, public
 
 from compare import bits_equal
 from inputs import rank_inputs, tail_inputs
+from test_communicator import _checked_by, exact_sum
 
 mpi = pytest.mark.mpi  # any world size, one process too (under mpirun)
 PATTERNS = [  # (quant, return_norm, sf_layout)
@@ -116,6 +118,37 @@ def test_bad_arguments_name_themselves(comm):
             ops.moe_all_reduce(comm, x.view(2, 1, 16), torch.ones(2, 1, device=comm.device), x, x[0], quant=falsy)
     with pytest.raises(ValueError, match="tail must be the code of a tail spec"):
         torch.ops.commfuse.fused_all_reduce(x, x, x[0], None, 1e-6, 0.0, 255, comm.name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+@pytest.mark.parametrize("op", ["fused_all_reduce", "moe_all_reduce"])
+def test_an_eager_op_call_with_a_number_scale_on_one_rank_keeps_the_ranks_in_step(comm, gen, check, op):
+    """The ops take scale as a tensor. Rank 0 gives a Python number: it raises TypeError through the
+    Communicator's refusal, its peers raise CallMismatchError naming it, and the next calls sum right. Before,
+    rank 0 raised before its Communicator's exchange: its peers timed out, and the check group was broken."""
+    c = _checked_by(comm, check)
+    rank = dist.get_rank(c.group)
+    t, h = 4, 64
+    residual, weight, scale = tail_inputs(c, gen, t, h, torch.bfloat16, "fp8")
+
+    def call(x, s):
+        if op == "fused_all_reduce":
+            return ops.fused_all_reduce(c, x, residual, weight, quant="fp8", scale=s).residual
+        return ops.moe_all_reduce(c, x.view(t, 1, h), torch.ones(t, 1, device=c.device), residual, weight,
+                                  quant="fp8", scale=s).residual
+
+    steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(2)]
+    if rank == 0:
+        with pytest.raises(TypeError, match="scale must be a float32 tensor of one element, got float"):
+            call(steps[0][0], 0.5)
+    else:
+        with pytest.raises(commfuse.CallMismatchError, match="rank 0: a call that raised TypeError: scale must be"):
+            call(steps[0][0], scale)
+    x, xs = steps[1]
+    want = commfuse.reference.fused_tail(commfuse.reference.all_reduce_sum(xs), residual, weight, 1e-6).residual
+    got = call(x, scale)
+    assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
 
 
 @mpi

@@ -1135,6 +1135,36 @@ def test_calibration_times_nccl_as_the_route_runs_it(comm, monkeypatch):
 
 
 @mpi
+@pytest.mark.parametrize("bad", ["max_bytes", "COMMFUSE_P2P_TIMEOUT_S"])
+def test_a_workspace_argument_wrong_on_one_rank_makes_every_rank_raise_at_once(comm, monkeypatch, bad):
+    """Rank 0's max_bytes (or its environment's timeout) is wrong: it raises after the ranks' agreement, in
+    which it takes part, and its peers raise naming it there. Before, rank 0 raised first and its peers
+    waited in the agreement for the group's timeout. CPU stand-ins for the GPU query before the agreement
+    and the allocation after it."""
+    rank = dist.get_rank(comm.group)
+    monkeypatch.setattr(p2p.workspace, "resident_ctas", lambda index, sharers: (132, "stand-in"))
+
+    class Agreed(Exception):
+        pass
+
+    def create(self):
+        raise Agreed
+
+    monkeypatch.setattr(p2p.Workspace, "_create", create)
+    if rank == 0 and bad == "COMMFUSE_P2P_TIMEOUT_S":
+        monkeypatch.setenv(bad, "-1")
+    topo = types.SimpleNamespace(gpu_sharers=(1,) * dist.get_world_size(comm.group))
+    mine = 0 if rank == 0 and bad == "max_bytes" else 1 << 20
+    want = ("max_bytes must be > 0" if bad == "max_bytes" else "COMMFUSE_P2P_TIMEOUT_S") if rank == 0 else \
+        r"a rank could not make the P2P workspace \(rank 0: ValueError: "
+    with pytest.raises(ValueError, match=want):
+        p2p.Workspace(comm.group, "cuda:0", max_bytes=mine, calibrate=False, topology=topo)
+    monkeypatch.delenv(bad, raising=False)
+    with pytest.raises(Agreed):  # alike on every rank: the ranks agree and go on to allocate
+        p2p.Workspace(comm.group, "cuda:0", max_bytes=1 << 20, calibrate=False, topology=topo)
+
+
+@mpi
 def test_a_rank_that_cannot_set_calibration_up_makes_every_rank_raise_before_any_timed_collective(comm, monkeypatch):
     """Rank 1 fails where a rank fails alone (out of memory for a launcher's kernels, stand-in): every rank
     raises CalibrationError naming it, before any timed launch; a rank raising alone would leave its peers in

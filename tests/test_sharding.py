@@ -151,9 +151,17 @@ def test_default_experts_combine_is_fused(comm):
 
 
 @mpi
-def test_shard_decoder_errors(comm):
+def test_shard_decoder_errors(comm, monkeypatch):
     if comm.world_size < 2:
         pytest.skip("needs 2+ ranks")
+    import torch.distributed as dist
+
+    outside = object()  # a group this rank is not in: torch gives such a rank -1 and a world of -1
+    with monkeypatch.context() as m:
+        m.setattr(dist, "get_rank", lambda group=None, get=dist.get_rank: -1 if group is outside else get(group))
+        m.setattr(dist, "get_world_size", lambda group=None, get=dist.get_world_size: -1 if group is outside else get(group))
+        with pytest.raises(ValueError, match=r"this rank \([0-9]+\) is not a member of group"):
+            shard_decoder(tiny("llama", torch.float32), outside)
     model = tiny("llama", torch.float32)
     model.config.num_key_value_heads = comm.world_size + 1
     with pytest.raises(ValueError, match="num_key_value_heads = [0-9]+ does not divide"):

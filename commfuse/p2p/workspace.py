@@ -85,15 +85,13 @@ class Workspace:
             raise ValueError(f"P2P workspace needs a CUDA device, got {self.device}")
         self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self._index)
-        if max_bytes is None:
-            max_bytes = math.ceil(env.number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20) * 2**20)
-        if int(max_bytes) <= 0:
-            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-        self.max_bytes = -(-int(max_bytes) // ALIGN) * ALIGN
-        self.timeout_s = float(timeout_s) if timeout_s is not None else env.seconds("COMMFUSE_P2P_TIMEOUT_S",
-                                                                                      DEFAULT_TIMEOUT_S)
-        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= env.MAX_SECONDS):
-            raise ValueError(f"timeout_s must be a number > 0 and at most {env.MAX_SECONDS:g} s, got {timeout_s!r}")
+        # A rank whose own settings are wrong raises after the ranks' agreement below, in which it takes part:
+        # raising here would leave its peers waiting there for the group's timeout.
+        error = None
+        try:
+            self.max_bytes, self.timeout_s = self._sizes(max_bytes, timeout_s)
+        except Exception as e:  # noqa: BLE001 - raised after the agreement, as it was
+            error, self.max_bytes, self.timeout_s = e, 0, DEFAULT_TIMEOUT_S
         calibrate = bool(calibrate) and os.environ.get("COMMFUSE_P2P_CALIBRATE") != "0"
 
         self._ptr = self._host_ptr = None
@@ -106,7 +104,13 @@ class Workspace:
             topology = topology_module.detect(group)
         # Every rank lays its buffer out alike and launches the same grid: agree first.
         resident, how = resident_ctas(self._index, topology.gpu_sharers[self.rank])
-        gathered = gather_objects(group, ((self.max_bytes, calibrate), resident, how))
+        why = None if error is None else f"{type(error).__name__}: {error}"
+        gathered = gather_objects(group, ((self.max_bytes, calibrate), resident, how, why))
+        if error is not None:
+            raise error
+        failed = [f"rank {i}: {g[3]}" for i, g in enumerate(gathered) if g[3] is not None]
+        if failed:
+            raise ValueError(f"a rank could not make the P2P workspace ({'; '.join(failed)})")
         if len({g[0] for g in gathered}) > 1:
             detail = "; ".join(f"rank {i}: max_bytes={g[0][0]}, calibrate={g[0][1]}" for i, g in enumerate(gathered))
             raise ValueError(f"ranks disagree on the P2P workspace ({detail})")
@@ -124,6 +128,17 @@ class Workspace:
         except calibration.CalibrationError:
             self._teardown()  # every rank raised it at the same point: the teardown's barriers pair
             raise
+
+    def _sizes(self, max_bytes, timeout_s) -> tuple:
+        """(max_bytes rounded up to ALIGN, timeout_s), the arguments or their environment defaults, checked."""
+        if max_bytes is None:
+            max_bytes = math.ceil(env.number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20) * 2**20)
+        if int(max_bytes) <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        timeout = float(timeout_s) if timeout_s is not None else env.seconds("COMMFUSE_P2P_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+        if not (math.isfinite(timeout) and 0 < timeout <= env.MAX_SECONDS):
+            raise ValueError(f"timeout_s must be a number > 0 and at most {env.MAX_SECONDS:g} s, got {timeout_s!r}")
+        return -(-int(max_bytes) // ALIGN) * ALIGN, timeout
 
     # ---------------------------------------------------------------- creation and teardown
 
