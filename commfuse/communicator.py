@@ -184,9 +184,9 @@ class Communicator:
         construction's first collective. A rank whose own are wrong raises its error after taking part, and
         its peers raise saying so; ranks whose settings differ all raise naming them. Raising before that
         collective would leave the peers waiting in it for the group's timeout, then with broken connections."""
+        given = os.environ.get("COMMFUSE_STRATEGY")
+        name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
         try:
-            given = os.environ.get("COMMFUSE_STRATEGY")
-            name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
             if strategy not in STRATEGIES:
                 raise ValueError(f"{name} must be one of {STRATEGIES}, got {strategy!r}")
             settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
@@ -201,18 +201,20 @@ class Communicator:
         if world < 1:  # not a member: no collective over the group to take part in
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group")
         every: list = [None] * world
-        dist.all_gather_object(every, settings if error is None else f"{type(error).__name__}: {error}",
+        dist.all_gather_object(every, (settings if error is None else f"{type(error).__name__}: {error}", name),
                                group=group)
         del group  # not held by the frame of an error raised below (the exit handlers let go of every gloo group)
         if error is not None:
             raise error
-        failed = [f"rank {r}: {e}" for r, e in enumerate(every) if isinstance(e, str)]
+        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(every) if isinstance(e, str)]
         if failed:
             raise ValueError(f"a rank could not make the Communicator ({'; '.join(failed)})")
-        if any(theirs != settings for theirs in every):
-            differ = [n for i, (n, _) in enumerate(settings) if len({theirs[i][1] for theirs in every}) > 1]
-            raise ValueError("ranks disagree on " + ", ".join(differ) + ": " +
-                             "; ".join(f"rank {r}: {dict(theirs)}" for r, theirs in enumerate(every)))
+        if any(theirs != settings for theirs, _ in every):
+            differ = [n for i, (n, _) in enumerate(settings) if len({theirs[i][1] for theirs, _ in every}) > 1]
+            # The strategy as each rank gave it: the argument, or COMMFUSE_STRATEGY where set.
+            raise ValueError("ranks disagree on " + ", ".join(differ) + ": " + "; ".join(
+                f"rank {r}: {dict(theirs)} (strategy from {'the argument' if source == 'strategy' else source})"
+                for r, (theirs, source) in enumerate(every)))
         return dict(settings)
 
     def _open_check_group(self):
@@ -272,20 +274,23 @@ class Communicator:
     @property
     def check_calls(self) -> bool:
         """Whether every call compares its signature across the ranks first (COMMFUSE_CHECK=1); it may
-        be turned off (or on) for this communicator. Setting it is collective: every rank sets the same
-        value (a rank that compares its calls and a peer that does not would make different exchanges),
-        else every rank raises CallMismatchError and the setting stays as it was."""
+        be turned off (or on) for this communicator, alike on every rank. On a gloo group, ranks set apart
+        raise CallMismatchError at their next call (the comparison and the gloo route's exchange are of one
+        size); on an NCCL group nothing compares a rank that does not check with one that does."""
         return self._check_calls
 
     @check_calls.setter
     def check_calls(self, on: bool) -> None:
-        on = bool(on)
-        if self.world_size > 1:
-            if self._check_group is None:  # an NCCL group's: this is a collective point on every rank
-                self._check_group = self._open_check_group()
-            routes.exchange_signature(self._check_group, f"check_calls = {on}", 0)
-        self._check_calls = on
+        self._check_calls = bool(on)
         self.table.clear()  # the launchers of the other setting: with the check, or without it
+
+    @property
+    def _check_room(self) -> int:
+        """Bytes past the 16 of a signature in COMMFUSE_CHECK's comparison: on a gloo group as many as the gloo
+        route's exchange carries (routes.GLOO_INLINE_BYTES), so that a rank comparing its call and a peer that
+        does not meet in exchanges of one size, which raise CallMismatchError (gloo aborts the process on
+        payloads of different sizes); none on an NCCL group (no gloo route there)."""
+        return routes.GLOO_INLINE_BYTES if self.backend == "gloo" else 0
 
     @property
     def world_size(self) -> int:
@@ -344,9 +349,9 @@ class Communicator:
                     self.backend == "gloo" and self.workspace is None and os.environ.get("COMMFUSE_GLOO_CHECK") != "0")):
                 if self._check_group is None:  # an NCCL group's, made at every rank's first checked call
                     self._check_group = self._open_check_group()
-                # The buffer as the peers' exchange has it: COMMFUSE_CHECK's 16 bytes on the CPU, the gloo
-                # route's with room for x, on x's device.
-                payload, room = ((None, 0) if self._check_calls else
+                # The buffer as the peers' exchange has it: COMMFUSE_CHECK's on the CPU, the gloo route's with
+                # room for x, on x's device.
+                payload, room = ((None, self._check_room) if self._check_calls else
                                  (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
                 routes.refuse(self._check_group, "a call that raised", e, payload, room)
             raise
@@ -568,14 +573,14 @@ class Communicator:
 
     def check_same_call(self, signature: tuple, refused: Optional[Exception] = None) -> None:
         """Raise on every rank when ranks disagree on a call (a mismatched collective would hang or sum the
-        wrong bytes): COMMFUSE_CHECK's comparison of `signature`, one 16-byte all-gather over the check
-        group (routes.exchange_signature): CallMismatchError naming every rank's call, or CallTimeoutError
-        after COMMFUSE_GLOO_TIMEOUT_S where a rank skipped the call. An NCCL group's Communicator makes its
+        wrong bytes): COMMFUSE_CHECK's comparison of `signature`, one all-gather over the check group
+        (routes.exchange_signature; 16 bytes, and _check_room's on a gloo group): CallMismatchError naming
+        every rank's call, or CallTimeoutError after COMMFUSE_GLOO_TIMEOUT_S where a rank skipped the call. An NCCL group's Communicator makes its
         check group here, at its first comparison: every rank's first checked call, a collective point.
         refused: this rank's error for its call, compared as part of it (its peers raise CallMismatchError
         naming it; where every rank has the same, none does), then raised."""
         if self._check_group is None:
             self._check_group = self._open_check_group()
         if refused is not None:
-            routes.refuse(self._check_group, f"{signature}, refused", refused)
-        routes.exchange_signature(self._check_group, str(signature), 0)
+            routes.refuse(self._check_group, f"{signature}, refused", refused, None, self._check_room)
+        routes.exchange_signature(self._check_group, str(signature), 0, None, self._check_room)

@@ -164,14 +164,19 @@ at::Tensor operand(const at::Tensor& t) {
 // Whether tail/checks.py's fields_of reads `out` by position: a tuple that is not a namedtuple (a
 // subclass of tuple too, or its fields would be read as absent attributes and never written).
 bool positional(py::handle out) {
-  return PyTuple_CheckExact(out.ptr()) || (PyTuple_Check(out.ptr()) && !py::hasattr(out, "_fields"));
+  if (PyTuple_CheckExact(out.ptr())) return true;
+  if (!PyTuple_Check(out.ptr())) return false;
+  // On the type, not the instance: a namedtuple's _fields is a class attribute (found through the type's
+  // method cache, where the instance's lookup walks its class dictionaries first).
+  const int named = PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(out.ptr())), "_fields");
+  return named == 0;
 }
 
 // Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a tuple by position in
 // reference.Tail's order, else the object's attribute (a reference.Tail, a commfuse.FusedResult); None
 // where it has none.
-py::object out_field(py::handle out, int i) {
-  if (positional(out)) {
+py::object out_field(py::handle out, bool by_position, int i) {
+  if (by_position) {
     const Py_ssize_t n = PyTuple_GET_SIZE(out.ptr());
     return i < n ? py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(out.ptr(), i)) : py::none();
   }
@@ -285,9 +290,10 @@ class Launcher {
       if (i == kX || !inputs[i].is_none()) t[i] = tensor(inputs[i], inputs_[i]);
     }
     if (!out.is_none()) {
+      const bool by_position = fused_ && positional(out);
       for (int i = 0; i < outputs(); ++i) {
         if (!specs_[i].present) continue;
-        const py::object h = fused_ ? out_field(out, i) : py::reinterpret_borrow<py::object>(out);
+        const py::object h = fused_ ? out_field(out, by_position, i) : py::reinterpret_borrow<py::object>(out);
         if (h.is_none()) continue;  // allocated in run()
         // The plan checked the caller's outputs' metadata, which its key holds; not their addresses.
         const std::string& field = field_names_[i];
@@ -310,13 +316,15 @@ class Launcher {
                                 std::to_string(specs_[i].storage_numel) + " elements (padding rows included)");
       }
       check_overlaps(t);
-      // As torch's out= does, autograd sees the write; only once every check has passed, as a refused call
-      // writes nothing.
-      for (int i = 0; i < outputs(); ++i) {
-        if (t[kOut0 + i].defined()) t[kOut0 + i].unsafeGetTensorImpl()->bump_version();
-      }
     }
+    bool given[kOutputs] = {};
+    for (int i = 0; i < outputs(); ++i) given[i] = t[kOut0 + i].defined();
     run(t);
+    // As torch's out= does, autograd sees the write: once it is launched (a refused call writes nothing),
+    // as the Python launcher does.
+    for (int i = 0; i < outputs(); ++i) {
+      if (given[i]) t[kOut0 + i].unsafeGetTensorImpl()->bump_version();
+    }
   }
 
   // The caller's outputs (defined in t[kOut0 + i]) overlap neither each other nor an input, except
@@ -633,7 +641,7 @@ bool from_out(py::handle out, bool fused, Call& c) {
   if (tuple && PyTuple_GET_SIZE(out.ptr()) != kOutputs - 1 && PyTuple_GET_SIZE(out.ptr()) != kOutputs) return false;
   for (int i = 0; i < kOutputs; ++i) {
     if (tuple) {
-      c.held[i] = out_field(out, i);
+      c.held[i] = out_field(out, true, i);
     } else {
       PyObject* field = PyObject_GetAttrString(out.ptr(), kOutNames[i]);
       if (field == nullptr) {

@@ -536,7 +536,8 @@ def test_unknown_strategy_raises(comm, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("bad", ["strategy", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_CHECK on one rank"])
+@pytest.mark.parametrize("bad", ["strategy", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_CHECK on one rank",
+                                 "COMMFUSE_STRATEGY on one rank"])
 def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, gen, monkeypatch, bad):
     """Construction is collective: a rank whose own argument or environment is wrong, or whose settings differ
     from its peers', raises after the ranks compare them, and its peers raise naming it, within the
@@ -552,9 +553,14 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
             strategy = "fastest"
         elif bad == "COMMFUSE_GLOO_TIMEOUT_S":
             monkeypatch.setenv(bad, "10s")
-        else:
+        elif bad == "COMMFUSE_CHECK on one rank":
             monkeypatch.setenv("COMMFUSE_CHECK", "1")
-    if bad == "COMMFUSE_CHECK on one rank":
+        else:
+            monkeypatch.setenv("COMMFUSE_STRATEGY", "nccl")
+    if bad == "COMMFUSE_STRATEGY on one rank":  # the arguments are alike: the message says where it came from
+        want = r"ranks disagree on strategy: rank 0: .*'strategy': 'nccl'.* \(strategy from COMMFUSE_STRATEGY\); " \
+               r"rank 1: .*'strategy': 'auto'.* \(strategy from the argument\)"
+    elif bad == "COMMFUSE_CHECK on one rank":
         want = r"ranks disagree on COMMFUSE_CHECK: rank 0: .*'COMMFUSE_CHECK': True.*rank 1: .*'COMMFUSE_CHECK': False"
     elif rank == 0:
         want = "^strategy must be one of" if bad == "strategy" else "COMMFUSE_GLOO_TIMEOUT_S must be a number"
@@ -570,21 +576,23 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
 
 
 @pytest.mark.mpi(min_size=2)
-def test_check_calls_set_differently_raises_on_every_rank_and_keeps_the_setting(comm, gen):
-    """Setting check_calls is collective: a rank that compares its calls and a peer that does not would make
-    different exchanges (on gloo, of different sizes: gloo aborted the process). Every rank raises
-    CallMismatchError naming both settings, the setting stays as it was, and the calls go on in step."""
-    c = Communicator(comm.group)
-    before = c.check_calls
+def test_check_calls_set_apart_on_a_gloo_group_raise_at_the_next_call(comm, gen):
+    """check_calls must be set alike on every rank. On a gloo group a rank that compares its call and a peer
+    that does not meet in exchanges of one size (COMMFUSE_CHECK's is sized as the gloo route's): both raise
+    CallMismatchError, where gloo used to abort the process on the sizes' mismatch; set alike again, the calls
+    sum right."""
+    if comm.backend != "gloo":
+        pytest.skip(f"a {comm.backend} group: nothing compares a rank that checks with one that does not")
+    c = Communicator(comm.group, strategy="nccl")  # ranks sharing a GPU: the gloo route, off P2P
     rank = dist.get_rank(c.group)
-    with pytest.raises(commfuse.CallMismatchError, match=r"rank 0: check_calls = True.*rank 1: check_calls = False"):
-        c.check_calls = rank == 0
-    assert c.check_calls == before
-    c.check_calls = not before  # alike on every rank: taken
-    assert c.check_calls == (not before)
     x, xs = rank_inputs(c, gen, (3, 64), torch.bfloat16)
-    y, want = c.all_reduce(x), reference.all_reduce_sum(xs)
-    assert torch.equal(y, want) if exact_sum(c) else torch.allclose(y.float(), want.float(), rtol=2e-2)
+    c.check_calls = rank == 0
+    with pytest.raises(commfuse.CallMismatchError, match="ranks disagree on the call"):
+        c.all_reduce(x)
+    for on in (False, True):
+        c.check_calls = on
+        y, want = c.all_reduce(x), reference.all_reduce_sum(xs)
+        assert torch.equal(y, want) if exact_sum(c) else torch.allclose(y.float(), want.float(), rtol=2e-2)
 
 
 @mpi

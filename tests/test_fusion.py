@@ -948,6 +948,34 @@ def test_gated_rmsnorm_under_dynamic_shapes(gen):
     assert report.count("commfuse::gated_rmsnorm") == 1, report
 
 
+def test_a_sequence_first_residual_stream_is_left_whole(gen):
+    """[s, b, h] views of [b, s, h] tensors (Megatron's sequence-first layout): the add and the norm keep their
+    inputs' transposed strides in eager, and a reader may .view them as only those strides allow. The fused
+    ops write dense rows, so the pass leaves the norm, saying why, and the compiled model runs as eager."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(64, eps=1e-6, dtype=BF16)
+
+        def forward(self, x_bsh, r_bsh):
+            h = x_bsh.transpose(0, 1) + r_bsh.transpose(0, 1)
+            b, s, d = x_bsh.shape
+            return self.norm(h), h.transpose(0, 1).view(b * s, d)
+
+    m = Block().eval()
+    with torch.no_grad():
+        m.norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=gen))
+    x, r = (torch.randn(2, 5, 64, generator=gen).to(BF16) for _ in range(2))
+    torch._dynamo.reset()
+    compiled = fusion.compile(m, None, backend="aot_eager", rewrite="all")
+    with torch.inference_mode():
+        got, want = compiled(x, r), m(x, r)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (report,) = compiled.fusion_reports
+    assert not report.fused and any("is not contiguous" in why for why in _skip_reasons(report)), report
+
+
 def test_a_graph_autograd_differentiates_is_left_whole(gen):
     """With grad mode on and a parameter that requires grad, the fused ops (which have no gradient) would
     take the place of nodes that backward differentiates, and the gradients through them would be missing
@@ -1022,6 +1050,17 @@ def test_auto_leaves_local_patterns_to_inductor(gen, case):
     assert all(bits_equal(a, b) for a, b in zip(gm(*_cloned(inputs)), want))  # the graph is untouched
     forced = fusion.fuse(gm, None, compiler="inductor", rewrite="all")
     assert counts(gm) == {GATED if case == "gated" else LOCAL: 1} and not forced.skipped, forced
+
+
+def test_auto_leaves_a_plain_rmsnorm_to_inductor_citing_its_own_evidence(gen):
+    """A plain RMSNorm (no residual add) is left to Inductor on the decoder's measurement; the add + RMSNorm's
+    kernel timings, which say nothing of it, are not cited."""
+    x, _, weight, _ = _local_inputs(gen)
+    gm, inputs = capture(lambda x, weight: (F.rms_norm(x, (64,), weight, 1e-6),), x, weight)
+    report = fusion.fuse(gm, None, compiler="inductor")
+    (skip,) = report.skipped
+    assert skip.kind == "evidence" and "decoder" in skip.reason and " us " not in skip.reason, report
+    assert not counts(gm)
 
 
 @pytest.mark.parametrize("compiler", [None, "aot_eager", "eager"])

@@ -63,7 +63,7 @@ _ADD_RMSNORM = ("Inductor's own kernel for it measured faster at 1024 tokens (17
 
 
 def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: Optional[str],
-                  rewrite: str, cuda_graphs: bool = False) -> Optional[str]:
+                  rewrite: str, cuda_graphs: bool = False, residual: bool = True) -> Optional[str]:
     """None when the pass rewrites a local match, else why it leaves it to the compiler.
 
     kind: "local" (add + RMSNorm, or RMSNorm alone) or "gated"; quant: the format fused with it (None:
@@ -71,7 +71,8 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
     commfuse launches by one: it always pays); compiler: what compiles the graph after the pass
     ("inductor", another backend's name, or None); rewrite: "auto" or "all"; cuda_graphs: the compiled
     graph is replayed from CUDA graphs (Inductor's mode "reduce-overhead" / "max-autotune"), where the
-    host time of a call is gone and the GPU time decides."""
+    host time of a call is gone and the GPU time decides; residual: the local pattern adds a residual (else a
+    plain RMSNorm, whose kernel measured level with Inductor's: the decoder's measurement decides)."""
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     # A quantization other than static FP8 reaches the pass as a commfuse.quantize op (NVFP4's measured
@@ -81,4 +82,4 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
     # norm's rewrite measured no step slower in a compiled model, the add + RMSNorm's level, not faster.
     if rewrite == "all" or compiler != "inductor" or quant_is_op or cuda_graphs or kind == "gated":
         return None
-    return f"left to Inductor: {_ADD_RMSNORM}; rewrite='all' fuses it anyway"
+    return f"left to Inductor: {_ADD_RMSNORM if residual else _DECODER}; rewrite='all' asks for the rewrite"

@@ -252,6 +252,18 @@ def shape(node: Any) -> Optional[tuple]:
     return None if s is None else tuple(s)
 
 
+def dense_rows(node: Any) -> bool:
+    """Whether node's value is laid out as the fused ops write their outputs (contiguous rows), or unknown: a
+    reader of a transposed value may rely on its strides (a .view that only they allow)."""
+    v = value(node)
+    if not isinstance(v, torch.Tensor):
+        return True
+    try:
+        return bool(v.is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic strides that cannot be decided: as the graph's shapes are
+        return True
+
+
 def device(node: Any) -> Optional[torch.device]:
     v = value(node)
     d = getattr(v, "device", None)

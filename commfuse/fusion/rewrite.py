@@ -171,7 +171,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     try:
         t = G.dtype(norm.input)
         if t == torch.float32:
-            raise _Skip(norm.output.name, "rmsnorm", "float32 activations: commfuse's fused ops take float16/bfloat16")
+            raise _Skip(norm.output.name, "rmsnorm", "float32 activations: commfuse's fused kernels take float16/bfloat16")
         if t not in P.T_DTYPES:
             raise _Skip(norm.output.name, "rmsnorm", f"activations of dtype {t}: the fused ops take float16/bfloat16")
         h = G.hidden(norm.input)
@@ -187,6 +187,11 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             raise _Skip(norm.output.name, "rmsnorm", f"the weight has shape {G.shape(norm.weight)}, not [{h}]")
         if isinstance(norm.eps, float) and not math.isfinite(norm.eps):
             raise _Skip(norm.output.name, "rmsnorm", f"eps {norm.eps} is not finite")
+        for node, what in ((norm.input, "input"), (norm.output, "output")):
+            if not G.dense_rows(node):
+                raise _Skip(norm.output.name, "rmsnorm", f"the norm's {what} is not contiguous (strides "
+                            f"{tuple(G.value(node).stride())}): the fused ops write dense rows, and its readers may "
+                            "rely on its strides", "pattern")
         if not _takes_shape(norm.output, norm.input, h):
             raise _Skip(norm.output.name, "rmsnorm", f"the norm has shape {G.shape(norm.output)}, its input "
                         f"{G.shape(norm.input)}: the fused ops give the input's shape (or [tokens, {h}])", "pattern")
@@ -216,7 +221,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                                        "fused op takes the residual before the sum exists")
                 if isinstance(found, P.Mismatch):
                     report.skipped.append(Skipped(norm.input.name, "all-reduce", found.reason
-                                                  + "; the add + RMSNorm become the local op", found.kind))
+                                                  + "; the add + RMSNorm are matched without it", found.kind))
                     _mark_all_reduce(xa, seen_all_reduce)
                 else:
                     ar = found
@@ -226,8 +231,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
         why = _all_reduce_guard(ar, comm, norm)
         if why:
-            report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why + "; the add + RMSNorm become the "
-                                          "local op", "guard"))
+            report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why + "; the add + RMSNorm are matched "
+                                          "without it", "guard"))
             ar = None
         else:
             comm_name = ar.comm if ar.comm is not None else comm.name
@@ -238,7 +243,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if ar is not None and ar.added is not None and moe is None:
         report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", "the sums of two all-reduces are added: fused "
                                       "only where one reduces a MoE combine and the other its shared expert's "
-                                      "output; the add + RMSNorm become the local op", "pattern"))
+                                      "output; the add + RMSNorm are matched without it", "pattern"))
         kind, ar = "local", None
 
     # Where the op goes: before the add (its outputs replace it), else before the norm's first node.
@@ -262,7 +267,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
         rewrite, compiler, cuda_graphs = policy
         why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite,
-                            cuda_graphs)
+                            cuda_graphs, residual is not None)
         if why:
             report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
             return
@@ -587,7 +592,7 @@ def _consumers(norm: P.Norm, h: int, report: FusionReport):
         desc = "; ".join(f"{k[0]} with scale {_scale_name(k[1])}" for k in groups)
         report.skipped.append(Skipped(norm.output.name, "quantization",
                                       f"the norm feeds quantizations with different scales or formats ({desc}): "
-                                      "they are left unfused, the norm is returned", "guard"))
+                                      "they are left unfused, reading the norm", "guard"))
         for uses in groups.values():
             others += [use.nodes[0] for use in uses]
         return None, others
@@ -605,7 +610,7 @@ def _consumers(norm: P.Norm, h: int, report: FusionReport):
         elif spec.format.takes_scale and not isinstance(quant.scale, (fx.Node, tuple)):
             bad = f"the scale {quant.scale!r} is not a tensor in the graph"
     if bad:
-        report.skipped.append(Skipped(quant.final.name, "quantization", bad + "; left unfused, the norm is returned",
+        report.skipped.append(Skipped(quant.final.name, "quantization", bad + "; left unfused, reading the norm",
                                       "guard"))
         others += [use.nodes[0] for use in uses]
         return None, others
