@@ -1084,7 +1084,7 @@ def test_auto_rewrites_local_patterns_under_cuda_graphs(gen):
                                                    ("max-autotune", None, True),
                                                    ("max-autotune-no-cudagraphs", None, False),
                                                    (None, {"triton.cudagraphs": True}, True),
-                                                   ("reduce-overhead", {"triton.cudagraphs": False}, False)])
+                                                   (None, {"triton.cudagraphs": False}, False)])
 def test_backend_tells_the_pass_whether_inductor_replays_cuda_graphs(gen, monkeypatch, mode, options, graphs):
     import importlib
 
@@ -1096,6 +1096,30 @@ def test_backend_tells_the_pass_whether_inductor_replays_cuda_graphs(gen, monkey
     gm, inputs = capture(f, *args)
     fusion.backend(None, inner="inductor", mode=mode, options=options)(gm, inputs)
     assert seen == [dict(rewrite="auto", compiler="inductor", cuda_graphs=graphs)]
+
+
+def test_compile_arguments_are_checked_when_compiling_not_at_the_first_call():
+    """As torch.compile's: a bad mode, option or backend name, and mode with options, raise at once."""
+    model = torch.nn.Linear(4, 4)
+    for kw, error in ((dict(mode="bogus", backend="inductor"), "mode=bogus"), (dict(backend="nonexistent"), "nonexistent"),
+                      (dict(options={"no_such_option": 1}, backend="inductor"), "no_such_option"),
+                      (dict(mode="reduce-overhead", options={}, backend="inductor"), "Either mode or options")):
+        with pytest.raises(Exception, match=error):
+            fusion.compile(model, None, **kw)
+
+
+def test_a_graph_the_inner_backend_fails_to_compile_has_no_report(gen):
+    """Where the inner backend raises (dynamo may then run the frame eagerly), no report says it fused."""
+    _, f, args = _local_graphs(gen)[0]
+    gm, inputs = capture(f, *args)
+
+    def failing(gm, inputs):
+        raise RuntimeError("the inner backend failed")
+
+    reports = []
+    with pytest.raises(RuntimeError, match="the inner backend failed"):
+        fusion.backend(None, inner=failing, reports=reports)(gm, inputs)
+    assert reports == []
 
 
 def test_rewrite_value_is_checked(gen):

@@ -92,8 +92,13 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
     with it, commfuse.fusion.evidence) or "all" (every match)."""
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
+    if mode is not None and options is not None:  # torch.compile's rule, in its words
+        raise RuntimeError("Either mode or options can be specified, but both can't be specified at the same time.")
     collected = reports if reports is not None else []
     target = inner if inner is not None else _default_inner(comm)
+    # Made now, as torch.compile makes its backend: a bad mode, option or backend name raises here, not at the
+    # model's first call.
+    compiler = _inner_compiler(target, mode, options, dynamic)
 
     def commfuse_fusion(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         m = kwargs.get("mode", mode)
@@ -102,17 +107,20 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
                       cuda_graphs=target == "inductor" and _cuda_graphs(m, o))
         report.level = "dynamo graph"
         report.compile_id = _compile_id()
-        # dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a float):
-        # the graph of the restart replaces the one before it.
+        if target == "inductor":
+            lowering.install()
+        inner_compiler = compiler if (m, o) == (mode, options) else _inner_compiler(target, m, o, dynamic)
+        compiled = inner_compiler(gm, example_inputs)
+        # Only a graph that compiled has a report (where the inner backend raises, dynamo may run the frame
+        # eagerly). Dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a
+        # float): the graph of the restart replaces the one before it.
         if collected and report.compile_id is not None and collected[-1].compile_id == report.compile_id:
             collected[-1] = report
         else:
             collected.append(report)
         if verbose:
             print(report)
-        if target == "inductor":
-            lowering.install()
-        return _inner_compiler(target, m, o, dynamic)(gm, example_inputs)
+        return compiled
 
     commfuse_fusion.reports = collected  # type: ignore[attr-defined]
     return commfuse_fusion
