@@ -36,7 +36,7 @@ from . import routes
 from .kernels import native
 from .reference import Tail
 from .routes import Call, Machine, Plan, Resources
-from .tail import checks
+from .tail import checks, formats
 from .tail.spec import TailSpec, code, spread
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "plan_quantize", "Quantized"]
@@ -74,6 +74,25 @@ def _compiling() -> bool:
     # Under torch.compile dynamo may trace Python floats as SymFloats: the functions then only call the
     # op (a check would break the graph, float() would specialise it); the op's kernel checks at run time.
     return torch.compiler.is_compiling()
+
+
+def _compiled_checks(x, quant, flags=(), numbers=(), quant_required: bool = False, group_size=None) -> None:
+    """What a compiled call can check of its arguments without specialising the graph, as eager calls check it:
+    the op's schema would otherwise convert a wrong value silently (norm_before_gate None to False, eps True to
+    1.0), and the op's "" for None would drop a quantization. flags, numbers: (name, value) pairs."""
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, (int, torch.SymInt))):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if isinstance(x, Tensor) and x.dim() == 0:
+        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+    if quant is not None or quant_required:
+        checks.quant_named(quant)
+        formats.by_name(quant)
+    for name, v in flags:
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    for name, v in numbers:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt, torch.SymFloat))):
+            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
 
 
 def _op_scale(scale, x: Tensor):
@@ -141,6 +160,8 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     if _compiling():
         if out is not None:
             raise TypeError("fused_add_rmsnorm: out= is for eager calls (a compiled model's outputs are its own)")
+        _compiled_checks(x, quant, (("return_norm", return_norm), ("scale_ue8m0", scale_ue8m0)),
+                         (("eps", eps), ("weight_offset", weight_offset)))
         tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
         outs = torch.ops.commfuse.fused_add_rmsnorm(x, residual, weight, _op_scale(scale, x), eps, weight_offset, tail)
         return Tail(*spread(outs, tail, residual is not None))
@@ -174,6 +195,8 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     if group_size is None and isinstance(x, Tensor) and x.dim():
         group_size = x.shape[-1]
     if _compiling():
+        _compiled_checks(x, quant, (("norm_before_gate", norm_before_gate), ("return_norm", return_norm),
+                                    ("scale_ue8m0", scale_ue8m0)), (("eps", eps),), group_size=group_size)
         tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
         outs = torch.ops.commfuse.gated_rmsnorm(x, z, weight, _op_scale(scale, x), eps, group_size, norm_before_gate,
                                                 tail)
@@ -208,7 +231,7 @@ def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: s
     kernel (one launch; reference.quantize's bits) where its guards hold, else the separated ops;
     `plan_quantize` says which. The fusion pass folds this op into a fused tail that produces x."""
     if _compiling():
-        checks.quant_named(quant)
+        _compiled_checks(x, quant, (("scale_ue8m0", scale_ue8m0),), quant_required=True)
         tail = code(quant, False, sf_layout, scale_layout, scale_ue8m0)
         return Quantized(*spread(torch.ops.commfuse.quantize(x, _op_scale(scale, x), tail), tail, False)[2:])
     args = (x, scale, quant, sf_layout, scale_layout, scale_ue8m0)

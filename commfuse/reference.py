@@ -651,7 +651,7 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     devices: it goes through exp). Returns [t, h] of x's dtype.
     """
     h = x.shape[-1]
-    xf = x.reshape(-1, h).float()
+    xf = x.reshape(-1, h).contiguous().float()  # the sums in row order, whatever x's strides (as rmsnorm's)
     g = None if z is None else torch.nn.functional.silu(z.reshape(-1, h).float())
     if g is not None and not norm_before_gate:
         xf = xf * g

@@ -248,6 +248,19 @@ def test_gated_rmsnorm_matches_mamba_ssm_reference(gen, group_size, norm_before_
     assert got.residual is None and got.quant is None and bits_equal(got.norm, want)
 
 
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_gated_rmsnorm_of_a_strided_x_is_the_dense_ones_bits(gen, norm_before_gate):
+    """The oracle sums each group in row order whatever x's strides (float32 x transposed in memory summed in
+    another order, 4-6 ulps off the library's, which normalises a dense copy)."""
+    x = torch.randn(1024, 64, generator=gen).t()  # [64, 1024], column-major
+    z = torch.randn(64, 1024, generator=gen)
+    w = 1 + 0.1 * torch.randn(1024, generator=gen)
+    for group in (256, 1024):
+        want = reference.gated_rmsnorm(x.contiguous(), z, w, 1e-5, group, norm_before_gate)
+        assert bits_equal(reference.gated_rmsnorm(x, z, w, 1e-5, group, norm_before_gate), want)
+        assert bits_equal(commfuse.gated_rmsnorm(x, z, w, 1e-5, group, norm_before_gate).norm, want)
+
+
 def test_gated_rmsnorm_quant_and_errors(gen):
     x, z, weight, scale = inputs(gen, 3, 64, BF16, quant="nvfp4")
     got = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 32, False, quant="nvfp4", scale=scale, return_norm=True)
@@ -320,6 +333,32 @@ def test_compiled_ops_dynamic_tokens(gen):
             got = compiled(x, residual, weight, z, scale)
         for a, b in zip(got, f(x, residual, weight, z, scale)):
             assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("case, error", [
+    ("quantize quant ''", "quant must be one of"), ("fused quant ''", "quant must be one of"),
+    ("norm_before_gate None", "norm_before_gate must be a bool"), ("group_size True", "group_size must be an int"),
+    ("eps True", "eps must be a number"), ("weight_offset True", "weight_offset must be a number"),
+    ("0-dim x", r"x must have shape \[\.\.\., h\]")])
+def test_compiled_calls_refuse_what_eager_calls_refuse(gen, case, error):
+    """Compiled code passes the arguments to the ops, whose schemas would convert a wrong value silently
+    (norm_before_gate None to False, eps True to 1.0), and whose "" stands for no quantization (a compiled
+    quantize(x, "") returned nothing): the public functions check them first, as eager calls do."""
+    x, residual, weight, scale = inputs(gen, 4, 64, BF16, quant="fp8")
+    calls = {
+        "quantize quant ''": lambda: commfuse.quantize(x, "").quant,
+        "fused quant ''": lambda: commfuse.fused_add_rmsnorm(x, residual, weight, quant="").residual,
+        "norm_before_gate None": lambda: commfuse.gated_rmsnorm(x, residual, weight, 1e-5, 16, None).norm,
+        "group_size True": lambda: commfuse.gated_rmsnorm(x, residual, weight, 1e-5, True, False).norm,
+        "eps True": lambda: commfuse.fused_add_rmsnorm(x, residual, weight, True).residual,
+        "weight_offset True": lambda: commfuse.fused_add_rmsnorm(x, residual, weight, weight_offset=True).residual,
+        "0-dim x": lambda: commfuse.quantize(x[0, 0], "fp8", scale).quant,
+    }
+    with pytest.raises(Exception, match=error):  # eager
+        calls[case]()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=error):
+        torch.compile(calls[case], fullgraph=True, backend="aot_eager")()
 
 
 @pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
