@@ -208,8 +208,8 @@ def test_tail_numbers_that_differ_in_a_low_bit_are_a_mismatch(comm, gen, check, 
 
 @mpi
 def test_a_bad_check_timeout_is_named(comm, monkeypatch):
-    """COMMFUSE_GLOO_TIMEOUT_S that is no number of seconds raises naming it, on every rank, where the
-    check group is made (a gloo group's Communicator; an NCCL group's first checked call)."""
+    """COMMFUSE_GLOO_TIMEOUT_S that is no number of seconds raises naming it, on every rank, when the
+    Communicator is made (its settings are read and compared there)."""
     monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "abc")
     with pytest.raises(ValueError, match="COMMFUSE_GLOO_TIMEOUT_S must be a number, got 'abc'"):
         c = Communicator(comm.group)
