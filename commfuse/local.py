@@ -37,7 +37,7 @@ from .kernels import native
 from .reference import Tail
 from .routes import Call, Machine, Plan, Resources
 from .tail import checks, formats
-from .tail.spec import TailSpec, code, spread
+from .tail.spec import TailSpec, code, flag, integer_type, number_type, spread
 
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "plan_quantize", "Quantized"]
 
@@ -77,22 +77,21 @@ def _compiling() -> bool:
 
 
 def _compiled_checks(x, quant, flags=(), numbers=(), quant_required: bool = False, group_size=None) -> None:
-    """What a compiled call can check of its arguments without specialising the graph, as eager calls check it:
-    the op's schema would otherwise convert a wrong value silently (norm_before_gate None to False, eps True to
-    1.0), and the op's "" for None would drop a quantization. flags, numbers: (name, value) pairs."""
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, (int, torch.SymInt))):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    """What a compiled call can check of its arguments without specialising the graph (their types), as eager
+    calls check them: the op's schema would otherwise convert a wrong value silently (norm_before_gate None to
+    False, eps True to 1.0), and the op's "" for None would drop a quantization. flags, numbers: (name, value)
+    pairs."""
+    if group_size is not None:
+        integer_type("group_size", group_size)
     if isinstance(x, Tensor) and x.dim() == 0:
         raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     if quant is not None or quant_required:
         checks.quant_named(quant)
         formats.by_name(quant)
     for name, v in flags:
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        flag(name, v)
     for name, v in numbers:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt, torch.SymFloat))):
-            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+        number_type(name, v)
 
 
 def _op_scale(scale, x: Tensor):

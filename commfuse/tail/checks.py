@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .spec import Outputs, TailSpec
+from .spec import Outputs, TailSpec, flag, integer_type
 
 __all__ = ["DTYPES", "OUT_FIELDS", "x_hidden", "tail", "gated", "moe", "quant_named", "plain_plan", "scale", "out",
            "out_like", "out_placed", "per_call", "same_device", "fields_of", "storage_room"]
@@ -142,12 +142,10 @@ def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate) -> int:
     if z is not None:
         _like_x("z", z, x, device, where)
     _weight(weight, x, h, device, where)
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    integer_type("group_size", group_size)
     if group_size <= 0 or h % group_size:
         raise ValueError(f"group_size must be a positive divisor of h={h}, got {group_size!r}")
-    if not isinstance(norm_before_gate, bool):
-        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    flag("norm_before_gate", norm_before_gate)
     scale(spec, s, h, device)
     return h
 

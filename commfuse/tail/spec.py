@@ -77,9 +77,28 @@ def fp32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
-def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+def number_type(name: str, v) -> None:
+    """TypeError naming `name` unless v is a number, not a bool (a traced SymInt / SymFloat too: compiled calls
+    check the type alone, as its value would specialise the graph)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt, torch.SymFloat)):
         raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+
+
+def integer_type(name: str, v) -> None:
+    """TypeError naming `name` unless v is an int, not a bool (a traced SymInt too)."""
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+
+
+def flag(name: str, v) -> bool:
+    """v, or TypeError naming `name` unless it is a bool."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
+    number_type(name, v)
     try:
         v = float(v)
     except OverflowError:  # an int beyond any float
@@ -87,12 +106,6 @@ def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
     if not math.isfinite(fp32(v)) or (minimum is not None and v < minimum):
         raise ValueError(f"{name} must be a finite float32 number" + (f" >= {minimum:g}" if minimum is not None else "")
                          + f", got {v!r}")
-    return v
-
-
-def _flag(name: str, v) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
     return v
 
 
@@ -104,7 +117,7 @@ def _layout_options(fmt: Format, sf_layout, scale_layout, scale_ue8m0) -> Tuple[
             raise TypeError(f"{arg} must be a str, got {type(value).__name__}")
         if value not in F.LAYOUT_ARGS[arg]:
             raise ValueError(f"{arg} must be one of {tuple(F.LAYOUT_ARGS[arg])}, got {value!r}")
-    _flag("scale_ue8m0", scale_ue8m0)
+    flag("scale_ue8m0", scale_ue8m0)
     for arg, value in (*given.items(), ("scale_ue8m0", scale_ue8m0)):
         applies = arg == fmt.layout_arg or (arg == "scale_ue8m0" and fmt.ue8m0 == "option")
         if not applies and value != F.DEFAULTS[arg]:
@@ -148,7 +161,7 @@ class TailSpec:
         """The spec of the public keyword arguments; TypeError / ValueError naming the argument."""
         fmt = F.by_name(quant)
         layout, ue8m0 = _layout_options(fmt, sf_layout, scale_layout, scale_ue8m0)
-        return cls(fmt, layout, ue8m0, _flag("return_norm", return_norm), _number("eps", eps, minimum=0.0),
+        return cls(fmt, layout, ue8m0, flag("return_norm", return_norm), _number("eps", eps, minimum=0.0),
                    _number("weight_offset", weight_offset))
 
     # ---------------------------------------------------------------- the public names back
