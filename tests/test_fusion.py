@@ -61,6 +61,24 @@ def capture(fn, *args, dynamic=False, raises=None):
     return graphs[0]
 
 
+def on_gpu(gm, monkeypatch, sm=(9, 0)):
+    """gm's metadata as on a graph captured on a CUDA device of SM `sm` (this machine has none): each value a
+    fake CUDA tensor of its shape, dtype and strides. The pass then plans the local ops as on that GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
+
+    def cuda(v):
+        if not isinstance(v, torch.Tensor) or getattr(v, "fake_mode", None) is None:
+            return v
+        with v.fake_mode:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+
+    for n in gm.graph.nodes:
+        for key in ("val", "example_value"):
+            if key in n.meta:
+                n.meta[key] = torch.utils._pytree.tree_map(cuda, n.meta[key])
+    return gm
+
+
 def _cloned(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
@@ -1032,10 +1050,11 @@ def _local_graphs(gen):
 
 
 @pytest.mark.parametrize("case", ["add_norm_fp8", "gated", "nvfp4_op"])
-def test_auto_leaves_local_patterns_to_inductor(gen, case):
+def test_auto_leaves_local_patterns_to_inductor(gen, monkeypatch, case):
     name, f, args = next(c for c in _local_graphs(gen) if c[0] == case)
     gm, inputs = capture(f, *args)
     want = gm(*_cloned(inputs))
+    on_gpu(gm, monkeypatch)
     report = fusion.fuse(gm, None, compiler="inductor")
     if case == "nvfp4_op":  # two commfuse launches become one: it always pays
         assert counts(gm) == {LOCAL: 1} and not report.skipped, report
@@ -1049,15 +1068,46 @@ def test_auto_leaves_local_patterns_to_inductor(gen, case):
     assert "rewrite='all'" in skip.reason and "evidence" in str(report)
     assert all(bits_equal(a, b) for a, b in zip(gm(*_cloned(inputs)), want))  # the graph is untouched
     forced = fusion.fuse(gm, None, compiler="inductor", rewrite="all")
-    assert counts(gm) == {GATED if case == "gated" else LOCAL: 1} and not forced.skipped, forced
+    assert counts(gm) == {LOCAL: 1} and not forced.skipped, forced
 
 
-def test_auto_leaves_a_plain_rmsnorm_to_inductor_citing_its_own_evidence(gen):
+@pytest.mark.parametrize("case", ["add_norm_fp8", "gated"])
+def test_auto_leaves_local_patterns_to_inductor_where_the_op_would_run_separated_ops(gen, monkeypatch, case):
+    """Where the local op's kernel cannot run on the graph's device (CPU tensors, an SM below 8.0) it would run
+    torch's unfused kernels in place of Inductor's one: the pass leaves the pattern, naming the op's reason,
+    also under CUDA graphs and for the gated norm (which it rewrites where the kernel runs). rewrite='all' and
+    other compilers still rewrite it; so does a norm feeding a commfuse.quantize op (one call for two)."""
+    name, f, args = next(c for c in _local_graphs(gen) if c[0] == case)
+    target = GATED if case == "gated" else LOCAL
+    for sm, why in ((None, "tensors on cpu"), ((7, 5), "SM 7.5 < 8.0")):
+        for cuda_graphs in (False, True):
+            gm, inputs = capture(f, *args)
+            if sm is not None:
+                on_gpu(gm, monkeypatch, sm)
+            want = gm(*_cloned(inputs)) if sm is None else None
+            report = fusion.fuse(gm, None, compiler="inductor", cuda_graphs=cuda_graphs)
+            assert not counts(gm) and not report.fused, report
+            (skip,) = report.skipped
+            assert skip.kind == "evidence" and skip.reason.startswith("left to Inductor") and why in skip.reason \
+                and "separated" in skip.reason and "rewrite='all'" in skip.reason, report
+            if want is not None:
+                assert all(bits_equal(a, b) for a, b in zip(gm(*_cloned(inputs)), want))  # the graph is untouched
+            forced = fusion.fuse(gm, None, compiler="inductor", rewrite="all")
+            assert counts(gm) == {target: 1} and not forced.skipped, forced
+    for compiler in (None, "aot_eager"):
+        gm, _ = capture(f, *args)
+        assert fusion.fuse(gm, None, compiler=compiler).count() == 1
+    name, f, args = next(c for c in _local_graphs(gen) if c[0] == "nvfp4_op")
+    gm, _ = capture(f, *args)
+    assert fusion.fuse(gm, None, compiler="inductor").count() == 1 and counts(gm) == {LOCAL: 1}
+
+
+def test_auto_leaves_a_plain_rmsnorm_to_inductor_citing_its_own_evidence(gen, monkeypatch):
     """A plain RMSNorm (no residual add) is left to Inductor on the decoder's measurement; the add + RMSNorm's
     kernel timings, which say nothing of it, are not cited."""
     x, _, weight, _ = _local_inputs(gen)
     gm, inputs = capture(lambda x, weight: (F.rms_norm(x, (64,), weight, 1e-6),), x, weight)
-    report = fusion.fuse(gm, None, compiler="inductor")
+    report = fusion.fuse(on_gpu(gm, monkeypatch), None, compiler="inductor")
     (skip,) = report.skipped
     assert skip.kind == "evidence" and "decoder" in skip.reason and " us " not in skip.reason, report
     assert not counts(gm)
@@ -1071,12 +1121,12 @@ def test_auto_rewrites_local_patterns_for_other_compilers(gen, compiler):
         assert report.count() == 1 and not report.skipped, (name, report)
 
 
-def test_auto_rewrites_local_patterns_under_cuda_graphs(gen):
+def test_auto_rewrites_local_patterns_under_cuda_graphs(gen, monkeypatch):
     """Replayed from CUDA graphs a call has no host time: the kernels' GPU time decides, and the local ops'
     (commfuse.fusion.evidence) are the faster."""
     for name, f, args in _local_graphs(gen):
         gm, _ = capture(f, *args)
-        report = fusion.fuse(gm, None, compiler="inductor", cuda_graphs=True)
+        report = fusion.fuse(on_gpu(gm, monkeypatch), None, compiler="inductor", cuda_graphs=True)
         assert report.count() == 1 and not report.skipped, (name, report)
 
 

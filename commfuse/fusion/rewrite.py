@@ -32,6 +32,7 @@ from typing import List, Optional
 import torch
 import torch.fx as fx
 
+from .. import routes
 from . import graph as G
 from . import patterns as P
 from .evidence import REWRITES, local_rewrite
@@ -165,6 +166,25 @@ class _Skip(Exception):
         self.skipped = Skipped(where, what, reason, kind)
 
 
+def _separated(kind: str, norm: P.Norm, quant, residual: bool, scale: bool, h: int) -> Optional[str]:
+    """Why the local op would run commfuse's separated ops on the graph's device (None: its kernel runs), as the
+    op's plan decides it for any token count (commfuse.routes; the device's SM read as the op would read it)."""
+    device = G.device(norm.input)
+    if device is None:
+        return None
+    tail = code(quant.quant if quant is not None else None, quant is not None,
+                **({} if quant is None else dict(sf_layout=quant.sf_layout, scale_layout=quant.scale_layout,
+                                                 scale_ue8m0=quant.scale_ue8m0)))
+    row = routes.TensorMeta((1, h), G.dtype(norm.input), device)
+    call = routes.Call("gated" if kind == "gated" else "local", row, row if residual else None,
+                       routes.TensorMeta((h,), row.dtype, device),
+                       routes.TensorMeta((1,), torch.float32, device) if scale else None,
+                       row if norm.gate is not None else None, TailSpec.from_code(tail), norm.group_size or h,
+                       norm.norm_before_gate)
+    plan = routes.plan(call, routes.Machine.local(device))
+    return "; ".join(plan.reasons) if plan.kernel is None else None
+
+
 def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: set, seen_all_reduce: set,
                policy: tuple) -> None:
     g = gm.graph
@@ -267,7 +287,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         quant_is_op = quant is not None and any(G.kind(u.final) == "cf_quantize" for u in quant_uses(quant, norm))
         rewrite, compiler, cuda_graphs = policy
         why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite,
-                            cuda_graphs, residual is not None)
+                            cuda_graphs, residual is not None,
+                            _separated(kind, norm, quant, residual is not None, scale_src is not None, h))
         if why:
             report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
             return
