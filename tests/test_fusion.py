@@ -790,6 +790,49 @@ def test_unclamped_fp8_cast_and_python_scale_are_not_fused(quiet_comm, gen):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("scale_kind", ["bf16", "per_channel"])
+def test_fp8_scale_other_than_one_float32_element_is_reported(gen, scale_kind):
+    """An FP8 quantization scaled by a tensor the fused ops do not take (bf16, or one scale a channel) is left in
+    the graph with a report line; the add + RMSNorm still fuse, and a plain division by such a tensor (no FP8
+    cast after it) is none of the pass's business."""
+    x, residual, weight, scale = _local_inputs(gen)
+    odd = scale.to(BF16) if scale_kind == "bf16" else 0.02 + 0.01 * torch.rand(64, generator=gen)
+
+    def layer(x, residual, weight, odd):
+        h = x + residual
+        n = torch_norm(h, weight)
+        return fp8(n, odd), n / odd, h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, odd), None)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].quant is None, report
+    reasons = _skip_reasons(report, "quantization")
+    what = "a bfloat16 tensor" if scale_kind == "bf16" else "a float32 tensor of shape (64,)"
+    assert len(reasons) == 1 and f"scales by {what}" in reasons[0] and "float32 tensor of one element" in reasons[0], \
+        report
+    assert_same(got, want)
+
+
+@mpi
+def test_in_place_functional_all_reduce_is_reported(quiet_comm, gen):
+    """torch.ops._c10d_functional.all_reduce_ (in place) is not matched, and the report says so rather than
+    dropping it; the add + RMSNorm after it still fuse, and the outputs stay the unfused graph's."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    group = dist.group.WORLD.group_name
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        torch.ops._c10d_functional.all_reduce_(y, "sum", group)
+        h = residual + torch.ops._c10d_functional.wait_tensor(y)
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    (why,) = _skip_reasons(report, "all-reduce")
+    assert "in-place all_reduce_" in why, report
+    assert_same(got, want)
+
+
 @mpi
 def test_gemma_norm_fuses_with_the_all_reduce(quiet_comm, gen):
     c = quiet_comm

@@ -655,13 +655,19 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
         if G.number(s) is not None:
             return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} divides by the Python number {s}: the "
                                       "fused ops take the scale as a float32 tensor", "guard")
-        if not isinstance(s, fx.Node) or G.dtype(s) != _F32 or not G.numel_is_one(s):
+        if not isinstance(s, fx.Node):
             return None
+        why = _scale_mismatch(cur, s)
+        if why is not None:
+            return why or None
         scale = s
     elif k == "mul":
         r = _other(cur, prev)
-        if not isinstance(r, fx.Node) or G.dtype(r) != _F32 or not G.numel_is_one(r):
+        if not isinstance(r, fx.Node):
             return None
+        why = _scale_mismatch(cur, r)
+        if why is not None:
+            return why or None
         if G.kind(r) == "reciprocal":
             scale = G.operand(r, 0, "input")
         elif G.kind(r) == "div" and G.number(_binary(r)[0]) == 1.0:
@@ -724,6 +730,16 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
             return Mismatch(f"FP8 quantization at {c.name}: {n.name} has other users")
     return Quant(quant="fp8", scale=scale, sf_layout="swizzled", nodes=nodes, final=c, views=views,
                  spelling="(n / scale).clamp(-448, 448).to(float8_e4m3fn)", notes=notes)
+
+
+def _scale_mismatch(cur: fx.Node, s: fx.Node):
+    """None when s (what the norm is divided or multiplied by at cur) is a float32 tensor of one element; else
+    the Mismatch to report where an FP8 cast follows, or "" (not an FP8 quantization: none of ours)."""
+    if G.dtype(s) == _F32 and G.numel_is_one(s):
+        return None
+    what = f"a {_dt(G.dtype(s))} tensor" + ("" if G.numel_is_one(s) else f" of shape {G.shape(s)}")
+    return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} scales by {what}: the fused ops take the scale "
+                              "as a float32 tensor of one element", "guard") or ""
 
 
 def _fp8_tail_mismatch(cur, reason, kind):

@@ -105,6 +105,11 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
             report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm (as the pass "
                                           "recognises one) reads its sum", "pattern"))
+        elif G.kind(node) == "funcol_all_reduce_":
+            report.skipped.append(Skipped(node.name, "all-reduce", "an in-place all_reduce_ "
+                                          "(torch.ops._c10d_functional.all_reduce_) is not matched: the pass fuses "
+                                          "the out-of-place all_reduce, which dynamo makes of torch.distributed's "
+                                          "and the functional collectives' all-reduce", "pattern"))
     gm.graph.lint()
     gm.recompile()
     return report
