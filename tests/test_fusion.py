@@ -1215,6 +1215,19 @@ def test_a_graph_the_inner_backend_fails_to_compile_has_no_report(gen):
     assert reports == []
 
 
+def test_a_compile_after_dynamo_reset_adds_its_own_report(gen):
+    """torch._dynamo.reset() numbers compiles from 0/0 again: the next graph's report is added, not put in the
+    place of the last one (which a restart of the same compile does)."""
+    _, f, args = _local_graphs(gen)[0]
+    reports = []
+    be = fusion.backend(None, reports=reports)
+    for i in range(2):
+        torch._dynamo.reset()
+        torch.compile(f, backend=be, fullgraph=True)(*_cloned(args))
+        assert len(reports) == i + 1 and reports[-1].count() == 1, reports
+    assert reports[0].compile_id == reports[1].compile_id  # the same id: why the id alone cannot tell
+
+
 def test_rewrite_value_is_checked(gen):
     _, f, args = _local_graphs(gen)[0]
     gm, _ = capture(f, *args)

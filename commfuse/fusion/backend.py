@@ -68,12 +68,14 @@ def _cuda_graphs(mode: Optional[str], options: Optional[dict]) -> bool:
     return bool(chosen.get("triton.cudagraphs", config.triton.cudagraphs))
 
 
-def _compile_id():
+def _compile_context():
+    """Dynamo's context of the compile under way (None outside one). Dynamo keeps one for every attempt at a
+    frame's compile, restarts included; its compile id alone would not tell a restart from a new compile after
+    torch._dynamo.reset(), which numbers compiles from 0/0 again."""
     try:
         from torch._guards import CompileContext
 
-        cid = CompileContext.current_compile_id()
-        return None if cid is None else str(cid)
+        return CompileContext.try_get()
     except Exception:  # noqa: BLE001 - only used to recognise restarts
         return None
 
@@ -95,6 +97,7 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
     if mode is not None and options is not None:  # torch.compile's rule, in its words
         raise RuntimeError("Either mode or options can be specified, but both can't be specified at the same time.")
     collected = reports if reports is not None else []
+    last = [None]  # the compile context of collected[-1]'s graph
     target = inner if inner is not None else _default_inner(comm)
     # Made now, as torch.compile makes its backend: a bad mode, option or backend name raises here, not at the
     # model's first call.
@@ -106,7 +109,9 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
         report = fuse(gm, comm, rewrite=rewrite, compiler=target if isinstance(target, str) else None,
                       cuda_graphs=target == "inductor" and _cuda_graphs(m, o))
         report.level = "dynamo graph"
-        report.compile_id = _compile_id()
+        context = _compile_context()
+        cid = getattr(context, "compile_id", None)
+        report.compile_id = None if cid is None else str(cid)
         if target == "inductor":
             lowering.install()
         inner_compiler = compiler if (m, o) == (mode, options) else _inner_compiler(target, m, o, dynamic)
@@ -114,10 +119,11 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
         # Only a graph that compiled has a report (where the inner backend raises, dynamo may run the frame
         # eagerly). Dynamo may restart its analysis of a frame after a backend call (e.g. to specialise a
         # float): the graph of the restart replaces the one before it.
-        if collected and report.compile_id is not None and collected[-1].compile_id == report.compile_id:
+        if collected and context is not None and last[0] is context:
             collected[-1] = report
         else:
             collected.append(report)
+        last[0] = context
         if verbose:
             print(report)
         return compiled
