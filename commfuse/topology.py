@@ -452,7 +452,9 @@ def probe(group=None) -> Topology:
         p2p_driver, p2p_ipc, p2p_notes = _p2p_rows(group, rank, infos)
         notes += p2p_notes
     else:
-        p2p_driver = p2p_ipc = tuple(tuple(True if i == j else None for j in range(world)) for i in range(world))
+        # Nothing measured between ranks; a rank's own GPU reaches itself, a rank without one has nothing to reach.
+        p2p_driver = p2p_ipc = tuple(tuple(True if i == j and infos[i].device is not None else None
+                                           for j in range(world)) for i in range(world))
     p2p = tuple(tuple(i == j or (p2p_ipc[i][j] is True and p2p_driver[i][j] is not False)
                       for j in range(world)) for i in range(world))
     mode, reasons = decide_mode(infos, p2p, os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1", backend)

@@ -411,6 +411,12 @@ def test_gloo_group_is_cpu_mode(gloo_group):
     assert [r.host for r in topo.ranks] == hosts
     if not topo.shared_gpu:
         assert topo.p2p == tuple(tuple(i == j for j in range(world)) for i in range(world))
+        # nothing measured between ranks; the diagonal says True only for a rank with a GPU of its own
+        own = tuple(tuple(True if i == j and r.device is not None else None for j in range(world))
+                    for i, r in enumerate(topo.ranks))
+        assert topo.p2p_driver == topo.p2p_ipc == own, (topo.p2p_driver, topo.p2p_ipc)
+        if not torch.cuda.is_available():
+            assert all(v is None for row in topo.p2p_ipc for v in row)
 
 
 def _gpu_world(world):
