@@ -63,8 +63,10 @@ def capture(fn, *args, dynamic=False, raises=None):
 
 def on_gpu(gm, monkeypatch, sm=(9, 0)):
     """gm's metadata as on a graph captured on a CUDA device of SM `sm` (this machine has none): each value a
-    fake CUDA tensor of its shape, dtype and strides. The pass then plans the local ops as on that GPU."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
+    fake CUDA tensor of its shape, dtype and strides. The pass then plans the local ops as on that GPU. sm None:
+    the SM is this process's own to read (none without CUDA)."""
+    if sm is not None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
 
     def cuda(v):
         if not isinstance(v, torch.Tensor) or getattr(v, "fake_mode", None) is None:
@@ -812,6 +814,23 @@ def test_fp8_scale_other_than_one_float32_element_is_reported(gen, scale_kind):
     assert_same(got, want)
 
 
+def test_fp8_scale_traced_from_a_python_number_is_reported_as_one(gen):
+    """Under dynamic=True dynamo traces a Python-number scale as a SymFloat node: the report calls it a Python
+    number (not a tensor of dtype None), and the add + RMSNorm still fuse."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def layer(x, residual, weight, s):
+        h = x + residual
+        n = F.rms_norm(h, (64,), weight, 1e-6)
+        return fp8(n, s), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, 0.02), None, dynamic=True)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].quant is None, report
+    (why,) = _skip_reasons(report, "quantization")
+    assert "Python number" in why and "None" not in why, report
+    assert_same(got, want)
+
+
 @mpi
 def test_in_place_functional_all_reduce_is_reported(quiet_comm, gen):
     """torch.ops._c10d_functional.all_reduce_ (in place) is not matched, and the report says so rather than
@@ -1143,6 +1162,19 @@ def test_auto_leaves_local_patterns_to_inductor_where_the_op_would_run_separated
     name, f, args = next(c for c in _local_graphs(gen) if c[0] == "nvfp4_op")
     gm, _ = capture(f, *args)
     assert fusion.fuse(gm, None, compiler="inductor").count() == 1 and counts(gm) == {LOCAL: 1}
+
+
+def test_a_cuda_graph_fuses_where_this_process_cannot_read_the_sm(gen, monkeypatch):
+    """A graph whose metadata says CUDA, fused in a process without CUDA (e.g. the pass run on its own): no
+    crash, whatever the policy; Inductor's rule then has no device to ask and rewrites as on a GPU."""
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda device=None: (_ for _ in ()).throw(RuntimeError("no CUDA here")))
+    for kw in (dict(), dict(rewrite="all"), dict(compiler="aot_eager"), dict(compiler="inductor")):
+        _, f, args = next(c for c in _local_graphs(gen) if c[0] == "gated")
+        gm, _ = capture(f, *args)
+        report = fusion.fuse(on_gpu(gm, monkeypatch, sm=None), None, **kw)
+        assert counts(gm) == {GATED: 1} and not report.skipped, (kw, report)
 
 
 def test_auto_leaves_a_plain_rmsnorm_to_inductor_citing_its_own_evidence(gen, monkeypatch):

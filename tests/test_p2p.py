@@ -161,12 +161,17 @@ def _ptxas_report(names):
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "CUDA_CACHE_DISABLE": "1"})
             for chunk in chunks]
     found, lowered = {}, {}
-    for run in runs:
-        stdout, stderr = run.communicate(timeout=900)
-        assert run.returncode == 0, stderr
-        result = json.loads(stdout.splitlines()[-1])
-        found.update(_ptxas_resources(result["log"]))
-        lowered.update(result["lowered"])
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=900)
+            assert run.returncode == 0, stderr
+            result = json.loads(stdout.splitlines()[-1])
+            found.update(_ptxas_resources(result["log"]))
+            lowered.update(result["lowered"])
+    finally:  # a failed or timed-out probe leaves no others running
+        for run in runs:
+            run.kill()
+            run.wait()
     for name in names:
         assert lowered[name] in found, f"no ptxas resource line for {name}"
     return {name: found[lowered[name]] for name in names}

@@ -13,7 +13,7 @@ the formats' codes).
 
 The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-*, -s17-local-ops-matrix*,
 -s18-gated-split-sweep*, -s19-*, 2026-12-04-h200-s20-local-ops-matrix*, -s20-gated-sweep*, -s20-host-profile*,
--s23-host-*, -s23-tp-decoder-*, -s24-tp-decoder-*, -s28-host-compiled-ab, -s28-tp-decoder-*):
+-s23-host-*, -s23-tp-decoder-*, -s24-tp-decoder-*, -s28-host-compiled-ab, -s28-tp-decoder-*, 2026-12-05-h200-s37-local-ops-behind):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
@@ -50,7 +50,7 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = ["REWRITES", "local_rewrite"]
 
@@ -59,13 +59,13 @@ REWRITES = ("auto", "all")
 _DECODER = ("a 4-layer 8B decoder compiled in Inductor's default mode ran level with every local rewrite, not "
             "clearly faster (H200, per step the median of 40 paired rounds, three runs: 0.926-1.016 of the unfused "
             "time, within the measurement's spread)")
-_ADD_RMSNORM = ("Inductor's own kernel for it measured faster at 1024 tokens (17.8 against 18.5 us at 1024x8192, "
-                f"15.1 against 15.9 us at 1024x7168, bf16, H200), and {_DECODER}")
+_ADD_RMSNORM = ("Inductor's own kernel for it measured faster at 1024 tokens (17.7 against 18.3 us at 1024x8192, "
+                f"15.3 against 15.4 us at 1024x7168, bf16, H200), and {_DECODER}")
 
 
 def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: Optional[str],
                   rewrite: str, cuda_graphs: bool = False, residual: bool = True,
-                  separated: Optional[str] = None) -> Optional[str]:
+                  separated: Callable[[], Optional[str]] = lambda: None) -> Optional[str]:
     """None when the pass rewrites a local match, else why it leaves it to the compiler.
 
     kind: "local" (add + RMSNorm, or RMSNorm alone) or "gated"; quant: the format fused with it (None:
@@ -75,7 +75,8 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
     graph is replayed from CUDA graphs (Inductor's mode "reduce-overhead" / "max-autotune"), where the
     host time of a call is gone and the GPU time decides; residual: the local pattern adds a residual (else a
     plain RMSNorm, whose kernel measured level with Inductor's: the decoder's measurement decides); separated:
-    why the op would run commfuse's separated ops on the graph's device (None: its kernel runs), torch's
+    asked only where it decides, why the op would run commfuse's separated ops on the graph's device (None: its
+    kernel runs), torch's
     unfused kernels where Inductor would generate one (bf16 add + RMSNorm 1024x7168, H200: 195 against 15.3
     us, 2026-12-05-h200-s37-local-ops-behind)."""
     if rewrite not in REWRITES:
@@ -87,8 +88,9 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
     # norm's rewrite measured no step slower in a compiled model, the add + RMSNorm's level, not faster.
     if rewrite == "all" or compiler != "inductor" or quant_is_op:
         return None
-    if separated:
-        return (f"left to Inductor: the op would run commfuse's separated ops here ({separated}), torch's unfused "
+    why = separated()
+    if why:
+        return (f"left to Inductor: the op would run commfuse's separated ops here ({why}), torch's unfused "
                 "kernels where Inductor generates one; rewrite='all' asks for the rewrite")
     if cuda_graphs or kind == "gated":
         return None

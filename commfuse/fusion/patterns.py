@@ -737,6 +737,9 @@ def _scale_mismatch(cur: fx.Node, s: fx.Node):
     the Mismatch to report where an FP8 cast follows, or "" (not an FP8 quantization: none of ours)."""
     if G.dtype(s) == _F32 and G.numel_is_one(s):
         return None
+    if not G.is_tensor(s):  # a Python number dynamo traced (a SymFloat node)
+        return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} scales by the Python number {s.name}: the "
+                                  "fused ops take the scale as a float32 tensor", "guard") or ""
     what = f"a {_dt(G.dtype(s))} tensor" + ("" if G.numel_is_one(s) else f" of shape {G.shape(s)}")
     return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} scales by {what}: the fused ops take the scale "
                               "as a float32 tensor of one element", "guard") or ""

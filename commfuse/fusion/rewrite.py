@@ -172,8 +172,9 @@ class _Skip(Exception):
 
 
 def _separated(kind: str, norm: P.Norm, quant, residual: bool, scale: bool, h: int) -> Optional[str]:
-    """Why the local op would run commfuse's separated ops on the graph's device (None: its kernel runs), as the
-    op's plan decides it for any token count (commfuse.routes; the device's SM read as the op would read it)."""
+    """Why the local op would run commfuse's separated ops on the graph's device (None: its kernel runs, or the
+    graph's metadata does not say its device), as the op's plan decides it for any token count (commfuse.routes;
+    the device's SM read as the op would read it)."""
     device = G.device(norm.input)
     if device is None:
         return None
@@ -186,7 +187,11 @@ def _separated(kind: str, norm: P.Norm, quant, residual: bool, scale: bool, h: i
                        routes.TensorMeta((1,), torch.float32, device) if scale else None,
                        row if norm.gate is not None else None, TailSpec.from_code(tail), norm.group_size or h,
                        norm.norm_before_gate)
-    plan = routes.plan(call, routes.Machine.local(device))
+    try:
+        machine = routes.Machine.local(device)
+    except (AssertionError, RuntimeError):  # CUDA tensors in the graph, no CUDA in this process: nothing to ask
+        return None
+    plan = routes.plan(call, machine)
     return "; ".join(plan.reasons) if plan.kernel is None else None
 
 
@@ -293,7 +298,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         rewrite, compiler, cuda_graphs = policy
         why = local_rewrite(kind, quant.quant if quant is not None else None, quant_is_op, compiler, rewrite,
                             cuda_graphs, residual is not None,
-                            _separated(kind, norm, quant, residual is not None, scale_src is not None, h))
+                            lambda: _separated(kind, norm, quant, residual is not None, scale_src is not None, h))
         if why:
             report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
             return
