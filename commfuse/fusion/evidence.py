@@ -16,8 +16,8 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
 -s23-host-*, -s23-tp-decoder-*, -s24-tp-decoder-*, -s28-host-compiled-ab, -s28-tp-decoder-*, 2026-12-05-h200-s37-local-ops-behind):
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
-  2.0-3.8 us up to 256 tokens (6% behind at 256x8192), 15.9 against 15.1 us at 1024x7168 and 18.5 against
-  17.8 us at 1024x8192, ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
+  2.0-3.8 us up to 256 tokens (6% behind at 256x8192; ahead there in the latest run), 15.9 against 15.1 us at
+  1024x7168 and 18.5 against 17.8 us at 1024x8192 (15.4 / 15.3 and 18.3 / 17.7 in the latest), ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
   at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster or within 2% at groups of 128 everywhere
   (2.1-146.0 us against 3.0-160.2 us), at groups of 1024 and 2048 level or ahead up to 256 tokens (below
   128 its rows are split over CTAs: 2.50 against 2.53 us at 1x8192, group 1024), and from 512 tokens,
