@@ -227,18 +227,24 @@ def _all_reduce_out(x, comm, out) -> None:
     communicator(comm).all_reduce(x, out=out)
 
 
+def _tail_options(comm: str, tail: int) -> tuple:
+    """(the Communicator named comm, tail's keyword arguments). A code that does not decode raises through the
+    Communicator's refusal, as _tensor_scale's error does: the peers raise naming it."""
+    c = communicator(comm)
+    return c, c._planned(functools.partial(public, tail))
+
+
 def _fused_all_reduce(x, residual, weight, scale, eps, weight_offset, tail, comm) -> list:
-    kw = public(tail)
-    r = communicator(comm).fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale,
-                                             weight_offset=weight_offset, **kw)
+    c, kw = _tail_options(comm, tail)
+    r = c.fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset, **kw)
     return present((r.residual, r.norm, r.quant, r.scale_factors, r.scales))
 
 
 def _fused_all_reduce_out(x, residual, weight, scale, eps, weight_offset, tail, comm, residual_out, norm_out,
                           quant_out, sf_out, scales_out) -> None:
-    kw = public(tail)
-    communicator(comm).fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset,
-                                         out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out), **kw)
+    c, kw = _tail_options(comm, tail)
+    c.fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset,
+                       out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out), **kw)
 
 
 def _fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail) -> list:
@@ -264,9 +270,9 @@ def _quantize(x, scale, tail) -> list:
 
 
 def _moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, eps, weight_offset, tail, comm) -> list:
-    kw = public(tail)
-    r = communicator(comm).moe_all_reduce(y, weights, residual, weight, eps, kw.pop("quant"), scale,
-                                           weight_offset=weight_offset, row_index=row_index, shared=shared, **kw)
+    c, kw = _tail_options(comm, tail)
+    r = c.moe_all_reduce(y, weights, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset,
+                         row_index=row_index, shared=shared, **kw)
     return present((r.residual, r.norm, r.quant, r.scale_factors, r.scales))
 
 

@@ -151,6 +151,42 @@ def test_an_eager_op_call_with_a_number_scale_on_one_rank_keeps_the_ranks_in_ste
     assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+@pytest.mark.parametrize("op", ["fused_all_reduce", "fused_all_reduce_out", "moe_all_reduce"])
+def test_a_raw_op_call_with_a_bad_tail_code_on_one_rank_keeps_the_ranks_in_step(comm, gen, check, op):
+    """A tail code that does not decode, on rank 0 only: it raises ValueError through the Communicator's refusal,
+    its peers raise CallMismatchError naming it, and the next calls sum right (before, rank 0 raised before the
+    exchange: the peers paired their call with its next one, then timed out)."""
+    c = _checked_by(comm, check)
+    rank = dist.get_rank(c.group)
+    t, h = 4, 64
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+
+    def call(x, tail):
+        if op == "fused_all_reduce":
+            return torch.ops.commfuse.fused_all_reduce(x, residual, weight, None, 1e-6, 0.0, tail, c.name)[0]
+        if op == "moe_all_reduce":
+            return torch.ops.commfuse.moe_all_reduce(x.view(t, 1, h), torch.ones(t, 1, device=c.device), None, None,
+                                                     residual, weight, None, 1e-6, 0.0, tail, c.name)[0]
+        out = torch.full_like(residual, float("nan"))
+        torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, None, 1e-6, 0.0, tail, c.name, out, None, None,
+                                                None, None)
+        return out
+
+    steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(2)]
+    if rank == 0:
+        with pytest.raises(ValueError, match="tail must be the code of a tail spec"):
+            call(steps[0][0], 255)
+    else:
+        with pytest.raises(commfuse.CallMismatchError, match="rank 0: a call that raised ValueError: tail must be"):
+            call(steps[0][0], 0)
+    x, xs = steps[1]
+    want = commfuse.reference.fused_tail(commfuse.reference.all_reduce_sum(xs), residual, weight, 1e-6).residual
+    got = call(x, 0)
+    assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
+
+
 @mpi
 def test_out_ops_write_the_callers_tensors(quiet_comm, gen):
     c = quiet_comm
