@@ -18,6 +18,7 @@ from .routes import CallMismatchError, CallTimeoutError, Plan
 from .tail.spec import TailSpec
 from .topology import Topology
 from . import fusion  # noqa: E402 - the pass imports the ops above
+from . import sharding
 
 __all__ = ["Communicator", "FusedResult", "P2PError", "P2PMismatchError", "P2PTimeoutError", "CallMismatchError",
            "CallTimeoutError", "NcclTimeoutError", "Plan", "Topology",

@@ -27,8 +27,9 @@ products, plus a shared expert's, whose down_proj is then a partial product too)
 after the block (a forward hook): the combine + all-reduce + residual add + RMSNorm that commfuse.fusion
 fuses into `commfuse::moe_all_reduce` where the combine is a sum over the top-k rows: transformers'
 grouped_mm experts (its default where a model supports it: rows in expert order gathered back to token order,
-the op's finalize form) and batched_mm. The eager loop's `index_add_` combine is reported and left as
-written, and the all-reduce tail after it fused.
+the op's finalize form) and batched_mm. The eager loop over the experts breaks dynamo's graph (its loop runs
+over the experts a batch selects), so neither its combine nor the tail after it fuse: choose grouped_mm or
+batched_mm experts (`config._experts_implementation`).
 
 An attention or MLP holding any other weighted part, a projection that is not a plain nn.Linear or whose
 sharded features do not divide, or a head count that does not divide, is refused (ValueError) rather than
@@ -115,6 +116,7 @@ def _slice_linear(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
 
 
 _ROUTERS = ("gate", "router")  # gpt-oss names it router
+_SHARDED = "_commfuse_sharded"  # set on a MoE block once sharded (a dense layer's RowParallelLinear says so)
 
 
 def _is_moe_block(module: nn.Module) -> bool:
@@ -157,10 +159,15 @@ def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
                          "the block's input itself: the all-reduce would sum it once per rank")
     # A part of the block that the hook's all-reduce would sum once per rank unless it is sharded.
     other = [n for n, m in block.named_children() if n not in _MOE_CHILDREN and any(True for _ in m.parameters())]
+    # The block's own weights: one value per expert steers the routing (afmoe's expert_bias), which every rank
+    # repeats; any other (an output bias) would be summed once per rank.
+    up, down = experts.gate_up_proj, experts.down_proj
+    h = down.shape[1 if getattr(experts, "is_transposed", False) else 1] if down.dim() == 3 else None
+    other += [n for n, p in block.named_parameters(recurse=False) if tuple(p.shape) != (up.shape[0],)
+              or up.shape[0] == h]
     if other:
         raise ValueError(f"MoE block {type(block).__name__} has {other} beside its router, experts and shared "
                          "expert: shard_decoder does not know how to shard them")
-    up, down = experts.gate_up_proj, experts.down_proj
     up_axis, down_axis = _intermediate_axes(experts)
     inter = down.shape[down_axis] if down.dim() == 3 else 0
     if up.dim() != 3 or down.dim() != 3 or up.shape[up_axis] != 2 * inter or inter % world:
@@ -222,6 +229,7 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
         dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=group)
 
     block.register_forward_hook(all_reduce)
+    setattr(block, _SHARDED, True)
 
 
 # What an attention may hold beside the projections it shards: per-head q/k norms (checked), and latent
@@ -283,7 +291,11 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world
     q_proj = getattr(layer, "q_proj", None)
     if not isinstance(q_proj, nn.Linear):
         return
-    head_dim = q_proj.out_features // heads
+    # The attention's own head_dim where it keeps one: a q_proj may project more than the queries (Qwen3-Next's
+    # output gate doubles it).
+    head_dim = getattr(layer, "head_dim", None)
+    if type(head_dim) is not int:
+        head_dim = q_proj.out_features // heads
     for name in _HEAD_NORMS:
         norm = getattr(layer, name, None)
         params = [] if norm is None else list(norm.parameters())
@@ -293,9 +305,10 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world
         w = getattr(norm, "weight", None)
         if not (isinstance(w, torch.Tensor) and len(params) <= 2 and all(p.numel() == head_dim for p in params)):
             what = f"{w.numel()} features" if isinstance(w, torch.Tensor) else f"with {len(params)} weights"
+            whole = isinstance(w, torch.Tensor) and w.numel() == q_proj.out_features
             raise ValueError(f"{path}.{name} normalises {what}, not one head's {head_dim}: sharding the heads "
-                             "would change it (a norm over the whole projection, as Olmo2's); not a decoder "
-                             "shard_decoder knows")
+                             "would change it" + (" (a norm over the whole projection, as Olmo2's)" if whole else "")
+                             + "; not a decoder shard_decoder knows")
 
 
 def _shard_attention(layer: nn.Module, rank: int, world: int) -> None:
@@ -319,12 +332,20 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     layout, where an attention or MLP holds a weighted part it does not know, a projection that is not an
     nn.Linear or whose sharded features do not divide, or a head count that does not divide, where an
     attention's q/k norm spans more than one head or its sinks are not one per head, where a config size
-    is not one int, or where the model has no layer of the known shape."""
+    is not one int, where the model has no layer of the known shape, or where it is sharded already (by
+    this function, or by transformers' tp_plan: DTensor weights)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError(f"this rank ({dist.get_rank()}) is not a member of group: only its ranks hold its shards")
+    for path, p in model.named_parameters():
+        if isinstance(p, torch.distributed.tensor.DTensor):
+            raise ValueError(f"{path} is a DTensor: the model is parallelised already (transformers' tp_plan?); "
+                             "shard_decoder takes the unsharded model")
+    done = [path for path, m in model.named_modules() if isinstance(m, RowParallelLinear) or getattr(m, _SHARDED, False)]
+    if done:
+        raise ValueError(f"{done[0]} is sharded already: shard_decoder shards a model once")
     config = getattr(model, "config", None)
     sizes = {}
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):

@@ -248,6 +248,71 @@ def test_shard_decoder_errors(comm, monkeypatch):
     model.model.layers[1].mlp.down_proj = type("QuantLinear", (torch.nn.Linear,), {})(4, 4)  # would lose its kind
     with pytest.raises(ValueError, match=r"layers.1.mlp.down_proj is a QuantLinear, not an nn.Linear"):
         shard_decoder(model)
+    model = tiny("qwen3_moe", torch.float32)  # a weight of the block's own, summed once per rank by the all-reduce
+    model.model.layers[1].mlp.out_bias = torch.nn.Parameter(torch.randn(model.config.hidden_size))
+    with pytest.raises(ValueError, match=r"has \['out_bias'\] beside its router"):
+        shard_decoder(model)
+    # A model transformers' tp_plan parallelised already (DTensor weights) is refused before anything changes.
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    model = tiny("qwen3_moe", torch.float32)
+    mesh = init_device_mesh(comm.device.type, (comm.world_size,))
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(distribute_tensor(o_proj.weight.detach(), mesh, [Replicate()]))
+    before = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.o_proj.weight is a DTensor: the model is parallelised"):
+        shard_decoder(model)
+    assert [p.shape for p in model.parameters()] == before
+
+
+@mpi
+def test_shard_decoder_shards_a_model_once(comm):
+    """A second call is refused: on a model with dense layers (their RowParallelLinear) and on one whose only
+    sharded layers are MoE blocks (Qwen3-Next's linear attention stays whole), whose experts it would halve
+    again. A per-expert routing weight of the block's own (afmoe's expert_bias) is repeated on every rank.
+    Qwen3-Next's gated full attention shards too."""
+    model = tiny("qwen3_moe", torch.float32)
+    shard_decoder(model)
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.o_proj is sharded already"):
+        shard_decoder(model)
+    kv = 2 * comm.world_size
+    config = transformers.Qwen3NextConfig(hidden_size=2 * kv * 16, num_hidden_layers=2, layer_types=["linear_attention"] * 2,
+                                          num_attention_heads=2 * kv, num_key_value_heads=kv, head_dim=16,
+                                          vocab_size=128, intermediate_size=128 * kv, moe_intermediate_size=32 * kv,
+                                          shared_expert_intermediate_size=32 * kv, num_experts=4, num_experts_per_tok=2,
+                                          linear_num_value_heads=4, linear_num_key_heads=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    routing = torch.randn(4)
+    model.model.layers[0].mlp.expert_bias = torch.nn.Parameter(routing.clone(), requires_grad=False)
+    with torch.inference_mode():
+        want = model(tokens(), use_cache=False).logits
+        shard_decoder(model)
+        assert torch.allclose(model(tokens(), use_cache=False).logits, want, atol=1e-5)
+    assert torch.equal(model.model.layers[0].mlp.expert_bias, routing)
+    shapes = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"layers.0.mlp is sharded already"):
+        shard_decoder(model)
+    assert [p.shape for p in model.parameters()] == shapes
+    # Its full attention's q_proj also projects the output gate (twice the queries): the per-head q_norm is
+    # read against the attention's own head_dim, and the model shards exactly.
+    config.layer_types = ["full_attention", "linear_attention"]
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.inference_mode():
+        want = model(tokens(), use_cache=False).logits
+        shard_decoder(model)
+        assert torch.allclose(model(tokens(), use_cache=False).logits, want, atol=1e-5)
+
+
+def test_import_commfuse_gives_sharding():
+    """The documented snippet: `import commfuse` then `commfuse.sharding.shard_decoder(model)`."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "import commfuse; print(commfuse.sharding.shard_decoder.__name__)"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "shard_decoder", run.stderr
 
 
 @mpi
