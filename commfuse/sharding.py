@@ -162,13 +162,13 @@ def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
     # The block's own weights: one value per expert steers the routing (afmoe's expert_bias), which every rank
     # repeats; any other (an output bias) would be summed once per rank.
     up, down = experts.gate_up_proj, experts.down_proj
-    h = down.shape[1 if getattr(experts, "is_transposed", False) else 1] if down.dim() == 3 else None
+    up_axis, down_axis = _intermediate_axes(experts)
+    h = down.shape[3 - down_axis] if down.dim() == 3 else None  # where h equals the experts' count, no telling
     other += [n for n, p in block.named_parameters(recurse=False) if tuple(p.shape) != (up.shape[0],)
               or up.shape[0] == h]
     if other:
         raise ValueError(f"MoE block {type(block).__name__} has {other} beside its router, experts and shared "
                          "expert: shard_decoder does not know how to shard them")
-    up_axis, down_axis = _intermediate_axes(experts)
     inter = down.shape[down_axis] if down.dim() == 3 else 0
     if up.dim() != 3 or down.dim() != 3 or up.shape[up_axis] != 2 * inter or inter % world:
         want = ("[experts, h, 2 * intermediate] and [experts, intermediate, h]" if up_axis == 2 else
