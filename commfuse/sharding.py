@@ -43,6 +43,7 @@ Others raise ValueError naming what is missing.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -339,8 +340,10 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError(f"this rank ({dist.get_rank()}) is not a member of group: only its ranks hold its shards")
+    # No DTensor exists until torch.distributed.tensor is imported (transformers' tp_plan imports it).
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     for path, p in model.named_parameters():
-        if isinstance(p, torch.distributed.tensor.DTensor):
+        if dtensor is not None and isinstance(p, dtensor):
             raise ValueError(f"{path} is a DTensor: the model is parallelised already (transformers' tp_plan?); "
                              "shard_decoder takes the unsharded model")
     done = [path for path, m in model.named_modules() if isinstance(m, RowParallelLinear) or getattr(m, _SHARDED, False)]

@@ -305,14 +305,31 @@ def test_shard_decoder_shards_a_model_once(comm):
         assert torch.allclose(model(tokens(), use_cache=False).logits, want, atol=1e-5)
 
 
-def test_import_commfuse_gives_sharding():
-    """The documented snippet: `import commfuse` then `commfuse.sharding.shard_decoder(model)`."""
+_FRESH = """
+import sys, torch, torch.distributed as dist, commfuse
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+try:
+    commfuse.sharding.shard_decoder(torch.nn.Linear(4, 4))
+except ValueError as e:
+    print("ValueError:", e)
+print("torch.distributed.tensor" in sys.modules)
+dist.destroy_process_group()
+"""
+
+
+def test_import_commfuse_gives_sharding(tmp_path):
+    """The documented snippet, `import commfuse` then `commfuse.sharding.shard_decoder(model)`, in a fresh process
+    (no transformers, torch.distributed.tensor not imported): a model it does not know raises its ValueError."""
+    import os
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", "import commfuse; print(commfuse.sharding.shard_decoder.__name__)"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip() == "shard_decoder", run.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}  # not an MPI rank
+    run = subprocess.run([sys.executable, "-c", _FRESH, str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["ValueError: model.config has no num_attention_heads: not a decoder "
+                                       "shard_decoder knows", "False"], run.stdout
 
 
 @mpi
