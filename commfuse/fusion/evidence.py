@@ -6,8 +6,9 @@ A local pattern (no all-reduce: add + RMSNorm, RMSNorm, the gated norm, with or 
 quantization written in torch) is one that Inductor fuses itself; the pass then replaces Inductor's
 kernel by commfuse's only where commfuse's measured faster (in a compiled model, end to end), and
 leaves the graph alone otherwise, saying why with the numbers; and wherever the op would not run its kernel
-on the graph's device (its plan's separated route: CPU tensors, an old SM), it leaves it alone too. Without Inductor after the pass (aot_eager, eager, an FX graph run as
-it is) every local pattern is rewritten: there the alternative is torch's unfused eager kernels.
+on the graph's device (its plan's separated route: CPU tensors, an old SM), it leaves it alone too. Without
+Inductor after the pass (aot_eager, eager, an FX graph run as it is) every local pattern is rewritten: there
+the alternative is torch's unfused eager kernels.
 `rewrite="all"` rewrites every match regardless (for the fused ops' semantics: one rounding to T,
 the formats' codes).
 
@@ -17,7 +18,8 @@ The measurements (one H200, torch 2.11, bf16; bench/results/2026-12-03-h200-s15-
 - GPU time of one call, CUDA-graph replay, against Inductor's kernel for the same tail written in
   torch (local-ops benchmark, tokens 1-8192 x hidden 4096 / 7168 / 8192): add + RMSNorm 2.0-3.9 us against
   2.0-3.8 us up to 256 tokens (6% behind at 256x8192; ahead there in the latest run), 15.9 against 15.1 us at
-  1024x7168 and 18.5 against 17.8 us at 1024x8192 (15.4 / 15.3 and 18.3 / 17.7 in the latest), ahead at 8192 tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
+  1024x7168 and 18.5 against 17.8 us at 1024x8192 (15.4 / 15.3 and 18.3 / 17.7 in the latest), ahead at 8192
+  tokens; RMSNorm alone within 2% or ahead at most shapes, 4-7% behind
   at 256x4096, 256x8192, 8192x7168 and 8192x8192; the gated norm faster or within 2% at groups of 128 everywhere
   (2.1-146.0 us against 3.0-160.2 us), at groups of 1024 and 2048 level or ahead up to 256 tokens (below
   128 its rows are split over CTAs: 2.50 against 2.53 us at 1x8192, group 1024), and from 512 tokens,
@@ -76,9 +78,8 @@ def local_rewrite(kind: str, quant: Optional[str], quant_is_op: bool, compiler: 
     host time of a call is gone and the GPU time decides; residual: the local pattern adds a residual (else a
     plain RMSNorm, whose kernel measured level with Inductor's: the decoder's measurement decides); separated:
     asked only where it decides, why the op would run commfuse's separated ops on the graph's device (None: its
-    kernel runs), torch's
-    unfused kernels where Inductor would generate one (bf16 add + RMSNorm 1024x7168, H200: 195 against 15.3
-    us, 2026-12-05-h200-s37-local-ops-behind)."""
+    kernel runs): torch's unfused kernels where Inductor would generate one (bf16 add + RMSNorm 1024x7168, H200:
+    195 against 15.3 us, 2026-12-05-h200-s37-local-ops-behind)."""
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
     # A quantization other than static FP8 reaches the pass as a commfuse.quantize op (NVFP4's measured
