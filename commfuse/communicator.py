@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import datetime
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -32,7 +33,10 @@ __all__ = ["Communicator", "FusedResult", "STRATEGIES"]
 
 STRATEGIES = routes.STRATEGIES
 GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_GLOO_TIMEOUT_S)
-_CHECK_GROUPS: dict = {}  # (group name, ranks, timeout) -> the gloo check group those Communicators share
+# group -> {(ranks, timeout): the gloo check group its Communicators share}. Keyed on the group object, not its
+# name: torch names groups by a counter that destroy_process_group() resets, so a world made again after it has
+# the old one's name, maybe with other members.
+_CHECK_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @atexit.register
@@ -49,7 +53,7 @@ def _drop_gloo_groups() -> None:
         for comm in list(ops.live_communicators()):
             comm._drop_gloo_groups()
     finally:
-        for g in list(_CHECK_GROUPS.values()) + routes.BROKEN_CHECK_GROUPS:
+        for g in [g for shared in _CHECK_GROUPS.values() for g in shared.values()] + routes.BROKEN_CHECK_GROUPS:
             try:
                 dist.destroy_process_group(g)
             except Exception:  # noqa: BLE001 - destroyed already (with the world), or no group any more
@@ -232,8 +236,8 @@ class Communicator:
         must hold as many (else making it times out, and this raises saying so)."""
         timeout = self._gloo_timeout_s
         ranks = tuple(dist.get_process_group_ranks(self.group))
-        key = (self.group.group_name, ranks, timeout)
-        group = _CHECK_GROUPS.get(key)
+        shared = _CHECK_GROUPS.setdefault(self.group, {})
+        group = shared.get((ranks, timeout))
         if group is not None:
             # A call that timed out closed the group's connections (on the other ranks too, whether they
             # noticed or not): the ranks agree to make a new one (making it is collective).
@@ -254,7 +258,7 @@ class Communicator:
                     "names a group that only its ranks make from the number of process groups each rank holds, and "
                     "these ranks likely hold different numbers (a subgroup some of them are in). Make this "
                     "Communicator before such groups, or make the same groups on each of its ranks") from e
-            _CHECK_GROUPS[key] = group
+            shared[(ranks, timeout)] = group
         return group
 
     def _open_nccl(self) -> None:

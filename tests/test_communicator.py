@@ -941,6 +941,44 @@ def test_plan_then_call_then_close(comm, gen):
         assert_within_ulp(after, reference.all_reduce_sum(xs), c.world_size, "all-reduce after close")
 
 
+REFORMED = """
+import sys, torch, torch.distributed as dist, commfuse
+rank, folder = int(sys.argv[1]), sys.argv[2]
+x = torch.full((2, 8), float(rank + 1))
+sums, groups = [], []
+for world in range(2):  # the same ranks twice: torch names the second world "0" again
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store{world}", rank=rank, world_size=2)
+    comm = commfuse.Communicator()
+    sums.append(comm.all_reduce(x)[0, 0].item())
+    groups.append(comm._check_group)
+    dist.destroy_process_group()
+print(sums, groups[0] is groups[1])
+"""
+
+
+def test_a_world_made_again_gets_its_own_check_group(tmp_path):
+    """After destroy_process_group() torch names the next world as the last one: its Communicators must not take
+    the old world's check group (whose peers are the old world's: with other members, small all-reduces went
+    through it and summed other processes' rows). Two processes of their own, no launcher variables."""
+    import subprocess
+    import sys
+
+    from commfuse.distributed import _ENV_LAYOUTS
+
+    environ = {k: v for k, v in os.environ.items() if not any(k in layout for layout in _ENV_LAYOUTS)}
+    runs = [subprocess.Popen([sys.executable, "-c", REFORMED, str(r), str(tmp_path)], env=environ, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=240)
+            assert run.returncode == 0, err[-3000:]
+            assert out.split() == ["[3.0,", "3.0]", "False"], out
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait()
+
+
 EXIT = """
 import gc, weakref, torch, torch.distributed as dist, commfuse
 from commfuse import communicator
