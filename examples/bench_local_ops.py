@@ -214,6 +214,13 @@ def main(argv=None) -> dict:
         p.error(f"--dtypes takes bf16 and fp16, got {args.dtypes!r}")
     if args.calls < 1 or args.repeats < 1:
         p.error("--calls and --repeats must be at least 1")
+    odd = [shape for shape in args.shapes.split(",") if int(shape.partition("x")[2]) % 16]
+    if odd and any(pattern.endswith("nvfp4") for pattern in args.patterns.split(",")):
+        p.error(f"the nvfp4 patterns need a hidden size that is a multiple of 16 (one scale per 16 elements), got "
+                f"{', '.join(odd)}")
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # said now, not after the rows
+        p.error(f"--json {args.json}: {folder} is not a folder this process can write to")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     backend = args.compile_backend or ("inductor" if cuda else "aot_eager")

@@ -290,16 +290,18 @@ class Decoder(torch.nn.Module):
     def __init__(self, cfg: Config, rank: int, world: int, device, dtype, *, norm="hf", quant=None,
                  collective="dist", comm=None, max_len=256, batch=1, gated_attn=False):
         super().__init__()
-        assert cfg.heads % world == 0 and cfg.kv_heads % world == 0 and cfg.intermediate % world == 0, \
-            f"heads {cfg.heads}, kv heads {cfg.kv_heads}, intermediate {cfg.intermediate} must divide by {world}"
+        if cfg.heads % world or cfg.kv_heads % world or cfg.intermediate % world:
+            raise ValueError(f"heads {cfg.heads}, kv heads {cfg.kv_heads}, intermediate {cfg.intermediate} must "
+                             f"divide by the world size {world}")
         self.cfg, self.world, self.collective, self.comm = cfg, world, collective, comm
         self.head_dim = cfg.hidden // cfg.heads
         self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world
         self.inter = cfg.intermediate // world
         moe_inter = cfg.moe_intermediate or cfg.intermediate // max(cfg.experts, 1)
         if cfg.experts:
-            assert moe_inter % world == 0 and 1 <= cfg.topk <= cfg.experts, \
-                f"expert intermediate {moe_inter} must divide by {world}, top-k {cfg.topk} be in 1..{cfg.experts}"
+            if moe_inter % world or not 1 <= cfg.topk <= cfg.experts:
+                raise ValueError(f"expert intermediate {moe_inter} must divide by the world size {world}, top-k "
+                                 f"{cfg.topk} be in 1..{cfg.experts}")
         self.moe_inter = moe_inter // world
         hd, h = self.head_dim, cfg.hidden
         self.embed = torch.nn.Parameter(_randn((cfg.vocab, h), 1, 1.0, device, dtype), requires_grad=False)
@@ -450,12 +452,17 @@ def run_steps(model: Decoder, fn, prompt, decode_tokens, device):
     return outs, times
 
 
+def _finite_or_inf(v: float) -> float:
+    return v if math.isfinite(v) else math.inf
+
+
 def compare(got: List[torch.Tensor], want: List[torch.Tensor], tol: float, exact: bool) -> dict:
     worst, rms, bits = 0.0, 0.0, True
     for g, w in zip(got, want):
         bits = bits and torch.equal(g, w)
-        worst = max(worst, float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)))
-        rms = max(rms, float((g - w).norm() / w.norm().clamp_min(1e-30)))
+        # A NaN error is the worst there is (max() would keep the finite one before it).
+        worst = max(worst, _finite_or_inf(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))))
+        rms = max(rms, _finite_or_inf(float((g - w).norm() / w.norm().clamp_min(1e-30))))
     ok = bits if exact else rms <= tol
     return {"ok": ok, "exact_expected": exact, "bit_identical": bits, "max_rel_err": worst, "rel_rms_err": rms,
             "tol": 0.0 if exact else tol}
@@ -509,6 +516,8 @@ def parse(argv):
         p.error(f"--moe needs 1 <= --moe-topk <= --experts, got {args.moe_topk} of {args.experts}")
     if args.moe_intermediate is not None and args.moe_intermediate < 1:
         p.error(f"--moe-intermediate must be at least 1, got {args.moe_intermediate}")
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
+        p.error(f"--tol must be a finite number > 0, got {args.tol}")
     return args
 
 

@@ -8,19 +8,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1; n=${2:-2}; mkdir -p "$out"
+rc=0  # any run's failure is the script's (the tails below are for reading)
 shapes=1x4096,16x7168,64x8192,256x7168,1024x8192,8192x7168
 machine=${COMMFUSE_MACHINE:-nvidia-h200-x2}
 launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 --repeats 5 \
   --patterns allreduce,residual_rmsnorm,residual_rmsnorm_fp8,residual_rmsnorm_nvfp4 \
   --impls nccl+eager,commfuse-fallback,commfuse-p2p,commfuse-p2p-twoshot,commfuse-auto,flashinfer,tail-eager,tail-commfuse \
-  --out "$out/main" > "$out/main.log" 2>&1
+  --out "$out/main" > "$out/main.log" 2>&1 || rc=$?
 launch/bench.sh "$n" --machine "$machine" --shapes "$shapes" --dtypes bf16 \
   --patterns residual_rmsnorm,residual_rmsnorm_fp8,residual_rmsnorm_nvfp4 \
-  --impls nccl+compile,tail-compile --out "$out/compile" > "$out/compile.log" 2>&1
+  --impls nccl+compile,tail-compile --out "$out/compile" > "$out/compile.log" 2>&1 || rc=$?
 launch/bench.sh "$n" --machine "$machine" --shapes 64x8192 --dtypes fp16 \
   --patterns residual_rmsnorm,residual_rmsnorm_nvfp4 --impls tail-eager,tail-compile,tail-commfuse \
-  --out "$out/fp16" > "$out/fp16.log" 2>&1
+  --out "$out/fp16" > "$out/fp16.log" 2>&1 || rc=$?
 launch/bench.sh "$n" --machine "$machine" --shapes 1x4096,16x4096,1x7168,16x7168,64x7168,256x7168,1024x7168 \
   --dtypes bf16 --patterns moe_k2_residual_rmsnorm,moe_k8_residual_rmsnorm,moe_finalize_k8_residual_rmsnorm \
-  --impls nccl+eager,commfuse-auto,flashinfer --out "$out/moe" > "$out/moe.log" 2>&1
+  --impls nccl+eager,commfuse-auto,flashinfer --out "$out/moe" > "$out/moe.log" 2>&1 || rc=$?
 tail -n 60 "$out/main.log"; tail -n 25 "$out/compile.log"; tail -n 25 "$out/fp16.log"; tail -n 40 "$out/moe.log"
+exit $rc

@@ -718,11 +718,63 @@ def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
     (["--repeats", "0"], "--repeats and --calls-per-graph must be >= 1"),
     (["--calls-per-graph", "0"], "--repeats and --calls-per-graph must be >= 1"),
     (["--shapes", "2x136", "--patterns", "residual_rmsnorm_nvfp4"], "needs a hidden size that is a multiple of 16"),
+    (["--shapes", ","], "--shapes lists nothing"), (["--impls", ","], "--impls lists nothing"),
+    (["--eps", "nan"], "--eps must be a finite number >= 0"), (["--eps", "-1"], "--eps must be a finite number >= 0"),
+    (["--machine", ""], "--machine must name the machine"),
 ])
 def test_bad_options_are_named(argv, error, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
     assert error in capsys.readouterr().err
+
+
+def test_repeated_options_run_once():
+    args = cli.parse_args(["--dtypes", "bf16,bf16", "--modes", "eager,eager", "--shapes", "1x512,1x512",
+                           "--impls", "nccl+eager,nccl+eager"])
+    assert (args.dtype_list, args.mode_list, args.shape_list, args.impl_list) == \
+        (["bf16"], ["eager"], [(1, 512)], ["nccl+eager"])
+
+
+def test_a_wrong_backend_sum_is_no_oracle(monkeypatch):
+    """Beyond 2 ranks the tail rows are also judged against the oracle fed the backend's own sum (its summation
+    order): only where that sum is within world-size ulps of the exact one, else a broken collective would be its
+    own oracle."""
+    ctx = _ctx(world=3)
+    exact = {}
+    real_sum = cases.reference.all_reduce_sum
+
+    def recorded_sum(xs):  # the exact sum, which the stand-in backend below returns (scaled)
+        exact["sum"] = real_sum(xs)
+        return exact["sum"]
+
+    monkeypatch.setattr(cases.reference, "all_reduce_sum", recorded_sum)
+    for scale, oracles in ((1.0, 2), (1.5, 1)):
+        monkeypatch.setattr(cases.dist, "all_reduce", lambda a, *args, **kw: a.copy_(exact["sum"] * scale))
+        case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 4, 256)
+        assert len(case.expected) == oracles
+
+
+@cpu_smoke
+def test_ranks_given_different_options_stop_at_once(tmp_path):
+    """Two ranks, two --shapes (mpirun's MPMD form): both stop before any row, naming the option, rather than
+    pair different collectives until the timeout."""
+    common = ["-m", "commfuse.bench", "--quick", "--patterns", "residual_rmsnorm", "--impls", "nccl+eager",
+              "--out", str(tmp_path / "out")]
+    env = dict(_child_env(), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "-n", "1", sys.executable, *common, "--shapes", "1x512", ":",
+           "-n", "1", sys.executable, *common, "--shapes", "1x512,4x512"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode != 0 and "the ranks were given different options: --shapes\n" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 120
+
+
+@cpu_smoke
+def test_device_bench_sh_fails_when_a_run_fails(tmp_path):
+    """launch/device_bench.sh's exit status is its runs' (its last lines only print their tails)."""
+    p = subprocess.run([str(ROOT / "launch" / "device_bench.sh"), str(tmp_path / "out")], cwd=tmp_path,
+                       env=dict(_child_env(), PYTHON="/bin/false"), capture_output=True, text=True, timeout=240)
+    assert p.returncode != 0, p.stdout[-2000:]
 
 
 def test_new_patterns_run_on_request_only():

@@ -54,3 +54,8 @@ def test_a_dropped_output_is_rejected_and_bad_options_named(capsys):
         with pytest.raises(SystemExit):
             bench.main(argv)
     assert "unknown pattern 'add_rmsnorm_fp4'" in capsys.readouterr().err
+    for argv, error in ((["--patterns", "quantize_nvfp4", "--shapes", "2x24"], "need a hidden size that is a multiple "
+                         "of 16"), (["--json", "/nonexistent/x.json"], "is not a folder this process can write to")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert error in capsys.readouterr().err, argv

@@ -98,11 +98,25 @@ def test_tp_moe_decoder_tiny(comm, args, tmp_path):
     (["--layers", "0"], "--layers must be at least 1"), (["--experts", "8"], "--experts needs --moe"),
     (["--moe", "--moe-topk", "5"], "1 <= --moe-topk <= --experts, got 5 of 4"),
     (["--moe", "--experts", "0"], "got 2 of 0"), (["--shared-expert"], "--shared-expert needs --moe"),
+    (["--tol", "nan"], "--tol must be a finite number > 0"), (["--tol", "inf"], "--tol must be a finite number > 0"),
+    (["--tol", "-1"], "--tol must be a finite number > 0"),
 ])
 def test_options_that_would_crash_or_be_ignored_are_refused(args, error, capsys):
     with pytest.raises(SystemExit):
         _example().parse(args)
     assert error in capsys.readouterr().err
+
+
+def test_compare_fails_on_nan():
+    """A NaN in the fused logits is the worst error, not one max() skips: the check fails, exact or not."""
+    compare = _example().compare
+    want = [torch.randn(2, 8), torch.randn(2, 8)]
+    nan = [w.clone() for w in want]
+    nan[1][0, 3] = float("nan")
+    for exact in (False, True):
+        c = compare(nan, want, 0.5, exact)
+        assert not c["ok"] and c["rel_rms_err"] == float("inf"), c
+    assert compare([w.clone() for w in want], want, 0.5, False)["ok"]
 
 
 def test_median_ci_order_statistics():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import os
 import platform
 import re
@@ -35,7 +36,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         print(f"commfuse-bench: --out {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    rank, world = init_distributed(timeout_s=float(os.environ.get("COMMFUSE_BENCH_TIMEOUT", 600)))
+    try:
+        timeout = float(os.environ.get("COMMFUSE_BENCH_TIMEOUT", 600))
+    except ValueError:
+        timeout = math.nan
+    if not (math.isfinite(timeout) and timeout > 0):
+        print("commfuse-bench: COMMFUSE_BENCH_TIMEOUT must be a number of seconds > 0, got "
+              f"{os.environ.get('COMMFUSE_BENCH_TIMEOUT')!r}", file=sys.stderr)
+        return 2
+    rank, world = init_distributed(timeout_s=timeout)
+    # Every rank must run the same rows: options that differ would pair different collectives (a hang until the
+    # timeout) or different draws (every row rejected).
+    mine = {k: v for k, v in vars(args).items() if k not in ("out", "machine") and not k.endswith("_list")}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    differ = sorted("--" + k.replace("_", "-") for k in mine if any(e[k] != mine[k] for e in every))
+    if differ:
+        if rank == 0:
+            print(f"commfuse-bench: the ranks were given different options: {', '.join(differ)}", file=sys.stderr)
+        return 2
     backend = str(dist.get_backend())
     # CUDA whenever there is a GPU, whatever the backend: ranks sharing a GPU run gloo on CUDA tensors.
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -253,6 +272,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--machine", default=os.environ.get("COMMFUSE_MACHINE") or socket.gethostname(),
                     help="machine name in the results (default $COMMFUSE_MACHINE or the host name)")
     args = ap.parse_args(argv)
+    for name in ("shapes", "dtypes", "patterns", "modes", "impls"):
+        given = getattr(args, name)
+        if given is not None and not given:
+            ap.error(f"--{name} lists nothing")
+        if given is not None:  # each once: a repeated entry would only repeat its rows
+            setattr(args, name, list(dict.fromkeys(given)))
+    if not (math.isfinite(args.eps) and args.eps >= 0):
+        ap.error(f"--eps must be a finite number >= 0, got {args.eps}")
+    if not args.machine.strip() or "/" in args.machine:
+        ap.error(f"--machine must name the machine (it names the result files), got {args.machine!r}")
     q = args.quick
     args.shape_list = args.shapes or (list(QUICK_SHAPES) if q else [(t, h) for h in DEFAULT_HIDDEN for t in DEFAULT_TOKENS])
     args.moe_shape_list = args.shapes or (list(MOE_QUICK_SHAPES) if q else
