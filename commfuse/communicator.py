@@ -37,6 +37,7 @@ GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_G
 # name: torch names groups by a counter that destroy_process_group() resets, so a world made again after it has
 # the old one's name, maybe with other members.
 _CHECK_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MADE_CHECK_GROUPS: list = []  # every check group made, held for the exit handler (the table above lets go of them)
 
 
 @atexit.register
@@ -53,12 +54,13 @@ def _drop_gloo_groups() -> None:
         for comm in list(ops.live_communicators()):
             comm._drop_gloo_groups()
     finally:
-        for g in [g for shared in _CHECK_GROUPS.values() for g in shared.values()] + routes.BROKEN_CHECK_GROUPS:
+        for g in _MADE_CHECK_GROUPS + routes.BROKEN_CHECK_GROUPS:
             try:
                 dist.destroy_process_group(g)
             except Exception:  # noqa: BLE001 - destroyed already (with the world), or no group any more
                 pass
         _CHECK_GROUPS.clear()
+        _MADE_CHECK_GROUPS.clear()
         routes.BROKEN_CHECK_GROUPS.clear()
 
 
@@ -259,6 +261,7 @@ class Communicator:
                     "these ranks likely hold different numbers (a subgroup some of them are in). Make this "
                     "Communicator before such groups, or make the same groups on each of its ranks") from e
             shared[(ranks, timeout)] = group
+            _MADE_CHECK_GROUPS.append(group)
         return group
 
     def _open_nccl(self) -> None:

@@ -986,6 +986,13 @@ commfuse.init_distributed(backend="gloo")
 comm = commfuse.Communicator()
 comm.fused_all_reduce(torch.randn(2, 64), torch.randn(2, 64), torch.ones(64))
 groups = [weakref.ref(comm.group), weakref.ref(comm._check_group)]
+sub = dist.new_group([0], backend="gloo")  # a Communicator of a group the caller destroyed before exit
+dropped = commfuse.Communicator(sub)
+dropped.all_reduce(torch.randn(2, 8))
+dropped_check = weakref.ref(dropped._check_group)
+dist.destroy_process_group(sub)
+del dropped, sub
+gc.collect()
 import os
 os.environ["COMMFUSE_GLOO_TIMEOUT_S"] = "abc"
 try:  # a Communicator whose construction raised, kept alive by the exception
@@ -993,6 +1000,7 @@ try:  # a Communicator whose construction raised, kept alive by the exception
 except ValueError as e:
     kept = e
 communicator._drop_gloo_groups()  # the exit handlers, in either order
+print("dropped's check group destroyed", dropped_check() not in dist.distributed_c10d._world.pg_map)
 dist.destroy_process_group()
 gc.collect()
 print("alive", sum(g() is not None for g in groups))
@@ -1011,4 +1019,4 @@ def test_gloo_groups_are_let_go_of_at_exit():
     environ = {k: v for k, v in os.environ.items() if not any(k in layout for layout in _ENV_LAYOUTS)}
     done = subprocess.run([sys.executable, "-c", EXIT], env=environ, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "alive 0" in done.stdout, done.stdout
+    assert "alive 0" in done.stdout and "dropped's check group destroyed True" in done.stdout, done.stdout
