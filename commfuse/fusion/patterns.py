@@ -657,17 +657,15 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
                                       "fused ops take the scale as a float32 tensor", "guard")
         if not isinstance(s, fx.Node):
             return None
-        why = _scale_mismatch(cur, s)
-        if why is not None:
-            return why or None
+        if not _one_float32(s):
+            return _scale_mismatch(cur, s)
         scale = s
     elif k == "mul":
         r = _other(cur, prev)
         if not isinstance(r, fx.Node):
             return None
-        why = _scale_mismatch(cur, r)
-        if why is not None:
-            return why or None
+        if not _one_float32(r):
+            return _scale_mismatch(cur, r)
         if G.kind(r) == "reciprocal":
             scale = G.operand(r, 0, "input")
         elif G.kind(r) == "div" and G.number(_binary(r)[0]) == 1.0:
@@ -732,17 +730,19 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
                  spelling="(n / scale).clamp(-448, 448).to(float8_e4m3fn)", notes=notes)
 
 
-def _scale_mismatch(cur: fx.Node, s: fx.Node):
-    """None when s (what the norm is divided or multiplied by at cur) is a float32 tensor of one element; else
-    the Mismatch to report where an FP8 cast follows, or "" (not an FP8 quantization: none of ours)."""
-    if G.dtype(s) == _F32 and G.numel_is_one(s):
-        return None
+def _one_float32(s: fx.Node) -> bool:
+    return G.dtype(s) == _F32 and G.numel_is_one(s)
+
+
+def _scale_mismatch(cur: fx.Node, s: fx.Node) -> Optional[Mismatch]:
+    """Why the norm scaled at cur by s (not one float32 element) is not fused, where an FP8 cast follows; None
+    otherwise (not an FP8 quantization: none of ours)."""
     if not G.is_tensor(s):  # a Python number dynamo traced (a SymFloat node)
         return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} scales by the Python number {s.name}: the "
-                                  "fused ops take the scale as a float32 tensor", "guard") or ""
+                                  "fused ops take the scale as a float32 tensor", "guard")
     what = f"a {_dt(G.dtype(s))} tensor" + ("" if G.numel_is_one(s) else f" of shape {G.shape(s)}")
     return _fp8_tail_mismatch(cur, f"FP8 quantization at {cur.name} scales by {what}: the fused ops take the scale "
-                              "as a float32 tensor of one element", "guard") or ""
+                              "as a float32 tensor of one element", "guard")
 
 
 def _fp8_tail_mismatch(cur, reason, kind):
