@@ -195,6 +195,10 @@ def _define(schema: str, impl, fake) -> None:
     # by the first norm and as the first residual, was written twice.
     _LIB.define(schema, tags=() if "!" in schema else (torch.Tag.flexible_layout,))
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    # No gradient, as for the eager calls (whose outputs are plain tensors): the dispatcher skips autograd for
+    # the op, so its outputs do not require grad. Without this, torch's fallback would give outputs of inputs
+    # that require grad a grad_fn whose backward passes back nothing (a silently missing gradient).
+    _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"commfuse::{name}", fake, lib=_LIB)
 
 

@@ -318,6 +318,30 @@ def test_opcheck_gated_and_quantize(gen, quant):
             torch.ops.commfuse.quantize(x, scale, code(quant, True))
 
 
+def test_ops_have_no_gradient_as_the_eager_calls(gen):
+    """Inputs that require grad (a model's parameters outside no_grad): the ops' outputs, eager, through torch.ops
+    and compiled, are plain tensors with the bits of a call without grad, as the eager calls' are (torch's
+    fallback for an op without autograd would give them a grad_fn that passes back no gradient)."""
+    x, residual, weight, scale = inputs(gen, 5, 128, BF16, quant="nvfp4")
+    z = torch.randn(5, 128, generator=gen).to(BF16)
+    calls = {
+        "fused_add_rmsnorm": lambda x, w: commfuse.fused_add_rmsnorm(x, residual, w, quant="nvfp4", scale=scale,
+                                                                     return_norm=True),
+        "gated_rmsnorm": lambda x, w: commfuse.gated_rmsnorm(x, z, w, 1e-5, 32, False),
+        "quantize": lambda x, w: commfuse.quantize(x * 1, "fp8_per_token"),  # x * 1: a tensor with a grad_fn
+        "op": lambda x, w: torch.ops.commfuse.fused_add_rmsnorm(x, None, w, None, 1e-6, 0.0, code(None)),
+    }
+    for name, call in calls.items():
+        want = [v for v in call(x, weight) if v is not None]
+        for how, f in (("eager", call), ("compiled", torch.compile(call, fullgraph=True, backend="aot_eager"))):
+            torch._dynamo.reset()
+            got = [v for v in f(x.clone().requires_grad_(), weight.clone().requires_grad_()) if v is not None]
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert not g.requires_grad and g.grad_fn is None, (name, how)
+                assert bits_equal(g, w), (name, how)
+
+
 def test_compiled_ops_dynamic_tokens(gen):
     def f(x, residual, weight, z, scale):
         t = commfuse.fused_add_rmsnorm(x, residual, weight, quant="nvfp4", scale=scale, return_norm=True)

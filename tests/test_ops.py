@@ -277,6 +277,22 @@ def test_eager_wrappers_give_the_ops_bits(quiet_comm, gen):
     assert bits_equal(ops.all_reduce(c, x), torch.ops.commfuse.all_reduce(x, c.name))
 
 
+@mpi
+def test_collective_ops_have_no_gradient(quiet_comm, gen):
+    """Inputs that require grad: the collective ops' outputs are plain tensors with the bits of a call without
+    grad, as the Communicator's are (torch's fallback would give them a grad_fn passing back no gradient)."""
+    c = quiet_comm
+    x, _ = rank_inputs(c, gen, (6, 256), torch.bfloat16)
+    residual, weight, scale = tail_inputs(c, gen, 6, 256, torch.bfloat16, "fp8")
+    want = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, 1e-6, 0.0, code("fp8", True), c.name)
+    got = torch.ops.commfuse.fused_all_reduce(x.clone().requires_grad_(), residual, weight.clone().requires_grad_(),
+                                              scale, 1e-6, 0.0, code("fp8", True), c.name)
+    got += (torch.ops.commfuse.all_reduce(x.clone().requires_grad_(), c.name),)
+    want += (torch.ops.commfuse.all_reduce(x, c.name),)
+    for g, w in zip(got, want):
+        assert not g.requires_grad and g.grad_fn is None and bits_equal(g, w)
+
+
 def first_plan_reasons(c, args) -> str:
     x, residual, weight, scale, eps, weight_offset, tail, _ = args
     p = c.plan(x, residual, weight, eps=eps, scale=scale, weight_offset=weight_offset, **public(tail))
