@@ -174,7 +174,9 @@ class Communicator:
         # The gloo route's exchange needs the check group at every call; an NCCL group's Communicator makes
         # it at its first COMMFUSE_CHECK comparison (no gloo connections where nothing checks).
         self._check_group = self._open_check_group() if self.backend == "gloo" else None
-        self._resources = Resources(self.group, self.device, self.workspace, self._nccl, self._check_group)
+        self._gloo_check = settings["COMMFUSE_GLOO_CHECK"]
+        self._resources = Resources(self.group, self.device, self.workspace, self._nccl, self._check_group,
+                                    self._gloo_check)
         # A hit must not skip the P2P error check: the table reads the workspace's error word itself.
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
@@ -187,7 +189,7 @@ class Communicator:
         """{name: value} of the strategy (the argument or COMMFUSE_STRATEGY) and of the settings read from
         the environment that decide which collectives a call makes (COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK,
         COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION), checked, then compared across the group in the
-        construction's first collective. A rank whose own are wrong raises its error after taking part, and
+        construction's first collective (COMMFUSE_NCCL_TIMEOUT_S is checked too, not compared). A rank whose own are wrong raises its error after taking part, and
         its peers raise saying so; ranks whose settings differ all raise naming them. Raising before that
         collective would leave the peers waiting in it for the group's timeout, then with broken connections."""
         given = os.environ.get("COMMFUSE_STRATEGY")
@@ -199,6 +201,7 @@ class Communicator:
                         ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
                         ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),
                         ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"))
+            nccl.watchdog_timeout()  # checked only: each rank's watchdog is its own
             error = None
         except Exception as e:  # noqa: BLE001 - raised after the exchange, on this rank as it was
             settings, error = None, e
@@ -353,7 +356,7 @@ class Communicator:
             return first()
         except Exception as e:
             if self.world_size > 1 and (self._check_calls or (
-                    self.backend == "gloo" and self.workspace is None and os.environ.get("COMMFUSE_GLOO_CHECK") != "0")):
+                    self.backend == "gloo" and self.workspace is None and self._gloo_check)):
                 if self._check_group is None:  # an NCCL group's, made at every rank's first checked call
                     self._check_group = self._open_check_group()
                 # The buffer as the peers' exchange has it: COMMFUSE_CHECK's on the CPU, the gloo route's with
@@ -560,7 +563,8 @@ class Communicator:
         self._nccl = None
         self.nccl_binding = "torch.distributed (closed)"
         self._machine = dataclasses.replace(self._machine, limits=None)
-        self._resources = Resources(self.group, self.device, check_group=self._check_group)
+        self._resources = Resources(self.group, self.device, check_group=self._check_group,
+                                    gloo_check=self._gloo_check)
 
     def _drop_gloo_groups(self) -> None:
         """At exit (_drop_gloo_groups): the references to gloo groups, the table's launchers' and the P2P

@@ -6,16 +6,18 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["MAX_SECONDS", "number", "seconds"]
+__all__ = ["MIN_SECONDS", "MAX_SECONDS", "number", "seconds"]
 
 # About 11.6 days: a longer bound on a wait is no bound, and far larger values overflow the kernels'
 # nanosecond counters and datetime.timedelta.
 MAX_SECONDS = 1e6
+# A millisecond: torch.distributed counts its timeouts in whole milliseconds, and a shorter bound is one of 0.
+MIN_SECONDS = 1e-3
 
 
-def number(name: str, default: float, *, maximum: float = math.inf, zero: bool = False) -> float:
-    """The variable `name` as a float: `default` where it is unset or empty, else a finite number > 0 (>= 0
-    with `zero`) and at most `maximum`."""
+def number(name: str, default: float, *, minimum: float = 0.0, maximum: float = math.inf, zero: bool = False) -> float:
+    """The variable `name` as a float: `default` where it is unset or empty, else a finite number > 0 (or 0, with
+    `zero`), at least `minimum` and at most `maximum`."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
@@ -23,12 +25,14 @@ def number(name: str, default: float, *, maximum: float = math.inf, zero: bool =
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= maximum):
-        raise ValueError(f"{name} must be a number {'>= 0' if zero else '> 0'}"
+    if not (math.isfinite(value) and value <= maximum and ((zero and value == 0) or (value > 0 and value >= minimum))):
+        low = f">= {minimum:g}" if minimum > 0 else "> 0"
+        raise ValueError(f"{name} must be {'0 or ' if zero else ''}a number {low}"
                          + (f" and at most {maximum:g}" if maximum < math.inf else "") + f", got {raw!r}")
     return value
 
 
 def seconds(name: str, default: float, *, zero: bool = False) -> float:
-    """A wait's bound in seconds from `name` (see `number`), at most MAX_SECONDS."""
-    return number(name, default, maximum=MAX_SECONDS, zero=zero)
+    """A wait's bound in seconds from `name` (see `number`), from MIN_SECONDS (a shorter one is a timeout of 0
+    ms to torch.distributed) to MAX_SECONDS."""
+    return number(name, default, minimum=MIN_SECONDS, maximum=MAX_SECONDS, zero=zero)

@@ -252,6 +252,13 @@ def available() -> Optional[str]:
     return None
 
 
+def watchdog_timeout() -> float:
+    """COMMFUSE_NCCL_TIMEOUT_S, checked (ValueError naming it); 0: no watchdog. The Communicator checks it when
+    it is made, before its ranks' first collective, so that a bad value raises there on every rank rather
+    than on one rank here while its peers wait in the communicator's initialisation."""
+    return env.seconds("COMMFUSE_NCCL_TIMEOUT_S", 10.0, zero=True)
+
+
 def broadcast_unique_id(group, make_id: Callable[[], bytes]) -> bytes:
     """make_id() on the group's rank 0, broadcast to every rank of the group (any backend). Where it raises,
     its message travels instead and every rank raises (rank 0 its own error): the others would wait for an
@@ -291,7 +298,7 @@ class NcclComm:
             raise ValueError(f"NcclComm needs a CUDA device, got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        timeout = env.seconds("COMMFUSE_NCCL_TIMEOUT_S", 10.0, zero=True)  # 0: no watchdog
+        timeout = watchdog_timeout()
         uid = broadcast_unique_id(group, nccl.unique_id)
         with torch.cuda.device(index):
             handle = nccl.init_rank(self.world_size, uid, self.rank)

@@ -201,13 +201,15 @@ class Plan:
 @dataclass(frozen=True)
 class Resources:
     """What the launchers work with: the group, the device, the P2P workspace, commfuse.nccl's
-    communicator and the gloo route's check group of a Communicator (None where it has none)."""
+    communicator and the gloo route's check group of a Communicator (None where it has none), and whether
+    the gloo route exchanges each call's signature (COMMFUSE_GLOO_CHECK, as the ranks agreed on it)."""
 
     group: object = None
     device: torch.device = torch.device("cpu")
     workspace: object = None
     nccl: object = None
     check_group: object = None  # the gloo route's signature exchange: a gloo group with a short timeout
+    gloo_check: bool = True
 
 
 # --------------------------------------------------------------------------- guards
@@ -657,8 +659,8 @@ class _GlooSum:
     abort on payloads of different sizes and sum payloads of different shapes or dtypes as if they
     matched, so a mismatched call raises CallMismatchError on every rank instead. x travels with the
     signature where it fits (GLOO_INLINE_BYTES): then the exchange is the call's only collective; a larger x
-    follows in a second one. COMMFUSE_GLOO_CHECK=0, read when the signature is planned, leaves the
-    signature out (x alone, one collective). The exchange goes over the Communicator's check group, whose
+    follows in a second one. COMMFUSE_GLOO_CHECK=0 (Resources.gloo_check: the Communicator's, agreed by the
+    ranks when it was made) leaves the signature out (x alone, one collective). The exchange goes over the Communicator's check group, whose
     timeout (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died."""
 
     __slots__ = ("group", "check_group", "text", "checked")
@@ -666,7 +668,7 @@ class _GlooSum:
     def __init__(self, res: Resources, text: str):
         self.group, self.text = res.group, text
         self.check_group = res.check_group if res.check_group is not None else res.group
-        self.checked = os.environ.get("COMMFUSE_GLOO_CHECK") != "0"
+        self.checked = res.gloo_check
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None, note: str = ""):
         """note: more of the call, compared with the rest (a MoE call's combine: commfuse.moe.Launcher)."""

@@ -728,6 +728,15 @@ def test_bad_options_are_named(argv, error, capsys):
     assert error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("raw", ["abc", "0", "1e10", "1e-9"])
+def test_a_bad_timeout_is_named(raw, monkeypatch, capsys, tmp_path):
+    """COMMFUSE_BENCH_TIMEOUT outside env.seconds' range: one line naming it and exit status 2, before any
+    group is made (1e10 was a traceback from init_distributed that did not name it)."""
+    monkeypatch.setenv("COMMFUSE_BENCH_TIMEOUT", raw)
+    assert cli.main(["--out", str(tmp_path)]) == 2
+    assert "commfuse-bench: COMMFUSE_BENCH_TIMEOUT must be a number" in capsys.readouterr().err
+
+
 def test_repeated_options_run_once():
     args = cli.parse_args(["--dtypes", "bf16,bf16", "--modes", "eager,eager", "--shapes", "1x512,1x512",
                            "--impls", "nccl+eager,nccl+eager"])

@@ -536,14 +536,15 @@ def test_unknown_strategy_raises(comm, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("bad", ["strategy", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_CHECK on one rank",
-                                 "COMMFUSE_STRATEGY on one rank"])
+@pytest.mark.parametrize("bad", ["strategy", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_NCCL_TIMEOUT_S",
+                                 "COMMFUSE_CHECK on one rank", "COMMFUSE_STRATEGY on one rank"])
 def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, gen, monkeypatch, bad):
     """Construction is collective: a rank whose own argument or environment is wrong, or whose settings differ
     from its peers', raises after the ranks compare them, and its peers raise naming it, within the
     construction's first collective. Before, rank 0 raised alone and its peers waited in the next collective
     for the group's timeout, which left the group's connections broken (or, for a bad COMMFUSE_GLOO_TIMEOUT_S,
-    the ranks' group counts apart: every later Communicator failed)."""
+    the ranks' group counts apart: every later Communicator failed; for a bad COMMFUSE_NCCL_TIMEOUT_S, the peers
+    waited in NCCL's initialisation)."""
     rank = dist.get_rank(comm.group)
     for name in ("COMMFUSE_STRATEGY", "COMMFUSE_CHECK"):
         monkeypatch.delenv(name, raising=False)
@@ -551,7 +552,7 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
     if rank == 0:
         if bad == "strategy":
             strategy = "fastest"
-        elif bad == "COMMFUSE_GLOO_TIMEOUT_S":
+        elif bad in ("COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_NCCL_TIMEOUT_S"):
             monkeypatch.setenv(bad, "10s")
         elif bad == "COMMFUSE_CHECK on one rank":
             monkeypatch.setenv("COMMFUSE_CHECK", "1")
@@ -563,7 +564,7 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
     elif bad == "COMMFUSE_CHECK on one rank":
         want = r"ranks disagree on COMMFUSE_CHECK: rank 0: .*'COMMFUSE_CHECK': True.*rank 1: .*'COMMFUSE_CHECK': False"
     elif rank == 0:
-        want = "^strategy must be one of" if bad == "strategy" else "COMMFUSE_GLOO_TIMEOUT_S must be a number"
+        want = "^strategy must be one of" if bad == "strategy" else f"{bad} must be a number"
     else:
         want = r"a rank could not make the Communicator \(rank 0: ValueError: "
     with pytest.raises(ValueError, match=want):
@@ -573,6 +574,23 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
     x, xs = rank_inputs(c, gen, (3, 64), torch.bfloat16)
     y, want_sum = c.all_reduce(x), reference.all_reduce_sum(xs)
     assert torch.equal(y, want_sum) if exact_sum(c) else torch.allclose(y.float(), want_sum.float(), rtol=2e-2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gloo_check_is_the_one_the_ranks_agreed_on(comm, gen, monkeypatch):
+    """COMMFUSE_GLOO_CHECK is read and compared when the Communicator is made; changed later on one rank, it does
+    not set that rank's gloo exchanges apart from its peers' (which timed out: CallTimeoutError on one rank, a
+    closed connection on the other)."""
+    if comm.backend != "gloo":
+        pytest.skip(f"a {comm.backend} group: no gloo route")
+    monkeypatch.delenv("COMMFUSE_GLOO_CHECK", raising=False)
+    c = Communicator(comm.group, strategy="nccl")  # ranks sharing a GPU: the gloo route, off P2P
+    c.check_calls = False
+    if dist.get_rank(c.group) == 1:
+        monkeypatch.setenv("COMMFUSE_GLOO_CHECK", "0")
+    for shape in ((3, 64), (5, 32)):  # new signatures, planned after the change
+        x, xs = rank_inputs(c, gen, shape, torch.float32)
+        assert torch.equal(c.all_reduce(x), reference.all_reduce_sum(xs))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -90,7 +90,7 @@ def test_init_distributed_and_the_probe_say_what_is_wrong():
     assert r.returncode == 1 and r.stderr.strip() == "commfuse-probe: WORLD_SIZE must be an integer, got 'abc'", r
 
 
-@pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "0", "1e7"])
+@pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "0", "1e7", "1e-9"])
 def test_a_bad_number_is_named(monkeypatch, raw):
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", raw)
     with pytest.raises(ValueError, match=r"COMMFUSE_TEST_SECONDS must be a number"):
@@ -106,8 +106,14 @@ def test_numbers_in_range_and_defaults(monkeypatch):
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "0")
     assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True) == 0.0  # e.g. no NCCL watchdog
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "-0.5")
-    with pytest.raises(ValueError, match=">= 0 and at most 1e\\+06"):
+    with pytest.raises(ValueError, match="must be 0 or a number >= 0.001 and at most 1e\\+06, got '-0.5'"):
         env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True)
+    # Below a millisecond: torch.distributed's timeout of 0 ms, which failed without naming the variable.
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1e-4")
+    with pytest.raises(ValueError, match="must be 0 or a number >= 0.001"):
+        env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True)
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "0.001")
+    assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0) == 0.001
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1e300")
     assert env.number("COMMFUSE_TEST_SECONDS", 1.0) == 1e300  # a number with no maximum (not a wait)
     assert env.MAX_SECONDS < math.inf

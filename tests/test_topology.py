@@ -339,6 +339,16 @@ def test_probe_json_has_documented_fields():
         assert rep["mode"] == "fallback" and rep["local_group"]["mode"] in ("p2p", "fallback")
 
 
+def test_probe_says_separated_where_fusion_is_turned_off(monkeypatch):
+    """COMMFUSE_DISABLE_FUSION=1: every pattern of a GPU that fuses them is "separated", as the routes run it."""
+    monkeypatch.delenv("COMMFUSE_DISABLE_FUSION", raising=False)
+    assert probe_cli._fused((9, 0)) == fusion_capability((9, 0)) != {p: "separated" for p in fusion_capability(None)}
+    monkeypatch.setenv("COMMFUSE_DISABLE_FUSION", "1")
+    assert probe_cli._fused((9, 0)) == {p: "separated" for p in fusion_capability(None)}
+    assert probe_cli.render(dict(json.loads(_run_probe("--json").stdout), launcher="mpi")).startswith(
+        f"commfuse-probe on {socket.gethostname()}: 1 rank (mpi)")
+
+
 # ---- single process on GPUs ---------------------------------------------------------------------
 
 @two_gpus

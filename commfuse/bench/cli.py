@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from commfuse import init_distributed
+from commfuse import env, init_distributed
 
 from . import report
 from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, MOE_COMPILE_PATTERN,
@@ -37,12 +37,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"commfuse-bench: --out {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     try:
-        timeout = float(os.environ.get("COMMFUSE_BENCH_TIMEOUT", 600))
-    except ValueError:
-        timeout = math.nan
-    if not (math.isfinite(timeout) and timeout > 0):
-        print("commfuse-bench: COMMFUSE_BENCH_TIMEOUT must be a number of seconds > 0, got "
-              f"{os.environ.get('COMMFUSE_BENCH_TIMEOUT')!r}", file=sys.stderr)
+        timeout = env.seconds("COMMFUSE_BENCH_TIMEOUT", 600.0)
+    except ValueError as e:
+        print(f"commfuse-bench: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed(timeout_s=timeout)
     # Every rank must run the same rows: options that differ would pair different collectives (a hang until the

@@ -17,7 +17,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   gpus          GPUs visible to this process: [{index, name, sm ("9.0"), uuid, pci_bus_id, memory_bytes,
                 nvlink ({gpu_links: {pci_bus_id: links}, switch_links} or null), fused}] where fused maps
                 each pattern of topology.PATTERNS (residual_rmsnorm, then one per quantization format)
-                to "fused-hw" | "fused-sw" | "separated"
+                to "fused-hw" | "fused-sw" | "separated" ("separated" for every pattern with
+                COMMFUSE_DISABLE_FUSION=1, as the routes then run)
   ranks         one entry per rank of the group: the fields of gpus (index: the rank's CUDA ordinal,
                 null without a GPU) plus rank, host, node, versions
   matrix_of     "gpus" (single process) or "ranks": what rows and columns of the matrices index
@@ -28,7 +29,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   mode          the mode a Communicator over this group gets: "p2p" | "fallback" | "cpu"
   reasons       why, as a list of strings
   local_group   single process with GPUs: {mode, reasons} a group of one rank per local GPU would get
-                from the driver's P2P answer (not IPC-confirmed); null under a launcher or without GPUs
+                from the driver's P2P answer (not IPC-confirmed); null without GPUs and under a launcher
+                of more than one rank (one rank's report is the single process's)
   strategy      the Communicator's strategy here: COMMFUSE_STRATEGY or "auto" (a value that is no
                 strategy is named in notes: a Communicator raises on it)
   overrides     {COMMFUSE_STRATEGY, COMMFUSE_PRETEND_NO_P2P, COMMFUSE_DISABLE_FUSION}: values set, or null
@@ -62,7 +64,14 @@ def _gpu(info: topology.RankInfo) -> dict:
                                                 "switch_links": info.nvlink.switch_links}
     return {"index": info.device, "name": info.gpu_name, "sm": _sm(info.sm), "uuid": info.uuid,
             "pci_bus_id": info.pci_bus_id, "memory_bytes": info.memory_bytes, "nvlink": nvlink,
-            "fused": topology.fusion_capability(info.sm)}
+            "fused": _fused(info.sm)}
+
+
+def _fused(sm) -> dict:
+    """topology.fusion_capability, or "separated" for every pattern where COMMFUSE_DISABLE_FUSION=1 turns the
+    fused kernels off (commfuse.routes.tail_guard)."""
+    fused = topology.fusion_capability(sm)
+    return {p: "separated" for p in fused} if os.environ.get("COMMFUSE_DISABLE_FUSION") == "1" else fused
 
 
 def _rank(i: int, node: int, info: topology.RankInfo) -> dict:
@@ -128,7 +137,7 @@ def render(rep: dict) -> str:
     """The report as text for people."""
     v = rep["versions"]
     out = [f"commfuse-probe on {rep['host']}: " + ("single process" if rep["launcher"] is None else
-                                                  f"{rep['world_size']} ranks ({rep['launcher']})"),
+                                                  f"{rep['world_size']} rank{'s' if rep['world_size'] != 1 else ''} ({rep['launcher']})"),
            f"versions: torch {v['torch']}, CUDA runtime {v['cuda_runtime']}, NCCL {v['nccl']}, "
            f"driver {v['driver']} (CUDA {v['driver_cuda']})", ""]
     fused = "  ".join(f"{s:<9}" for s in _SHORT.values())
