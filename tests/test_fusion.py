@@ -264,8 +264,14 @@ def gemma_norm(h, w, eps=1e-6):
     return output.type_as(h)
 
 
-NORMS = {"hf": hf_norm, "weight_before_cast": weight_before_cast_norm, "torch": torch_norm}
-EXACT = {"hf": False, "weight_before_cast": True, "torch": True}
+def twice_cast_norm(h, w, eps=1e-6):
+    """The input cast to float32 twice (two nodes: one for the square, one for the multiply)."""
+    v = h.float().pow(2).mean(-1, keepdim=True)
+    return w * (h.float() * torch.rsqrt(v + eps)).to(h.dtype)
+
+
+NORMS = {"hf": hf_norm, "weight_before_cast": weight_before_cast_norm, "torch": torch_norm, "twice_cast": twice_cast_norm}
+EXACT = {"hf": False, "weight_before_cast": True, "torch": True, "twice_cast": False}
 
 
 def reduce(kind, comm, y):
@@ -1281,6 +1287,36 @@ def test_auto_rewrites_collective_tails_for_inductor(quiet_comm, gen):
     gm, inputs = capture(layer, x, residual, weight, wo, scale)
     report = fusion.fuse(gm, c, compiler="inductor")
     assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+
+
+@mpi
+def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen, monkeypatch):
+    """commfuse.fusion.post_grad_pass as Inductor's post-grad custom pass: Inductor's own graph of the model (aten
+    ops, the in-place all-reduce functionalized, the norm's input cast to float32 twice) is fused into one op,
+    whose outputs are the eager Communicator call's bits."""
+    import torch._inductor.config as inductor_config
+
+    c = quiet_comm
+    x, residual, weight, scale, _ = setup(c, gen, quant="fp8")
+    reports = []
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", fusion.post_grad_pass(c, reports=reports))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached graph would not run the pass
+
+    def layer(x, residual, weight, scale):
+        y = x.clone()
+        dist.all_reduce(y, group=c.group)
+        h = residual + y
+        return fp8(twice_cast_norm(h, weight), scale), h
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        q, h = torch.compile(layer, backend="inductor", fullgraph=True)(x, residual, weight, scale)
+    (report,) = reports
+    assert report.count("commfuse::fused_all_reduce") == 1 and report.level == "Inductor post-grad graph", report
+    want = c.fused_all_reduce(x, residual, weight, 1e-6, "fp8", scale)
+    assert bits_equal(h, want.residual) and bits_equal(q, want.quant)
+    with pytest.raises(ValueError, match="rewrite must be one of"):
+        fusion.post_grad_pass(c, rewrite="some")
 
 
 def test_aten_level_graph_from_make_fx(gen):

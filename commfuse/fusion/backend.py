@@ -19,13 +19,22 @@ dynamic shapes), and Inductor compiles the rest around them, with CUDA graphs in
 (a name or a callable). `mode` and `options` are Inductor's (torch.compile's own handling of them
 is reproduced); another inner backend ignores a mode, with a warning.
 
+or as Inductor's post-grad custom pass, for an engine that compiles with Inductor and its own passes:
+
+    torch._inductor.config.post_grad_custom_post_pass = commfuse.fusion.post_grad_pass(comm, reports=reports)
+
+There the graph is Inductor's, after AOT autograd's decomposition and functionalization (aten ops,
+`_c10d_functional.all_reduce -> wait_tensor`), which the matchers read too.
+
 Inference only: the fused ops have no autograd formula. Run compiled models under torch.no_grad() /
 torch.inference_mode() (or with parameters that do not require grad): a graph compiled with grad mode on and an
 input that requires grad is left whole (the report says so), since backward would miss gradients through the ops.
 """
 from __future__ import annotations
 
+import functools
 import warnings
+from pathlib import Path
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -35,7 +44,7 @@ from .evidence import REWRITES
 from .report import FusionReport
 from .rewrite import fuse
 
-__all__ = ["backend", "compile"]
+__all__ = ["backend", "compile", "post_grad_pass"]
 
 
 def _default_inner(comm) -> str:
@@ -130,6 +139,46 @@ def backend(comm=None, *, inner: Union[str, Callable, None] = None, mode: Option
 
     commfuse_fusion.reports = collected  # type: ignore[attr-defined]
     return commfuse_fusion
+
+
+@functools.cache
+def _post_grad_pass_class() -> type:
+    # Made at the first post_grad_pass: importing torch._inductor costs a second, which `import commfuse` does not pay.
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class PostGradPass(CustomGraphPass):
+        """`fuse` on the graph Inductor hands it, for Inductor (`rewrite="auto"` reads whether Inductor replays CUDA
+        graphs from its config, which mode="reduce-overhead" sets), then the lowerings of the inserted ops; each
+        graph's report goes to `reports`. uuid() keys Inductor's FX graph cache on the pass's sources, the
+        communicator's name and `rewrite`: on a hit the cached code, fused as before, is reused and the pass does
+        not run (no report is added)."""
+
+        def __init__(self, comm, reports: Optional[List[FusionReport]], rewrite: str):
+            self.comm, self.reports, self.rewrite = comm, reports, rewrite
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            report = fuse(graph.owning_module, self.comm, rewrite=self.rewrite, compiler="inductor",
+                          cuda_graphs=bool(config.triton.cudagraphs))
+            report.level = "Inductor post-grad graph"
+            lowering.install()
+            if self.reports is not None:
+                self.reports.append(report)
+
+        def uuid(self):
+            sources = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
+            return get_hash_for_files(sources), getattr(self.comm, "name", None), self.rewrite
+
+    return PostGradPass
+
+
+def post_grad_pass(comm=None, *, reports: Optional[List[FusionReport]] = None, rewrite: str = "auto"):
+    """The pass as Inductor's post-grad custom pass, for `torch._inductor.config.post_grad_custom_post_pass`: run
+    inside Inductor on its post-grad graph of every model torch.compile gives it (a CustomGraphPass). comm,
+    rewrite: as for `fuse`; reports: a list that collects each graph's FusionReport."""
+    if rewrite not in REWRITES:
+        raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
+    return _post_grad_pass_class()(comm, reports, rewrite)
 
 
 def compile(model, comm=None, *, backend: Union[str, Callable, None] = None, mode: Optional[str] = None,

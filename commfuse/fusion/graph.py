@@ -217,6 +217,25 @@ def module(node: fx.Node):
     return _module(node) if node.op == "call_module" else None
 
 
+def merge_duplicate_casts(graph: fx.Graph) -> None:
+    """Replace each cast that repeats an earlier one (same call, tensor and arguments) by that one: an RMSNorm
+    written with its input cast to float32 twice (`h.float().pow(2)...`, then `h.float() * ...`) is one cast to
+    the matchers, in dynamo's graph and in Inductor's post-grad graph alike. A cast is pure: the graph computes
+    the same."""
+    seen: dict = {}
+    for n in list(graph.nodes):
+        if kind(n) != "cast":
+            continue
+        key = (n.op, n.target, n.args, tuple(sorted(n.kwargs.items())))
+        try:
+            first = seen.setdefault(key, n)
+        except TypeError:  # an argument that cannot be a key (a list): left as it is
+            continue
+        if first is not n:
+            n.replace_all_uses_with(first)
+            graph.erase_node(n)
+
+
 def operand(node: fx.Node, index: int, name: Optional[str] = None, default: Any = None) -> Any:
     """The operand at `index` (a call_method's self is 0), else the keyword `name`, else default."""
     if index < len(node.args):

@@ -82,6 +82,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     if why:
         report.skipped.append(Skipped("the graph", "graph", why, "guard"))
         return report
+    G.merge_duplicate_casts(gm.graph)
     targets = _targets()
     seen_all_reduce: set = set()
     erased: set = set()
