@@ -221,8 +221,9 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
     """Replace each cast that repeats an earlier one (same call, tensor and arguments) by that one: an RMSNorm
     written with its input cast to float32 twice (`h.float().pow(2)...`, then `h.float() * ...`) is one cast to
     the matchers, in dynamo's graph and in Inductor's post-grad graph alike. A cast is pure: the graph computes
-    the same."""
+    the same, unless what it casts is written in place between the two (then both stay)."""
     seen: dict = {}
+    positions = order(graph)
     for n in list(graph.nodes):
         if kind(n) != "cast":
             continue
@@ -231,9 +232,14 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
             first = seen.setdefault(key, n)
         except TypeError:  # an argument that cannot be a key (a list): left as it is
             continue
-        if first is not n:
-            n.replace_all_uses_with(first)
-            graph.erase_node(n)
+        if first is n:
+            continue
+        src = source(n)
+        if not isinstance(src, fx.Node) or written_between(src, first, n, positions) is not None:
+            seen[key] = n  # a later duplicate reads the value after the write, as this one does
+            continue
+        n.replace_all_uses_with(first)
+        graph.erase_node(n)
 
 
 def operand(node: fx.Node, index: int, name: Optional[str] = None, default: Any = None) -> Any:
