@@ -1304,13 +1304,21 @@ def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
         h.view(-1).mul_(2)
         return weight * (h.float() * torch.rsqrt(v + 1e-6)).to(h.dtype)
 
+    def result_written(x, residual, weight):  # merged, the first cast would see the second's write
+        h = x + residual
+        a, b = h.float(), h.float()
+        b.mul_(2)
+        return a + 1, b
+
     gm, inputs = capture(once, x, residual, weight)
     assert fusion.fuse(gm, None, rewrite="all").count() == 1
-    gm, inputs = capture(written, x, residual, weight)
-    want = gm(*_cloned(inputs))
-    report = fusion.fuse(gm, None, rewrite="all")
-    assert report.count() == 0 and sum(G.kind(n) == "cast" for n in gm.graph.nodes) >= 3, report
-    assert all(bits_equal(g, w) for g, w in zip(gm(*_cloned(inputs)), want))
+    for fn in (written, result_written):
+        gm, inputs = capture(fn, x, residual, weight)
+        want = gm(*_cloned(inputs))
+        casts = sum(G.kind(n) == "cast" for n in gm.graph.nodes)
+        report = fusion.fuse(gm, None, rewrite="all")
+        assert report.count() == 0 and sum(G.kind(n) == "cast" for n in gm.graph.nodes) == casts, report
+        assert all(bits_equal(g, w) for g, w in zip(gm(*_cloned(inputs)), want)), fn.__name__
 
 
 @mpi
@@ -1341,6 +1349,30 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen, monkeypatch):
     assert bits_equal(h, want.residual) and bits_equal(q, want.quant)
     with pytest.raises(ValueError, match="rewrite must be one of"):
         fusion.post_grad_pass(c, rewrite="some")
+
+    # What the rewrite would need torch-level nodes for (a reshape of [b, s, h] rows, the reciprocal of a scale),
+    # which Inductor cannot lower there: skipped with the reason, compiled as Inductor compiles the model alone.
+    def layer_3d(x, residual, weight, scale):
+        return layer(x.view(2, 3, -1), residual.view(2, 3, -1), weight, scale)
+
+    def inverse_scale(x, residual, weight, scale):
+        y = x.clone()
+        dist.all_reduce(y, group=c.group)
+        h = residual + y
+        return (hf_norm(h, weight) * scale).clamp(-448, 448).to(torch.float8_e4m3fn), h
+
+    for fn, why in ((layer_3d, "activations of shape (2, 3, 128)"), (inverse_scale, "the reciprocal of a tensor")):
+        monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", fusion.post_grad_pass(c, reports=reports))
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(fn, backend="inductor", fullgraph=True)(x, residual, weight, 1 / scale)
+        assert reports[-1].count() == 0 and any(why in s.reason and "post-grad" in s.reason
+                                                for s in reports[-1].skipped), reports[-1]
+        monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", None)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            want = torch.compile(fn, backend="inductor", fullgraph=True)(x, residual, weight, 1 / scale)
+        assert all(bits_equal(g, w) for g, w in zip(got, want)), fn.__name__
 
 
 def test_aten_level_graph_from_make_fx(gen):

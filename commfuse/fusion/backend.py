@@ -159,7 +159,7 @@ def _post_grad_pass_class() -> type:
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             report = fuse(graph.owning_module, self.comm, rewrite=self.rewrite, compiler="inductor",
-                          cuda_graphs=bool(config.triton.cudagraphs))
+                          cuda_graphs=bool(config.triton.cudagraphs), aten_only=True)
             report.level = "Inductor post-grad graph"
             lowering.install()
             if self.reports is not None:

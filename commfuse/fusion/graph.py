@@ -221,9 +221,11 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
     """Replace each cast that repeats an earlier one (same call, tensor and arguments) by that one: an RMSNorm
     written with its input cast to float32 twice (`h.float().pow(2)...`, then `h.float() * ...`) is one cast to
     the matchers, in dynamo's graph and in Inductor's post-grad graph alike. A cast is pure: the graph computes
-    the same, unless what it casts is written in place between the two (then both stay)."""
+    the same, unless what it casts is written in place between the two, or either result is written in place
+    (then both stay: one result would see the other's write)."""
     seen: dict = {}
     positions = order(graph)
+    end = next(n for n in reversed(graph.nodes) if n.op == "output")
     for n in list(graph.nodes):
         if kind(n) != "cast":
             continue
@@ -237,6 +239,8 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
         src = source(n)
         if not isinstance(src, fx.Node) or written_between(src, first, n, positions) is not None:
             seen[key] = n  # a later duplicate reads the value after the write, as this one does
+            continue
+        if any(written_between(c, c, end, positions) is not None for c in (first, n)):
             continue
         n.replace_all_uses_with(first)
         graph.erase_node(n)

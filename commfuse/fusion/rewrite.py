@@ -59,7 +59,7 @@ def _targets():
 
 
 def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "auto",
-         compiler: Optional[str] = None, cuda_graphs: bool = False) -> FusionReport:
+         compiler: Optional[str] = None, cuda_graphs: bool = False, aten_only: bool = False) -> FusionReport:
     """Rewrite the matches in `gm` in place; return the report.
 
     gm: a torch-level FX graph: dynamo's (what a torch.compile backend receives), torch.fx.symbolic_trace's,
@@ -72,6 +72,9 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     `compiler`, what compiles the graph after the pass ("inductor", another backend, None: nothing), and
     `cuda_graphs`, whether it replays the compiled graph from CUDA graphs; "all" rewrites every match
     (commfuse.fusion.evidence has the rule and its measurements).
+    aten_only: insert aten ops only, for Inductor's post-grad graph (post_grad_pass), which Inductor lowers op by
+    op: a match whose rewrite needs more than the op (a reshape of rows other than [tokens, h], the reciprocal
+    of a scale, a MoE combine's rearrangement) is skipped, the report saying why.
     """
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
@@ -90,7 +93,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         if node in erased:
             continue
         if G.kind(node) == "cf_tail":
-            _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce)
+            _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce, aten_only)
             continue
         match = P.match_norm(node)
         if match is None:
@@ -101,7 +104,8 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
                 _skip_feeding_all_reduce(match.norm_input, node.name, match.reason, match.kind, report,
                                          seen_all_reduce)
             continue
-        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs))
+        _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs),
+                   aten_only)
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
             report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm (as the pass "
@@ -196,8 +200,14 @@ def _separated(kind: str, norm: P.Norm, quant, residual: bool, scale: bool, h: i
     return "; ".join(plan.reasons) if plan.kernel is None else None
 
 
+def _is_rows(n: Optional[fx.Node], h: int) -> bool:
+    """Whether n is absent or [tokens, h] (what the ops take without a reshape)."""
+    s = None if n is None else G.shape(n)
+    return n is None or (s is not None and len(s) == 2 and str(s[-1]) == str(h))
+
+
 def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: set, seen_all_reduce: set,
-               policy: tuple) -> None:
+               policy: tuple, aten_only: bool = False) -> None:
     g = gm.graph
     try:
         t = G.dtype(norm.input)
@@ -304,6 +314,22 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
             return
 
+    if aten_only:  # Inductor's post-grad graph: the op and aten ops only (fuse's docstring)
+        shape = tuple(G.shape(residual if residual is not None else norm.input) or ())
+        if moe is not None:
+            why = "a MoE combine: its rewrite rearranges the expert rows and weights with torch-level reshapes"
+        elif quant is not None and isinstance(quant.scale, tuple):
+            why = "the FP8 scale is the reciprocal of a tensor: the rewrite inserts torch.reciprocal"
+        elif not all(_is_rows(n, h) for n in (ar.x if ar is not None else x, residual, norm.input, norm.gate)):
+            why = f"activations of shape {shape}: the rewrite inserts torch-level reshapes to [tokens, h] and back"
+        else:
+            why = None
+        if why:
+            report.skipped.append(Skipped(norm.output.name, "rmsnorm", f"{why}, which Inductor's post-grad graph "
+                                          "cannot take (2-D [tokens, h] activations only there; the dynamo-level "
+                                          "pass, commfuse.fusion.backend, takes every shape)", "guard"))
+            return
+
     for what, n in inputs:
         if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
             if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
@@ -327,10 +353,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     return_norm = quant is None or bool(others)
 
     def rows(n: Optional[fx.Node]) -> Optional[fx.Node]:
-        s = None if n is None else G.shape(n)
-        if n is None or (s is not None and len(s) == 2 and str(s[-1]) == str(h)):
-            return n
-        return g.call_method("reshape", (n, -1, h))
+        return n if _is_rows(n, h) else g.call_method("reshape", (n, -1, h))
 
     with g.inserting_before(anchor):
         weight = g.get_attr(norm.weight[1]) if isinstance(norm.weight, tuple) else norm.weight
@@ -715,7 +738,7 @@ def _names(nodes):
 # --------------------------------------------------------------------------- commfuse::fused_add_rmsnorm after an all-reduce
 
 
-def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce) -> None:
+def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce, aten_only=False) -> None:
     x, residual, weight, scale, eps, offset, tail = node.args
     options = public(tail)
     positions = G.order(gm.graph)
@@ -736,6 +759,9 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
                "takes the residual before the sum exists")
     elif G.dtype(ar.x) != G.dtype(x):
         why = f"the all-reduce sums {G.dtype(ar.x)}, the op reads {G.dtype(x)}"
+    elif aten_only and not G.same_shape(ar.x, residual):
+        why = ("the all-reduce sums another shape than the residual's: the rewrite inserts a torch-level reshape, "
+               "which Inductor's post-grad graph cannot take")
     else:
         why = _group_guard(ar, comm)
     if why:
