@@ -150,9 +150,9 @@ def _post_grad_pass_class() -> type:
     class PostGradPass(CustomGraphPass):
         """`fuse` on the graph Inductor hands it, for Inductor (`rewrite="auto"` reads whether Inductor replays CUDA
         graphs from its config, which mode="reduce-overhead" sets), then the lowerings of the inserted ops; each
-        graph's report goes to `reports`. uuid() keys Inductor's FX graph cache on the pass's sources, the
-        communicator's name and `rewrite`: on a hit the cached code, fused as before, is reused and the pass does
-        not run (no report is added)."""
+        graph's report goes to `reports`. uuid() keys Inductor's FX graph cache on the sources (the pass's, the
+        ops', the tail's), the communicator's name and `rewrite`: on a hit the cached code, fused as before, is
+        reused and the pass does not run (no report is added)."""
 
         def __init__(self, comm, reports: Optional[List[FusionReport]], rewrite: str):
             self.comm, self.reports, self.rewrite = comm, reports, rewrite
@@ -166,8 +166,11 @@ def _post_grad_pass_class() -> type:
                 self.reports.append(report)
 
         def uuid(self):
-            sources = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
-            return get_hash_for_files(sources), getattr(self.comm, "name", None), self.rewrite
+            # What the rewritten graph holds comes from the pass (fusion/), the ops' schemas (ops.py) and the tail
+            # codes they take (tail/).
+            package = Path(__file__).parents[1]
+            sources = [*package.glob("fusion/*.py"), package / "ops.py", *package.glob("tail/*.py")]
+            return get_hash_for_files(tuple(sorted(map(str, sources)))), getattr(self.comm, "name", None), self.rewrite
 
     return PostGradPass
 
