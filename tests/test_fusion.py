@@ -1322,7 +1322,7 @@ def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
 
 
 @mpi
-def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen, monkeypatch):
+def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     """commfuse.fusion.post_grad_pass as Inductor's post-grad custom pass: Inductor's own graph of the model (aten
     ops, the in-place all-reduce functionalized, the norm's input cast to float32 twice) is fused into one op,
     whose outputs are the eager Communicator call's bits."""
@@ -1331,8 +1331,14 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen, monkeypatch):
     c = quiet_comm
     x, residual, weight, scale, _ = setup(c, gen, quant="fp8")
     reports = []
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", fusion.post_grad_pass(c, reports=reports))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached graph would not run the pass
+
+    def compiled(fn, *args, post_grad_pass=True):
+        # No FX graph cache: a cached graph would not run the pass.
+        patch = dict(fx_graph_cache=False,
+                     post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports) if post_grad_pass else None)
+        torch._dynamo.reset()
+        with inductor_config.patch(patch), torch.no_grad():
+            return torch.compile(fn, backend="inductor", fullgraph=True)(*args)
 
     def layer(x, residual, weight, scale):
         y = x.clone()
@@ -1340,9 +1346,7 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen, monkeypatch):
         h = residual + y
         return fp8(twice_cast_norm(h, weight), scale), h
 
-    torch._dynamo.reset()
-    with torch.no_grad():
-        q, h = torch.compile(layer, backend="inductor", fullgraph=True)(x, residual, weight, scale)
+    q, h = compiled(layer, x, residual, weight, scale)
     (report,) = reports
     assert report.count("commfuse::fused_all_reduce") == 1 and report.level == "Inductor post-grad graph", report
     want = c.fused_all_reduce(x, residual, weight, 1e-6, "fp8", scale)
@@ -1362,16 +1366,10 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen, monkeypatch):
         return (hf_norm(h, weight) * scale).clamp(-448, 448).to(torch.float8_e4m3fn), h
 
     for fn, why in ((layer_3d, "activations of shape (2, 3, 128)"), (inverse_scale, "the reciprocal of a tensor")):
-        monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", fusion.post_grad_pass(c, reports=reports))
-        torch._dynamo.reset()
-        with torch.no_grad():
-            got = torch.compile(fn, backend="inductor", fullgraph=True)(x, residual, weight, 1 / scale)
+        got = compiled(fn, x, residual, weight, 1 / scale)
         assert reports[-1].count() == 0 and any(why in s.reason and "post-grad" in s.reason
                                                 for s in reports[-1].skipped), reports[-1]
-        monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", None)
-        torch._dynamo.reset()
-        with torch.no_grad():
-            want = torch.compile(fn, backend="inductor", fullgraph=True)(x, residual, weight, 1 / scale)
+        want = compiled(fn, x, residual, weight, 1 / scale, post_grad_pass=False)
         assert all(bits_equal(g, w) for g, w in zip(got, want)), fn.__name__
 
 
