@@ -155,8 +155,12 @@ def test_1024_thread_variants_fit_without_spills():
 
 def _ptxas_report(names):
     """{name: (registers, stack frame, spill store, spill load bytes)} of P2P variants built for sm_90. One
-    compile is one thread's work for minutes (the MoE variants): the names are split over one process a core."""
-    chunks = [names[i::os.cpu_count() or 1] for i in range(min(len(names), os.cpu_count() or 1))]
+    compile is one thread's work for minutes (the MoE variants): the names are split over one process a core
+    this process may run on (its affinity, not os.cpu_count(): a container may see a host's hundreds of cores),
+    at most 16 (each process imports torch)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = max(1, min(len(names), cores, 16))
+    chunks = [names[i::n] for i in range(n)]
     runs = [subprocess.Popen([sys.executable, "-c", _PTXAS_PROBE, json.dumps(chunk)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "CUDA_CACHE_DISABLE": "1"})
             for chunk in chunks]
