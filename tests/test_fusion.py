@@ -1291,8 +1291,9 @@ def test_auto_rewrites_collective_tails_for_inductor(quiet_comm, gen):
 
 
 def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
-    """A norm whose input is cast twice matches as one cast; the same casts with the tensor written in place
-    between them (through a view too) stay two, and the graph computes what it did."""
+    """A norm whose input is cast twice matches as one cast; where something could tell the two casts apart (the
+    tensor written in place between them, through a view too; a cast's result written, through a list argument
+    too; both returned) they stay two, and the graph computes what it did."""
     x, residual, weight, _ = _local_inputs(gen)
 
     def once(x, residual, weight):
@@ -1310,15 +1311,27 @@ def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
         b.mul_(2)
         return a + 1, b
 
+    def foreach_written(x, residual, weight):  # a write through a list argument
+        h = x + residual
+        a, b = h.float(), h.float()
+        torch._foreach_mul_([b], 2.0)
+        return a + 1, b
+
+    def returned(x, residual, weight):  # merged, the caller would get one tensor twice
+        h = x + residual
+        return h.float(), h.float()
+
     gm, inputs = capture(once, x, residual, weight)
     assert fusion.fuse(gm, None, rewrite="all").count() == 1
-    for fn in (written, result_written):
+    for fn in (written, result_written, foreach_written, returned):
         gm, inputs = capture(fn, x, residual, weight)
         want = gm(*_cloned(inputs))
         casts = sum(G.kind(n) == "cast" for n in gm.graph.nodes)
         report = fusion.fuse(gm, None, rewrite="all")
         assert report.count() == 0 and sum(G.kind(n) == "cast" for n in gm.graph.nodes) == casts, report
-        assert all(bits_equal(g, w) for g, w in zip(gm(*_cloned(inputs)), want)), fn.__name__
+        got = gm(*_cloned(inputs))
+        assert all(bits_equal(g, w) for g, w in zip(got, want)), fn.__name__
+        assert len({g.data_ptr() for g in got}) == len(got), fn.__name__
 
 
 @mpi

@@ -217,33 +217,37 @@ def module(node: fx.Node):
     return _module(node) if node.op == "call_module" else None
 
 
+# What a merged cast and its tensor may feed: computations that read them, never write or alias them.
+_READERS = frozenset({"add", "mul", "div", "pow", "square", "mean", "rsqrt", "sqrt", "reciprocal", "silu", "clamp",
+                      "clamp_min", "clamp_max", "sum"})
+
+
 def merge_duplicate_casts(graph: fx.Graph) -> None:
     """Replace each cast that repeats an earlier one (same call, tensor and arguments) by that one: an RMSNorm
     written with its input cast to float32 twice (`h.float().pow(2)...`, then `h.float() * ...`) is one cast to
-    the matchers, in dynamo's graph and in Inductor's post-grad graph alike. A cast is pure: the graph computes
-    the same, unless what it casts is written in place between the two, or either result is written in place
-    (then both stay: one result would see the other's write)."""
+    the matchers, in dynamo's graph and in Inductor's post-grad graph alike. Only where nothing can tell the two
+    apart: the tensor is computed in the graph (not an input, which may alias another), is no view, and feeds
+    only casts, computations that read it and the graph's output; each cast feeds only such computations (not
+    the output: the caller would get one tensor twice)."""
+    def read_only(n: fx.Node, output: bool) -> bool:
+        return all(kind(u) in _READERS or (output and u.op == "output") or (kind(u) == "cast" and not may_alias(u))
+                   for u in n.users)
+
     seen: dict = {}
-    positions = order(graph)
-    end = next(n for n in reversed(graph.nodes) if n.op == "output")
     for n in list(graph.nodes):
-        if kind(n) != "cast":
+        if kind(n) != "cast" or may_alias(n):
+            continue
+        src = source(n)
+        if not isinstance(src, fx.Node) or src.op == "placeholder" or may_alias(src) or not read_only(src, True):
             continue
         key = (n.op, n.target, n.args, tuple(sorted(n.kwargs.items())))
         try:
             first = seen.setdefault(key, n)
         except TypeError:  # an argument that cannot be a key (a list): left as it is
             continue
-        if first is n:
-            continue
-        src = source(n)
-        if not isinstance(src, fx.Node) or written_between(src, first, n, positions) is not None:
-            seen[key] = n  # a later duplicate reads the value after the write, as this one does
-            continue
-        if any(written_between(c, c, end, positions) is not None for c in (first, n)):
-            continue
-        n.replace_all_uses_with(first)
-        graph.erase_node(n)
+        if first is not n and read_only(first, False) and read_only(n, False):
+            n.replace_all_uses_with(first)
+            graph.erase_node(n)
 
 
 def operand(node: fx.Node, index: int, name: Optional[str] = None, default: Any = None) -> Any:
