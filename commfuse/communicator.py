@@ -189,9 +189,10 @@ class Communicator:
         """{name: value} of the strategy (the argument or COMMFUSE_STRATEGY) and of the settings read from
         the environment that decide which collectives a call makes (COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK,
         COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION), checked, then compared across the group in the
-        construction's first collective (COMMFUSE_NCCL_TIMEOUT_S is checked too, not compared). A rank whose own are wrong raises its error after taking part, and
-        its peers raise saying so; ranks whose settings differ all raise naming them. Raising before that
-        collective would leave the peers waiting in it for the group's timeout, then with broken connections."""
+        construction's first collective (COMMFUSE_NCCL_TIMEOUT_S is checked too, not compared). A rank whose own
+        are wrong raises its error after taking part, and its peers raise saying so; ranks whose settings differ
+        all raise naming them. Raising before that collective would leave the peers waiting in it for the group's
+        timeout, then with broken connections."""
         given = os.environ.get("COMMFUSE_STRATEGY")
         name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
         try:

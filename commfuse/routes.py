@@ -660,8 +660,9 @@ class _GlooSum:
     matched, so a mismatched call raises CallMismatchError on every rank instead. x travels with the
     signature where it fits (GLOO_INLINE_BYTES): then the exchange is the call's only collective; a larger x
     follows in a second one. COMMFUSE_GLOO_CHECK=0 (Resources.gloo_check: the Communicator's, agreed by the
-    ranks when it was made) leaves the signature out (x alone, one collective). The exchange goes over the Communicator's check group, whose
-    timeout (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that skipped the call or died."""
+    ranks when it was made) leaves the signature out (x alone, one collective). The exchange goes over the
+    Communicator's check group, whose timeout (COMMFUSE_GLOO_TIMEOUT_S) bounds the wait for a rank that
+    skipped the call or died."""
 
     __slots__ = ("group", "check_group", "text", "checked")
 

@@ -271,7 +271,8 @@ def twice_cast_norm(h, w, eps=1e-6):
     return w * (h.float() * torch.rsqrt(v + eps)).to(h.dtype)
 
 
-NORMS = {"hf": hf_norm, "weight_before_cast": weight_before_cast_norm, "torch": torch_norm, "twice_cast": twice_cast_norm}
+NORMS = {"hf": hf_norm, "weight_before_cast": weight_before_cast_norm, "torch": torch_norm,
+         "twice_cast": twice_cast_norm}
 EXACT = {"hf": False, "weight_before_cast": True, "torch": True, "twice_cast": False}
 
 

@@ -136,8 +136,9 @@ def _yn(v) -> str:
 def render(rep: dict) -> str:
     """The report as text for people."""
     v = rep["versions"]
+    ranks = f"{rep['world_size']} rank{'s' if rep['world_size'] != 1 else ''}"
     out = [f"commfuse-probe on {rep['host']}: " + ("single process" if rep["launcher"] is None else
-                                                  f"{rep['world_size']} rank{'s' if rep['world_size'] != 1 else ''} ({rep['launcher']})"),
+                                                  f"{ranks} ({rep['launcher']})"),
            f"versions: torch {v['torch']}, CUDA runtime {v['cuda_runtime']}, NCCL {v['nccl']}, "
            f"driver {v['driver']} (CUDA {v['driver_cuda']})", ""]
     fused = "  ".join(f"{s:<9}" for s in _SHORT.values())
