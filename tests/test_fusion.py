@@ -1346,10 +1346,9 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     x, residual, weight, scale, _ = setup(c, gen, quant="fp8")
     reports = []
 
-    def compiled(fn, *args, post_grad_pass=True):
+    def compiled(fn, *args):
         # No FX graph cache: a cached graph would not run the pass.
-        patch = dict(fx_graph_cache=False,
-                     post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports) if post_grad_pass else None)
+        patch = dict(fx_graph_cache=False, post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports))
         torch._dynamo.reset()
         with inductor_config.patch(patch), torch.no_grad():
             return torch.compile(fn, backend="inductor", fullgraph=True)(*args)
@@ -1368,10 +1367,11 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     with pytest.raises(ValueError, match="rewrite must be one of"):
         fusion.post_grad_pass(c, rewrite="some")
 
-    # What the rewrite would need torch-level nodes for (a reshape of [b, s, h] rows, the reciprocal of a scale),
-    # which Inductor cannot lower there: skipped with the reason, compiled as Inductor compiles the model alone.
+    # The nodes around the op written as aten ops, which Inductor lowers there: [b, s, h] rows reshaped to
+    # [tokens, h] and back (b and s symbolic when marked dynamic: read by aten.sym_size), the reciprocal of a scale.
     def layer_3d(x, residual, weight, scale):
-        return layer(x.view(2, 3, -1), residual.view(2, 3, -1), weight, scale)
+        q, h = layer(x, residual, weight, scale)
+        return q, h, h.shape[0] * h.shape[1]
 
     def inverse_scale(x, residual, weight, scale):
         y = x.clone()
@@ -1379,12 +1379,21 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
         h = residual + y
         return (hf_norm(h, weight) * scale).clamp(-448, 448).to(torch.float8_e4m3fn), h
 
-    for fn, why in ((layer_3d, "activations of shape (2, 3, 128)"), (inverse_scale, "the reciprocal of a tensor")):
-        got = compiled(fn, x, residual, weight, 1 / scale)
-        assert reports[-1].count() == 0 and any(why in s.reason and "post-grad" in s.reason
-                                                for s in reports[-1].skipped), reports[-1]
-        want = compiled(fn, x, residual, weight, 1 / scale, post_grad_pass=False)
-        assert all(bits_equal(g, w) for g, w in zip(got, want)), fn.__name__
+    x3, residual3 = x.view(2, 3, -1), residual.view(2, 3, -1)
+    for fn, args, dynamic in ((layer_3d, (x3, residual3, weight, scale), False),
+                              (layer_3d, (x3, residual3, weight, scale), True),
+                              (inverse_scale, (x, residual, weight, 1 / scale), False)):
+        if dynamic:
+            for t, d in ((x3, 0), (x3, 1), (residual3, 0), (residual3, 1)):
+                torch._dynamo.mark_dynamic(t, d)
+        got = compiled(fn, *args)
+        assert reports[-1].count("commfuse::fused_all_reduce") == 1, (fn.__name__, dynamic, reports[-1])
+        want = c.fused_all_reduce(x, residual, weight, 1e-6, "fp8", torch.reciprocal(1 / scale) if fn is inverse_scale
+                                  else scale)
+        assert got[0].shape == got[1].shape == args[1].shape, (fn.__name__, got[0].shape, got[1].shape)
+        assert bits_equal(got[0].view(want.quant.shape), want.quant), fn.__name__
+        assert bits_equal(got[1].view_as(residual), want.residual), fn.__name__
+        assert fn is not layer_3d or got[2] == 6, got[2]
 
 
 def test_aten_level_graph_from_make_fx(gen):

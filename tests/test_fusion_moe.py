@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import commfuse
-from commfuse import reference
+from commfuse import fusion, reference
 
 from inputs import tail_inputs
 from test_fusion import (BF16, FUSED_AR, _cloned, assert_close_under_sum_order, assert_codes_of_the_fused_norm,
@@ -68,6 +68,19 @@ def expert_rows(x, sel, w_up, w_down):
     return torch.bmm(w_down[e], mid.unsqueeze(-1)).squeeze(-1)
 
 
+def written_combine(rows, w, shared, k, layout, wdtype, shared_at):
+    """The combine of rows [t * k, h] as `layout` writes it, the shared expert's output added in shared_at."""
+    t, h = rows.shape[0] // k, rows.shape[1]
+    if layout == "tkh":  # Qwen-MoE / DeepSeek
+        out = (rows.view(t, k, h) * (w.unsqueeze(-1) if wdtype == "f32" else w[..., None])).sum(dim=1)
+    else:  # HF batched_mm: the rows weighted first, then viewed as [t, k, h]
+        out = (rows * w.reshape(-1).unsqueeze(-1)).view(t, k, h).sum(dim=1)
+    if shared_at == "f32":
+        out = out + shared
+    out = out.to(rows.dtype)
+    return out + shared if shared_at == "T" else out
+
+
 def moe_layer(k, wdtype, layout, shared_at, norm, quant, ref=False, collective="dist", comm=None):
     """The layer: route, experts, combine (as `layout` writes it, or commfuse's order when ref), the
     all-reduce (in place by default), the residual add, the norm (+ FP8)."""
@@ -80,15 +93,7 @@ def moe_layer(k, wdtype, layout, shared_at, norm, quant, ref=False, collective="
         if ref:
             out = reference.moe_reduce(rows.view(t, k, h), w, shared)
         else:
-            if layout == "tkh":  # Qwen-MoE / DeepSeek
-                out = (rows.view(t, k, h) * (w.unsqueeze(-1) if wdtype == "f32" else w[..., None])).sum(dim=1)
-            else:  # HF batched_mm: the rows weighted first, then viewed as [t, k, h]
-                out = (rows * w.reshape(-1).unsqueeze(-1)).view(t, k, h).sum(dim=1)
-            if shared_at == "f32":
-                out = out + shared
-            out = out.to(x.dtype)
-            if shared_at == "T":
-                out = out + shared
+            out = written_combine(rows, w, shared, k, layout, wdtype, shared_at)
         out = reduce(collective, comm, out)
         hs = residual + out
         n = NORMS[norm](hs, weight)
@@ -145,6 +150,37 @@ def test_moe_combine_all_reduce_tail_is_fused(quiet_comm, gen, layout, k, wdtype
     else:
         for i, (g, w) in enumerate(zip(got, want)):
             assert_close_under_sum_order(g, w, i)
+
+
+@mpi
+@pytest.mark.parametrize("layout,k,wdtype,shared_at,norm,quant,h", CASES)
+def test_moe_tail_fused_inside_inductor(quiet_comm, gen, layout, k, wdtype, shared_at, norm, quant, h):
+    """commfuse.fusion.post_grad_pass on Inductor's graph of the combine, the shared expert's down projection
+    (which Inductor folds with its add to the combine into one addmm, split back by the pass), the all-reduce and
+    the tail: one commfuse::moe_all_reduce with the eager call's bits. The expert rows and the routing weights
+    are inputs, so both sides read the same bits."""
+    import torch._inductor.config as inductor_config
+
+    c, t = quiet_comm, 5
+    (x, router, w_up, w_down, ws_up, ws_down, residual, weight), scale = moe_setup(c, gen, t, h, quant)
+    w, sel = route(x, router, k, wdtype)
+    rows, mid = expert_rows(x, sel, w_up, w_down), F.silu(F.linear(x, ws_up))
+
+    def layer(rows, w, mid, ws_down, residual, weight, scale):
+        shared = F.linear(mid, ws_down) if shared_at else None
+        hs = residual + reduce("dist", c, written_combine(rows, w, shared, k, layout, wdtype, shared_at))
+        n = NORMS[norm](hs, weight)
+        return (fp8(n, scale) if quant else n), hs
+
+    reports: list = []
+    torch._dynamo.reset()
+    patch = dict(fx_graph_cache=False, post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports))
+    with inductor_config.patch(patch):
+        got = torch.compile(layer, backend="inductor", fullgraph=True)(rows, w, mid, ws_down, residual, weight, scale)
+    assert reports[-1].count("commfuse::moe_all_reduce") == 1 and not reports[-1].skipped, reports[-1]
+    want = c.moe_all_reduce(rows.view(t, k, h), w, residual, weight, 1e-6, quant, scale,
+                            shared=F.linear(mid, ws_down) if shared_at else None)
+    assert_same(got, [want.quant if quant else want.norm, want.residual])
 
 
 @mpi

@@ -16,8 +16,8 @@ commfuse::fused_add_rmsnorm; the gated RMSNorm of Mamba2 / Nemotron-H becomes co
 docs/fusion.md describes the pass, its level, the report and its limits.
 
 Modules: graph.py (reading nodes in every spelling), patterns.py (matching), rewrite.py (the rewrite:
-`fuse`), report.py (`FusionReport`), backend.py (torch.compile: `backend`, `compile`; Inductor's post-grad
-custom pass: `post_grad_pass`).
+`fuse`), build.py (the nodes around an inserted op, torch-level or aten), report.py (`FusionReport`),
+backend.py (torch.compile: `backend`, `compile`; Inductor's post-grad custom pass: `post_grad_pass`).
 """
 from .backend import backend, compile, post_grad_pass
 from .report import Fused, FusionReport, Skipped

@@ -884,6 +884,11 @@ def match_moe_combine(x: fx.Node, t_dtype) -> Union[MoeCombine, Mismatch, None]:
     return _finish(core, nodes, shared, shared_order, spelling_tail, t_dtype)
 
 
+def is_routed_combine(n, t_dtype) -> bool:
+    """Whether n is (a view of) a routed combine in t_dtype, as match_moe_combine reads one."""
+    return isinstance(_routed_sum(_strip_views(n, []), t_dtype), dict)
+
+
 def _routed_sum(n, t_dtype):
     """The routed combine at n: sum(...) in T, or sum(...) in float32 cast to T; a record or Mismatch, else None."""
     if _is_cast_to(n, t_dtype):

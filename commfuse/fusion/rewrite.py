@@ -35,6 +35,7 @@ import torch.fx as fx
 from .. import routes
 from . import graph as G
 from . import patterns as P
+from .build import Builder
 from .evidence import REWRITES, local_rewrite
 from .report import Fused, FusionReport, Skipped
 from ..tail.spec import TailSpec, code, fields, public
@@ -72,9 +73,8 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     `compiler`, what compiles the graph after the pass ("inductor", another backend, None: nothing), and
     `cuda_graphs`, whether it replays the compiled graph from CUDA graphs; "all" rewrites every match
     (commfuse.fusion.evidence has the rule and its measurements).
-    aten_only: insert aten ops only, for Inductor's post-grad graph (post_grad_pass), which Inductor lowers op by
-    op: a match whose rewrite needs more than the op (a reshape of rows other than [tokens, h], the reciprocal
-    of a scale, a MoE combine's rearrangement) is skipped, the report saying why.
+    aten_only: write the nodes around the op (reshapes, a scale's reciprocal) as aten ops,
+    for Inductor's post-grad graph (post_grad_pass), which Inductor lowers op by op (build.py).
     """
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
@@ -86,6 +86,8 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         report.skipped.append(Skipped("the graph", "graph", why, "guard"))
         return report
     G.merge_duplicate_casts(gm.graph)
+    if aten_only:
+        _split_shared_addmm(gm.graph)
     targets = _targets()
     seen_all_reduce: set = set()
     erased: set = set()
@@ -118,6 +120,23 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     gm.graph.lint()
     gm.recompile()
     return report
+
+
+# --------------------------------------------------------------------------- Inductor's post-grad graph
+
+
+def _split_shared_addmm(g: fx.Graph) -> None:
+    """Inductor's post-grad passes fold a shared expert's down projection and its add to the routed combine into one
+    addmm(combine, a, b). Split back into combine + mm(a, b), the model's own order, for the combine's matcher;
+    where the MoE op is then not fused, the graph computes what the model wrote."""
+    build = Builder(g, aten_level=True)
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.addmm.default and len(n.args) == 3 and \
+                not n.kwargs and P.is_routed_combine(n.args[0], G.dtype(n)):
+            with g.inserting_before(n):
+                split = build.add(n.args[0], build.mm(*n.args[1:]))
+            n.replace_all_uses_with(split)
+            g.erase_node(n)
 
 
 # --------------------------------------------------------------------------- metadata
@@ -314,22 +333,6 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "evidence"))
             return
 
-    if aten_only:  # Inductor's post-grad graph: the op and aten ops only (fuse's docstring)
-        shape = tuple(G.shape(residual if residual is not None else norm.input) or ())
-        if moe is not None:
-            why = "a MoE combine: its rewrite rearranges the expert rows and weights with torch-level reshapes"
-        elif quant is not None and isinstance(quant.scale, tuple):
-            why = "the FP8 scale is the reciprocal of a tensor: the rewrite inserts torch.reciprocal"
-        elif not all(_is_rows(n, h) for n in (ar.x if ar is not None else x, residual, norm.input, norm.gate)):
-            why = f"activations of shape {shape}: the rewrite inserts torch-level reshapes to [tokens, h] and back"
-        else:
-            why = None
-        if why:
-            report.skipped.append(Skipped(norm.output.name, "rmsnorm", f"{why}, which Inductor's post-grad graph "
-                                          "cannot take (2-D [tokens, h] activations only there; the dynamo-level "
-                                          "pass, commfuse.fusion.backend, takes every shape)", "guard"))
-            return
-
     for what, n in inputs:
         if isinstance(n, fx.Node) and positions[n] >= positions[anchor]:
             if n.op == "get_attr" or (n.op == "call_method" and n.target == "item" and _early(n.args[0], positions,
@@ -352,27 +355,27 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     rank = len(shape_ref_shape)
     return_norm = quant is None or bool(others)
 
+    build = Builder(g, aten_only)
+
     def rows(n: Optional[fx.Node]) -> Optional[fx.Node]:
-        return n if _is_rows(n, h) else g.call_method("reshape", (n, -1, h))
+        return n if _is_rows(n, h) else build.reshape(n, -1, h)
 
     with g.inserting_before(anchor):
         weight = g.get_attr(norm.weight[1]) if isinstance(norm.weight, tuple) else norm.weight
         scale = None
         if quant is not None:
-            scale = g.call_function(torch.reciprocal, (quant.scale[1],)) if isinstance(quant.scale, tuple) \
-                else quant.scale
+            scale = build.reciprocal(quant.scale[1]) if isinstance(quant.scale, tuple) else quant.scale
         layouts = {} if quant is None else dict(sf_layout=quant.sf_layout, scale_layout=quant.scale_layout,
                                                 scale_ue8m0=quant.scale_ue8m0)
         tail = code(quant.quant if quant is not None else None, bool(return_norm) and quant is not None, **layouts)
         offset = float(norm.weight_offset)
         if moe is not None:
-            y = moe.y if not moe.y_rows else g.call_method("reshape", (moe.y, -1, moe.k, h))
-            w = moe.weights if not moe.w_rows else g.call_method("reshape", (moe.weights, -1, moe.k))
+            y = moe.y if not moe.y_rows else build.reshape(moe.y, -1, moe.k, h)
+            w = moe.weights if not moe.w_rows else build.reshape(moe.weights, -1, moe.k)
             index = moe.row_index
             if moe.row_mask is not None:  # a zeroed row's slot dropped: row index -1
-                zeroed = g.call_function(operator.getitem, (g.call_method("reshape", (moe.row_mask, -1)), index))
-                index = g.call_function(torch.where, (zeroed, -1, index))
-            index = None if index is None else g.call_method("reshape", (index, -1, moe.k))
+                index = build.drop_zeroed(index, moe.row_mask)
+            index = None if index is None else build.reshape(index, -1, moe.k)
             args = (y, w, index, rows(moe.shared), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "all_reduce":
             args = (rows(ar.x), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
@@ -388,8 +391,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         with g.inserting_before(replaces):
             out = g.call_function(operator.getitem, (fused, out_fields.index(field)))
             if view and rank != 2 and len(G.shape(replaces) or shape_ref_shape) != 2:
-                out.meta = {}
-                out = g.call_method("view_as", (out, shape_ref))
+                out = build.reshape_as(out, shape_ref, view=True)
         out.meta = dict(replaces.meta)
         return out
 
@@ -759,9 +761,6 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
                "takes the residual before the sum exists")
     elif G.dtype(ar.x) != G.dtype(x):
         why = f"the all-reduce sums {G.dtype(ar.x)}, the op reads {G.dtype(x)}"
-    elif aten_only and not G.same_shape(ar.x, residual):
-        why = ("the all-reduce sums another shape than the residual's: the rewrite inserts a torch-level reshape, "
-               "which Inductor's post-grad graph cannot take")
     else:
         why = _group_guard(ar, comm)
     if why:
@@ -770,7 +769,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     comm_name = ar.comm if ar.comm is not None else comm.name
     g = gm.graph
     with g.inserting_before(node):
-        xin = ar.x if G.same_shape(ar.x, residual) else g.call_method("reshape_as", (ar.x, residual))
+        xin = ar.x if G.same_shape(ar.x, residual) else Builder(g, aten_only).reshape_as(ar.x, residual)
         new = g.call_function(targets["all_reduce"], (xin, residual, weight, scale, eps, offset, tail, comm_name))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
