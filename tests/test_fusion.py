@@ -1346,12 +1346,12 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     x, residual, weight, scale, _ = setup(c, gen, quant="fp8")
     reports = []
 
-    def compiled(fn, *args):
+    def compiled(fn, *args, dynamic=None):
         # No FX graph cache: a cached graph would not run the pass.
         patch = dict(fx_graph_cache=False, post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports))
         torch._dynamo.reset()
         with inductor_config.patch(patch), torch.no_grad():
-            return torch.compile(fn, backend="inductor", fullgraph=True)(*args)
+            return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=dynamic)(*args)
 
     def layer(x, residual, weight, scale):
         y = x.clone()
@@ -1394,6 +1394,22 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
         assert bits_equal(got[0].view(want.quant.shape), want.quant), fn.__name__
         assert bits_equal(got[1].view_as(residual), want.residual), fn.__name__
         assert fn is not layer_3d or got[2] == 6, got[2]
+
+    # dynamic=True makes the norm's eps a graph input, a one-element tensor in Inductor's graph: not fused, and the
+    # report says so for the norm and for the all-reduce whose sum it reads; the model compiles as without the pass.
+    def layer_eps(x, residual, weight):
+        y = x.clone()
+        dist.all_reduce(y, group=c.group)
+        h = residual + y
+        return hf_norm(h, weight), h
+
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        want = torch.compile(layer_eps, backend="inductor", fullgraph=True, dynamic=True)(x, residual, weight)
+    got = compiled(layer_eps, x, residual, weight, dynamic=True)
+    assert reports[-1].count() == 0 and {s.what for s in reports[-1].skipped} == {"rmsnorm", "all-reduce"} and all(
+        "eps is a one-element tensor" in s.reason for s in reports[-1].skipped), reports[-1]
+    assert all(bits_equal(g, w) for g, w in zip(got, want))
 
 
 def test_aten_level_graph_from_make_fx(gen):

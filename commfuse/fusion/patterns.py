@@ -179,7 +179,8 @@ def _is_square_of(n: fx.Node) -> Optional[fx.Node]:
 
 
 def _eps_of(add: fx.Node, mean: fx.Node):
-    """eps when add is mean + eps (either order): a number >= 0 or a SymFloat node, else None."""
+    """eps when add is mean + eps (either order): a number >= 0 or a SymFloat node; a Mismatch for a tensor, else
+    None."""
     other = _other(add, mean)
     eps = G.number(other)
     if eps is not None:
@@ -188,6 +189,10 @@ def _eps_of(add: fx.Node, mean: fx.Node):
         return other  # dynamo's item() of a lifted float attribute: a SymFloat
     if isinstance(other, fx.Node) and G.numel_is_one(other) and other.op == "call_method" and other.target == "item":
         return other
+    if isinstance(other, fx.Node) and G.is_tensor(other) and G.numel_is_one(other):
+        return Mismatch(f"RMSNorm at {add.name}: eps is a one-element tensor ({other.name}; torch.compile's "
+                        "dynamic=True makes a float a graph input that way in Inductor's graph): the fused ops take "
+                        "eps as a number", "guard")
     return None
 
 
@@ -281,6 +286,9 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     v = _is_square_of(sq_node)
     if not isinstance(v, fx.Node) or not _is_mean_last(mean, _rank(v)):
         return None
+    if isinstance(eps, Mismatch):  # the norm's input: the T tensor v casts, whose all-reduce is reported with it
+        eps.norm_input = G.source(v) if G.kind(v) == "cast" else v
+        return eps
     # The multiply by the inverse RMS: a user of r that multiplies v.
     p = None
     for u in r.users:
