@@ -12,6 +12,9 @@ py=${PYTHON:-python3}
 
 n=""
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ -n $n ]] && (( n < 1 )); then
+  echo "launch/bench.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
+fi
 
 # GPUs this job can use.
 if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then

@@ -12,6 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 n=2
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ -n $n ]] && (( n < 1 )); then
+  echo "launch/device.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
+fi
 stages=${*:-probe test fallback sanitize bench}
 out=${OUT:-$PWD/logs}; mkdir -p "$out"
 logs=$(mktemp -d -t commfuse-device.XXXX)

@@ -11,7 +11,11 @@
 # its peers' across time slices (milliseconds a call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-n=${1:-1}; dir=${2:-logs/gate}; mkdir -p "$dir"
+n=${1:-1}; dir=${2:-logs/gate}
+if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 )); then
+  echo "launch/gate.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
+fi
+mkdir -p "$dir"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -5,6 +5,9 @@
 set -euo pipefail
 n=1
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ -n $n ]] && (( n < 1 )); then
+  echo "launch/probe.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
+fi
 cd "$(dirname "$0")/.."
 if (( n <= 1 )); then
   exec python -m commfuse.cli.probe "$@"

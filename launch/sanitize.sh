@@ -8,6 +8,9 @@
 set -uo pipefail
 n=1
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ -n $n ]] && (( n < 1 )); then
+  echo "launch/sanitize.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
+fi
 # initcheck only on one rank: with several, the buffers that peers (ours and NCCL's) write over
 # P2P are uninitialized in the reading process's view, and it reports those reads (seen on 2 x H200).
 default_tools="memcheck racecheck synccheck"; (( n == 1 )) && default_tools+=" initcheck"

@@ -6,6 +6,9 @@
 set -uo pipefail
 n=4
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ -n $n ]] && (( n < 1 )); then
+  echo "launch/test.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
+fi
 cd "$(dirname "$0")/.."
 logs=${COMMFUSE_TEST_LOGS:-$(mktemp -d -t commfuse-tests.XXXX)}
 mkdir -p "$logs" && rm -f "$logs"/rank*.log "$logs"/rank*.rc

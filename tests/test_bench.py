@@ -956,3 +956,13 @@ def test_tail_commfuse_row_plans_the_moe_combine_on_the_machine(monkeypatch):
                                  hidden=256, moe_set=lambda i: m0)
     with pytest.raises(Skip, match="combine: tensors on cpu"):
         impls._prep_tail_commfuse(types.SimpleNamespace(cuda=True, device=torch.device("cpu")), case)
+
+
+@pytest.mark.parametrize("script", ["bench", "device", "gate", "probe", "sanitize", "test"])
+def test_launch_scripts_refuse_fewer_than_one_rank(script, tmp_path):
+    """N = 0 is an error that names N, before anything starts (mpirun -n 0 would start a rank per slot)."""
+    run = subprocess.run(["bash", str(ROOT / "launch" / f"{script}.sh"), "0"], env=dict(_child_env(), OUT=str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"launch/{script}.sh: N, the number of ranks, must be at least 1, got 0" \
+        in run.stderr, (run.returncode, run.stderr[-500:])
+    assert not any(tmp_path.iterdir())  # nothing written
