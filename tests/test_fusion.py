@@ -1346,12 +1346,12 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     x, residual, weight, scale, _ = setup(c, gen, quant="fp8")
     reports = []
 
-    def compiled(fn, *args, dynamic=None):
+    def compiled(fn, *args, dynamic=None, fullgraph=True):
         # No FX graph cache: a cached graph would not run the pass.
         patch = dict(fx_graph_cache=False, post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports))
         torch._dynamo.reset()
         with inductor_config.patch(patch), torch.no_grad():
-            return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=dynamic)(*args)
+            return torch.compile(fn, backend="inductor", fullgraph=fullgraph, dynamic=dynamic)(*args)
 
     def layer(x, residual, weight, scale):
         y = x.clone()
@@ -1359,11 +1359,13 @@ def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
         h = residual + y
         return fp8(twice_cast_norm(h, weight), scale), h
 
-    q, h = compiled(layer, x, residual, weight, scale)
-    (report,) = reports
-    assert report.count("commfuse::fused_all_reduce") == 1 and report.level == "Inductor post-grad graph", report
     want = c.fused_all_reduce(x, residual, weight, 1e-6, "fp8", scale)
-    assert bits_equal(h, want.residual) and bits_equal(q, want.quant)
+    for fullgraph in (True, False):  # without fullgraph, torch.compile deep-copies Inductor's config, the pass too
+        q, h = compiled(layer, x, residual, weight, scale, fullgraph=fullgraph)
+        report = reports[-1]
+        assert report.count("commfuse::fused_all_reduce") == 1 and report.level == "Inductor post-grad graph", report
+        assert bits_equal(h, want.residual) and bits_equal(q, want.quant)
+    assert len(reports) == 2, reports
     with pytest.raises(ValueError, match="rewrite must be one of"):
         fusion.post_grad_pass(c, rewrite="some")
 

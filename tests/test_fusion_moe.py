@@ -184,6 +184,42 @@ def test_moe_tail_fused_inside_inductor(quiet_comm, gen, layout, k, wdtype, shar
 
 
 @mpi
+def test_inductors_addmm_stays_where_no_moe_op_takes_it(quiet_comm, gen):
+    """Inductor folds the shared expert's projection and its add to the combine into one addmm, which the pass
+    splits for its matcher: where no moe_all_reduce takes the split (no all-reduce after the block; the combine
+    read elsewhere too, so only the all-reduce tail is fused), the addmm is put back and the combine has
+    Inductor's own bits."""
+    import torch._inductor.config as inductor_config
+
+    c, t, k, h = quiet_comm, 5, 2, 128
+    (x, router, w_up, w_down, ws_up, ws_down, residual, weight), _ = moe_setup(c, gen, t, h)
+    w, sel = route(x, router, k, "T")
+    rows, mid = expert_rows(x, sel, w_up, w_down), F.silu(F.linear(x, ws_up))
+
+    def block(rows, w, mid, ws_down, residual, weight):
+        return written_combine(rows, w, F.linear(mid, ws_down), k, "tkh", "T", "T"),
+
+    def combine_read_twice(rows, w, mid, ws_down, residual, weight):
+        out = written_combine(rows, w, F.linear(mid, ws_down), k, "tkh", "T", "T")
+        hs = residual + reduce("dist", c, out.clone())
+        return out, weight_before_cast_norm(hs, weight), hs
+
+    for fn, fused in ((block, 0), (combine_read_twice, 1)):
+        got = {}
+        for with_pass in (True, False):
+            reports: list = []
+            torch._dynamo.reset()
+            patch = dict(fx_graph_cache=False, post_grad_custom_post_pass=fusion.post_grad_pass(c, reports=reports)
+                         if with_pass else None)
+            with inductor_config.patch(patch):
+                got[with_pass] = torch.compile(fn, backend="inductor", fullgraph=True)(rows, w, mid, ws_down,
+                                                                                       residual, weight)
+            if with_pass:
+                assert reports[-1].count() == reports[-1].count("commfuse::fused_all_reduce") == fused, reports[-1]
+        assert torch.equal(got[True][0], got[False][0]), fn.__name__
+
+
+@mpi
 @pytest.mark.parametrize("order", ["routed + shared", "shared + routed"])
 @pytest.mark.parametrize("collective", ["dist", "funcol"])
 def test_shared_expert_all_reduced_apart_is_the_ops_shared_input(quiet_comm, gen, order, collective):

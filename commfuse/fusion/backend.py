@@ -157,6 +157,11 @@ def _post_grad_pass_class() -> type:
         def __init__(self, comm, reports: Optional[List[FusionReport]], rewrite: str):
             self.comm, self.reports, self.rewrite = comm, reports, rewrite
 
+        def __deepcopy__(self, memo):
+            # torch.compile without fullgraph deep-copies Inductor's config: the copy must be this pass, which holds
+            # a live Communicator (its process group cannot be copied) and reports into the caller's list.
+            return self
+
         def __call__(self, graph: torch.fx.Graph) -> None:
             report = fuse(graph.owning_module, self.comm, rewrite=self.rewrite, compiler="inductor",
                           cuda_graphs=bool(config.triton.cudagraphs), aten_only=True)

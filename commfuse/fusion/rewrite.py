@@ -86,8 +86,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         report.skipped.append(Skipped("the graph", "graph", why, "guard"))
         return report
     G.merge_duplicate_casts(gm.graph)
-    if aten_only:
-        _split_shared_addmm(gm.graph)
+    splits = _split_shared_addmm(gm.graph) if aten_only else []
     targets = _targets()
     seen_all_reduce: set = set()
     erased: set = set()
@@ -108,6 +107,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
             continue
         _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs),
                    aten_only)
+    _unsplit_addmm(gm.graph, splits, erased)
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
             report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm (as the pass "
@@ -125,18 +125,36 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
 # --------------------------------------------------------------------------- Inductor's post-grad graph
 
 
-def _split_shared_addmm(g: fx.Graph) -> None:
+def _split_shared_addmm(g: fx.Graph) -> list:
     """Inductor's post-grad passes fold a shared expert's down projection and its add to the routed combine into one
     addmm(combine, a, b). Split back into combine + mm(a, b), the model's own order, for the combine's matcher;
-    where the MoE op is then not fused, the graph computes what the model wrote."""
-    build = Builder(g, aten_level=True)
+    returns the splits for _unsplit_addmm."""
+    build, splits = Builder(g, aten_level=True), []
     for n in list(g.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten.addmm.default and len(n.args) == 3 and \
                 not n.kwargs and P.is_routed_combine(n.args[0], G.dtype(n)):
             with g.inserting_before(n):
-                split = build.add(n.args[0], build.mm(*n.args[1:]))
-            n.replace_all_uses_with(split)
+                mm = build.mm(*n.args[1:])
+                add = build.add(n.args[0], mm)
+            splits.append((add, mm, n.args, dict(n.meta)))
+            n.replace_all_uses_with(add)
             g.erase_node(n)
+    return splits
+
+
+def _unsplit_addmm(g: fx.Graph, splits: list, erased: set) -> None:
+    """The addmm back wherever its split add was not fused into a MoE op: a graph the pass leaves computes as
+    Inductor had it."""
+    for add, mm, args, meta in splits:
+        if add in erased:
+            continue
+        with g.inserting_before(add):
+            addmm = g.call_function(torch.ops.aten.addmm.default, args)
+        addmm.meta = meta
+        add.replace_all_uses_with(addmm)
+        g.erase_node(add)
+        if not mm.users:
+            g.erase_node(mm)
 
 
 # --------------------------------------------------------------------------- metadata
