@@ -1,4 +1,6 @@
 """commfuse.tail.spec's op codes: the `tail` int of the commfuse ops, and their outputs lists."""
+import math
+
 import pytest
 import torch
 
@@ -38,6 +40,15 @@ def test_the_signature_tells_apart_what_str_rounds():
     one, near = TailSpec.of(weight_offset=1.0), TailSpec.of(weight_offset=1.000001)
     assert str(one) == str(near) and one.signature != near.signature
     assert TailSpec.of(eps=1e-6).signature != TailSpec.of(eps=1.0000001e-6).signature
+
+
+def test_negative_zero_is_zero():
+    """eps and weight_offset of -0.0 are 0.0 (the same tail): one signature, as the plan table, which keys them by
+    value, has one entry (ranks passing 0.0 and -0.0 had been refused for good as disagreeing)."""
+    for kw in ("eps", "weight_offset"):
+        zero, negative = TailSpec.of(**{kw: 0.0}), TailSpec.of(**{kw: -0.0})
+        assert zero == negative and zero.signature == negative.signature and \
+            math.copysign(1.0, getattr(negative, kw)) == 1.0, kw
 
 
 @pytest.mark.parametrize("bad", [1e39, -1e39, float("inf"), float("nan"), pytest.param(10**400, id="int 10**400"),

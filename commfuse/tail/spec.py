@@ -106,7 +106,9 @@ def _number(name: str, v, *, minimum: Optional[float] = None) -> float:
     if not math.isfinite(fp32(v)) or (minimum is not None and v < minimum):
         raise ValueError(f"{name} must be a finite float32 number" + (f" >= {minimum:g}" if minimum is not None else "")
                          + f", got {v!r}")
-    return v
+    # -0.0 as 0.0 (the same tail: semantics.md adds no offset of 0, and mean + eps >= 0): the plan table keys a
+    # number by value, where -0.0 == 0.0, and the ranks compare the signature's text, where they differ.
+    return v + 0.0
 
 
 def _layout_options(fmt: Format, sf_layout, scale_layout, scale_ue8m0) -> Tuple[Layout, bool]:
