@@ -31,15 +31,17 @@ the op's finalize form) and batched_mm. The eager loop over the experts breaks d
 over the experts a batch selects), so neither its combine nor the tail after it fuse: choose grouped_mm or
 batched_mm experts (`config._experts_implementation`).
 
-An attention or MLP holding any other weighted part, a projection that is not a plain nn.Linear or whose
+Key-value heads fewer than the ranks (and dividing them) are replicated: each rank keeps the one its queries
+read. An attention or MLP holding any other weighted part, a projection that is not a plain nn.Linear or whose
 sharded features do not divide, or a head count that does not divide, is refused (ValueError) rather than
-sharded wrong.
+sharded wrong. The sharded model is for inference: its parameters do not require grad.
 
-Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM, HunYuan,
+Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
+per-head qk_layernorm), HunYuan,
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads).
-Others raise ValueError naming what is missing.
+Others raise ValueError naming the model's class and what is missing.
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ class RowParallelLinear(nn.Module):
 
 
 def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
+    """Output features rank * out / world up to (rank + 1) * out / world (a key-value head's rows when they are
+    replicated: part kv_part of kv)."""
     out = linear.out_features // world
     new = nn.Linear(linear.in_features, out, bias=linear.bias is not None, device=linear.weight.device,
                     dtype=linear.weight.dtype)
@@ -195,7 +199,7 @@ def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
         raise ValueError(f"MoE block {type(block).__name__}'s shared expert {type(shared).__name__} is not an MLP "
                          "of gate_proj, up_proj and down_proj")
     if shared is not None:
-        _check_layer(f"{path}'s shared expert", shared, False, 0, world)
+        _check_layer(f"{path}'s shared expert", shared, False, 0, 0, world)
 
 
 def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
@@ -236,8 +240,12 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
 # What an attention may hold beside the projections it shards: per-head q/k norms (checked), and latent
 # attention's replicated down-projections with their norms. Its head counts are set to a rank's share.
 _HEAD_NORMS = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")  # the latter two HunYuan's
-_ATTENTION_KEEPS = {*_HEAD_NORMS, "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}
+_PER_HEAD_NORMS = ("q_layernorm", "k_layernorm")  # StableLM's qk_layernorm: one LayerNorm a head, in a list
+_ATTENTION_KEEPS = {*_HEAD_NORMS, *_PER_HEAD_NORMS, "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa",
+                    "kv_a_layernorm"}
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+_KV_COUNTS = ("num_key_value_heads", "num_kv_heads")
+_KV_PROJ = ("k_proj", "v_proj")  # a key-value head's rows, replicated where there are fewer heads than ranks
 
 
 def _layers(model: nn.Module, blocks: list) -> list:
@@ -255,7 +263,7 @@ def _layers(model: nn.Module, blocks: list) -> list:
     return found
 
 
-def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world: int) -> None:
+def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: int, world: int) -> None:
     """Raise where shard_decoder cannot shard this attention or MLP over `world` ranks: a weighted part it
     does not know (each rank would keep all of it, or the wrong share: DiffLlama's lambdas, BitNet's norm
     of the whole projection), a projection that is not an nn.Linear or whose sharded features do not
@@ -273,9 +281,11 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world
             raise ValueError(f"{path}.{name} is a {type(child).__name__}, not an nn.Linear: shard_decoder "
                              "shards plain linear layers")
         features = child.out_features if name in _COLUMN else child.in_features if name in _ROW else 0
-        if features % world:
+        parts = _kv_share(kv, 0, world)[1] if attention and name in _KV_PROJ else world
+        if features % parts:
+            by = f"the world size {world}" if parts == world else f"its {parts} key-value heads"
             raise ValueError(f"{path}.{name} has {features} {'output' if name in _COLUMN else 'input'} features, "
-                             f"which do not divide by the world size {world}")
+                             f"which do not divide by {by}")
     if not attention:
         if getattr(layer, "activation_sparsity", 0):
             raise ValueError(f"{path} ({type(layer).__name__}) keeps a top share of its intermediate features "
@@ -283,8 +293,14 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world
         return
     for name in _HEAD_COUNTS:
         count = getattr(layer, name, None)
-        if type(count) is int and count % world:
+        if type(count) is int and count % (_kv_share(kv, 0, world)[1] if name in _KV_COUNTS else world):
             raise ValueError(f"{path}.{name} = {count} does not divide by the world size {world}")
+    for name, count in zip(_PER_HEAD_NORMS, (heads, kv)):
+        norm = getattr(layer, name, None)
+        norms = getattr(norm, "norms", None)
+        if norm is not None and not (isinstance(norms, nn.ModuleList) and len(norms) == count):
+            raise ValueError(f"{path}.{name} ({type(norm).__name__}) is not a list of {count} norms, one a head: "
+                             "shard_decoder cannot share it out by heads")
     sinks = getattr(layer, "sinks", None)
     if isinstance(sinks, torch.Tensor) and tuple(sinks.shape) != (heads,):
         raise ValueError(f"{path}.sinks has shape {tuple(sinks.shape)}, not one logit per head ({heads},): "
@@ -312,24 +328,42 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, world
                              + "; not a decoder shard_decoder knows")
 
 
-def _shard_attention(layer: nn.Module, rank: int, world: int) -> None:
-    """An attention's sinks (gpt-oss's per-head logits) and the head counts it keeps (StableLM views its
-    projections with its own num_heads): a rank's share."""
+def _kv_share(kv: int, rank: int, world: int) -> tuple:
+    """(part, parts): this rank's share of kv key-value heads, 1 / world of them, or where there are fewer heads
+    than ranks (world divides by kv), the one head its queries read (rank r's queries are heads r * q / world to
+    (r + 1) * q / world, in key-value head r * kv // world's group), replicated over world / kv ranks."""
+    return (rank, world) if kv % world == 0 else (rank * kv // world, kv)
+
+
+def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: int) -> None:
+    """An attention's sinks (gpt-oss's per-head logits), per-head norm lists (StableLM's qk_layernorm) and the
+    head counts it keeps (StableLM views its projections with its own num_heads, the query groups each key-value
+    head serves): a rank's share."""
     sinks = getattr(layer, "sinks", None)
     if isinstance(sinks, torch.Tensor):
         n = sinks.shape[0] // world
         layer.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=sinks.requires_grad)
+    kv_part, kv_parts = _kv_share(kv, rank, world)
+    for name, (part, parts) in (("q_layernorm", (rank, world)), ("k_layernorm", (kv_part, kv_parts))):
+        norms = getattr(getattr(layer, name, None), "norms", None)
+        if isinstance(norms, nn.ModuleList):
+            n = len(norms) // parts
+            getattr(layer, name).norms = nn.ModuleList(list(norms)[part * n:(part + 1) * n])
+            getattr(layer, name).num_heads = n
     for name in _HEAD_COUNTS:
         count = getattr(layer, name, None)
         if type(count) is int:
-            setattr(layer, name, count // world)
+            setattr(layer, name, count // world if name not in _KV_COUNTS else count // kv_parts)
+    if type(getattr(layer, "num_key_value_groups", None)) is int:
+        layer.num_key_value_groups = heads // world // max(1, kv // kv_parts)
 
 
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     """Shard `model` (a transformers decoder: *ForCausalLM or its base model) over `group` (None:
-    WORLD) in place and return it. Every rank must call it with the same weights. Raises ValueError,
-    before it changes anything, where the heads, key-value heads or intermediate features (an expert's
-    too) do not divide by the world size, where a MoE block's experts store their weights in another
+    WORLD) in place, for inference (no parameter requires grad), and return it. Every rank must call it with the
+    same weights. Raises ValueError (an unknown model's naming its class), before it changes anything, where the
+    heads or intermediate features (an expert's too) do not divide by the world size, the key-value heads
+    neither divide it nor divide by it, where a MoE block's experts store their weights in another
     layout, where an attention or MLP holds a weighted part it does not know, a projection that is not an
     nn.Linear or whose sharded features do not divide, or a head count that does not divide, where an
     attention's q/k norm spans more than one head or its sinks are not one per head, where a config size
@@ -350,40 +384,49 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     if done:
         raise ValueError(f"{done[0]} is sharded already: shard_decoder shards a model once")
     config = getattr(model, "config", None)
+    kind = type(model).__name__
     sizes = {}
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         try:
             sizes[name] = getattr(config, name, None)
         except Exception as e:  # noqa: BLE001 - a config whose layers differ (Gemma 4) raises its own error
-            raise ValueError(f"model.config.{name} cannot be read as one value ({e}): not a decoder shard_decoder "
-                             "knows") from e
+            raise ValueError(f"{kind}: model.config.{name} cannot be read as one value ({e}): not a decoder "
+                             "shard_decoder knows") from e
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
     heads = sizes["num_attention_heads"]
     for name, value in sizes.items():
         if value is None:
-            raise ValueError(f"model.config has no {name}: not a decoder shard_decoder knows")
+            raise ValueError(f"{kind}: model.config has no {name}: not a decoder shard_decoder knows")
         if type(value) is not int:
-            raise ValueError(f"model.config.{name} = {value!r} is not one int (sizes per layer?): not a decoder "
-                             "shard_decoder knows")
+            raise ValueError(f"{kind}: model.config.{name} = {value!r} is not one int (sizes per layer?): not a "
+                             "decoder shard_decoder knows")
+        if name == "num_key_value_heads" and value and value < world and world % value == 0:
+            continue  # a key-value head replicated over world / value ranks (_kv_share)
         if value % world:
-            raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}")
+            raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}"
+                             + (", nor the world size by it" if name == "num_key_value_heads" else ""))
     blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
     layers = _layers(model, [m for _, m in blocks])
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
-        raise ValueError("no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE (gate, "
-                         "experts) layers found: not a decoder shard_decoder knows")
+        raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE "
+                         "(gate, experts) layers found: not a decoder shard_decoder knows")
     for path, block in blocks:
         _check_moe_block(path, block, world)
     for path, layer, attention in layers:
-        _check_layer(path, layer, attention, heads, world)
+        _check_layer(path, layer, attention, heads, sizes["num_key_value_heads"], world)
     for _, block in blocks:
         _shard_moe_block(block, rank, world, group)
+    kv = sizes["num_key_value_heads"]
     for _, layer, attention in layers:
         if attention:
-            _shard_attention(layer, rank, world)
+            _shard_attention(layer, rank, world, heads, kv)
         for name, child in list(layer.named_children()):
             if name in _COLUMN:
-                setattr(layer, name, _column(child, rank, world))
+                part, parts = _kv_share(kv, rank, world) if attention and name in _KV_PROJ else (rank, world)
+                setattr(layer, name, _column(child, part, parts))
             elif name in _ROW:
                 setattr(layer, name, _row(child, rank, world, group))
+    # Inference only: a sharded model's backward would need the all-reduces of the column-parallel layers'
+    # input gradients (Megatron's), which it does not have.
+    model.requires_grad_(False)
     return model

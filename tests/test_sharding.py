@@ -23,6 +23,12 @@ FAMILIES = {
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),  # query_ / key_layernorm per head
     # views its projections with its own num_heads; LayerNorm, which the pass does not fuse
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "stablelm_qk_layernorm": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True}),  # a LayerNorm a head
+    # fewer key-value heads than ranks, each replicated: one (multi-query attention, Gemma 2B's); half the ranks
+    "gemma_one_kv_head": ("GemmaConfig", "GemmaForCausalLM", {"num_key_value_heads": 1}),
+    # (eager attention: its repeat_kv reads the attention's num_key_value_groups, which sdpa may not)
+    "llama_kv_heads_half_the_ranks": ("LlamaConfig", "LlamaForCausalLM", {
+        "num_key_value_heads": lambda world: max(1, world // 2), "attn_implementation": "eager"}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4, sliding_window=None)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(MOE, num_experts=4)),  # with a shared expert
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, num_experts=4)),
@@ -59,16 +65,20 @@ def tiny(family, dtype, seed=0):
         extra = dict(extra, moe_intermediate_size=32 * kv, shared_expert_intermediate_size=64 * kv)
     # Latent attention expands every query head's own key and value: as many key-value heads as heads.
     kv_heads = 2 * kv if "kv_lora_rank" in extra else kv
-    config = getattr(transformers, config_name)(hidden_size=2 * kv * 16, intermediate_size=128 * kv,
-                                                num_hidden_layers=LAYERS, num_attention_heads=2 * kv,
-                                                num_key_value_heads=kv_heads, head_dim=16, vocab_size=128,
-                                                max_position_embeddings=64, **extra)
+    sizes = dict(hidden_size=2 * kv * 16, intermediate_size=128 * kv, num_hidden_layers=LAYERS,
+                 num_attention_heads=2 * kv, num_key_value_heads=kv_heads, head_dim=16, vocab_size=128,
+                 max_position_embeddings=64)
+    extra = {k: v(dist.get_world_size()) if callable(v) else v for k, v in extra.items()}
+    config = getattr(transformers, config_name)(**{**sizes, **extra})
     torch.manual_seed(seed)  # the same weights on every rank
     model = getattr(transformers, model_name)(config)
-    with torch.no_grad():  # biases and sinks start at zero or near it: random ones, so a wrong share shows
+    with torch.no_grad():  # biases, sinks and per-head norms start alike: random ones, so a wrong share shows
         for name, p in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 p.normal_(0.0, 0.5)
+            elif any(f".{n}." in name for n in ("q_norm", "k_norm", "query_layernorm", "key_layernorm",
+                                                  "q_layernorm", "k_layernorm")):
+                p.normal_(1.0, 0.5)
     return model.to(dtype).eval()
 
 
@@ -83,21 +93,30 @@ def tokens(seed=1):
 @mpi
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_sharded_model_computes_the_unsharded_logits(comm, family):
-    ids = tokens()
+    """The prompt's logits, and a decode step's from the prompt's key-value cache."""
+    ids, step = tokens(), tokens(3)[:, :1]
+
+    def run(model):
+        prompt = model(ids, use_cache=True)
+        return prompt.logits, model(step, past_key_values=prompt.past_key_values, use_cache=True).logits
+
     with torch.inference_mode():
-        want = tiny(family, torch.float32)(ids, use_cache=False).logits
+        want = run(tiny(family, torch.float32))
         model = shard_decoder(tiny(family, torch.float32))
-        got = model(ids, use_cache=False).logits
+        got = run(model)
     rows = sum(isinstance(m, RowParallelLinear) for m in model.modules())
     assert rows == 2 * LAYERS - moe_layers(model)  # o_proj's, and down_proj's in a dense MLP
-    attention = model.model.layers[0].self_attn
+    attention, config = model.model.layers[0].self_attn, model.config
     q = attention.q_b_proj if getattr(attention, "q_b_proj", None) is not None else attention.q_proj
-    assert q.out_features == model.config.num_attention_heads * getattr(model.config, "qk_head_dim", 16) // comm.world_size
+    assert q.out_features == config.num_attention_heads * getattr(config, "qk_head_dim", 16) // comm.world_size
+    if getattr(attention, "k_proj", None) is not None:  # a rank's key-value heads, or the one it shares
+        assert attention.k_proj.out_features == max(1, config.num_key_value_heads // comm.world_size) * 16
+    assert not any(p.requires_grad for p in model.parameters())  # inference only
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @mpi
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"stablelm"}))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"stablelm", "stablelm_qk_layernorm"}))
 def test_fusion_fuses_every_all_reduce_tail(comm, family):
     c = commfuse.Communicator(comm.group)
     c.check_calls = False
@@ -154,6 +173,8 @@ def test_default_experts_combine_is_fused(comm):
 def test_shard_decoder_errors(comm, monkeypatch):
     if comm.world_size < 2:
         pytest.skip("needs 2+ ranks")
+    import types
+
     import torch.distributed as dist
 
     outside = object()  # a group this rank is not in: torch gives such a rank -1 and a world of -1
@@ -164,10 +185,19 @@ def test_shard_decoder_errors(comm, monkeypatch):
             shard_decoder(tiny("llama", torch.float32), outside)
     model = tiny("llama", torch.float32)
     model.config.num_key_value_heads = comm.world_size + 1
-    with pytest.raises(ValueError, match="num_key_value_heads = [0-9]+ does not divide"):
+    with pytest.raises(ValueError, match="num_key_value_heads = [0-9]+ does not divide by the world size [0-9]+, "
+                                         "nor the world size by it"):
         shard_decoder(model)
-    with pytest.raises(ValueError, match="not a decoder"):
+    with pytest.raises(ValueError, match=r"^Linear: model.config has no num_attention_heads: not a decoder"):
         shard_decoder(torch.nn.Linear(4, 4))
+    bare, w = torch.nn.Sequential(torch.nn.Linear(4, 4)), comm.world_size
+    bare.config = types.SimpleNamespace(num_attention_heads=2 * w, num_key_value_heads=w, intermediate_size=4 * w)
+    with pytest.raises(ValueError, match=r"^Sequential: no attention .* layers found: not a decoder"):
+        shard_decoder(bare)
+    model = tiny("qwen3", torch.float32)  # StableLM's per-head norms are a list of norms, one a head
+    model.model.layers[1].self_attn.k_layernorm = torch.nn.LayerNorm(16)
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.k_layernorm \(LayerNorm\) is not a list of [0-9]+ norms"):
+        shard_decoder(model)
     model = tiny("qwen2_moe", torch.float32)
     model.model.layers[0].mlp.experts.is_transposed = True  # the weights' shapes are not transposed ones
     with pytest.raises(ValueError, match=r"expected \[experts, h, 2 \* intermediate\]"):
@@ -222,8 +252,6 @@ def test_shard_decoder_errors(comm, monkeypatch):
         shard_decoder(model)
     # Each refused in the last layer (of a MoE model where it can): nothing, MoE blocks included, is sharded
     # before the checks.
-    import types
-
     odd = 2 * comm.world_size + 1
     cases = [("qwen3_moe", lambda m: setattr(m.model.layers[1].self_attn, "extra", torch.nn.Linear(4, 4)),
               r"layers.1.self_attn \(Qwen3MoeAttention\) has \['extra'\] beside its projections"),
@@ -328,7 +356,7 @@ def test_import_commfuse_gives_sharding(tmp_path):
     run = subprocess.run([sys.executable, "-c", _FRESH, str(tmp_path / "store")], capture_output=True, text=True,
                          timeout=120, env=env)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["ValueError: model.config has no num_attention_heads: not a decoder "
+    assert run.stdout.splitlines() == ["ValueError: Linear: model.config has no num_attention_heads: not a decoder "
                                        "shard_decoder knows", "False"], run.stdout
 
 
