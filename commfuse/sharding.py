@@ -361,7 +361,7 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     """Shard `model` (a transformers decoder: *ForCausalLM or its base model) over `group` (None:
     WORLD) in place, for inference (no parameter requires grad), and return it. Every rank must call it with the
-    same weights. Raises ValueError (an unknown model's naming its class), before it changes anything, where the
+    same weights. Raises ValueError (naming the model's class), before it changes anything, where the
     heads or intermediate features (an expert's too) do not divide by the world size, the key-value heads
     neither divide it nor divide by it, where a MoE block's experts store their weights in another
     layout, where an attention or MLP holds a weighted part it does not know, a projection that is not an
@@ -410,10 +410,13 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
         raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE "
                          "(gate, experts) layers found: not a decoder shard_decoder knows")
-    for path, block in blocks:
-        _check_moe_block(path, block, world)
-    for path, layer, attention in layers:
-        _check_layer(path, layer, attention, heads, sizes["num_key_value_heads"], world)
+    try:
+        for path, block in blocks:
+            _check_moe_block(path, block, world)
+        for path, layer, attention in layers:
+            _check_layer(path, layer, attention, heads, sizes["num_key_value_heads"], world)
+    except ValueError as e:
+        raise ValueError(f"{kind}: {e}") from None
     for _, block in blocks:
         _shard_moe_block(block, rank, world, group)
     kv = sizes["num_key_value_heads"]

@@ -237,7 +237,8 @@ def test_shard_decoder_errors(comm, monkeypatch):
         shard_decoder(model)
     assert [p.shape for p in model.parameters()] == before  # checked before anything is sharded
     # Olmo2's q_norm / k_norm normalise the whole projection: a rank's share of the heads would change them
-    for family, match in (("olmo2", r"self_attn.q_norm normalises [0-9]+ features, not one head's 16"),
+    for family, match in (("olmo2", r"^Olmo2ForCausalLM: model.layers.0.self_attn.q_norm normalises [0-9]+ features, "
+                                    r"not one head's 16"),
                           ("diffllama", r"layers.0.self_attn \(DiffLlamaAttention\) has \['lambda_q1', 'lambda_k1', "
                                         r"'lambda_q2', 'lambda_k2'\] beside its projections"),
                           ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside")):
