@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 if (( n <= 1 )); then
   exec python -m commfuse.cli.probe "$@"
 fi
-flags=(--oversubscribe)  # more ranks than cores or slots is fine for a probe (Open MPI 4 and 5)
+flags=(--oversubscribe --bind-to none)  # more ranks than cores or slots is fine for a probe (Open MPI 4 and 5)
 if (( EUID == 0 )); then
   flags+=(--allow-run-as-root)
   # Open MPI 5 wants the confirmation too (Open MPI 4 reads the flag); harmless elsewhere.

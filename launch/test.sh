@@ -19,9 +19,11 @@ export COMMFUSE_TEST_LOGS=$logs PYTHONUNBUFFERED=1
 
 # Each rank runs pytest under bash so that its exit status is recorded rather than making mpirun
 # tear the job down: a failing rank must not hide the other ranks' reports. Rank 0's lines are shown
-# as they come (its log keeps them too); the other ranks' summaries follow at the end.
+# as they come (its log keeps them too); the other ranks' summaries follow at the end. --bind-to none: Open MPI
+# binds each rank of a small job to one core, and the tests' compiles (NVRTC over every variant, Inductor) spread
+# over the cores a rank may use.
 timeout --kill-after=30 "${COMMFUSE_TEST_TIMEOUT:-1800}" \
-  mpirun -n "$n" --oversubscribe bash -c '
+  mpirun -n "$n" --oversubscribe --bind-to none bash -c '
     r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
     log=$COMMFUSE_TEST_LOGS/rank$r.log
     if [[ $r == 0 ]]; then
