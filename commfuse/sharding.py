@@ -85,16 +85,16 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
-    """Output features rank * out / world up to (rank + 1) * out / world (a key-value head's rows when they are
-    replicated: part kv_part of kv)."""
-    out = linear.out_features // world
+def _column(linear: nn.Linear, part: int, parts: int) -> nn.Linear:
+    """Output features part * out / parts up to (part + 1) * out / parts: a rank's share (part rank of world), or
+    where key-value heads are replicated, the one head's rows a rank keeps (_kv_share)."""
+    out = linear.out_features // parts
     new = nn.Linear(linear.in_features, out, bias=linear.bias is not None, device=linear.weight.device,
                     dtype=linear.weight.dtype)
     with torch.no_grad():
-        new.weight.copy_(linear.weight[rank * out:(rank + 1) * out])
+        new.weight.copy_(linear.weight[part * out:(part + 1) * out])
         if linear.bias is not None:
-            new.bias.copy_(linear.bias[rank * out:(rank + 1) * out])
+            new.bias.copy_(linear.bias[part * out:(part + 1) * out])
     new.requires_grad_(linear.weight.requires_grad)
     return new
 

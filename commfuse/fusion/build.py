@@ -1,10 +1,11 @@
 """Writing the few nodes a rewrite needs around its op, in the graph's own level.
 
-A rewrite gives the op [tokens, h] rows and the outputs back in the model's shape (reshapes), the reciprocal of
-a scale, a MoE combine's expert rows and weights in [t, k] form, and its row index with dropped slots marked. Dynamo's graphs (and symbolic_trace's, make_fx's
-that run as Python) take torch-level calls; Inductor's post-grad graph (`post_grad_pass`) is lowered op by op and
-takes aten overloads only, with symbolic sizes read through `aten.sym_size.int` nodes. `Builder(graph,
-aten_level)` writes either; each aten node carries its fake value, as the graph's own nodes do.
+A rewrite gives the op [tokens, h] rows and the outputs back in the model's shape (reshapes), the reciprocal of a
+scale, a MoE combine's expert rows and weights in [t, k] form, and its row index with dropped slots marked. Dynamo's
+graphs (and symbolic_trace's, make_fx's that run as Python) take torch-level calls; Inductor's post-grad graph
+(`post_grad_pass`) is lowered op by op and takes aten overloads only, with symbolic sizes read through
+`aten.sym_size.int` nodes. `Builder(graph, aten_level)` writes either; each aten node carries its fake value, as the
+graph's own nodes do.
 """
 from __future__ import annotations
 

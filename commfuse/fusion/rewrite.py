@@ -73,8 +73,8 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     `compiler`, what compiles the graph after the pass ("inductor", another backend, None: nothing), and
     `cuda_graphs`, whether it replays the compiled graph from CUDA graphs; "all" rewrites every match
     (commfuse.fusion.evidence has the rule and its measurements).
-    aten_only: write the nodes around the op (reshapes, a scale's reciprocal) as aten ops,
-    for Inductor's post-grad graph (post_grad_pass), which Inductor lowers op by op (build.py).
+    aten_only: write the nodes around the op (reshapes, a scale's reciprocal) as aten ops, for Inductor's
+    post-grad graph (post_grad_pass), which Inductor lowers op by op (build.py).
     """
     if rewrite not in REWRITES:
         raise ValueError(f"rewrite must be one of {REWRITES}, got {rewrite!r}")
