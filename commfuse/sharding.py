@@ -95,7 +95,6 @@ def _column(linear: nn.Linear, part: int, parts: int) -> nn.Linear:
         new.weight.copy_(linear.weight[part * out:(part + 1) * out])
         if linear.bias is not None:
             new.bias.copy_(linear.bias[part * out:(part + 1) * out])
-    new.requires_grad_(linear.weight.requires_grad)
     return new
 
 
@@ -116,7 +115,6 @@ def _slice_linear(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
         new.weight.copy_(linear.weight[:, rank * cols:(rank + 1) * cols])
         if linear.bias is not None:
             new.bias.copy_(linear.bias if rank == 0 else torch.zeros_like(linear.bias))
-    new.requires_grad_(linear.weight.requires_grad)
     return new
 
 
@@ -219,7 +217,7 @@ def _shard_moe_block(block: nn.Module, rank: int, world: int, group) -> None:
     with torch.no_grad():
         for name, share in shares.items():
             old = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(share(old.detach()), requires_grad=old.requires_grad))
+            setattr(experts, name, nn.Parameter(share(old.detach())))
     for name in ("intermediate_dim", "intermediate_size"):
         if isinstance(getattr(experts, name, None), int):
             setattr(experts, name, n)
@@ -342,7 +340,7 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
     sinks = getattr(layer, "sinks", None)
     if isinstance(sinks, torch.Tensor):
         n = sinks.shape[0] // world
-        layer.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=sinks.requires_grad)
+        layer.sinks = nn.Parameter(sinks.detach()[rank * n:(rank + 1) * n].clone())
     kv_part, kv_parts = _kv_share(kv, rank, world)
     for name, (part, parts) in (("q_layernorm", (rank, world)), ("k_layernorm", (kv_part, kv_parts))):
         norms = getattr(getattr(layer, name, None), "norms", None)
