@@ -580,7 +580,7 @@ bool from_tensor(py::handle h, const at::Tensor*& t, bool optional) {
   }
   if (!THPVariable_Check(h.ptr())) return false;
   t = &THPVariable_Unpack(h.ptr());
-  return t->layout() == at::kStrided && !t->is_nested();  // else no key: planning says why
+  return t->layout() == at::kStrided && !t->is_nested() && !t->is_neg();  // else no key: planning says why
 }
 
 bool from_number(py::handle h, double& v) {

@@ -284,7 +284,8 @@ def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, ch
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
-@pytest.mark.parametrize("bad", ["a misaligned out", "a sparse x", "a Python-float scale of 0", "a MoE int16 row_index"])
+@pytest.mark.parametrize("bad", ["a misaligned out", "a sparse x", "a negated x", "a Python-float scale of 0",
+                                 "a MoE int16 row_index"])
 def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, gen, check, bad):
     """Rank 0's call raises in planning (a signature it never planned, whose checks read per-call facts; or a
     Python-float scale, which the plan table cannot key: every such call is planned) while its peers' calls
@@ -298,7 +299,7 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
     steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(3)]
 
     def call(x, scale=0.5, out=None, index=torch.int32):
-        if bad in ("a misaligned out", "a sparse x"):
+        if bad in ("a misaligned out", "a sparse x", "a negated x"):
             return c.all_reduce(x, out=out)
         if bad == "a MoE int16 row_index":  # the finalize form, each token's one row its own
             return c.moe_all_reduce(x, torch.ones(t, 1, device=c.device), residual, weight,
@@ -314,6 +315,9 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
         elif bad == "a sparse x":  # the table cannot key it, planning names it
             with pytest.raises(TypeError, match="x must be a dense tensor, got a torch.sparse_coo one"):
                 call(x.to_sparse())
+        elif bad == "a negated x":  # its memory holds -x: the table cannot key it, planning names it
+            with pytest.raises(TypeError, match="x is a lazily negated view"):
+                call(torch._neg_view(x))
         elif bad == "a MoE int16 row_index":
             with pytest.raises(TypeError, match="row_index"):
                 call(x, index=torch.int16)
@@ -325,7 +329,7 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
             call(x)
     for x, xs in (steps[2], steps[0]):
         total = reference.all_reduce_sum(xs)
-        plain = bad in ("a misaligned out", "a sparse x")
+        plain = bad in ("a misaligned out", "a sparse x", "a negated x")
         want = total if plain else reference.fused_tail(total, residual, weight, 1e-6).residual
         got = call(x)
         assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)

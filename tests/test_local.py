@@ -126,6 +126,7 @@ def test_bad_arguments_name_themselves(gen):
         (ValueError, "needs scale", lambda: f(x, residual, weight, quant="fp8")),
         (TypeError, "scale must be float32", lambda: f(x, residual, weight, quant="fp8", scale=scale.double())),
         (TypeError, "scale must be a dense tensor", lambda: f(x, residual, weight, quant="fp8", scale=scale.to_sparse())),
+        (TypeError, "residual is a lazily negated view", lambda: f(x, torch._neg_view(residual), weight)),
         (ValueError, "scale is only meaningful", lambda: f(x, residual, weight, scale=scale)),
         (ValueError, "multiple of 16", lambda: f(x[:, :40], residual[:, :40], weight[:40], quant="nvfp4",
                                                  scale=scale)),

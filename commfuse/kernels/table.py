@@ -47,7 +47,8 @@ class _Unkeyable(Exception):
 def _tensor(t):
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested:  # planning says why
+    # planning says why it takes none of these
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested or t.is_neg():
         raise _Unkeyable
     return (t.dtype, t.device, t.shape, t.stride())
 

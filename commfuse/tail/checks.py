@@ -34,6 +34,8 @@ def _tensor(name: str, t) -> Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided or t.is_nested:  # no strides and pointer to compute on
         raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
+    if t.is_neg():  # its memory holds -t, which the kernels would read as t
+        raise TypeError(f"{name} is a lazily negated view (its negative bit is set): pass {name}.resolve_neg()")
     return t
 
 
