@@ -450,10 +450,10 @@ class Communicator:
         float32 or T; shared: a shared expert's output T[t, h] or None; residual: T[t, h]; weight: T[h];
         all on the communicator's device. The other arguments, the outputs (flattened to [t, h]) and the
         out= rules are fused_all_reduce's; out may overlap none of these inputs either. The plan says how
-        the combine ran (plan.combine: "fused", one kernel for the combine and the tail at world size 1;
-        "kernel", the combine kernel on CUDA tensors before the collective; "separated",
-        commfuse.reference's ops; with the reasons); commfuse.moe documents how each treats a row index
-        outside [-1, R).
+        the combine ran (plan.combine: "fused", one kernel for the combine and the tail at world size 1, or
+        the P2P kernel combining each rank's rows as it reads them; "kernel", the combine kernel on CUDA
+        tensors before the collective; "separated", commfuse.reference's ops; with the reasons);
+        commfuse.moe documents how each treats a row index outside [-1, R).
         """
         args = (y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
                 weight_offset, scale_layout, scale_ue8m0)

@@ -181,8 +181,9 @@ class Plan:
     collective: a Collective; tail: a TailRoute; kernel: the kernel family that runs the fused part, if
     any; reasons: why, in words: every guard that failed, and what chose the collective; route: the
     ROUTES entry that makes its launcher; combine: how a MoE call's expert combine runs before the
-    collective ("fused": in the tail's kernel, at world size 1; "kernel": commfuse.kernels.moe_combine;
-    "separated": commfuse.reference's ops), None for the other calls.
+    collective ("fused": in the tail's kernel at world size 1, or in the P2P kernel as it reads each rank's
+    rows; "kernel": commfuse.kernels.moe_combine; "separated": commfuse.reference's ops), None for the
+    other calls.
     """
 
     collective: Collective
