@@ -42,6 +42,7 @@ from .tail.spec import TailSpec, code, flag, integer_type, number_type, spread
 __all__ = ["fused_add_rmsnorm", "gated_rmsnorm", "quantize", "plan", "plan_gated", "plan_quantize", "Quantized"]
 
 _WHERE = "x is on"
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 class Quantized(NamedTuple):
@@ -103,7 +104,9 @@ def _op_scale(scale, x: Tensor):
         raise TypeError("scale must be a float32 tensor of one element or a Python number")
     if not checks.scale_in_range(scale):  # scale_value's check; its message would print a traced number
         raise ValueError("scale must be positive and finite in float32 (the dequant scale)")
-    return torch.full((1,), scale, dtype=torch.float32, device=x.device)
+    # Its float32 value: torch.full refuses a double past FLT_MAX that rounds to it. A comparison, which
+    # torch.compile traces (a symbolic float included).
+    return torch.full((1,), scale if scale <= _F32_MAX else _F32_MAX, dtype=torch.float32, device=x.device)
 
 
 def _planned(op: str, args: tuple, call: Call, device: torch.device):

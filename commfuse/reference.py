@@ -123,7 +123,7 @@ def _scale_tensor(scale: Scale, device: torch.device) -> Tensor:
             raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
         return scale.detach().to(device=device, dtype=torch.float32).reshape(())
     # torch.full, not torch.tensor: no host-to-device copy, so the separated path can be captured in a CUDA graph.
-    return torch.full((), float(scale), dtype=torch.float32, device=device)
+    return torch.full((), _f32(scale), dtype=torch.float32, device=device)  # torch.full refuses doubles past FLT_MAX
 
 
 def _to_e4m3(v: Tensor) -> Tensor:
@@ -251,7 +251,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float =
     inv = torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
     wf = weight.float()
     if _f32(weight_offset) != 0.0:
-        wf = wf + torch.full((), weight_offset, dtype=torch.float32, device=wf.device)
+        wf = wf + torch.full((), _f32(weight_offset), dtype=torch.float32, device=wf.device)
     return (xf * inv * wf).to(x.dtype)
 
 

@@ -817,6 +817,16 @@ def test_numbers_are_checked_as_the_float32_they_become(gen):
     smallest = 1e-45  # rounds to float32's smallest subnormal: positive, so taken
     got = commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=smallest)
     assert bits_equal(got.quant, reference.fused_tail(x, residual, weight, 1e-6, "fp8", torch.tensor([smallest])).quant)
+    # A double past FLT_MAX that rounds to it (numpy prints FLT_MAX so) is FLT_MAX, not refused by torch.full.
+    largest = 3.4028235e38
+    as_f32 = torch.tensor([largest]).float()
+    assert float(as_f32) == torch.finfo(torch.float32).max < largest
+    for quant in ("fp8", "nvfp4"):
+        got = commfuse.fused_add_rmsnorm(x, residual, weight, quant=quant, scale=largest)
+        assert bits_equal(got.quant, reference.fused_tail(x, residual, weight, 1e-6, quant, as_f32).quant)
+        assert bits_equal(commfuse.quantize(x, quant, largest).quant, commfuse.quantize(x, quant, as_f32).quant)
+    got = commfuse.fused_add_rmsnorm(x, residual, weight, weight_offset=-largest)
+    assert bits_equal(got.norm, reference.fused_tail(x, residual, weight, 1e-6, weight_offset=float(-as_f32)).norm)
 
 
 def test_every_call_checks_where_the_caller_outputs_lie(gen):
