@@ -115,7 +115,18 @@ def test_bad_argument_raises_on_every_rank_before_any_collective(comm, gen):
         comm.fused_all_reduce(x, residual, weight, quant="fp8")
     with pytest.raises(ValueError, match="weight must have shape"):
         comm.fused_all_reduce(x, residual, weight[:32])
+    # A lazily negated view holds x's memory and means -x: no plan table keys it (on a GPU the native
+    # launcher would read x), so a planned signature's call goes to planning, which names it.
+    want = comm.fused_all_reduce(x, residual, weight).residual  # planned
+    for name in ("x", "residual"):
+        args = dict(x=x, residual=residual)
+        args[name] = torch._neg_view(args[name])
+        with pytest.raises(TypeError, match=f"{name} is a lazily negated view"):
+            comm.fused_all_reduce(**args, weight=weight)
     assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards
+    with pytest.raises(TypeError, match="x is a lazily negated view"):
+        comm.all_reduce(torch._neg_view(x))
+    assert torch.equal(comm.fused_all_reduce(x, residual, weight).residual, want)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -181,6 +181,25 @@ def test_a_residual_of_another_shape_is_updated_in_place_through_a_view(gen, dev
                                        out=Tail(wide.view(-1)[:6 * 64].view(6, 64), None, None, None))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_a_negated_view_is_refused_on_a_planned_signature(gen, device):
+    """torch._neg_view(t) holds t's memory and means -t: the plan tables do not key it, so a call of a planned
+    signature goes to planning, which names it, on every route (on a GPU the native launcher would read t)."""
+    x, residual, weight, scale = inputs(gen, 4, 64, BF16, device, quant="fp8")
+    want = reference.fused_tail(x.cpu(), residual.cpu(), weight.cpu(), 1e-6, "fp8", scale.cpu())
+    for name in ("x", "residual", "weight"):
+        args = dict(x=x, residual=residual, weight=weight)
+        got = commfuse.fused_add_rmsnorm(**args, quant="fp8", scale=scale)  # the signature, planned
+        assert bits_equal(got.quant.cpu(), want.quant)
+        args[name] = torch._neg_view(args[name])
+        with pytest.raises(TypeError, match=f"{name} is a lazily negated view"):
+            commfuse.fused_add_rmsnorm(**args, quant="fp8", scale=scale)
+    with pytest.raises(TypeError, match="x is a lazily negated view"):
+        commfuse.quantize(torch._neg_view(x), "fp8", scale)
+    with pytest.raises(TypeError, match="scale is a lazily negated view"):
+        commfuse.quantize(x, "fp8", torch._neg_view(scale))
+
+
 def test_separated_outputs_have_no_autograd_history(gen):
     """The ops are outside autograd on every route (the kernels write behind it): on the separated route (CPU)
     too, no output and no caller tensor given as out= gains a history from a weight that requires grad (an
