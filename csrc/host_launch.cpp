@@ -580,7 +580,9 @@ bool from_tensor(py::handle h, const at::Tensor*& t, bool optional) {
   }
   if (!THPVariable_Check(h.ptr())) return false;
   t = &THPVariable_Unpack(h.ptr());
-  return t->layout() == at::kStrided && !t->is_nested() && !t->is_neg();  // else no key: planning says why
+  // Any other tensor has no key: planning says why (a FakeTensor's or a FunctionalTensor's memory is not its values).
+  return t->layout() == at::kStrided && !t->is_nested() && !t->is_neg() &&
+         !t->key_set().has(c10::DispatchKey::Python);
 }
 
 bool from_number(py::handle h, double& v) {

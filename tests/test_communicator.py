@@ -127,6 +127,16 @@ def test_bad_argument_raises_on_every_rank_before_any_collective(comm, gen):
     with pytest.raises(TypeError, match="x is a lazily negated view"):
         comm.all_reduce(torch._neg_view(x))
     assert torch.equal(comm.fused_all_reduce(x, residual, weight).residual, want)
+    # A FakeTensor keys as x would but holds no memory (a null pointer to a native launch): refused alike.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(x)
+    with mode, pytest.raises(TypeError, match="x is a FakeTensor"):
+        comm.fused_all_reduce(fake, residual, weight)
+    with mode, pytest.raises(TypeError, match="x is a FakeTensor"):
+        comm.all_reduce(fake)
+    assert torch.equal(comm.fused_all_reduce(x, residual, weight).residual, want)
 
 
 @pytest.mark.mpi(min_size=2)

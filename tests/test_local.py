@@ -200,6 +200,26 @@ def test_a_negated_view_is_refused_on_a_planned_signature(gen, device):
         commfuse.quantize(x, "fp8", torch._neg_view(scale))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_a_fake_tensor_is_refused_on_a_planned_signature(gen, device):
+    """A FakeTensor (tracing with fake tensors, e.g. make_fx or torch.export, outside commfuse.ops) keys as
+    the real tensor would, but holds no memory: a planned signature's call goes to planning, which names it,
+    instead of launching on a null pointer (on a GPU the native launcher would have)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, residual, weight, scale = inputs(gen, 4, 64, BF16, device, quant="fp8")
+    want = reference.fused_tail(x.cpu(), residual.cpu(), weight.cpu(), 1e-6, "fp8", scale.cpu())
+    mode = FakeTensorMode()
+    for name in ("x", "residual", "weight", "scale"):
+        args = dict(x=x, residual=residual, weight=weight, scale=scale)
+        got = commfuse.fused_add_rmsnorm(**args, quant="fp8")  # the signature, planned
+        assert bits_equal(got.quant.cpu(), want.quant)
+        args[name] = mode.from_tensor(args[name])
+        with mode, pytest.raises(TypeError, match=f"{name} is a FakeTensor"):
+            commfuse.fused_add_rmsnorm(**args, quant="fp8")
+    assert bits_equal(commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=scale).quant.cpu(), want.quant)
+
+
 def test_separated_outputs_have_no_autograd_history(gen):
     """The ops are outside autograd on every route (the kernels write behind it): on the separated route (CPU)
     too, no output and no caller tensor given as out= gains a history from a weight that requires grad (an

@@ -9,12 +9,12 @@ path) and `PyLauncher` here, which stands in where the extension cannot be built
 outputs of a tail (reference.Tail's order, None where absent), or the sum of a plain all-reduce.
 
 Per call, either executor: copies strided or misaligned operands (the kernels read dense rows of 16-byte
-vectors; a MoE plan's weights and row index as given, their dtypes being the plan's), allocates the outputs the
-caller did not give (out: None, a tensor for a plain all-reduce, or the five fields; a field None is
-allocated), checks the caller's outputs' alignment and an MN-major view's room (the plan's key holds no
-addresses), runs ncclAllReduce of x into the residual output (a scratch buffer where that output is the
-residual input itself), then each kernel with its pointers patched in: source address + delta, or 0
-where the source is absent.
+vectors; a MoE plan's weights and row index are made dense too, in their own dtypes, the plan's), allocates
+the outputs the caller did not give (out: None, a tensor for a plain all-reduce, or the five fields; a field
+None is allocated), checks the caller's outputs' alignment and an MN-major view's room (the plan's key holds
+no addresses), runs ncclAllReduce of x into the residual output (a scratch buffer where that output is the
+residual input itself), then each kernel with its pointers patched in: source address + delta, or 0 where the
+source is absent.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import ctypes
 
 import torch
 
-from ..tail.checks import fields_of
+from ..tail.checks import dispatched, fields_of
 
 __all__ = ["OPS", "PyTable", "MAX_ENTRIES"]
 
@@ -48,7 +48,8 @@ def _tensor(t):
     if t is None:
         return None
     # planning says why it takes none of these
-    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested or t.is_neg():
+    if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested or t.is_neg()
+            or dispatched(t)):
         raise _Unkeyable
     return (t.dtype, t.device, t.shape, t.stride())
 

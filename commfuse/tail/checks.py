@@ -29,11 +29,20 @@ def same_device(name: str, t: Tensor, device: torch.device, where: str = "this c
         raise ValueError(f"{name} is on {t.device}, but {where} {device}")
 
 
+def dispatched(t: Tensor) -> bool:
+    """Whether t is a subclass that handles torch's dispatch itself (a FakeTensor, a FunctionalTensor, a DTensor):
+    its memory, if it has any, is not its values, which only torch's ops can compute."""
+    return type(t) is not Tensor and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+
+
 def _tensor(name: str, t) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided or t.is_nested:  # no strides and pointer to compute on
         raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
+    if dispatched(t):
+        raise TypeError(f"{name} is a {type(t).__name__}, whose values only torch's ops compute: commfuse's calls "
+                        "launch kernels on memory (trace a model through commfuse.ops, or pass the local tensor)")
     if t.is_neg():  # its memory holds -t, which the kernels would read as t
         raise TypeError(f"{name} is a lazily negated view (its negative bit is set): pass {name}.resolve_neg()")
     return t
