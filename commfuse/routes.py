@@ -22,9 +22,9 @@ raises: the call takes the next route, and the plan records why.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
-import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Optional, Sequence, Tuple
@@ -603,7 +603,7 @@ BROKEN_CHECK_GROUPS: list = []  # check groups a call timed out on (their pairs 
 
 def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: int = 0) -> Optional[list]:
     """Compare one call across the ranks of `check_group` (a gloo group whose timeout bounds the wait): one
-    all-gather of the same size on every rank, the CRC of the call's text and its byte size, and `room`
+    all-gather of the same size on every rank, a 64-bit digest of the call's text and its byte size, and `room`
     bytes more that carry `payload` (x, contiguous, on any device) where it fits. Returns every rank's
     payload where it travelled, else None. Raises CallMismatchError on every rank, naming every rank's
     call, where any signature differs, and CallTimeoutError where a rank did not take part in time."""
@@ -611,8 +611,11 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     inline = payload is not None and nbytes <= room
     device = payload.device if payload is not None else torch.device("cpu")
     mine = torch.zeros(16 + room, dtype=torch.uint8, device=device)
-    crc = zlib.crc32(text.encode(errors="backslashreplace"))  # an error's text may hold any character
-    mine[:16].copy_(torch.tensor([crc, nbytes], dtype=torch.int64).view(torch.uint8))
+    # BLAKE2b: two different calls' texts agree by chance one time in 2^64 (a CRC's 2^32 could pair mismatched
+    # calls within a long run of them); an error's text may hold any character.
+    digest = hashlib.blake2b(text.encode(errors="backslashreplace"), digest_size=8).digest()
+    mine[:16].copy_(torch.tensor([int.from_bytes(digest, "little", signed=True), nbytes],
+                                 dtype=torch.int64).view(torch.uint8))
     if inline and nbytes:
         mine[16:16 + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
     bufs = [torch.empty_like(mine) for _ in range(world)]
