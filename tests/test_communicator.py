@@ -6,13 +6,14 @@ slice, so the reference sees exactly the gathered inputs. All collectives of a t
 its assertions, so a failing rank cannot leave the others waiting.
 """
 import os
+import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import commfuse.communicator
-from commfuse import Communicator, nccl, reference, tolerance
+from commfuse import Communicator, nccl, reference, routes, tolerance
 from commfuse.kernels import native, table
 from commfuse.reference import Tail
 
@@ -150,6 +151,21 @@ def test_ranks_passing_different_shapes_raise_instead_of_hanging(comm, gen):
     with pytest.raises(ValueError, match="ranks disagree"):
         comm.fused_all_reduce(x[:4], residual, weight, quant=quant,
                               scale=torch.ones(1, device=comm.device) if quant else None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calls_whose_texts_share_a_crc32_are_told_apart(comm):
+    """The exchange compares a 64-bit digest of each call's text: two texts with the same CRC-32 (found by search;
+    a CRC-32 would pass them as one call one pair in 2^32) make every rank raise CallMismatchError."""
+    a, b = "plain(torch.bfloat16, [29685295, 64]) on gloo", "plain(torch.bfloat16, [32060020, 64]) on gloo"
+    assert zlib.crc32(a.encode()) == zlib.crc32(b.encode())
+    c = _checked_by(comm, "COMMFUSE_CHECK")
+    if c._check_group is None:  # an NCCL group's, made at its first checked call
+        c.all_reduce(torch.ones(2, device=c.device))
+    text = a if dist.get_rank(c.group) == 0 else b
+    with pytest.raises(commfuse.CallMismatchError, match="ranks disagree on the call: rank 0: plain.*29685295"):
+        routes.exchange_signature(c._check_group, text, 0)
+    routes.exchange_signature(c._check_group, a, 0)  # the same text on every rank passes
 
 
 MISMATCHES = {  # kind: (rank 0's call, every other rank's) as (shape, dtype, quant)
