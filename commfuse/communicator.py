@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import env, moe, nccl, ops, p2p, routes, topology
 from .kernels import jit, moe_tail, native
@@ -362,9 +363,12 @@ class Communicator:
                     self._check_group = self._open_check_group()
                 # The buffer as the peers' exchange has it: COMMFUSE_CHECK's on the CPU, the gloo route's with
                 # room for x, on x's device.
-                payload, room = ((None, self._check_room) if self._check_calls else
-                                 (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
-                routes.refuse(self._check_group, "a call that raised", e, payload, room)
+                # On real tensors even where a dispatch mode is on (a FakeTensorMode's tracing, whose fake tensors
+                # the checks refuse): the exchange itself is real.
+                with _disable_current_modes():
+                    payload, room = ((None, self._check_room) if self._check_calls else
+                                     (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
+                    routes.refuse(self._check_group, "a call that raised", e, payload, room)
             raise
 
     def _first(self, op: str, args: tuple, call: Call):
