@@ -1008,7 +1008,7 @@ sums, groups = [], []
 for world in range(2):  # the same ranks twice: torch names the second world "0" again
     dist.init_process_group("gloo", init_method=f"file://{folder}/store{world}", rank=rank, world_size=2)
     comm = commfuse.Communicator()
-    sums.append(comm.all_reduce(x)[0, 0].item())
+    sums.append(comm.all_reduce(x.to(comm.device))[0, 0].item())  # a gloo group works on the GPU where there is one
     groups.append(comm._check_group)
     dist.destroy_process_group()
 print(sums, groups[0] is groups[1])
