@@ -29,10 +29,13 @@ def same_device(name: str, t: Tensor, device: torch.device, where: str = "this c
         raise ValueError(f"{name} is on {t.device}, but {where} {device}")
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)  # their dispatch is torch's own: no key lookup on the hot path
+
+
 def dispatched(t: Tensor) -> bool:
     """Whether t is a subclass that handles torch's dispatch itself (a FakeTensor, a FunctionalTensor, a DTensor):
     its memory, if it has any, is not its values, which only torch's ops can compute."""
-    return type(t) is not Tensor and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+    return type(t) not in _PLAIN and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
 def _tensor(name: str, t) -> Tensor:
