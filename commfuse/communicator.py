@@ -359,13 +359,13 @@ class Communicator:
         except Exception as e:
             if self.world_size > 1 and (self._check_calls or (
                     self.backend == "gloo" and self.workspace is None and self._gloo_check)):
-                if self._check_group is None:  # an NCCL group's, made at every rank's first checked call
-                    self._check_group = self._open_check_group()
-                # The buffer as the peers' exchange has it: COMMFUSE_CHECK's on the CPU, the gloo route's with
-                # room for x, on x's device.
                 # On real tensors even where a dispatch mode is on (a FakeTensorMode's tracing, whose fake tensors
-                # the checks refuse): the exchange itself is real.
+                # the checks refuse): the check group's making and the exchange are collectives of their own.
                 with _disable_current_modes():
+                    if self._check_group is None:  # an NCCL group's, made at every rank's first checked call
+                        self._check_group = self._open_check_group()
+                    # The buffer as the peers' exchange has it: COMMFUSE_CHECK's on the CPU, the gloo route's with
+                    # room for x, on x's device.
                     payload, room = ((None, self._check_room) if self._check_calls else
                                      (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
                     routes.refuse(self._check_group, "a call that raised", e, payload, room)

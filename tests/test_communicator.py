@@ -137,6 +137,13 @@ def test_bad_argument_raises_on_every_rank_before_any_collective(comm, gen):
         comm.fused_all_reduce(fake, residual, weight)
     with mode, pytest.raises(TypeError, match="x is a FakeTensor"):
         comm.all_reduce(fake)
+    # Nor does an eager functional collective's result, until it is waited on.
+    import torch.distributed._functional_collectives as funcol
+
+    pending = funcol.all_reduce(x, "sum", comm.group)
+    with pytest.raises(TypeError, match="x is an AsyncCollectiveTensor, .*wait_tensor"):
+        comm.fused_all_reduce(pending, residual, weight)
+    funcol.wait_tensor(pending)
     assert torch.equal(comm.fused_all_reduce(x, residual, weight).residual, want)
 
 
@@ -317,6 +324,33 @@ def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, ch
     dist.barrier(comm.group)  # the communicator's own group has nothing pending
     assert torch.equal(comm.all_reduce(torch.ones(3, device=comm.device)),
                        torch.full((3,), float(comm.world_size), device=comm.device))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_fake_tensor_refused_under_its_mode_keeps_the_ranks_in_step(comm, gen):
+    """Rank 0 calls with a FakeTensor inside its FakeTensorMode (tracing), its peers with a real x: the refusal's
+    collectives run on real tensors, the check group's making included (an NCCL group's Communicator with
+    COMMFUSE_CHECK=1 makes it at its first checked call, here by hand on any group: its peers' first checked
+    call makes it too), so rank 0 raises TypeError naming x, its peers CallMismatchError, and the next sums are
+    right on every rank."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rank = dist.get_rank(comm.group)
+    c = Communicator(comm.group)
+    c._check_group = None  # as an NCCL group's Communicator has it before its first checked call
+    c.check_calls = True
+    x, xs = rank_inputs(c, gen, (4, 64), torch.bfloat16)
+    mode = FakeTensorMode()
+    if rank == 0:
+        fake = mode.from_tensor(x)
+        with mode, pytest.raises(TypeError, match="x is a FakeTensor"):
+            c.all_reduce(fake)
+    else:
+        with pytest.raises(commfuse.CallMismatchError, match="rank 0: a call that raised TypeError: x is a FakeTensor"):
+            c.all_reduce(x)
+    got = c.all_reduce(x)
+    want = reference.all_reduce_sum(xs)
+    assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -218,6 +218,9 @@ def test_a_fake_tensor_is_refused_on_a_planned_signature(gen, device):
         with mode, pytest.raises(TypeError, match=f"{name} is a FakeTensor"):
             commfuse.fused_add_rmsnorm(**args, quant="fp8")
     assert bits_equal(commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=scale).quant.cpu(), want.quant)
+    # torch.func.functionalize's wrappers are plain torch.Tensor objects whose memory is not their values either.
+    with pytest.raises(TypeError, match="x is a tensor of torch.func.functionalize"):
+        torch.func.functionalize(lambda a: commfuse.fused_add_rmsnorm(a, residual, weight, quant="fp8", scale=scale))(x)
 
 
 def test_separated_outputs_have_no_autograd_history(gen):

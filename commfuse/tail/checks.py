@@ -33,9 +33,11 @@ _PLAIN = (Tensor, torch.nn.Parameter)  # their dispatch is torch's own: no key l
 
 
 def dispatched(t: Tensor) -> bool:
-    """Whether t is a subclass that handles torch's dispatch itself (a FakeTensor, a FunctionalTensor, a DTensor):
-    its memory, if it has any, is not its values, which only torch's ops can compute."""
-    return type(t) not in _PLAIN and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+    """Whether torch's dispatch computes t's values rather than its memory holding them: a subclass that handles
+    the dispatch itself (a FakeTensor, a FunctionalTensor, an AsyncCollectiveTensor, a DTensor), or a wrapper of
+    torch.func.functionalize. Its memory, if it has any, is not its values."""
+    return torch._is_functional_tensor(t) or (
+        type(t) not in _PLAIN and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python))
 
 
 def _tensor(name: str, t) -> Tensor:
@@ -44,8 +46,11 @@ def _tensor(name: str, t) -> Tensor:
     if t.layout is not torch.strided or t.is_nested:  # no strides and pointer to compute on
         raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
     if dispatched(t):
-        raise TypeError(f"{name} is a {type(t).__name__}, whose values only torch's ops compute: commfuse's calls "
-                        "launch kernels on memory (trace a model through commfuse.ops, or pass the local tensor)")
+        kind = "a tensor of torch.func.functionalize" if torch._is_functional_tensor(t) else type(t).__name__
+        kind = kind if kind.startswith("a ") else ("an " if kind[0] in "AEIOU" else "a ") + kind
+        raise TypeError(f"{name} is {kind}, whose values only torch's ops compute, while commfuse's calls launch "
+                        "kernels on memory: pass a plain tensor (an AsyncCollectiveTensor's wait_tensor(), a "
+                        "DTensor's to_local()), or trace the model through commfuse.ops")
     if t.is_neg():  # its memory holds -t, which the kernels would read as t
         raise TypeError(f"{name} is a lazily negated view (its negative bit is set): pass {name}.resolve_neg()")
     return t
