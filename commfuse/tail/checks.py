@@ -46,8 +46,9 @@ def _tensor(name: str, t) -> Tensor:
     if t.layout is not torch.strided or t.is_nested:  # no strides and pointer to compute on
         raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
     if dispatched(t):
-        kind = "a tensor of torch.func.functionalize" if torch._is_functional_tensor(t) else type(t).__name__
-        kind = kind if kind.startswith("a ") else ("an " if kind[0] in "AEIOU" else "a ") + kind
+        cls = type(t).__name__
+        kind = ("a tensor of torch.func.functionalize" if torch._is_functional_tensor(t) else
+                ("an " if cls[0] in "AEIOU" else "a ") + cls)
         raise TypeError(f"{name} is {kind}, whose values only torch's ops compute, while commfuse's calls launch "
                         "kernels on memory: pass a plain tensor (an AsyncCollectiveTensor's wait_tensor(), a "
                         "DTensor's to_local()), or trace the model through commfuse.ops")
