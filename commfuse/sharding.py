@@ -353,7 +353,7 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
         if type(count) is int:
             setattr(layer, name, count // world if name not in _KV_COUNTS else count // kv_parts)
     if type(getattr(layer, "num_key_value_groups", None)) is int:
-        layer.num_key_value_groups = heads // world // max(1, kv // kv_parts)
+        layer.num_key_value_groups = heads // world // (kv // kv_parts)  # kv_parts divides kv (_kv_share)
 
 
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
