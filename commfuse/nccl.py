@@ -11,8 +11,9 @@ pointers, the count and the stream fixed when the communicator is made.
     comm.close()
 
 A watchdog bounds the wait for a peer that skipped a call or died (NCCL itself waits forever): each
-eager all-reduce is stamped with its enqueue time and followed on the stream by a write of its sequence
-number into host-mapped pinned memory (cuStreamWriteValue64); an all-reduce captured into a CUDA graph,
+eager all-reduce is stamped with the time its enqueue begins (the enqueue itself may wait for a peer) and
+followed on the stream by a write of its sequence number into host-mapped pinned memory
+(cuStreamWriteValue64); an all-reduce captured into a CUDA graph,
 whose replays repeat what was captured, is put between two one-thread kernels instead
 (commfuse.kernels.nccl_mark) that count the replayed all-reduces in device memory and publish the count
 before (BEGUN) and after (ENDED) each one. A thread of the communicator's aborts it (ncclCommAbort, which
@@ -388,13 +389,19 @@ class NcclComm:
         """A captured all-reduce's begin or end mark (commfuse.kernels.nccl_mark), enqueued on `stream`."""
         self._mark_kernel.launch((1, 1, 1), (nccl_mark.THREADS, 1, 1), self._marks[end], stream=stream)
 
-    def _stamp(self, stream: int) -> None:
-        """The bookkeeping after an eager all-reduce on `stream`: its enqueue time, then its number
-        written by the stream when it is done."""
+    def _issue(self) -> int:
+        """An eager all-reduce's number, counted with the time its enqueue begins: NCCL's enqueue itself may wait
+        for a peer (connecting to it at first use, or a queue full behind a stalled kernel), and the watchdog
+        bounds that wait too."""
         p = self._progress
         seq = p[ISSUED] + 1
         p[STAMPS + seq % RING] = time.monotonic_ns()
         p[ISSUED] = seq
+        return seq
+
+    def _done_when_reached(self, stream: int, seq: int) -> None:
+        """The stream writes `seq` when it gets there: after the all-reduce, or at once after a failed enqueue
+        (so that the count catches up and the watchdog does not abort a communicator that is fine)."""
         (err,) = self._write_value(stream, self._done_address, seq, 0)
         if err:
             raise RuntimeError(f"cuStreamWriteValue64 after ncclAllReduce failed: {err}")
@@ -431,18 +438,20 @@ class NcclComm:
         marked = captured and self._marks is not None
         if marked:
             self._mark(stream, False)
+        seq = self._issue() if captured is False else 0
         rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle, stream)
+        if seq:
+            self._done_when_reached(stream, seq)
         if rc:
-            raise self.nccl.error("ncclAllReduce", rc, handle)
+            raise self.error(rc)
         if marked:
             self._mark(stream, True)
-        elif captured is False:
-            self._stamp(stream)
 
     def error(self, code: int):
         """The error of an ncclResult_t this communicator's all-reduce returned (a native launcher's):
-        NcclError, or NcclTimeoutError for TIMED_OUT."""
-        if code == TIMED_OUT:
+        NcclError; NcclTimeoutError for TIMED_OUT, and for any code once the watchdog aborted the communicator
+        (an enqueue that the abort ended fails with whatever NCCL returns then: the timeout is the cause)."""
+        if code == TIMED_OUT or (self._progress is not None and self._progress[ABORTED]):
             return self.timeout_error()
         return self.nccl.error("ncclAllReduce", code, self._handle)
 

@@ -319,7 +319,12 @@ class Launcher {
     }
     bool given[kOutputs] = {};
     for (int i = 0; i < outputs(); ++i) given[i] = t[kOut0 + i].defined();
-    run(t);
+    {
+      // As torch's own ops do: a launch may block (NCCL's enqueue waiting for a peer, a stream's queue full
+      // behind a stalled kernel), and the NCCL watchdog's thread, like the caller's others, needs the GIL to run.
+      py::gil_scoped_release nogil;
+      run(t);
+    }
     // As torch's out= does, autograd sees the write: once it is launched (a refused call writes nothing),
     // as the Python launcher does.
     for (int i = 0; i < outputs(); ++i) {
@@ -381,11 +386,13 @@ class Launcher {
       if (progress_ != nullptr && progress_[kAborted] != 0) raise_nccl_error(kTimedOut, nccl_token_);
       const int captured = progress_ != nullptr ? capturing() : -1;
       if (captured == 1 && marked_) launch(marks_[0], t);
+      const int64_t seq = captured == 0 ? issue() : 0;
       const int rc = nccl_(t[kX].data_ptr(), sum.data_ptr(), static_cast<size_t>(count_), nccl_dtype_, 0,
                            nccl_comm_, stream());
-      if (rc != 0) raise_nccl_error(rc, nccl_token_);
+      const bool written = seq == 0 || done_when_reached(seq);
+      if (rc != 0) raise_nccl_error(rc, nccl_token_);  // NcclTimeoutError where the watchdog's abort ended it
+      if (!written) throw std::runtime_error(name_ + ": cuStreamWriteValue64 after ncclAllReduce failed");
       if (captured == 1 && marked_) launch(marks_[1], t);
-      if (captured == 0) stamp();
     }
     for (const KernelLaunch& k : launches_) launch(k, t);
   }
@@ -402,18 +409,23 @@ class Launcher {
     return status != CU_STREAM_CAPTURE_STATUS_NONE ? 1 : 0;
   }
 
-  // commfuse/nccl.py's NcclComm._stamp: an eager all-reduce's enqueue time, then its number written by the
-  // stream when it is done.
-  void stamp() const {
-    const auto s = reinterpret_cast<CUstream>(stream());
+  // commfuse/nccl.py's NcclComm._issue: an eager all-reduce's number, counted with the time its enqueue begins
+  // (NCCL's enqueue may itself wait for a peer, and the watchdog bounds that wait too).
+  int64_t issue() const {
     const int64_t seq = progress_[kIssued] + 1;
     progress_[kStamps + seq % kRing] =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
             .count();
     std::atomic_thread_fence(std::memory_order_release);  // the stamp before the count the watchdog reads
     progress_[kIssued] = seq;
-    if (driver().write_value64(s, done_, static_cast<cuuint64_t>(seq), 0) != CUDA_SUCCESS)
-      throw std::runtime_error(name_ + ": cuStreamWriteValue64 after ncclAllReduce failed");
+    return seq;
+  }
+
+  // NcclComm._done_when_reached: the stream writes seq when it gets there (at once after a failed enqueue, so
+  // that the count catches up). False where the driver refused the write.
+  bool done_when_reached(int64_t seq) const {
+    const auto s = reinterpret_cast<CUstream>(stream());
+    return driver().write_value64(s, done_, static_cast<cuuint64_t>(seq), 0) == CUDA_SUCCESS;
   }
 
   at::Tensor allocate(const OutSpec& s) const {

@@ -7,11 +7,17 @@
  * On a GPU (stub_on_device): the copy is enqueued on the stream (cuMemcpyDtoDAsync), and stub_hang_next
  * makes the next all-reduces first enqueue a wait that only ncclCommAbort ends (cuStreamWaitValue32 on a
  * host-mapped word the abort sets): a peer that never arrives, on one GPU, also inside a CUDA graph. The
- * driver's functions are looked up at run time, so the stub builds without CUDA. */
+ * driver's functions are looked up at run time, so the stub builds without CUDA.
+ *
+ * stub_block_next makes the next all-reduce's enqueue itself wait, in the calling thread, until ncclCommAbort
+ * (from another thread) ends it: NCCL connecting to a peer that never comes, or its queue full behind a
+ * stalled kernel. Then it fails with ncclInternalError, as NCCL's aborted calls do; after 20 s without an
+ * abort it fails with ncclSystemError, so that a test of a broken watchdog fails instead of hanging. */
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct { char internal[128]; } ncclUniqueId;
 typedef struct { int magic; } stubComm;
@@ -80,11 +86,31 @@ void stub_hang_next(int count) {
   if (release_word != NULL) *release_word = 0;
 }
 
+static int block_next, block_aborted; /* block_aborted: written by the aborting thread, read by the blocked one */
+
+/* The next all-reduce blocks in the host until ncclCommAbort (see the top). */
+void stub_block_next(void) {
+  __atomic_store_n(&block_aborted, 0, __ATOMIC_SEQ_CST);
+  block_next = 1;
+}
+
+/* ncclInternalError where an abort ended the wait, ncclSystemError after 20 s without one. */
+static int block_until_aborted(void) {
+  const struct timespec tick = {0, 1000000};
+  for (int ms = 0; ms < 20000; ++ms) {
+    if (__atomic_load_n(&block_aborted, __ATOMIC_SEQ_CST)) return 3;
+    nanosleep(&tick, NULL);
+  }
+  return 2;
+}
+
 int ncclGetVersion(int* version) { *version = 22809; return take_result(); }
 
 const char* ncclGetErrorString(int result) {
   switch (result) {
     case 0: return "no error";
+    case 2: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case 3: return "internal error - please report this issue to the NCCL developers";
     case 4: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
     case 5: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
     default: return "unknown result code";
@@ -114,6 +140,10 @@ int ncclAllReduce(const void* send, void* recv, size_t count, int datatype, int 
   int r = take_result();
   if (r != 0) return r;
   if (comm != &the_comm || element_size(datatype) == 0 || op != 0) return 4;
+  if (block_next) {
+    block_next = 0;
+    return block_until_aborted();
+  }
   if (!on_device) {
     memmove(recv, send, count * element_size(datatype));
     return 0;
@@ -132,6 +162,7 @@ int ncclCommDestroy(stubComm* comm) { (void)comm; ++destroyed; return take_resul
 int ncclCommAbort(stubComm* comm) {
   (void)comm;
   ++aborted;
+  __atomic_store_n(&block_aborted, 1, __ATOMIC_SEQ_CST);
   if (release_word != NULL) *release_word = 1; /* what an abort does to NCCL's kernels: they end */
   return take_result();
 }

@@ -233,17 +233,17 @@ class MarkKernel:
         self.calls.append(("mark", params, stream))
 
 
-def watched(lib, timeout: float):
+def watched(lib, timeout: float, handle=0xABC, path="fake"):
     """attached(lib) with its watchdog over host words and stand-ins for the driver: `writes` gets each
     number the stream would write when the all-reduce is done; `capturing` says whether the stream is;
-    the library's log of calls gets the marks of captured all-reduces."""
-    comm = attached(lib)
+    the library's log of calls gets the marks of captured all-reduces (a FakeLib's)."""
+    comm = attached(lib, handle, path)
     comm.rank, comm.writes, comm.capturing = 0, [], False
     comm._is_capturing = lambda stream: (0, "active" if comm.capturing else "none")
     comm._not_capturing = "none"
     comm._write_value = lambda stream, address, seq, flags: comm.writes.append(seq) or (0,)
     comm._done_address = 0
-    comm._mark_kernel, comm._marks = MarkKernel(lib.calls), (b"begin", b"end")
+    comm._mark_kernel, comm._marks = MarkKernel(getattr(lib, "calls", [])), (b"begin", b"end")
     comm._start_watchdog((ctypes.c_int64 * (nccl.STAMPS + nccl.RING))(), timeout)
     return comm
 
@@ -278,6 +278,49 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     assert isinstance(comm.error(nccl.TIMED_OUT), nccl.NcclTimeoutError)  # a native launcher's report
     comm.close()
     assert "ncclCommDestroy" not in lib.calls  # aborted: nothing left to destroy
+
+
+def test_watchdog_aborts_an_enqueue_that_waits_for_a_peer_and_the_call_raises_its_timeout(stub, stub_nccl, gen):
+    """An ncclAllReduce whose enqueue itself waits in the host (the stub's stub_block_next: NCCL connecting to a peer
+    that never comes) is counted when its enqueue begins: the watchdog aborts it the timeout later, which ends the
+    wait, and the call raises NcclTimeoutError rather than the internal error NCCL returns then."""
+    s = stub[1]
+    comm = watched(stub_nccl.lib, 0.2, stub_nccl.init_rank(1, stub_nccl.unique_id(), 0), stub_nccl.path)
+    words = comm._progress
+    x = torch.randn(256, generator=gen)
+    y = torch.full_like(x, float("nan"))
+    comm.all_reduce(x, y, stream=0)  # the stub's sum of one rank: a copy
+    assert torch.equal(y, x) and comm.writes == [1]
+    words[nccl.DONE] = 1  # the stream got there
+    aborted = s.stub_aborted()
+    s.stub_block_next()
+    start = time.monotonic()
+    with pytest.raises(nccl.NcclTimeoutError, match="did not finish within COMMFUSE_NCCL_TIMEOUT_S = 0.2 s"):
+        comm.all_reduce(x, y, stream=0)
+    took = time.monotonic() - start
+    assert 0.15 < took < 1.0, took  # the timeout, plus at most a poll (timeout / 4); the stub gives up at 20 s
+    assert s.stub_aborted() == aborted + 1 and words[nccl.ABORTED]
+    assert comm.writes == [1, 2]  # the failed call's number is written too
+    comm.close()
+
+
+def test_a_failed_enqueue_is_written_done_so_the_watchdog_leaves_the_communicator_alone():
+    """An ncclAllReduce that fails at once was counted when it began: the stream is told to write its number
+    anyway, so that the count catches up and the watchdog does not abort a communicator that works."""
+    lib = FakeLib()
+    comm = watched(lib, 0.2)
+    words, x = comm._progress, torch.zeros(4)
+    lib.fail = 5
+    with pytest.raises(NcclError, match="^ncclAllReduce failed: invalid usage"):
+        comm.all_reduce(x, x, stream=0)
+    assert words[nccl.ISSUED] == 1 and comm.writes == [1]
+    words[nccl.DONE] = 1  # the stream's write of it
+    lib.fail = 0
+    comm.all_reduce(x, x, stream=0)
+    words[nccl.DONE] = 2
+    time.sleep(0.5)
+    assert not words[nccl.ABORTED] and "ncclCommAbort" not in lib.calls
+    comm.close()
 
 
 def test_a_native_launchers_failure_raises_the_communicators_own_error(stub, stub_nccl):
@@ -740,6 +783,54 @@ def test_an_nccl_error_in_a_native_launcher_raises_nccl_error_eager_through_torc
             with pytest.raises(NcclError, match="^ncclAllReduce failed: invalid usage"):
                 call()
             assert torch.equal(call(), want)
+        c.close()
+    finally:
+        s.stub_on_device(0)
+
+
+@mpi
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the native launchers)")
+@pytest.mark.parametrize("path", ["eager", "eager fused", "torch.ops", "compiled"])
+def test_the_watchdog_ends_an_enqueue_that_waits_for_a_peer_inside_a_native_launcher(comm, stub, stub_nccl, gen,
+                                                                                     monkeypatch, path):
+    """The stub on the GPU behind a Communicator of a one-rank NCCL group with a 1 s watchdog: an ncclAllReduce
+    whose enqueue waits in the host (stub_block_next) inside a native launcher is aborted by the watchdog's thread
+    about 1 s later, and the call raises NcclTimeoutError, on every path to the launchers. The eager calls run them
+    from the plan table's binding, which lets go of the GIL for the launch as torch's ops do: holding it there,
+    the watchdog's thread could not run, and the process froze (here until the stub gives up after 20 s)."""
+    import commfuse
+    from commfuse.kernels import native
+
+    if dist.get_backend(comm.group) != "nccl":
+        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
+    if native.unavailable():
+        pytest.skip(f"the native launchers are off: {native.unavailable()}")
+    monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
+    s = stub[1]
+    assert s.stub_on_device(1) == 0, "libcuda's functions for the stub"
+    try:
+        groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
+        c = commfuse.Communicator(groups[dist.get_rank()])
+        c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
+        assert c._nccl is not None and c._nccl.nccl.path == stub[0], c.nccl_binding
+        x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
+        r, w = torch.randn_like(x), torch.randn(4096, generator=gen).to(torch.bfloat16).cuda()
+        compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
+        call, want = {
+            "eager": (lambda: c.all_reduce(x), x),
+            "eager fused": (lambda: c.fused_all_reduce(x, r, w, quant=None).residual, x + r),
+            "torch.ops": (lambda: torch.ops.commfuse.all_reduce(x, c.name), x),
+            "compiled": (lambda: compiled(x), x * 2 + 1),
+        }[path]
+        assert torch.equal(call(), want)  # the launcher is cached
+        torch.cuda.synchronize()
+        s.stub_block_next()
+        start = time.monotonic()
+        with pytest.raises(nccl.NcclTimeoutError, match="did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"):
+            call()
+        took = time.monotonic() - start
+        assert 0.9 < took < 3.0, took  # the timeout plus a poll (0.25 s), not the stub's 20 s
+        torch.cuda.synchronize()
         c.close()
     finally:
         s.stub_on_device(0)
