@@ -41,7 +41,9 @@ per-head qk_layernorm), HunYuan,
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads).
-Others raise ValueError naming the model's class and what is missing.
+Others raise ValueError naming the model's class and what it does not know: a layer's weight matrix outside
+the attention, MLP and MoE block above (GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj) rather than leave
+it whole on every rank.
 """
 from __future__ import annotations
 
@@ -261,6 +263,20 @@ def _layers(model: nn.Module, blocks: list) -> list:
     return found
 
 
+def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
+    """Raise where a decoder layer (the module holding an attention found) has a weight matrix in none of its
+    attention, MLP or MoE block: an MLP of another shape (GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj,
+    Nemotron's up_proj without a gate) would stay whole on every rank, the layer sharded only in part (its
+    results right, its MLP's weights and work not divided)."""
+    covered = {id(p) for m in (*(layer for _, layer, _ in layers), *blocks) for p in m.parameters()}
+    modules = dict(model.named_modules())
+    for parent in sorted({path.rpartition(".")[0] for path, _, attention in layers if attention and "." in path}):
+        for name, p in modules[parent].named_parameters():
+            if p.dim() >= 2 and id(p) not in covered:
+                raise ValueError(f"{parent}.{name} is in no attention, MLP (gate/up/down_proj) or MoE block that "
+                                 "shard_decoder knows: every rank would keep all of it")
+
+
 def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: int, world: int) -> None:
     """Raise where shard_decoder cannot shard this attention or MLP over `world` ranks: a weighted part it
     does not know (each rank would keep all of it, or the wrong share: DiffLlama's lambdas, BitNet's norm
@@ -364,7 +380,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     neither divide it nor divide by it, where a MoE block's experts store their weights in another
     layout, where an attention or MLP holds a weighted part it does not know, a projection that is not an
     nn.Linear or whose sharded features do not divide, or a head count that does not divide, where an
-    attention's q/k norm spans more than one head or its sinks are not one per head, where a config size
+    attention's q/k norm spans more than one head or its sinks are not one per head, where a decoder layer
+    holds a weight matrix outside its attention, MLP and MoE block (an MLP of another shape), where a config size
     is not one int, where the model has no layer of the known shape, or where it is sharded already (by
     this function, or by transformers' tp_plan: DTensor weights)."""
     if not dist.is_initialized():
@@ -409,6 +426,7 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE "
                          "(gate, experts) layers found: not a decoder shard_decoder knows")
     try:
+        _check_covered(model, layers, [m for _, m in blocks])
         for path, block in blocks:
             _check_moe_block(path, block, world)
         for path, layer, attention in layers:

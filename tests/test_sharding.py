@@ -49,8 +49,11 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", 
                 "gpt_oss")
 # Families shard_decoder refuses: a norm over the whole q / k projection (Olmo2), per-layer lambdas mixing
 # two halves of the heads (DiffLlama), a norm over the whole attention output before o_proj (BitNet).
+# MLPs of other shapes, which would stay whole on every rank: gate and up fused in one projection (GLM), c_fc /
+# c_proj (Starcoder2).
 OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}), "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
-          "bitnet": ("BitNetConfig", "BitNetForCausalLM", {})}
+          "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}), "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
+          "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"pad_token_id": 0})}
 LAYERS = 2
 
 
@@ -241,7 +244,10 @@ def test_shard_decoder_errors(comm, monkeypatch):
                                     r"not one head's 16"),
                           ("diffllama", r"layers.0.self_attn \(DiffLlamaAttention\) has \['lambda_q1', 'lambda_k1', "
                                         r"'lambda_q2', 'lambda_k2'\] beside its projections"),
-                          ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside")):
+                          ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside"),
+                          ("glm", r"^GlmForCausalLM: model.layers.0.mlp.gate_up_proj.weight is in no attention, MLP "
+                                  r"\(gate/up/down_proj\) or MoE block that shard_decoder knows"),
+                          ("starcoder2", r"^Starcoder2ForCausalLM: model.layers.0.mlp.c_fc.weight is in no attention")):
         model = tiny(family, torch.float32)
         before = [p.shape for p in model.parameters()]
         with pytest.raises(ValueError, match=match):
@@ -261,6 +267,8 @@ def test_shard_decoder_errors(comm, monkeypatch):
              ("qwen3_moe", lambda m: setattr(m.model.layers[1].self_attn, "o_proj",
                                              torch.nn.Linear(odd, m.config.hidden_size)),
               rf"layers.1.self_attn.o_proj has {odd} input features, which do not divide"),
+             ("llama", lambda m: setattr(m.model.layers[1], "extra", torch.nn.Linear(4, 4)),
+              r"model.layers.1.extra.weight is in no attention, MLP \(gate/up/down_proj\) or MoE block"),
              ("llama", lambda m: setattr(m.model.layers[1].mlp, "activation_sparsity", 0.95),  # Gemma 3n's
               r"layers.1.mlp \(LlamaMLP\) keeps a top share of its intermediate features"),
              ("qwen3_moe", lambda m: setattr(m, "config", types.SimpleNamespace(  # Gemma 3n's sizes per layer
