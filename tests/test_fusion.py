@@ -728,6 +728,34 @@ def test_all_reduce_through_any_view_spelling_is_not_fused(quiet_comm, gen, alia
     assert_same(got, want)
 
 
+IN_PLACE_RESULTS = {"add_": lambda y, b: y.add_(b), "F.relu(inplace=True)": lambda y, b: F.relu(y, inplace=True),
+                    "mul_": lambda y, b: y.mul_(2)}
+
+
+@mpi
+@pytest.mark.parametrize("op", sorted(IN_PLACE_RESULTS))
+@pytest.mark.parametrize("reduced", ["the result", "the operand"])
+def test_all_reduce_of_an_in_place_ops_result_is_not_fused_where_the_operand_is_read(quiet_comm, gen, op, reduced):
+    """z = y.add_(b) is y itself: dist.all_reduce(z) writes the sum into y too, which the graph returns (and
+    all_reduce(y) into z). The fused op would write neither, so the all-reduce is not fused, and the outputs
+    are the graph's."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    bias = torch.randn(128, generator=gen).to(x.dtype).to(x.device)
+
+    def layer(x, residual, weight, wo, bias):
+        y = F.linear(x, wo)
+        z = IN_PLACE_RESULTS[op](y, bias)
+        v, other = (z, y) if reduced == "the result" else (y, z)
+        dist.all_reduce(v)
+        h = residual + v
+        return torch_norm(h, weight), h, other
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, bias), c)
+    assert FUSED_AR not in counts(gm), report
+    assert_same(got, want)
+
+
 @mpi
 def test_all_reduce_of_a_view_in_place_is_not_fused(quiet_comm, gen):
     c = quiet_comm
@@ -1599,6 +1627,56 @@ def test_in_place_writes_inside_the_pattern_are_not_fused(gen, case):
         return n, h
 
     gm, report, want, got = fuse_and_run(after, (x, residual, weight), None)
+    assert counts(gm) == {LOCAL: 1}, report
+    assert_same(got, want)
+
+
+def test_a_write_through_an_in_place_ops_result_is_seen(gen):
+    """`alias = sc.mul_(1.0)` is sc itself: a write through it between the add (where the op would read the
+    scale) and the quantization (where the graph does) is a write to the scale, so the pattern is skipped."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        sc = scale * 1.0
+        alias = sc.mul_(1.0)
+        h = x + residual
+        n = weight_before_cast_norm(h, weight)
+        alias.mul_(4)
+        return fp8(n, sc), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    assert not counts(gm), report
+    assert any("the scale sc is written in place (mul__1)" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
+
+
+def test_an_input_written_after_its_last_read_still_fuses(gen):
+    """x written after the residual add, its only read, and before the norm: the fused op reads x at the add
+    too, so the write changes nothing it reads, and the pattern fuses (the report named no write to skip for)."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = x + residual
+        x.mul_(2)
+        return weight_before_cast_norm(h, weight), h, x
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None)
+    assert counts(gm) == {LOCAL: 1} and not report.skipped, report
+    assert_same(got, want)
+
+
+def test_an_integer_scales_reciprocal_is_quantized_as_the_graph_does(gen):
+    """n * s.reciprocal() with an int32 s (its reciprocal is float32): the op takes only a float32 scale, so the
+    pass does not hand it s; the compiled call runs, and its codes are the graph's."""
+    x, residual, weight, _ = _local_inputs(gen)
+    s = torch.tensor([3], dtype=torch.int32)
+
+    def f(x, residual, weight, s):
+        r = s.reciprocal()
+        h = x + residual
+        return (weight_before_cast_norm(h, weight).float() * r).clamp(-448, 448).to(torch.float8_e4m3fn), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, s), None)
     assert counts(gm) == {LOCAL: 1}, report
     assert_same(got, want)
 

@@ -681,16 +681,20 @@ def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written
 
 @mpi
 @pytest.mark.parametrize("written", ["weights", "float32 outputs", "gathered weights", "weights through a no-op cast",
-                                     "weights through ravel"])
+                                     "weights through ravel", "weights through an in-place op's result"])
 def test_combine_inputs_written_after_their_reads_are_not_matched(quiet_comm, gen, written):
     """An input of the combine written in place after the graph read it through a view, a cast or a gather
-    (the weights' unsqueeze, y's float32 cast, w[perm]; a cast to the dtype w has and ravel return w itself),
-    before the tail: the op would read it at the tail, after the write. Nothing is fused, the reason says so,
-    and the outputs are the graph's."""
+    (the weights' unsqueeze, y's float32 cast, w[perm]; a cast to the dtype w has, ravel and an in-place op return
+    w itself), before the tail: the op would read it at the tail, after the write. Nothing is fused, the reason
+    says so, and the outputs are the graph's."""
     def combine(x, rows, w, t, k, h):
         if written == "weights":
             out = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
             w.mul_(0.5)
+        elif written == "weights through an in-place op's result":
+            alias = w.mul_(1.0)
+            out = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
+            alias.mul_(3.0)
         elif written in ("weights through a no-op cast", "weights through ravel"):
             n = t * k
             _, perm = torch.sort(torch.arange(n, device=x.device) * 5 % n)

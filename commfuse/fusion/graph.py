@@ -417,9 +417,12 @@ _ALIASING_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
 
 
 def may_alias(node: Any) -> bool:
-    """Whether node's value may share memory with one of its inputs (a view, a slice, ...)."""
+    """Whether node's value may share memory with one of its inputs (a view, a slice, an in-place op's result:
+    `z = y.add_(b)` is y itself)."""
     if not isinstance(node, fx.Node):
         return False
+    if node.args and isinstance(node.args[0], fx.Node) and writes(node, node.args[0]):
+        return True
     if _is_dropout(node):
         return True  # outside training it returns its input itself
     if kind(node) == "cast" or (node.op == "call_method" and node.target in _DTYPE_METHODS):

@@ -540,8 +540,9 @@ def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllRed
         return Mismatch(f"torch.distributed.all_reduce modifies the graph input {v.name} in place, which the caller "
                         "sees: the fused op would leave it unreduced", "guard")
     if G.may_alias(v) and not _private_view(v):
-        return Mismatch(f"torch.distributed.all_reduce modifies {v.name}, a view of another tensor, in place: readers "
-                        "of that tensor would see the sum, which the fused op does not write", "guard")
+        return Mismatch(f"torch.distributed.all_reduce modifies {v.name}, a view of another tensor (or an in-place "
+                        "op's result, that tensor itself), in place: readers of that tensor would see the sum, which "
+                        "the fused op does not write", "guard")
     for u in v.users:  # readers of v after the copy read the sum: the add (through `before`) only
         if u in (copy, ar) or positions.get(u, 0) < positions[copy]:
             continue
@@ -674,12 +675,13 @@ def match_quant(norm_out: fx.Node, user: fx.Node, h: int) -> Union[Quant, Mismat
             return None
         if not _one_float32(r):
             return _scale_mismatch(cur, r)
-        if G.kind(r) == "reciprocal":
-            scale = G.operand(r, 0, "input")
-        elif G.kind(r) == "div" and G.number(_binary(r)[0]) == 1.0:
-            scale = _binary(r)[1]
-        else:
-            scale = ("reciprocal", r)
+        scale = ("reciprocal", r)
+        # The scale itself where r is spelled 1/s of one float32 s (an integer s's reciprocal is float32 too, but
+        # the op takes only a float32 scale: then it divides by 1/r).
+        s = G.operand(r, 0, "input") if G.kind(r) == "reciprocal" else \
+            _binary(r)[1] if G.kind(r) == "div" and G.number(_binary(r)[0]) == 1.0 else None
+        if isinstance(s, fx.Node) and _one_float32(s):
+            scale = s
         notes.append("the graph multiplies by 1/scale, the fused op divides by the scale (docs/semantics.md "
                      "section 4): a neighbouring FP8 code where the two round differently")
     else:

@@ -608,9 +608,9 @@ def _written_in_place(matched: set, inputs: list, anchor: fx.Node, positions: di
     """Why the match cannot become one op because a node outside it writes, in place, what it reads (the
     op computes from the values before the write), or None. A tensor the match computes: written after it
     and before the match's last node (`h.add_(1)` between the residual add and the norm, `n.mul_(4)`
-    between the norm and its quantization). An input (name, node): written between its first read (by
-    the graph, or by the op at the anchor) and the match's last node. Writes after the match are the
-    graph's: their tensors are then the op's outputs."""
+    between the norm and its quantization). An input (name, node): written between two of its reads (the
+    graph's, for the match, or the op's at the anchor). Writes after the match are the graph's: their
+    tensors are then the op's outputs."""
     last = max(matched, key=lambda n: positions[n])
     for n in sorted(matched, key=lambda n: positions[n]):
         writer = G.written_between(n, n, last, positions, ignore=matched)
@@ -620,13 +620,31 @@ def _written_in_place(matched: set, inputs: list, anchor: fx.Node, positions: di
     for what, n in inputs:
         if not isinstance(n, fx.Node):
             continue
-        first = min([u for u in n.users if _feeds(u, matched, positions[last], positions)] + [anchor],
-                    key=lambda u: positions[u])
-        writer = G.written_between(n, first, last, positions, ignore=matched)
+        # The op reads the input at the anchor; the graph where the match's nodes read its memory (through
+        # views: a view taken early reads it only where it is read). A write between any two changes what one reads.
+        reads = _reads(n, matched, positions[last], positions) + [anchor]
+        lo, hi = (f(reads, key=lambda u: positions[u]) for f in (min, max))
+        writer = G.written_between(n, lo, hi, positions, ignore=matched)
         if writer is not None:
-            return (f"the {what} {n.name} is written in place ({writer.name}) between the pattern's reads of it: "
-                    f"the fused op reads it once, at {anchor.name}")
+            return (f"the {what} {n.name} is written in place ({writer.name}) between {lo.name} and {hi.name}, which "
+                    f"read it: the fused op reads it once, at {anchor.name}")
     return None
+
+
+def _reads(n: fx.Node, matched: set, last: int, positions: dict) -> list:
+    """The nodes up to position `last` that read n's memory for the match: the users of n and of its views
+    (followed through views only) whose values reach the match."""
+    aliases, todo, reads = {n}, [n], []
+    while todo:
+        for u in todo.pop().users:
+            if u in aliases or positions[u] > last:
+                continue
+            if G.may_alias(u) and G.source(u) in aliases and u not in matched:
+                aliases.add(u)
+                todo.append(u)
+            elif _feeds(u, matched, last, positions):
+                reads.append(u)
+    return reads
 
 
 def _feeds(u: fx.Node, matched: set, last: int, positions: dict) -> bool:
