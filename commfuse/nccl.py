@@ -439,9 +439,11 @@ class NcclComm:
         if marked:
             self._mark(stream, False)
         seq = self._issue() if captured is False else 0
-        rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle, stream)
-        if seq:
-            self._done_when_reached(stream, seq)
+        try:
+            rc = self._all_reduce(send.data_ptr(), recv.data_ptr(), count, code, NCCL_SUM, handle, stream)
+        finally:
+            if seq:
+                self._done_when_reached(stream, seq)
         if rc:
             raise self.error(rc)
         if marked:
