@@ -6,6 +6,7 @@ compiler exists); the all-reduce itself on GPUs with NCCL.
 tests need WORLD over NCCL (one GPU per rank), except the one-rank communicator, which every rank
 makes over a group of its own (NCCL refuses two ranks on one GPU, not one rank).
 """
+import contextlib
 import ctypes
 import shutil
 import subprocess
@@ -759,19 +760,8 @@ def test_an_nccl_error_in_a_native_launcher_raises_nccl_error_eager_through_torc
     (stub_fail_next) inside a native launcher raises NcclError with NCCL's words on every path, and the next
     call works (the error was the call's, not the communicator's)."""
     import commfuse
-    from commfuse.kernels import native
 
-    if dist.get_backend(comm.group) != "nccl":
-        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
-    if native.unavailable():
-        pytest.skip(f"the native launchers are off: {native.unavailable()}")
-    s = stub[1]
-    assert s.stub_on_device(1) == 0, "libcuda's functions for the stub"
-    try:
-        groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
-        c = commfuse.Communicator(groups[dist.get_rank()])
-        c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
-        assert c._nccl is not None and c._nccl.nccl.path == stub[0], c.nccl_binding
+    with _stub_communicator(comm, stub) as c:
         x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
         assert torch.equal(c.all_reduce(x), x)  # the stub's sum of one rank: a copy; the launcher is cached
         compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
@@ -779,13 +769,33 @@ def test_an_nccl_error_in_a_native_launcher_raises_nccl_error_eager_through_torc
         calls = ((lambda: c.all_reduce(x), x), (lambda: torch.ops.commfuse.all_reduce(x, c.name), x),
                  (lambda: compiled(x), x * 2 + 1))
         for call, want in calls:
-            s.stub_fail_next(5)
+            stub[1].stub_fail_next(5)
             with pytest.raises(NcclError, match="^ncclAllReduce failed: invalid usage"):
                 call()
             assert torch.equal(call(), want)
+
+
+@contextlib.contextmanager
+def _stub_communicator(comm, stub):
+    """A Communicator of a one-rank NCCL group of each rank's own, over the stub on the GPU (its all-reduces
+    through the native launchers); closed after. Skips where the ranks share a GPU or the launchers are off."""
+    import commfuse
+    from commfuse.kernels import native
+
+    if dist.get_backend(comm.group) != "nccl":
+        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
+    if native.unavailable():
+        pytest.skip(f"the native launchers are off: {native.unavailable()}")
+    assert stub[1].stub_on_device(1) == 0, "libcuda's functions for the stub"
+    try:
+        groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
+        c = commfuse.Communicator(groups[dist.get_rank()])
+        c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
+        assert c._nccl is not None and c._nccl.nccl.path == stub[0], c.nccl_binding
+        yield c
         c.close()
     finally:
-        s.stub_on_device(0)
+        stub[1].stub_on_device(0)
 
 
 @mpi
@@ -799,20 +809,9 @@ def test_the_watchdog_ends_an_enqueue_that_waits_for_a_peer_inside_a_native_laun
     from the plan table's binding, which lets go of the GIL for the launch as torch's ops do: holding it there,
     the watchdog's thread could not run, and the process froze (here until the stub gives up after 20 s)."""
     import commfuse
-    from commfuse.kernels import native
 
-    if dist.get_backend(comm.group) != "nccl":
-        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
-    if native.unavailable():
-        pytest.skip(f"the native launchers are off: {native.unavailable()}")
     monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
-    s = stub[1]
-    assert s.stub_on_device(1) == 0, "libcuda's functions for the stub"
-    try:
-        groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
-        c = commfuse.Communicator(groups[dist.get_rank()])
-        c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
-        assert c._nccl is not None and c._nccl.nccl.path == stub[0], c.nccl_binding
+    with _stub_communicator(comm, stub) as c:
         x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
         r, w = torch.randn_like(x), torch.randn(4096, generator=gen).to(torch.bfloat16).cuda()
         compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
@@ -824,16 +823,13 @@ def test_the_watchdog_ends_an_enqueue_that_waits_for_a_peer_inside_a_native_laun
         }[path]
         assert torch.equal(call(), want)  # the launcher is cached
         torch.cuda.synchronize()
-        s.stub_block_next()
+        stub[1].stub_block_next()
         start = time.monotonic()
         with pytest.raises(nccl.NcclTimeoutError, match="did not finish within COMMFUSE_NCCL_TIMEOUT_S = 1 s"):
             call()
         took = time.monotonic() - start
         assert 0.9 < took < 3.0, took  # the timeout plus a poll (0.25 s), not the stub's 20 s
         torch.cuda.synchronize()
-        c.close()
-    finally:
-        s.stub_on_device(0)
 
 
 @mpi
