@@ -215,19 +215,28 @@ def test_gate_rejects_a_wrong_implementation(tmp_path):
 
 WRONG_COMMFUSE = r'''
 import os, sys
+import torch
 import commfuse
 from commfuse.bench import cli
 
-real, seen = commfuse.Communicator.fused_all_reduce, set()
+real, first, calls = commfuse.Communicator.fused_all_reduce, {}, {}
 
 def fused_all_reduce(self, x, residual, weight, *args, out=None, **kw):
-    if os.environ["WRONG"] == "out" and out is not None:
+    wrong = os.environ["WRONG"]
+    if wrong == "out" and out is not None:
         return out  # writes nothing into the caller's outputs
-    r = real(self, x, residual, weight, *args, out=out, **kw)
     key = (tuple(x.shape), out is not None)
-    if os.environ["WRONG"] == "later" and key in seen:  # right at a signature's first call only
+    if wrong == "stale" and key in first:
+        return first[key][0]  # the first call's outputs again
+    r = real(self, x, residual, weight, *args, out=out, **kw)
+    calls[key] = n = calls.get(key, 0) + 1
+    if (wrong == "later" and n > 1  # right at a signature's first call only
+            or wrong == "other set" and key in first and x.data_ptr() != first[key][1]  # right on one input set
+            or wrong == "third" and n > 2):  # right on the gate's two calls only
         r.residual.add_(1)
-    seen.add(key)
+    if wrong == "rounded":
+        r.residual.view(torch.int16).add_(1)  # one ulp off: the tolerance's, not commfuse's bits
+    first.setdefault(key, (r, x.data_ptr()))
     return r
 
 commfuse.Communicator.fused_all_reduce = fused_all_reduce
@@ -235,13 +244,21 @@ sys.exit(cli.main(sys.argv[1:]))
 '''
 
 
+BOTH = {"commfuse-auto", "commfuse-auto-out"}
+
+
 @cpu_smoke
-@pytest.mark.parametrize("wrong, rejected", [("out", {"commfuse-auto-out"}),
-                                             ("later", {"commfuse-auto", "commfuse-auto-out"})])
-def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wrong, rejected):
-    """A row whose out= path writes nothing (its outputs are poisoned before each checked call), or whose
-    calls after a signature's first (those the plan table launches, as the timed ones) are wrong, is
-    rejected, and commfuse-bench exits 1: commfuse's own rows must be right."""
+@pytest.mark.parametrize("wrong, rejected, where", [
+    ("out", {"commfuse-auto-out"}, ""), ("later", BOTH, "checked call 2 (from the plan table)"),
+    ("stale", BOTH, "checked call 2 (from the plan table)"),
+    ("other set", BOTH, "checked call 2 (from the plan table)"), ("third", BOTH, "the last timed call (eager)"),
+    ("rounded", BOTH, "residual: ")])
+def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wrong, rejected, where):
+    """A row whose out= path writes nothing (its outputs are poisoned before each checked call); whose calls after
+    a signature's first (those the plan table launches, as the timed ones) are wrong, or return the first call's
+    outputs again, or are right on the first input set only (the second checked call reads another); which is
+    right on the gate's calls and wrong on later ones (the last timed call is checked too); or whose residual is
+    one ulp off (commfuse's rows are held to its bits): each is rejected, and commfuse-bench exits 1."""
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-c", WRONG_COMMFUSE, "--quick", "--impls", "commfuse-auto,commfuse-auto-out",
                         "--patterns", "residual_rmsnorm_fp8", "--shapes", "4x256", "--repeats", "1",
@@ -249,11 +266,10 @@ def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wron
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 1, p.stderr[-3000:]
     doc = _load(out)
-    assert {r["impl"] for r in doc["records"]} == {"commfuse-auto", "commfuse-auto-out"} - rejected
+    assert {r["impl"] for r in doc["records"]} == BOTH - rejected
     reasons = {s["impl"]: s["reason"] for s in doc["skipped"]}
     assert set(reasons) == rejected, reasons
-    if wrong == "later":
-        assert all("checked call 2 (from the plan table)" in r for r in reasons.values()), reasons
+    assert all(where in r for r in reasons.values()), reasons
 
 
 COMPUTED = ("residual_rmsnorm_fp8_per_token", "residual_rmsnorm_fp8_block", "residual_rmsnorm_fp8_block_ue8m0")
@@ -354,7 +370,7 @@ def test_torch_add_is_gated_against_its_own_definition():
     add = impls.IMPLS["torch-add"]
     step = add.prepare(ctx, case)
     assert step.no_graph is None
-    verdict, res = cases.gate(ctx, step, lambda r: add.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step, lambda r, i: add.mismatch(case, r, i))
     assert verdict is OK
     x, residual = case.sets[0]
     assert torch.equal(res.a, (x.float() + residual.float()).bfloat16())
@@ -365,12 +381,12 @@ def test_torch_add_is_gated_against_its_own_definition():
         r = step.call(i)
         r.a.view(-1)[3] = torch.nextafter(r.a.view(-1)[3], torch.tensor(float("inf")).bfloat16())
         return r
-    verdict, _ = cases.gate(ctx, impls.Step(off), lambda r: add.mismatch(case, r))
+    verdict, _ = cases.gate(ctx, impls.Step(off), lambda r, i: add.mismatch(case, r, i))
     assert verdict.kind is Kind.REJECTED and "x + residual" in verdict.reason
-    verdict, _ = cases.gate(ctx, impls.Step(lambda i: 1 / 0), lambda r: add.mismatch(case, r))
+    verdict, _ = cases.gate(ctx, impls.Step(lambda i: 1 / 0), lambda r, i: add.mismatch(case, r, i))
     assert verdict == Verdict(Kind.FAILED, "the checked call raised ZeroDivisionError: division by zero")
     # Judged by the oracle instead, its output (no tail) is not even comparable: a rejection.
-    verdict, _ = cases.gate(ctx, step, lambda r: impls.IMPLS["tail-eager"].mismatch(case, r))
+    verdict, _ = cases.gate(ctx, step, lambda r, i: impls.IMPLS["tail-eager"].mismatch(case, r, i))
     assert verdict.kind is Kind.REJECTED and "not comparable with the oracle" in verdict.reason
 
 
@@ -386,7 +402,7 @@ def test_host_mode_times_the_loop_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", slow_sync)
     ctx = _GpuCtx(_args(warmup=2, repeats=2, calls_per_graph=3), 0, 1, "nccl", torch.device("cpu"))
     step = impls.Step(lambda i: log.append(i))
-    times, verdict = timing.time_step(ctx, step, "host")
+    times, verdict, _ = timing.time_step(ctx, step, "host")
     assert verdict is OK and len(times) == 2
     assert all(0 < t < 2000 for t in times), times  # 20 ms / 3 calls would be 6667 us per call
     # warm-up, then per repeat: align's synchronize, the one before the clock, 3 calls, the one after.
@@ -394,16 +410,16 @@ def test_host_mode_times_the_loop_alone(monkeypatch):
 
     log.clear()
     step = impls.Step(lambda i: time.sleep(0.004), no_graph=impls.GLOO_NO_GRAPH)
-    times, verdict = timing.time_step(ctx, step, "host")
+    times, verdict, _ = timing.time_step(ctx, step, "host")
     assert verdict is OK and all(t >= 4000 for t in times)  # per call, not per loop
-    times, verdict = timing.time_step(ctx, step, "graph")
+    times, verdict, _ = timing.time_step(ctx, step, "graph")
     assert times is None and verdict == Verdict(Kind.SKIP, "graph mode: gloo collectives cannot be captured in a CUDA graph")
 
 
 def test_host_mode_on_the_cpu():
     ctx = _ctx(warmup=0, repeats=3, calls_per_graph=5)
     calls = []
-    times, verdict = timing.time_step(ctx, impls.Step(calls.append), "host")
+    times, verdict, _ = timing.time_step(ctx, impls.Step(calls.append), "host")
     assert verdict is OK and len(times) == 3 and calls == list(range(5)) * 3
 
 
@@ -557,7 +573,7 @@ def test_new_patterns_verify_and_wrong_results_are_rejected(name):
     assert (case.scale is None) == (p.quant != "fp8")
     impl = impls.IMPLS["tail-eager"]
     step = impl.prepare(ctx, case)
-    verdict, res = cases.gate(ctx, step, lambda r: impl.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step, lambda r, i: impl.mismatch(case, r, i))
     assert verdict is OK
     if p.weight_offset:
         x, residual = case.sets[0]
@@ -689,7 +705,7 @@ def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
         case = cases.make_case(ctx, cases.PATTERNS[name], "bf16", t, h)
         for token_major in (False, True):
             step = fi.prepare(ctx, case)
-            why = fi.mismatch(case, step.call(0), step.expected)
+            why = fi.mismatch(case, step.call(0), expected=step.expected)
             assert (why is None) != (token_major and "finalize" not in name), why
         if "finalize" in name:
             assert calls[-1] == ("finalize", (t * k + cases.MOE_PADDING_ROWS, h), torch.bfloat16, None)
@@ -698,7 +714,7 @@ def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
     # The combine in T, not float32: for these inputs it differs from the oracle's by more than the gate allows.
     case = cases.make_case(ctx, cases.PATTERNS["moe_k8_residual_rmsnorm"], "bf16", 16, 1024)
     step, token_major = fi.prepare(ctx, case), False
-    assert fi.mismatch(case, step.call(0), step.expected) is None
+    assert fi.mismatch(case, step.call(0), expected=step.expected) is None
     assert fi.mismatch(case, step.call(0)) is not None
     case = cases.make_case(ctx, cases.PATTERNS["moe_k8_residual_rmsnorm_fp8"], "bf16", t, h)
     with pytest.raises(Skip, match="^flashinfer test's trtllm_moe_allreduce_fusion quantizes to NVFP4 only$"):
@@ -801,7 +817,7 @@ def test_mxfp8_pattern_verifies_and_wrong_scale_factors_are_rejected():
     assert case.scale is None
     impl = impls.IMPLS["tail-eager"]
     step = impl.prepare(ctx, case)
-    verdict, res = cases.gate(ctx, step, lambda r: impl.mismatch(case, r))
+    verdict, res = cases.gate(ctx, step, lambda r, i: impl.mismatch(case, r, i))
     assert verdict is OK and res.sf.dtype == torch.uint8 and res.scales is None
     for index, change, why in ((0, 2, "UE8M0 scale factors"), (res.sf.numel() - 1, 1, "swizzle padding not 0")):
         r = step.call(0)

@@ -59,3 +59,40 @@ def test_a_dropped_output_is_rejected_and_bad_options_named(capsys):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert error in capsys.readouterr().err, argv
+
+
+def test_a_row_wrong_from_the_plan_table_or_after_its_checks_is_rejected(monkeypatch):
+    """commfuse's calls after a signature's first run from the plan table, as every timed call does: a table
+    whose launches are wrong (here every call from it), or an op right on its first N calls only, gets its row
+    rejected rather than timed."""
+    import commfuse.local as local
+
+    bench = _bench()
+    real = local._table()
+
+    class Wrong:  # the plan table, its launches' residual off by one
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def local(self, *args):
+            r = real.local(*args)
+            if r is not None:
+                r.residual.add_(1)
+            return r
+
+    argv = ["--shapes", "4x256", "--patterns", "add_rmsnorm", "--repeats", "1", "--calls", "2"]
+    with monkeypatch.context() as m:
+        m.setattr(local, "_TABLE", Wrong())
+        row = bench.main(argv)["rows"][0]
+    assert row["commfuse"]["rejected"].startswith("output: "), row
+    calls, fused = [], local.fused_add_rmsnorm
+
+    def right_twice(*args, **kw):  # the two checked calls right, the timed ones not
+        r = fused(*args, **kw)
+        calls.append(1)
+        if len(calls) > 2:
+            r.residual.add_(1)
+        return r
+    monkeypatch.setattr(bench.commfuse, "fused_add_rmsnorm", right_twice)
+    row = bench.main(argv)["rows"][0]
+    assert row["commfuse"]["rejected"].startswith("the last timed call: output: "), row

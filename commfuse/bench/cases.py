@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -175,6 +175,7 @@ class Case:
     moe (MoE patterns): moe[i] = this rank's MoeInputs of input set i; sets[i]'s x is their combine
     (the oracle's), so the dense rows' view of a case (x, residual) holds for them too. moe_ranks: every
     rank's MoeInputs of set 0, for rows that combine by other semantics than the oracle's (a peer's).
+    later: (expected, expected_tail) of sets 1, 2, ..., whose inputs every rank draws alike (oracle(i)).
     """
 
     pattern: Pattern
@@ -191,6 +192,12 @@ class Case:
     sum_ulps: int
     moe: Optional[list] = None
     moe_ranks: Optional[list] = None
+    later: list = field(default_factory=list)
+
+    def oracle(self, i: int) -> tuple:
+        """(expected, expected_tail) of input set i: what a call on input_set(i) is judged against."""
+        i %= len(self.sets)
+        return (self.expected, self.expected_tail) if i == 0 else self.later[i - 1]
 
     def tail_args(self) -> tuple:
         """reference.fused_tail's arguments after (a, residual), positional."""
@@ -280,21 +287,26 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     # oracle fed the backend's own sum (computed here, on every rank, because it is a collective) where
     # that sum is itself within world-size ulps of the exact one (a wrong backend sum would otherwise be its
     # own oracle), and the plain sum within world-size ulps.
-    exact = reference.all_reduce_sum(xs)
-    sums = [exact]
     own_order = ctx.world > 2
-    if own_order:
-        a = xs[ctx.rank].clone()
-        dist.all_reduce(a)
-        if tolerance.within_ulp(a, exact, ctx.world, "the backend's sum") is None:
-            sums.append(a)
-    if pattern.tail:
-        expected = [Result.of_tail(reference.fused_tail(s, residual, *tail)) for s in sums]
-        expected_tail = Result.of_tail(reference.fused_tail(xs[ctx.rank], residual, *tail))
-    else:
-        expected, expected_tail = [Result(a=exact)], None
+
+    def oracle(xs, residual) -> tuple:
+        exact = reference.all_reduce_sum(xs)
+        sums = [exact]
+        if own_order:
+            a = xs[ctx.rank].clone()
+            dist.all_reduce(a)
+            if tolerance.within_ulp(a, exact, ctx.world, "the backend's sum") is None:
+                sums.append(a)
+        if not pattern.tail:
+            return [Result(a=exact)], None
+        return ([Result.of_tail(reference.fused_tail(s, residual, *tail)) for s in sums],
+                Result.of_tail(reference.fused_tail(xs[ctx.rank], residual, *tail)))
+
+    expected, expected_tail = oracle(xs, residual)
+    # The later sets' x is the same on every rank (drawn alike): their sums need no exchange of inputs.
+    later = [oracle([x] * ctx.world, r) for x, r in sets[1:]]
     return Case(pattern, dname, dtype, t, h, sets, weight, scale, eps, expected, expected_tail,
-                sum_ulps=ctx.world if own_order else 0, moe=moe, moe_ranks=moe_all)
+                sum_ulps=ctx.world if own_order else 0, moe=moe, moe_ranks=moe_all, later=later)
 
 
 def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, randn, gen, gen_dev,
@@ -352,36 +364,49 @@ def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
 
 # ------------------------------------------------------------------------------- correctness gate
 
-def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0) -> Optional[str]:
+def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_residual: bool = False) -> Optional[str]:
     """Why `res` violates the tolerances (commfuse.tolerance) against the oracle `exp`, None when it
-    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch."""
+    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch; exact_residual
+    (commfuse's rows): the residual's bits too, as the tests hold them (one rounded addition)."""
     if not pattern.tail:
         return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
+    if exact_residual and res.residual is not None and exp.residual is not None:
+        why = tolerance.within_ulp(res.residual, exp.residual.to(res.residual.device), 0, "residual")
+        if why:
+            return why
     return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf, res.scales),
                                    Tail(exp.residual, exp.norm, exp.quant, exp.sf, exp.scales), pattern.quant,
                                    SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0)
 
 
-def gate(ctx: Ctx, step, mismatch: Callable[[Result], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:
-    """The row's checked calls on the checked inputs (set 0): step.checked_calls of them, each after
-    step.poison() where the row owns its outputs (impls.Step); mismatch(result) says why one is wrong
-    (None: right). Returns (verdict, the last result); the caller keeps it alive until every row is
-    gated."""
+def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:
+    """The row's checked calls: step.checked_calls of them, the first on input set 0, the second on set 1
+    (another set's inputs: a call that returned the first's outputs again, or is right on one set only,
+    fails), each after step.poison() where the row owns its outputs (impls.Step); mismatch(result, i)
+    says why a result on set i is wrong (None: right). A row with oracles of its own (Step.expected, set
+    0's) is checked on set 0 only. Returns (verdict, the last result); the caller keeps it alive until
+    every row is gated."""
     res = None
     for n in range(step.checked_calls):
         which = "the checked call" if step.checked_calls == 1 else f"checked call {n + 1}"
+        i = n if step.expected is None else 0
         try:
             if step.poison is not None:
                 step.poison()
-            res = step.result(step.call(0))
+            res = step.result(step.call(i))
             if ctx.cuda:
                 torch.cuda.synchronize()
         except Exception as e:
             return failed(which, e), None
-        try:
-            why = mismatch(res)
-        except Exception as e:  # e.g. not a Result, or tensors on the wrong device
-            why = f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"
+        why = judge(mismatch, res, i)
         if why is not None:
             return Verdict(Kind.REJECTED, why if n == 0 else f"{which} (from the plan table): {why}"), res
     return OK, res
+
+
+def judge(mismatch: Callable[[Result, int], Optional[str]], res: Result, i: int) -> Optional[str]:
+    """mismatch(res, i), with an error in comparing said as the reason."""
+    try:
+        return mismatch(res, i)
+    except Exception as e:  # e.g. not a Result, or tensors on the wrong device
+        return f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"

@@ -22,11 +22,12 @@ from commfuse import env, init_distributed
 from . import report
 from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, MOE_COMPILE_PATTERN,
                     MOE_HIDDEN, MOE_QUICK_SHAPES, MOE_TOKENS, PATTERN_GROUPS, PATTERNS, QUICK_COMPILE_PATTERN,
-                    QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, make_case, same_draws, shapes_of, tail_bytes)
+                    QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, judge, make_case, same_draws, shapes_of,
+                    tail_bytes)
 from .context import Ctx
 from .impls import DEFAULT_IMPLS, IMPLS
 from .timing import MODES, measure_ceilings, time_step
-from .verdict import OK, Kind, Skip, Verdict, agree, failed
+from .verdict import OK, Kind, Skip, Verdict, agree, failed, short
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -173,8 +174,12 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
         del kept
         line = []
         for impl, step, wrong in runnable:
+            mismatch = functools.partial(impl.mismatch, case, expected=step.expected)
             for mode in args.mode_list:
-                times, verdict = time_step(ctx, step, mode)
+                times, verdict, last = time_step(ctx, step, mode)
+                if verdict.ok and wrong is None:
+                    verdict = checked_after(ctx, case, step, mode, last, mismatch)
+                del last
                 if not verdict.ok:
                     not_run(impl, case, verdict, [mode])
                     continue
@@ -194,6 +199,27 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
         if ctx.cuda and (n == len(cases) or cases[n][1] != h):
             torch.cuda.empty_cache()
     return records, skipped, status
+
+
+def checked_after(ctx: Ctx, case, step, mode: str, last, mismatch) -> Verdict:
+    """The last timed call's outputs (a graph's: those its last replay wrote), judged against the oracle of
+    its input set, agreed by all ranks: a row right on the gate's calls and wrong on later ones (another
+    call count, another input set, a replay) is rejected too. A row with oracles of its own for set 0 only
+    (Step.expected) is judged where its last call read set 0."""
+    i = (ctx.args.calls_per_graph - 1) % len(case.sets)
+    verdict = OK
+    if step.expected is None or i == 0:
+        try:
+            res = step.result(last)
+            if ctx.cuda:
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - what the row returned is not a result
+            res, why = None, f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"
+        if res is not None:
+            why = judge(mismatch, res, i)
+        if why is not None:
+            verdict = Verdict(Kind.REJECTED, f"the last timed call ({mode}): {why}")
+    return agree(ctx.world, verdict)
 
 
 def fractions(section: str, pattern, t: int, h: int, itemsize: int, world: int, us: float,

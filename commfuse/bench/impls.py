@@ -70,29 +70,32 @@ class Impl:
     its result (the record says "wrong", the table marks it *): torch.compile's quantizing tails
     multiply by a reciprocal, so they miss the exact semantics by one code step in a few places.
     Never set for commfuse's own rows.
-    own_check(case, result): why the result is wrong, for rows that are not an all-reduce tail (the
-    floor): they are gated against their own definition instead of the oracle."""
+    own_check(case, result, i): why the result of a call on input set i is wrong, for rows that are not an
+    all-reduce tail (the floor): they are gated against their own definition instead of the oracle."""
 
     name: str
     section: str
     prepare: Callable[[Ctx, Case], Step]
     about: str = ""
     timed_if_wrong: bool = False
-    own_check: Optional[Callable[[Case, Result], Optional[str]]] = None
+    own_check: Optional[Callable[[Case, Result, int], Optional[str]]] = None
 
     @property
     def ours(self) -> bool:
         """A row of commfuse's own (a baseline's wrong result is the baseline's; ours fails the run)."""
         return self.name.startswith("commfuse") or self.name == "tail-commfuse"
 
-    def mismatch(self, case: Case, res: Result, expected: Optional[list] = None) -> Optional[str]:
-        """Why one call's result on the checked inputs is wrong; None when it is right. expected: the step's
-        own oracles (Step.expected), else the case's."""
+    def mismatch(self, case: Case, res: Result, i: int = 0, expected: Optional[list] = None) -> Optional[str]:
+        """Why one call's result on input set i is wrong; None when it is right. expected: the step's own
+        oracles of set 0 (Step.expected), else the case's of set i. commfuse's rows are held to the
+        residual's exact bits."""
         if self.own_check is not None:
-            return self.own_check(case, res)
+            return self.own_check(case, res, i)
         if expected is None:
-            expected = [case.expected_tail] if self.section == "tail" else case.expected
-        reasons = [check(res, exp, case.pattern, case.sum_ulps) for exp in expected]
+            collective, tail = case.oracle(i)
+            expected = [tail] if self.section == "tail" else collective
+        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name))
+                   for exp in expected]
         return None if None in reasons else reasons[0]
 
 
@@ -425,8 +428,8 @@ def _prep_torch_add(ctx: Ctx, case: Case) -> Step:
     return Step(step)
 
 
-def _check_torch_add(case: Case, res: Result) -> Optional[str]:
-    x, residual = case.sets[0]
+def _check_torch_add(case: Case, res: Result, i: int) -> Optional[str]:
+    x, residual = case.input_set(i)
     return tolerance.within_ulp(res.a, (x.float() + residual.float()).to(case.dtype), 0, "x + residual")
 
 

@@ -45,8 +45,9 @@ def _sync(ctx: Ctx) -> None:
         torch.cuda.synchronize()
 
 
-def _capture(ctx: Ctx, call: Callable[[int], object]) -> "torch.cuda.CUDAGraph":
-    """Warm up, then capture K calls in one CUDA graph (rotating over the input sets)."""
+def _capture(ctx: Ctx, call: Callable[[int], object]) -> Tuple["torch.cuda.CUDAGraph", object]:
+    """Warm up, then capture K calls in one CUDA graph (rotating over the input sets). Returns the graph and
+    what its last call returned: its outputs, which each replay writes again (kept for the check after)."""
     side = torch.cuda.Stream()  # warm-up before capture on a side stream, as torch.cuda.graphs advises
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -58,9 +59,9 @@ def _capture(ctx: Ctx, call: Callable[[int], object]) -> "torch.cuda.CUDAGraph":
     # thread_local: CUDA calls of other threads (NCCL's watchdog) must not invalidate our capture.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(ctx.args.calls_per_graph):
-            call(i)
+            last = call(i)
     torch.cuda.synchronize()
-    return graph
+    return graph, last
 
 
 def _time_graph(ctx: Ctx, graph: "torch.cuda.CUDAGraph") -> List[float]:
@@ -79,22 +80,22 @@ def _time_graph(ctx: Ctx, graph: "torch.cuda.CUDAGraph") -> List[float]:
     return times
 
 
-def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool) -> List[float]:
+def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool) -> Tuple[List[float], object]:
     """Time per call (us) of K back-to-back calls from Python, each repeat started on all ranks
-    together. events: CUDA events around the loop (eager on a GPU). Otherwise the host clock around
-    the loop alone: the GPU is idle when the clock starts, and the stop time is read before the
-    synchronize that keeps this repeat's queued work out of the next one."""
+    together, and what the last call returned. events: CUDA events around the loop (eager on a GPU).
+    Otherwise the host clock around the loop alone: the GPU is idle when the clock starts, and the stop
+    time is read before the synchronize that keeps this repeat's queued work out of the next one."""
     k = ctx.args.calls_per_graph
     for i in range(ctx.args.warmup):
         call(i)
-    times = []
+    times, last = [], None
     for _ in range(ctx.args.repeats):
         _align(ctx)
         if events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(k):
-                call(i)
+                last = call(i)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3 / k)
@@ -102,11 +103,11 @@ def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool) -> List[fl
             _sync(ctx)
             t0 = time.perf_counter()
             for i in range(k):
-                call(i)
+                last = call(i)
             t1 = time.perf_counter()
             _sync(ctx)
             times.append((t1 - t0) * 1e6 / k)
-    return times
+    return times, last
 
 
 def _max_over_ranks(ctx: Ctx, times: Sequence[float]) -> List[float]:
@@ -117,32 +118,33 @@ def _max_over_ranks(ctx: Ctx, times: Sequence[float]) -> List[float]:
     return t.tolist()
 
 
-def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], Verdict]:
-    """(per-repeat us, slowest rank's, OK) or (None, why not, agreed by all ranks). Ranks agree
-    after the capture, before any replay: a graph holding collectives must be replayed on every
-    rank or none."""
+def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], Verdict, object]:
+    """(per-repeat us, slowest rank's, OK, what the last timed call returned: its outputs, for the check
+    after the timing) or (None, why not, agreed by all ranks, None). Ranks agree after the capture,
+    before any replay: a graph holding collectives must be replayed on every rank or none."""
+    last = None
     if mode == "graph":
         graph, verdict = None, OK
         if step.no_graph:
             verdict = Verdict(Kind.SKIP, f"graph mode: {step.no_graph}")
         else:
             try:
-                graph = _capture(ctx, step.call)
+                graph, last = _capture(ctx, step.call)
             except Exception as e:
                 verdict = failed("graph capture", e)
         verdict = agree(ctx.world, verdict)
         if not verdict.ok:
-            return None, verdict
-        run = lambda: _time_graph(ctx, graph)
+            return None, verdict, None
+        run = lambda: (_time_graph(ctx, graph), last)
     else:
         run = lambda: _time_loop(ctx, step.call, events=ctx.cuda and mode == "eager")
     times, verdict = None, OK
     try:
-        times = run()
+        times, last = run()
     except Exception as e:
         verdict = failed(f"{mode} timing", e)
     verdict = agree(ctx.world, verdict)
-    return (_max_over_ranks(ctx, times), OK) if verdict.ok else (None, verdict)
+    return (_max_over_ranks(ctx, times), OK, last) if verdict.ok else (None, verdict, None)
 
 
 # ------------------------------------------------------------------------------------- ceilings
