@@ -16,6 +16,11 @@ fi
 default_tools="memcheck racecheck synccheck"; (( n == 1 )) && default_tools+=" initcheck"
 tools=${*:-$default_tools}
 cd "$(dirname "$0")/.."
+if ! command -v compute-sanitizer >/dev/null || ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "launch/sanitize.sh: needs a CUDA GPU, torch with CUDA and compute-sanitizer on PATH (it checks the kernels" \
+       "as they run)" >&2
+  exit 2
+fi
 logs=${COMMFUSE_SANITIZE_LOGS:-$(mktemp -d -t commfuse-sanitize.XXXX)}
 mkdir -p "$logs"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1

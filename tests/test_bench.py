@@ -982,3 +982,12 @@ def test_launch_scripts_refuse_fewer_than_one_rank(script, tmp_path):
     assert run.returncode == 2 and f"launch/{script}.sh: N, the number of ranks, must be at least 1, got 0" \
         in run.stderr, (run.returncode, run.stderr[-500:])
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the sanitizer")
+def test_sanitize_sh_says_it_needs_a_gpu(tmp_path):
+    """Without a GPU (or compute-sanitizer) the sanitizer script says what it needs, before it starts anything."""
+    run = subprocess.run(["bash", str(ROOT / "launch" / "sanitize.sh"), "2"], env=dict(_child_env(), OUT=str(tmp_path)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "launch/sanitize.sh: needs a CUDA GPU" in run.stderr, (run.returncode,
+                                                                                          run.stderr[-500:])

@@ -1489,6 +1489,33 @@ def test_symbolic_trace_with_rmsnorm_module(gen):
     assert_same(list(gm(x, residual, scale)), list(want))
 
 
+@mpi
+def test_symbolic_trace_with_a_functional_all_reduce(quiet_comm, gen):
+    """torch.fx.symbolic_trace keeps funcol's wrapper of the all-reduce's result (_wrap_tensor_autograd) where
+    dynamo has the wait: the tail after it is fused into the collective all the same."""
+    import torch.distributed._functional_collectives as fc
+
+    c = quiet_comm
+    x, residual, weight, _, _ = setup(c, gen)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(128, eps=1e-6, dtype=BF16, device=c.device)
+            self.norm.weight.copy_(weight)
+
+        def forward(self, x, residual):
+            h = fc.all_reduce(x, "sum", c.group) + residual
+            return self.norm(h), h
+
+    gm = torch.fx.symbolic_trace(M())
+    assert any(G.kind(n) == "wait" and "wrap_tensor" in str(n.target) for n in gm.graph.nodes)
+    want = gm(x, residual)
+    report = fusion.fuse(gm, c, example_inputs=(x, residual))
+    assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+    assert_same(list(gm(x, residual)), list(want))
+
+
 def test_local_negative_cases(gen):
     x, residual, weight, scale = _local_inputs(gen)
 

@@ -276,7 +276,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--modes", type=_csv, default=None,
                     help=f"of {','.join(MODES)} (default graph,eager; no graph on the CPU)")
     ap.add_argument("--impls", type=_csv, default=None, help=f"default all: {','.join(DEFAULT_IMPLS)}")
-    ap.add_argument("--out", default="commfuse-bench-out", help="folder for the JSON and PNG files")
+    ap.add_argument("--out", default="commfuse-bench-out",
+                    help="folder for the JSON and PNG files (default ./commfuse-bench-out)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: shapes " + ",".join(f"{t}x{h}" for t, h in QUICK_SHAPES) + ", bf16, patterns "
                          + ",".join(QUICK_PATTERNS) + f", torch.compile only for {QUICK_COMPILE_PATTERN} and "

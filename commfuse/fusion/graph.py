@@ -82,7 +82,12 @@ def _table() -> dict:
     put("copy_", _overloads(aten.copy_, "default"))
     put("funcol_all_reduce", _overloads(torch.ops._c10d_functional.all_reduce, "default"))
     put("funcol_all_reduce_", _overloads(torch.ops._c10d_functional.all_reduce_, "default"))
-    put("wait", _overloads(torch.ops._c10d_functional.wait_tensor, "default"))
+    # torch.fx.symbolic_trace keeps funcol's wrapper of the result (an AsyncCollectiveTensor, which waits when
+    # read) in place of the wait: the same point in the program. funcol's import registers the op.
+    from torch.distributed import _functional_collectives  # noqa: F401
+
+    put("wait", _overloads(torch.ops._c10d_functional.wait_tensor, "default"),
+        _overloads(torch.ops._c10d_functional._wrap_tensor_autograd, "default"))
     return t
 
 
