@@ -16,7 +16,8 @@ fi
 default_tools="memcheck racecheck synccheck"; (( n == 1 )) && default_tools+=" initcheck"
 tools=${*:-$default_tools}
 cd "$(dirname "$0")/.."
-if ! command -v compute-sanitizer >/dev/null || ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+if ! command -v compute-sanitizer >/dev/null ||
+   ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "launch/sanitize.sh: needs a CUDA GPU, torch with CUDA and compute-sanitizer on PATH (it checks the kernels" \
        "as they run)" >&2
   exit 2
