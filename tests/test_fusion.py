@@ -231,6 +231,13 @@ def setup(comm, gen, t=6, h=128, dtype=BF16, quant=None, shape=None):
     return x, residual, weight, scale, wo
 
 
+def rms_norm_module(weight, eps):
+    """An nn.RMSNorm holding `weight` (of the norm's hidden size, dtype and device)."""
+    norm = torch.nn.RMSNorm(weight.shape[-1], eps=eps, dtype=weight.dtype, device=weight.device)
+    norm.weight.copy_(weight)
+    return norm
+
+
 def all_reduced_sum(x, residual, wo):
     """A row-parallel projection's end as models write it: linear, in-place dist.all_reduce, residual add."""
     y = F.linear(x, wo)
@@ -412,8 +419,7 @@ def test_nvfp4_through_commfuse_quantize(quiet_comm, gen, sf_layout):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = torch.nn.RMSNorm(128, eps=1e-5, dtype=BF16, device=c.device)
-            self.norm.weight.copy_(weight)
+            self.norm = rms_norm_module(weight, 1e-5)
 
         def forward(self, x, residual, wo, scale):
             y = commfuse.ops.all_reduce(c, F.linear(x, wo))
@@ -439,8 +445,7 @@ def test_computed_scale_formats_through_commfuse_quantize(quiet_comm, gen, quant
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = torch.nn.RMSNorm(128, eps=1e-5, dtype=BF16, device=c.device)
-            self.norm.weight.copy_(weight)
+            self.norm = rms_norm_module(weight, 1e-5)
 
         def forward(self, x, residual, wo):
             y = commfuse.ops.all_reduce(c, F.linear(x, wo))
@@ -1501,8 +1506,7 @@ def test_symbolic_trace_with_a_functional_all_reduce(quiet_comm, gen):
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = torch.nn.RMSNorm(128, eps=1e-6, dtype=BF16, device=c.device)
-            self.norm.weight.copy_(weight)
+            self.norm = rms_norm_module(weight, 1e-6)
 
         def forward(self, x, residual):
             h = fc.all_reduce(x, "sum", c.group) + residual
