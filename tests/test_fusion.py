@@ -762,6 +762,30 @@ def test_all_reduce_of_an_in_place_ops_result_is_not_fused_where_the_operand_is_
 
 
 @mpi
+@pytest.mark.parametrize("op", sorted(IN_PLACE_RESULTS) + ["+="])
+def test_all_reduce_of_an_in_place_ops_result_is_fused_where_nothing_else_reads_the_operand(quiet_comm, gen, op):
+    """A row-parallel layer that adds its bias in place before the all-reduce (`y += b`, `y.add_(b)`): nothing
+    but the in-place op reads y, so no reader can miss the sum, and the tail fuses into the collective."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    bias = torch.randn(128, generator=gen).to(x.dtype).to(x.device)
+
+    def layer(x, residual, weight, wo, bias):
+        y = F.linear(x, wo)
+        if op == "+=":
+            y += bias
+        else:
+            y = IN_PLACE_RESULTS[op](y, bias)
+        dist.all_reduce(y)
+        h = residual + y
+        return torch_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, bias), c)
+    assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+    assert_same(got, want)
+
+
+@mpi
 def test_all_reduce_of_a_view_in_place_is_not_fused(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, _, wo = setup(c, gen)

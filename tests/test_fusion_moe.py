@@ -681,7 +681,8 @@ def test_gathered_rows_written_in_place_are_not_matched(quiet_comm, gen, written
 
 @mpi
 @pytest.mark.parametrize("written", ["weights", "float32 outputs", "gathered weights", "weights through a no-op cast",
-                                     "weights through ravel", "weights through an in-place op's result"])
+                                     "weights through ravel", "weights through an in-place op's result",
+                                     "weights gathered, then written"])
 def test_combine_inputs_written_after_their_reads_are_not_matched(quiet_comm, gen, written):
     """An input of the combine written in place after the graph read it through a view, a cast or a gather
     (the weights' unsqueeze, y's float32 cast, w[perm]; a cast to the dtype w has, ravel and an in-place op return
@@ -691,6 +692,12 @@ def test_combine_inputs_written_after_their_reads_are_not_matched(quiet_comm, ge
         if written == "weights":
             out = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)
             w.mul_(0.5)
+        elif written == "weights gathered, then written":  # the gather copies w before the write
+            n = t * k
+            perm = _reversed(n, x.device)
+            gw = w.reshape(-1)[perm]
+            w.mul_(3.0)
+            out = (rows[perm] * gw.unsqueeze(-1))[_hf_inverse(perm, n)].view(t, k, h).sum(dim=1)
         elif written == "weights through an in-place op's result":
             alias = w.mul_(1.0)
             out = (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1)

@@ -587,18 +587,19 @@ def reads_the_sum(n: fx.Node, v: fx.Node, ar: AllReduce, positions: dict) -> boo
 
 
 def _private_view(v: fx.Node) -> bool:
-    """Whether v views (through views and no-op casts, each read only by the next) a tensor the graph
-    computed that nothing else reads, e.g. `out.reshape(b, s, h)` of a fresh result (HF's MoE blocks return
-    one): then no reader sees the sum written into it in place."""
+    """Whether v views (through views, no-op casts and in-place ops' results, each read only by the next) a
+    tensor the graph computed that nothing else reads, e.g. `out.reshape(b, s, h)` of a fresh result (HF's
+    MoE blocks return one), or `y += bias` of a projection's output: then no reader sees the sum written
+    into it in place."""
     reshapes = ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
                 "contiguous")
     cur = v
     for _ in range(16):
         if not (G.may_alias(cur) or G.passthrough(cur)):
             break
-        whole = G.kind(cur) in ("view", "identity", "cast", "unsqueeze") or \
-            (cur.op == "call_method" and cur.target in reshapes)
         src = G.source(cur)
+        whole = G.kind(cur) in ("view", "identity", "cast", "unsqueeze") or \
+            (cur.op == "call_method" and cur.target in reshapes) or (src is not None and G.writes(cur, src))
         if not whole or src is None or set(src.users) != {cur}:
             return False
         cur = src

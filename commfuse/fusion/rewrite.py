@@ -632,18 +632,18 @@ def _written_in_place(matched: set, inputs: list, anchor: fx.Node, positions: di
 
 
 def _reads(n: fx.Node, matched: set, last: int, positions: dict) -> list:
-    """The nodes up to position `last` that read n's memory for the match: the users of n and of its views
-    (followed through views only) whose values reach the match."""
+    """The nodes up to position `last` that read n's memory for the match: the users of n and of what may
+    alias it whose values reach the match. Such an alias is followed to its users (a view reads where it is
+    read) and counts as a read itself (it may be a copy: a gather, a cast)."""
     aliases, todo, reads = {n}, [n], []
     while todo:
         for u in todo.pop().users:
-            if u in aliases or positions[u] > last:
+            if u in aliases or positions[u] > last or not _feeds(u, matched, last, positions):
                 continue
+            reads.append(u)
             if G.may_alias(u) and G.source(u) in aliases and u not in matched:
                 aliases.add(u)
                 todo.append(u)
-            elif _feeds(u, matched, last, positions):
-                reads.append(u)
     return reads
 
 
