@@ -27,7 +27,7 @@ from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MA
 from .context import Ctx
 from .impls import DEFAULT_IMPLS, IMPLS
 from .timing import MODES, measure_ceilings, time_step
-from .verdict import OK, Kind, Skip, Verdict, agree, failed, short
+from .verdict import OK, Kind, Skip, Verdict, agree, failed
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -207,18 +207,14 @@ def checked_after(ctx: Ctx, case, step, mode: str, last, mismatch) -> Verdict:
     call count, another input set, a replay) is rejected too. A row with oracles of its own for set 0 only
     (Step.expected) is judged where its last call read set 0."""
     i = (ctx.args.calls_per_graph - 1) % len(case.sets)
-    verdict = OK
-    if step.expected is None or i == 0:
-        try:
-            res = step.result(last)
-            if ctx.cuda:
-                torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - what the row returned is not a result
-            res, why = None, f"output not comparable with the oracle ({type(e).__name__}: {short(e)})"
-        if res is not None:
-            why = judge(mismatch, res, i)
-        if why is not None:
-            verdict = Verdict(Kind.REJECTED, f"the last timed call ({mode}): {why}")
+
+    def judged(returned, j):
+        res = step.result(returned)
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        return mismatch(res, j)
+    why = judge(judged, last, i) if step.expected is None or i == 0 else None
+    verdict = OK if why is None else Verdict(Kind.REJECTED, f"the last timed call ({mode}): {why}")
     return agree(ctx.world, verdict)
 
 
