@@ -22,7 +22,8 @@
 // Two-shot barriers are per CTA and cross-rank: CTA b signals phase k of call `epoch` by writing
 // `epoch` into flags[k][b][rank] of every peer, and waits until its own flags[k][b][q] reach
 // `epoch` for every q. Epochs live in device memory (epochs[b], bumped by the kernel, by both
-// algorithms), so a CUDA graph replays correctly: nothing per call is baked into the launch.
+// algorithms), so a CUDA graph replays correctly: nothing per call is baked into the launch. Epochs and
+// flags are 64-bit: a flag keeps the last two-shot call's epoch through any number of one-shot calls.
 //
 // Why two halves (half = epoch & 1) make a buffer safe to reuse, for both algorithms and any mix
 // of them: only the owner of a buffer ever READS it (pushes are remote writes, reads are local),
@@ -128,13 +129,13 @@ static_assert(sizeof(P2PParams::peers) / sizeof(void*) == kMaxWorld, "peers[] ho
 
 // ------------------------------------------------------------------ memory-model primitives
 
-__device__ __forceinline__ void st_release_sys(unsigned* addr, unsigned v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+__device__ __forceinline__ void st_release_sys(unsigned long long* addr, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* addr) {
-  unsigned v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* addr) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
   return v;
 }
 
@@ -183,8 +184,8 @@ __device__ __forceinline__ uint4* lamport_slot(const P2PParams& p, int r, int s,
 }
 
 // flags[phase][block][sender] of rank r's buffer.
-__device__ __forceinline__ unsigned* flag(const P2PParams& p, int r, int phase, int block, int sender) {
-  unsigned* flags = reinterpret_cast<unsigned*>(static_cast<char*>(p.peers[r]) + p.flags_offset);
+__device__ __forceinline__ unsigned long long* flag(const P2PParams& p, int r, int phase, int block, int sender) {
+  auto* flags = reinterpret_cast<unsigned long long*>(static_cast<char*>(p.peers[r]) + p.flags_offset);
   return flags + (static_cast<size_t>(phase) * gridDim.x + block) * p.world + sender;
 }
 
@@ -320,23 +321,25 @@ __device__ __noinline__ bool sig_settle(const P2PParams& p, unsigned epoch) {
 // peer's call signature differs (checked while waiting, so a peer running the other algorithm,
 // which never releases this flag, is named at once).
 template <typename T, int QUANT, int ALGO>
-__device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned epoch, int* s_fail) {
+__device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned long long epoch, int* s_fail) {
   __syncthreads();  // every store of this CTA for this phase is issued before the release below
   const int q = threadIdx.x;
   if (q < p.world && q != p.rank) {
     st_release_sys(flag(p, q, phase, blockIdx.x, p.rank), epoch);
-    const unsigned* mine = flag(p, p.rank, phase, blockIdx.x, q);
+    const unsigned long long* mine = flag(p, p.rank, phase, blockIdx.x, q);
     const unsigned long long start = global_timer_ns();
-    // ">=" as a signed difference: robust should a peer ever be ahead, and correct when the 32-bit
-    // epoch wraps around after 2^32 calls. (A peer cannot be ahead here: it would first have to
-    // pass this very barrier, which needs this CTA's flag.)
+    const unsigned half_epoch = static_cast<unsigned>(epoch);  // what the signature slots take: its parity
+    // ">=" as a signed difference: robust should a peer ever be ahead. (It cannot be: it would first have
+    // to pass this very barrier, which needs this CTA's flag.) 64 bits, because only two-shot calls write
+    // the flags while every call advances the epoch: after 2^31 one-shot calls a 32-bit difference from
+    // the last two-shot call's flag would read as "arrived" and the barrier would not wait.
     bool ok = true, sig_done = phase != 0;
-    while (static_cast<int>(ld_acquire_sys(mine) - epoch) < 0) {
+    while (static_cast<long long>(ld_acquire_sys(mine) - epoch) < 0) {
       // A peer of the other algorithm never releases this flag, but its signature comes: check it
       // as soon as it is there, and go on waiting for the flag when it matches.
-      if (!sig_done && sig_size_word(p, epoch) != kEmptyWord) {
+      if (!sig_done && sig_size_word(p, half_epoch) != kEmptyWord) {
         sig_done = true;
-        if (!sig_settle<T, QUANT, ALGO>(p, epoch)) {
+        if (!sig_settle<T, QUANT, ALGO>(p, half_epoch)) {
           ok = false;
           break;
         }
@@ -348,7 +351,7 @@ __device__ __forceinline__ bool barrier(const P2PParams& p, int phase, unsigned 
       }
     }
     // The flag's acquire made the peer's signature visible: it was stored before the release.
-    if (!ok || (!sig_done && !sig_settle<T, QUANT, ALGO>(p, epoch))) *s_fail = 1;
+    if (!ok || (!sig_done && !sig_settle<T, QUANT, ALGO>(p, half_epoch))) *s_fail = 1;
   }
   __syncthreads();
   return *s_fail == 0;
@@ -710,7 +713,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
                 "VPT: 0 for the plain all-reduce and the looped tail, 1 or 2 for the register tails");
   static_assert(kP2PThreads<QUANT, VPT, ALGO, COMBINE> <= 32 * kTailMaxWarps, "red[] has a slot per warp");
   __shared__ float red[kTailMaxWarps];
-  __shared__ unsigned s_epoch;
+  __shared__ unsigned long long s_epoch;  // this call's number (p.epochs[b] + 1)
   __shared__ int s_fail;
   const int b = blockIdx.x;
   const int nb = gridDim.x;
@@ -746,11 +749,12 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
   }
   if (threadIdx.x == 0) {
     s_fail = *static_cast<volatile int*>(p.dev_error) != 0;
-    s_epoch = p.epochs[b] + 1u;
+    s_epoch = p.epochs[b] + 1;
   }
   __syncthreads();
   if (s_fail) return;  // an earlier timeout or mismatch broke the workspace: do nothing, the host raises
-  const unsigned epoch = s_epoch;
+  // Its low word: the parity picks the buffers' half. The two-shot barriers take all 64 bits (s_epoch).
+  const unsigned epoch = static_cast<unsigned>(s_epoch);
   push_signature<T, QUANT, ALGO>(p, epoch);
 
   if constexpr (ALGO == kAlgoOneshot) {
@@ -814,7 +818,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
       uint4* const dst = slot(p, segment_owner(p, r), p.rank, epoch) + first;
       copy_row<kCopyStep<VPT>>(row_len(p, r), load_x(r, first), [dst](int) { return dst; }, 1);
     }
-    if (!barrier<T, QUANT, ALGO>(p, 0, epoch, &s_fail)) return;
+    if (!barrier<T, QUANT, ALGO>(p, 0, s_epoch, &s_fail)) return;
     // Phase 1: reduce the own segment's rows and push the T sums into every rank's gather region.
     const int own_end = segment_begin(p, p.rank + 1);
     for (int r = first_row(segment_begin(p, p.rank), b, nb); r < own_end; r += nb) {
@@ -825,7 +829,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
     }
     RowTail<T, QUANT, VPT> tail;
     tail.prefetch(p, b);  // phase 2's first row: in flight during barrier 1
-    if (!barrier<T, QUANT, ALGO>(p, 1, epoch, &s_fail)) return;
+    if (!barrier<T, QUANT, ALGO>(p, 1, s_epoch, &s_fail)) return;
     // Phase 2: every rank's sums are in the local gather region: emit all rows.
     const uint4* g = gather(p, p.rank, epoch);
     for (int r = b; r < p.rows; r += nb) {
@@ -839,7 +843,7 @@ __global__ void __launch_bounds__(kP2PThreads<QUANT, VPT, ALGO, COMBINE>, 1) p2p
   } else if constexpr (QUANT == kQuantFp8Block) {
     zero_padding_rows<QUANT>(p);
   }
-  if (threadIdx.x == 0) p.epochs[b] = epoch;
+  if (threadIdx.x == 0) p.epochs[b] = s_epoch;
 }
 
 // Spins for `ns` nanoseconds (one thread): holds a stream while the host enqueues the calls the

@@ -857,6 +857,40 @@ def test_back_to_back_calls_of_changing_shapes_and_algorithms(comms, gen):
 
 
 @mpi
+@pytest.mark.parametrize("lag", [2**31 + 1, 2**32 - 1, 2**40])
+def test_two_shot_waits_for_its_peers_after_any_number_of_one_shot_calls(comm, gen, lag):
+    """Every call advances the epochs, but only two-shot calls write the barrier flags: after `lag` one-shot
+    calls (their state written into the epochs, as that many calls leave it) a two-shot call's barriers must
+    still wait for a late peer, and the calls after it, across the 32-bit boundary, still sum right. With
+    32-bit epochs a lag of 2^31 or more read as "arrived" and the late peer's rows came from an older call."""
+    _skip_unless_p2p(comm)
+    c = _new_comm(comm, "auto")
+    ws, rank = c.workspace, dist.get_rank(c.group)
+    shape = (64, 4096)
+    launchers = {algo: ws.plain_launcher(shape, torch.bfloat16, algo) for algo in ALGOS}
+    calls = [(algo, *rank_inputs(c, gen, shape, torch.bfloat16)) for algo in ("twoshot", "twoshot", "oneshot",
+                                                                               "twoshot", "oneshot", "twoshot")]
+    wrong = []
+    try:
+        for i, (algo, x, xs) in enumerate(calls):
+            if i == 1:  # the lag: the epochs of every CTA advanced on every rank alike, the flags as they were
+                torch.cuda.synchronize(c.device)
+                epochs = ws._state[:2 * ws.nblocks].view(torch.int64)
+                epochs.copy_(epochs + lag)
+            torch.cuda.synchronize(c.device)
+            dist.barrier(group=c.group)
+            if i == 1 and rank == c.world_size - 1:
+                time.sleep(0.5)  # the other ranks' kernels are running, at their barriers
+            y = launchers[algo](x)
+            ws.check()
+            if not bits_equal(y, reference.all_reduce_sum(xs)):
+                wrong.append((i, algo))
+    finally:
+        c.close()
+    assert not wrong, f"wrong sums at calls {wrong} (lag {lag})"
+
+
+@mpi
 @pytest.mark.parametrize("algo", ALGOS)
 def test_cuda_graph_capture_and_replay(comms, gen, monkeypatch, algo):
     c = comms[algo]

@@ -88,8 +88,8 @@ does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is tak
 decides the same. Two-shot's crossover is the largest size up to which P2P (the better algorithm)
 beats NCCL at every measured size; one-shot's the largest size up to which one-shot also beats
 two-shot (P2PLimits.crossovers).
-Between measured sizes the smaller one's decision applies (conservative), and above the largest
-measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
+Between two measured sizes the larger one's decision applies (an algorithm is taken only up to the
+largest size at which it was measured to win), and above the largest measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
 JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size, the NCCL route's binding and library,
 NVLink/P2P matrices, torch/CUDA/NCCL/driver versions, workspace size, grid and kernel source;
 rank 0 reads and writes it, every rank takes rank 0's answer. It takes well under 2 s (plus the

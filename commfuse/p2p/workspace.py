@@ -49,7 +49,7 @@ def layout(max_bytes: int, world: int, nblocks: int) -> Layout:
     # Signature slots (16 bytes per half, sender and CTA) follow the Lamport halves: both start empty.
     sig_offset = lamport_offset + 2 * world * lamport
     flags_offset = sig_offset + -(-(2 * world * nblocks * 16) // ALIGN) * ALIGN
-    flags_bytes = 2 * nblocks * world * 4
+    flags_bytes = 2 * nblocks * world * 8  # 64-bit flags (p2p_allreduce.cu's barrier)
     return Layout(slot, lamport_offset, lamport, sig_offset, flags_offset,
                   flags_offset + -(-flags_bytes // ALIGN) * ALIGN)
 
@@ -174,12 +174,12 @@ class Workspace:
         self._raise_if_any(gather_objects(self.group, err), lambda e: e, "could not map a peer's P2P workspace")
         self._peers[self.rank] = self._ptr
 
-        # epochs[nblocks] then the device error word; zeroed like the flags.
-        self._state = torch.zeros(self.nblocks + 1, dtype=torch.int32, device=self.device)
+        # epochs[nblocks] (64-bit) then the device error word; zeroed like the flags.
+        self._state = torch.zeros(2 * self.nblocks + 1, dtype=torch.int32, device=self.device)
         # P2PParams from peers[8] to lamport_bytes: the same for every launch of this workspace.
         state = self._state.data_ptr()
         self._fixed_params = (*[int(p) for p in self._peers], *[0] * (MAX_WORLD - self.world),
-                              state, state + 4 * self.nblocks, self._host_dev_ptr,
+                              state, state + 8 * self.nblocks, self._host_dev_ptr,
                               int(self.timeout_s * 1e9), self.slot_bytes, self.flags_offset,
                               self.lamport_offset, self.lamport_bytes, self.sig_offset)
         self._barrier()  # every buffer is initialised and mapped everywhere before any kernel runs
