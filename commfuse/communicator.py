@@ -24,6 +24,7 @@ from . import env, moe, nccl, ops, p2p, routes, topology
 from .kernels import jit, moe_tail, native
 from .kernels.moe_combine import index_limits
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
+from .kernels.table import MAX_ENTRIES
 from .local import Quantized
 from .reference import Tail
 from .routes import Call, Collective, Machine, Plan, Resources
@@ -189,7 +190,8 @@ class Communicator:
     def _agreed_settings(group, strategy: str) -> dict:
         """{name: value} of the strategy (the argument or COMMFUSE_STRATEGY) and of the settings read from
         the environment that decide which collectives a call makes (COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK,
-        COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION), checked, then compared across the group in the
+        COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION, COMMFUSE_PRETEND_NO_P2P: topology.detect reads it, and a
+        rank alone in the fallback mode would skip the workspace its peers make), checked, then compared in the
         construction's first collective (COMMFUSE_NCCL_TIMEOUT_S is checked too, not compared). A rank whose own
         are wrong raises its error after taking part, and its peers raise saying so; ranks whose settings differ
         all raise naming them. Raising before that collective would leave the peers waiting in it for the group's
@@ -202,7 +204,8 @@ class Communicator:
             settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
                         ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
                         ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),
-                        ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"))
+                        ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"),
+                        ("COMMFUSE_PRETEND_NO_P2P", os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"))
             nccl.watchdog_timeout()  # checked only: each rank's watchdog is its own
             error = None
         except Exception as e:  # noqa: BLE001 - raised after the exchange, on this rank as it was
@@ -539,6 +542,8 @@ class Communicator:
             launch_plan = P2P_ALLREDUCE.plan_moe(self.workspace, y.dtype, *combine, spec, dense.collective.algorithm)
             entry = (dataclasses.replace(dense, combine="fused", reasons=dense.reasons + (
                 "the combine runs in the P2P kernel, as it reads each rank's rows",)), native.launcher(launch_plan))
+        if len(self._moe_plans) >= MAX_ENTRIES:  # as the plan table: varying t and R would grow it for good
+            self._moe_plans.clear()
         self._moe_plans[key] = entry
         return entry
 

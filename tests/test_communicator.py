@@ -127,6 +127,12 @@ def test_bad_argument_raises_on_every_rank_before_any_collective(comm, gen):
     assert comm.all_reduce(x).shape == x.shape  # the group still works afterwards
     with pytest.raises(TypeError, match="x is a lazily negated view"):
         comm.all_reduce(torch._neg_view(x))
+    # A zero tensor (forward-mode AD) has no memory: its null pointer would read as no residual given.
+    for name in ("x", "residual"):
+        args = dict(x=x, residual=residual)
+        args[name] = torch._efficientzerotensor(x.shape, dtype=x.dtype, device=x.device)
+        with pytest.raises(TypeError, match=f"{name} is a zero tensor without memory"):
+            comm.fused_all_reduce(**args, weight=weight)
     assert torch.equal(comm.fused_all_reduce(x, residual, weight).residual, want)
     # A FakeTensor keys as x would but holds no memory (a null pointer to a native launch): refused alike.
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -612,7 +618,8 @@ def test_unknown_strategy_raises(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("bad", ["strategy", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_NCCL_TIMEOUT_S",
-                                 "COMMFUSE_CHECK on one rank", "COMMFUSE_STRATEGY on one rank"])
+                                 "COMMFUSE_CHECK on one rank", "COMMFUSE_STRATEGY on one rank",
+                                 "COMMFUSE_PRETEND_NO_P2P on one rank"])
 def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, gen, monkeypatch, bad):
     """Construction is collective: a rank whose own argument or environment is wrong, or whose settings differ
     from its peers', raises after the ranks compare them, and its peers raise naming it, within the
@@ -621,7 +628,7 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
     the ranks' group counts apart: every later Communicator failed; for a bad COMMFUSE_NCCL_TIMEOUT_S, the peers
     waited in NCCL's initialisation)."""
     rank = dist.get_rank(comm.group)
-    for name in ("COMMFUSE_STRATEGY", "COMMFUSE_CHECK"):
+    for name in ("COMMFUSE_STRATEGY", "COMMFUSE_CHECK", "COMMFUSE_PRETEND_NO_P2P"):
         monkeypatch.delenv(name, raising=False)
     strategy = "auto"
     if rank == 0:
@@ -631,13 +638,16 @@ def test_a_communicator_one_rank_cannot_make_raises_on_every_rank_at_once(comm, 
             monkeypatch.setenv(bad, "10s")
         elif bad == "COMMFUSE_CHECK on one rank":
             monkeypatch.setenv("COMMFUSE_CHECK", "1")
+        elif bad == "COMMFUSE_PRETEND_NO_P2P on one rank":
+            monkeypatch.setenv("COMMFUSE_PRETEND_NO_P2P", "1")
         else:
             monkeypatch.setenv("COMMFUSE_STRATEGY", "nccl")
     if bad == "COMMFUSE_STRATEGY on one rank":  # the arguments are alike: the message says where it came from
         want = r"ranks disagree on strategy: rank 0: .*'strategy': 'nccl'.* \(strategy from COMMFUSE_STRATEGY\); " \
                r"rank 1: .*'strategy': 'auto'.* \(strategy from the argument\)"
-    elif bad == "COMMFUSE_CHECK on one rank":
-        want = r"ranks disagree on COMMFUSE_CHECK: rank 0: .*'COMMFUSE_CHECK': True.*rank 1: .*'COMMFUSE_CHECK': False"
+    elif bad.endswith(" on one rank"):  # a boolean variable set on rank 0 alone
+        name = bad.split()[0]
+        want = rf"ranks disagree on {name}: rank 0: .*'{name}': True.*rank 1: .*'{name}': False"
     elif rank == 0:
         want = "^strategy must be one of" if bad == "strategy" else f"{bad} must be a number"
     else:
