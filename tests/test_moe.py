@@ -650,3 +650,26 @@ def test_moe_tail_splits_few_tokens_only():
         s = per_token(t, 8, 7168, 1, dev)
         assert t * s <= sms, (t, s)
         assert s == moe_tail.MAX_SPLIT or t * s * 2 > sms, (t, s)
+
+
+def test_the_one_launch_routes_cache_stays_bounded():
+    """The cache of moe_all_reduce's one-launch routes is keyed by t and the finalize form's rows R, which a
+    server varies call by call: it is cleared as the plan table is, instead of growing for the process's life."""
+    import types
+
+    from commfuse.communicator import Communicator
+    from commfuse.kernels.table import MAX_ENTRIES
+    from commfuse.routes import Machine
+    from commfuse.tail.spec import TailSpec
+
+    comm = Communicator.__new__(Communicator)  # the cache's facts only: a P2P machine's route, planned on the CPU
+    comm._moe_plans, comm.device = {}, torch.device("cpu")
+    comm.workspace = types.SimpleNamespace(max_bytes=1 << 26)
+    comm._machine = Machine("p2p", "nccl", None, 2)
+    h, k, weight = 64, 2, torch.empty(64, dtype=torch.bfloat16)
+    for t in range(1, MAX_ENTRIES + 100):
+        y, residual = torch.empty(t * k + t % 3, h, dtype=torch.bfloat16), torch.empty(t, h, dtype=torch.bfloat16)
+        comm._moe_one_launch(y, torch.empty(t, k), torch.zeros(t, k, dtype=torch.int32), residual, weight, None,
+                             TailSpec.of(None), False, True)
+        assert len(comm._moe_plans) <= MAX_ENTRIES
+    assert comm._moe_plans  # it does cache
