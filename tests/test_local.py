@@ -181,23 +181,41 @@ def test_a_residual_of_another_shape_is_updated_in_place_through_a_view(gen, dev
                                        out=Tail(wide.view(-1)[:6 * 64].view(6, 64), None, None, None))
 
 
+# Tensors whose memory is not their values: a lazily negated view holds t's memory and means -t (the kernels would
+# read t); a zero tensor (forward-mode AD's tangent of a constant) has none, and its null pointer would read as an
+# argument not given (no gate: norm(x) * w instead of 0; no residual: an output left unwritten).
+UNREAL = {"a negated view": (torch._neg_view, "is a lazily negated view"),
+          "a zero tensor": (lambda t: torch._efficientzerotensor(t.shape, dtype=t.dtype, device=t.device),
+                            "is a zero tensor without memory")}
+
+
+@pytest.mark.parametrize("kind", sorted(UNREAL))
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-def test_a_negated_view_is_refused_on_a_planned_signature(gen, device):
-    """torch._neg_view(t) holds t's memory and means -t: the plan tables do not key it, so a call of a planned
-    signature goes to planning, which names it, on every route (on a GPU the native launcher would read t)."""
+def test_a_tensor_whose_memory_is_not_its_values_is_refused_on_a_planned_signature(gen, device, kind):
+    """The plan tables do not key such a tensor, so a call of a planned signature goes to planning, which names
+    it, on every route and for every tensor argument and output."""
+    unreal, says = UNREAL[kind]
     x, residual, weight, scale = inputs(gen, 4, 64, BF16, device, quant="fp8")
     want = reference.fused_tail(x.cpu(), residual.cpu(), weight.cpu(), 1e-6, "fp8", scale.cpu())
     for name in ("x", "residual", "weight"):
         args = dict(x=x, residual=residual, weight=weight)
         got = commfuse.fused_add_rmsnorm(**args, quant="fp8", scale=scale)  # the signature, planned
         assert bits_equal(got.quant.cpu(), want.quant)
-        args[name] = torch._neg_view(args[name])
-        with pytest.raises(TypeError, match=f"{name} is a lazily negated view"):
+        args[name] = unreal(args[name])
+        with pytest.raises(TypeError, match=f"{name} {says}"):
             commfuse.fused_add_rmsnorm(**args, quant="fp8", scale=scale)
-    with pytest.raises(TypeError, match="x is a lazily negated view"):
-        commfuse.quantize(torch._neg_view(x), "fp8", scale)
-    with pytest.raises(TypeError, match="scale is a lazily negated view"):
-        commfuse.quantize(x, "fp8", torch._neg_view(scale))
+    got = commfuse.fused_add_rmsnorm(x, residual.clone(), weight, out=Tail(None, None, None, None))
+    with pytest.raises(TypeError, match=f"out.norm {says}"):
+        commfuse.fused_add_rmsnorm(x, residual.clone(), weight, out=Tail(None, unreal(got.norm), None, None))
+    with pytest.raises(TypeError, match=f"x {says}"):
+        commfuse.quantize(unreal(x), "fp8", scale)
+    with pytest.raises(TypeError, match=f"scale {says}"):
+        commfuse.quantize(x, "fp8", unreal(scale))
+    z = torch.randn(4, 64, generator=gen).to(BF16).to(device)
+    gated = commfuse.gated_rmsnorm(x, z, weight, 1e-5, 16, False).norm  # planned
+    assert bits_equal(gated.cpu(), reference.gated_rmsnorm(x.cpu(), z.cpu(), weight.cpu(), 1e-5, 16, False))
+    with pytest.raises(TypeError, match=f"z {says}"):
+        commfuse.gated_rmsnorm(x, unreal(z), weight, 1e-5, 16, False)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])

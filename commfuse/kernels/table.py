@@ -49,7 +49,7 @@ def _tensor(t):
         return None
     # planning says why it takes none of these
     if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested or t.is_neg()
-            or dispatched(t)):
+            or t._is_zerotensor() or dispatched(t)):
         raise _Unkeyable
     return (t.dtype, t.device, t.shape, t.stride())
 

@@ -54,6 +54,9 @@ def _tensor(name: str, t) -> Tensor:
                         "DTensor's to_local()), or trace the model through commfuse.ops")
     if t.is_neg():  # its memory holds -t, which the kernels would read as t
         raise TypeError(f"{name} is a lazily negated view (its negative bit is set): pass {name}.resolve_neg()")
+    if t._is_zerotensor():  # no memory: its null pointer would read as an argument not given (forward-mode AD)
+        raise TypeError(f"{name} is a zero tensor without memory (torch._efficientzerotensor): pass "
+                        f"torch.zeros_like({name})")
     return t
 
 
