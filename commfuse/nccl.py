@@ -19,8 +19,10 @@ whose replays repeat what was captured, is put between two one-thread kernels in
 before (BEGUN) and after (ENDED) each one. A thread of the communicator's aborts it (ncclCommAbort, which
 ends NCCL's kernels) when the oldest unfinished eager all-reduce has waited COMMFUSE_NCCL_TIMEOUT_S seconds
 since its enqueue, or a replayed one as long since the thread saw it begin, and every later call (and
-check()) raises NcclTimeoutError. A CUDA graph that captured the aborted communicator's all-reduces must
-not be replayed again.
+check()) raises NcclTimeoutError. It flags the communicator aborted first, so that the launchers call NCCL
+no more, and aborts ABORT_GRACE_S later: a launcher that read the flag just before it was set is inside
+ncclAllReduce by then, where the abort ends it, not about to enter it on a freed communicator. A CUDA graph
+that captured the aborted communicator's all-reduces must not be replayed again.
 
 The library is the NCCL that torch already uses (no new dependency: ctypes only), found in this
 order: the file COMMFUSE_NCCL_LIBRARY names (then nothing else is tried); cuda.pathfinder's
@@ -68,6 +70,7 @@ NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking communicator still workin
 NCCL_SUM = 0
 NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclFloat16, ncclFloat32, ncclBfloat16
 TIMED_OUT = -1  # the code a launcher reports for a communicator its watchdog aborted (no ncclResult_t is < 0)
+ABORT_GRACE_S = 0.05  # between the watchdog's ABORTED flag and its ncclCommAbort (NcclComm._watchdog)
 # The watchdog's words (int64, host-mapped pinned memory; csrc/host_launch.cpp's Progress mirrors them): the
 # stream writes DONE, the sequence number of the last finished eager all-reduce; the host counts ISSUED and
 # stamps each one's enqueue time (CLOCK_MONOTONIC ns) at STAMPS + seq % RING; ABORTED is set before the abort;
@@ -329,6 +332,7 @@ class NcclComm:
         self._marks = None  # the begin and end marks' parameters, None where captured all-reduces get none
         self.timeout_s = 0.0
         self._lock = threading.Lock()  # the watchdog's abort against close()
+        self._watchdog_aborted = False
 
     def _watch(self, timeout: float, replays: bool) -> None:
         """Start the watchdog: its words in host-mapped pinned memory, the marks of captured all-reduces
@@ -374,10 +378,14 @@ class NcclComm:
             else:
                 late = late or now - since > limit
             if late:
+                p[ABORTED] = 1  # the launchers stop calling NCCL before the communicator goes
+                # A launcher that read the flag just before it was set is a few instructions from ncclAllReduce:
+                # give it the time to get there, where the abort ends it, rather than meet a freed communicator.
+                time.sleep(ABORT_GRACE_S)
                 with self._lock:
                     if self._handle is not None:
-                        p[ABORTED] = 1  # the launchers stop calling NCCL before the communicator goes
                         self.nccl.lib.ncclCommAbort(self._handle)
+                        self._watchdog_aborted = True
                 return
 
     def _captured(self, stream: int) -> Optional[bool]:
@@ -501,7 +509,12 @@ class NcclComm:
         words stay (a launcher may still hold their address)."""
         with self._lock:
             handle, self._handle = self._handle, None
-            if handle is not None and not (self._progress is not None and self._progress[ABORTED]):
+            if handle is None:
+                return
+            if self._progress is not None and self._progress[ABORTED]:
+                if not self._watchdog_aborted:  # closed within the watchdog's grace: its abort is this one
+                    self.nccl.lib.ncclCommAbort(handle)
+            else:
                 self.nccl.release(handle)
 
 

@@ -121,6 +121,7 @@ class FakeLib:
 
     def ncclCommAbort(self, handle):
         self.calls.append("ncclCommAbort")
+        self.aborted_at = time.monotonic()
         return self.fail
 
     def ncclAllReduce(self, *args):
@@ -249,6 +250,14 @@ def watched(lib, timeout: float, handle=0xABC, path="fake"):
     return comm
 
 
+def until(condition, limit: float = 5.0) -> bool:
+    """Whether `condition()` came true within `limit` seconds (polled)."""
+    start = time.monotonic()
+    while not condition() and time.monotonic() - start < limit:
+        time.sleep(0.005)
+    return condition()
+
+
 def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_raise():
     lib = FakeLib()
     comm = watched(lib, 0.2)
@@ -269,7 +278,8 @@ def test_watchdog_aborts_an_all_reduce_unfinished_past_the_timeout_then_calls_ra
     while not words[nccl.ABORTED] and time.monotonic() - start < 5:
         time.sleep(0.01)
     took = time.monotonic() - start
-    assert words[nccl.ABORTED] and lib.calls.count("ncclCommAbort") == 1
+    assert words[nccl.ABORTED] and until(lambda: "ncclCommAbort" in lib.calls)
+    assert lib.calls.count("ncclCommAbort") == 1
     assert 0.15 < took < 0.6, took  # the timeout, plus at most a poll (timeout / 4)
     calls = len(lib.calls)
     with pytest.raises(nccl.NcclTimeoutError, match=r"rank 0: an NCCL all-reduce did not finish within "
@@ -382,12 +392,40 @@ def test_watchdog_aborts_a_replayed_all_reduce_begun_and_not_ended_past_the_time
     while not words[nccl.ABORTED] and time.monotonic() - start < 5:
         time.sleep(0.01)
     took = time.monotonic() - start
-    assert words[nccl.ABORTED] and lib.calls.count("ncclCommAbort") == 1
+    assert words[nccl.ABORTED] and until(lambda: "ncclCommAbort" in lib.calls)
+    assert lib.calls.count("ncclCommAbort") == 1
     assert 0.2 < took < 0.35, took  # the timeout, plus up to two polls (timeout / 4 each)
     with pytest.raises(nccl.NcclTimeoutError, match="replayed from a CUDA graph"):
         comm.check()
     with pytest.raises(nccl.NcclTimeoutError):
         comm.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_the_abort_comes_a_grace_after_the_launchers_are_told(closed, monkeypatch):
+    """A launcher reads ABORTED before each ncclAllReduce: one that read it just before the watchdog set it is
+    on its way into NCCL, where the abort ends it, so the abort waits ABORT_GRACE_S after the flag instead of
+    freeing the communicator under it. A close() within that grace aborts it (it must not be destroyed: an
+    all-reduce of it never finished), and the watchdog's abort does not come again."""
+    grace = 0.5  # longer than the library's, so that a loaded machine cannot blur it
+    monkeypatch.setattr(nccl, "ABORT_GRACE_S", grace)
+    lib = FakeLib()
+    comm = watched(lib, 0.1)
+    words = comm._progress
+    comm.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)  # never finishes
+    assert until(lambda: words[nccl.ABORTED])
+    flagged = time.monotonic()
+    assert "ncclCommAbort" not in lib.calls
+    if closed:
+        comm.close()
+        time.sleep(1.5 * grace)
+        assert lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls
+        assert lib.aborted_at - flagged < grace / 2
+        return
+    assert until(lambda: "ncclCommAbort" in lib.calls)
+    assert lib.aborted_at - flagged > grace / 2
+    comm.close()
+    assert lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls
 
 
 def test_watchdog_stops_at_close():
@@ -863,7 +901,7 @@ def test_the_watchdog_aborts_a_hung_all_reduce_replayed_from_a_cuda_graph(comm, 
         while not words[nccl.ABORTED] and time.monotonic() - start < 10:
             time.sleep(0.01)
         took = time.monotonic() - start
-        assert words[nccl.ABORTED] and s.stub_aborted() >= 1
+        assert words[nccl.ABORTED] and until(lambda: s.stub_aborted() >= 1)
         assert 0.9 < took < 2.0, took  # the timeout, plus up to two polls (0.25 s each)
         torch.cuda.synchronize()  # the abort ended the wait: the stream drains
         assert words[nccl.BEGUN] == words[nccl.ENDED] == 2
