@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import env, moe, nccl, ops, p2p, routes, topology
+from .distributed import rank_label
 from .kernels import jit, moe_tail, native
 from .kernels.moe_combine import index_limits
 from .kernels.p2p_allreduce import P2P_ALLREDUCE
@@ -40,6 +41,10 @@ GLOO_TIMEOUT_S = 10.0  # the gloo route's wait for every rank's call (COMMFUSE_G
 # the old one's name, maybe with other members.
 _CHECK_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MADE_CHECK_GROUPS: list = []  # every check group made, held for the exit handler (the table above lets go of them)
+# The last number given to a Communicator of each group (Communicator._agreed_settings: the ranks agree on it).
+# Its call checks name it: the Communicators of one group share a check group, where calls made to two of them in
+# different orders would otherwise pair and exchange each other's rows.
+_MADE_ON: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @atexit.register
@@ -144,6 +149,7 @@ class Communicator:
             raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
         settings = self._agreed_settings(group, strategy)
         self.group = group if group is not None else dist.group.WORLD
+        self._caller = f" on communicator {settings['number']} of its group"  # what its call checks' texts end with
         self.strategy, self._gloo_timeout_s = settings["strategy"], settings["COMMFUSE_GLOO_TIMEOUT_S"]
         self.backend = str(dist.get_backend(self.group))
         Collective.of_backend(self.backend)  # nccl or gloo, else a clear error now rather than at a call
@@ -178,7 +184,7 @@ class Communicator:
         self._check_group = self._open_check_group() if self.backend == "gloo" else None
         self._gloo_check = settings["COMMFUSE_GLOO_CHECK"]
         self._resources = Resources(self.group, self.device, self.workspace, self._nccl, self._check_group,
-                                    self._gloo_check)
+                                    self._gloo_check, self._caller)
         # A hit must not skip the P2P error check: the table reads the workspace's error word itself.
         self.table = native.table(self.name, self.workspace.error_word() if self.workspace is not None else 0,
                                   FusedResult, Tail, Quantized)
@@ -195,7 +201,7 @@ class Communicator:
         construction's first collective (COMMFUSE_NCCL_TIMEOUT_S is checked too, not compared). A rank whose own
         are wrong raises its error after taking part, and its peers raise saying so; ranks whose settings differ
         all raise naming them. Raising before that collective would leave the peers waiting in it for the group's
-        timeout, then with broken connections."""
+        timeout, then with broken connections. "number": the Communicator's number among its group's, agreed."""
         given = os.environ.get("COMMFUSE_STRATEGY")
         name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
         try:
@@ -215,21 +221,25 @@ class Communicator:
         if world < 1:  # not a member: no collective over the group to take part in
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group")
         every: list = [None] * world
-        dist.all_gather_object(every, (settings if error is None else f"{type(error).__name__}: {error}", name),
-                               group=group)
+        dist.all_gather_object(every, (settings if error is None else f"{type(error).__name__}: {error}", name,
+                                       _MADE_ON.get(group, 0)), group=group)
+        # This Communicator's number among its group's: one more than any rank's last, so the same on every rank.
+        number = _MADE_ON[group] = 1 + max(last for _, _, last in every)
+        every = [(theirs, source) for theirs, source, _ in every]
+        labels = [rank_label(group, r) for r in range(world)]
         del group  # not held by the frame of an error raised below (the exit handlers let go of every gloo group)
         if error is not None:
             raise error
-        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(every) if isinstance(e, str)]
+        failed = [f"{labels[r]}: {e}" for r, (e, _) in enumerate(every) if isinstance(e, str)]
         if failed:
             raise ValueError(f"a rank could not make the Communicator ({'; '.join(failed)})")
         if any(theirs != settings for theirs, _ in every):
             differ = [n for i, (n, _) in enumerate(settings) if len({theirs[i][1] for theirs, _ in every}) > 1]
             # The strategy as each rank gave it: the argument, or COMMFUSE_STRATEGY where set.
             raise ValueError("ranks disagree on " + ", ".join(differ) + ": " + "; ".join(
-                f"rank {r}: {dict(theirs)} (strategy from {'the argument' if source == 'strategy' else source})"
+                f"{labels[r]}: {dict(theirs)} (strategy from {'the argument' if source == 'strategy' else source})"
                 for r, (theirs, source) in enumerate(every)))
-        return dict(settings)
+        return dict(settings, number=number)
 
     def _open_check_group(self):
         """The call checks (the gloo route's signature exchange, and COMMFUSE_CHECK's on every route) run
@@ -279,7 +289,7 @@ class Communicator:
         why = "COMMFUSE_NCCL=0" if os.environ.get("COMMFUSE_NCCL") == "0" else nccl.available()
         whys: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(whys, why, group=self.group)
-        why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
+        why = next((f"{rank_label(self.group, r)}: {w}" for r, w in enumerate(whys) if w), None)
         if why is None:
             self._nccl = nccl.shared(self.group, self.device)
             self.nccl_binding = f"commfuse.nccl (NCCL {self._nccl.version})"
@@ -371,7 +381,7 @@ class Communicator:
                     # room for x, on x's device.
                     payload, room = ((None, self._check_room) if self._check_calls else
                                      (torch.empty(0, dtype=torch.uint8, device=self.device), routes.GLOO_INLINE_BYTES))
-                    routes.refuse(self._check_group, "a call that raised", e, payload, room)
+                    routes.refuse(self._check_group, "a call that raised", e, payload, room, self._caller)
             raise
 
     def _first(self, op: str, args: tuple, call: Call):
@@ -574,7 +584,7 @@ class Communicator:
         self.nccl_binding = "torch.distributed (closed)"
         self._machine = dataclasses.replace(self._machine, limits=None)
         self._resources = Resources(self.group, self.device, check_group=self._check_group,
-                                    gloo_check=self._gloo_check)
+                                    gloo_check=self._gloo_check, caller=self._caller)
 
     def _drop_gloo_groups(self) -> None:
         """At exit (_drop_gloo_groups): the references to gloo groups, the table's launchers' and the P2P
@@ -603,5 +613,5 @@ class Communicator:
         if self._check_group is None:
             self._check_group = self._open_check_group()
         if refused is not None:
-            routes.refuse(self._check_group, f"{signature}, refused", refused, None, self._check_room)
-        routes.exchange_signature(self._check_group, str(signature), 0, None, self._check_room)
+            routes.refuse(self._check_group, f"{signature}, refused", refused, None, self._check_room, self._caller)
+        routes.exchange_signature(self._check_group, f"{signature}{self._caller}", 0, None, self._check_room)

@@ -168,6 +168,13 @@ def _destroy_at_exit(made) -> None:
             pass
 
 
+def rank_label(group, rank: int) -> str:
+    """How errors name `group`'s rank `rank`: "rank r", and its global rank where the two differ (a subgroup's
+    numbering alone would name other processes)."""
+    g = rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
+    return f"rank {rank}" if g == rank else f"rank {rank} (global {g})"
+
+
 def gather_objects(group, obj) -> list:
     """Every rank's `obj` (picklable), in rank order: torch.distributed's all_gather_object."""
     out: list = [None] * dist.get_world_size(group)

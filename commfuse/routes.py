@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import reference
+from .distributed import rank_label
 from .kernels import native
 from .kernels.family import CTYPE, Family
 from .kernels.fused_tail import FUSED_TAIL
@@ -211,6 +212,7 @@ class Resources:
     nccl: object = None
     check_group: object = None  # the gloo route's signature exchange: a gloo group with a short timeout
     gloo_check: bool = True
+    caller: str = ""  # what the exchanged texts end with: which of its group's Communicators makes the call
 
 
 # --------------------------------------------------------------------------- guards
@@ -619,33 +621,43 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     if inline and nbytes:
         mine[16:16 + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
     bufs = [torch.empty_like(mine) for _ in range(world)]
+    me = rank_label(check_group, dist.get_rank(check_group))
     try:
         dist.all_gather(bufs, mine, group=check_group)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
         BROKEN_CHECK_GROUPS.append(check_group)
-        raise CallTimeoutError(f"rank {dist.get_rank(check_group)}: not every rank made the call {text} within the "
-                               f"call check's timeout (COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, died, or lags "
-                               f"that far behind ({e})") from None
+        raise CallTimeoutError(f"{me}: not every rank made the call {text} within the call check's timeout "
+                               f"(COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, died, or lags that far behind "
+                               f"({e})") from None
     heads = torch.stack([b[:16] for b in bufs]).cpu()
     if any(not torch.equal(h, heads[0]) for h in heads):
+        mine_text = f"{text}, {nbytes} bytes"
         texts: list = [None] * world
-        dist.all_gather_object(texts, f"{text}, {nbytes} bytes", group=check_group)
-        calls = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+        try:
+            dist.all_gather_object(texts, mine_text, group=check_group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:  # a peer died or lagged between the two gathers: the mismatch stands
+            BROKEN_CHECK_GROUPS.append(check_group)
+            raise CallMismatchError(f"ranks disagree on the call: {me}: {mine_text}; the others' calls did "
+                                    f"not come within the call check's timeout ({e})") from None
+        calls = "; ".join(f"{rank_label(check_group, r)}: {t}" for r, t in enumerate(texts))
         raise CallMismatchError(f"ranks disagree on the call: {calls}")
     if not inline:
         return None
     return [b[16:16 + nbytes].view(payload.dtype).view(payload.shape) for b in bufs]
 
 
-def refuse(check_group, call: str, error: Exception, payload=None, room: int = 0) -> None:
+def refuse(check_group, call: str, error: Exception, payload=None, room: int = 0, caller: str = "") -> None:
     """Raise `error`, this rank's for a call its peers make, after taking part in their exchange of it
-    (exchange_signature's arguments payload and room as theirs), its text `call` then "<Error>: <message>": its
+    (exchange_signature's arguments payload and room as theirs), its text `call`, "<Error>: <message>", then
+    `caller` (Resources.caller): its
     peers raise CallMismatchError naming it rather than pair the exchange with this rank's next call. Where
     a peer skipped the call, the error is caused by the CallTimeoutError: the check group is broken."""
     try:
-        exchange_signature(check_group, f"{call} {type(error).__name__}: {error}", 0, payload, room)
+        exchange_signature(check_group, f"{call} {type(error).__name__}: {error}{caller}", 0, payload, room)
     except CallMismatchError:
         pass  # the peers' side of it: this rank raises its own error
     except CallTimeoutError as timeout:
@@ -671,7 +683,7 @@ class _GlooSum:
     __slots__ = ("group", "check_group", "text", "checked")
 
     def __init__(self, res: Resources, text: str):
-        self.group, self.text = res.group, text
+        self.group, self.text = res.group, text + res.caller
         self.check_group = res.check_group if res.check_group is not None else res.group
         self.checked = res.gloo_check
 

@@ -309,6 +309,66 @@ def test_communicators_of_two_groups_over_the_same_ranks_do_not_pair_their_calls
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+def test_two_communicators_of_one_group_called_in_different_orders_raise(comm, gen, check):
+    """Two Communicators of one group share its check group. Rank 0 calls the first then the second, the others
+    the second then the first, with inputs of one shape: every rank raises CallMismatchError naming which
+    Communicator each rank called. Before, the calls paired and each rank got the other Communicator's sums."""
+    first, second = _checked_by(comm, check), _checked_by(comm, check)
+    if check == "COMMFUSE_CHECK":  # an NCCL group makes its check group at the first checked call
+        for c in (first, second):
+            c.all_reduce(torch.ones(2, 8, device=c.device))
+    assert first._check_group is second._check_group
+    rank = dist.get_rank(comm.group)
+    x = torch.full((2, 64), float(1 + rank), device=comm.device)
+    order = (first, second) if rank == 0 else (second, first)
+    with pytest.raises(commfuse.CallMismatchError, match=r"rank 0: [^;]* on communicator (\d+) of its group, .*; "
+                                                          r"rank 1: [^;]* on communicator (?!\1)\d+ of its group"):
+        order[0].all_reduce(x)
+    for c in (first, second):  # in step again: the same order on every rank
+        assert torch.equal(c.all_reduce(x), torch.full_like(x, sum(range(1, comm.world_size + 1))))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_subgroups_call_checks_name_the_global_ranks(comm, gen):
+    """A subgroup's rank r is another process than the world's rank r: the call checks name both numbers."""
+    ranks = dist.get_process_group_ranks(comm.group)[1:]
+    sub = dist.new_group(ranks, backend="gloo")  # collective over the world
+    if dist.get_rank(comm.group) == 0:
+        return
+    c = Communicator(sub, strategy="nccl")
+    c.check_calls = True
+    x = torch.ones(2 + dist.get_rank(sub), 64)
+    with pytest.raises(commfuse.CallMismatchError, match=rf"rank 0 \(global {ranks[0]}\): .*; rank 1 \(global "
+                                                          rf"{ranks[1]}\): "):
+        c.all_reduce(x)
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mismatch_whose_texts_do_not_come_raises_the_mismatch_and_retires_the_check_group(comm, monkeypatch):
+    """The ranks' texts follow a mismatched digest in a second gather; where that one fails (a peer died or lags
+    past the timeout), every rank still raises CallMismatchError with its own call, not gloo's error, and the
+    check group is not used again."""
+    c = _checked_by(comm, "COMMFUSE_CHECK")
+    if c._check_group is None:
+        c.all_reduce(torch.ones(2, device=c.device))
+    group = c._check_group
+
+    def gone(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(routes.dist, "all_gather_object", gone)
+    text = "plain(a)" if dist.get_rank(c.group) == 0 else "plain(b)"
+    with pytest.raises(commfuse.CallMismatchError, match=r"ranks disagree on the call: rank \d+: plain\((a|b)\), 0 "
+                                                          r"bytes; the others' calls did not come.*closed by peer"):
+        routes.exchange_signature(group, text, 0)
+    monkeypatch.undo()
+    assert any(g is group for g in routes.BROKEN_CHECK_GROUPS)
+    routes.BROKEN_CHECK_GROUPS.remove(group)  # it is whole: only the patched gather failed
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 def test_skipped_call_raises_within_the_check_timeout(comm, gen, monkeypatch, check):
     """Rank 0 calls, the others skip the call: rank 0 raises CallTimeoutError after COMMFUSE_GLOO_TIMEOUT_S,
     not after the process group's timeout, and the group itself stays usable. Two checks bound it: the

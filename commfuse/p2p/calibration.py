@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..distributed import gather_objects
+from ..distributed import gather_objects, rank_label
 from ..kernels import jit
 from ..kernels.p2p_allreduce import ALGORITHMS, DELAY_KERNEL, SOURCE
 
@@ -168,7 +168,7 @@ def _raise_together(group, cause: Optional[BaseException], what: str) -> None:
     failed = gather_objects(group, None if cause is None else f"{type(cause).__name__}: {cause}")
     if any(failed):
         raise CalibrationError(f"P2P calibration {what}: " + "; ".join(
-            f"rank {i}: {f}" for i, f in enumerate(failed) if f)) from cause
+            f"{rank_label(group, i)}: {f}" for i, f in enumerate(failed) if f)) from cause
 
 
 def measure(ws, sizes: Optional[Sequence[int]] = None, nccl=None) -> Tuple[List[int], List[List[float]]]:

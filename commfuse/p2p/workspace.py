@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env, ipc
-from ..distributed import gather_objects
+from ..distributed import gather_objects, rank_label
 from ..kernels import native, params
 from ..kernels.p2p_allreduce import (MAX_BLOCKS, MAX_WORLD, P2P_ALLREDUCE, P2PMismatchError, P2PTimeoutError,
                                      describe_signature, resident_ctas)
@@ -108,15 +108,17 @@ class Workspace:
         gathered = gather_objects(group, ((self.max_bytes, calibrate), resident, how, why))
         if error is not None:
             raise error
-        failed = [f"rank {i}: {g[3]}" for i, g in enumerate(gathered) if g[3] is not None]
+        failed = [f"{rank_label(group, i)}: {g[3]}" for i, g in enumerate(gathered) if g[3] is not None]
         if failed:
             raise ValueError(f"a rank could not make the P2P workspace ({'; '.join(failed)})")
         if len({g[0] for g in gathered}) > 1:
-            detail = "; ".join(f"rank {i}: max_bytes={g[0][0]}, calibrate={g[0][1]}" for i, g in enumerate(gathered))
+            detail = "; ".join(f"{rank_label(group, i)}: max_bytes={g[0][0]}, calibrate={g[0][1]}"
+                               for i, g in enumerate(gathered))
             raise ValueError(f"ranks disagree on the P2P workspace ({detail})")
         if min(g[1] for g in gathered) < 1:
             raise RuntimeError("P2P workspace: a rank cannot have one CTA per SM resident next to the ranks "
-                               "sharing its GPU (" + "; ".join(f"rank {i}: {g[2]}" for i, g in enumerate(gathered)) + ")")
+                               "sharing its GPU (" + "; ".join(f"{rank_label(group, i)}: {g[2]}"
+                                                              for i, g in enumerate(gathered)) + ")")
         self.nblocks = min(MAX_BLOCKS, min(g[1] for g in gathered))
         self.grid_reason = "; ".join(dict.fromkeys(g[2] for g in gathered))
         (self.slot_bytes, self.lamport_offset, self.lamport_bytes, self.sig_offset, self.flags_offset,
@@ -186,10 +188,10 @@ class Workspace:
 
     def _raise_if_any(self, gathered: list, error_of, what: str) -> None:
         """Raise on every rank (after releasing what this rank holds) if any rank reported an error."""
-        failed = [(i, error_of(g)) for i, g in enumerate(gathered) if error_of(g)]
+        failed = [(rank_label(self.group, i), error_of(g)) for i, g in enumerate(gathered) if error_of(g)]
         if failed:
             self._teardown()
-            raise RuntimeError("; ".join(f"rank {i} {what}: {e}" for i, e in failed))
+            raise RuntimeError("; ".join(f"{label} {what}: {e}" for label, e in failed))
 
     def _barrier(self) -> None:
         """Host barrier of the group that also waits for this rank's GPU work."""
