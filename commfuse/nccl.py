@@ -365,11 +365,17 @@ class NcclComm:
     def _watchdog(self) -> None:
         p, limit = self._progress, int(self.timeout_s * 1e9)
         replayed, since = 0, 0  # the replayed all-reduce seen begun and not ended, and since when
+        stalled, stalled_since = -1, 0  # the count of finished eager all-reduces seen short of the issued, since when
         while self._handle is not None:
             time.sleep(min(1.0, self.timeout_s / 4))
             now = time.monotonic_ns()
             done, issued = p[DONE], p[ISSUED]
             late = issued > done and now - p[STAMPS + (done + 1) % RING] > limit
+            # The oldest unfinished all-reduce's stamp is overwritten once RING more are issued after it (a host
+            # far ahead of a stuck stream): then the count standing still that long says it.
+            if issued > done and done != stalled:
+                stalled, stalled_since = done, now
+            late = late or (issued > done and now - stalled_since > limit)
             begun = p[BEGUN]
             if begun == p[ENDED]:
                 replayed = 0
@@ -506,7 +512,13 @@ class NcclComm:
 
     def close(self) -> None:
         """Destroy the communicator (abort it if it holds an error); later calls do nothing. The watchdog's
-        words stay (a launcher may still hold their address)."""
+        words stay (a launcher may still hold their address). With a watchdog, its unfinished all-reduces
+        finish first, or the watchdog aborts them: NCCL's destroy waits for them, for good where a peer never
+        comes."""
+        p = self._progress
+        while (p is not None and self._handle is not None and not p[ABORTED]
+               and (p[ISSUED] > p[DONE] or p[BEGUN] != p[ENDED])):
+            time.sleep(0.001)
         with self._lock:
             handle, self._handle = self._handle, None
             if handle is None:

@@ -11,6 +11,7 @@ import ctypes
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -401,6 +402,25 @@ def test_watchdog_aborts_a_replayed_all_reduce_begun_and_not_ended_past_the_time
         comm.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)
 
 
+def test_watchdog_aborts_a_stuck_all_reduce_whose_stamp_a_busy_host_overwrote(monkeypatch):
+    """The stamps are a ring: a host that issues RING calls past a stuck all-reduce overwrites its stamp with a
+    fresh one. The finished count standing still for the timeout then says it is stuck (a ring of 16 here: the
+    host below issues far more than 16 calls a timeout)."""
+    monkeypatch.setattr(nccl, "RING", 16)
+    lib = FakeLib()
+    comm = watched(lib, 0.2)
+    words = comm._progress
+    x = torch.zeros(4)
+    start = time.monotonic()
+    while not words[nccl.ABORTED] and time.monotonic() - start < 3:
+        comm.all_reduce(x, x, stream=0)  # none ever finishes: DONE stays 0
+        time.sleep(0.001)
+    took = time.monotonic() - start
+    assert words[nccl.ABORTED] and until(lambda: "ncclCommAbort" in lib.calls)
+    assert took < 0.7, took  # the timeout, plus up to two polls (timeout / 4 each)
+    comm.close()
+
+
 @pytest.mark.parametrize("closed", [False, True])
 def test_the_abort_comes_a_grace_after_the_launchers_are_told(closed, monkeypatch):
     """A launcher reads ABORTED before each ncclAllReduce: one that read it just before the watchdog set it is
@@ -426,6 +446,25 @@ def test_the_abort_comes_a_grace_after_the_launchers_are_told(closed, monkeypatc
     assert lib.aborted_at - flagged > grace / 2
     comm.close()
     assert lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_close_waits_for_unfinished_all_reduces_or_the_watchdogs_abort(finishes):
+    """NCCL's destroy waits for the communicator's unfinished all-reduces, for good where a peer never comes:
+    close() lets them finish (then destroys) or the watchdog abort them (then does not destroy)."""
+    lib = FakeLib()
+    comm = watched(lib, 0.2)
+    words = comm._progress
+    comm.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)
+    if finishes:
+        threading.Timer(0.1, lambda: words.__setitem__(nccl.DONE, 1)).start()  # the stream gets there
+    start = time.monotonic()
+    comm.close()
+    took = time.monotonic() - start
+    if finishes:
+        assert 0.08 < took < 0.5 and "ncclCommDestroy" in lib.calls and "ncclCommAbort" not in lib.calls, took
+    else:
+        assert took < 1.0 and lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls, took
 
 
 def test_watchdog_stops_at_close():
