@@ -21,7 +21,9 @@ ends NCCL's kernels) when the oldest unfinished eager all-reduce has waited COMM
 since its enqueue, or a replayed one as long since the thread saw it begin, and every later call (and
 check()) raises NcclTimeoutError. It flags the communicator aborted first, so that the launchers call NCCL
 no more, and aborts ABORT_GRACE_S later: a launcher that read the flag just before it was set is inside
-ncclAllReduce by then, where the abort ends it, not about to enter it on a freed communicator. A CUDA graph
+ncclAllReduce by then, where the abort ends it, not about to enter it on a freed communicator, unless its
+thread stalled longer than that between the two (the window is narrowed, not closed: closing it would take
+NCCL's non-blocking communicators). A CUDA graph
 that captured the aborted communicator's all-reduces must not be replayed again.
 
 The library is the NCCL that torch already uses (no new dependency: ctypes only), found in this
@@ -63,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from . import env
+from .distributed import rank_label
 from .kernels import nccl_mark
 
 NCCL_SUCCESS = 0
@@ -302,6 +305,7 @@ class NcclComm:
             raise ValueError(f"NcclComm needs a CUDA device, got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.label = rank_label(group, self.rank)  # how errors name this rank
         timeout = watchdog_timeout()
         uid = broadcast_unique_id(group, nccl.unique_id)
         with torch.cuda.device(index):
@@ -422,7 +426,7 @@ class NcclComm:
 
     def timeout_error(self) -> NcclTimeoutError:
         return NcclTimeoutError(
-            f"rank {self.rank}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = "
+            f"{self.label}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = "
             f"{self.timeout_s:g} s of its enqueue (of its start, replayed from a CUDA graph): a rank skipped the "
             "call, died, or lags that far behind. The communicator was aborted: it, every Communicator of its "
             "group and every CUDA graph that captured its all-reduces are unusable")
@@ -513,12 +517,16 @@ class NcclComm:
     def close(self) -> None:
         """Destroy the communicator (abort it if it holds an error); later calls do nothing. The watchdog's
         words stay (a launcher may still hold their address). With a watchdog, its unfinished all-reduces
-        finish first, or the watchdog aborts them: NCCL's destroy waits for them, for good where a peer never
-        comes."""
+        finish first, or fail (NCCL's asynchronous error), or the watchdog aborts them: NCCL's destroy waits for
+        them, for good where a peer never comes."""
         p = self._progress
         while (p is not None and self._handle is not None and not p[ABORTED]
                and (p[ISSUED] > p[DONE] or p[BEGUN] != p[ENDED])):
-            time.sleep(0.001)
+            code = _result_t()
+            if self.nccl.lib.ncclCommGetAsyncError(self._handle, ctypes.byref(code)) or \
+                    code.value not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                break  # NCCL has seen it fail: release() below aborts it now
+            time.sleep(0.002)
         with self._lock:
             handle, self._handle = self._handle, None
             if handle is None:

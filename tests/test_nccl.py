@@ -241,7 +241,7 @@ def watched(lib, timeout: float, handle=0xABC, path="fake"):
     number the stream would write when the all-reduce is done; `capturing` says whether the stream is;
     the library's log of calls gets the marks of captured all-reduces (a FakeLib's)."""
     comm = attached(lib, handle, path)
-    comm.rank, comm.writes, comm.capturing = 0, [], False
+    comm.rank, comm.label, comm.writes, comm.capturing = 0, "rank 0", [], False
     comm._is_capturing = lambda stream: (0, "active" if comm.capturing else "none")
     comm._not_capturing = "none"
     comm._write_value = lambda stream, address, seq, flags: comm.writes.append(seq) or (0,)
@@ -341,7 +341,7 @@ def test_a_native_launchers_failure_raises_the_communicators_own_error(stub, stu
     communicator has the same handle (NCCL may reuse one after a close); a token of no live communicator
     still gets the type."""
     comm, twin = watched(FakeLib(), 0.5), watched(FakeLib(), 2)  # the same handle, 0xABC
-    twin.rank = 1
+    twin.rank, twin.label = 1, "rank 1"
     plain = attached(stub_nccl.lib, stub_nccl.init_rank(1, stub_nccl.unique_id(), 0), stub_nccl.path)
     assert plain.native_args(torch.float32, 8)[-1] == plain.token  # what a launcher is made with
     token = comm.token
@@ -373,6 +373,7 @@ def test_without_replay_marks_a_captured_call_is_neither_marked_nor_stamped():
     comm.capturing = False
     comm.all_reduce(x, x, stream=3)
     assert comm.writes == [1]
+    comm._progress[nccl.DONE] = 1  # the stream got there (close() waits for it)
     comm.close()
 
 
@@ -448,21 +449,32 @@ def test_the_abort_comes_a_grace_after_the_launchers_are_told(closed, monkeypatc
     assert lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls
 
 
-@pytest.mark.parametrize("finishes", [True, False])
-def test_close_waits_for_unfinished_all_reduces_or_the_watchdogs_abort(finishes):
+class FailingLib(FakeLib):
+    """A library whose communicator holds an asynchronous error (a peer's connection lost: ncclRemoteError)."""
+
+    def ncclCommGetAsyncError(self, handle, code):
+        code._obj.value = 6
+        return 0
+
+
+@pytest.mark.parametrize("outcome", ["finishes", "fails", "stuck"])
+def test_close_waits_for_unfinished_all_reduces_their_failure_or_the_watchdogs_abort(outcome):
     """NCCL's destroy waits for the communicator's unfinished all-reduces, for good where a peer never comes:
-    close() lets them finish (then destroys) or the watchdog abort them (then does not destroy)."""
-    lib = FakeLib()
-    comm = watched(lib, 0.2)
+    close() lets them finish (then destroys), aborts at once where NCCL has seen them fail, or waits for the
+    watchdog's abort (then does not destroy)."""
+    lib = FailingLib() if outcome == "fails" else FakeLib()
+    comm = watched(lib, 0.2 if outcome != "fails" else 5.0)
     words = comm._progress
     comm.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)
-    if finishes:
+    if outcome == "finishes":
         threading.Timer(0.1, lambda: words.__setitem__(nccl.DONE, 1)).start()  # the stream gets there
     start = time.monotonic()
     comm.close()
     took = time.monotonic() - start
-    if finishes:
+    if outcome == "finishes":
         assert 0.08 < took < 0.5 and "ncclCommDestroy" in lib.calls and "ncclCommAbort" not in lib.calls, took
+    elif outcome == "fails":  # not the watchdog's 5 s
+        assert took < 0.5 and lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls, took
     else:
         assert took < 1.0 and lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls, took
 

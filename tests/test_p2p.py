@@ -285,8 +285,10 @@ def test_workspace_sizes():
         # Signature slots (16 bytes per half, sender and CTA) between the Lamport halves and the flags.
         assert lay.sig_offset == lay.lamport_offset + 2 * world * lay.lamport_bytes
         assert lay.flags_offset - lay.sig_offset >= 2 * world * 132 * 16 and lay.flags_offset % p2p.ALIGN == 0
-        assert lay.total_bytes - lay.flags_offset >= 2 * 132 * world * 4 and lay.total_bytes % p2p.ALIGN == 0
-        assert lay.total_bytes < 420 << 20
+        assert lay.total_bytes % p2p.ALIGN == 0 and lay.total_bytes < 420 << 20
+        for nblocks in (1, 132, 160):  # flags[2 phases][nblocks][world], 64-bit (csrc/p2p_allreduce.cu's flag())
+            lay = p2p.layout(m, world, nblocks)
+            assert lay.total_bytes - lay.flags_offset >= 2 * nblocks * world * 8
     small = p2p.layout(1000, 2, 132)
     assert small.slot_bytes == small.lamport_bytes == p2p.ALIGN
     assert p2p.calibration_sizes(64 << 20) == [4096 << k for k in range(16)]

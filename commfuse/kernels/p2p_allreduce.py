@@ -5,12 +5,14 @@ the workspace are described in commfuse/p2p/__init__.py.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ipc
+from ..distributed import rank_label
 from ..tail import formats
 from ..tail.formats import FORMATS, Format, Layout
 from ..tail.spec import OutputSpec, TailSpec
@@ -48,15 +50,17 @@ class P2PError(RuntimeError):
 class P2PTimeoutError(P2PError):
     """A P2P all-reduce kernel waited longer than the timeout for a peer (named in the message).
 
-    rank: this rank; missing_rank: the peer that did not arrive; phase: the two-shot barrier (0 or 1),
-    0 for the one-shot's wait for the peer's data;
-    timeout_s: the limit. The workspace is unusable afterwards: create a new Communicator.
+    rank: this rank; missing_rank: the peer that did not arrive (ranks of the workspace's group; the message
+    gives their global ranks too where they differ); phase: the two-shot barrier (0 or 1), 0 for the one-shot's
+    wait for the peer's data; timeout_s: the limit. The workspace is unusable afterwards: create a new
+    Communicator.
     """
 
-    def __init__(self, rank: int, missing_rank: int, phase: int, timeout_s: float):
+    def __init__(self, rank: int, missing_rank: int, phase: int, timeout_s: float, group=None):
+        label = functools.partial(rank_label, group)  # the global ranks too, on a subgroup
         super().__init__(
-            f"P2P all-reduce on rank {rank}: rank {missing_rank} did not arrive (its data or barrier {phase}) within "
-            f"{timeout_s:g} s (it skipped a call, is stuck or died, or the ranks' calls differ). The P2P "
+            f"P2P all-reduce on {label(rank)}: {label(missing_rank)} did not arrive (its data or barrier {phase}) "
+            f"within {timeout_s:g} s (it skipped a call, is stuck or died, or the ranks' calls differ). The P2P "
             "workspace is out of step now and every later call on it raises: close this Communicator and "
             "create a new one.")
         self.rank, self.missing_rank, self.phase, self.timeout_s = rank, missing_rank, phase, timeout_s
@@ -86,10 +90,11 @@ class P2PMismatchError(P2PError):
     rank: this rank; peer: the rank whose call differs; mine, theirs: the two calls, in words.
     """
 
-    def __init__(self, rank: int, peer: int, mine: str, theirs: str):
+    def __init__(self, rank: int, peer: int, mine: str, theirs: str, group=None):
+        label = functools.partial(rank_label, group)  # the global ranks too, on a subgroup
         super().__init__(
-            f"P2P all-reduce on rank {rank}: rank {peer} made a different call: rank {peer}: {theirs}; "
-            f"rank {rank}: {mine}. Every rank must make the same calls in the same order. The P2P workspace "
+            f"P2P all-reduce on {label(rank)}: {label(peer)} made a different call: {label(peer)}: {theirs}; "
+            f"{label(rank)}: {mine}. Every rank must make the same calls in the same order. The P2P workspace "
             "is out of step now and every later call on it raises: close this Communicator and create a new one.")
         self.rank, self.peer, self.mine, self.theirs = rank, peer, mine, theirs
 

@@ -13,7 +13,7 @@ Workspace (class Workspace, one per Communicator, created collectively by every 
       half 0 | half 1 | Lamport half 0 | Lamport half 1 | signature slots | flags
   where each half is `world` slots of `slot_bytes` (slot s receives rank s's data) followed by a
   gather region of `slot_bytes` (two-shot's reduced rows); each Lamport half is `world` slots of
-  `lamport_bytes` (the one-shot's; all ones when unused); flags is uint32[2 phases][NBLOCKS][world]
+  `lamport_bytes` (the one-shot's; all ones when unused); flags is uint64[2 phases][NBLOCKS][world]
   (flags[k][b][s]: the last call in which rank s's CTA b finished two-shot phase k). Calls alternate
   halves by the parity of their epoch (double buffering), so one barrier per phase suffices and a
   Lamport half is reset before it is reused (the argument is in csrc/p2p_allreduce.cu).

@@ -251,12 +251,12 @@ class Workspace:
         code = self.error_code()
         if code:
             if code >> 16 == params.TIMEOUT_CODE >> 16:
-                raise P2PTimeoutError(self.rank, code & 0xFF, (code >> 8) & 0xFF, self.timeout_s)
+                raise P2PTimeoutError(self.rank, code & 0xFF, (code >> 8) & 0xFF, self.timeout_s, self.group)
             if code >> 16 == params.MISMATCH_CODE >> 16:
                 words = (ctypes.c_uint32 * _HOST_WORDS).from_address(self._host_ptr)
                 raise P2PMismatchError(self.rank, code & 0xFF, describe_signature(words[8:12]),
-                                       describe_signature(words[4:8]))
-            raise RuntimeError(f"P2P workspace on rank {self.rank}: unknown error code {code:#x}")
+                                       describe_signature(words[4:8]), self.group)
+            raise RuntimeError(f"P2P workspace on {rank_label(self.group, self.rank)}: unknown error code {code:#x}")
 
     def check(self) -> None:
         """Wait for this device's work, then raise P2PTimeoutError if any P2P kernel timed out."""
