@@ -4,6 +4,7 @@ CPU: decide_mode, fusion_capability and nvlink_matrix on simulated facts, NVML c
 NVML, failures reported not raised, the probe command. GPU (2+ GPUs): driver P2P and NVLink between
 GPU 0 and 1; under `mpirun -n 2 ... --with-mpi`, the IPC-confirmed "p2p" mode and the pretend override.
 """
+import dataclasses
 import gc
 import json
 import os
@@ -493,3 +494,23 @@ def test_init_distributed_destroys_its_gloo_group_at_exit(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["4.0", "initialized", "at", "exit:", "False"], (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_probe_says_a_group_too_large_for_the_p2p_kernels_takes_the_collective(shared):
+    """16 ranks on one P2P node: the node's mode is p2p, but the P2P kernels take at most MAX_WORLD ranks, so a
+    Communicator of the group makes no workspace: the report says which collective it takes instead."""
+    from commfuse.kernels.p2p_allreduce import MAX_WORLD
+
+    n, versions = 2 * MAX_WORLD, topology.own_info().versions  # the report prints rank 0's
+    ranks = tuple(dataclasses.replace(gpu("a", device=i % MAX_WORLD if shared else i), versions=versions)
+                  for i in range(n))
+    mode, reasons = decide_mode(ranks, full(n), backend="gloo" if shared else "nccl")
+    topo = topology.Topology(0, n, ranks, tuple(map(tuple, full(n))), mode, reasons)
+    rep = probe_cli.group_report(topo, "mpirun")
+    assert rep["mode"] == "p2p"
+    assert rep["reasons"][-1] == (f"{n} ranks > {MAX_WORLD}: no P2P kernels for it, no P2P workspace: a "
+                                  f"Communicator of this group takes {'gloo' if shared else 'NCCL'}")
+    small = probe_cli.group_report(topology.Topology(0, 2, ranks[:2], tuple(map(tuple, full(2))), "p2p", ("x",)),
+                                   "mpirun")
+    assert small["reasons"] == ["x"]

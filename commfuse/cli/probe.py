@@ -49,6 +49,7 @@ import torch
 
 from .. import topology
 from ..distributed import launch_env
+from ..kernels.p2p_allreduce import MAX_WORLD
 from ..routes import STRATEGIES
 
 OVERRIDES = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_FUSION")
@@ -111,10 +112,14 @@ def group_report(topo: topology.Topology, launcher: str) -> dict:
     """The report of a group (built on any rank; printed by rank 0)."""
     me = topo.ranks[topo.rank]
     nodes = topo.nodes
+    reasons = list(topo.reasons)
+    if topo.mode == "p2p" and topo.world_size > MAX_WORLD:  # the node is, the group is too large for the kernels
+        reasons.append(f"{topo.world_size} ranks > {MAX_WORLD}: no P2P kernels for it, no P2P workspace: a "
+                       "Communicator of this group takes " + ("gloo" if topo.shared_gpu else "NCCL"))
     return {"launcher": launcher, "world_size": topo.world_size, **_common(me, topology.local_gpus(me.versions)),
             "ranks": [_rank(i, nodes[i], r) for i, r in enumerate(topo.ranks)],
             "matrix_of": "ranks", "p2p_driver": topo.p2p_driver, "p2p_ipc": topo.p2p_ipc,
-            "p2p": topo.p2p, "nvlink": topo.nvlink, "mode": topo.mode, "reasons": list(topo.reasons),
+            "p2p": topo.p2p, "nvlink": topo.nvlink, "mode": topo.mode, "reasons": reasons,
             "local_group": None, "notes": list(topo.notes)}
 
 
