@@ -236,6 +236,12 @@ def residual_add(a: Tensor, residual: Tensor) -> Tensor:
     return (a.float() + residual.float()).to(a.dtype)
 
 
+def _mean_of_squares(v: torch.Tensor) -> torch.Tensor:
+    """RN(sum(v^2) / n) over the last dim (n its size), keepdim: the sum, then a true fp32 division. torch's mean
+    multiplies the sum by RN(1/n) on CUDA, and so does a division by a Python number there: divide by a tensor."""
+    return (v * v).sum(dim=-1, keepdim=True) / torch.full((), float(v.shape[-1]), device=v.device)
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float = 0.0) -> Tensor:
     """RMSNorm over the last dim, computed in fp32, rounded to x's dtype once.
 
@@ -248,7 +254,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float =
     sign), else w = RN(weight_offset + float(weight)), one fp32 addition.
     """
     xf = x.float().contiguous()  # the mean's order of summation is a dense row's, whatever x's strides
-    inv = torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
+    inv = torch.rsqrt(_mean_of_squares(xf) + eps)
     wf = weight.float()
     if _f32(weight_offset) != 0.0:
         wf = wf + torch.full((), _f32(weight_offset), dtype=torch.float32, device=wf.device)
@@ -392,7 +398,9 @@ def quantize_nvfp4(x: Tensor, scale: Scale, sf_layout: str = "swizzled") -> Tupl
     vmax = blocks.abs().amax(dim=-1)  # amax propagates NaN
     # Divide by a tensor: on CUDA, torch turns division by a Python number into a multiply by its
     # reciprocal, which is not the contract's division and moves scale factors at e4m3 ties.
-    sf = _to_e4m3((S * vmax) / torch.full((), E2M1_MAX, device=x.device))
+    # A block of zeros gets 0 whatever S (Inf * 0 would be NaN where 1/scale overflows).
+    scaled = torch.where(vmax == 0, torch.zeros_like(vmax), S * vmax)
+    sf = _to_e4m3(scaled / torch.full((), E2M1_MAX, device=x.device))
     sff = sf.float()
     enc = torch.where(sff == 0, torch.zeros_like(sff), S / sff)
     codes = e2m1_encode(blocks * enc.unsqueeze(-1))
@@ -657,7 +665,7 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
         xf = xf * g
     t = xf.shape[0]
     v = xf.reshape(t, h // group_size, group_size)
-    inv = torch.rsqrt((v * v).mean(dim=-1, keepdim=True) + eps)
+    inv = torch.rsqrt(_mean_of_squares(v) + eps)
     y = (v * inv).reshape(t, h) * weight.float()
     if g is not None and norm_before_gate:
         y = y * g

@@ -493,7 +493,10 @@ __device__ __forceinline__ void emit_norm(const TailParams& p, int row, size_t s
     unsigned m = abs_max_bits(n);
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the block's other half, on lane ^ 1
     const float vmax = Pack<T>::from_bits(m);
-    const unsigned char sf = static_cast<unsigned char>(e4m3x2(__fdiv_rn(__fmul_rn(qs, vmax), 6.0f), 0.f));
+    // A block of zeros has scale factor 0 whatever the scale: where 1/scale overflows (a scale of 0, which the
+    // host cannot read in a device tensor), Inf * 0 would make it NaN.
+    const float scaled = vmax == 0.f ? 0.f : __fmul_rn(qs, vmax);
+    const unsigned char sf = static_cast<unsigned char>(e4m3x2(__fdiv_rn(scaled, 6.0f), 0.f));
     const float sf_value = e4m3_to_float(sf);
     // A NaN scale factor gives enc = NaN, so every code of the block is 0 (e2m1 of NaN).
     const float enc = sf_value == 0.f ? 0.f : __fdiv_rn(qs, sf_value);

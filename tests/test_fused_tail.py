@@ -314,6 +314,20 @@ def test_saturation_and_signed_zero(monkeypatch):
     assert (unpack_codes(k.quant, 4, 64)[:, 16:] == 0x8).all()
 
 
+def test_nvfp4_zero_blocks_under_a_zero_scale(monkeypatch):
+    """A scale of 0 in a device tensor (the host cannot read it): S = 1/scale is Inf, and the blocks of zeros get
+    scale factor 0 and codes 0, as the reference gives them, not NaN (Inf * 0)."""
+    a, residual, weight, _, _ = make_inputs(4, 256, torch.bfloat16, 6)
+    residual = -a  # the residual sum is 0: every block of the norm is a block of zeros ...
+    residual[1, :16] += 1  # ... but one
+    scale = torch.zeros(1, dtype=torch.float32, device="cuda")
+    k = run_kernel(monkeypatch, a, residual, weight, EPS, "nvfp4", scale, True, "linear")
+    e = ref.fused_tail(a, residual, weight, EPS, "nvfp4", scale, True, "linear")
+    sf = k.scale_factors.view(torch.uint8)
+    assert torch.equal(sf, e.scale_factors.view(torch.uint8)) and torch.equal(k.quant, e.quant)
+    assert (sf == 0).sum() == sf.numel() - 1 and sf[1, 0] == 0x7E
+
+
 @pytest.mark.parametrize("scale", (2.0 ** -70, 2.0 ** -64, 1.5e-3, 3.0, -0.05, 2.0 ** 64, 2.0 ** 70))
 def test_fp8_scales_of_every_magnitude(scale, monkeypatch):
     """FP8 codes equal the true division's at scales inside and outside the kernel's reciprocal range

@@ -304,6 +304,18 @@ def test_nvfp4_zero_block():
     assert (deq[1, 16:32] == 0).all()
 
 
+@pytest.mark.parametrize("scale", [0.0, 2.0 ** -140])
+def test_nvfp4_zero_block_where_the_reciprocal_of_the_scale_overflows(scale):
+    """S = 1/scale is Inf for a scale of 0 (which the checks cannot read in a device tensor) or below 2^-128: a
+    block of zeros still gets scale factor 0 and codes 0 (Inf * 0 made it NaN, dequantized to NaN), as
+    FlashInfer's and TensorRT-LLM's quantizers give it; a block with values saturates to 448."""
+    x = torch.zeros(2, 32)
+    x[0, 16:] = torch.randn(16, generator=gen(7))
+    q, sf = ref.quantize_nvfp4(x, scale, sf_layout="linear")
+    assert u8(sf).tolist() == [[0, 0x7E], [0, 0]]
+    assert (q[:, :8] == 0).all() and (q[1] == 0).all()
+
+
 def test_nvfp4_nan_block():
     g = gen(6)
     x = torch.randn(4, 64, generator=g)
