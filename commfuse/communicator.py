@@ -277,7 +277,8 @@ class Communicator:
                     f"the call checks' gloo group of ranks {list(ranks)} was not made within {timeout:g} s: torch "
                     "names a group that only its ranks make from the number of process groups each rank holds, and "
                     "these ranks likely hold different numbers (a subgroup some of them are in). Make this "
-                    "Communicator before such groups, or make the same groups on each of its ranks") from e
+                    "Communicator before such groups (on an NCCL group, its first checked call too: the check group "
+                    "is made there), or make the same groups on each of its ranks") from e
             shared[(ranks, timeout)] = group
             _MADE_CHECK_GROUPS.append(group)
         return group
