@@ -23,8 +23,8 @@ check()) raises NcclTimeoutError. It flags the communicator aborted first, so th
 no more, and aborts ABORT_GRACE_S later: a launcher that read the flag just before it was set is inside
 ncclAllReduce by then, where the abort ends it, not about to enter it on a freed communicator, unless its
 thread stalled longer than that between the two (the window is narrowed, not closed: closing it would take
-NCCL's non-blocking communicators). A CUDA graph
-that captured the aborted communicator's all-reduces must not be replayed again.
+NCCL's non-blocking communicators). A CUDA graph that captured the aborted communicator's all-reduces must
+not be replayed again.
 
 The library is the NCCL that torch already uses (no new dependency: ctypes only), found in this
 order: the file COMMFUSE_NCCL_LIBRARY names (then nothing else is tried); cuda.pathfinder's
@@ -176,12 +176,16 @@ class Nccl:
         self.check("ncclCommGetAsyncError", self.lib.ncclCommGetAsyncError(handle, ctypes.byref(code)), handle)
         return code.value
 
+    def has_error(self, handle: int) -> bool:
+        """Whether the communicator holds an asynchronous error (or NCCL cannot say)."""
+        code = _result_t()
+        failed = self.lib.ncclCommGetAsyncError(handle, ctypes.byref(code))
+        return bool(failed) or code.value not in (NCCL_SUCCESS, NCCL_IN_PROGRESS)
+
     def release(self, handle: int) -> None:
         """Destroy the communicator; abort it instead when it holds an error (destroying would wait on
         operations that may never finish)."""
-        code = _result_t()
-        failed = self.lib.ncclCommGetAsyncError(handle, ctypes.byref(code))
-        if failed or code.value not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+        if self.has_error(handle):
             self.check("ncclCommAbort", self.lib.ncclCommAbort(handle))
         else:
             self.check("ncclCommDestroy", self.lib.ncclCommDestroy(handle))
@@ -522,9 +526,7 @@ class NcclComm:
         p = self._progress
         while (p is not None and self._handle is not None and not p[ABORTED]
                and (p[ISSUED] > p[DONE] or p[BEGUN] != p[ENDED])):
-            code = _result_t()
-            if self.nccl.lib.ncclCommGetAsyncError(self._handle, ctypes.byref(code)) or \
-                    code.value not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            if self.nccl.has_error(self._handle):
                 break  # NCCL has seen it fail: release() below aborts it now
             time.sleep(0.002)
         with self._lock:

@@ -621,13 +621,13 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
     if inline and nbytes:
         mine[16:16 + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
     bufs = [torch.empty_like(mine) for _ in range(world)]
-    me = rank_label(check_group, dist.get_rank(check_group))
     try:
         dist.all_gather(bufs, mine, group=check_group)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as e:  # gloo's timeout, or a peer's connection closed
         BROKEN_CHECK_GROUPS.append(check_group)
+        me = rank_label(check_group, dist.get_rank(check_group))
         raise CallTimeoutError(f"{me}: not every rank made the call {text} within the call check's timeout "
                                f"(COMMFUSE_GLOO_TIMEOUT_S): a rank skipped it, died, or lags that far behind "
                                f"({e})") from None
@@ -641,6 +641,7 @@ def exchange_signature(check_group, text: str, nbytes: int, payload=None, room: 
             raise
         except RuntimeError as e:  # a peer died or lagged between the two gathers: the mismatch stands
             BROKEN_CHECK_GROUPS.append(check_group)
+            me = rank_label(check_group, dist.get_rank(check_group))
             raise CallMismatchError(f"ranks disagree on the call: {me}: {mine_text}; the others' calls did "
                                     f"not come within the call check's timeout ({e})") from None
         calls = "; ".join(f"{rank_label(check_group, r)}: {t}" for r, t in enumerate(texts))
