@@ -119,8 +119,9 @@ class NcclUnavailable(RuntimeError):
 class NcclTimeoutError(RuntimeError):
     """An all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S of its enqueue (of its start, replayed from
     a CUDA graph): a rank skipped the call, died, or lags that far behind (or this stream was that far
-    behind). The watchdog aborted the NCCL communicator: it, and every Communicator of its group, is unusable
-    afterwards, and so is a CUDA graph that captured its all-reduces."""
+    behind). The watchdog aborted the NCCL communicator: it, and every Communicator of its group made so far, is
+    unusable afterwards, and so is a CUDA graph that captured its all-reduces (a Communicator made later makes
+    the group's anew)."""
 
 
 class NcclError(RuntimeError):
@@ -433,7 +434,8 @@ class NcclComm:
             f"{self.label}: an NCCL all-reduce did not finish within COMMFUSE_NCCL_TIMEOUT_S = "
             f"{self.timeout_s:g} s of its enqueue (of its start, replayed from a CUDA graph): a rank skipped the "
             "call, died, or lags that far behind. The communicator was aborted: it, every Communicator of its "
-            "group and every CUDA graph that captured its all-reduces are unusable")
+            "group made so far and every CUDA graph that captured its all-reduces are unusable (a Communicator "
+            "made later makes the group's anew)")
 
     def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, stream: Optional[int] = None) -> None:
         """recv = the sum of every rank's `send`, enqueued on `stream` (a raw cudaStream_t; None:
@@ -518,6 +520,14 @@ class NcclComm:
             if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
                 raise self.nccl.error("ncclCommGetAsyncError", code, self._handle)
 
+    @property
+    def failed(self) -> bool:
+        """Whether it can carry no more all-reduces: closed, aborted by the watchdog, or holding an asynchronous
+        error (a peer failed)."""
+        if self._progress is not None and self._progress[ABORTED]:
+            return True
+        return self._handle is None or self.nccl.has_error(self._handle)
+
     def close(self) -> None:
         """Destroy the communicator (abort it if it holds an error); later calls do nothing. The watchdog's
         words stay (a launcher may still hold their address). With a watchdog, its unfinished all-reduces
@@ -559,16 +569,28 @@ def native_error(code: int, token: int) -> Exception:
     return NcclError("ncclAllReduce", code, "a communicator that is gone")
 
 
-def shared(group, device: torch.device) -> NcclComm:
-    """The process's one NcclComm over `group` on `device`, made on the first call (collective then:
-    every rank of the group calls it, in the same order as its other collectives). Communicators of
-    one group share it: each NCCL communicator holds its own buffers (tens to hundreds of MB a GPU)
-    and takes a rendezvous to create. It lives as long as the process: its Communicators' native
-    launchers hold its handle, so it must not be closed while they may run."""
+def _key(group, device) -> tuple:
     device = torch.device(device)
-    key = (group, device.index if device.index is not None else torch.cuda.current_device())
+    return group, device.index if device.index is not None else torch.cuda.current_device()
+
+
+def shared(group, device: torch.device, renew: bool = False) -> NcclComm:
+    """The process's one NcclComm over `group` on `device`, made on the first call, or anew with `renew`
+    (collective then: every rank of the group calls it, in the same order as its other collectives).
+    Communicators of one group share it: each NCCL communicator holds its own buffers (tens to hundreds of MB
+    a GPU) and takes a rendezvous to create. It lives as long as the process: its Communicators' native
+    launchers hold its handle, so it must not be closed while they may run (a renewed one's included: it
+    stays, failed, for the Communicators that hold it)."""
+    key = _key(group, device)
     comm = _SHARED.get(key)
-    if comm is None:
+    if comm is None or renew:
         comm = _SHARED[key] = NcclComm(group, device)
     return comm
+
+
+def shared_failed(group, device: torch.device) -> bool:
+    """Whether the group's shared NcclComm on `device` exists and has failed (NcclComm.failed): then a new
+    Communicator of the group must have every rank renew it, not be handed one that raises at its first call."""
+    comm = _SHARED.get(_key(group, device))
+    return comm is not None and comm.failed
 

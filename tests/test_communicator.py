@@ -927,7 +927,8 @@ def test_ranks_agree_on_the_nccl_binding(comm, monkeypatch, missing_on):
         version = "9.9.9"
 
     monkeypatch.setattr(nccl, "available", lambda: "no libnccl here" if rank == me else None)
-    monkeypatch.setattr(nccl, "shared", lambda group, device: made.append(group) or Fake())
+    monkeypatch.setattr(nccl, "shared", lambda group, device, renew: made.append(group) or Fake())
+    monkeypatch.setattr(nccl, "shared_failed", lambda group, device: False)
     if missing_on == "env":
         monkeypatch.setenv("COMMFUSE_NCCL", "0" if rank == 0 else "1")
     c = object.__new__(Communicator)
@@ -939,6 +940,35 @@ def test_ranks_agree_on_the_nccl_binding(comm, monkeypatch, missing_on):
         who = 0 if missing_on == "env" else me
         why = "COMMFUSE_NCCL=0" if missing_on == "env" else "no libnccl here"
         assert made == [] and c.nccl_binding == f"torch.distributed (rank {who}: {why})", c.nccl_binding
+
+
+@mpi
+@pytest.mark.parametrize("failed_on", [None, 0, "last"])
+def test_a_failed_nccl_communicator_is_made_anew_by_every_rank(comm, monkeypatch, failed_on):
+    """A group's NCCL communicator that failed on any rank (the watchdog aborted it, a peer's error) is not handed
+    to a new Communicator of the group, whose first call would raise for a call it never made: every rank makes
+    the group's anew (collective), and the old one stays for the Communicators that hold it."""
+    rank, world = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    me = world - 1 if failed_on == "last" else failed_on
+
+    class Fake:
+        version = "9.9.9"
+
+        def __init__(self, group, device, failed=False):
+            self.group, self.failed = group, failed
+
+    device = torch.device("cuda", 0)  # only its index is read: the key of the process's shared communicators
+    old = Fake(comm.group, device, failed=rank == me)
+    monkeypatch.setitem(nccl._SHARED, (comm.group, 0), old)
+    monkeypatch.setattr(nccl, "NcclComm", Fake)
+    monkeypatch.setattr(nccl, "available", lambda: None)
+    c = object.__new__(Communicator)
+    c.group, c.device = comm.group, device
+    commfuse.communicator.Communicator._open_nccl(c)
+    if failed_on is None:
+        assert c._nccl is old
+    else:
+        assert c._nccl is not old and not c._nccl.failed and nccl._SHARED[(comm.group, 0)] is c._nccl
 
 
 NATIVE_CASES = [  # (quant, return_norm, sf_layout, scale_layout, scale_ue8m0, weight_offset)

@@ -479,6 +479,18 @@ def test_close_waits_for_unfinished_all_reduces_their_failure_or_the_watchdogs_a
         assert took < 1.0 and lib.calls.count("ncclCommAbort") == 1 and "ncclCommDestroy" not in lib.calls, took
 
 
+def test_failed_says_whether_the_communicator_can_carry_more_all_reduces():
+    """What a new Communicator of the group asks (nccl.shared_failed) before it takes the group's communicator."""
+    fine = attached(FakeLib())
+    assert not fine.failed
+    assert attached(FailingLib()).failed  # an asynchronous error: a peer failed
+    fine.close()
+    assert fine.failed
+    aborted = watched(FakeLib(), 0.1)
+    aborted.all_reduce(torch.zeros(4), torch.zeros(4), stream=0)  # never finishes: the watchdog aborts it
+    assert until(lambda: aborted.failed)
+
+
 def test_watchdog_stops_at_close():
     lib = FakeLib()
     comm = watched(lib, 0.1)
@@ -803,7 +815,7 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
     an all-reduce (queued behind 3 s of GPU spin), every later call raises NcclTimeoutError, naming the rank and
     the timeout, on every path to the native launchers: the eager call (the C++ table), torch.ops (the op's C++
     kernel) and a compiled graph, where a RuntimeError of the C++ kernel's would escape an `except
-    NcclTimeoutError`."""
+    NcclTimeoutError`. A Communicator made later on the group makes the group's NCCL communicator anew, and works."""
     import commfuse
 
     if dist.get_backend(comm.group) != "nccl":
@@ -838,7 +850,11 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
     compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
     with pytest.raises(nccl.NcclTimeoutError, match=expected):
         compiled(x)
+    fresh = commfuse.Communicator(groups[dist.get_rank()])  # the group's communicator made anew, and working
+    assert fresh._nccl is not c._nccl and not fresh._nccl.failed
+    torch.testing.assert_close(fresh.all_reduce(x), x, rtol=0, atol=0)
     c.close()
+    fresh.close()
 
 
 @mpi
