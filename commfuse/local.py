@@ -81,7 +81,8 @@ def _compiled_checks(x, quant, flags=(), numbers=(), quant_required: bool = Fals
     """What a compiled call can check of its arguments without specialising the graph (their types), as eager
     calls check them: the op's schema would otherwise convert a wrong value silently (norm_before_gate None to
     False, eps True to 1.0), and the op's "" for None would drop a quantization. flags, numbers: (name, value)
-    pairs."""
+    pairs; an int past float32's range is refused here, as eager calls refuse it: the schema's conversion would
+    fail naming nothing."""
     if group_size is not None:
         integer_type("group_size", group_size)
     if isinstance(x, Tensor) and x.dim() == 0:
@@ -93,6 +94,8 @@ def _compiled_checks(x, quant, flags=(), numbers=(), quant_required: bool = Fals
         flag(name, v)
     for name, v in numbers:
         number_type(name, v)
+        if isinstance(v, int) and abs(v) > _F32_MAX:
+            raise ValueError(f"{name} must be a finite float32 number, got {'inf' if v > 0 else '-inf'}")
 
 
 def _op_scale(scale, x: Tensor):

@@ -129,6 +129,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
         if out is not None:  # as the out op returns: the caller's tensors, None where out has none
             got = tuple(None if o is None else g for o, g in zip(fields_of(out), got))
         return Tail(*got)
+    _compiled_checks(x, quant, return_norm, scale_ue8m0, eps, weight_offset)
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     if out is None:
         outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset), tail,
@@ -157,6 +158,12 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     return Tail(*outs)
 
 
+def _compiled_checks(x, quant, return_norm, scale_ue8m0, eps, weight_offset) -> None:
+    """The compiled call's checks, as the local ops' (the schema would take eps=True as 1.0, "1" as 1.0)."""
+    local._compiled_checks(x, quant, (("return_norm", return_norm), ("scale_ue8m0", scale_ue8m0)),
+                           (("eps", eps), ("weight_offset", weight_offset)))
+
+
 def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                    eps: float = 1e-6, quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
                    return_norm: bool = False, sf_layout: str = "swizzled", *, row_index: Optional[torch.Tensor] = None,
@@ -174,6 +181,7 @@ def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch
         r = comm.moe_all_reduce(y, weights, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                 row_index=row_index, shared=shared, **kw)
         return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
+    _compiled_checks(y, quant, return_norm, scale_ue8m0, eps, weight_offset)
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     outs = torch.ops.commfuse.moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, float(eps),
                                              float(weight_offset), tail, comm.name)

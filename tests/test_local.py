@@ -424,6 +424,7 @@ def test_compiled_ops_dynamic_tokens(gen):
     ("quantize quant ''", "quant must be one of"), ("fused quant ''", "quant must be one of"),
     ("norm_before_gate None", "norm_before_gate must be a bool"), ("group_size True", "group_size must be an int"),
     ("eps True", "eps must be a number"), ("weight_offset True", "weight_offset must be a number"),
+    ("eps 10**400", "eps must be a finite float32 number"),
     ("0-dim x", r"x must have shape \[\.\.\., h\]")])
 def test_compiled_calls_refuse_what_eager_calls_refuse(gen, case, error):
     """Compiled code passes the arguments to the ops, whose schemas would convert a wrong value silently
@@ -437,6 +438,7 @@ def test_compiled_calls_refuse_what_eager_calls_refuse(gen, case, error):
         "group_size True": lambda: commfuse.gated_rmsnorm(x, residual, weight, 1e-5, True, False).norm,
         "eps True": lambda: commfuse.fused_add_rmsnorm(x, residual, weight, True).residual,
         "weight_offset True": lambda: commfuse.fused_add_rmsnorm(x, residual, weight, weight_offset=True).residual,
+        "eps 10**400": lambda: commfuse.gated_rmsnorm(x, residual, weight, 10 ** 400, 16, False).norm,
         "0-dim x": lambda: commfuse.quantize(x[0, 0], "fp8", scale).quant,
     }
     with pytest.raises(Exception, match=error):  # eager

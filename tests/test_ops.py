@@ -120,6 +120,27 @@ def test_bad_arguments_name_themselves(comm):
         torch.ops.commfuse.fused_all_reduce(x, x, x[0], None, 1e-6, 0.0, 255, comm.name)
 
 
+@pytest.mark.parametrize("op", ["fused_all_reduce", "moe_all_reduce"])
+@pytest.mark.parametrize("name, value, error", [
+    ("eps", True, "eps must be a number, got bool"), ("weight_offset", True, "weight_offset must be a number"),
+    ("weight_offset", "1", "weight_offset must be a number, got str"), ("return_norm", 1, "return_norm must be a bool"),
+    ("weight_offset", 10 ** 400, "weight_offset must be a finite float32 number, got inf")],
+    ids=["eps True", "weight_offset True", "weight_offset '1'", "return_norm 1", "weight_offset 10**400"])
+def test_compiled_calls_refuse_what_eager_calls_refuse(comm, gen, op, name, value, error):
+    """The ops' schemas would take eps=True or weight_offset="1" as 1.0 (Gemma's offset, silently) and fail on an
+    int past any float naming nothing: compiled calls check them first, as the eager calls do. Both raise before
+    any collective."""
+    x = torch.randn(2, 16, generator=gen).to(torch.bfloat16).to(comm.device)
+    w = torch.rand(2, 1, generator=gen).to(comm.device)
+    calls = {"fused_all_reduce": lambda: ops.fused_all_reduce(comm, x, x, x[0], **{name: value}).residual,
+             "moe_all_reduce": lambda: ops.moe_all_reduce(comm, x.view(2, 1, 16), w, x, x[0], **{name: value}).residual}
+    with pytest.raises((TypeError, ValueError), match=error):
+        calls[op]()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=error):
+        torch.compile(calls[op], fullgraph=True, backend="aot_eager")()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 @pytest.mark.parametrize("op", ["fused_all_reduce", "moe_all_reduce"])
