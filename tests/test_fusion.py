@@ -1392,6 +1392,33 @@ def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
         assert len({g.data_ptr() for g in got}) == len(got), fn.__name__
 
 
+def test_casts_written_by_a_reader_are_not_merged(gen):
+    """Ops that read as computations (silu, clamp) but write a cast or its tensor (`inplace=True`, `out=`): the two
+    casts stay two, and the graph computes what it did (merged, one cast would see the other's write, or the cast
+    after the write the value before it)."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def silu_in_place(x, residual, weight):
+        h = x + residual
+        a, b = h.float(), h.float()
+        F.silu(b, inplace=True)
+        return a * b
+
+    def clamp_out(x, residual, weight):
+        h = x + residual
+        a = h.float()
+        torch.clamp(h, 0, 1, out=h)
+        return a + h.float()
+
+    for fn in (silu_in_place, clamp_out):
+        gm, inputs = capture(fn, x, residual, weight)
+        want = gm(*_cloned(inputs))
+        report = fusion.fuse(gm, None, rewrite="all")
+        assert sum(G.kind(n) == "cast" for n in gm.graph.nodes) == 2, (fn.__name__, report)
+        got = gm(*_cloned(inputs))
+        assert bits_equal(got[0], want[0]) and bits_equal(want[0], fn(*_cloned((x, residual, weight)))), fn.__name__
+
+
 @mpi
 def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     """commfuse.fusion.post_grad_pass as Inductor's post-grad custom pass: Inductor's own graph of the model (aten

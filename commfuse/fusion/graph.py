@@ -233,9 +233,11 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
     the matchers, in dynamo's graph and in Inductor's post-grad graph alike. Only where nothing can tell the two
     apart: the tensor is computed in the graph (not an input, which may alias another), is no view, and feeds
     only casts, computations that read it and the graph's output; each cast feeds only such computations (not
-    the output: the caller would get one tensor twice)."""
+    the output: the caller would get one tensor twice). A computation's kind says what it computes, not whether it
+    writes its operand too (`F.silu(b, inplace=True)`, `torch.clamp(h, 0, 1, out=h)`): none may."""
     def read_only(n: fx.Node, output: bool) -> bool:
-        return all(kind(u) in _READERS or (output and u.op == "output") or (kind(u) == "cast" and not may_alias(u))
+        return all(not writes(u, n) and (kind(u) in _READERS or (output and u.op == "output")
+                                         or (kind(u) == "cast" and not may_alias(u)))
                    for u in n.users)
 
     seen: dict = {}
