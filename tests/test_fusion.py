@@ -1888,6 +1888,25 @@ def test_arguments_that_change_an_add_or_a_division_are_not_the_pattern(gen):
     assert_same(got, want)
 
 
+def test_a_residual_add_given_out_is_no_residual_add(gen):
+    """`torch.add(x, r, out=r)` (a residual updated in place, as vLLM's fused_add_rms_norm does) writes the caller's
+    r: an op in the add's place would not. The add stays; the norm of its result fuses alone."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = torch.add(x, residual, out=residual)
+        return torch_norm(h, weight), h
+
+    gm, inputs = capture(f, x, residual, weight)
+    unfused, fused = _cloned(inputs), _cloned(inputs)
+    want = gm(*unfused)
+    report = fusion.fuse(gm, None)
+    got = gm(*fused)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].pattern == "rmsnorm", report
+    assert_same(list(got), list(want))
+    assert all(bits_equal(a, b) for a, b in zip(fused, unfused)) and not bits_equal(fused[1], inputs[1])
+
+
 @pytest.mark.parametrize("z_shape", [(5, 1), (1, 64)])
 def test_gated_norm_with_a_broadcast_gate_is_skipped(gen, z_shape):
     x, _, weight, _ = _local_inputs(gen, h=64)

@@ -122,8 +122,9 @@ def _commfuse_kind(target) -> Optional[str]:
 
 def kind(node: Any) -> Optional[str]:
     """The canonical name of what `node` computes (see the tables above), or None; None too for an add
-    or a division whose extra argument changes what it computes (`alpha`, `rounding_mode`)."""
-    if not isinstance(node, fx.Node):
+    or a division whose extra argument changes what it computes (`alpha`, `rounding_mode`), and for a call
+    given `out=` (`torch.add(x, r, out=r)` writes r too, which an op in its place would not)."""
+    if not isinstance(node, fx.Node) or node.kwargs.get("out") is not None:
         return None
     k = _kind(node)
     if k in _TWO_OPERANDS and (len(node.args) > 2 or any(node.kwargs.get(a) is not None for a in _TWO_OPERANDS[k])):
