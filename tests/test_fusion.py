@@ -1907,6 +1907,30 @@ def test_a_residual_add_given_out_is_no_residual_add(gen):
     assert all(bits_equal(a, b) for a, b in zip(fused, unfused)) and not bits_equal(fused[1], inputs[1])
 
 
+@pytest.mark.parametrize("between", ["n.to(T)", "n.to(T).view(-1, h)", "n.view(1, -1, h).contiguous().type_as(n)"])
+def test_no_op_casts_and_copies_before_a_quantization_are_not_replayed_on_the_codes(gen, between):
+    """A cast of the norm to the dtype it has (models' `.to(input_dtype)`) or a copy between the norm and its FP8
+    quantization computes nothing: the op's codes take its place as they are, float8 (a cast replayed on them
+    would give T values of the codes); the views among them are replayed."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        h = x + residual
+        n = torch_norm(h, weight)
+        if between == "n.to(T)":
+            m = n.to(BF16)
+        elif between == "n.to(T).view(-1, h)":
+            m = n.to(BF16).view(-1, 64)
+        else:
+            m = n.view(1, -1, 64).contiguous().type_as(n)
+        return fp8(m, scale), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].pattern == "add + rmsnorm + fp8", report
+    assert got[0].dtype == torch.float8_e4m3fn and tuple(got[0].shape) == tuple(want[0].shape), report
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("z_shape", [(5, 1), (1, 64)])
 def test_gated_norm_with_a_broadcast_gate_is_skipped(gen, z_shape):
     x, _, weight, _ = _local_inputs(gen, h=64)

@@ -90,7 +90,8 @@ class Quant:
     multiply by 1/scale), or commfuse's quantize op. scale: the dequant scale node, or
     ("reciprocal", node) when the graph multiplies by a quant scale `node` (1/scale is inserted);
     nodes: the nodes replaced (views first); final: the node whose value is the codes (for
-    commfuse.quantize: the op, read through getitem); views: the views between norm and quant."""
+    commfuse.quantize: the op, read through getitem); views: the views, copies and no-op casts between norm and
+    quant (the rewrite replays the views on the codes)."""
 
     quant: str
     scale: Union[fx.Node, tuple, None]

@@ -430,8 +430,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                     src = norm.output
                     for vw in use.views:
                         mapping[src] = cur
-                        cur = g.node_copy(vw, lambda a: mapping.get(a, a))
-                        cur.meta = dict(use.final.meta)
+                        if G.kind(vw) == "view":  # a no-op cast or copy is not replayed: on the codes it would cast
+                            cur = g.node_copy(vw, lambda a: mapping.get(a, a))
+                            cur.meta = dict(use.final.meta)
                         src = vw
                 use.final.replace_all_uses_with(cur)
             doomed += use.nodes
