@@ -1931,6 +1931,32 @@ def test_no_op_casts_and_copies_before_a_quantization_are_not_replayed_on_the_co
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("case", ["written", "returned", "read"])
+def test_identical_quantizations_share_the_codes_only_where_nothing_tells_them_apart(gen, case):
+    """Two FP8 quantizations of the norm with one scale are one op output, read twice, only where nothing can tell
+    the two apart; where one is written in place (`q1.view(torch.uint8).zero_()`) or the graph returns them (the
+    caller may write one), the second reads a copy of its own."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        h = x + residual
+        n = torch_norm(h, weight)
+        q1, q2 = fp8(n, scale), fp8(n, scale)
+        if case == "written":
+            q1.view(torch.uint8).zero_()
+        if case == "read":
+            return q1.float() + q2.float(), h
+        return q1, q2, h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    assert counts(gm) == {LOCAL: 1} and report.fused[0].pattern == "add + rmsnorm + fp8", report
+    assert_same(got, want)
+    copies = sum(n.op == "call_method" and n.target == "clone" for n in gm.graph.nodes)
+    assert copies == (case != "read"), gm.code
+    if case == "returned":
+        assert got[0].data_ptr() != got[1].data_ptr()
+
+
 @pytest.mark.parametrize("z_shape", [(5, 1), (1, 64)])
 def test_gated_norm_with_a_broadcast_gate_is_skipped(gen, z_shape):
     x, _, weight, _ = _local_inputs(gen, h=64)

@@ -46,6 +46,11 @@ class Builder:
     def add(self, a: fx.Node, b: fx.Node) -> fx.Node:  # aten only
         return self._call(aten.add.Tensor, (a, b), torch.add)
 
+    def clone(self, n: fx.Node) -> fx.Node:
+        if self.aten_level:
+            return self._call(aten.clone.default, (n,), torch.clone)
+        return self._method("clone", (n,))
+
     def reciprocal(self, n: fx.Node) -> fx.Node:
         if self.aten_level:
             return self._call(aten.reciprocal.default, (n,), torch.reciprocal)

@@ -531,20 +531,26 @@ def written_between(node: fx.Node, lo: fx.Node, hi: fx.Node, positions: dict,
                     ignore: Collection[fx.Node] = ()) -> Optional[fx.Node]:
     """A node strictly between lo and hi (graph order), not in `ignore`, that writes node's memory in place
     (node itself, a tensor it views or one that views it), or None."""
-    root = node
-    while may_alias(root) and source(root) is not None:
-        root = source(root)
-    aliases, stack = {root}, [root]
-    while stack:
-        for u in stack.pop().users:
-            if u not in aliases and may_alias(u) and source(u) in aliases:
-                aliases.add(u)
-                stack.append(u)
-    for a in aliases:
+    for a in aliases(node):
         for u in a.users:
             if positions[lo] < positions.get(u, -1) < positions[hi] and u not in ignore and writes(u, a):
                 return u
     return None
+
+
+def aliases(node: fx.Node) -> set:
+    """The nodes that may hold node's memory: the tensor it views (through views and in-place ops' results), and
+    every view of that."""
+    root = node
+    while may_alias(root) and source(root) is not None:
+        root = source(root)
+    found, stack = {root}, [root]
+    while stack:
+        for u in stack.pop().users:
+            if u not in found and may_alias(u) and source(u) in found:
+                found.add(u)
+                stack.append(u)
+    return found
 
 
 def order(graph: fx.Graph) -> dict:

@@ -405,9 +405,11 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         fused = g.call_function(targets["moe" if moe is not None else kind], args)
     out_fields = fields(tail, residual is not None and kind != "gated")
 
-    def output(field: str, replaces: fx.Node, view: bool) -> fx.Node:
+    def output(field: str, replaces: fx.Node, view: bool, own: bool = False) -> fx.Node:
         with g.inserting_before(replaces):
             out = g.call_function(operator.getitem, (fused, out_fields.index(field)))
+            if own:
+                out = build.clone(out)
             if view and rank != 2 and len(G.shape(replaces) or shape_ref_shape) != 2:
                 out = build.reshape_as(out, shape_ref, view=True)
         out.meta = dict(replaces.meta)
@@ -416,15 +418,20 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     doomed: List[fx.Node] = []
     # Quantized codes (and scale factors).
     if quant is not None:
-        for use in quant_uses(quant, norm):
+        uses = quant_uses(quant, norm)
+        # Identical quantizations read the op's one output where nothing can tell them apart; else each
+        # after the first reads a copy of its own.
+        shared = all(_may_share(n) for use in uses for n in _codes(use))
+        for i, use in enumerate(uses):
+            own = i > 0 and not shared
             if use.final.op == "call_function" and G.kind(use.final) == "cf_quantize":
                 quantized = fields(use.final.args[2], False)  # the quantize op's outputs
                 for gi in list(use.final.users):
-                    new = output(quantized[gi.args[1]], gi, view=False)
+                    new = output(quantized[gi.args[1]], gi, view=False, own=own)
                     gi.replace_all_uses_with(new)
                     doomed.append(gi)
             else:
-                new = output("quant", use.final, view=True)
+                new = output("quant", use.final, view=True, own=own)
                 cur, mapping = new, {}
                 with g.inserting_before(use.final):
                     src = norm.output
@@ -661,6 +668,17 @@ def _feeds(u: fx.Node, matched: set, last: int, positions: dict) -> bool:
         seen.add(v)
         todo.extend(v.users)
     return False
+
+
+def _codes(use: P.Quant) -> list:
+    """The nodes whose values a quantization's readers read: the codes, or a quantize op's outputs."""
+    return list(use.final.users) if G.kind(use.final) == "cf_quantize" else [use.final]
+
+
+def _may_share(n: fx.Node) -> bool:
+    """Whether n's value may be another node's too: nothing writes it in place (through any view), and the graph
+    does not return it (the caller would get one tensor for two)."""
+    return not any(u.op == "output" or G.writes(u, a) for a in G.aliases(n) for u in a.users)
 
 
 def quant_uses(quant: P.Quant, norm: P.Norm) -> list:
