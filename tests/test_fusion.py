@@ -544,6 +544,27 @@ def test_commfuse_local_op_after_all_reduce_becomes_fused_all_reduce(quiet_comm,
 
 
 @mpi
+def test_commfuse_local_op_after_all_reduce_whose_input_is_written_between_stays(quiet_comm, gen):
+    """y written in place between its functional all-reduce and the local op that reads the sum: commfuse's
+    fused_all_reduce in the local op's place would reduce the written y. The all-reduce stays, reported with the
+    write, as for the same tail written out."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        s = fc.wait_tensor(fc.all_reduce(y, "sum", dist.group.WORLD))
+        y.mul_(0)
+        t = commfuse.fused_add_rmsnorm(s, residual, weight, 1e-6)
+        return t.residual, t.norm
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert FUSED_AR not in counts(gm) and not report.fused, report
+    assert any("the x y is written in place (mul_) between" in r for r in _skip_reasons(report, "all-reduce")), report
+    assert_same(got, want)
+
+
+@mpi
 def test_layers_chain_and_report_prints(quiet_comm, gen):
     """Two decoder-like tails: the first's residual output is the second's residual input."""
     c = quiet_comm

@@ -821,6 +821,11 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     if why:
         report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why, "guard"))
         return
+    # The fused op reads the all-reduce's input at the local op, where the collective read it.
+    why = _written_in_place({node, *ar.chain, *ar.nodes}, [("x", ar.x)], node, positions)
+    if why:
+        report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why, "pattern"))
+        return
     comm_name = ar.comm if ar.comm is not None else comm.name
     g = gm.graph
     with g.inserting_before(node):
