@@ -1566,6 +1566,35 @@ def test_symbolic_trace_with_rmsnorm_module(gen):
     assert_same(list(gm(x, residual, scale)), list(want))
 
 
+@pytest.mark.parametrize("module", ["nn.Identity", "nn.Flatten", "nn.Unflatten"])
+def test_symbolic_trace_modules_that_return_their_input_alias_it(gen, module):
+    """Under symbolic_trace an nn.Identity, nn.Flatten or nn.Unflatten is a call_module node that returns its input
+    itself or a view of it: an in-place nn.ReLU of its result writes the residual sum between the add and the norm,
+    and the pattern is skipped with that write (the fused op would normalise the sum before it)."""
+    x, residual, weight, _ = _local_inputs(gen)
+    passes = {"nn.Identity": torch.nn.Identity(), "nn.Flatten": torch.nn.Flatten(),
+              "nn.Unflatten": torch.nn.Unflatten(1, (8, 8))}
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = rms_norm_module(weight, 1e-6)
+            self.passes = passes[module]
+            self.act = torch.nn.ReLU(inplace=True)
+
+        def forward(self, x, residual):
+            h = x + residual
+            self.act(self.passes(h))
+            return self.norm(h), h
+
+    gm = torch.fx.symbolic_trace(M())
+    want = gm(*_cloned((x, residual)))
+    report = fusion.fuse(gm, example_inputs=_cloned((x, residual)))
+    assert not counts(gm), report
+    assert any("written in place (act)" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(list(gm(*_cloned((x, residual)))), list(want))
+
+
 @mpi
 def test_symbolic_trace_with_a_functional_all_reduce(quiet_comm, gen):
     """torch.fx.symbolic_trace keeps funcol's wrapper of the all-reduce's result (_wrap_tensor_autograd) where

@@ -439,6 +439,8 @@ def may_alias(node: Any) -> bool:
             return True  # a cast to the dtype it has returns its input itself (x.bool() of a bool x, x.to(x.dtype))
     if node.op == "call_method":
         return node.target in _ALIASING
+    if node.op == "call_module":
+        return not _fresh_module(_module(node))
     if node.op != "call_function":
         return False
     t = node.target
@@ -453,6 +455,18 @@ def may_alias(node: Any) -> bool:
     if schema is not None:
         return any(r.alias_info is not None for r in schema.returns)
     return getattr(t, "__name__", None) in _ALIASING
+
+
+# Leaf modules (symbolic_trace keeps torch.nn's as call_module nodes) that return a new tensor: any other may return
+# its input or a view of it (nn.Identity, nn.Flatten, nn.Unflatten, a dropout). Exact types: a subclass may not.
+_FRESH_MODULES = {torch.nn.Linear, torch.nn.Bilinear, torch.nn.Embedding, torch.nn.EmbeddingBag}
+_FRESH_MODULE_FILES = {"torch.nn.modules.activation", "torch.nn.modules.normalization", "torch.nn.modules.batchnorm",
+                       "torch.nn.modules.conv"}
+
+
+def _fresh_module(mod) -> bool:
+    """Whether a module's call returns a tensor of its own (writing its input in place aside: `writes` says)."""
+    return type(mod) in _FRESH_MODULES or type(mod).__module__ in _FRESH_MODULE_FILES
 
 
 # Tensor methods that cast to a dtype (those graph.kind does not name "cast" too).
