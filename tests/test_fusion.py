@@ -1440,6 +1440,24 @@ def test_casts_written_by_a_reader_are_not_merged(gen):
         assert bits_equal(got[0], want[0]) and bits_equal(want[0], fn(*_cloned((x, residual, weight)))), fn.__name__
 
 
+def test_a_result_given_out_is_its_out_tensor(gen):
+    """`hh = torch.add(x, x, out=z)` is z: a write to z between two casts of hh tells them apart, so they stay two."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        z = residual * 1
+        hh = torch.add(x, x, out=z)
+        a = hh.float()
+        z.mul_(2)
+        return a + hh.float()
+
+    gm, inputs = capture(f, x, residual, weight)
+    want = gm(*_cloned(inputs))
+    fusion.fuse(gm, None, rewrite="all")
+    assert sum(G.kind(n) == "cast" for n in gm.graph.nodes) == 2, gm.code
+    assert bits_equal(gm(*_cloned(inputs))[0], want[0])
+
+
 @mpi
 def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     """commfuse.fusion.post_grad_pass as Inductor's post-grad custom pass: Inductor's own graph of the model (aten

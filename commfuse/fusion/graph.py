@@ -431,6 +431,8 @@ def may_alias(node: Any) -> bool:
         return False
     if node.args and isinstance(node.args[0], fx.Node) and writes(node, node.args[0]):
         return True
+    if node.kwargs.get("out") is not None:
+        return True  # a call given out= returns that tensor
     if _is_dropout(node):
         return True  # outside training it returns its input itself
     if kind(node) == "cast" or (node.op == "call_method" and node.target in _DTYPE_METHODS):
@@ -556,15 +558,22 @@ def aliases(node: fx.Node) -> set:
     """The nodes that may hold node's memory: the tensor it views (through views and in-place ops' results), and
     every view of that."""
     root = node
-    while may_alias(root) and source(root) is not None:
-        root = source(root)
+    while may_alias(root) and _aliased(root) is not None:
+        root = _aliased(root)
     found, stack = {root}, [root]
     while stack:
         for u in stack.pop().users:
-            if u not in found and may_alias(u) and source(u) in found:
+            if u not in found and may_alias(u) and _aliased(u) in found:
                 found.add(u)
                 stack.append(u)
     return found
+
+
+def _aliased(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor whose memory an aliasing node's value may be: the out= tensor of a call given one, else its
+    source."""
+    out = node.kwargs.get("out")
+    return out if isinstance(out, fx.Node) else source(node)
 
 
 def order(graph: fx.Graph) -> dict:
