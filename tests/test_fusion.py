@@ -1087,6 +1087,22 @@ def test_gated_rmsnorm_is_found(gen, form):
         assert_rounding_order_close(got, want, ["norm"])
 
 
+def test_norm_before_gate_whose_gate_cast_is_read_elsewhere_keeps_the_cast(gen):
+    """mamba_ssm's norm_before_gate=True with z.float() read by another node too: the gated norm fuses and the cast
+    stays for that reader (the pass erased it with the norm and failed on the reader left)."""
+    x, z, weight, _ = _local_inputs(gen, h=64)
+
+    def f(x, z, weight):
+        xf, zf = x.float(), z.float()
+        rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + 1e-5)
+        out = xf * rstd * weight.float()
+        return (out * F.silu(zf)).to(x.dtype), zf.sum(-1)
+
+    gm, report, want, got = fuse_and_run(f, (x, z, weight), None)
+    assert counts(gm) == {GATED: 1}, report
+    assert_same(got, want)
+
+
 def test_gated_rmsnorm_under_dynamic_shapes(gen):
     """Mamba2's gated norm reads the sizes of x * silu(z) (`shape = hidden_states.shape`), which dynamo
     queries with size() under dynamic shapes: the pass answers them from x and fuses the norm, for any

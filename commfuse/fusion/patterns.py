@@ -395,7 +395,9 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
                 zz = _other(g, cur)
                 if isinstance(zz, fx.Node) and _silu_input_f32(zz) is not None and len(zz.users) == 1:
                     gate, norm_before_gate = _silu_input_f32(zz), True
-                    nodes += [zz.args[0], zz, g]
+                    # z.float() read elsewhere too (mamba_ssm casts x and z up front) stays for those readers.
+                    nodes += [zz.args[0]] if len(zz.args[0].users) == 1 else []
+                    nodes += [zz, g]
                     cur = g
                     spelling = "gated RMSNorm"
         c = _single_user(cur)
