@@ -275,6 +275,28 @@ def test_two_all_reduces_added_without_a_combine_are_reported(quiet_comm, gen):
 
 
 @mpi
+def test_one_combine_all_reduced_twice_and_added_is_no_shared_expert(quiet_comm, gen):
+    """all_reduce(combine) + all_reduce(combine): the second collective's input is the combine itself, no shared
+    expert's output beside it (taken for one, it was an input of the op that replaces it: the pass failed). The
+    sums are reported and left, the add + RMSNorm become the local op, and the outputs are the graph's."""
+    c = quiet_comm
+    t, h, k = 6, 64, 2
+    args, _ = moe_setup(c, gen, t, h)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        w, sel = route(x, router, k, "f32")
+        routed = (expert_rows(x, sel, w_up, w_down).view(t, k, h) * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        hs = residual + (reduce("funcol", c, routed) + reduce("funcol", c, routed))
+        return weight_before_cast_norm(hs, weight), hs
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert MOE_AR not in counts(gm) and FUSED_AR not in counts(gm), report
+    assert any(s.what == "all-reduce" and "sums of two all-reduces are added" in s.reason for s in report.skipped), \
+        report
+    assert_same(got, want)
+
+
+@mpi
 @pytest.mark.parametrize("collective", ["funcol", "commfuse"])
 def test_moe_combine_other_collectives_dynamic_tokens(quiet_comm, gen, collective):
     """Functional collectives and commfuse.ops.all_reduce, the token count symbolic (dynamic=True; top-k

@@ -531,7 +531,7 @@ def _moe_combine_and_shared(ar: P.AllReduce, norm: P.Norm, h: int, report: Fusio
     for x, shared in ((ar.x, ar.added), (ar.added, ar.x)):
         found = P.match_moe_combine(x, t)
         if not isinstance(found, P.MoeCombine) or found.shared is not None or not _same_rows(shared, x) \
-                or G.dtype(shared) != t:
+                or G.dtype(shared) != t or shared is x or shared in found.nodes:  # the combine all-reduced twice
             continue
         alone = P.AllReduce(x=x, nodes=ar.nodes, chain=ar.chain, spelling=ar.spelling, group=ar.group, comm=ar.comm)
         found = _moe_combine(alone, norm, h, report)
