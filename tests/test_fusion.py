@@ -660,6 +660,35 @@ def test_sum_also_read_elsewhere_keeps_the_all_reduce(quiet_comm, gen, collectiv
 
 
 @mpi
+@pytest.mark.parametrize("case", ["sa + sb", "sb + sa", "both fusable", "the norm not fused"])
+def test_two_all_reduced_sums_added_each_tried_and_reported(quiet_comm, gen, case):
+    """h = sa + sb of two all-reduced sums, sa also read elsewhere: sa's all-reduce cannot fuse (the op does not
+    return the sum), sb's fuses with sa as the residual, in either operand order. Every all-reduce left is reported
+    at its collective with a true reason (none as one whose sum no norm reads): sa's as read elsewhere, the second
+    of two fusable ones as the fused op's residual, both with the norm's reason where the norm is not fused."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        sa = reduce("funcol", c, F.linear(x, wo))
+        sb = reduce("funcol", c, F.linear(residual, wo))
+        h = sb + sa if case == "sb + sa" else sa + sb
+        n = torch_norm(h, weight.float() if case == "the norm not fused" else weight)
+        return (n, h) if case == "both fusable" else (n, h, sa * 2)
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    skips = [s for s in report.skipped if s.what == "all-reduce"]
+    collectives = {n.name for n in gm.graph.nodes if G.kind(n) == "funcol_all_reduce"}
+    assert {s.where for s in skips} == collectives and len(skips) == len(collectives), report
+    expect = {"sa + sb": "is also read by mul", "sb + sa": "is also read by mul",
+              "both fusable": "is an all-reduced sum too, tried first",
+              "the norm not fused": "feeds a residual add + RMSNorm (n) that is not fused: the weight is"}
+    assert all(expect[case] in s.reason for s in skips), report
+    assert counts(gm) == ({} if case == "the norm not fused" else {FUSED_AR: 1}), report
+    assert_same(got, want)
+
+
+@mpi
 def test_all_reduce_of_a_graph_input_in_place_is_not_fused(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, _, _ = setup(c, gen)

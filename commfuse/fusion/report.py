@@ -38,10 +38,10 @@ class Fused:
 class Skipped:
     """A candidate left as the graph had it (or partly: `what` says which piece).
 
-    where: the node it was found at; what: "all-reduce", "rmsnorm", "quantization", ...; kind:
-    "guard" (the pattern is there, a condition of the fused ops fails), "pattern" (the graph does
-    not compute what the fused ops do) or "evidence" (it would not pay: commfuse.fusion.evidence;
-    rewrite="all" fuses it); reason: in words, with the numbers for "evidence"."""
+    where: the node it was found at (an all-reduce's: its collective); what: "all-reduce", "rmsnorm",
+    "quantization", ...; kind: "guard" (the pattern is there, a condition of the fused ops fails), "pattern"
+    (the graph does not compute what the fused ops do) or "evidence" (it would not pay:
+    commfuse.fusion.evidence; rewrite="all" fuses it); reason: in words, with the numbers for "evidence"."""
 
     where: str
     what: str

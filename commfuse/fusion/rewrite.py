@@ -293,27 +293,26 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                     found = P.trace_all_reduce_sum(xa, norm.input, positions)
                 if found is None:
                     continue
-                x, residual = xa, rb
                 if isinstance(found, P.AllReduce) and P.reads_the_sum(rb, xa, found, positions):
                     found = P.Mismatch(f"the residual {rb.name} is computed from the all-reduce's sum too: the "
                                        "fused op takes the residual before the sum exists")
+                why = _all_reduce_guard(found, comm, norm) if isinstance(found, P.AllReduce) else None
+                if why:
+                    found = P.Mismatch(why, "guard")
+                # Both operands may be all-reduced sums: where one cannot fuse, the other may, this sum its residual.
                 if isinstance(found, P.Mismatch):
-                    report.skipped.append(Skipped(norm.input.name, "all-reduce", found.reason
-                                                  + "; the add + RMSNorm are matched without it", found.kind))
-                    _mark_all_reduce(xa, seen_all_reduce)
+                    _skip_all_reduce(xa, norm.input.name, found.reason + "; the add + RMSNorm are matched without it",
+                                     found.kind, report, seen_all_reduce)
+                elif ar is None:
+                    x, residual, ar = xa, rb, found
+                    seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
                 else:
-                    ar = found
-                break
+                    _skip_all_reduce(xa, norm.input.name, f"the add's other operand {residual.name} is an all-reduced "
+                                     "sum too, tried first: a fused op takes one all-reduce, the other sum as its "
+                                     "residual", "pattern", report, seen_all_reduce)
     comm_name = None
     if ar is not None:
-        seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
-        why = _all_reduce_guard(ar, comm, norm)
-        if why:
-            report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", why + "; the add + RMSNorm are matched "
-                                          "without it", "guard"))
-            ar = None
-        else:
-            comm_name = ar.comm if ar.comm is not None else comm.name
+        comm_name = ar.comm if ar.comm is not None else comm.name
     kind = "gated" if norm.gated else "all_reduce" if ar is not None else "local"
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
@@ -570,31 +569,38 @@ def _skip_feeding_all_reduce(norm_input: fx.Node, norm_name: str, reason: str, k
     if pair is None:
         return
     positions = G.order(add.graph)
-    for xa in pair:
-        if P.trace_all_reduce(xa, add, positions) is None:
-            continue
-        _mark_all_reduce(xa, seen_all_reduce)
-        report.skipped.append(Skipped(add.name, "all-reduce", f"its sum feeds a residual add + RMSNorm ({norm_name}) "
-                                      f"that is not fused: {reason}", kind))
-        return
+    for xa in pair:  # each operand may be an all-reduced sum
+        if P.trace_all_reduce(xa, add, positions) is not None:
+            _skip_all_reduce(xa, add.name, f"its sum feeds a residual add + RMSNorm ({norm_name}) that is not fused: "
+                             f"{reason}", kind, report, seen_all_reduce)
 
 
-def _mark_all_reduce(v: fx.Node, seen: set) -> None:
-    """Mark the collective behind v (a skipped candidate) so it is not reported twice."""
-    stack, hops = [v], 0
-    while stack and hops < 16:
+def _skip_all_reduce(v: fx.Node, where: str, reason: str, kind: str, report: FusionReport, seen: set) -> None:
+    """Report the collective behind v (a skipped candidate) at its node (at `where` if it is not found) once, and
+    mark it so that it is not reported again (y + y.view(-1, h) reaches one twice) nor as one whose sum no norm
+    reads."""
+    behind = _collectives_behind(v)
+    if not behind or not seen.issuperset(behind):
+        report.skipped.append(Skipped(behind[0].name if behind else where, "all-reduce", reason, kind))
+    seen.update(behind)
+
+
+def _collectives_behind(v: fx.Node) -> list:
+    """The collectives whose sums v is computed from (looked for within 16 nodes)."""
+    found, stack, seen = [], [v], set()
+    while stack and len(seen) < 16:
         n = stack.pop()
-        hops += 1
-        if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"):
-            seen.add(n)
+        if n in seen:
             continue
-        for u in list(n.users):
-            if G.kind(u) == "copy_":
-                w = G.operand(u, 1, "src")
-                if isinstance(w, fx.Node):
-                    stack.append(w)
-        for a in n.all_input_nodes:
-            stack.append(a)
+        seen.add(n)
+        if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"):
+            found.append(n)
+            continue
+        stack.extend(n.all_input_nodes)
+        for u in n.users:  # dynamo's in-place form: the sum copied into n, looked at first (popped first)
+            if G.kind(u) == "copy_" and G.operand(u, 0, "self") is n and isinstance(G.operand(u, 1, "src"), fx.Node):
+                stack.append(G.operand(u, 1, "src"))
+    return found
 
 
 def _matched(norm: P.Norm, quant, residual, ar, moe) -> set:
@@ -805,8 +811,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
     if ar is None:
         return
     if isinstance(ar, P.Mismatch):
-        report.skipped.append(Skipped(node.name, "all-reduce", ar.reason, ar.kind))
-        _mark_all_reduce(x, seen_all_reduce)
+        _skip_all_reduce(x, node.name, ar.reason, ar.kind, report, seen_all_reduce)
         return
     seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
     if residual is None:
