@@ -439,6 +439,25 @@ def test_sum_in_t_of_float32_products_is_noted(quiet_comm, gen):
 
 
 @mpi
+def test_products_in_t_summed_in_float32_are_noted(quiet_comm, gen):
+    """(y * w.to(T).unsqueeze(-1)).sum(dim=1, dtype=float32): the products are computed, so rounded, in T before the
+    sum's dtype= casts them to float32; the op's are float32, so the report says so (its numerics note)."""
+    def combine(x, rows, w, t, k, h, rounded=True):
+        y, wt = rows.view(t, k, h), w.to(x.dtype).unsqueeze(-1)
+        products = y * wt if rounded else y.float() * wt.float()
+        return products.sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+    same = torch.Generator().set_state(gen.get_state())
+    gm, report, _, got = with_combine(quiet_comm, gen, combine)
+    assert counts(gm) == {MOE_AR: 1}, report
+    assert any("multiplies the expert outputs by the routing weights in bfloat16, rounding each product" in n
+               for n in report.fused[0].notes), report
+    # The op's combine is that of the float32 products (exact: bf16 times bf16), whatever the graph rounds.
+    _, _, want, _ = with_combine(quiet_comm, same, lambda *a: combine(*a, rounded=False))
+    assert_same(got, want)
+
+
+@mpi
 def test_sum_over_another_dim_is_not_the_combine(quiet_comm, gen):
     def combine(x, rows, w, t, k, h):  # the slots on dim 0: [k, t, h]
         return (rows.view(t, k, h).transpose(0, 1) * w.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)

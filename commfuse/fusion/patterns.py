@@ -980,7 +980,9 @@ def _routed_sum_core(s: fx.Node, t_dtype):
         return why
     rows_txt = "(rows * w[:, None]).view(t, k, h)" if rows else "(y * w.unsqueeze(-1))"
     sum_txt = f".sum(dim=1, dtype={_dt(cast)})" if cast is not None else ".sum(dim=1)"
-    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod, products=cast or G.dtype(prod),
+    # Products computed in T are rounded to T whatever dtype= the sum then casts them to.
+    products = G.dtype(prod) if G.dtype(prod) in T_DTYPES else cast or G.dtype(prod)
+    return dict(y=y, w=w, k=k, nodes=nodes, y_rows=rows, w_rows=w_rows, prod=prod, products=products,
                 spelling=f"{rows_txt}{sum_txt}" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
 
 
