@@ -286,6 +286,32 @@ def test_missing_source_raises_jit_error(cache_dir):
         jit.compile_cubin("not_there.cu", ["k<1>"], "sm_90")
 
 
+def test_the_cached_build_reads_csrc_headers_whatever_the_working_directory(tmp_path, cache_dir, monkeypatch):
+    """A quoted include is looked for in the program's folder first: a rank started in a folder of its own
+    pdl.cuh (another checkout's csrc/) compiled that one, under a key that holds csrc's, for every later
+    process. The program is named by its absolute path, so csrc's headers are the ones compiled."""
+    nvrtc_archs()
+    shadow = tmp_path / "project"
+    shadow.mkdir()
+    (shadow / "pdl.cuh").write_text("#pragma once\n__global__ void from_the_working_directory(int* p) { *p = 1; }\n")
+    monkeypatch.chdir(shadow)
+    name = moe_combine.variants()[0]
+    built = jit.build(moe_combine.SOURCE, (name,), "sm_90")
+    assert b"from_the_working_directory" not in built.cubin
+    assert built.lowered[name].encode() in built.cubin
+
+
+def test_a_source_of_its_own_folder_is_keyed_by_its_headers(tmp_path, cache_dir):
+    """A source outside csrc/ (an absolute source_file) includes the headers beside it: they are in its key."""
+    src = tmp_path / "tiny.cu"
+    src.write_text('#include "tiny.cuh"\ntemplate <int N> __global__ void tiny(int* x) { x[0] = N + K; }\n')
+    header = tmp_path / "tiny.cuh"
+    header.write_text("#pragma once\nconstexpr int K = 1;\n")
+    before = jit.cache_path(str(src), ["tiny<1>"], "sm_90")
+    header.write_text("#pragma once\nconstexpr int K = 2;\n")
+    assert jit.cache_path(str(src), ["tiny<1>"], "sm_90") != before
+
+
 def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
     nvrtc_archs()
     src = tmp_path / "tiny.cu"

@@ -218,6 +218,9 @@ def _add_build_inputs(add, extra: Sequence[Path] = ()) -> None:
     sources = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
     for p in sources + list(extra):
         add(f"src:{p.name}", p.read_bytes())
+    for d in sorted({p.parent for p in extra} - {CSRC_DIR}):  # a source of its own folder includes its headers
+        for p in sorted(q for q in d.iterdir() if q.suffix in (".cuh", ".h")):
+            add(f"own:{p.name}", p.read_bytes())
     for d in cuda_include_dirs():
         for name in _CUDA_HEADERS:
             header = Path(d, name)
@@ -315,9 +318,11 @@ def _nvrtc_compile(path: Path, names: Tuple[str, ...], options: Tuple[str, ...])
     """Compile `path` with NVRTC: (cubin bytes, {name expression: lowered name}, the compile log)."""
     nvrtc = _nvrtc()
     what = f"NVRTC compile of {path.name} [{', '.join(names)}]"
-    # The parameter structs' header is generated (commfuse/kernels/params.py), handed to NVRTC from memory.
-    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 1, [params.header().encode()],
-                                                 [params.HEADER_NAME.encode()]), what)
+    # The parameter structs' header is generated (commfuse/kernels/params.py), handed to NVRTC from memory. The
+    # program is named by its absolute path: NVRTC looks for a quoted include in the program's folder first, which
+    # for a bare file name is the working directory, whose headers the cache key does not hold.
+    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(path.read_bytes(), str(path.resolve()).encode(), 1,
+                                                 [params.header().encode()], [params.HEADER_NAME.encode()]), what)
     try:
         for name in names:
             _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), f"{what}: adding {name}")
