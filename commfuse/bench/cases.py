@@ -132,7 +132,9 @@ def shapes_of(args, pattern: "Pattern") -> list:
 @dataclass
 class Result:
     """What one call produced: `a` for the plain all-reduce (or a floor row's output), else the
-    tail's outputs (as commfuse.FusedResult; scales: the computed FP8 scales)."""
+    tail's outputs (as commfuse.FusedResult; scales: the computed FP8 scales). An oracle's (oracle_tail)
+    also holds the reference's norm where the pattern returns none (ref_norm): the gate judges the codes
+    of a block whose scale differs from the oracle's by it."""
 
     a: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
@@ -140,6 +142,7 @@ class Result:
     quant: Optional[torch.Tensor] = None
     sf: Optional[torch.Tensor] = None
     scales: Optional[torch.Tensor] = None
+    ref_norm: Optional[torch.Tensor] = None
 
     @classmethod
     def of_tail(cls, tail) -> "Result":
@@ -214,6 +217,15 @@ def tail_args(p: Pattern, weight: torch.Tensor, eps: float, scale: Optional[torc
     return (weight, eps, p.quant, scale, p.return_norm, SF_LAYOUT, p.weight_offset, p.scale_layout, p.scale_ue8m0)
 
 
+def oracle_tail(a: torch.Tensor, residual: torch.Tensor, p: Pattern, weight: torch.Tensor, eps: float,
+                scale: Optional[torch.Tensor]) -> Result:
+    """reference.fused_tail's outputs of the pattern, with the norm kept as ref_norm (see Result)."""
+    full = reference.fused_tail(a, residual, weight, eps, p.quant, scale, True, SF_LAYOUT, p.weight_offset,
+                                p.scale_layout, p.scale_ue8m0)
+    return Result(residual=full.residual, norm=full.norm if p.has_norm else None, quant=full.quant,
+                  sf=full.scale_factors, scales=full.scales, ref_norm=full.norm)
+
+
 def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
@@ -279,7 +291,6 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
              if pattern.quant in SCALES else None)
     eps = ctx.args.eps
-    tail = tail_args(pattern, weight, eps, scale)
 
     # The exact semantics: fp32 sum in rank order, rounded once. NCCL (and gloo) sum in T in their
     # own order; for 2 ranks that is one addition (the same bits), beyond that the semantics accept
@@ -299,8 +310,8 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
                 sums.append(a)
         if not pattern.tail:
             return [Result(a=exact)], None
-        return ([Result.of_tail(reference.fused_tail(s, residual, *tail)) for s in sums],
-                Result.of_tail(reference.fused_tail(xs[ctx.rank], residual, *tail)))
+        return ([oracle_tail(s, residual, pattern, weight, eps, scale) for s in sums],
+                oracle_tail(xs[ctx.rank], residual, pattern, weight, eps, scale))
 
     expected, expected_tail = oracle(xs, residual)
     # The later sets' x is the same on every rank (drawn alike): their sums need no exchange of inputs.
@@ -364,10 +375,12 @@ def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
 
 # ------------------------------------------------------------------------------- correctness gate
 
-def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_residual: bool = False) -> Optional[str]:
+def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_residual: bool = False,
+          scale: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why `res` violates the tolerances (commfuse.tolerance) against the oracle `exp`, None when it
-    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch; exact_residual
-    (commfuse's rows): the residual's bits too, as the tests hold them (one rounded addition)."""
+    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch (scale: the
+    case's, with exp.ref_norm for the codes of blocks whose scale differs); exact_residual (commfuse's
+    rows): the residual's bits too, as the tests hold them (one rounded addition)."""
     if not pattern.tail:
         return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
     if exact_residual and res.residual is not None and exp.residual is not None:
@@ -376,7 +389,8 @@ def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_r
             return why
     return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf, res.scales),
                                    Tail(exp.residual, exp.norm, exp.quant, exp.sf, exp.scales), pattern.quant,
-                                   SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0)
+                                   SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0,
+                                   norm=exp.ref_norm, scale=scale)
 
 
 def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:

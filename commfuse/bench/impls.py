@@ -22,7 +22,8 @@ from commfuse.tail.checks import fields_of
 from commfuse.tail.formats import by_name
 from commfuse.tail.spec import spread
 
-from .cases import MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check
+from .cases import (MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check,
+                    oracle_tail)
 from .context import Ctx
 from .verdict import Skip, short
 
@@ -94,7 +95,7 @@ class Impl:
         if expected is None:
             collective, tail = case.oracle(i)
             expected = [tail] if self.section == "tail" else collective
-        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name))
+        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name), scale=case.scale)
                    for exp in expected]
         return None if None in reasons else reasons[0]
 
@@ -644,7 +645,7 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
     total = combined[0]
     for c in combined[1:]:  # rank order, rounded to T after each addition
         total = (total.to(dt).float() + c).to(dt).float()
-    expected = [Result.of_tail(reference.fused_tail(total.to(dt), case.input_set(0)[1], *case.tail_args()))]
+    expected = [oracle_tail(total.to(dt), case.input_set(0)[1], p, case.weight, case.eps, case.scale)]
     return Step(step, expected=expected)
 
 
