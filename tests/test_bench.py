@@ -390,6 +390,27 @@ def test_torch_add_is_gated_against_its_own_definition():
     assert verdict.kind is Kind.REJECTED and "not comparable with the oracle" in verdict.reason
 
 
+def test_the_largest_shapes_still_get_a_second_input_set():
+    """However large a set (here 64 MiB, twice the CPU's stand-in last-level cache), a case rotates among two:
+    a row whose every call after the first returns the first call's outputs (no work) is rejected by the gate's
+    second call, which reads set 1, rather than passing on set 0 again; a right one passes."""
+    ctx = _ctx()
+    assert cases._input_sets(ctx, 1, 8, torch.bfloat16, per_set=1 << 40) == 2
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 1024, 16384)
+    assert len(case.sets) == 2 and not torch.equal(case.sets[0][0], case.sets[1][0])
+    impl = impls.IMPLS["tail-eager"]
+    good, first = impl.prepare(ctx, case), []
+
+    def stale(i):
+        if not first:
+            first.append(good.call(i))
+        return first[0]
+    verdict, _ = cases.gate(ctx, impls.Step(stale, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
+    assert verdict.kind is Kind.REJECTED and verdict.reason.startswith("checked call 2"), verdict
+    verdict, _ = cases.gate(ctx, impls.Step(good.call, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
+    assert verdict is OK
+
+
 def test_host_mode_times_the_loop_alone(monkeypatch):
     """Host mode: per call, K calls' wall time with the GPU synchronised before the clock starts and
     after it stops, outside the timed region: a 20 ms synchronize shows in no repeat. A row that

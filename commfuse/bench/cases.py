@@ -119,6 +119,7 @@ MOE_COMPILE_PATTERN = "moe_k8_residual_rmsnorm_fp8"  # --quick compiles only thi
 MOE_PADDING_ROWS = 8  # the finalize form's rows: t * k expert rows among t * k + 8 (NaN padding, never read)
 
 MAX_INPUT_SETS = 8  # rotate among up to this many input sets (cache effects, see _input_sets)
+MIN_INPUT_SETS = 2  # and at least this many: the checked calls after the first read another set (see _input_sets)
 
 
 def shapes_of(args, pattern: "Pattern") -> list:
@@ -234,13 +235,15 @@ def _input_sets(ctx: Ctx, t: int, h: int, dtype: torch.dtype, per_set: Optional[
     """How many input sets to rotate among so that the inputs of consecutive calls are not all in
     the last-level cache (2 x its size, docs/benchmarking.md), capped at MAX_INPUT_SETS; per_set: the
     bytes of one set (default x and residual). Decode sizes stay cache resident even so; in a model
-    they are too (the GEMM that made x has just written it)."""
+    they are too (the GEMM that made x has just written it). Never fewer than MIN_INPUT_SETS, however
+    large a set: the gate's second call and the check after the timing must read inputs other than the
+    first call's, or a call that does no work (returning its first outputs again) would pass them."""
     if ctx.cuda:
         l2 = getattr(torch.cuda.get_device_properties(ctx.device), "L2_cache_size", 50 << 20)
     else:
         l2 = 32 << 20
     per_set = per_set or 2 * t * h * dtype.itemsize
-    return max(1, min(MAX_INPUT_SETS, math.ceil(2 * l2 / per_set)))
+    return max(MIN_INPUT_SETS, min(MAX_INPUT_SETS, math.ceil(2 * l2 / per_set)))
 
 
 def same_draws(ctx: Ctx) -> torch.device:

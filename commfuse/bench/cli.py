@@ -20,10 +20,10 @@ import torch.distributed as dist
 from commfuse import env, init_distributed
 
 from . import report
-from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, MOE_COMPILE_PATTERN,
-                    MOE_HIDDEN, MOE_QUICK_SHAPES, MOE_TOKENS, PATTERN_GROUPS, PATTERNS, QUICK_COMPILE_PATTERN,
-                    QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, judge, make_case, same_draws, shapes_of,
-                    tail_bytes)
+from .cases import (DEFAULT_HIDDEN, DEFAULT_PATTERNS, DEFAULT_TOKENS, DTYPES, MAX_INPUT_SETS, MIN_INPUT_SETS,
+                    MOE_COMPILE_PATTERN, MOE_HIDDEN, MOE_QUICK_SHAPES, MOE_TOKENS, PATTERN_GROUPS, PATTERNS,
+                    QUICK_COMPILE_PATTERN, QUICK_PATTERNS, QUICK_SHAPES, QUICK_SHAPES_CPU, gate, judge, make_case,
+                    same_draws, shapes_of, tail_bytes)
 from .context import Ctx
 from .impls import DEFAULT_IMPLS, IMPLS
 from .timing import MODES, measure_ceilings, time_step
@@ -94,7 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "frac_hbm": "tail rows: fewest bytes the tail moves / time / hbm_copy_GBps",
                    "frac_link": "collective rows on 2+ GPUs: bus bandwidth (2(n-1)/n x t x h x bytes an element / "
                                 "time) / p2p_GBps",
-                   "inputs": f"rotating among up to {MAX_INPUT_SETS} input sets (2x the last-level cache)"},
+                   "inputs": f"rotating among {MIN_INPUT_SETS} to {MAX_INPUT_SETS} input sets (2x the last-level "
+                             "cache; two at least, for the checks)"},
                "plans": ctx.plans,
                "config": {"shapes": [f"{t}x{h}" for t, h in args.shape_list],
                           "moe_shapes": [f"{t}x{h}" for t, h in args.moe_shape_list], "dtypes": args.dtype_list,
