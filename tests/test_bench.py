@@ -225,6 +225,10 @@ def fused_all_reduce(self, x, residual, weight, *args, out=None, **kw):
     wrong = os.environ["WRONG"]
     if wrong == "out" and out is not None:
         return out  # writes nothing into the caller's outputs
+    if wrong == "out after the gate" and out is not None:
+        calls["out"] = calls.get("out", 0) + 1
+        if calls["out"] > 2:
+            return out  # right on the gate's two calls, then writes nothing into the caller's outputs
     key = (tuple(x.shape), out is not None)
     if wrong == "stale" and key in first:
         return first[key][0]  # the first call's outputs again
@@ -252,13 +256,15 @@ BOTH = {"commfuse-auto", "commfuse-auto-out"}
     ("out", {"commfuse-auto-out"}, ""), ("later", BOTH, "checked call 2 (from the plan table)"),
     ("stale", BOTH, "checked call 2 (from the plan table)"),
     ("other set", BOTH, "checked call 2 (from the plan table)"), ("third", BOTH, "the last timed call (eager)"),
-    ("rounded", BOTH, "residual: ")])
+    ("out after the gate", {"commfuse-auto-out"}, "the last timed call (eager)"), ("rounded", BOTH, "residual: ")])
 def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wrong, rejected, where):
     """A row whose out= path writes nothing (its outputs are poisoned before each checked call); whose calls after
     a signature's first (those the plan table launches, as the timed ones) are wrong, or return the first call's
     outputs again, or are right on the first input set only (the second checked call reads another); which is
-    right on the gate's calls and wrong on later ones (the last timed call is checked too); or whose residual is
-    one ulp off (commfuse's rows are held to its bits): each is rejected, and commfuse-bench exits 1."""
+    right on the gate's calls and wrong on later ones (the last timed call is checked too); whose out= path
+    writes nothing after the gate's calls (poisoned again before the timed calls: the last one reads set 1, as
+    the gate's second call did, whose outputs would still be there); or whose residual is one ulp off
+    (commfuse's rows are held to its bits): each is rejected, and commfuse-bench exits 1."""
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-c", WRONG_COMMFUSE, "--quick", "--impls", "commfuse-auto,commfuse-auto-out",
                         "--patterns", "residual_rmsnorm_fp8", "--shapes", "4x256", "--repeats", "1",
@@ -442,6 +448,45 @@ def test_host_mode_on_the_cpu():
     calls = []
     times, verdict, _ = timing.time_step(ctx, impls.Step(calls.append), "host")
     assert verdict is OK and len(times) == 3 and calls == list(range(5)) * 3
+
+
+def test_caller_owned_outputs_are_poisoned_before_the_timed_calls():
+    """Each mode's timed calls start from poisoned outputs: Step.poison runs after the warm-up, before the first
+    timed call, so what the gate's or the warm-up's calls wrote cannot pass for the timed calls' outputs."""
+    ctx = _ctx(warmup=2, repeats=2, calls_per_graph=3)
+    log = []
+    step = impls.Step(log.append, poison=lambda: log.append("poison"))
+    for mode in ("eager", "host"):
+        log.clear()
+        times, verdict, _ = timing.time_step(ctx, step, mode)
+        assert verdict is OK and log == [0, 1, "poison"] + [0, 1, 2] * 2, (mode, log)
+
+
+def test_flashinfer_outputs_are_poisoned_before_the_timed_calls():
+    """FlashInfer's output buffers (the harness's) are poisoned before each mode's timed calls as before the gate's
+    call: a stand-in that writes them on its first call only is rejected by the check after the timing, also where
+    the last timed call reads the gate's input set (K = 1), whose outputs would otherwise still be there."""
+    calls = []
+
+    def fuse(allreduce_in, residual_in, residual_out, norm_out, rms_gamma, rms_eps):
+        calls.append(allreduce_in)
+        if len(calls) == 1:
+            tail = reference.fused_tail(allreduce_in, residual_in, rms_gamma, rms_eps)
+            residual_out.copy_(tail.residual)
+            norm_out.copy_(tail.norm)
+
+    args = cli.parse_args(["--impls", "flashinfer", "--patterns", "residual_rmsnorm", "--shapes", "4x256", "--dtypes",
+                           "bf16", "--modes", "eager,host", "--repeats", "1", "--calls-per-graph", "1",
+                           "--warmup", "1"])
+    ctx = Ctx(args, 0, 1, "gloo", torch.device("cpu"))
+    ctx.cache["flashinfer"] = {"fuse": fuse, "patterns": types.SimpleNamespace(kARResidualRMSNorm=1), "version": "test",
+                               "params": inspect.signature(fuse).parameters, "swizzled": 0}
+    ctx.cache["flashinfer_ws"] = (None, torch.zeros(1))
+    records, skipped, status = cli.run_cases(ctx, {"hbm_copy_GBps": None, "p2p_GBps": None})
+    assert len(calls) == 1 + 2 * (1 + 1)  # the gate's call; per mode one warm-up and one timed call
+    assert not records and status == {("flashinfer", "residual_rmsnorm", "bf16", 4, 256, m): Kind.REJECTED
+                                      for m in ("eager", "host")}
+    assert [s["reason"].split(": ")[1] for s in skipped] == [f"the last timed call ({m})" for m in ("eager", "host")]
 
 
 def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):

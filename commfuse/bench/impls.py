@@ -41,7 +41,8 @@ class Step:
     semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead.
     checked_calls: calls the gate checks (commfuse's rows: 2, the first call of a signature, which plans
     it, and one launched from the plan table, as the timed calls are); poison: fills the row's
-    caller-owned outputs before each checked call, so that a call that leaves them unwritten fails."""
+    caller-owned outputs before each checked call and before each mode's timed calls (after the warm-up),
+    so that a call that leaves them unwritten fails the gate or the check after the timing."""
 
     call: Callable[[int], object]
     no_graph: Optional[str] = None
@@ -527,30 +528,48 @@ def _flashinfer_workspace(ctx: Ctx, api: dict) -> torch.Tensor:
 
 
 def _flashinfer_outputs(case: Case, dev: torch.device) -> tuple:
-    """(buffers, Result) of FlashInfer's output arguments for the case: preallocated (its API writes into
-    buffers) and poisoned, so an output the kernel does not write fails the gate. Scale-factor padding
-    stays 0 (never written)."""
+    """(buffers, Result, poison) of FlashInfer's output arguments for the case: preallocated (its API writes
+    into buffers) and poisoned, now and by poison() (Step.poison: before each checked call and each mode's
+    timed calls), so an output the kernel does not write fails the checks. Scale-factor padding is 0
+    (never written)."""
     p, t, h, dt = case.pattern, case.tokens, case.hidden, case.dtype
     k = h // reference.NVFP4_BLOCK
     sf_rows, sf_cols = -(-t // 128) * 128, -(-k // 4) * 4
-    bufs = dict(allreduce_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                residual_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                norm_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                quant_out=torch.full((t, h), 0xFF, dtype=torch.uint8, device=dev),
-                scale_out=torch.zeros(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
+    bufs = dict(allreduce_out=torch.empty((t, h), dtype=dt, device=dev),
+                residual_out=torch.empty((t, h), dtype=dt, device=dev),
+                norm_out=torch.empty((t, h), dtype=dt, device=dev),
+                quant_out=torch.empty((t, h), dtype=torch.uint8, device=dev),
+                scale_out=torch.empty(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
+    # What poison() writes, (tensor, value, index, rest): value throughout (index None), or value at index (the
+    # scale bytes the kernel writes) and rest elsewhere (the padding it leaves as it finds it: 0).
+    fills = [(bufs[n], float("nan"), None, None) for n in ("allreduce_out", "residual_out", "norm_out")]
+    fills.append((bufs["quant_out"], 0xFF, None, None))
+    m = torch.arange(t, device=dev).unsqueeze(1)
     if p.quant == "nvfp4":
-        m = torch.arange(t, device=dev).unsqueeze(1)
-        bufs["scale_out"][reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)] = 0x7F
+        index = reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)
+        fills.append((bufs["scale_out"], 0x7F, index, 0))
     elif p.quant == "fp8_per_token":
-        bufs["scale_out"] = torch.full((t,), float("nan"), dtype=torch.float32, device=dev)
+        bufs["scale_out"] = torch.empty((t,), dtype=torch.float32, device=dev)
+        fills.append((bufs["scale_out"], float("nan"), None, None))
     elif p.quant == "fp8_block":
         # Our storage (ceil(K/4) x roundup(t, 4) int32, padding 0), each exponent byte poisoned with
         # the UE8M0 NaN; passed as the reference's [t, ceil(K/4)] view, strides (1, roundup(t, 4)).
         kb, tp = h // reference.FP8_BLOCK, -(-t // 4) * 4
-        storage = torch.zeros(-(-kb // 4) * tp, dtype=torch.int32, device=dev)
-        m = torch.arange(t, device=dev).unsqueeze(1)
-        storage.view(torch.uint8)[reference.packed_ue8m0_byte_index(m, torch.arange(kb, device=dev), t)] = 0xFF
+        storage = torch.empty(-(-kb // 4) * tp, dtype=torch.int32, device=dev)
+        fills.append((storage.view(torch.uint8), 0xFF,
+                      reference.packed_ue8m0_byte_index(m, torch.arange(kb, device=dev), t), 0))
         bufs["scale_out"] = torch.as_strided(storage, (t, -(-kb // 4)), (1, tp))
+    else:
+        fills.append((bufs["scale_out"], 0, None, None))
+
+    def poison() -> None:
+        for buf, value, index, rest in fills:
+            if index is None:
+                buf.fill_(value)
+            else:
+                buf.fill_(rest)
+                buf[index] = value
+    poison()
     if not p.tail:
         out = Result(a=bufs["allreduce_out"])
     else:
@@ -562,7 +581,7 @@ def _flashinfer_outputs(case: Case, dev: torch.device) -> tuple:
         elif p.quant == "nvfp4":
             out.quant = bufs["quant_out"].view(-1)[: t * h // 2].view(t, h // 2)  # packed, contiguous
             out.sf = bufs["scale_out"].view(torch.float8_e4m3fn)
-    return bufs, out
+    return bufs, out, poison
 
 
 # FlashInfer's MoE fusions (TensorRT-LLM's patterns 6 and 7), read from its source (0.6.18):
@@ -613,7 +632,7 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
     if p.quant == "nvfp4" and ctx.cuda and torch.cuda.get_device_capability(dev)[0] < 10:
         raise Skip(f"flashinfer {version}'s {_FI_MOE[form]} quantizes to NVFP4 on SM 10+ only (on SM 9.0 it faults)")
     ws = _flashinfer_workspace(ctx, api)
-    bufs, out = _flashinfer_outputs(case, dev)
+    bufs, out, poison = _flashinfer_outputs(case, dev)
     outputs = dict(residual_out=bufs["residual_out"], norm_out=bufs["norm_out"] if p.has_norm else None,
                    quant_out=bufs["quant_out"] if p.quant else None, scale_out=bufs["scale_out"] if p.quant else None)
     if form == "reduce":
@@ -646,7 +665,7 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
     for c in combined[1:]:  # rank order, rounded to T after each addition
         total = (total.to(dt).float() + c).to(dt).float()
     expected = [oracle_tail(total.to(dt), case.input_set(0)[1], p, case.weight, case.eps, case.scale)]
-    return Step(step, expected=expected)
+    return Step(step, expected=expected, poison=poison)
 
 
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
@@ -685,7 +704,7 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
     ws = _flashinfer_workspace(ctx, api)
 
     # Every buffer is passed, as FlashInfer's own tests do; the pattern decides which ones the kernel writes.
-    bufs, out = _flashinfer_outputs(case, dev)
+    bufs, out, poison = _flashinfer_outputs(case, dev)
     if p.quant == "fp8":
         scale = case.scale
     elif p.quant == "nvfp4":
@@ -703,7 +722,7 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
         x, residual = case.input_set(i)
         fuse(allreduce_in=x, residual_in=residual, **static)
         return out
-    return Step(step)
+    return Step(step, poison=poison)
 
 
 for _impl in (
