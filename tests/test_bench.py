@@ -253,9 +253,9 @@ BOTH = {"commfuse-auto", "commfuse-auto-out"}
 
 @cpu_smoke
 @pytest.mark.parametrize("wrong, rejected, where", [
-    ("out", {"commfuse-auto-out"}, ""), ("later", BOTH, "checked call 2 (from the plan table)"),
-    ("stale", BOTH, "checked call 2 (from the plan table)"),
-    ("other set", BOTH, "checked call 2 (from the plan table)"), ("third", BOTH, "the last timed call (eager)"),
+    ("out", {"commfuse-auto-out"}, ""), ("later", BOTH, "checked call 2 (input set 1)"),
+    ("stale", BOTH, "checked call 2 (input set 1)"),
+    ("other set", BOTH, "checked call 2 (input set 1)"), ("third", BOTH, "the last timed call (eager)"),
     ("out after the gate", {"commfuse-auto-out"}, "the last timed call (eager)"), ("rounded", BOTH, "residual: ")])
 def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wrong, rejected, where):
     """A row whose out= path writes nothing (its outputs are poisoned before each checked call); whose calls after
@@ -792,6 +792,41 @@ def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
     case = cases.make_case(ctx, cases.PATTERNS["moe_k2_residual_rmsnorm"], "bf16", t, h)
     with pytest.raises(Skip, match="^API mismatch: flashinfer test has no trtllm_moe_allreduce_fusion$"):
         fi.prepare(ctx, case)
+
+
+@pytest.mark.parametrize("wrong_from, where", [(None, None), (2, "checked call 2 (input set 1)"),
+                                               (3, "the last timed call (eager)")])
+def test_flashinfer_moe_rows_are_checked_on_every_input_set(wrong_from, where):
+    """FlashInfer's MoE rows are judged on every input set, against that set's oracle fed its combine: on the gate's
+    two calls (sets 0 and 1) and on the last timed call (K = 20 over 8 sets: set 3). A stand-in that writes
+    residual + 1 from its second call on, or from its first after the gate's, is rejected; a right one is timed."""
+    calls = []
+
+    def reduce(world_size, world_rank, token_num, hidden_dim, workspace_ptrs, launch_with_pdl, residual_in, rms_gamma,
+               rms_eps, scale_factor, moe_reduction_device_num_experts, moe_reduction_scale_input,
+               moe_reduction_active_experts_token_input, moe_reduction_token_input, layout_code, moe_allreduce_out,
+               residual_out, norm_out, quant_out, scale_out, weight_bias=None):
+        y, w = moe_reduction_active_experts_token_input, moe_reduction_scale_input
+        acc = torch.zeros(token_num, hidden_dim, dtype=y.dtype)
+        for j in range(moe_reduction_device_num_experts):
+            acc = acc + (y[j].float() * w[j].unsqueeze(1)).to(y.dtype)
+        _fi_moe_tail(acc + moe_reduction_token_input, residual_in, rms_gamma, rms_eps, residual_out, norm_out)
+        calls.append(1)
+        if wrong_from is not None and len(calls) >= wrong_from:
+            residual_out.add_(1)
+
+    args = cli.parse_args(["--impls", "flashinfer", "--patterns", "moe_k2_residual_rmsnorm", "--shapes", "5x256",
+                           "--dtypes", "bf16", "--modes", "eager", "--repeats", "1", "--warmup", "1"])
+    ctx = Ctx(args, 0, 1, "gloo", torch.device("cpu"))
+    ctx.cache["flashinfer"] = {"version": "test", "swizzled": 0, "reduce": reduce, "finalize": None}
+    ctx.cache["flashinfer_ws"] = (None, torch.zeros(1))
+    records, skipped, _ = cli.run_cases(ctx, {"hbm_copy_GBps": None, "p2p_GBps": None})
+    assert (args.calls_per_graph - 1) % cases._input_sets(ctx, 5, 256, torch.bfloat16) == 3
+    if wrong_from is None:
+        assert [r["mode"] for r in records] == ["eager"] and not skipped, skipped
+    else:
+        assert not records and len(skipped) == 1, skipped
+        assert skipped[0]["reason"].startswith(f"rejected (bf16 5x256): {where}: residual"), skipped
 
 
 @pytest.mark.parametrize("argv, error", [

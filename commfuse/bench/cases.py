@@ -400,13 +400,11 @@ def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tu
     """The row's checked calls: step.checked_calls of them, the first on input set 0, the second on set 1
     (another set's inputs: a call that returned the first's outputs again, or is right on one set only,
     fails), each after step.poison() where the row owns its outputs (impls.Step); mismatch(result, i)
-    says why a result on set i is wrong (None: right). A row with oracles of its own (Step.expected, set
-    0's) is checked on set 0 only. Returns (verdict, the last result); the caller keeps it alive until
-    every row is gated."""
+    says why a result on set i is wrong (None: right). Returns (verdict, the last result); the caller
+    keeps it alive until every row is gated."""
     res = None
-    for n in range(step.checked_calls):
-        which = "the checked call" if step.checked_calls == 1 else f"checked call {n + 1}"
-        i = n if step.expected is None else 0
+    for i in range(step.checked_calls):
+        which = "the checked call" if step.checked_calls == 1 else f"checked call {i + 1}"
         try:
             if step.poison is not None:
                 step.poison()
@@ -417,7 +415,7 @@ def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tu
             return failed(which, e), None
         why = judge(mismatch, res, i)
         if why is not None:
-            return Verdict(Kind.REJECTED, why if n == 0 else f"{which} (from the plan table): {why}"), res
+            return Verdict(Kind.REJECTED, why if i == 0 else f"{which} (input set {i}): {why}"), res
     return OK, res
 
 

@@ -205,8 +205,7 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
 def checked_after(ctx: Ctx, case, step, mode: str, last, mismatch) -> Verdict:
     """The last timed call's outputs (a graph's: those its last replay wrote), judged against the oracle of
     its input set, agreed by all ranks: a row right on the gate's calls and wrong on later ones (another
-    call count, another input set, a replay) is rejected too. A row with oracles of its own for set 0 only
-    (Step.expected) is judged where its last call read set 0."""
+    call count, another input set, a replay) is rejected too."""
     i = (ctx.args.calls_per_graph - 1) % len(case.sets)
 
     def judged(returned, j):
@@ -214,7 +213,7 @@ def checked_after(ctx: Ctx, case, step, mode: str, last, mismatch) -> Verdict:
         if ctx.cuda:
             torch.cuda.synchronize()
         return mismatch(res, j)
-    why = judge(judged, last, i) if step.expected is None or i == 0 else None
+    why = judge(judged, last, i)
     verdict = OK if why is None else Verdict(Kind.REJECTED, f"the last timed call ({mode}): {why}")
     return agree(ctx.world, verdict)
 

@@ -38,9 +38,10 @@ class Step:
     capture it; no_graph: why graph mode cannot time it (None: it can); result: what the gate reads
     of call's return value, a Result (made outside the timed loops, which call `call` itself: a row's
     host time holds no wrapper of ours); expected: the oracles of a row that computes by another
-    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead.
-    checked_calls: calls the gate checks (commfuse's rows: 2, the first call of a signature, which plans
-    it, and one launched from the plan table, as the timed calls are); poison: fills the row's
+    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead:
+    expected[i] those of input set i, one list a set. checked_calls: calls the gate checks (commfuse's
+    rows: 2, the first call of a signature, which plans it, and one launched from the plan table, as the
+    timed calls are; FlashInfer's MoE rows: 2, on another set's oracle too); poison: fills the row's
     caller-owned outputs before each checked call and before each mode's timed calls (after the warm-up),
     so that a call that leaves them unwritten fails the gate or the check after the timing."""
 
@@ -89,11 +90,13 @@ class Impl:
 
     def mismatch(self, case: Case, res: Result, i: int = 0, expected: Optional[list] = None) -> Optional[str]:
         """Why one call's result on input set i is wrong; None when it is right. expected: the step's own
-        oracles of set 0 (Step.expected), else the case's of set i. commfuse's rows are held to the
-        residual's exact bits."""
+        oracles of every set (Step.expected), else the case's of set i are used. commfuse's rows are held to
+        the residual's exact bits."""
         if self.own_check is not None:
             return self.own_check(case, res, i)
-        if expected is None:
+        if expected is not None:
+            expected = expected[i % len(expected)]
+        else:
             collective, tail = case.oracle(i)
             expected = [tail] if self.section == "tail" else collective
         reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name), scale=case.scale)
@@ -660,12 +663,17 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
             fn(allreduce_in=m.y, residual_in=case.input_set(i)[1], expanded_idx_to_permuted_idx=m.row_index,
                shared_expert_output=m.shared, expert_scale_factor=weights[i % len(weights)], **static)
             return out
-    combined = [fi_moe_combine(m, dt).float() for m in case.moe_ranks]
-    total = combined[0]
-    for c in combined[1:]:  # rank order, rounded to T after each addition
-        total = (total.to(dt).float() + c).to(dt).float()
-    expected = [oracle_tail(total.to(dt), case.input_set(0)[1], p, case.weight, case.eps, case.scale)]
-    return Step(step, expected=expected, poison=poison)
+
+    def oracle(i: int, ranks: list) -> list:
+        """The oracle of input set i fed FlashInfer's combine of every rank's MoeInputs of it."""
+        combined = [fi_moe_combine(m, dt).float() for m in ranks]
+        total = combined[0]
+        for c in combined[1:]:  # rank order, rounded to T after each addition
+            total = (total.to(dt).float() + c).to(dt).float()
+        return [oracle_tail(total.to(dt), case.input_set(i)[1], p, case.weight, case.eps, case.scale)]
+    # The later sets' inputs are every rank's alike (cases.make_case).
+    expected = [oracle(0, case.moe_ranks)] + [oracle(i, [m] * ctx.world) for i, m in enumerate(case.moe[1:], 1)]
+    return Step(step, expected=expected, checked_calls=2, poison=poison)
 
 
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
