@@ -511,6 +511,29 @@ def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
     assert made == ["auto"]
 
 
+def test_a_communicator_that_raises_fails_commfuses_rows(monkeypatch):
+    """An error in making the Communicator is commfuse's: its rows FAIL (not "-", not applicable), every case
+    saying why, with one attempt at making it a strategy; a baseline next to them runs."""
+    made = []
+
+    def broken(strategy):
+        made.append(strategy)
+        raise RuntimeError("bug in Communicator.__init__")
+    monkeypatch.setattr(impls, "Communicator", broken)
+    args = cli.parse_args(["--impls", "commfuse-fallback,commfuse-auto,tail-eager", "--patterns", "residual_rmsnorm",
+                           "--shapes", "4x256,8x256", "--dtypes", "bf16", "--modes", "eager", "--repeats", "1",
+                           "--calls-per-graph", "1", "--warmup", "0"])
+    records, skipped, status = cli.run_cases(Ctx(args, 0, 1, "gloo", torch.device("cpu")),
+                                             {"hbm_copy_GBps": None, "p2p_GBps": None})
+    assert made == ["nccl", "auto"]
+    assert {(r["impl"], r["tokens"]) for r in records} == {("tail-eager", 4), ("tail-eager", 8)}
+    assert status == {(i, "residual_rmsnorm", "bf16", t, 256, "eager"): Kind.FAILED
+                      for i in ("commfuse-fallback", "commfuse-auto") for t in (4, 8)}
+    why = "prepare raised RuntimeError: Communicator(strategy='auto') raised RuntimeError: bug in Communicator.__init__"
+    assert {s["reason"] for s in skipped if s["impl"] == "commfuse-auto"} == {
+        f"failed (bf16 {t}x256): {why}" for t in (4, 8)}
+
+
 def _rec(impl, us, mode, t=4, pattern="residual_rmsnorm"):
     return {"impl": impl, "pattern": pattern, "dtype": "bf16", "tokens": t, "hidden": 256, "mode": mode,
             "us": us, "us_min": us, "us_max": us, "frac_hbm": None, "frac_link": None}

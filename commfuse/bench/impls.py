@@ -242,23 +242,26 @@ def _prep_nccl_compile(ctx: Ctx, case: Case) -> Step:
 
 
 def _communicator(ctx: Ctx, strategy: str) -> Communicator:
-    """The Communicator of `strategy`, made once (collectively: every rank prepares the same rows)."""
+    """The Communicator of `strategy`, made once (collectively: every rank prepares the same rows). One that
+    works on other tensors than the inputs' does not apply here (Skip); an error in making it is commfuse's
+    (the rows fail, and the run with them): both are remembered, so every later case says the same."""
     key = ("comm", strategy)
     if key not in ctx.cache:
         try:
             c = Communicator(strategy=strategy)
+        except Exception as e:
+            c = RuntimeError(f"Communicator(strategy={strategy!r}) raised {type(e).__name__}: {e}")
+        else:
             # The cross-rank call check (COMMFUSE_CHECK=1, on in the test suite) is a host
             # collective per call: it cannot be captured and would be timed.
             c.check_calls = False
             if c.device != ctx.device:  # a commfuse whose gloo path takes CPU tensors only
-                c = (f"Communicator(strategy={strategy!r}) over {c.backend} works on {c.device} tensors, "
-                     f"the inputs are on {ctx.device}")
-        except Exception as e:
-            c = f"Communicator(strategy={strategy!r}) raised {type(e).__name__}: {e}"
-        ctx.cache[key] = c  # a reason is remembered too, so every later case skips with it
+                c = Skip(f"Communicator(strategy={strategy!r}) over {c.backend} works on {c.device} tensors, "
+                         f"the inputs are on {ctx.device}")
+        ctx.cache[key] = c
     c = ctx.cache[key]
-    if isinstance(c, str):
-        raise Skip(c)
+    if isinstance(c, Exception):
+        raise type(c)(*c.args)  # a fresh one each time: a raised exception's traceback keeps its frames' cases alive
     return c
 
 
