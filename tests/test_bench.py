@@ -137,11 +137,7 @@ def test_bench_sh_quick_on_cpu_writes_json_and_png(tmp_path):
         assert isinstance(r["tokens"], int) and isinstance(r["hidden"], int) and r["tokens"] > 0 < r["hidden"]
         assert all(isinstance(r[k], float) for k in ("us", "us_min", "us_max"))
         assert 0 < r["us_min"] <= r["us"] <= r["us_max"]
-        if impls.IMPLS[r["impl"]].section == "tail":
-            assert isinstance(r["frac_hbm"], float) and r["frac_hbm"] > 0
-        else:
-            assert r["frac_hbm"] is None
-        assert r["frac_link"] is None  # no peer GPU
+        assert r["frac_hbm"] is None and r["frac_link"] is None  # host times: no share of a ceiling
     ran = {(r["impl"], r["pattern"]) for r in records}
     for pattern in cases.QUICK_PATTERNS:
         for impl in ("nccl+eager", "commfuse-fallback", "commfuse-auto", "torch-add"):
@@ -559,6 +555,27 @@ def test_host_table_gives_commfuse_rows_their_ratio_to_torch_add():
                                "commfuse-p2p"]
     assert host[1].split() == ["4", "x", "256", "2.0", "7.0", "5.0", "2.50", "-"]
     assert host[2].split() == ["8", "x", "256", "4.0", "6.0", "1.50", "-"]
+
+
+def test_host_records_get_no_share_of_a_ceiling():
+    """frac_hbm (and frac_link) are the graph and eager records': a host record's time is the host's work on the
+    launches, so it gets none, and the host table's title names no ceiling; the eager record of the same tail
+    gets its bytes over its time at the HBM ceiling."""
+    args = cli.parse_args(["--impls", "tail-eager,torch-add", "--patterns", "residual_rmsnorm_fp8", "--shapes",
+                           "64x512", "--dtypes", "bf16", "--modes", "eager,host", "--repeats", "1",
+                           "--calls-per-graph", "2", "--warmup", "0"])
+    ceilings = {"hbm_copy_GBps": 10.0, "p2p_GBps": 400.0}
+    records, _, status = cli.run_cases(Ctx(args, 0, 1, "gloo", torch.device("cpu")), ceilings)
+    frac = {(r["impl"], r["mode"]): (r["frac_hbm"], r["frac_link"]) for r in records}
+    assert frac[("tail-eager", "host")] == frac[("torch-add", "host")] == frac[("torch-add", "eager")] == (None, None)
+    eager = next(r for r in records if (r["impl"], r["mode"]) == ("tail-eager", "eager"))
+    bytes_ = cases.tail_bytes(cases.PATTERNS["residual_rmsnorm_fp8"], 64, 512, 2)
+    assert eager["frac_hbm"] == pytest.approx(bytes_ / (eager["us"] * 1e-6) / 10e9, rel=1e-3)
+    doc = {"machine": "m", "gpu": "g", "world_size": 1, "backend": "gloo", "date": "d", "versions": {},
+           "ceilings": ceilings, "records": records, "skipped": [], "plans": []}
+    titles = [b.split("\n")[0] for b in report.format_table(doc, status, args).split("\n== ")[1:]]
+    assert titles == ["eager: residual_rmsnorm_fp8 bf16, tail only (no collective), % of HBM copy ceiling",
+                      "host: residual_rmsnorm_fp8 bf16, tail only (no collective)"], titles
 
 
 def test_collective_rows_get_their_bus_bandwidth_against_the_link():

@@ -91,9 +91,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "host": f"{k} back-to-back calls, host wall time per call (time.perf_counter around the loop "
                            "alone, no GPU wait inside it; synchronised before the start and after the stop), "
                            f"median (min, max) of {r} repeats, slowest rank",
-                   "frac_hbm": "tail rows: fewest bytes the tail moves / time / hbm_copy_GBps",
-                   "frac_link": "collective rows on 2+ GPUs: bus bandwidth (2(n-1)/n x t x h x bytes an element / "
-                                "time) / p2p_GBps",
+                   "frac_hbm": "tail rows, graph and eager: fewest bytes the tail moves / time / hbm_copy_GBps",
+                   "frac_link": "collective rows on 2+ GPUs, graph and eager: bus bandwidth (2(n-1)/n x t x h x "
+                                "bytes an element / time) / p2p_GBps",
                    "inputs": f"rotating among {MIN_INPUT_SETS} to {MAX_INPUT_SETS} input sets (2x the last-level "
                              "cache; two at least, for the checks)"},
                "plans": ctx.plans,
@@ -185,8 +185,10 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
                     not_run(impl, case, verdict, [mode])
                     continue
                 us = statistics.median(times)
-                frac_hbm, frac_link = fractions(impl.section, pattern, t, h, case.dtype.itemsize, ctx.world, us,
-                                                ceilings)
+                frac_hbm, frac_link = None, None
+                if mode != "host":  # host time is the host's launches, no measure of the memory or the link
+                    frac_hbm, frac_link = fractions(impl.section, pattern, t, h, case.dtype.itemsize, ctx.world, us,
+                                                    ceilings)
                 records.append({"impl": impl.name, "pattern": pname, "dtype": dname, "tokens": t, "hidden": h,
                                 "mode": mode, "us": round(us, 3), "us_min": round(min(times), 3),
                                 "us_max": round(max(times), 3), "frac_hbm": frac_hbm, "frac_link": frac_link,
