@@ -57,6 +57,7 @@ __all__ = [
     "e2m1_encode",
     "e2m1_decode",
     "quantize_nvfp4",
+    "nvfp4_block_codes",
     "dequantize_nvfp4",
     "swizzled_sf_index",
     "swizzle_scale_factors",
@@ -67,6 +68,7 @@ __all__ = [
     "quantize_fp8_per_token",
     "dequantize_fp8_per_token",
     "quantize_fp8_block",
+    "fp8_group_codes",
     "dequantize_fp8_block",
     "quantize_mxfp8",
     "dequantize_mxfp8",
@@ -401,15 +403,22 @@ def quantize_nvfp4(x: Tensor, scale: Scale, sf_layout: str = "swizzled") -> Tupl
     # A block of zeros gets 0 whatever S (Inf * 0 would be NaN where 1/scale overflows).
     scaled = torch.where(vmax == 0, torch.zeros_like(vmax), S * vmax)
     sf = _to_e4m3(scaled / torch.full((), E2M1_MAX, device=x.device))
-    sff = sf.float()
-    enc = torch.where(sff == 0, torch.zeros_like(sff), S / sff)
-    codes = e2m1_encode(blocks * enc.unsqueeze(-1))
-    # NaN enc already yields code 0; be explicit so the contract does not hinge on that.
-    codes = codes.masked_fill(torch.isnan(sff).unsqueeze(-1), 0).reshape(t, h)
+    codes = nvfp4_block_codes(blocks, sf, S).reshape(t, h)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     if sf_layout == "swizzled":
         sf = swizzle_scale_factors(sf)
     return packed, sf
+
+
+def nvfp4_block_codes(blocks: Tensor, sf: Tensor, S: Tensor) -> Tensor:
+    """The e2m1 codes of fp32 blocks [..., 16] under their scale factors sf [...] (float8_e4m3fn) and
+    S = RN(1 / scale): e2m1(RN(n * enc)), enc = 0 where sf is 0, else RN(S / float(sf)); a block whose
+    scale factor is NaN gets codes 0. Returns uint8 [..., 16], one code an element (not packed)."""
+    sff = sf.float()
+    enc = torch.where(sff == 0, torch.zeros_like(sff), S / sff)
+    codes = e2m1_encode(blocks * enc.unsqueeze(-1))
+    # NaN enc already yields code 0; be explicit so the contract does not hinge on that.
+    return codes.masked_fill(torch.isnan(sff).unsqueeze(-1), 0)
 
 
 def dequantize_nvfp4(
@@ -489,10 +498,17 @@ def _fp8_groups(g: Tensor, ue8m0: bool) -> Tuple[Tensor, Tensor, Optional[Tensor
         E = ue8m0_from_scale(s)
         sq = (E.to(torch.int32) << 23).view(torch.float32)  # 2^(E-127); +Inf for 0xFF
         sq = torch.where(torch.isnan(s), s, sq)
-    q = g / sq.unsqueeze(-1)  # a true division
-    # +-Inf in a group of scale +Inf: saturate as static FP8 does (not Inf / Inf = NaN).
-    q = torch.where(torch.isinf(g) & torch.isinf(sq).unsqueeze(-1), g, q)
-    return _to_e4m3(q), s, E
+    return fp8_group_codes(g, sq), s, E
+
+
+def fp8_group_codes(g: Tensor, s: Tensor) -> Tensor:
+    """The e4m3 codes of fp32 groups g [..., n] under their dequant scales s [...] (float32): e4m3(RN(g / s)),
+    a true division, except that +-Inf in a group of scale +Inf gives +-448 (as static FP8 saturates, not
+    Inf / Inf = NaN). The codes of the computed-scale kinds and of MXFP8, whose s is the power of two
+    2^(E - 127). Returns float8_e4m3fn of g's shape."""
+    q = g / s.unsqueeze(-1)  # a true division
+    q = torch.where(torch.isinf(g) & torch.isinf(s).unsqueeze(-1), g, q)
+    return _to_e4m3(q)
 
 
 def quantize_fp8_per_token(x: Tensor) -> Tuple[Tensor, Tensor]:

@@ -80,8 +80,9 @@ def moved_bytes(inputs, outputs) -> int:
 
 
 def make_case(pattern, t, h, dtype, device, gen):
-    """(ours, theirs, want, route, quant, inputs): the calls, the reference outputs, commfuse's route, the
-    format, and the tensors the op reads (for moved_bytes)."""
+    """(ours, theirs, want, route, quant, inputs, tol): the calls, the reference outputs, commfuse's route, the
+    format, the tensors the op reads (for moved_bytes), and check's norm and scale (a tail's reference norm and
+    dequant scale: the codes of a block whose scale factor differs from the reference's are judged by them)."""
     x = torch.randn(t, h, generator=gen).to(dtype).to(device)
     r = torch.randn(t, h, generator=gen).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(device)
@@ -93,14 +94,14 @@ def make_case(pattern, t, h, dtype, device, gen):
         theirs = lambda: torch_quantize(x, quant, scale)  # noqa: E731
         want = tuple(v for v in reference.quantize(x, quant, scale) if v is not None)
         route = "; ".join(s.strip(" -") for s in str(local.plan_quantize(x, quant, scale)).splitlines())
-        return ours, theirs, want, route, quant, (x, scale)
+        return ours, theirs, want, route, quant, (x, scale), {}
     if pattern.startswith("gated_rmsnorm"):
         group = int(pattern.split(":")[1]) if ":" in pattern else 128 if h % 128 == 0 else h
         ours = lambda: (commfuse.gated_rmsnorm(x, r, w, 1e-5, group, False).norm,)  # noqa: E731
         theirs = lambda: (reference.gated_rmsnorm(x, r, w, 1e-5, group, False),)  # noqa: E731
         want = theirs()
         route = "; ".join(s.strip(" -") for s in str(local.plan_gated(x, r, w, 1e-5, group, False)).splitlines())
-        return ours, theirs, want, route, None, (x, r, w)
+        return ours, theirs, want, route, None, (x, r, w), {}
     if pattern == "rmsnorm":  # no residual: the RMSNorm of x itself
         r = None
     ours_fn = lambda: commfuse.fused_add_rmsnorm(x, r, w, 1e-5, quant=quant, scale=scale)  # noqa: E731
@@ -112,10 +113,11 @@ def make_case(pattern, t, h, dtype, device, gen):
         return tuple(v for v in (t_.residual, t_.norm, t_.quant, t_.scale_factors) if v is not None)
 
     theirs = lambda: torch_tail(x, r, w, 1e-5, quant, scale)  # noqa: E731
-    return ours, theirs, tuple(v for v in want if v is not None), route, quant, (x, r, w, scale)
+    tol = dict(norm=reference.fused_tail(x, r, w, 1e-5).norm, scale=scale)
+    return ours, theirs, tuple(v for v in want if v is not None), route, quant, (x, r, w, scale), tol
 
 
-def check(got, want, quant, pattern="") -> str:
+def check(got, want, quant, pattern="", norm=None, scale=None) -> str:
     if len(got) != len(want):
         return f"{len(got)} outputs, the reference has {len(want)}"
     if pattern.startswith("quantize_"):  # the kernel gives the reference's bits
@@ -131,7 +133,7 @@ def check(got, want, quant, pattern="") -> str:
         return ""
     t = reference.Tail(got[0], None, got[1], got[2] if quant == "nvfp4" else None)
     w = reference.Tail(want[0], None, want[1], want[2] if quant == "nvfp4" else None)
-    return tolerance.tail_mismatch(t, w, quant) or ""
+    return tolerance.tail_mismatch(t, w, quant, norm=norm, scale=scale) or ""
 
 
 def copy_ceiling_GBps(device, repeats: int, nbytes: int = 1 << 30) -> float:
@@ -253,7 +255,7 @@ def main(argv=None) -> dict:
                     if pattern.startswith("gated_rmsnorm:") and h % int(pattern.split(":")[1]):
                         print(f"{pattern} {shape}: skipped, the group does not divide the hidden size", flush=True)
                         continue
-                    ours, theirs, want, route, quant, inputs = make_case(pattern, t, h, dtype, device, gen)
+                    ours, theirs, want, route, quant, inputs, tol = make_case(pattern, t, h, dtype, device, gen)
                     torch._dynamo.reset()
                     compiled = torch.compile(theirs, backend=backend)
                     row = {"pattern": pattern, "shape": shape, "dtype": dt, "route": route,
@@ -261,12 +263,12 @@ def main(argv=None) -> dict:
                     for name, fn in (("commfuse", ours), ("torch eager", theirs), ("torch.compile", compiled)):
                         # Two calls: commfuse's first plans the signature, the second (as every timed one) runs
                         # from the plan table. Then the last timed call of each mode.
-                        why = check(fn(), want, quant, pattern) or check(fn(), want, quant, pattern)
+                        why = check(fn(), want, quant, pattern, **tol) or check(fn(), want, quant, pattern, **tol)
                         timed = []
                         row[name] = {"rejected": why} if why else time_us(fn, cuda, args.calls, args.repeats, timed)
                         if cuda:
                             torch.cuda.synchronize()
-                        why = next((w for w in (check(r, want, quant, pattern) for r in timed) if w), "")
+                        why = next((w for w in (check(r, want, quant, pattern, **tol) for r in timed) if w), "")
                         if why:
                             row[name] = {"rejected": f"the last timed call: {why}"}
                         del timed

@@ -26,16 +26,17 @@ def assert_within_ulp(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 
     assert why is None, why
 
 
-def assert_tail_close(tail, ref, quant, sf_layout="swizzled", exact=False) -> None:
+def assert_tail_close(tail, ref, quant, sf_layout="swizzled", exact=False, norm=None, scale=None) -> None:
     """A kernel's Tail against reference.fused_tail fed the same all-reduced input: within the
-    tolerances, or (exact) bit for bit."""
+    tolerances, or (exact) bit for bit. norm, scale: the reference's norm where ref holds none, and the
+    call's dequant scale, for the codes of blocks whose scale differs (tolerance.tail_mismatch)."""
     if exact:
         for name in ("residual", "norm", "quant", "scale_factors"):
             a, e = getattr(tail, name), getattr(ref, name)
             assert (a is None) == (e is None), name
             assert a is None or bits_equal(a, e), f"{name} differs"
         return
-    why = tolerance.tail_mismatch(tail, ref, quant, sf_layout)
+    why = tolerance.tail_mismatch(tail, ref, quant, sf_layout, norm=norm, scale=scale)
     assert why is None, why
 
 

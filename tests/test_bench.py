@@ -137,11 +137,7 @@ def test_bench_sh_quick_on_cpu_writes_json_and_png(tmp_path):
         assert isinstance(r["tokens"], int) and isinstance(r["hidden"], int) and r["tokens"] > 0 < r["hidden"]
         assert all(isinstance(r[k], float) for k in ("us", "us_min", "us_max"))
         assert 0 < r["us_min"] <= r["us"] <= r["us_max"]
-        if impls.IMPLS[r["impl"]].section == "tail":
-            assert isinstance(r["frac_hbm"], float) and r["frac_hbm"] > 0
-        else:
-            assert r["frac_hbm"] is None
-        assert r["frac_link"] is None  # no peer GPU
+        assert r["frac_hbm"] is None and r["frac_link"] is None  # host times: no share of a ceiling
     ran = {(r["impl"], r["pattern"]) for r in records}
     for pattern in cases.QUICK_PATTERNS:
         for impl in ("nccl+eager", "commfuse-fallback", "commfuse-auto", "torch-add"):
@@ -225,6 +221,10 @@ def fused_all_reduce(self, x, residual, weight, *args, out=None, **kw):
     wrong = os.environ["WRONG"]
     if wrong == "out" and out is not None:
         return out  # writes nothing into the caller's outputs
+    if wrong == "out after the gate" and out is not None:
+        calls["out"] = calls.get("out", 0) + 1
+        if calls["out"] > 2:
+            return out  # right on the gate's two calls, then writes nothing into the caller's outputs
     key = (tuple(x.shape), out is not None)
     if wrong == "stale" and key in first:
         return first[key][0]  # the first call's outputs again
@@ -249,16 +249,18 @@ BOTH = {"commfuse-auto", "commfuse-auto-out"}
 
 @cpu_smoke
 @pytest.mark.parametrize("wrong, rejected, where", [
-    ("out", {"commfuse-auto-out"}, ""), ("later", BOTH, "checked call 2 (from the plan table)"),
-    ("stale", BOTH, "checked call 2 (from the plan table)"),
-    ("other set", BOTH, "checked call 2 (from the plan table)"), ("third", BOTH, "the last timed call (eager)"),
-    ("rounded", BOTH, "residual: ")])
+    ("out", {"commfuse-auto-out"}, ""), ("later", BOTH, "checked call 2 (input set 1)"),
+    ("stale", BOTH, "checked call 2 (input set 1)"),
+    ("other set", BOTH, "checked call 2 (input set 1)"), ("third", BOTH, "the last timed call (eager)"),
+    ("out after the gate", {"commfuse-auto-out"}, "the last timed call (eager)"), ("rounded", BOTH, "residual: ")])
 def test_gate_checks_caller_outputs_and_calls_from_the_plan_table(tmp_path, wrong, rejected, where):
     """A row whose out= path writes nothing (its outputs are poisoned before each checked call); whose calls after
     a signature's first (those the plan table launches, as the timed ones) are wrong, or return the first call's
     outputs again, or are right on the first input set only (the second checked call reads another); which is
-    right on the gate's calls and wrong on later ones (the last timed call is checked too); or whose residual is
-    one ulp off (commfuse's rows are held to its bits): each is rejected, and commfuse-bench exits 1."""
+    right on the gate's calls and wrong on later ones (the last timed call is checked too); whose out= path
+    writes nothing after the gate's calls (poisoned again before the timed calls: the last one reads set 1, as
+    the gate's second call did, whose outputs would still be there); or whose residual is one ulp off
+    (commfuse's rows are held to its bits): each is rejected, and commfuse-bench exits 1."""
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-c", WRONG_COMMFUSE, "--quick", "--impls", "commfuse-auto,commfuse-auto-out",
                         "--patterns", "residual_rmsnorm_fp8", "--shapes", "4x256", "--repeats", "1",
@@ -390,6 +392,27 @@ def test_torch_add_is_gated_against_its_own_definition():
     assert verdict.kind is Kind.REJECTED and "not comparable with the oracle" in verdict.reason
 
 
+def test_the_largest_shapes_still_get_a_second_input_set():
+    """However large a set (here 64 MiB, twice the CPU's stand-in last-level cache), a case rotates among two:
+    a row whose every call after the first returns the first call's outputs (no work) is rejected by the gate's
+    second call, which reads set 1, rather than passing on set 0 again; a right one passes."""
+    ctx = _ctx()
+    assert cases._input_sets(ctx, 1, 8, torch.bfloat16, per_set=1 << 40) == 2
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 1024, 16384)
+    assert len(case.sets) == 2 and not torch.equal(case.sets[0][0], case.sets[1][0])
+    impl = impls.IMPLS["tail-eager"]
+    good, first = impl.prepare(ctx, case), []
+
+    def stale(i):
+        if not first:
+            first.append(good.call(i))
+        return first[0]
+    verdict, _ = cases.gate(ctx, impls.Step(stale, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
+    assert verdict.kind is Kind.REJECTED and verdict.reason.startswith("checked call 2"), verdict
+    verdict, _ = cases.gate(ctx, impls.Step(good.call, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
+    assert verdict is OK
+
+
 def test_host_mode_times_the_loop_alone(monkeypatch):
     """Host mode: per call, K calls' wall time with the GPU synchronised before the clock starts and
     after it stops, outside the timed region: a 20 ms synchronize shows in no repeat. A row that
@@ -423,6 +446,45 @@ def test_host_mode_on_the_cpu():
     assert verdict is OK and len(times) == 3 and calls == list(range(5)) * 3
 
 
+def test_caller_owned_outputs_are_poisoned_before_the_timed_calls():
+    """Each mode's timed calls start from poisoned outputs: Step.poison runs after the warm-up, before the first
+    timed call, so what the gate's or the warm-up's calls wrote cannot pass for the timed calls' outputs."""
+    ctx = _ctx(warmup=2, repeats=2, calls_per_graph=3)
+    log = []
+    step = impls.Step(log.append, poison=lambda: log.append("poison"))
+    for mode in ("eager", "host"):
+        log.clear()
+        times, verdict, _ = timing.time_step(ctx, step, mode)
+        assert verdict is OK and log == [0, 1, "poison"] + [0, 1, 2] * 2, (mode, log)
+
+
+def test_flashinfer_outputs_are_poisoned_before_the_timed_calls():
+    """FlashInfer's output buffers (the harness's) are poisoned before each mode's timed calls as before the gate's
+    call: a stand-in that writes them on its first call only is rejected by the check after the timing, also where
+    the last timed call reads the gate's input set (K = 1), whose outputs would otherwise still be there."""
+    calls = []
+
+    def fuse(allreduce_in, residual_in, residual_out, norm_out, rms_gamma, rms_eps):
+        calls.append(allreduce_in)
+        if len(calls) == 1:
+            tail = reference.fused_tail(allreduce_in, residual_in, rms_gamma, rms_eps)
+            residual_out.copy_(tail.residual)
+            norm_out.copy_(tail.norm)
+
+    args = cli.parse_args(["--impls", "flashinfer", "--patterns", "residual_rmsnorm", "--shapes", "4x256", "--dtypes",
+                           "bf16", "--modes", "eager,host", "--repeats", "1", "--calls-per-graph", "1",
+                           "--warmup", "1"])
+    ctx = Ctx(args, 0, 1, "gloo", torch.device("cpu"))
+    ctx.cache["flashinfer"] = {"fuse": fuse, "patterns": types.SimpleNamespace(kARResidualRMSNorm=1), "version": "test",
+                               "params": inspect.signature(fuse).parameters, "swizzled": 0}
+    ctx.cache["flashinfer_ws"] = (None, torch.zeros(1))
+    records, skipped, status = cli.run_cases(ctx, {"hbm_copy_GBps": None, "p2p_GBps": None})
+    assert len(calls) == 1 + 2 * (1 + 1)  # the gate's call; per mode one warm-up and one timed call
+    assert not records and status == {("flashinfer", "residual_rmsnorm", "bf16", 4, 256, m): Kind.REJECTED
+                                      for m in ("eager", "host")}
+    assert [s["reason"].split(": ")[1] for s in skipped] == [f"the last timed call ({m})" for m in ("eager", "host")]
+
+
 def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
     """gloo with CUDA inputs: the nccl+* rows skip graph mode (gloo cannot be captured), FlashInfer's dense
     rows skip, and a commfuse whose Communicator takes another device's tensors skips (remembered)."""
@@ -443,6 +505,29 @@ def test_rows_cope_with_ranks_sharing_a_gpu(monkeypatch):
         with pytest.raises(Skip, match=r"over gloo works on cuda:0 tensors, the inputs are on cpu"):
             impls.IMPLS["commfuse-auto"].prepare(ctx, case)
     assert made == ["auto"]
+
+
+def test_a_communicator_that_raises_fails_commfuses_rows(monkeypatch):
+    """An error in making the Communicator is commfuse's: its rows FAIL (not "-", not applicable), every case
+    saying why, with one attempt at making it a strategy; a baseline next to them runs."""
+    made = []
+
+    def broken(strategy):
+        made.append(strategy)
+        raise RuntimeError("bug in Communicator.__init__")
+    monkeypatch.setattr(impls, "Communicator", broken)
+    args = cli.parse_args(["--impls", "commfuse-fallback,commfuse-auto,tail-eager", "--patterns", "residual_rmsnorm",
+                           "--shapes", "4x256,8x256", "--dtypes", "bf16", "--modes", "eager", "--repeats", "1",
+                           "--calls-per-graph", "1", "--warmup", "0"])
+    records, skipped, status = cli.run_cases(Ctx(args, 0, 1, "gloo", torch.device("cpu")),
+                                             {"hbm_copy_GBps": None, "p2p_GBps": None})
+    assert made == ["nccl", "auto"]
+    assert {(r["impl"], r["tokens"]) for r in records} == {("tail-eager", 4), ("tail-eager", 8)}
+    assert status == {(i, "residual_rmsnorm", "bf16", t, 256, "eager"): Kind.FAILED
+                      for i in ("commfuse-fallback", "commfuse-auto") for t in (4, 8)}
+    why = "prepare raised RuntimeError: Communicator(strategy='auto') raised RuntimeError: bug in Communicator.__init__"
+    assert {s["reason"] for s in skipped if s["impl"] == "commfuse-auto"} == {
+        f"failed (bf16 {t}x256): {why}" for t in (4, 8)}
 
 
 def _rec(impl, us, mode, t=4, pattern="residual_rmsnorm"):
@@ -470,6 +555,27 @@ def test_host_table_gives_commfuse_rows_their_ratio_to_torch_add():
                                "commfuse-p2p"]
     assert host[1].split() == ["4", "x", "256", "2.0", "7.0", "5.0", "2.50", "-"]
     assert host[2].split() == ["8", "x", "256", "4.0", "6.0", "1.50", "-"]
+
+
+def test_host_records_get_no_share_of_a_ceiling():
+    """frac_hbm (and frac_link) are the graph and eager records': a host record's time is the host's work on the
+    launches, so it gets none, and the host table's title names no ceiling; the eager record of the same tail
+    gets its bytes over its time at the HBM ceiling."""
+    args = cli.parse_args(["--impls", "tail-eager,torch-add", "--patterns", "residual_rmsnorm_fp8", "--shapes",
+                           "64x512", "--dtypes", "bf16", "--modes", "eager,host", "--repeats", "1",
+                           "--calls-per-graph", "2", "--warmup", "0"])
+    ceilings = {"hbm_copy_GBps": 10.0, "p2p_GBps": 400.0}
+    records, _, status = cli.run_cases(Ctx(args, 0, 1, "gloo", torch.device("cpu")), ceilings)
+    frac = {(r["impl"], r["mode"]): (r["frac_hbm"], r["frac_link"]) for r in records}
+    assert frac[("tail-eager", "host")] == frac[("torch-add", "host")] == frac[("torch-add", "eager")] == (None, None)
+    eager = next(r for r in records if (r["impl"], r["mode"]) == ("tail-eager", "eager"))
+    bytes_ = cases.tail_bytes(cases.PATTERNS["residual_rmsnorm_fp8"], 64, 512, 2)
+    assert eager["frac_hbm"] == pytest.approx(bytes_ / (eager["us"] * 1e-6) / 10e9, rel=1e-3)
+    doc = {"machine": "m", "gpu": "g", "world_size": 1, "backend": "gloo", "date": "d", "versions": {},
+           "ceilings": ceilings, "records": records, "skipped": [], "plans": []}
+    titles = [b.split("\n")[0] for b in report.format_table(doc, status, args).split("\n== ")[1:]]
+    assert titles == ["eager: residual_rmsnorm_fp8 bf16, tail only (no collective), % of HBM copy ceiling",
+                      "host: residual_rmsnorm_fp8 bf16, tail only (no collective)"], titles
 
 
 def test_collective_rows_get_their_bus_bandwidth_against_the_link():
@@ -726,6 +832,41 @@ def test_flashinfer_moe_rows_take_its_layouts_and_its_combine():
     case = cases.make_case(ctx, cases.PATTERNS["moe_k2_residual_rmsnorm"], "bf16", t, h)
     with pytest.raises(Skip, match="^API mismatch: flashinfer test has no trtllm_moe_allreduce_fusion$"):
         fi.prepare(ctx, case)
+
+
+@pytest.mark.parametrize("wrong_from, where", [(None, None), (2, "checked call 2 (input set 1)"),
+                                               (3, "the last timed call (eager)")])
+def test_flashinfer_moe_rows_are_checked_on_every_input_set(wrong_from, where):
+    """FlashInfer's MoE rows are judged on every input set, against that set's oracle fed its combine: on the gate's
+    two calls (sets 0 and 1) and on the last timed call (K = 20 over 8 sets: set 3). A stand-in that writes
+    residual + 1 from its second call on, or from its first after the gate's, is rejected; a right one is timed."""
+    calls = []
+
+    def reduce(world_size, world_rank, token_num, hidden_dim, workspace_ptrs, launch_with_pdl, residual_in, rms_gamma,
+               rms_eps, scale_factor, moe_reduction_device_num_experts, moe_reduction_scale_input,
+               moe_reduction_active_experts_token_input, moe_reduction_token_input, layout_code, moe_allreduce_out,
+               residual_out, norm_out, quant_out, scale_out, weight_bias=None):
+        y, w = moe_reduction_active_experts_token_input, moe_reduction_scale_input
+        acc = torch.zeros(token_num, hidden_dim, dtype=y.dtype)
+        for j in range(moe_reduction_device_num_experts):
+            acc = acc + (y[j].float() * w[j].unsqueeze(1)).to(y.dtype)
+        _fi_moe_tail(acc + moe_reduction_token_input, residual_in, rms_gamma, rms_eps, residual_out, norm_out)
+        calls.append(1)
+        if wrong_from is not None and len(calls) >= wrong_from:
+            residual_out.add_(1)
+
+    args = cli.parse_args(["--impls", "flashinfer", "--patterns", "moe_k2_residual_rmsnorm", "--shapes", "5x256",
+                           "--dtypes", "bf16", "--modes", "eager", "--repeats", "1", "--warmup", "1"])
+    ctx = Ctx(args, 0, 1, "gloo", torch.device("cpu"))
+    ctx.cache["flashinfer"] = {"version": "test", "swizzled": 0, "reduce": reduce, "finalize": None}
+    ctx.cache["flashinfer_ws"] = (None, torch.zeros(1))
+    records, skipped, _ = cli.run_cases(ctx, {"hbm_copy_GBps": None, "p2p_GBps": None})
+    assert (args.calls_per_graph - 1) % cases._input_sets(ctx, 5, 256, torch.bfloat16) == 3
+    if wrong_from is None:
+        assert [r["mode"] for r in records] == ["eager"] and not skipped, skipped
+    else:
+        assert not records and len(skipped) == 1, skipped
+        assert skipped[0]["reason"].startswith(f"rejected (bf16 5x256): {where}: residual"), skipped
 
 
 @pytest.mark.parametrize("argv, error", [

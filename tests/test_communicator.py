@@ -74,7 +74,8 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
     # The tail is judged against the reference fed the same all-reduced values; the sum itself
     # is judged by test_all_reduce_matches_reference_sum.
     ref = reference.fused_tail(a, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
-    assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated")
+    assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated",
+                      norm=reference.fused_tail(a, residual, weight, 1e-5).norm, scale=scale)
     if exact_sum(c):
         full = reference.fused_tail(reference.all_reduce_sum(xs), residual, weight, 1e-5, quant, scale,
                                     return_norm, sf_layout)

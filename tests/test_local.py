@@ -528,7 +528,8 @@ def test_gpu_fused_route_matches_reference(gen, quant, return_norm, sf_layout, d
     got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale, return_norm=return_norm,
                                      sf_layout=sf_layout)
     want = reference.fused_tail(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
-    assert_tail_close(got, want, quant, sf_layout)
+    assert_tail_close(got, want, quant, sf_layout, norm=reference.fused_tail(x, residual, weight, 1e-5).norm,
+                      scale=scale)
     assert bits_equal(got.residual, want.residual)
 
 
@@ -672,13 +673,14 @@ ALL_QUANTS = [(None, False, "swizzled", "row", False), ("fp8", False, "swizzled"
               ("mxfp8", False, "swizzled", "row", False), ("mxfp8", True, "linear", "row", False)]
 
 
-def _assert_local_close(got, want, x, quant, sf_layout, scale_layout, scale_ue8m0):
-    """tolerance.tail_mismatch for the outputs of a call without a residual (x stands in for it)."""
+def _assert_local_close(got, want, x, quant, sf_layout, scale_layout, scale_ue8m0, norm, scale):
+    """tolerance.tail_mismatch for the outputs of a call without a residual (x stands in for it); norm: the
+    reference's, scale: the call's (for the codes of blocks whose scale differs)."""
     from commfuse import tolerance
 
     stand_in = x.reshape(-1, x.shape[-1])
     why = tolerance.tail_mismatch(got._replace(residual=stand_in), want._replace(residual=stand_in.cpu()), quant,
-                                  sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
+                                  sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0, norm=norm, scale=scale)
     assert why is None, why
 
 
@@ -709,7 +711,7 @@ def test_gpu_plain_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
     assert got.residual is None
     n = reference.rmsnorm(x.cpu(), weight.cpu(), 1e-5)
     _assert_local_close(got, _want(n, quant, None if scale is None else scale.cpu(), return_norm, sf_layout, scale_layout,
-                                   scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0)
+                                   scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0, n, scale)
     if got.norm is not None:
         assert bits_equal(got.norm[0, :64].cpu(), n[0, :64])  # the signed zeros
 
@@ -747,7 +749,7 @@ def test_gpu_gated_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
     # the tail's tolerances (docs/semantics.md, gated RMSNorm).
     n = reference.gated_rmsnorm(x, z, weight, 1e-5, group_size, norm_before_gate).cpu()
     _assert_local_close(runs[0], _want(n, quant, None if scale is None else scale.cpu(), return_norm, sf_layout, scale_layout,
-                                       scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0)
+                                       scale_ue8m0), x, quant, sf_layout, scale_layout, scale_ue8m0, n, scale)
 
 
 @needs_gpu

@@ -77,7 +77,8 @@ def test_moe_all_reduce_matches_reference(comm, gen, form, quant, return_norm, s
         assert r.plan.combine == "separated" and any(s.startswith("combine: tensors on cpu") for s in r.plan.reasons)
     # The tail against the reference fed the same all-reduced sum; the sum against every rank's combine.
     ref = reference.fused_tail(a, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
-    assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated")
+    assert_tail_close(r, ref, quant, sf_layout, exact=r.plan.tail == "separated",
+                      norm=reference.fused_tail(a, residual, weight, 1e-5).norm, scale=scale)
     if exact_sum(comm):
         full = reference.fused_tail(reference.all_reduce_sum([combined(*p) for p in per_rank]), residual, weight,
                                     1e-5, quant, scale, return_norm, sf_layout)
@@ -621,13 +622,13 @@ def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, s
 
     ref = reference.fused_tail(combine, residual, weight, 1e-6, quant, scale, True, sf_layout, scale_layout=scale_layout)
     one = run(1)
-    assert_tail_close(one, ref, quant, sf_layout)
+    assert_tail_close(one, ref, quant, sf_layout, scale=scale)
     for split in (2, 4, 8):
         a, b = poisoned_runs(lambda: run(split))
         for name in ("residual", "norm", "quant", "scale_factors", "scales"):
             assert bits_equal(getattr(a, name), getattr(b, name)), f"split {split}: {name} not written everywhere"
         assert bits_equal(a.residual, one.residual), f"split {split}: the residual differs from unsplit"
-        assert_tail_close(a, ref, quant, sf_layout)
+        assert_tail_close(a, ref, quant, sf_layout, scale=scale)
 
 
 @needs_gpu

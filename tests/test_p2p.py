@@ -670,10 +670,10 @@ def check_fused(r, xs, residual, weight, scale, pattern):
     """r against the reference (on the CPU: the exact semantics) fed the exact sum of every rank's x."""
     quant, return_norm, sf_layout = pattern
     cpu = [v.cpu() if v is not None else None for v in (residual, weight, scale)]
-    ref = reference.fused_tail(reference.all_reduce_sum([x.cpu() for x in xs]), *cpu[:2], EPS, quant, cpu[2],
-                               return_norm, sf_layout)
+    total = reference.all_reduce_sum([x.cpu() for x in xs])
+    ref = reference.fused_tail(total, *cpu[:2], EPS, quant, cpu[2], return_norm, sf_layout)
     assert bits_equal(r.residual, ref.residual), "residual is not bit-exact"
-    assert_tail_close(r, ref, quant, sf_layout)
+    assert_tail_close(r, ref, quant, sf_layout, norm=reference.fused_tail(total, *cpu[:2], EPS).norm, scale=cpu[2])
 
 
 @mpi

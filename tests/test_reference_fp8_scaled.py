@@ -639,13 +639,86 @@ def test_tolerance_block_layouts():
         else:
             E = want.scales.clone()
             E[0, 0] += 1  # one neighbouring exponent in 160 blocks: more than 1e-3 of them
-            why = tolerance.tail_mismatch(want._replace(scales=E), want, "fp8_block", scale_ue8m0=True)
+            # A kernel writes the codes of the exponent it chose: its block's codes follow E.
+            norm = ref.fused_tail(a, r, w).norm
+            q = ref.fp8_group_codes(norm.float().view(5, 32, 128), ref.ue8m0_to_scale(E)).view(5, 4096)
+            got = want._replace(quant=q, scales=E)
+            why = tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True, norm=norm)
             assert why and "UE8M0" in why
-            assert tolerance.tail_mismatch(want._replace(scales=E), want, "fp8_block", scale_ue8m0=True,
-                                           max_frac=0.01) is None
+            assert tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True, max_frac=0.01, norm=norm) is None
             E[0, 1] += 2
-            assert "more than one" in tolerance.tail_mismatch(want._replace(scales=E), want, "fp8_block",
-                                                              scale_ue8m0=True, max_frac=0.01)
+            assert "more than one" in tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True,
+                                                              max_frac=0.01, norm=norm)
+
+
+# (quant, scale encoding of its block scales, elements a block): the formats whose codes follow a stored
+# scale, in their row-major / linear layouts.
+BLOCK_SCALED = [("fp8_per_token", "f32", 512), ("fp8_block", "f32", 128), ("fp8_block", "ue8m0", 128),
+                ("mxfp8", "ue8m0", 32), ("nvfp4", "e4m3", 16)]
+
+
+@pytest.mark.parametrize("quant, code, block", BLOCK_SCALED)
+def test_tolerance_checks_the_codes_of_blocks_whose_scale_differs(quant, code, block):
+    """Where a block's scale differs from the reference's (within its tolerance), its codes are judged against
+    the reference's norm quantized with the returned scale: those a kernel writes with that scale pass, the
+    block's codes zeroed do not, nor does any such block when the reference's norm (NVFP4: and the global
+    scale) is not at hand to judge it."""
+    t, h = 6, 512
+    a, r, w = _tail_inputs(torch.bfloat16, t, h, seed=49)
+    scale = torch.tensor([0.004]) if quant == "nvfp4" else None
+    kw = dict(sf_layout="linear") if quant in ("nvfp4", "mxfp8") else dict(scale_ue8m0=code == "ue8m0")
+    want = ref.fused_tail(a, r, w, 1e-6, quant, scale, False, kw.get("sf_layout", "swizzled"),
+                          scale_ue8m0=kw.get("scale_ue8m0", False))
+    norm = ref.fused_tail(a, r, w, 1e-6).norm
+    field = "scales" if quant.startswith("fp8") else "scale_factors"
+    stored = getattr(want, field).clone()
+    grid = stored.view(t, h // block)
+    n = norm.float().view(t, h // block, block)
+    if code == "f32":  # the scale of the block's amax one bf16 ulp up, the codes it gives
+        amax = norm[0, :block].abs().max().view(1)
+        grid[0, 0] = (amax.view(torch.int16) + 1).view(torch.bfloat16).float() / torch.tensor(448.0)
+        codes = u8(ref.fp8_group_codes(n, grid)).view(t, h)
+    elif code == "ue8m0":  # a neighbouring exponent
+        grid[0, 0] += 1
+        codes = u8(ref.fp8_group_codes(n, ref.ue8m0_to_scale(grid))).view(t, h)
+    else:  # a neighbouring e4m3 scale factor
+        u8(grid)[0, 0] += 1
+        nibbles = ref.nvfp4_block_codes(n, grid, torch.reciprocal(scale)).view(t, h)
+        codes = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    assert not torch.equal(u8(codes), u8(want.quant))  # the other scale moved codes of its block
+    got = want._replace(quant=codes.view(want.quant.dtype), **{field: stored})
+    # One block in 6 to 192: a share of neighbours that max_frac=0.2 allows.
+    check = lambda g, **k: tolerance.tail_mismatch(g, want, quant, max_frac=0.2, norm=norm, scale=scale, **kw, **k)
+    assert check(got) is None
+    zeroed = u8(codes.clone())
+    zeroed[0, :block // (2 if quant == "nvfp4" else 1)] = 0
+    why = check(got._replace(quant=zeroed.view(want.quant.dtype)))
+    assert why and "codes more than one step" in why, why
+    why = tolerance.tail_mismatch(got, want, quant, max_frac=0.2, **kw)
+    assert why and "need the reference's norm" in why, why
+    if quant == "nvfp4":
+        why = tolerance.tail_mismatch(got, want, quant, max_frac=0.2, norm=norm, **kw)
+        assert why and "need the reference's scale" in why, why
+    else:  # the reference's norm as its own output will do
+        with_norm = ref.fused_tail(a, r, w, 1e-6, quant, scale, True, kw.get("sf_layout", "swizzled"),
+                                   scale_ue8m0=kw.get("scale_ue8m0", False))
+        assert tolerance.tail_mismatch(got._replace(norm=norm), with_norm, quant, max_frac=0.2, **kw) is None
+
+
+@pytest.mark.parametrize("quant", ["fp8_per_token", "fp8_block"])
+def test_tolerance_caps_the_float32_scales_that_differ(quant):
+    """Every float32 scale one fp32 ulp up (each within a neighbouring amax's tolerance) with every code 0: more
+    than 1e-3 of the scales differ, which is rejected; one differing scale in any number may."""
+    a, r, w = _tail_inputs(torch.bfloat16, 64, 512, seed=50)
+    want = ref.fused_tail(a, r, w, 1e-6, quant)
+    up = torch.nextafter(want.scales, torch.full_like(want.scales, INF))
+    zeros = torch.zeros_like(u8(want.quant)).view(want.quant.dtype)
+    why = tolerance.tail_mismatch(want._replace(quant=zeros, scales=up), want, quant)
+    assert why and f"{want.scales.numel()} of {want.scales.numel()} differ" in why, why
+    one = want.scales.clone()
+    one.view(-1)[3] = up.view(-1)[3]
+    norm = ref.fused_tail(a, r, w, 1e-6).norm
+    assert tolerance.tail_mismatch(want._replace(scales=one), want, quant, norm=norm) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

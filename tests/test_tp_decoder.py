@@ -12,8 +12,8 @@ mpi = pytest.mark.mpi  # any world size: world 1 exercises the local ops, more r
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(args, tmp_path):
-    example = _example()
+def _run(args, tmp_path, example=None):
+    example = example or _example()
     return example.main(["--size", "tiny", "--layers", "2", "--tokens", "8", "--decode-steps", "2", "--repeats", "1",
                          "--quiet", "--json", str(tmp_path / "out.json")] + args)
 
@@ -91,6 +91,52 @@ def test_tp_moe_decoder_tiny(comm, args, tmp_path):
         # (with Inductor, rewrite="auto" may leave the local ops to it, and the report says so)
         assert not any("moe_all_reduce" in r for r in reps), reps
         assert all("commfuse::fused_add_rmsnorm" in r or "(evidence)" in r for r in reps), reps
+
+
+def _drop_the_norm_weight(monkeypatch):
+    """A wrong fused tail, in the calls the fused graph's ops make: the RMSNorm without its weight."""
+    import commfuse
+
+    fused_all_reduce, fused_add_rmsnorm = commfuse.Communicator.fused_all_reduce, commfuse.local.fused_add_rmsnorm
+    monkeypatch.setattr(commfuse.Communicator, "fused_all_reduce", lambda self, x, residual, weight, *a, **k:
+                        fused_all_reduce(self, x, residual, torch.ones_like(weight), *a, **k))
+    monkeypatch.setattr(commfuse.local, "fused_add_rmsnorm", lambda x, residual, weight, *a, **k:
+                        fused_add_rmsnorm(x, residual, torch.ones_like(weight), *a, **k))
+
+
+@mpi
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+def test_the_first_tail_check_catches_a_wrong_fused_tail(comm, quant, monkeypatch):
+    """first_tail_mismatch: the first layer's tail through the fused op's call on the model's own activations,
+    within the kernels' tolerances of commfuse.reference when right, and not when the tail drops the norm's weight."""
+    example = _example()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = example.Decoder(example.SIZES["tiny"], rank, world, comm.device, torch.bfloat16, quant=quant, max_len=16)
+    prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(5)).to(comm.device)
+    with torch.inference_mode():
+        assert example.first_tail_mismatch(model, comm, prompt, quant) is None
+        _drop_the_norm_weight(monkeypatch)
+        why = example.first_tail_mismatch(model, comm, prompt, quant)
+    assert why and why.startswith({None: "norm", "fp8": "fp8 codes", "nvfp4": "nvfp4 scale factors"}[quant]), why
+
+
+@mpi
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_wrong_fused_tail_fails_the_check_where_the_logits_are_compared_by_error(comm, wrong, monkeypatch,
+                                                                                    tmp_path):
+    """Where the logits are compared by relative error (the fused kernels; here the CPU run taken as one), NVFP4's
+    tolerance lets a fused tail that drops the norm's weight through (0.24 < 0.4): the first layer's tail, held to
+    the kernels' tolerances, fails the check; the right tail passes it."""
+    example = _example()
+    monkeypatch.setattr(example, "exact_route", lambda *args: False)
+    if wrong:
+        _drop_the_norm_weight(monkeypatch)
+    res = _run(["--quant", "nvfp4"], tmp_path, example)
+    c = res["checks"]["eager/fused"]
+    assert c["rel_rms_err"] <= c["tol"] == 0.4 and c["fused_ops"] > 0, c  # the logits alone would pass
+    assert c["first_tail"]["ok"] != wrong and res["ok"] != wrong, c
+    if wrong:
+        assert c["first_tail"]["why"].startswith("nvfp4 scale factors"), c
 
 
 @pytest.mark.parametrize("args, error", [

@@ -33,7 +33,7 @@ Rows (--impls), by section:
   torch.compile), commfuse-fallback / -p2p / -p2p-twoshot / -auto (Communicator with strategy nccl,
   oneshot, twoshot, auto), flashinfer (flashinfer.comm.trtllm_allreduce_fusion).
 - tail: tail-eager, tail-compile, tail-commfuse: the tail alone, no collective, with the fraction of
-  the HBM copy ceiling it reaches.
+  the HBM copy ceiling it reaches (graph and eager modes).
 - MoE patterns (cases.MOE_PATTERNS, `--patterns moe`): the same rows with the expert combine first
   (Communicator.moe_all_reduce for commfuse's, impls.torch_combine + dist.all_reduce for the torch
   sequence, the combine kernel + fused_tail.run for tail-commfuse); flashinfer's MoE fusions
@@ -73,8 +73,8 @@ JSON (bench-<machine>.json): {"machine", "gpu", "world_size", "backend", "shared
 "versions", "ceilings": {"hbm_copy_GBps", "p2p_GBps", "nccl_busbw_GBps"}, "methods" (how each
 number was measured), "records": [{"impl", "pattern", "dtype", "tokens", "hidden", "mode" (graph |
 eager | host), "us", "us_min", "us_max", "frac_hbm" (tail rows), "frac_link" (collective rows on 2+
-GPUs), and "wrong" for a baseline timed despite the gate}], "skipped": [{"impl", "pattern", "reason"}]
-(a reason starting "rejected (" or "failed (" for REJ and FAIL rows, else why the row does not apply),
-"plans" (the route of each commfuse row), "config", and "note" on the CPU}. One PNG per mode:
-bench-<machine>-<mode>.png.
+GPUs), both graph and eager records only, and "wrong" for a baseline timed despite the gate}],
+"skipped": [{"impl", "pattern", "reason"}] (a reason starting "rejected (" or "failed (" for REJ and FAIL
+rows, else why the row does not apply), "plans" (the route of each commfuse row), "config", and "note" on
+the CPU}. One PNG per mode: bench-<machine>-<mode>.png.
 """

@@ -119,6 +119,7 @@ MOE_COMPILE_PATTERN = "moe_k8_residual_rmsnorm_fp8"  # --quick compiles only thi
 MOE_PADDING_ROWS = 8  # the finalize form's rows: t * k expert rows among t * k + 8 (NaN padding, never read)
 
 MAX_INPUT_SETS = 8  # rotate among up to this many input sets (cache effects, see _input_sets)
+MIN_INPUT_SETS = 2  # and at least this many: the checked calls after the first read another set (see _input_sets)
 
 
 def shapes_of(args, pattern: "Pattern") -> list:
@@ -132,7 +133,9 @@ def shapes_of(args, pattern: "Pattern") -> list:
 @dataclass
 class Result:
     """What one call produced: `a` for the plain all-reduce (or a floor row's output), else the
-    tail's outputs (as commfuse.FusedResult; scales: the computed FP8 scales)."""
+    tail's outputs (as commfuse.FusedResult; scales: the computed FP8 scales). An oracle's (oracle_tail)
+    also holds the reference's norm where the pattern returns none (ref_norm): the gate judges the codes
+    of a block whose scale differs from the oracle's by it."""
 
     a: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
@@ -140,6 +143,7 @@ class Result:
     quant: Optional[torch.Tensor] = None
     sf: Optional[torch.Tensor] = None
     scales: Optional[torch.Tensor] = None
+    ref_norm: Optional[torch.Tensor] = None
 
     @classmethod
     def of_tail(cls, tail) -> "Result":
@@ -214,6 +218,15 @@ def tail_args(p: Pattern, weight: torch.Tensor, eps: float, scale: Optional[torc
     return (weight, eps, p.quant, scale, p.return_norm, SF_LAYOUT, p.weight_offset, p.scale_layout, p.scale_ue8m0)
 
 
+def oracle_tail(a: torch.Tensor, residual: torch.Tensor, p: Pattern, weight: torch.Tensor, eps: float,
+                scale: Optional[torch.Tensor]) -> Result:
+    """reference.fused_tail's outputs of the pattern, with the norm kept as ref_norm (see Result)."""
+    full = reference.fused_tail(a, residual, weight, eps, p.quant, scale, True, SF_LAYOUT, p.weight_offset,
+                                p.scale_layout, p.scale_ue8m0)
+    return Result(residual=full.residual, norm=full.norm if p.has_norm else None, quant=full.quant,
+                  sf=full.scale_factors, scales=full.scales, ref_norm=full.norm)
+
+
 def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
@@ -222,13 +235,15 @@ def _input_sets(ctx: Ctx, t: int, h: int, dtype: torch.dtype, per_set: Optional[
     """How many input sets to rotate among so that the inputs of consecutive calls are not all in
     the last-level cache (2 x its size, docs/benchmarking.md), capped at MAX_INPUT_SETS; per_set: the
     bytes of one set (default x and residual). Decode sizes stay cache resident even so; in a model
-    they are too (the GEMM that made x has just written it)."""
+    they are too (the GEMM that made x has just written it). Never fewer than MIN_INPUT_SETS, however
+    large a set: the gate's second call and the check after the timing must read inputs other than the
+    first call's, or a call that does no work (returning its first outputs again) would pass them."""
     if ctx.cuda:
         l2 = getattr(torch.cuda.get_device_properties(ctx.device), "L2_cache_size", 50 << 20)
     else:
         l2 = 32 << 20
     per_set = per_set or 2 * t * h * dtype.itemsize
-    return max(1, min(MAX_INPUT_SETS, math.ceil(2 * l2 / per_set)))
+    return max(MIN_INPUT_SETS, min(MAX_INPUT_SETS, math.ceil(2 * l2 / per_set)))
 
 
 def same_draws(ctx: Ctx) -> torch.device:
@@ -279,7 +294,6 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
              if pattern.quant in SCALES else None)
     eps = ctx.args.eps
-    tail = tail_args(pattern, weight, eps, scale)
 
     # The exact semantics: fp32 sum in rank order, rounded once. NCCL (and gloo) sum in T in their
     # own order; for 2 ranks that is one addition (the same bits), beyond that the semantics accept
@@ -299,8 +313,8 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
                 sums.append(a)
         if not pattern.tail:
             return [Result(a=exact)], None
-        return ([Result.of_tail(reference.fused_tail(s, residual, *tail)) for s in sums],
-                Result.of_tail(reference.fused_tail(xs[ctx.rank], residual, *tail)))
+        return ([oracle_tail(s, residual, pattern, weight, eps, scale) for s in sums],
+                oracle_tail(xs[ctx.rank], residual, pattern, weight, eps, scale))
 
     expected, expected_tail = oracle(xs, residual)
     # The later sets' x is the same on every rank (drawn alike): their sums need no exchange of inputs.
@@ -364,10 +378,12 @@ def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
 
 # ------------------------------------------------------------------------------- correctness gate
 
-def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_residual: bool = False) -> Optional[str]:
+def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_residual: bool = False,
+          scale: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why `res` violates the tolerances (commfuse.tolerance) against the oracle `exp`, None when it
-    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch; exact_residual
-    (commfuse's rows): the residual's bits too, as the tests hold them (one rounded addition)."""
+    does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch (scale: the
+    case's, with exp.ref_norm for the codes of blocks whose scale differs); exact_residual (commfuse's
+    rows): the residual's bits too, as the tests hold them (one rounded addition)."""
     if not pattern.tail:
         return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
     if exact_residual and res.residual is not None and exp.residual is not None:
@@ -376,20 +392,19 @@ def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_r
             return why
     return tolerance.tail_mismatch(Tail(res.residual, res.norm, res.quant, res.sf, res.scales),
                                    Tail(exp.residual, exp.norm, exp.quant, exp.sf, exp.scales), pattern.quant,
-                                   SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0)
+                                   SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0,
+                                   norm=exp.ref_norm, scale=scale)
 
 
 def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:
     """The row's checked calls: step.checked_calls of them, the first on input set 0, the second on set 1
     (another set's inputs: a call that returned the first's outputs again, or is right on one set only,
     fails), each after step.poison() where the row owns its outputs (impls.Step); mismatch(result, i)
-    says why a result on set i is wrong (None: right). A row with oracles of its own (Step.expected, set
-    0's) is checked on set 0 only. Returns (verdict, the last result); the caller keeps it alive until
-    every row is gated."""
+    says why a result on set i is wrong (None: right). Returns (verdict, the last result); the caller
+    keeps it alive until every row is gated."""
     res = None
-    for n in range(step.checked_calls):
-        which = "the checked call" if step.checked_calls == 1 else f"checked call {n + 1}"
-        i = n if step.expected is None else 0
+    for i in range(step.checked_calls):
+        which = "the checked call" if step.checked_calls == 1 else f"checked call {i + 1}"
         try:
             if step.poison is not None:
                 step.poison()
@@ -400,7 +415,7 @@ def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tu
             return failed(which, e), None
         why = judge(mismatch, res, i)
         if why is not None:
-            return Verdict(Kind.REJECTED, why if n == 0 else f"{which} (from the plan table): {why}"), res
+            return Verdict(Kind.REJECTED, why if i == 0 else f"{which} (input set {i}): {why}"), res
     return OK, res
 
 

@@ -22,7 +22,8 @@ from commfuse.tail.checks import fields_of
 from commfuse.tail.formats import by_name
 from commfuse.tail.spec import spread
 
-from .cases import MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check
+from .cases import (MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check,
+                    oracle_tail)
 from .context import Ctx
 from .verdict import Skip, short
 
@@ -37,10 +38,12 @@ class Step:
     capture it; no_graph: why graph mode cannot time it (None: it can); result: what the gate reads
     of call's return value, a Result (made outside the timed loops, which call `call` itself: a row's
     host time holds no wrapper of ours); expected: the oracles of a row that computes by another
-    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead.
-    checked_calls: calls the gate checks (commfuse's rows: 2, the first call of a signature, which plans
-    it, and one launched from the plan table, as the timed calls are); poison: fills the row's
-    caller-owned outputs before each checked call, so that a call that leaves them unwritten fails."""
+    semantics than the pattern's (FlashInfer's MoE combine, in T), judged against these instead:
+    expected[i] those of input set i, one list a set. checked_calls: calls the gate checks (commfuse's
+    rows: 2, the first call of a signature, which plans it, and one launched from the plan table, as the
+    timed calls are; FlashInfer's MoE rows: 2, on another set's oracle too); poison: fills the row's
+    caller-owned outputs before each checked call and before each mode's timed calls (after the warm-up),
+    so that a call that leaves them unwritten fails the gate or the check after the timing."""
 
     call: Callable[[int], object]
     no_graph: Optional[str] = None
@@ -87,14 +90,16 @@ class Impl:
 
     def mismatch(self, case: Case, res: Result, i: int = 0, expected: Optional[list] = None) -> Optional[str]:
         """Why one call's result on input set i is wrong; None when it is right. expected: the step's own
-        oracles of set 0 (Step.expected), else the case's of set i. commfuse's rows are held to the
-        residual's exact bits."""
+        oracles of every set (Step.expected), else the case's of set i are used. commfuse's rows are held to
+        the residual's exact bits."""
         if self.own_check is not None:
             return self.own_check(case, res, i)
-        if expected is None:
+        if expected is not None:
+            expected = expected[i % len(expected)]
+        else:
             collective, tail = case.oracle(i)
             expected = [tail] if self.section == "tail" else collective
-        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name))
+        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name), scale=case.scale)
                    for exp in expected]
         return None if None in reasons else reasons[0]
 
@@ -237,23 +242,26 @@ def _prep_nccl_compile(ctx: Ctx, case: Case) -> Step:
 
 
 def _communicator(ctx: Ctx, strategy: str) -> Communicator:
-    """The Communicator of `strategy`, made once (collectively: every rank prepares the same rows)."""
+    """The Communicator of `strategy`, made once (collectively: every rank prepares the same rows). One that
+    works on other tensors than the inputs' does not apply here (Skip); an error in making it is commfuse's
+    (the rows fail, and the run with them): both are remembered, so every later case says the same."""
     key = ("comm", strategy)
     if key not in ctx.cache:
         try:
             c = Communicator(strategy=strategy)
+        except Exception as e:
+            c = RuntimeError(f"Communicator(strategy={strategy!r}) raised {type(e).__name__}: {e}")
+        else:
             # The cross-rank call check (COMMFUSE_CHECK=1, on in the test suite) is a host
             # collective per call: it cannot be captured and would be timed.
             c.check_calls = False
             if c.device != ctx.device:  # a commfuse whose gloo path takes CPU tensors only
-                c = (f"Communicator(strategy={strategy!r}) over {c.backend} works on {c.device} tensors, "
-                     f"the inputs are on {ctx.device}")
-        except Exception as e:
-            c = f"Communicator(strategy={strategy!r}) raised {type(e).__name__}: {e}"
-        ctx.cache[key] = c  # a reason is remembered too, so every later case skips with it
+                c = Skip(f"Communicator(strategy={strategy!r}) over {c.backend} works on {c.device} tensors, "
+                         f"the inputs are on {ctx.device}")
+        ctx.cache[key] = c
     c = ctx.cache[key]
-    if isinstance(c, str):
-        raise Skip(c)
+    if isinstance(c, Exception):
+        raise type(c)(*c.args)  # a fresh one each time: a raised exception's traceback keeps its frames' cases alive
     return c
 
 
@@ -526,30 +534,48 @@ def _flashinfer_workspace(ctx: Ctx, api: dict) -> torch.Tensor:
 
 
 def _flashinfer_outputs(case: Case, dev: torch.device) -> tuple:
-    """(buffers, Result) of FlashInfer's output arguments for the case: preallocated (its API writes into
-    buffers) and poisoned, so an output the kernel does not write fails the gate. Scale-factor padding
-    stays 0 (never written)."""
+    """(buffers, Result, poison) of FlashInfer's output arguments for the case: preallocated (its API writes
+    into buffers) and poisoned, now and by poison() (Step.poison: before each checked call and each mode's
+    timed calls), so an output the kernel does not write fails the checks. Scale-factor padding is 0
+    (never written)."""
     p, t, h, dt = case.pattern, case.tokens, case.hidden, case.dtype
     k = h // reference.NVFP4_BLOCK
     sf_rows, sf_cols = -(-t // 128) * 128, -(-k // 4) * 4
-    bufs = dict(allreduce_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                residual_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                norm_out=torch.full((t, h), float("nan"), dtype=dt, device=dev),
-                quant_out=torch.full((t, h), 0xFF, dtype=torch.uint8, device=dev),
-                scale_out=torch.zeros(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
+    bufs = dict(allreduce_out=torch.empty((t, h), dtype=dt, device=dev),
+                residual_out=torch.empty((t, h), dtype=dt, device=dev),
+                norm_out=torch.empty((t, h), dtype=dt, device=dev),
+                quant_out=torch.empty((t, h), dtype=torch.uint8, device=dev),
+                scale_out=torch.empty(sf_rows * sf_cols, dtype=torch.uint8, device=dev))
+    # What poison() writes, (tensor, value, index, rest): value throughout (index None), or value at index (the
+    # scale bytes the kernel writes) and rest elsewhere (the padding it leaves as it finds it: 0).
+    fills = [(bufs[n], float("nan"), None, None) for n in ("allreduce_out", "residual_out", "norm_out")]
+    fills.append((bufs["quant_out"], 0xFF, None, None))
+    m = torch.arange(t, device=dev).unsqueeze(1)
     if p.quant == "nvfp4":
-        m = torch.arange(t, device=dev).unsqueeze(1)
-        bufs["scale_out"][reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)] = 0x7F
+        index = reference.swizzled_sf_index(m, torch.arange(k, device=dev), k).reshape(-1)
+        fills.append((bufs["scale_out"], 0x7F, index, 0))
     elif p.quant == "fp8_per_token":
-        bufs["scale_out"] = torch.full((t,), float("nan"), dtype=torch.float32, device=dev)
+        bufs["scale_out"] = torch.empty((t,), dtype=torch.float32, device=dev)
+        fills.append((bufs["scale_out"], float("nan"), None, None))
     elif p.quant == "fp8_block":
         # Our storage (ceil(K/4) x roundup(t, 4) int32, padding 0), each exponent byte poisoned with
         # the UE8M0 NaN; passed as the reference's [t, ceil(K/4)] view, strides (1, roundup(t, 4)).
         kb, tp = h // reference.FP8_BLOCK, -(-t // 4) * 4
-        storage = torch.zeros(-(-kb // 4) * tp, dtype=torch.int32, device=dev)
-        m = torch.arange(t, device=dev).unsqueeze(1)
-        storage.view(torch.uint8)[reference.packed_ue8m0_byte_index(m, torch.arange(kb, device=dev), t)] = 0xFF
+        storage = torch.empty(-(-kb // 4) * tp, dtype=torch.int32, device=dev)
+        fills.append((storage.view(torch.uint8), 0xFF,
+                      reference.packed_ue8m0_byte_index(m, torch.arange(kb, device=dev), t), 0))
         bufs["scale_out"] = torch.as_strided(storage, (t, -(-kb // 4)), (1, tp))
+    else:
+        fills.append((bufs["scale_out"], 0, None, None))
+
+    def poison() -> None:
+        for buf, value, index, rest in fills:
+            if index is None:
+                buf.fill_(value)
+            else:
+                buf.fill_(rest)
+                buf[index] = value
+    poison()
     if not p.tail:
         out = Result(a=bufs["allreduce_out"])
     else:
@@ -561,7 +587,7 @@ def _flashinfer_outputs(case: Case, dev: torch.device) -> tuple:
         elif p.quant == "nvfp4":
             out.quant = bufs["quant_out"].view(-1)[: t * h // 2].view(t, h // 2)  # packed, contiguous
             out.sf = bufs["scale_out"].view(torch.float8_e4m3fn)
-    return bufs, out
+    return bufs, out, poison
 
 
 # FlashInfer's MoE fusions (TensorRT-LLM's patterns 6 and 7), read from its source (0.6.18):
@@ -612,7 +638,7 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
     if p.quant == "nvfp4" and ctx.cuda and torch.cuda.get_device_capability(dev)[0] < 10:
         raise Skip(f"flashinfer {version}'s {_FI_MOE[form]} quantizes to NVFP4 on SM 10+ only (on SM 9.0 it faults)")
     ws = _flashinfer_workspace(ctx, api)
-    bufs, out = _flashinfer_outputs(case, dev)
+    bufs, out, poison = _flashinfer_outputs(case, dev)
     outputs = dict(residual_out=bufs["residual_out"], norm_out=bufs["norm_out"] if p.has_norm else None,
                    quant_out=bufs["quant_out"] if p.quant else None, scale_out=bufs["scale_out"] if p.quant else None)
     if form == "reduce":
@@ -640,12 +666,17 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
             fn(allreduce_in=m.y, residual_in=case.input_set(i)[1], expanded_idx_to_permuted_idx=m.row_index,
                shared_expert_output=m.shared, expert_scale_factor=weights[i % len(weights)], **static)
             return out
-    combined = [fi_moe_combine(m, dt).float() for m in case.moe_ranks]
-    total = combined[0]
-    for c in combined[1:]:  # rank order, rounded to T after each addition
-        total = (total.to(dt).float() + c).to(dt).float()
-    expected = [Result.of_tail(reference.fused_tail(total.to(dt), case.input_set(0)[1], *case.tail_args()))]
-    return Step(step, expected=expected)
+
+    def oracle(i: int, ranks: list) -> list:
+        """The oracle of input set i fed FlashInfer's combine of every rank's MoeInputs of it."""
+        combined = [fi_moe_combine(m, dt).float() for m in ranks]
+        total = combined[0]
+        for c in combined[1:]:  # rank order, rounded to T after each addition
+            total = (total.to(dt).float() + c).to(dt).float()
+        return [oracle_tail(total.to(dt), case.input_set(i)[1], p, case.weight, case.eps, case.scale)]
+    # The later sets' inputs are every rank's alike (cases.make_case).
+    expected = [oracle(0, case.moe_ranks)] + [oracle(i, [m] * ctx.world) for i, m in enumerate(case.moe[1:], 1)]
+    return Step(step, expected=expected, checked_calls=2, poison=poison)
 
 
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
@@ -684,7 +715,7 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
     ws = _flashinfer_workspace(ctx, api)
 
     # Every buffer is passed, as FlashInfer's own tests do; the pattern decides which ones the kernel writes.
-    bufs, out = _flashinfer_outputs(case, dev)
+    bufs, out, poison = _flashinfer_outputs(case, dev)
     if p.quant == "fp8":
         scale = case.scale
     elif p.quant == "nvfp4":
@@ -702,7 +733,7 @@ def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
         x, residual = case.input_set(i)
         fuse(allreduce_in=x, residual_in=residual, **static)
         return out
-    return Step(step)
+    return Step(step, poison=poison)
 
 
 for _impl in (

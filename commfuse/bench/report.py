@@ -88,8 +88,9 @@ def format_table(doc: dict, status: dict, args) -> str:
                 for dname in args.dtype_list:
                     link = section == "collective" and any(r.get("frac_link") is not None and r["mode"] == mode and
                                                            r["pattern"] == pname for r in doc["records"])
-                    title = (", tail only (no collective), % of HBM copy ceiling" if section == "tail" else
-                             ", % of the P2P copy ceiling in bus bandwidth" if link else "")
+                    # Host times are the host's: no share of a ceiling in host tables.
+                    title = (", tail only (no collective)" + (", % of HBM copy ceiling" if mode != "host" else "")
+                             if section == "tail" else ", % of the P2P copy ceiling in bus bandwidth" if link else "")
                     shared = f" -- {SHARED_GPU}" if doc.get("shared_gpu") and mode != "host" else ""
                     out.append(f"\n== {mode}: {pname} {dname}{title}{shared}")
                     columns = [["tokens x hidden"] + [f"{t} x {h}" for t, h in shapes]]

@@ -45,15 +45,19 @@ def _sync(ctx: Ctx) -> None:
         torch.cuda.synchronize()
 
 
-def _capture(ctx: Ctx, call: Callable[[int], object]) -> Tuple["torch.cuda.CUDAGraph", object]:
+def _capture(ctx: Ctx, call: Callable[[int], object],
+             poison: Optional[Callable[[], None]] = None) -> Tuple["torch.cuda.CUDAGraph", object]:
     """Warm up, then capture K calls in one CUDA graph (rotating over the input sets). Returns the graph and
-    what its last call returned: its outputs, which each replay writes again (kept for the check after)."""
+    what its last call returned: its outputs, which each replay writes again (kept for the check after).
+    poison: fills the row's caller-owned outputs after the warm-up (Step.poison)."""
     side = torch.cuda.Stream()  # warm-up before capture on a side stream, as torch.cuda.graphs advises
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(ctx.args.warmup):
             call(i)
     torch.cuda.current_stream().wait_stream(side)
+    if poison is not None:  # what the gate's or the warm-up's calls wrote must not pass for the replays' outputs
+        poison()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     # thread_local: CUDA calls of other threads (NCCL's watchdog) must not invalidate our capture.
@@ -80,14 +84,18 @@ def _time_graph(ctx: Ctx, graph: "torch.cuda.CUDAGraph") -> List[float]:
     return times
 
 
-def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool) -> Tuple[List[float], object]:
+def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool,
+               poison: Optional[Callable[[], None]] = None) -> Tuple[List[float], object]:
     """Time per call (us) of K back-to-back calls from Python, each repeat started on all ranks
     together, and what the last call returned. events: CUDA events around the loop (eager on a GPU).
     Otherwise the host clock around the loop alone: the GPU is idle when the clock starts, and the stop
-    time is read before the synchronize that keeps this repeat's queued work out of the next one."""
+    time is read before the synchronize that keeps this repeat's queued work out of the next one.
+    poison: fills the row's caller-owned outputs after the warm-up (Step.poison)."""
     k = ctx.args.calls_per_graph
     for i in range(ctx.args.warmup):
         call(i)
+    if poison is not None:  # what the gate's or the warm-up's calls wrote must not pass for the timed calls' outputs
+        poison()
     times, last = [], None
     for _ in range(ctx.args.repeats):
         _align(ctx)
@@ -129,7 +137,7 @@ def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], V
             verdict = Verdict(Kind.SKIP, f"graph mode: {step.no_graph}")
         else:
             try:
-                graph, last = _capture(ctx, step.call)
+                graph, last = _capture(ctx, step.call, step.poison)
             except Exception as e:
                 verdict = failed("graph capture", e)
         verdict = agree(ctx.world, verdict)
@@ -137,7 +145,7 @@ def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], V
             return None, verdict, None
         run = lambda: (_time_graph(ctx, graph), last)
     else:
-        run = lambda: _time_loop(ctx, step.call, events=ctx.cuda and mode == "eager")
+        run = lambda: _time_loop(ctx, step.call, events=ctx.cuda and mode == "eager", poison=step.poison)
     times, verdict = None, OK
     try:
         times, last = run()

@@ -39,7 +39,7 @@ def inputs(g, t, h, dtype):
 def check(got, a, residual, weight, quant, scale, layout, what, scaled=("row", False, 0.0)):
     scale_layout, ue8m0, offset = scaled
     want = reference.fused_tail(a, residual, weight, 1e-6, quant, scale, True, layout, offset, scale_layout, ue8m0)
-    why = tolerance.tail_mismatch(got, want, quant, layout, scale_layout=scale_layout, scale_ue8m0=ue8m0)
+    why = tolerance.tail_mismatch(got, want, quant, layout, scale_layout=scale_layout, scale_ue8m0=ue8m0, scale=scale)
     if why:
         sys.exit(f"{what}: {why}")
 
@@ -85,7 +85,7 @@ def local_ops(a, z, weight, quant, scale, layout, scaled, what) -> int:
             runs.append((got, reference.Tail(stand_in, n_ref, *want), f"gated rmsnorm (before={before})"))
     for got, want, name in runs:
         why = tolerance.tail_mismatch(got._replace(residual=stand_in), want, quant, layout, scale_layout=scale_layout,
-                                      scale_ue8m0=ue8m0)
+                                      scale_ue8m0=ue8m0, scale=scale)
         if why:
             sys.exit(f"{name} {what}: {why}")
     return len(runs) + quantize_alone(a, quant, scale, layout, kw, what)
