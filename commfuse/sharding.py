@@ -387,19 +387,21 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    kind = type(model).__name__
     if rank < 0:
-        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of group: only its ranks hold its shards")
+        raise ValueError(f"{kind}: this rank ({dist.get_rank()}) is not a member of group: only its ranks hold its "
+                         "shards")
     # No DTensor exists until torch.distributed.tensor is imported (transformers' tp_plan imports it).
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     for path, p in model.named_parameters():
         if dtensor is not None and isinstance(p, dtensor):
-            raise ValueError(f"{path} is a DTensor: the model is parallelised already (transformers' tp_plan?); "
-                             "shard_decoder takes the unsharded model")
-    done = [path for path, m in model.named_modules() if isinstance(m, RowParallelLinear) or getattr(m, _SHARDED, False)]
+            raise ValueError(f"{kind}: {path} is a DTensor: the model is parallelised already (transformers' "
+                             "tp_plan?); shard_decoder takes the unsharded model")
+    done = [path for path, m in model.named_modules()
+            if isinstance(m, RowParallelLinear) or getattr(m, _SHARDED, False)]
     if done:
-        raise ValueError(f"{done[0]} is sharded already: shard_decoder shards a model once")
+        raise ValueError(f"{kind}: {done[0]} is sharded already: shard_decoder shards a model once")
     config = getattr(model, "config", None)
-    kind = type(model).__name__
     sizes = {}
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         try:
@@ -418,7 +420,7 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         if name == "num_key_value_heads" and value and value < world and world % value == 0:
             continue  # a key-value head replicated over world / value ranks (_kv_share)
         if value % world:
-            raise ValueError(f"model.config.{name} = {value} does not divide by the world size {world}"
+            raise ValueError(f"{kind}: model.config.{name} = {value} does not divide by the world size {world}"
                              + (", nor the world size by it" if name == "num_key_value_heads" else ""))
     blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
     layers = _layers(model, [m for _, m in blocks])

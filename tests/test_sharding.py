@@ -184,16 +184,23 @@ def test_shard_decoder_errors(comm, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(dist, "get_rank", lambda group=None, get=dist.get_rank: -1 if group is outside else get(group))
         m.setattr(dist, "get_world_size", lambda group=None, get=dist.get_world_size: -1 if group is outside else get(group))
-        with pytest.raises(ValueError, match=r"this rank \([0-9]+\) is not a member of group"):
+        with pytest.raises(ValueError, match=r"^LlamaForCausalLM: this rank \([0-9]+\) is not a member of group"):
             shard_decoder(tiny("llama", torch.float32), outside)
+    # The config's sizes are checked first; their errors, like the layers', start with the model's class name.
+    w = comm.world_size
     model = tiny("llama", torch.float32)
-    model.config.num_key_value_heads = comm.world_size + 1
-    with pytest.raises(ValueError, match="num_key_value_heads = [0-9]+ does not divide by the world size [0-9]+, "
-                                         "nor the world size by it"):
+    model.config.num_key_value_heads = w + 1
+    with pytest.raises(ValueError, match=rf"^LlamaForCausalLM: model.config.num_key_value_heads = {w + 1} does not "
+                                         rf"divide by the world size {w}, nor the world size by it$"):
+        shard_decoder(model)
+    model = tiny("llama", torch.float32)
+    model.config.intermediate_size = 2 * w + 1
+    with pytest.raises(ValueError, match=rf"^LlamaForCausalLM: model.config.intermediate_size = {2 * w + 1} does not "
+                                         rf"divide by the world size {w}$"):
         shard_decoder(model)
     with pytest.raises(ValueError, match=r"^Linear: model.config has no num_attention_heads: not a decoder"):
         shard_decoder(torch.nn.Linear(4, 4))
-    bare, w = torch.nn.Sequential(torch.nn.Linear(4, 4)), comm.world_size
+    bare = torch.nn.Sequential(torch.nn.Linear(4, 4))
     bare.config = types.SimpleNamespace(num_attention_heads=2 * w, num_key_value_heads=w, intermediate_size=4 * w)
     with pytest.raises(ValueError, match=r"^Sequential: no attention .* layers found: not a decoder"):
         shard_decoder(bare)
@@ -297,7 +304,8 @@ def test_shard_decoder_errors(comm, monkeypatch):
     o_proj = model.model.layers[1].self_attn.o_proj
     o_proj.weight = torch.nn.Parameter(distribute_tensor(o_proj.weight.detach(), mesh, [Replicate()]))
     before = [p.shape for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"layers.1.self_attn.o_proj.weight is a DTensor: the model is parallelised"):
+    with pytest.raises(ValueError, match=r"^Qwen3MoeForCausalLM: model.layers.1.self_attn.o_proj.weight is a DTensor: "
+                                         "the model is parallelised"):
         shard_decoder(model)
     assert [p.shape for p in model.parameters()] == before
 
@@ -310,7 +318,7 @@ def test_shard_decoder_shards_a_model_once(comm):
     Qwen3-Next's gated full attention shards too."""
     model = tiny("qwen3_moe", torch.float32)
     shard_decoder(model)
-    with pytest.raises(ValueError, match=r"layers.0.self_attn.o_proj is sharded already"):
+    with pytest.raises(ValueError, match=r"^Qwen3MoeForCausalLM: model.layers.0.self_attn.o_proj is sharded already"):
         shard_decoder(model)
     kv = 2 * comm.world_size
     config = transformers.Qwen3NextConfig(hidden_size=2 * kv * 16, num_hidden_layers=2, layer_types=["linear_attention"] * 2,
@@ -328,7 +336,7 @@ def test_shard_decoder_shards_a_model_once(comm):
         assert torch.allclose(model(tokens(), use_cache=False).logits, want, atol=1e-5)
     assert torch.equal(model.model.layers[0].mlp.expert_bias, routing)
     shapes = [p.shape for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"layers.0.mlp is sharded already"):
+    with pytest.raises(ValueError, match=r"^Qwen3NextForCausalLM: model.layers.0.mlp is sharded already"):
         shard_decoder(model)
     assert [p.shape for p in model.parameters()] == shapes
     # Its full attention's q_proj also projects the output gate (twice the queries): the per-head q_norm is
