@@ -31,10 +31,11 @@ the op's finalize form) and batched_mm. The eager loop over the experts breaks d
 over the experts a batch selects), so neither its combine nor the tail after it fuse: choose grouped_mm or
 batched_mm experts (`config._experts_implementation`).
 
-Key-value heads fewer than the ranks (and dividing them) are replicated: each rank keeps the one its queries
-read. An attention or MLP holding any other weighted part, a projection that is not a plain nn.Linear or whose
-sharded features do not divide, or a head count that does not divide, is refused (ValueError) rather than
-sharded wrong. The sharded model is for inference: its parameters do not require grad.
+Each attention is sharded by its own key-value heads (its k_proj's: MiMo-V2-Flash's sliding-window layers have
+twice the config's); where they are fewer than the ranks (and divide them) they are replicated: each rank keeps
+the one its queries read. An attention or MLP holding any other weighted part, a projection that is not a plain
+nn.Linear or whose sharded features do not divide, or a head count that does not divide, is refused (ValueError)
+rather than sharded wrong. The sharded model is for inference: its parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan,
@@ -294,6 +295,9 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
         if name in (*_COLUMN, *_ROW) and type(child) is not nn.Linear:
             raise ValueError(f"{path}.{name} is a {type(child).__name__}, not an nn.Linear: shard_decoder "
                              "shards plain linear layers")
+    if attention:
+        kv = _check_kv_heads(path, layer, heads, kv, world)
+    for name, child in layer.named_children():
         features = child.out_features if name in _COLUMN else child.in_features if name in _ROW else 0
         parts = _kv_share(kv, 0, world)[1] if attention and name in _KV_PROJ else world
         if features % parts:
@@ -322,11 +326,7 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
     q_proj = getattr(layer, "q_proj", None)
     if not isinstance(q_proj, nn.Linear):
         return
-    # The attention's own head_dim where it keeps one: a q_proj may project more than the queries (Qwen3-Next's
-    # output gate doubles it).
-    head_dim = getattr(layer, "head_dim", None)
-    if type(head_dim) is not int:
-        head_dim = q_proj.out_features // heads
+    head_dim = _head_dim(layer, heads)
     for name in _HEAD_NORMS:
         norm = getattr(layer, name, None)
         params = [] if norm is None else list(norm.parameters())
@@ -340,6 +340,34 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
             raise ValueError(f"{path}.{name} normalises {what}, not one head's {head_dim}: sharding the heads "
                              "would change it" + (" (a norm over the whole projection, as Olmo2's)" if whole else "")
                              + "; not a decoder shard_decoder knows")
+
+
+def _head_dim(layer: nn.Module, heads: int) -> int:
+    """The attention's own head_dim where it keeps one: a q_proj may project more than the queries (Qwen3-Next's
+    output gate doubles it)."""
+    head_dim = getattr(layer, "head_dim", None)
+    return head_dim if type(head_dim) is int else layer.q_proj.out_features // heads
+
+
+def _kv_heads(layer: nn.Module, heads: int, kv: int) -> int:
+    """The key-value heads of this attention: its k_proj's, which may differ from the config's by layer
+    (MiMo-V2-Flash's sliding-window layers have twice as many), or the config's kv where it has no k_proj
+    (latent attention: kv_b_proj expands each query head's own)."""
+    k_proj = getattr(layer, "k_proj", None)
+    return k_proj.out_features // _head_dim(layer, heads) if isinstance(k_proj, nn.Linear) else kv
+
+
+def _check_kv_heads(path: str, layer: nn.Module, heads: int, kv: int, world: int) -> int:
+    """This attention's key-value heads (_kv_heads), where they divide by the world size or divide it."""
+    k_proj = getattr(layer, "k_proj", None)
+    if isinstance(k_proj, nn.Linear) and k_proj.out_features % _head_dim(layer, heads):
+        raise ValueError(f"{path}.k_proj has {k_proj.out_features} output features, not a whole number of heads "
+                         f"of {_head_dim(layer, heads)}")
+    kv = _kv_heads(layer, heads, kv)
+    if kv % world and world % kv:
+        raise ValueError(f"{path} has {kv} key-value heads, which do not divide by the world size {world}, nor "
+                         "the world size by them")
+    return kv
 
 
 def _kv_share(kv: int, rank: int, world: int) -> tuple:
@@ -376,11 +404,11 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     """Shard `model` (a transformers decoder: *ForCausalLM or its base model) over `group` (None:
     WORLD) in place, for inference (no parameter requires grad), and return it. Every rank must call it with the
     same weights. Raises ValueError (naming the model's class), before it changes anything, where the
-    heads or intermediate features (an expert's too) do not divide by the world size, the key-value heads
-    neither divide it nor divide by it, where a MoE block's experts store their weights in another
-    layout, where an attention or MLP holds a weighted part it does not know, a projection that is not an
-    nn.Linear or whose sharded features do not divide, or a head count that does not divide, where an
-    attention's q/k norm spans more than one head or its sinks are not one per head, where a decoder layer
+    heads or intermediate features (an expert's too) do not divide by the world size, the key-value heads (the
+    config's, or an attention's own) neither divide it nor divide by it, where a MoE block's experts store their
+    weights in another layout, where an attention or MLP holds a weighted part it does not know, a projection
+    that is not an nn.Linear or whose sharded features do not divide, or a head count that does not divide, where
+    an attention's q/k norm spans more than one head or its sinks are not one per head, where a decoder layer
     holds a weight matrix outside its attention, MLP and MoE block (an MLP of another shape), where a config size
     is not one int, where the model has no layer of the known shape, or where it is sharded already (by
     this function, or by transformers' tp_plan: DTensor weights)."""
@@ -437,8 +465,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         raise ValueError(f"{kind}: {e}") from None
     for _, block in blocks:
         _shard_moe_block(block, rank, world, group)
-    kv = sizes["num_key_value_heads"]
     for _, layer, attention in layers:
+        kv = _kv_heads(layer, heads, sizes["num_key_value_heads"]) if attention else 0  # read before k_proj changes
         if attention:
             _shard_attention(layer, rank, world, heads, kv)
         for name, child in list(layer.named_children()):

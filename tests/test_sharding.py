@@ -147,6 +147,46 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
     assert err < 0.03, f"relative RMS error {err:.3g}"
 
 
+@pytest.mark.mpi  # world 1 too: there as well each attention's query heads a key-value head serves are its own
+def test_key_value_heads_differ_by_layer(comm):
+    """MiMo-V2-Flash's sliding-window layers have twice the config's key-value heads: each attention is sharded by
+    its own (its k_proj's), a rank keeping its share of them or, where they are fewer than the ranks, the one its
+    queries read. The prompt's logits, and a decode step's, are the unsharded model's."""
+    if not hasattr(transformers, "MiMoV2FlashForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no MiMoV2FlashForCausalLM")
+    world = comm.world_size
+    ids, step = tokens(), tokens(3)[:, :1]
+
+    def run(model):
+        prompt = model(ids, use_cache=True)
+        return prompt.logits, model(step, past_key_values=prompt.past_key_values, use_cache=True).logits
+
+    for kv in sorted({max(1, world // 2), world}):  # the full-attention layer's: fewer than the ranks, and as many
+        # MiMo's attention has no sdpa path; sinks only in its sliding-window layers
+        config = transformers.MiMoV2FlashConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4 * world, num_key_value_heads=kv, head_dim=16,
+            v_head_dim=16, vocab_size=128, max_position_embeddings=64, intermediate_size=128 * world,
+            moe_intermediate_size=32 * world, n_routed_experts=4, num_experts_per_tok=2, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
+
+        def model():
+            torch.manual_seed(0)  # the same weights on every rank
+            m = transformers.MiMoV2FlashForCausalLM(config)
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if name.endswith("sinks"):
+                        p.normal_(0.0, 0.5)
+            return m.eval()
+
+        with torch.inference_mode():
+            want = run(model())
+            sharded = shard_decoder(model())
+            got = run(sharded)
+        heads = [layer.self_attn.k_proj.out_features // 16 for layer in sharded.model.layers]
+        assert heads == [max(1, 2 * kv // world), max(1, kv // world)], kv
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @mpi
 def test_default_experts_combine_is_fused(comm):
     """transformers' default experts implementation (grouped_mm: the rows in expert order gathered back to
@@ -274,6 +314,11 @@ def test_shard_decoder_errors(comm, monkeypatch):
              ("qwen3_moe", lambda m: setattr(m.model.layers[1].self_attn, "o_proj",
                                              torch.nn.Linear(odd, m.config.hidden_size)),
               rf"layers.1.self_attn.o_proj has {odd} input features, which do not divide"),
+             ("llama", lambda m: [setattr(m.model.layers[1].self_attn, n, torch.nn.Linear(m.config.hidden_size,
+                                                                                         odd * 16))
+                                  for n in ("k_proj", "v_proj")],  # key-value heads of its own, not the config's
+              rf"^LlamaForCausalLM: model.layers.1.self_attn has {odd} key-value heads, which do not divide by the "
+              rf"world size {comm.world_size}, nor the world size by them$"),
              ("llama", lambda m: setattr(m.model.layers[1], "extra", torch.nn.Linear(4, 4)),
               r"model.layers.1.extra.weight is in no attention, MLP \(gate/up/down_proj\) or MoE block"),
              ("llama", lambda m: setattr(m.model.layers[1].mlp, "activation_sparsity", 0.95),  # Gemma 3n's
