@@ -42,9 +42,13 @@ per-head qk_layernorm), HunYuan,
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads).
-Others raise ValueError naming the model's class and what it does not know: a layer's weight matrix outside
-the attention, MLP and MoE block above (GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj) rather than leave
-it whole on every rank.
+Others raise ValueError naming the model's class and what it does not know rather than leave it whole on every
+rank: a decoder layer's weight matrix (each layer of the ModuleList that holds those above, whether or not it holds
+one) outside the attention, MLP and MoE block above (an attention of another shape: MiniCPM5-MoE's q_gate_proj,
+DeepSeek-V4's; GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj; a Mamba mixer), or ungated experts
+(Nemotron-H's up_proj / down_proj). Qwen3-Next's linear-attention layers (gated delta rule) are the one exception,
+on purpose: each rank runs all of them (their results right, their work not divided); its full attention and
+MoE blocks are sharded.
 """
 from __future__ import annotations
 
@@ -126,9 +130,12 @@ _SHARDED = "_commfuse_sharded"  # set on a MoE block once sharded (a dense layer
 
 
 def _is_moe_block(module: nn.Module) -> bool:
+    """A router and experts of stacked weights: gated (gate_up_proj, down_proj) or not (up_proj, down_proj:
+    Nemotron-H's), which _check_moe_block refuses rather than leave whole."""
     experts = getattr(module, "experts", None)
-    return any(hasattr(module, n) for n in _ROUTERS) and all(isinstance(getattr(experts, n, None), torch.Tensor)
-                                                             for n in ("gate_up_proj", "down_proj"))
+    return any(hasattr(module, n) for n in _ROUTERS) and any(
+        all(isinstance(getattr(experts, n, None), torch.Tensor) for n in (up, "down_proj"))
+        for up in ("gate_up_proj", "up_proj"))
 
 
 _SHARED = ("shared_expert", "shared_experts")  # Qwen2-MoE's; DeepSeek's and GLM4-MoE's
@@ -156,10 +163,11 @@ def _gate_up_share(t: torch.Tensor, axis: int, inter: int, rank: int, n: int, co
 def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
     """ValueError where shard_decoder cannot shard this MoE block over `world` ranks (before any is)."""
     experts = block.experts
-    layout = {n: getattr(experts, n, d) for n, d in (("has_gate", True), ("has_post_expert_norm", False))}
+    gated = isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and getattr(experts, "has_gate", True)
+    layout = {"has_gate": gated, "has_post_expert_norm": getattr(experts, "has_post_expert_norm", False)}
     if layout != {"has_gate": True, "has_post_expert_norm": False}:
-        raise ValueError(f"MoE experts {type(experts).__name__} store their weights as {layout}: shard_decoder "
-                         "knows gated experts (gate_up_proj) without a norm per expert")
+        raise ValueError(f"{path}.experts ({type(experts).__name__}) store their weights as {layout}: "
+                         "shard_decoder knows gated experts (gate_up_proj) without a norm per expert")
     if getattr(block, "zero_expert_num", 0):  # LongcatFlash's
         raise ValueError(f"{path} ({type(block).__name__}) has {block.zero_expert_num} zero experts, which add "
                          "the block's input itself: the all-reduce would sum it once per rank")
@@ -264,17 +272,28 @@ def _layers(model: nn.Module, blocks: list) -> list:
     return found
 
 
+# Left whole on every rank on purpose: Qwen3-Next's linear attention (gated delta rule), whose fused projections,
+# convolution and gated norm shard_decoder does not share out. Each rank runs all of it (no all-reduce follows it),
+# so the model's results stay right; that layer's weights and work are not divided, its full attention's and MoE
+# blocks' are.
+_KEPT_WHOLE = ("Qwen3NextGatedDeltaNet",)
+
+
 def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
-    """Raise where a decoder layer (the module holding an attention found) has a weight matrix in none of its
-    attention, MLP or MoE block: an MLP of another shape (GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj,
-    Nemotron's up_proj without a gate) would stay whole on every rank, the layer sharded only in part (its
-    results right, its MLP's weights and work not divided)."""
-    covered = {id(p) for m in (*(layer for _, layer, _ in layers), *blocks) for p in m.parameters()}
-    modules = dict(model.named_modules())
-    for parent in sorted({path.rpartition(".")[0] for path, _, attention in layers if attention and "." in path}):
-        for name, p in modules[parent].named_parameters():
+    """Raise where a decoder layer (each child of a ModuleList that holds an attention, MLP or MoE block found,
+    whether or not the layer itself holds one) has a weight matrix in none of its attention, MLP or MoE block: an
+    attention of another shape (MiniCPM5-MoE's q_gate_proj, DeepSeek-V4's), an MLP of another shape (GLM's fused
+    gate_up_proj, Starcoder2's c_fc / c_proj, Nemotron's up_proj without a gate) or a mixer of another kind would
+    stay whole on every rank, the model sharded only in part (its results right, that part's weights and work not
+    divided). Qwen3-Next's linear attention (_KEPT_WHOLE) stays whole on purpose."""
+    found = {*(layer for _, layer, _ in layers), *blocks}
+    covered = {id(p) for m in model.modules() if m in found or type(m).__name__ in _KEPT_WHOLE for p in m.parameters()}
+    for path, stack in model.named_modules():
+        if not (isinstance(stack, nn.ModuleList) and any(m in found for m in stack.modules())):
+            continue
+        for name, p in stack.named_parameters():
             if p.dim() >= 2 and id(p) not in covered:
-                raise ValueError(f"{parent}.{name} is in no attention, MLP (gate/up/down_proj) or MoE block that "
+                raise ValueError(f"{path}.{name} is in no attention, MLP (gate/up/down_proj) or MoE block that "
                                  "shard_decoder knows: every rank would keep all of it")
 
 
@@ -409,9 +428,10 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     weights in another layout, where an attention or MLP holds a weighted part it does not know, a projection
     that is not an nn.Linear or whose sharded features do not divide, or a head count that does not divide, where
     an attention's q/k norm spans more than one head or its sinks are not one per head, where a decoder layer
-    holds a weight matrix outside its attention, MLP and MoE block (an MLP of another shape), where a config size
-    is not one int, where the model has no layer of the known shape, or where it is sharded already (by
-    this function, or by transformers' tp_plan: DTensor weights)."""
+    holds a weight matrix outside its attention, MLP and MoE block (an attention or MLP of another shape, a Mamba
+    mixer; Qwen3-Next's linear attention excepted, left whole), where a config size is not one int, where the
+    model has no layer of the known shape, or where it is sharded already (by this function, or by transformers'
+    tp_plan: DTensor weights)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)

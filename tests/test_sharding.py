@@ -53,7 +53,13 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", 
 # c_proj (Starcoder2).
 OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}), "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
           "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}), "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
-          "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"pad_token_id": 0})}
+          "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"pad_token_id": 0}),
+          # Attentions of other shapes: one projection for the queries and an output gate (MiniCPM5-MoE's
+          # q_gate_proj), DeepSeek-V4's; ungated experts (Nemotron-H's up_proj / down_proj).
+          "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(MOE, n_routed_experts=4)),
+          "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(MOE, n_routed_experts=4)),
+          "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(MOE, n_routed_experts=4,
+                                                                         layers_block_type=["attention", "moe"]))}
 LAYERS = 2
 
 
@@ -393,6 +399,32 @@ def test_shard_decoder_shards_a_model_once(comm):
         want = model(tokens(), use_cache=False).logits
         shard_decoder(model)
         assert torch.allclose(model(tokens(), use_cache=False).logits, want, atol=1e-5)
+
+
+# The error each refused family's tiny model raises (its class, then the weight it would leave whole).
+PARTLY_WHOLE = {
+    "minicpm5_moe": r"^MiniCPM5MoeForCausalLM: model.layers.0.self_attn.k_proj.weight is in no attention, MLP "
+                    r"\(gate/up/down_proj\) or MoE block that shard_decoder knows: every rank would keep all of it$",
+    "deepseek_v4": r"^DeepseekV4ForCausalLM: model.layers.0.self_attn.q_a_proj.weight is in no attention, MLP "
+                   r"\(gate/up/down_proj\) or MoE block that shard_decoder knows",
+    "nemotron_h": r"^NemotronHForCausalLM: model.layers.1.mixer.experts \(NemotronHExperts\) store their weights as "
+                  r"\{'has_gate': False, 'has_post_expert_norm': False\}: shard_decoder knows gated experts"}
+
+
+@mpi
+@pytest.mark.parametrize("family", sorted(PARTLY_WHOLE))
+def test_families_it_would_leave_partly_whole_are_refused(comm, family):
+    """A decoder layer's weights that shard_decoder does not know (an attention of another shape, beside an MLP or
+    MoE block it knows; ungated experts) are refused before anything changes, rather than left whole on every
+    rank."""
+    model_name = OTHERS[family][1]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    model = tiny(family, torch.float32)
+    before = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match=PARTLY_WHOLE[family]):
+        shard_decoder(model)
+    assert [p.shape for p in model.parameters()] == before
 
 
 _FRESH = """
