@@ -46,9 +46,9 @@ Others raise ValueError naming the model's class and what it does not know rathe
 rank: a decoder layer's weight matrix (each layer of the ModuleList that holds those above, whether or not it holds
 one) outside the attention, MLP and MoE block above (an attention of another shape: MiniCPM5-MoE's q_gate_proj,
 DeepSeek-V4's; GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj; a Mamba mixer), or ungated experts
-(Nemotron-H's up_proj / down_proj). Qwen3-Next's linear-attention layers (gated delta rule) are the one exception,
-on purpose: each rank runs all of them (their results right, their work not divided); its full attention and
-MoE blocks are sharded.
+(Nemotron-H's up_proj / down_proj). Linear-attention layers of the gated delta rule (Qwen3-Next's, Qwen3.5's) are
+the one exception, on purpose: each rank runs all of them (their results right, their work not divided); the
+model's full attention and MoE blocks are sharded.
 """
 from __future__ import annotations
 
@@ -272,11 +272,11 @@ def _layers(model: nn.Module, blocks: list) -> list:
     return found
 
 
-# Left whole on every rank on purpose: Qwen3-Next's linear attention (gated delta rule), whose fused projections,
-# convolution and gated norm shard_decoder does not share out. Each rank runs all of it (no all-reduce follows it),
-# so the model's results stay right; that layer's weights and work are not divided, its full attention's and MoE
-# blocks' are.
-_KEPT_WHOLE = ("Qwen3NextGatedDeltaNet",)
+# Left whole on every rank on purpose: linear attention of the gated delta rule (transformers' *GatedDeltaNet:
+# Qwen3-Next's, Qwen3.5's and its MoE's), whose fused projections, convolution and gated norm shard_decoder does not
+# share out. Each rank runs all of it (no all-reduce follows it), so the model's results stay right; that layer's
+# weights and work are not divided, its full attention's and MoE blocks' are.
+_KEPT_WHOLE = "GatedDeltaNet"
 
 
 def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
@@ -285,9 +285,9 @@ def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
     attention of another shape (MiniCPM5-MoE's q_gate_proj, DeepSeek-V4's), an MLP of another shape (GLM's fused
     gate_up_proj, Starcoder2's c_fc / c_proj, Nemotron's up_proj without a gate) or a mixer of another kind would
     stay whole on every rank, the model sharded only in part (its results right, that part's weights and work not
-    divided). Qwen3-Next's linear attention (_KEPT_WHOLE) stays whole on purpose."""
+    divided). Linear attention of the gated delta rule (_KEPT_WHOLE) stays whole on purpose."""
     found = {*(layer for _, layer, _ in layers), *blocks}
-    covered = {id(p) for m in model.modules() if m in found or type(m).__name__ in _KEPT_WHOLE for p in m.parameters()}
+    covered = {id(p) for m in model.modules() if m in found or type(m).__name__.endswith(_KEPT_WHOLE) for p in m.parameters()}
     for path, stack in model.named_modules():
         if not (isinstance(stack, nn.ModuleList) and any(m in found for m in stack.modules())):
             continue

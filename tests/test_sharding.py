@@ -427,6 +427,28 @@ def test_families_it_would_leave_partly_whole_are_refused(comm, family):
     assert [p.shape for p in model.parameters()] == before
 
 
+@mpi
+def test_gated_delta_linear_attention_stays_whole_in_each_family_that_has_it(comm):
+    """Qwen3.5's linear attention (transformers' Qwen3_5GatedDeltaNet) stays whole on every rank as Qwen3-Next's
+    does, its full attention and MLPs sharded: the logits are the unsharded model's."""
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3_5ForCausalLM")
+    kv = 2 * comm.world_size
+    config = transformers.Qwen3_5TextConfig(hidden_size=2 * kv * 16, num_hidden_layers=2, num_attention_heads=2 * kv,
+                                            num_key_value_heads=kv, head_dim=16, vocab_size=128,
+                                            intermediate_size=128 * kv, layer_types=["linear_attention",
+                                                                                     "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    whole = model.model.layers[0].linear_attn.out_proj.weight.shape
+    with torch.inference_mode():
+        want = model(tokens(), use_cache=False).logits
+        shard_decoder(model)
+        assert torch.allclose(model(tokens(), use_cache=False).logits, want, atol=1e-5)
+    assert model.model.layers[0].linear_attn.out_proj.weight.shape == whole
+    assert model.model.layers[1].mlp.down_proj.weight.shape[1] == 128 * kv // comm.world_size
+
+
 _FRESH = """
 import sys, torch, torch.distributed as dist, commfuse
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
