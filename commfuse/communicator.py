@@ -107,7 +107,9 @@ class _Checked:
     __slots__ = ("comm", "signature", "inner", "outputs", "inputs")
 
     def __init__(self, comm: "Communicator", signature: tuple, inner, outputs: tuple, inputs: tuple):
-        self.comm, self.signature, self.inner = comm, signature, inner
+        # A proxy: the Communicator's plan table holds this launcher, and the C++ table's references are not
+        # seen by the garbage collector, so a strong one back would keep the Communicator (its workspace) for good.
+        self.comm, self.signature, self.inner = weakref.proxy(comm), signature, inner
         self.outputs, self.inputs = outputs, inputs
 
     def __call__(self, *args):

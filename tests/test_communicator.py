@@ -6,6 +6,7 @@ slice, so the reference sees exactly the gathered inputs. All collectives of a t
 its assertions, so a failing rank cannot leave the others waiting.
 """
 import os
+import weakref
 import zlib
 
 import pytest
@@ -180,6 +181,25 @@ def test_calls_whose_texts_share_a_crc32_are_told_apart(comm):
     with pytest.raises(commfuse.CallMismatchError, match="ranks disagree on the call: rank 0: plain.*29685295"):
         routes.exchange_signature(c._check_group, text, 0)
     routes.exchange_signature(c._check_group, a, 0)  # the same text on every rank passes
+
+
+@mpi
+def test_checked_launchers_do_not_keep_their_communicator(comm, gen):
+    """COMMFUSE_CHECK's launchers live in the Communicator's plan table; the C++ table's references are not seen by
+    the garbage collector, so a launcher holding its Communicator kept it (and its workspace) for good: they hold a
+    proxy. The Communicator goes with its last reference, and its checked calls work while it lives."""
+    import gc
+
+    c = _checked_by(comm, "COMMFUSE_CHECK")
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
+    for _ in range(2):  # the second call is served by the plan table's checked launcher
+        assert c.all_reduce(x).shape == x.shape
+        c.fused_all_reduce(x, x.clone(), x[0])
+    assert not [r for r in gc.get_referrers(c) if type(r).__name__ == "_Checked"]
+    gone = weakref.ref(c)
+    del c
+    gc.collect()
+    assert gone() is None
 
 
 MISMATCHES = {  # kind: (rank 0's call, every other rank's) as (shape, dtype, quant)
