@@ -290,6 +290,73 @@ def broadcast_unique_id(group, make_id: Callable[[], bytes]) -> bytes:
     return obj[0]
 
 
+INIT_FLOOR_S = 60.0  # the least time init_agreed gives NCCL's initialisation (many nodes take tens of seconds)
+INIT_POLL_S = 0.02  # how often a rank waiting in init_agreed looks at its own init and at the store
+
+
+def init_agreed(nccl: Nccl, group, uid: bytes, key: str, index: int, timeout: float) -> int:
+    """ncclCommInitRank of this rank of `group` (on CUDA device `index`; -1: none, for tests), agreed by every rank:
+    each gets its handle, or each raises. NCCL's blocking initialisation waits for every rank, so a rank whose init
+    fails (out of memory, say) or that died would leave its peers waiting in it for good. Each rank runs it on a
+    thread of its own and meets the others in torch.distributed's default store under `key` (one per attempt, the
+    same on every rank): the ranks count their finished inits there, and the first rank whose init fails, or that
+    has waited max(`timeout`, INIT_FLOOR_S) s (`timeout` 0: no bound), writes why. Then every rank raises that
+    (NcclError; NcclTimeoutError for an init that did not finish), the failed rank its own error, and aborts its
+    communicator, made or made later by the abandoned thread (which NCCL may keep waiting for good)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    label = rank_label(group, rank)
+    store = dist.distributed_c10d._get_default_store()
+    lock = threading.Lock()
+    outcome: dict = {}  # "handle" or "error", set by the thread; "abandoned", set here when this rank gives up
+
+    def init() -> None:
+        try:
+            if index >= 0:
+                torch.cuda.set_device(index)
+            handle = nccl.init_rank(world, uid, rank)
+        except BaseException as e:  # noqa: BLE001 - raised by the waiting thread
+            outcome["error"] = e
+            return
+        with lock:
+            outcome["handle"] = handle
+            if not outcome.get("abandoned"):
+                return
+        nccl.lib.ncclCommAbort(handle)
+
+    thread = threading.Thread(target=init, name=f"commfuse-nccl-init-{rank}", daemon=True)
+    thread.start()
+    bound = max(timeout, INIT_FLOOR_S) if timeout > 0 else float("inf")
+    deadline, counted = time.monotonic() + bound, False
+    while True:
+        thread.join(INIT_POLL_S)
+        error = outcome.get("error")
+        if error is not None:
+            code = error.code if isinstance(error, NcclError) else ""
+            store.compare_set(key + "/failed", "", f"{code}|{label}: {error}")
+            raise error
+        if not thread.is_alive() and not counted:
+            counted = True
+            store.add(key + "/done", 1)
+        if not store.check([key + "/failed"]):
+            if counted and store.add(key + "/done", 0) == world:
+                return outcome["handle"]
+            if time.monotonic() < deadline:
+                continue
+            late = (f"{store.add(key + '/done', 0)} of {world} ranks' ncclCommInitRank finished" if counted
+                    else "its ncclCommInitRank did not finish")
+            store.compare_set(key + "/failed", "", f"{TIMED_OUT}|{label}: {late} within {bound:g} s")
+        with lock:
+            outcome["abandoned"] = True
+            handle = outcome.get("handle")
+        if handle is not None:
+            nccl.lib.ncclCommAbort(handle)
+        code, why = store.get(key + "/failed").decode(errors="replace").split("|", 1)
+        message = f"{label}: the group's NCCL communicator was not made on every rank ({why}); no rank keeps it"
+        if code == str(TIMED_OUT):
+            raise NcclTimeoutError(message)
+        raise NcclError("ncclCommInitRank", int(code), message) if code else RuntimeError(message)
+
+
 class NcclComm:
     """An NCCL communicator over the ranks of a torch.distributed group, on one CUDA device.
 
@@ -312,9 +379,10 @@ class NcclComm:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.label = rank_label(group, self.rank)  # how errors name this rank
         timeout = watchdog_timeout()
-        uid = broadcast_unique_id(group, nccl.unique_id)
-        with torch.cuda.device(index):
-            handle = nccl.init_rank(self.world_size, uid, self.rank)
+        # The store key of this attempt's agreement: a nonce of rank 0's, since a stand-in library's ids repeat.
+        made = broadcast_unique_id(group, lambda: nccl.unique_id() + os.urandom(16))
+        uid, key = made[:128], "commfuse/nccl-init/" + made[128:].hex()
+        handle = init_agreed(nccl, group, uid, key, index, timeout)
         self._attach(nccl, handle, index)
         if timeout > 0:
             try:

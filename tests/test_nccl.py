@@ -675,6 +675,99 @@ def test_every_rank_inits_the_stub_with_rank_0s_id(gloo_group, stub, stub_nccl):
     assert (stub[1].stub_last_nranks(), stub[1].stub_last_rank()) == (world, rank)
 
 
+class InitLib(FakeLib):
+    """A fake NCCL whose ncclCommInitRank does what `plan` says: "ok" (a handle at once), "fail" (ncclUnhandledCudaError,
+    1) or "wait" (a handle once `release` is set, as NCCL's init waits for a rank that never comes); it records the
+    handles it aborts and destroys."""
+
+    HANDLE = 0x5EED
+
+    def __init__(self, plan):
+        super().__init__()
+        self.plan, self.release, self.aborted = plan, threading.Event(), []
+
+    def ncclGetErrorString(self, code):
+        return b"unhandled cuda error" if code == 1 else super().ncclGetErrorString(code)
+
+    def ncclCommInitRank(self, handle, world, uid, rank):
+        if self.plan == "fail":
+            return 1
+        if self.plan == "wait":
+            self.release.wait()
+        handle._obj.value = self.HANDLE
+        return 0
+
+    def ncclCommAbort(self, handle):
+        self.aborted.append(handle)
+        return 0
+
+
+def agree_on_init(group, plan, timeout=10.0):
+    """init_agreed over `group` with this rank's InitLib(plan) and a key of this attempt: (lib, handle or the error,
+    seconds taken)."""
+    lib = InitLib(plan)
+    made = nccl.broadcast_unique_id(group, lambda: bytes(128) + torch.randint(0, 256, (16,)).byte().numpy().tobytes())
+    start = time.monotonic()
+    try:
+        got = nccl.init_agreed(nccl.Nccl(lib, "fake"), group, made[:128], "test/" + made[128:].hex(), -1, timeout)
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        got = e
+    return lib, got, time.monotonic() - start
+
+
+def abandoned_handle_is_aborted(lib):
+    """Let a waiting fake init finish: the thread that init_agreed gave up on aborts the handle it gets."""
+    lib.release.set()
+    for _ in range(200):
+        if lib.aborted:
+            break
+        time.sleep(0.01)
+    return lib.aborted == [InitLib.HANDLE]
+
+
+@mpi(min_size=2)
+def test_every_rank_gets_its_nccl_handle_when_every_init_succeeds(gloo_group):
+    lib, got, _ = agree_on_init(gloo_group, "ok")
+    assert got == InitLib.HANDLE and lib.aborted == []
+
+
+@mpi(min_size=2)
+def test_a_failed_nccl_init_on_one_rank_raises_on_every_rank_without_waiting_for_it(gloo_group):
+    """The last rank's init fails; the others' wait in NCCL for it for good (a bound of 10 s that must not be
+    needed): every rank raises at once, the others naming the failed rank's error, and no rank keeps a
+    communicator."""
+    rank, last = dist.get_rank(gloo_group), dist.get_world_size(gloo_group) - 1
+    lib, got, took = agree_on_init(gloo_group, "fail" if rank == last else "wait")
+    assert isinstance(got, NcclError) and got.code == 1 and took < 5, (got, took)
+    if rank == last:
+        assert str(got).startswith("ncclCommInitRank failed: unhandled cuda error")
+    else:
+        assert f"rank {last}: ncclCommInitRank failed: unhandled cuda error" in str(got)
+        assert "was not made on every rank" in str(got)
+        assert abandoned_handle_is_aborted(lib)
+
+
+@mpi(min_size=2)
+@pytest.mark.parametrize("late", ["first", "last"])
+def test_an_nccl_init_that_never_finishes_raises_its_timeout_on_every_rank(gloo_group, late, monkeypatch):
+    """One rank's init never returns: after the bound every rank raises NcclTimeoutError saying so, and the ranks
+    whose init finished abort their communicators."""
+    monkeypatch.setattr(nccl, "INIT_FLOOR_S", 0.3)
+    rank, world = dist.get_rank(gloo_group), dist.get_world_size(gloo_group)
+    stuck = 0 if late == "first" else world - 1
+    lib, got, took = agree_on_init(gloo_group, "wait" if rank == stuck else "ok", timeout=0.3)
+    dist.barrier(group=gloo_group)
+    # Each rank counts its 0.3 s from its own start; the first rank to reach the bound tells the others.
+    assert isinstance(got, nccl.NcclTimeoutError) and 0.1 < took < 5, (got, took)
+    assert "was not made on every rank" in str(got) and "within 0.3 s" in str(got)
+    assert (f"{world - 1} of {world} ranks' ncclCommInitRank finished" in str(got)
+            or f"rank {stuck}: its ncclCommInitRank did not finish" in str(got))
+    if rank == stuck:
+        assert abandoned_handle_is_aborted(lib)
+    else:
+        assert lib.aborted == [InitLib.HANDLE]
+
+
 # --------------------------------------------------------------------------- NCCL on GPUs
 
 
