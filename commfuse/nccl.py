@@ -38,7 +38,8 @@ Environment (docs/environment.md):
 - COMMFUSE_NCCL: `0` makes the Communicator keep torch.distributed for its NCCL route even where
   this module is available (read by the Communicator, not here).
 - COMMFUSE_NCCL_TIMEOUT_S: the watchdog's bound, seconds from an all-reduce's enqueue, or from its start in
-  a replay (default 10; 0: no watchdog). Read when a communicator is made.
+  a replay (default 10; 0: no watchdog); the communicator's initialisation gets at least 60 s (init_agreed). Read
+  when a communicator is made.
 - COMMFUSE_NCCL_WATCH_REPLAYS: `0` captures all-reduces without the marks (their replays unwatched, and
   without the marks' two one-thread kernels, ~1.5 us of GPU time each). Read when a communicator is made.
 
@@ -363,7 +364,7 @@ class NcclComm:
     group: any torch.distributed group (gloo too: it only carries the unique id); device: this
     rank's CUDA device (no index: the current one). NCCL refuses two ranks of one communicator on
     one GPU; a group of one rank is fine. Construction is collective over the group and raises
-    NcclUnavailable without an NCCL library. `close()` destroys the communicator (not collective;
+    NcclUnavailable without an NCCL library; every rank gets the communicator or every rank raises (init_agreed). `close()` destroys the communicator (not collective;
     destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
     NCCL or CUDA may already be torn down when it runs at exit. With COMMFUSE_NCCL_TIMEOUT_S > 0 (default
     10) its watchdog aborts it when an all-reduce has not finished that long after its enqueue, or after
