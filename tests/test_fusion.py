@@ -1783,6 +1783,11 @@ def _hardtanh_in_place_by_position(h, w, s):
     return weight_before_cast_norm(h, w), h
 
 
+def _foreach_in_place(h, w, s):
+    torch._foreach_mul_([w, h], 2.0)  # a list of tensors written in place
+    return weight_before_cast_norm(h, w), h
+
+
 def _through(view):
     def write(h, w, s):
         view(h).mul_(2)  # a write to h through a view whose spelling names no view
@@ -1794,6 +1799,7 @@ IN_PLACE = {"h.add_ before the norm": _add_one, "h[:, :8] = 0 before the norm": 
             "n.mul_ before the FP8 quant": _scale_norm, "weight.mul_ between the add and the norm": _scale_weight,
             "F.relu(h, inplace=True)": _relu_in_place, "nn.ReLU(inplace=True)(h)": _relu_module_in_place,
             "F.hardtanh(h, -1, 1, True)": _hardtanh_in_place_by_position,
+            "torch._foreach_mul_([w, h], 2)": _foreach_in_place,
             "h.T.mul_": _through(lambda h: h.T), "h.data.mul_": _through(lambda h: h.data),
             "torch.swapdims(h, 0, 1).mul_": _through(lambda h: torch.swapdims(h, 0, 1)),
             "torch.moveaxis(h, 0, 1).mul_": _through(lambda h: torch.moveaxis(h, 0, 1)),
@@ -1891,6 +1897,25 @@ def test_in_place_write_in_an_aten_graph_is_not_fused(gen):
     report = fusion.fuse(gm)
     assert not counts(gm) and any("written in place" in r for r in _skip_reasons(report)), report
     assert_same(list(gm(x, residual, weight)), list(want))
+
+
+def test_a_foreach_write_in_an_aten_graph_is_not_fused(gen):
+    """aten._foreach_mul_ marks its list of tensors written (`Tensor(a!)[]`): a write to h in that list, between the
+    add and the norm, keeps the pattern unfused."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = x + residual
+        torch._foreach_mul_([weight, h], 2.0)
+        return torch_norm(h, weight), h
+
+    gm = make_fx(f)(x.clone(), residual, weight.clone())
+    want = gm(x.clone(), residual, weight.clone())
+    report = fusion.fuse(gm)
+    assert not counts(gm) and any("written in place" in r for r in _skip_reasons(report)), report
+    assert_same(list(gm(x.clone(), residual, weight.clone())), list(want))
 
 
 def test_a_norm_viewed_back_to_rows_keeps_the_graphs_shape(gen):

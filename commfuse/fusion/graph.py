@@ -511,10 +511,17 @@ def writes(node: fx.Node, target: fx.Node) -> bool:
         return bool(node.args) and node.args[0] is target
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
-        return any(a.alias_info is not None and a.alias_info.is_write and i < len(node.args) and node.args[i] is target
-                   for i, a in enumerate(schema.arguments))
+        return any(a.alias_info is not None and a.alias_info.is_write and i < len(node.args)
+                   and _holds(node.args[i], target) for i, a in enumerate(schema.arguments))
     name = getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is target
+    # torch._foreach_mul_([a, b], s) writes every tensor of its first list.
+    return (name.endswith("_") and (not name.startswith("_") or name.startswith("_foreach_")) and bool(node.args)
+            and _holds(node.args[0], target))
+
+
+def _holds(arg, target: fx.Node) -> bool:
+    """Whether an argument is target, or a list or tuple that holds it (a foreach op's tensors)."""
+    return arg is target or (isinstance(arg, (tuple, list)) and any(a is target for a in arg))
 
 
 def _inplace(node: fx.Node) -> bool:
