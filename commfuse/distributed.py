@@ -9,7 +9,9 @@ Launchers and what they leave in the environment:
 
 More ranks on a node than GPUs (e.g. `launch/test.sh 4` on a workstation with one GPU): the ranks
 share GPUs, rank r on GPU local_rank % device_count, and the default backend is gloo, because NCCL
-refuses two ranks on one GPU. commfuse then still runs its real kernels on those GPUs (the P2P
+refuses two ranks on one GPU. Whether ranks share one is told by the GPUs' UUIDs, exchanged in the rendezvous's
+store before the group is made: ranks that each see a GPU of their own (CUDA_VISIBLE_DEVICES set per rank) get
+NCCL. commfuse then still runs its real kernels on those GPUs (the P2P
 row over same-device IPC, the fallback row as gloo's exact sum and the fused tail kernel): a mode
 for testing and debugging tensor-parallel code, not for speed (see commfuse.topology).
 """
@@ -119,17 +121,19 @@ def _mpi_rendezvous(rank: int) -> tuple:
     return addr
 
 
-def default_backend(cuda: bool, local_world: int, gpus: int) -> str:
-    """NCCL when every rank of the node has a GPU of its own; gloo without CUDA, and when ranks share
-    GPUs (NCCL refuses two ranks on one GPU)."""
-    return "nccl" if cuda and 0 < local_world <= gpus else "gloo"
+def default_backend(gpus: list) -> str:
+    """NCCL when every rank has a GPU of its own: `gpus`, each rank's GPU UUID (None without CUDA), all distinct.
+    gloo without CUDA on a rank, and where ranks share a GPU (NCCL refuses two ranks on one GPU). By UUID, not by
+    counting ranks and GPUs: ranks that each see one GPU of their own (CUDA_VISIBLE_DEVICES set per rank, as
+    SLURM's --gpus-per-task and many wrappers do) own it although the node has more ranks than either sees."""
+    return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple:
     """Initialise the default process group once; return (rank, world_size).
 
-    backend: None picks "nccl" when every rank of the node has a GPU of its own, "gloo" without
-    CUDA and when ranks share GPUs (more ranks on the node than GPUs: see the module docstring).
+    backend: None picks "nccl" when every rank has a GPU of its own, "gloo" without CUDA and when ranks share
+    GPUs (see the module docstring): the ranks exchange their GPUs' UUIDs in the rendezvous's store first.
     With CUDA, each process is bound to GPU `local_rank % device_count` before the group is made.
     Safe to call again: an existing group is kept. A gloo group made here is destroyed at interpreter
     exit (unless the caller destroyed it): a gloo group still alive when the interpreter finalizes can
@@ -143,18 +147,26 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         return dist.get_rank(), dist.get_world_size()
     if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e9):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    rank, world, local_rank, local_world, launcher = _launch_env()
+    rank, world, local_rank, _, launcher = _launch_env()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    backend = backend or default_backend(cuda, local_world, torch.cuda.device_count() if cuda else 0)
     if launcher == "mpi":
         addr, port = _mpi_rendezvous(rank)
     else:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = _master_port() or (_free_port() if world == 1 else 29500)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torch's own rendezvous (it knows torchrun's agent store), whose store then serves the group.
+    store, rank, world = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout))
+    store.set_timeout(timeout)
+    if backend is None:
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if cuda else ""
+        store.set(f"commfuse/gpu/{rank}", uuid)
+        backend = default_backend([u.decode() or None for u in store.multi_get([f"commfuse/gpu/{r}"
+                                                                                for r in range(world)])])
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
+                            timeout=timeout)
     if backend == "gloo":
         atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))  # weak: a strong one kept it alive
     return rank, world
