@@ -638,17 +638,18 @@ def test_tolerance_block_layouts():
                 assert why and "strides" in why
         else:
             E = want.scales.clone()
-            E[0, 0] += 1  # one neighbouring exponent in 160 blocks: more than 1e-3 of them
+            E[0, 0] += 1  # two neighbouring exponents in 160 blocks: more than 1e-3 of them, and more than one
+            E[3, 5] += 1
             # A kernel writes the codes of the exponent it chose: its block's codes follow E.
             norm = ref.fused_tail(a, r, w).norm
             q = ref.fp8_group_codes(norm.float().view(5, 32, 128), ref.ue8m0_to_scale(E)).view(5, 4096)
             got = want._replace(quant=q, scales=E)
             why = tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True, norm=norm)
             assert why and "UE8M0" in why
-            assert tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True, max_frac=0.01, norm=norm) is None
+            assert tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True, max_frac=0.02, norm=norm) is None
             E[0, 1] += 2
             assert "more than one" in tolerance.tail_mismatch(got, want, "fp8_block", scale_ue8m0=True,
-                                                              max_frac=0.01, norm=norm)
+                                                              max_frac=0.02, norm=norm)
 
 
 # (quant, scale encoding of its block scales, elements a block): the formats whose codes follow a stored
@@ -714,11 +715,81 @@ def test_tolerance_caps_the_float32_scales_that_differ(quant):
     up = torch.nextafter(want.scales, torch.full_like(want.scales, INF))
     zeros = torch.zeros_like(u8(want.quant)).view(want.quant.dtype)
     why = tolerance.tail_mismatch(want._replace(quant=zeros, scales=up), want, quant)
-    assert why and f"{want.scales.numel()} of {want.scales.numel()} differ" in why, why
+    assert why and f"{want.scales.numel()} of {want.scales.numel()} scales differ" in why, why
     one = want.scales.clone()
     one.view(-1)[3] = up.view(-1)[3]
     norm = ref.fused_tail(a, r, w, 1e-6).norm
     assert tolerance.tail_mismatch(want._replace(scales=one), want, quant, norm=norm) is None
+
+
+def test_tolerance_takes_t_from_the_norm_given():
+    """fp16 activations and a call without residual or norm outputs: T comes from the `norm` passed, so a per-token
+    scale whose amax is 6 fp16 ulps high is rejected (bf16's 8 times coarser ulp took it)."""
+    a = torch.randn(4, 256, generator=torch.Generator().manual_seed(61)).to(torch.float16)
+    w = torch.ones(256, dtype=torch.float16)
+    want = ref.fused_tail(a, None, w, 1e-6, "fp8_per_token")
+    norm = ref.fused_tail(a, None, w, 1e-6).norm
+    amax = norm[0].float().abs().max().reshape(1)
+    scales = want.scales.clone()
+    scales[0] = (amax + 6 * tolerance.ulp(amax, torch.float16)) / 448
+    codes = ref.fp8_group_codes(norm.float().reshape(4, 1, 256), scales.reshape(4, 1)).reshape(4, 256)
+    why = tolerance.tail_mismatch(ref.Tail(None, None, codes, None, scales), want, "fp8_per_token", norm=norm)
+    assert why and "beyond a neighbouring amax" in why, why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_within_ulp_counts_the_representable_values_between(dtype):
+    """One ulp is one neighbour of T on either side: just below a power of two the neighbour below is the finer
+    step, so two of those are beyond one ulp; +0 and -0 are one value; subnormals count as values."""
+    tiny = torch.finfo(dtype).smallest_normal / 4
+    e = torch.tensor([16.0, 1.0, -2.0, 0.0, tiny], dtype=dtype)
+    down = torch.nextafter(e, torch.full_like(e, -INF))
+    up = torch.nextafter(e, torch.full_like(e, INF))
+    for one in (down, up):
+        assert tolerance.within_ulp(one, e, 1, "norm") is None
+    two = torch.nextafter(down, torch.full_like(e, -INF))
+    for i in range(e.numel()):
+        why = tolerance.within_ulp(two[i:i + 1], e[i:i + 1], 1, "norm")
+        assert why and "beyond 1 ulp" in why, (i, why)
+        assert tolerance.within_ulp(two[i:i + 1], e[i:i + 1], 2, "norm") is None
+    assert tolerance.within_ulp(torch.tensor([-0.0], dtype=dtype), torch.tensor([0.0], dtype=dtype), 0, "n") is None
+
+
+def _norm_one_ulp_off_at(value: float, h: int):
+    """A [1, h] bf16 reference norm of 0.5s with `value` at element 0, and the same one bf16 ulp up there: a
+    kernel's norm within the tolerance."""
+    want = torch.full((1, h), 0.5, dtype=torch.bfloat16)
+    want[0, 0] = value
+    got = want.clone()
+    got[0, 0] = torch.nextafter(want[0, :1], torch.full((1,), INF, dtype=torch.bfloat16))
+    return got, want
+
+
+@pytest.mark.parametrize("quant, value", [("mxfp8", 448.0), ("fp8_block", 448.0), ("nvfp4", 6.375), ("fp8", 1.0625)])
+def test_tolerance_takes_one_neighbour_at_a_decode_row(quant, value):
+    """One decode row (h 4096: 128 MXFP8 blocks, 32 UE8M0 scales, 256 NVFP4 scale factors, 4096 static FP8 codes) whose
+    norm is one ulp off at a rounding boundary (an amax at a power of two, a code's tie): one scale or code moves,
+    which 1e-3 of so few would not allow. The outputs are the reference's quantization of that norm."""
+    got_norm, want_norm = _norm_one_ulp_off_at(value, 4096)
+    kw = {"scale_ue8m0": True} if quant == "fp8_block" else {}
+    scale = {"nvfp4": torch.tensor([1.0 / 64]), "fp8": torch.tensor([1.0])}.get(quant)
+    want = ref.Tail(None, want_norm, *ref.quantize(want_norm, quant, scale, **kw))
+    got = ref.Tail(None, got_norm, *ref.quantize(got_norm, quant, scale, **kw))
+    moved = [n for n in ("quant", "scale_factors", "scales") if getattr(want, n) is not None
+             and not torch.equal(getattr(got, n).contiguous().view(torch.uint8), getattr(want, n).view(torch.uint8))]
+    assert moved  # the case is one at a boundary
+    assert tolerance.tail_mismatch(got, want, quant, scale=scale, **kw) is None
+
+
+def test_tolerance_reads_ue8m0_byte_0_as_two_to_the_minus_127():
+    """An all-zero MXFP8 block whose exponent byte is 0 (TransformerEngine's and FlashInfer's, 2^-127) rather than
+    the reference's 1: its codes are judged under 2^-127, all zeros, not under 0 (0 / 0: NaN codes)."""
+    x = torch.randn(1, 32 * 64, generator=torch.Generator().manual_seed(62)).to(torch.bfloat16)
+    x[0, :32] = 0
+    q, e = ref.quantize_mxfp8(x, "swizzled")
+    e0 = e.clone()
+    e0.view(torch.uint8)[ref.swizzled_sf_index(torch.tensor(0), torch.tensor(0), 64)] = 0
+    assert tolerance.tail_mismatch(ref.Tail(None, x, q, e0), ref.Tail(None, x, q, e), "mxfp8") is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
