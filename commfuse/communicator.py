@@ -290,14 +290,15 @@ class Communicator:
         the copy it needs cost tens of microseconds of host time a call, ncclAllReduce a few. Every
         rank must take the same decision (creating it is collective), so the ranks agree first: whether
         to use it, and whether to make the group's anew, where any rank's has failed (a watchdog's abort,
-        a peer's error), rather than hand this Communicator one whose first call raises."""
+        a peer's error), rather than hand this Communicator one whose first call raises; and where a rank holds
+        none (the first Communicator, or one whose making failed there), since making it is collective."""
         why = "COMMFUSE_NCCL=0" if os.environ.get("COMMFUSE_NCCL") == "0" else nccl.available()
-        failed = why is None and nccl.shared_failed(self.group, self.device)
+        usable = why is None and nccl.shared_usable(self.group, self.device)
         whys: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(whys, (why, failed), group=self.group)
+        dist.all_gather_object(whys, (why, usable), group=self.group)
         why = next((f"{rank_label(self.group, r)}: {w}" for r, (w, _) in enumerate(whys) if w), None)
         if why is None:
-            self._nccl = nccl.shared(self.group, self.device, renew=any(f for _, f in whys))
+            self._nccl = nccl.shared(self.group, self.device, renew=not all(u for _, u in whys))
             self.nccl_binding = f"commfuse.nccl (NCCL {self._nccl.version})"
         else:
             self.nccl_binding = f"torch.distributed ({why})"

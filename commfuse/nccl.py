@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from . import env
-from .distributed import rank_label
+from .distributed import gather_objects, rank_label
 from .kernels import nccl_mark
 
 NCCL_SUCCESS = 0
@@ -300,10 +300,11 @@ def init_agreed(nccl: Nccl, group, uid: bytes, key: str, index: int, timeout: fl
     each gets its handle, or each raises. NCCL's blocking initialisation waits for every rank, so a rank whose init
     fails (out of memory, say) or that died would leave its peers waiting in it for good. Each rank runs it on a
     thread of its own and meets the others in torch.distributed's default store under `key` (one per attempt, the
-    same on every rank): the ranks count their finished inits there, and the first rank whose init fails, or that
-    has waited max(`timeout`, INIT_FLOOR_S) s (`timeout` 0: no bound), writes why. Then every rank raises that
-    (NcclError; NcclTimeoutError for an init that did not finish), the failed rank its own error, and aborts its
-    communicator, made or made later by the abandoned thread (which NCCL may keep waiting for good)."""
+    same on every rank): the ranks count their finished inits there, and one outcome is decided, by the first rank
+    to write it: "ok" once every init has finished, else why not, from a rank whose init failed or that has waited
+    max(`timeout`, INIT_FLOOR_S) s (`timeout` 0: no bound). On failure every rank raises it (NcclError;
+    NcclTimeoutError for an init that did not finish), the failed rank its own error, and aborts its communicator,
+    made or made later by the abandoned thread (which NCCL may keep waiting for good)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     label = rank_label(group, rank)
     store = dist.distributed_c10d._get_default_store()
@@ -324,34 +325,41 @@ def init_agreed(nccl: Nccl, group, uid: bytes, key: str, index: int, timeout: fl
                 return
         nccl.lib.ncclCommAbort(handle)
 
+    def decide(value: str) -> str:  # the outcome: `value` where none was written before, else the one that was
+        return store.compare_set(key + "/outcome", "", value).decode(errors="replace")
+
     thread = threading.Thread(target=init, name=f"commfuse-nccl-init-{rank}", daemon=True)
     thread.start()
     bound = max(timeout, INIT_FLOOR_S) if timeout > 0 else float("inf")
     deadline, counted = time.monotonic() + bound, False
     while True:
         thread.join(INIT_POLL_S)
+        finished = not thread.is_alive()  # before the error: a failure after it must not be counted as finished
         error = outcome.get("error")
         if error is not None:
-            code = error.code if isinstance(error, NcclError) else ""
-            store.compare_set(key + "/failed", "", f"{code}|{label}: {error}")
+            decide(f"{error.code if isinstance(error, NcclError) else ''}|{label}: {error}")
             raise error
-        if not thread.is_alive() and not counted:
+        if finished and not counted:
             counted = True
             store.add(key + "/done", 1)
-        if not store.check([key + "/failed"]):
-            if counted and store.add(key + "/done", 0) == world:
-                return outcome["handle"]
-            if time.monotonic() < deadline:
-                continue
+        if store.check([key + "/outcome"]):
+            decided = store.get(key + "/outcome").decode(errors="replace")
+        elif counted and store.add(key + "/done", 0) == world:
+            decided = decide("ok")
+        elif time.monotonic() >= deadline:
             late = (f"{store.add(key + '/done', 0)} of {world} ranks' ncclCommInitRank finished" if counted
                     else "its ncclCommInitRank did not finish")
-            store.compare_set(key + "/failed", "", f"{TIMED_OUT}|{label}: {late} within {bound:g} s")
+            decided = decide(f"{TIMED_OUT}|{label}: {late} within {bound:g} s")
+        else:
+            continue
+        if decided == "ok":  # every init finished, this rank's among them
+            return outcome["handle"]
         with lock:
             outcome["abandoned"] = True
             handle = outcome.get("handle")
         if handle is not None:
             nccl.lib.ncclCommAbort(handle)
-        code, why = store.get(key + "/failed").decode(errors="replace").split("|", 1)
+        code, why = decided.split("|", 1)
         message = f"{label}: the group's NCCL communicator was not made on every rank ({why}); no rank keeps it"
         if code == str(TIMED_OUT):
             raise NcclTimeoutError(message)
@@ -385,18 +393,26 @@ class NcclComm:
         uid, key = made[:128], "commfuse/nccl-init/" + made[128:].hex()
         handle = init_agreed(nccl, group, uid, key, index, timeout)
         self._attach(nccl, handle, index)
+        error = None
         if timeout > 0:
             try:
                 self._watch(timeout, os.environ.get("COMMFUSE_NCCL_WATCH_REPLAYS", "1") != "0")
-            except BaseException:
-                # No one else holds the communicator, so nothing would destroy it; aborting is this rank's
-                # alone (its peers' next all-reduce times out, as with any rank that fails here).
-                self._handle = None
-                try:
-                    nccl.check("ncclCommAbort", nccl.lib.ncclCommAbort(handle))
-                except Exception:  # noqa: BLE001 - the watchdog's error is the one to raise
-                    pass
-                raise
+            except BaseException as e:  # noqa: BLE001 - raised below, once the ranks know
+                error = e
+        # Every rank keeps the communicator or none does: a peer of a rank whose watchdog did not start would
+        # wait for it in their first all-reduce, and a later Communicator of the group would find it on some
+        # ranks only. No one else holds it yet, so nothing else would destroy it.
+        failed = [rank_label(group, r) for r, bad in enumerate(gather_objects(group, error is not None)) if bad]
+        if failed:
+            self._handle = None  # a watchdog that started stops
+            try:
+                nccl.check("ncclCommAbort", nccl.lib.ncclCommAbort(handle))
+            except Exception:  # noqa: BLE001 - the watchdog's error is the one to raise
+                pass
+            if error is not None:
+                raise error
+            raise RuntimeError(f"{self.label}: the NCCL communicator's watchdog did not start on "
+                               f"{', '.join(failed)}; no rank keeps the communicator")
 
     def _attach(self, nccl: Nccl, handle: int, index: int) -> None:
         self.nccl = nccl
@@ -657,9 +673,10 @@ def shared(group, device: torch.device, renew: bool = False) -> NcclComm:
     return comm
 
 
-def shared_failed(group, device: torch.device) -> bool:
-    """Whether the group's shared NcclComm on `device` exists and has failed (NcclComm.failed): then a new
-    Communicator of the group must have every rank renew it, not be handed one that raises at its first call."""
+def shared_usable(group, device: torch.device) -> bool:
+    """Whether this rank holds the group's shared NcclComm on `device` and it has not failed (NcclComm.failed): a
+    new Communicator of the group has every rank make it anew unless every rank's is usable, rather than hand it
+    one that raises at its first call, or have some ranks make one (collective) while the others do not."""
     comm = _SHARED.get(_key(group, device))
-    return comm is not None and comm.failed
+    return comm is not None and not comm.failed
 

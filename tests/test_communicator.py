@@ -949,7 +949,7 @@ def test_ranks_agree_on_the_nccl_binding(comm, monkeypatch, missing_on):
 
     monkeypatch.setattr(nccl, "available", lambda: "no libnccl here" if rank == me else None)
     monkeypatch.setattr(nccl, "shared", lambda group, device, renew: made.append(group) or Fake())
-    monkeypatch.setattr(nccl, "shared_failed", lambda group, device: False)
+    monkeypatch.setattr(nccl, "shared_usable", lambda group, device: False)
     if missing_on == "env":
         monkeypatch.setenv("COMMFUSE_NCCL", "0" if rank == 0 else "1")
     c = object.__new__(Communicator)
@@ -990,6 +990,34 @@ def test_a_failed_nccl_communicator_is_made_anew_by_every_rank(comm, monkeypatch
         assert c._nccl is old
     else:
         assert c._nccl is not old and not c._nccl.failed and nccl._SHARED[(comm.group, 0)] is c._nccl
+
+
+@mpi(min_size=2)
+def test_a_watchdog_that_does_not_start_on_one_rank_leaves_the_communicator_on_none(comm, monkeypatch):
+    """Rank 0's watchdog cannot start (no CUDA driver here, as cuMemHostAlloc failing on one host); the others have
+    none (COMMFUSE_NCCL_TIMEOUT_S=0, each rank's own). Every rank raises, none keeps the communicator, and the
+    group's next Communicator makes it on every rank, rather than rank 0 alone meeting its peers' next collective."""
+    from test_nccl import InitLib
+
+    rank, world = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    monkeypatch.setattr(nccl, "library", lambda: nccl.Nccl(InitLib("ok"), "fake"))
+    monkeypatch.setattr(nccl, "available", lambda: None)
+    monkeypatch.setattr(nccl, "_SHARED", {})
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "10" if rank == 0 else "0")
+    device = torch.device("cuda", 0)
+    with pytest.raises(Exception) as raised:
+        nccl.shared(comm.group, device)
+    if rank != 0:
+        assert "watchdog did not start on rank 0" in str(raised.value), raised.value
+    assert not nccl.shared_usable(comm.group, device)
+    monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "0")
+    c = object.__new__(Communicator)
+    c.group, c.device = comm.group, device
+    commfuse.communicator.Communicator._open_nccl(c)
+    made: list = [None] * world
+    dist.all_gather_object(made, c._nccl._handle, group=comm.group)
+    assert made == [InitLib.HANDLE] * world
 
 
 NATIVE_CASES = [  # (quant, return_norm, sf_layout, scale_layout, scale_ue8m0, weight_offset)

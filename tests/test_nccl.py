@@ -480,7 +480,7 @@ def test_close_waits_for_unfinished_all_reduces_their_failure_or_the_watchdogs_a
 
 
 def test_failed_says_whether_the_communicator_can_carry_more_all_reduces():
-    """What a new Communicator of the group asks (nccl.shared_failed) before it takes the group's communicator."""
+    """What a new Communicator of the group asks (nccl.shared_usable) before it takes the group's communicator."""
     fine = attached(FakeLib())
     assert not fine.failed
     assert attached(FailingLib()).failed  # an asynchronous error: a peer failed
@@ -703,9 +703,9 @@ class InitLib(FakeLib):
 
 
 def agree_on_init(group, plan, timeout=10.0):
-    """init_agreed over `group` with this rank's InitLib(plan) and a key of this attempt: (lib, handle or the error,
-    seconds taken)."""
-    lib = InitLib(plan)
+    """init_agreed over `group` with this rank's InitLib(plan) (or `plan`, a fake library) and a key of this attempt:
+    (lib, handle or the error, seconds taken)."""
+    lib = InitLib(plan) if isinstance(plan, str) else plan
     made = nccl.broadcast_unique_id(group, lambda: bytes(128) + torch.randint(0, 256, (16,)).byte().numpy().tobytes())
     start = time.monotonic()
     try:
@@ -766,6 +766,69 @@ def test_an_nccl_init_that_never_finishes_raises_its_timeout_on_every_rank(gloo_
         assert abandoned_handle_is_aborted(lib)
     else:
         assert lib.aborted == [InitLib.HANDLE]
+
+
+class SlowStore:
+    """A store whose compare_set takes `delay` s more: a rank's write of the outcome lands late."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay = inner, delay
+
+    def compare_set(self, *args):
+        time.sleep(self.delay)
+        return self.inner.compare_set(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@mpi(min_size=2)
+def test_one_outcome_for_every_rank_where_a_deadline_passes_as_the_last_init_finishes(gloo_group, monkeypatch):
+    """Rank 0's bound (0.3 s) passes with 1 init of 2 finished; the last finishes at 0.5 s, while rank 0's write of
+    its timeout is still on its way: either every rank keeps the communicator or none does."""
+    rank, world = dist.get_rank(gloo_group), dist.get_world_size(gloo_group)
+    monkeypatch.setattr(nccl, "INIT_FLOOR_S", 0.3)
+    real = dist.distributed_c10d._get_default_store
+    if rank == 0:
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: SlowStore(real(), 1.0))
+    lib = InitLib("ok" if rank == 0 else "wait")
+    if rank != 0:
+        threading.Timer(0.5, lib.release.set).start()
+    _, got, _ = agree_on_init(gloo_group, lib, timeout=0.3 if rank == 0 else 5.0)
+    every: list = [None] * world
+    dist.all_gather_object(every, isinstance(got, int), group=gloo_group)
+    assert len(set(every)) == 1, (rank, got, every)
+
+
+class _FailsLate(InitLib):
+    def ncclCommInitRank(self, handle, world, uid, rank):
+        time.sleep(0.1)  # past init_agreed's first look
+        return 1
+
+
+class _EndsBeforeIsAlive:
+    """threading for init_agreed whose threads end just before is_alive() answers: the init thread fails between
+    the waiting thread's look at its error and its look at whether it is still running."""
+
+    class Thread(threading.Thread):
+        def is_alive(self):
+            super().join()
+            return super().is_alive()
+
+    Lock = threading.Lock
+
+
+@mpi(min_size=2)
+def test_an_init_failing_between_the_looks_is_not_counted_finished(gloo_group, monkeypatch):
+    """Rank 0's init fails just as it looks: it must raise its NcclError, not count itself finished and leave the
+    others a communicator (nor raise KeyError)."""
+    rank, world = dist.get_rank(gloo_group), dist.get_world_size(gloo_group)
+    if rank == 0:
+        monkeypatch.setattr(nccl, "threading", _EndsBeforeIsAlive)
+    _, got, _ = agree_on_init(gloo_group, _FailsLate("fail") if rank == 0 else "ok")
+    every: list = [None] * world
+    dist.all_gather_object(every, type(got).__name__, group=gloo_group)
+    assert every == ["NcclError"] * world, every
 
 
 # --------------------------------------------------------------------------- NCCL on GPUs
