@@ -2,7 +2,8 @@
 
 `detect(group)` is collective (every rank of the group calls it) and cached per group; `probe(group)`
 measures again without the cache. Each rank gathers facts about itself (`RankInfo`: host, GPU, SM,
-PCI bus id, NVLink, versions); they are all-gathered, then for ranks that share a host:
+PCI bus id, NVLink, versions); they are all-gathered, then for ranks that share a node (a hostname and the
+kernel's boot id: machines whose containers all say "localhost" are told apart):
 - p2p_driver[i][j]: cuDeviceCanAccessPeer between their GPUs, asked by rank i, which finds rank j's GPU
   by PCI bus id (ranks may see different CUDA_VISIBLE_DEVICES); None when i cannot see that GPU.
 - p2p_ipc[i][j]: a real cross-process check: rank j writes a rank-specific pattern into a buffer it
@@ -12,25 +13,28 @@ PCI bus id, NVLink, versions); they are all-gathered, then for ranks that share 
 `decide_mode` is the pure decision from those facts, `fusion_capability(sm)` the pure per-SM answer of
 how each fused pattern runs, so both are tested on simulated hardware.
 
-Ranks sharing a GPU (more ranks on a node than GPUs: commfuse.init_distributed then picks gloo,
+Ranks sharing a GPU (one GPU UUID for several ranks: commfuse.init_distributed then picks gloo,
 since NCCL refuses two ranks on one GPU): `gpu_sharers` counts, per rank, the ranks of the group on
 its GPU; the IPC check runs over gloo too, so such a group takes the P2P row over same-device IPC
 (every rank's kernels are real, the GPU time-slices the processes unless MPS runs), and the
 fallback row is gloo's exact sum followed by the fused tail kernel. A correctness mode, not a
 speed mode: the reasons say so.
 
-Overrides: COMMFUSE_PRETEND_NO_P2P=1 makes the mode "fallback" on a P2P machine (to exercise that row).
+Overrides: COMMFUSE_PRETEND_NO_P2P=1 makes the mode "fallback" on a P2P machine (to exercise that row); read at
+each detect (the cache keeps the facts, not the decision).
 strategy="nccl" / COMMFUSE_STRATEGY act in the Communicator and commfuse.routes, after the mode.
 A failing driver, NVML or IPC call never raises here: it becomes False/None plus a line in `notes`.
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -78,6 +82,13 @@ class RankInfo:
     nvlink: Optional[NvLinkInfo] = None  # None: NVML did not answer (see notes)
     versions: Optional[Versions] = None
     notes: tuple = ()
+    boot_id: Optional[str] = None  # the kernel's boot id: tells machines apart whose hostnames are one ("localhost")
+
+    @property
+    def node(self) -> tuple:
+        """What ranks of one machine share: its hostname and its kernel's boot id (containers of one machine share
+        the boot id, machines of one hostname do not)."""
+        return self.host, self.boot_id
 
 
 @dataclass(frozen=True)
@@ -107,14 +118,14 @@ class Topology:
 
     @property
     def local_ranks(self) -> tuple:
-        me = self.ranks[self.rank].host
-        return tuple(i for i, r in enumerate(self.ranks) if r.host == me)
+        me = self.ranks[self.rank].node
+        return tuple(i for i, r in enumerate(self.ranks) if r.node == me)
 
     @property
     def nodes(self) -> tuple:
         """Node index of each rank, numbered by first appearance of its host."""
-        hosts = list(dict.fromkeys(r.host for r in self.ranks))
-        return tuple(hosts.index(r.host) for r in self.ranks)
+        nodes = list(dict.fromkeys(r.node for r in self.ranks))
+        return tuple(nodes.index(r.node) for r in self.ranks)
 
     @property
     def versions(self) -> Optional[Versions]:
@@ -147,7 +158,7 @@ def gpu_sharers(ranks: Sequence[RankInfo]) -> tuple:
     """For each rank, the number of ranks on its GPU (same host and GPU uuid, else PCI bus id)."""
     def key(r: RankInfo):
         gpu = r.uuid or r.pci_bus_id
-        return None if r.device is None or gpu is None else (r.host, gpu)
+        return None if r.device is None or gpu is None else (r.node, gpu)
 
     keys = [key(r) for r in ranks]
     return tuple(1 if k is None else keys.count(k) for k in keys)
@@ -160,7 +171,7 @@ def sharing_reason(ranks: Sequence[RankInfo], p2p: bool = True) -> Optional[str]
     groups: dict = {}
     for i, (r, n) in enumerate(zip(ranks, counts)):
         if n > 1:
-            groups.setdefault((r.host, r.uuid or r.pci_bus_id), []).append(i)
+            groups.setdefault((r.node, r.uuid or r.pci_bus_id), []).append(i)
     if not groups:
         return None
     parts = []
@@ -188,9 +199,9 @@ def decide_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]],
 
 def _decide_gpu_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]], pretend_no_p2p: bool,
                      fallback: str) -> tuple:
-    hosts = {r.host for r in ranks}
-    if len(hosts) > 1:
-        return "fallback", (f"ranks span {len(hosts)} nodes: {fallback} between nodes",)
+    nodes = {r.node for r in ranks}
+    if len(nodes) > 1:
+        return "fallback", (f"ranks span {len(nodes)} nodes: {fallback} between nodes",)
     if len(ranks) == 1:
         return "fallback", (f"one rank: nothing to exchange, {fallback} path",)
     sms = sorted({tuple(r.sm) for r in ranks if r.sm is not None})
@@ -216,7 +227,7 @@ def nvlink_matrix(infos: Sequence[RankInfo]) -> tuple:
     None on the diagonal, across hosts, for the same GPU, and where either side's NVML failed.
     """
     def links(a: RankInfo, b: RankInfo) -> Optional[int]:
-        if a.host != b.host or a.nvlink is None or b.nvlink is None or a.pci_bus_id == b.pci_bus_id:
+        if a.node != b.node or a.nvlink is None or b.nvlink is None or a.pci_bus_id == b.pci_bus_id:
             return None
         direct = dict(a.nvlink.gpu_links).get(b.pci_bus_id, 0)
         return direct + (a.nvlink.switch_links if b.nvlink.switch_links else 0)
@@ -306,7 +317,8 @@ def _gpu_info(ordinal: int, host: str, vers: Optional[Versions], notes: tuple = 
         dev = ipc.device(ordinal)
         bus = _norm_bus_id(ipc.call(ipc.driver.cuDeviceGetPCIBusId, 64, dev))
         raw = ipc.call(ipc.driver.cuDeviceGetUuid, dev).bytes.hex()
-        uuid = f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
+        kind = "MIG" if " MIG " in f" {props.name} " else "GPU"  # a MIG instance's is its own MIG UUID
+        uuid = f"{kind}-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
     except ipc.CudaError as e:
         notes.append(f"GPU {ordinal}: {e}")
     if bus is not None:
@@ -315,7 +327,16 @@ def _gpu_info(ordinal: int, host: str, vers: Optional[Versions], notes: tuple = 
         except Exception as e:
             notes.append(f"NVLink of GPU {ordinal} (NVML): {_err(e)}")
     return RankInfo(host, ordinal, uuid, (props.major, props.minor), props.name, bus,
-                    props.total_memory, nvlink, vers, tuple(notes))
+                    props.total_memory, nvlink, vers, tuple(notes), boot_id())
+
+
+@functools.cache
+def boot_id() -> Optional[str]:
+    """This machine's kernel boot id (Linux), None where there is none to read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def own_info() -> RankInfo:
@@ -324,7 +345,7 @@ def own_info() -> RankInfo:
     vers, notes = versions()
     if not torch.cuda.is_available():
         return RankInfo(host, None, None, None, None, versions=vers,
-                        notes=notes + ("torch sees no CUDA GPU",))
+                        notes=notes + ("torch sees no CUDA GPU",), boot_id=boot_id())
     return _gpu_info(torch.cuda.current_device(), host, vers, notes)
 
 
@@ -353,7 +374,7 @@ def driver_p2p_matrix(infos: Sequence[RankInfo]) -> tuple:
     notes = []
 
     def ask(a: RankInfo, b: RankInfo) -> Optional[bool]:
-        if a.host != b.host or a.pci_bus_id is None or b.pci_bus_id is None:
+        if a.node != b.node or a.pci_bus_id is None or b.pci_bus_id is None:
             return None
         answer, note = can_access_peer(a.pci_bus_id, b.pci_bus_id)
         if note:
@@ -419,7 +440,7 @@ def _p2p_rows(group, rank: int, infos: Sequence[RankInfo]) -> tuple:
     if me.device is not None:
         driver_row[rank] = ipc_row[rank] = True
         for j, peer in enumerate(infos):
-            if j == rank or peer.host != me.host or peer.device is None:
+            if j == rank or peer.node != me.node or peer.device is None:
                 continue
             if me.pci_bus_id and peer.pci_bus_id:
                 driver_row[j], note = can_access_peer(me.pci_bus_id, peer.pci_bus_id)
@@ -447,7 +468,7 @@ def probe(group=None) -> Topology:
     infos: list = [None] * world
     dist.all_gather_object(infos, own_info(), group=group)
     notes = [f"rank {i}: {n}" for i, r in enumerate(infos) for n in r.notes]
-    shared = any(a.host == b.host for i, a in enumerate(infos) for b in infos[i + 1:])
+    shared = any(a.node == b.node for i, a in enumerate(infos) for b in infos[i + 1:])
     if (backend == "nccl" or sharing_reason(infos)) and shared:
         p2p_driver, p2p_ipc, p2p_notes = _p2p_rows(group, rank, infos)
         notes += p2p_notes
@@ -471,5 +492,8 @@ def detect(group=None) -> Topology:
     group = group if group is not None else dist.group.WORLD
     topo = _DETECTED.get(group)
     if topo is None:
-        topo = _DETECTED[group] = probe(group)
-    return topo
+        return _DETECTED.setdefault(group, probe(group))
+    # The facts are cached, the decision is not: COMMFUSE_PRETEND_NO_P2P is read anew for each Communicator.
+    mode, reasons = decide_mode(topo.ranks, topo.p2p, os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1",
+                                str(dist.get_backend(group)))
+    return topo if (mode, reasons) == (topo.mode, topo.reasons) else replace(topo, mode=mode, reasons=reasons)

@@ -32,9 +32,9 @@ PROBE_FIELDS = {"launcher", "world_size", "host", "cuda", "versions", "gpus", "r
 UNIT_FIELDS = {"index", "name", "sm", "uuid", "pci_bus_id", "memory_bytes", "nvlink", "fused"}
 
 
-def gpu(host="a", sm=(9, 0), device=0, bus=None, nvlink=None):
-    return RankInfo(host, device, f"GPU-{host}{device}", sm, "sim", bus or f"0000:{device + 0x19:02x}:00.0",
-                    nvlink=nvlink)
+def gpu(host="a", sm=(9, 0), device=0, bus=None, nvlink=None, boot="boot-1"):
+    return RankInfo(host, device, f"GPU-{host}{boot}{device}", sm, "sim", bus or f"0000:{device + 0x19:02x}:00.0",
+                    nvlink=nvlink, boot_id=boot)
 
 
 def full(n):
@@ -71,6 +71,21 @@ def test_two_nodes_fall_back_even_with_p2p_everywhere():
     ranks = [gpu("a", device=0), gpu("a", device=1), gpu("b", device=0), gpu("b", device=1)]
     mode, reasons = decide_mode(ranks, full(4))
     assert mode == "fallback" and "2 nodes" in reasons[0]
+
+
+def test_machines_of_one_hostname_are_two_nodes():
+    """Containers started with one --hostname (or images that all say "localhost"), on two machines: their kernels'
+    boot ids tell them apart, so no P2P row, no NVLink and no driver answer across them; the same GPU index (and
+    bus id) on both is two GPUs."""
+    from commfuse import topology
+
+    links = topology.NvLinkInfo(gpu_links=(), switch_links=18)
+    ranks = [gpu("worker", device=0, boot="x", nvlink=links), gpu("worker", device=0, boot="y", nvlink=links)]
+    mode, reasons = decide_mode(ranks, full(2))
+    assert mode == "fallback" and "2 nodes" in reasons[0], reasons
+    assert topology.gpu_sharers(ranks) == (1, 1)
+    assert topology.nvlink_matrix(ranks) == ((None, None), (None, None))
+    assert topology.driver_p2p_matrix(ranks)[0] == ((True, None), (None, True))
 
 
 def test_one_rank_falls_back():
@@ -466,6 +481,23 @@ def test_pretend_no_p2p_gives_fallback_without_touching_the_cache(world, monkeyp
     assert topology.detect(world).mode == "p2p"
 
 
+def test_pretend_no_p2p_is_read_at_each_detect(monkeypatch):
+    """The cached topology keeps the facts, not the decision: a Communicator made with COMMFUSE_PRETEND_NO_P2P=1
+    takes the fallback row, a later one of the same group without it the P2P row (it kept the first's)."""
+    class Group:  # a group's stand-in (the cache holds its groups weakly)
+        pass
+
+    group, ranks, p2p = Group(), (gpu(device=0), gpu(device=1)), ((True, True), (True, True))
+    monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
+    monkeypatch.setenv("COMMFUSE_PRETEND_NO_P2P", "1")
+    mode, reasons = decide_mode(ranks, p2p, True, "nccl")
+    monkeypatch.setitem(topology._DETECTED, group, topology.Topology(0, 2, ranks, p2p, mode, reasons))
+    assert topology.detect(group).mode == "fallback"
+    monkeypatch.delenv("COMMFUSE_PRETEND_NO_P2P")
+    again = topology.detect(group)
+    assert again.mode == "p2p" and "2 ranks on one node" in again.reasons[0] and again.p2p == p2p
+
+
 @pytest.mark.parametrize("gpus, expect", [
     (["GPU-a", "GPU-b"], "nccl"), (["GPU-a"], "nccl"),
     (["GPU-a", "GPU-a", "GPU-b", "GPU-b"], "gloo"),  # 4 ranks on 2 GPUs
@@ -518,3 +550,19 @@ def test_probe_says_a_group_too_large_for_the_p2p_kernels_takes_the_collective(s
     small = probe_cli.group_report(topology.Topology(0, 2, ranks[:2], tuple(map(tuple, full(2))), "p2p", ("x",)),
                                    "mpirun")
     assert small["reasons"] == ["x"]
+
+
+def test_single_probe_says_a_node_too_large_for_the_p2p_kernels_takes_nccl(monkeypatch):
+    """The one-process probe's "local_group" (one rank per local GPU) of a node with more GPUs than the P2P kernels
+    take, P2P between every pair: it says the group takes NCCL, as the group report does."""
+    from commfuse.kernels.p2p_allreduce import MAX_WORLD
+
+    n, versions = MAX_WORLD + 2, topology.own_info().versions
+    gpus = tuple(dataclasses.replace(gpu("a", device=i), versions=versions) for i in range(n))
+    monkeypatch.setattr(topology, "own_info", lambda: gpus[0])
+    monkeypatch.setattr(topology, "local_gpus", lambda versions=None: gpus)
+    monkeypatch.setattr(topology, "driver_p2p_matrix", lambda infos: (tuple(map(tuple, full(len(infos)))), ()))
+    local = probe_cli.single_report()["local_group"]
+    assert local["mode"] == "p2p"
+    said = f"{n} ranks > {MAX_WORLD}: no P2P kernels for it, no P2P workspace: a Communicator of this group takes NCCL"
+    assert said in local["reasons"], local

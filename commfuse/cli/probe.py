@@ -99,8 +99,8 @@ def single_report() -> dict:
     local = None
     if gpus:
         m, r = topology.decide_mode(gpus, p2p, pretend, "nccl")
-        local = {"mode": m, "reasons": list(r) + ["P2P from the driver only: the IPC check needs two "
-                                                  f"processes (launch/probe.sh {len(gpus)})"]}
+        local = {"mode": m, "reasons": list(r) + _too_large(m, len(gpus), False) + [
+            f"P2P from the driver only: the IPC check needs two processes (launch/probe.sh {len(gpus)})"]}
     notes = list(dict.fromkeys([*me.notes, *(n for g in gpus for n in g.notes), *driver_notes]))
     return {"launcher": None, "world_size": 1, **_common(me, gpus), "ranks": [_rank(0, 0, me)],
             "matrix_of": "gpus", "p2p_driver": driver, "p2p_ipc": None, "p2p": p2p,
@@ -108,14 +108,19 @@ def single_report() -> dict:
             "local_group": local, "notes": notes}
 
 
+def _too_large(mode: str, ranks: int, shared_gpu: bool) -> list:
+    """The reason a P2P node's group is still not served by the P2P kernels: more ranks than they take."""
+    if mode != "p2p" or ranks <= MAX_WORLD:
+        return []
+    return [f"{ranks} ranks > {MAX_WORLD}: no P2P kernels for it, no P2P workspace: a Communicator of this group "
+            "takes " + ("gloo" if shared_gpu else "NCCL")]
+
+
 def group_report(topo: topology.Topology, launcher: str) -> dict:
     """The report of a group (built on any rank; printed by rank 0)."""
     me = topo.ranks[topo.rank]
     nodes = topo.nodes
-    reasons = list(topo.reasons)
-    if topo.mode == "p2p" and topo.world_size > MAX_WORLD:  # the node is, the group is too large for the kernels
-        reasons.append(f"{topo.world_size} ranks > {MAX_WORLD}: no P2P kernels for it, no P2P workspace: a "
-                       "Communicator of this group takes " + ("gloo" if topo.shared_gpu else "NCCL"))
+    reasons = list(topo.reasons) + _too_large(topo.mode, topo.world_size, topo.shared_gpu)
     return {"launcher": launcher, "world_size": topo.world_size, **_common(me, topology.local_gpus(me.versions)),
             "ranks": [_rank(i, nodes[i], r) for i, r in enumerate(topo.ranks)],
             "matrix_of": "ranks", "p2p_driver": topo.p2p_driver, "p2p_ipc": topo.p2p_ipc,
