@@ -275,6 +275,28 @@ def test_probe_names_a_strategy_a_communicator_would_refuse(monkeypatch, capsys,
     assert any(f"COMMFUSE_STRATEGY='{strategy}' is not a strategy" in n for n in rep["notes"]) is noted, rep["notes"]
 
 
+def test_group_probe_names_ranks_whose_overrides_differ(monkeypatch, capsys):
+    """The group probe prints rank 0's report; where another rank sets COMMFUSE_PRETEND_NO_P2P (or another
+    override) differently, a Communicator would raise: the notes say so, naming the rank and its values."""
+    import torch.distributed as dist
+
+    ranks = tuple(dataclasses.replace(gpu(device=i), versions=topology.own_info().versions) for i in range(2))
+    topo = topology.Topology(0, 2, ranks, ((True, True), (True, True)), "p2p", ("2 ranks",))
+    theirs = {k: None for k in probe_cli.OVERRIDES}
+    monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 2, 0, "mpi"))
+    monkeypatch.setattr("commfuse.distributed.init_distributed", lambda: (0, 2))
+    monkeypatch.setattr(topology, "detect", lambda: topo)
+    monkeypatch.setattr(probe_cli, "gather_objects",
+                        lambda group, mine: [mine, dict(theirs, COMMFUSE_PRETEND_NO_P2P="1")])
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # nothing of the test session's to destroy
+    for k in probe_cli.OVERRIDES:
+        monkeypatch.delenv(k, raising=False)
+    assert probe_cli.main(["--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("ranks set the overrides differently" in n and "rank 1: " in n
+               and "'COMMFUSE_PRETEND_NO_P2P': '1'" in n for n in notes), notes
+
+
 def test_bus_ids_normalised():
     assert topology._norm_bus_id(b"00000000:3B:00.0\x00") == "0000:3b:00.0"
     assert topology._norm_bus_id("0001:c1:1f.7") == "0001:c1:1f.7"

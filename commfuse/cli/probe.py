@@ -48,7 +48,7 @@ import sys
 import torch
 
 from .. import topology
-from ..distributed import launch_env
+from ..distributed import gather_objects, launch_env
 from ..kernels.p2p_allreduce import MAX_WORLD
 from ..routes import STRATEGIES
 
@@ -222,6 +222,7 @@ def main(argv=None) -> int:
         try:
             init_distributed()
             topo = topology.detect()
+            overrides = gather_objects(None, {k: os.environ.get(k) for k in OVERRIDES})
         except Exception as e:  # a broken launcher or backend is a message, not a traceback
             print(f"commfuse-probe: the group could not be probed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
@@ -231,6 +232,10 @@ def main(argv=None) -> int:
         if topo.rank != 0:
             return 0
         rep = group_report(topo, launcher)
+        differ = [f"rank {r}: {o}" for r, o in enumerate(overrides) if o != overrides[0]]
+        if differ:
+            rep["notes"].append(f"ranks set the overrides differently (rank 0: {overrides[0]}; " + "; ".join(differ)
+                                + "): a Communicator raises ValueError; this report is rank 0's")
     strategy = os.environ.get("COMMFUSE_STRATEGY")
     if strategy and strategy not in STRATEGIES:
         rep["notes"].append(f"COMMFUSE_STRATEGY={strategy!r} is not a strategy (one of {', '.join(STRATEGIES)}): a "
