@@ -520,7 +520,8 @@ class Communicator:
             extra = tuple(w for w in (unfused if self.world_size == 1 else None, why) if w)
             p = dataclasses.replace(dense, combine=route, reasons=dense.reasons + extra)
             tail = spec.signature + routes.scale_form(call)
-            check = (lambda note, refused=None: self.check_same_call((note, tail, str(p.collective)), refused)) \
+            me = weakref.proxy(self)  # the table's launchers must not keep their Communicator (_Checked says why)
+            check = (lambda note, refused=None: me.check_same_call((note, tail, str(p.collective)), refused)) \
                 if self._check_calls else None
             launcher = moe.Launcher(route, routes.launcher(call, dense, self._resources), spec.outputs(t, h, y.dtype),
                                     text, dense.collective is Collective.GLOO, check)
@@ -583,15 +584,17 @@ class Communicator:
         self.table.clear()  # its launchers may hold the workspace or commfuse.nccl's communicator
         self._moe_plans.clear()  # so may the MoE P2P launchers
         self.table = native.table(self.name, 0, FusedResult, Tail, Quantized)
-        if self.workspace is not None:
-            workspace, self.workspace = self.workspace, None
-            workspace.close()
-        # The NCCL communicator is the group's, shared with its other Communicators (nccl.shared).
+        workspace, self.workspace = self.workspace, None
+        # Planning forgets the workspace before it goes, so that a close() that raises (a peer gone in the
+        # teardown's barrier) leaves no route planned on it. The NCCL communicator is the group's, shared with
+        # its other Communicators (nccl.shared).
         self._nccl = None
         self.nccl_binding = "torch.distributed (closed)"
         self._machine = dataclasses.replace(self._machine, limits=None)
         self._resources = Resources(self.group, self.device, check_group=self._check_group,
                                     gloo_check=self._gloo_check, caller=self._caller)
+        if workspace is not None:
+            workspace.close()
 
     def _drop_gloo_groups(self) -> None:
         """At exit (_drop_gloo_groups): the references to gloo groups, the table's launchers' and the P2P

@@ -5,6 +5,7 @@ NCCL on GPUs). Each rank generates every rank's input from one seeded generator 
 slice, so the reference sees exactly the gathered inputs. All collectives of a test happen before
 its assertions, so a failing rank cannot leave the others waiting.
 """
+import dataclasses
 import os
 import weakref
 import zlib
@@ -192,14 +193,39 @@ def test_checked_launchers_do_not_keep_their_communicator(comm, gen):
 
     c = _checked_by(comm, "COMMFUSE_CHECK")
     x = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(c.device)
+    y, w = torch.randn(4, 2, 64, generator=gen).to(torch.bfloat16).to(c.device), torch.rand(4, 2).to(c.device)
     for _ in range(2):  # the second call is served by the plan table's checked launcher
         assert c.all_reduce(x).shape == x.shape
         c.fused_all_reduce(x, x.clone(), x[0])
-    assert not [r for r in gc.get_referrers(c) if type(r).__name__ == "_Checked"]
+        c.moe_all_reduce(y, w, x.clone(), x[0])  # the combine, then the dense route: a check of its own
+    # Neither a _Checked launcher nor a closure's cell (the MoE launcher's check) holds the Communicator.
+    assert not [r for r in gc.get_referrers(c) if type(r).__name__ in ("_Checked", "cell")]
     gone = weakref.ref(c)
     del c
     gc.collect()
     assert gone() is None
+
+
+@mpi
+def test_a_close_whose_workspace_teardown_raises_leaves_no_route_on_it(comm, gen):
+    """The workspace's teardown raises (a peer gone in its barrier): the Communicator's planning has forgotten the
+    workspace and its limits first, so the next call takes the group's own collective, not a P2P route on a
+    workspace being torn down."""
+    c = Communicator(comm.group)
+
+    class Failing:
+        def close(self):
+            raise RuntimeError("the teardown's barrier timed out")
+
+    c.workspace = Failing()
+    c._machine = dataclasses.replace(c._machine, limits=object())
+    with pytest.raises(RuntimeError, match="teardown's barrier"):
+        c.close()
+    assert c.workspace is None and c._machine.limits is None and c._resources.workspace is None
+    x = torch.randn(4, 64, generator=gen).to(c.device)
+    want = x.clone()
+    dist.all_reduce(want, group=comm.group)
+    torch.testing.assert_close(c.all_reduce(x), want)
 
 
 MISMATCHES = {  # kind: (rank 0's call, every other rank's) as (shape, dtype, quant)
