@@ -420,6 +420,26 @@ def test_compiled_ops_dynamic_tokens(gen):
             assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_compiled_mn_major_scales_take_an_unbacked_token_count(gen, ue8m0):
+    """The token count as an unbacked symbol (data-dependent, as after a nonzero or a MoE routing): the fakes of the
+    MN-major scales, whose rows are padded to a multiple of 4, must not branch on it; the outputs are the eager
+    call's, strides and bits."""
+    def f(x, residual, weight):
+        return commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8_block", scale_layout="mn_major",
+                                          scale_ue8m0=ue8m0)
+
+    torch._dynamo.reset()
+    x, residual, weight, _ = inputs(gen, 6, 256, BF16)
+    for a in (x, residual):
+        torch._dynamo.decorators.mark_unbacked(a, 0)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, residual, weight)
+    want = f(x, residual, weight)
+    assert [g is None for g in got] == [w is None for w in want]
+    for g, w in zip(got, want):
+        assert g is None or (g.shape == w.shape and g.stride() == w.stride() and bits_equal(g, w))
+
+
 @pytest.mark.parametrize("case, error", [
     ("quantize quant ''", "quant must be one of"), ("fused quant ''", "quant must be one of"),
     ("norm_before_gate None", "norm_before_gate must be a bool"), ("group_size True", "group_size must be an int"),
