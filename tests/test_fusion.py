@@ -1504,6 +1504,25 @@ def test_a_result_given_out_is_its_out_tensor(gen):
 
 
 @mpi
+def test_post_grad_pass_cache_key_tells_communicators_of_other_groups_apart(comm, monkeypatch):
+    """Inductor reuses a cached graph whose pass key is the same without running the pass; the cached code names its
+    Communicator ("commfuse-0" in every process that makes one first). A Communicator of that name over another
+    group (a fused all-reduce over WORLD would then run over it) has another key; so has COMMFUSE_DISABLE_FUSION
+    (rewrite="auto" reads it); the same settings have the same key."""
+    rank = dist.get_rank()
+    solo = commfuse.Communicator([dist.new_group([r]) for r in range(dist.get_world_size())][rank])
+    whole = commfuse.Communicator(comm.group)
+    monkeypatch.setattr(solo, "name", whole.name)
+    key = lambda c: fusion.post_grad_pass(c).uuid()  # noqa: E731
+    assert key(whole) == key(whole) and key(None) == key(None)
+    assert key(solo) != key(whole) and key(None) != key(whole)
+    monkeypatch.setenv("COMMFUSE_DISABLE_FUSION", "1")
+    with_fusion_off = key(whole)
+    monkeypatch.delenv("COMMFUSE_DISABLE_FUSION")
+    assert with_fusion_off != key(whole)
+
+
+@mpi
 def test_post_grad_pass_fuses_inside_inductor(quiet_comm, gen):
     """commfuse.fusion.post_grad_pass as Inductor's post-grad custom pass: Inductor's own graph of the model (aten
     ops, the in-place all-reduce functionalized, the norm's input cast to float32 twice) is fused into one op,

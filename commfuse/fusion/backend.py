@@ -33,11 +33,13 @@ input that requires grad is left whole (the report says so), since backward woul
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from . import lowering
 from .evidence import REWRITES
@@ -151,7 +153,8 @@ def _post_grad_pass_class() -> type:
         """`fuse` on the graph Inductor hands it, for Inductor (`rewrite="auto"` reads whether Inductor replays CUDA
         graphs from its config, which mode="reduce-overhead" sets), then the lowerings of the inserted ops; each
         graph's report goes to `reports`. uuid() keys Inductor's FX graph cache on the sources (the pass's, the
-        ops', the tail's), the communicator's name and `rewrite`: on a hit the cached code, fused as before, is
+        ops', the tail's, what rewrite="auto" reads), the communicator and its group, `rewrite` and
+        COMMFUSE_DISABLE_FUSION: on a hit the cached code, fused as before, is
         reused and the pass does not run (no report is added)."""
 
         def __init__(self, comm, reports: Optional[List[FusionReport]], rewrite: str):
@@ -171,11 +174,19 @@ def _post_grad_pass_class() -> type:
                 self.reports.append(report)
 
         def uuid(self):
-            # What the rewritten graph holds comes from the pass (fusion/), the ops' schemas (ops.py) and the tail
-            # codes they take (tail/).
+            # What the rewritten graph holds comes from the pass (fusion/), the ops' schemas (ops.py), the tail codes
+            # they take (tail/), and rewrite="auto"'s reading of which kernels run (routes.py, local.py, the
+            # kernels' family limits, COMMFUSE_DISABLE_FUSION); whether it fuses a torch.distributed all-reduce
+            # from the Communicator's group, and the code it writes names the Communicator: a process whose
+            # "commfuse-0" is of another group must not reuse it.
             package = Path(__file__).parents[1]
-            sources = [*package.glob("fusion/*.py"), package / "ops.py", *package.glob("tail/*.py")]
-            return get_hash_for_files(tuple(sorted(map(str, sources)))), getattr(self.comm, "name", None), self.rewrite
+            sources = [*package.glob("fusion/*.py"), package / "ops.py", *package.glob("tail/*.py"),
+                       package / "routes.py", package / "local.py", package / "kernels" / "family.py"]
+            comm = None if self.comm is None else (
+                self.comm.name, str(self.comm.group.group_name), tuple(dist.get_process_group_ranks(self.comm.group)),
+                self.comm.device.type)
+            return (get_hash_for_files(tuple(sorted(map(str, sources)))), comm, self.rewrite,
+                    os.environ.get("COMMFUSE_DISABLE_FUSION") == "1")
 
     return PostGradPass
 
