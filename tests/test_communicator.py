@@ -1020,21 +1020,27 @@ def test_a_failed_nccl_communicator_is_made_anew_by_every_rank(comm, monkeypatch
 
 @mpi(min_size=2)
 def test_a_watchdog_that_does_not_start_on_one_rank_leaves_the_communicator_on_none(comm, monkeypatch):
-    """Rank 0's watchdog cannot start (no CUDA driver here, as cuMemHostAlloc failing on one host); the others have
-    none (COMMFUSE_NCCL_TIMEOUT_S=0, each rank's own). Every rank raises, none keeps the communicator, and the
+    """Rank 0's watchdog cannot start (cuMemHostAlloc failing on its host, say); the others have none
+    (COMMFUSE_NCCL_TIMEOUT_S=0, each rank's own). Every rank raises, none keeps the communicator, and the
     group's next Communicator makes it on every rank, rather than rank 0 alone meeting its peers' next collective."""
     from test_nccl import InitLib
 
+    def no_watchdog(self, timeout, replays):
+        raise RuntimeError("cuMemHostAlloc failed: CUDA_ERROR_OUT_OF_MEMORY")
+
     rank, world = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    monkeypatch.setattr(nccl.NcclComm, "_watch", no_watchdog)
     monkeypatch.setattr(nccl, "library", lambda: nccl.Nccl(InitLib("ok"), "fake"))
     monkeypatch.setattr(nccl, "available", lambda: None)
     monkeypatch.setattr(nccl, "_SHARED", {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "10" if rank == 0 else "0")
     device = torch.device("cuda", 0)
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(RuntimeError) as raised:
         nccl.shared(comm.group, device)
-    if rank != 0:
+    if rank == 0:
+        assert "cuMemHostAlloc failed" in str(raised.value), raised.value
+    else:
         assert "watchdog did not start on rank 0" in str(raised.value), raised.value
     assert not nccl.shared_usable(comm.group, device)
     monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "0")

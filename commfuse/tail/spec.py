@@ -42,15 +42,23 @@ class OutputSpec(NamedTuple):
         """Elements of the storage behind it (an MN-major view's padding rows included)."""
         if self.strides is None:
             return math.prod(self.shape)
-        # None for no rows (the view's strides aside); sym_min, not a branch: torch.compile may not know t.
-        return self.shape[1] * self.strides[1] * torch.sym_min(self.shape[0], 1)
+        # None for no rows (the view's strides aside), without a branch on t, which a fake may not know.
+        return self.shape[1] * self.strides[1] * _sym(min, self.shape[0], 1)
+
+
+def _sym(pick, a, b):
+    """min or max of a and b: Python's for ints (dynamo traces no torch.sym_* of plain ints), torch.sym_min /
+    sym_max for a symbolic size (an unbacked one takes no branch)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return pick(a, b)
+    return (torch.sym_min if pick is min else torch.sym_max)(a, b)
 
 
 def mn_major_scales(t: int, blocks: int, dtype: torch.dtype, ue8m0: bool) -> OutputSpec:
     """The MN-major block scales of t rows of `blocks` blocks (docs/semantics.md section 11): a [t, blocks]
     view with strides (1, tp) of `dtype`, or with ue8m0 the exponent bytes packed four to an int32 [t,
     ceil(blocks / 4)]; tp = roundup(t, 4). Plain arithmetic, which torch.compile traces."""
-    tp = torch.sym_max(-(-t // 4) * 4, 1)  # torch's strides of a [K, 0] tensor's transpose: (1, 1)
+    tp = _sym(max, -(-t // 4) * 4, 1)  # torch's strides of a [K, 0] tensor's transpose: (1, 1)
     if ue8m0:
         return OutputSpec((t, -(-blocks // 4)), torch.int32, (1, tp))
     return OutputSpec((t, blocks), dtype, (1, tp))
