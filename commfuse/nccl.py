@@ -372,8 +372,8 @@ class NcclComm:
     group: any torch.distributed group (gloo too: it only carries the unique id); device: this
     rank's CUDA device (no index: the current one). NCCL refuses two ranks of one communicator on
     one GPU; a group of one rank is fine. Construction is collective over the group and raises
-    NcclUnavailable without an NCCL library; every rank gets the communicator or every rank raises (init_agreed). `close()` destroys the communicator (not collective;
-    destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
+    NcclUnavailable without an NCCL library; every rank gets the communicator or every rank raises (init_agreed).
+    `close()` destroys the communicator (not collective; destroy the CUDA graphs that captured its all-reduces first); garbage collection does not, as
     NCCL or CUDA may already be torn down when it runs at exit. With COMMFUSE_NCCL_TIMEOUT_S > 0 (default
     10) its watchdog aborts it when an all-reduce has not finished that long after its enqueue, or after
     its start in a CUDA graph's replay (the module docstring); every later all_reduce raises NcclTimeoutError.

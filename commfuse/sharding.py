@@ -287,7 +287,8 @@ def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
     stay whole on every rank, the model sharded only in part (its results right, that part's weights and work not
     divided). Linear attention of the gated delta rule (_KEPT_WHOLE) stays whole on purpose."""
     found = {*(layer for _, layer, _ in layers), *blocks}
-    covered = {id(p) for m in model.modules() if m in found or type(m).__name__.endswith(_KEPT_WHOLE) for p in m.parameters()}
+    covered = {id(p) for m in model.modules() if m in found or type(m).__name__.endswith(_KEPT_WHOLE)
+               for p in m.parameters()}
     for path, stack in model.named_modules():
         if not (isinstance(stack, nn.ModuleList) and any(m in found for m in stack.modules())):
             continue
