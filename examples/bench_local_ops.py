@@ -24,12 +24,15 @@ the timed calls do), and after the timing on the last timed call of each mode; a
 time, only the reason. Times are microseconds per call: on CUDA
 the GPU time of K calls captured in one CUDA graph ("graph") and of K back-to-back Python calls
 ("eager"), median of R repeats; without CUDA the host's wall time (a test of the script, not a
-measurement worth reporting).
+measurement worth reporting). With --paired N, commfuse and torch.compile are also timed against each
+other in N interleaved rounds (paired_us): the median of the rounds' ratios and its 95% interval say
+whether a gap of a few percent between the two columns is a difference or the run's drift.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -148,6 +151,35 @@ def copy_ceiling_GBps(device, repeats: int, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (us * 1e3)
 
 
+def _graph(fn, calls: int):
+    """(graph, outputs): `calls` calls of fn captured in one CUDA graph (after a call on a side stream, as
+    capture wants), and what its last call returned (the buffers its replays write)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            last = fn()
+    return g, last
+
+
+def _elapsed_us(run, cuda: bool) -> float:
+    """The time of run(): CUDA events around it on a GPU, the host's wall clock without one."""
+    if not cuda:
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e6
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    run()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3
+
+
 def time_us(fn, cuda: bool, calls: int, repeats: int, timed: Optional[list] = None) -> dict:
     """us per call of fn: {"graph", "eager"} on a GPU (median of `repeats` graph replays / loops of `calls`
     calls), {"host"} on the CPU. timed: gets what the last call of each timed mode returned (a graph's
@@ -156,51 +188,64 @@ def time_us(fn, cuda: bool, calls: int, repeats: int, timed: Optional[list] = No
     for _ in range(3):
         fn()
     out = {}
+    last = None
+
+    def loop():
+        nonlocal last
+        for _ in range(calls):
+            last = fn()
     if cuda:
         torch.cuda.synchronize()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                for _ in range(calls):
-                    last = fn()
-            timed.append(last)
+            g, graph_last = _graph(fn, calls)
+            timed.append(graph_last)
             g.replay()
-            ts = []
-            for _ in range(repeats):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3 / calls)
-            out["graph"] = statistics.median(ts)
+            out["graph"] = statistics.median(_elapsed_us(g.replay, True) / calls for _ in range(repeats))
         except Exception as ex:  # noqa: BLE001 - a row that cannot be captured is reported so
             out["graph_error"] = f"{type(ex).__name__}: {ex}"
-        ts = []
-        for _ in range(repeats):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(calls):
-                last = fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) * 1e3 / calls)
-        out["eager"] = statistics.median(ts)
-    else:
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                last = fn()
-            ts.append((time.perf_counter() - t0) * 1e6 / calls)
-        out["host"] = statistics.median(ts)
+    out["eager" if cuda else "host"] = statistics.median(_elapsed_us(loop, cuda) / calls for _ in range(repeats))
     timed.append(last)
     return out
+
+
+def median_ci(values, level: float = 0.95) -> tuple:
+    """A distribution-free interval for the median of `values` at confidence >= level: the order statistics
+    x_(j) and x_(n+1-j) with j the largest rank whose Binomial(n, 1/2) tail P(B < j) is at most (1 - level) / 2.
+    Too few values for any such j (n < 6 at 95%): their whole range."""
+    v, n = sorted(values), len(values)
+    tail, j = 0.0, 0
+    while j < n and tail + math.comb(n, j) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, j) / 2 ** n
+        j += 1
+    return (v[j - 1], v[n - j]) if j else (v[0], v[-1])
+
+
+def paired_us(ours, theirs, cuda: bool, calls: int, rounds: int, timed: Optional[list] = None) -> dict:
+    """Both ops timed in interleaved rounds: on a GPU each op's `calls` calls captured in one CUDA graph, and
+    each round replays both graphs back to back, the order alternating, so that a clock or a machine drifting
+    during the run moves both alike (separate blocks of repeats, as time_us's columns are, do not); on the CPU
+    each round times both ops' `calls` Python calls the same way. us per call: {"commfuse", "torch.compile"}
+    (medians over the rounds); "ratio": the median of the rounds' commfuse / torch.compile, "ratio_ci95": its
+    interval (median_ci); "rounds". timed: gets what both ops' last timed calls returned, for the check after
+    the timing."""
+    timed = [] if timed is None else timed
+    runs, lasts = [], [None, None]
+    for k, fn in enumerate((ours, theirs)):
+        if cuda:
+            g, lasts[k] = _graph(fn, calls)
+            runs.append(g.replay)
+        else:
+            runs.append(lambda k=k, fn=fn: [lasts.__setitem__(k, fn()) for _ in range(calls)])
+    for run in runs:  # a first replay outside the rounds (the graph's upload)
+        run()
+    times = ([], [])
+    for i in range(rounds):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[k].append(_elapsed_us(runs[k], cuda) / calls)
+    timed.extend(lasts)
+    ratios = [a / b for a, b in zip(*times)]
+    return {"commfuse": statistics.median(times[0]), "torch.compile": statistics.median(times[1]),
+            "ratio": statistics.median(ratios), "ratio_ci95": median_ci(ratios), "rounds": rounds}
 
 
 def main(argv=None) -> dict:
@@ -211,6 +256,8 @@ def main(argv=None) -> dict:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, aot_eager on CPU")
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="also time commfuse against torch.compile in ROUNDS interleaved rounds (paired_us)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for pattern in args.patterns.split(","):
@@ -223,8 +270,8 @@ def main(argv=None) -> dict:
             p.error(f"shape {shape!r} is not TOKENSxHIDDEN with tokens >= 1 and hidden a multiple of 8")
     if any(d not in ("bf16", "fp16") for d in args.dtypes.split(",")):
         p.error(f"--dtypes takes bf16 and fp16, got {args.dtypes!r}")
-    if args.calls < 1 or args.repeats < 1:
-        p.error("--calls and --repeats must be at least 1")
+    if args.calls < 1 or args.repeats < 1 or args.paired < 0:
+        p.error("--calls and --repeats must be at least 1, --paired at least 0")
     odd = [shape for shape in args.shapes.split(",") if int(shape.partition("x")[2]) % 16]
     if odd and any(pattern.endswith("nvfp4") for pattern in args.patterns.split(",")):
         p.error(f"the nvfp4 patterns need a hidden size that is a multiple of 16 (one scale per 16 elements), got "
@@ -274,13 +321,24 @@ def main(argv=None) -> dict:
                         del timed
                         if ceiling and row[name].get("graph"):
                             row[name]["frac_hbm"] = row["bytes"] / (row[name]["graph"] * 1e3) / ceiling
+                    if args.paired and not any("rejected" in row[k] for k in ("commfuse", "torch.compile")):
+                        timed = []
+                        row["paired"] = paired_us(ours, compiled, cuda, args.calls, args.paired, timed)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        why = next((w for w in (check(r, want, quant, pattern, **tol) for r in timed) if w), "")
+                        if why:
+                            row["paired"] = {"rejected": f"the last paired call: {why}"}
+                        del timed
                     rows.append(row)
                     save()
     key = "graph" if cuda else "host"
     print(f"local ops, us per call ({'GPU time, CUDA graphs' if cuda else 'host wall time: not GPU numbers'}), "
           f"torch.compile backend {backend}" + (f"; HBM copy ceiling {ceiling:.0f} GB/s" if ceiling else ""))
-    print("| pattern | tokens x hidden | dtype | commfuse | torch eager | torch.compile | commfuse route |")
-    print("|---|---|---|---|---|---|---|")
+    paired = any("paired" in r for r in rows)
+    print("| pattern | tokens x hidden | dtype | commfuse | torch eager | torch.compile | commfuse route |" +
+          (" commfuse / torch.compile, paired rounds [95% interval] |" if paired else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
     for r in rows:
         cells = []
         for name in ("commfuse", "torch eager", "torch.compile"):
@@ -288,7 +346,11 @@ def main(argv=None) -> dict:
             copy = f", {v['frac_hbm']:.0%} of copy" if "frac_hbm" in v else ""
             cells.append(f"rejected: {v['rejected']}" if "rejected" in v else
                          _us(v.get(key, float("nan"))) + (f" (eager {v['eager']:.1f}{copy})" if cuda else ""))
-        print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |")
+        v = r.get("paired", {})
+        pair = (f" rejected: {v['rejected']} |" if "rejected" in v else
+                f" {v['ratio']:.3f} [{v['ratio_ci95'][0]:.3f}, {v['ratio_ci95'][1]:.3f}] ({_us(v['commfuse'])} / "
+                f"{_us(v['torch.compile'])}, {v['rounds']} rounds) |" if v else " - |") if paired else ""
+        print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |" + pair)
     save()
     return out
 
