@@ -170,7 +170,7 @@ from commfuse.bench import cli, impls
 def prepare(ctx, case):
     good = impls.IMPLS["nccl+eager"].prepare(ctx, case)
     def step(i):
-        r = good.call(i)
+        r = good.result(good.call(i))
         if case.pattern.tail:
             r.residual = r.residual + 1
         else:
@@ -363,6 +363,30 @@ class _GpuCtx(Ctx):
     cuda = True
 
 
+def test_a_row_that_skips_the_exchange_on_later_sets_is_rejected():
+    """Every input set holds different inputs on each rank, dense and MoE: a row right on set 0 that then
+    returns world x (its own rows, a peer's buffer never read) fails the gate's second call and the
+    check after the timing (cli.checked_after's set)."""
+    for name in ("residual_rmsnorm", "moe_k2_residual_rmsnorm", "moe_finalize_k2_residual_rmsnorm"):
+        p = cases.PATTERNS[name]
+        ranks = [cases.make_case(Ctx(_args(), rank=r, world=2, backend="gloo", device=torch.device("cpu")), p,
+                                 "bf16", 4, 256) for r in (0, 1)]
+        case, impl = ranks[0], impls.IMPLS["nccl+eager"]
+        assert len(case.sets) >= 2
+        for i in range(1, len(case.sets)):
+            assert not torch.equal(case.input_set(i)[0], ranks[1].input_set(i)[0]), (name, i)
+            assert torch.equal(case.input_set(i)[1], ranks[1].input_set(i)[1]), (name, i)  # one residual
+
+        def lonely(i):  # the exchange on set 0 only (the peer's x drawn alike), then its own rows doubled
+            x, residual = case.input_set(i)
+            a = x + ranks[1].input_set(i)[0] if i % len(case.sets) == 0 else x * 2
+            return cases.Result.of_tail(reference.fused_tail(a, residual, *case.tail_args()))
+        verdict, _ = cases.gate(_ctx(), impls.Step(lonely, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
+        assert verdict.kind is Kind.REJECTED and verdict.reason.startswith("checked call 2"), (name, verdict)
+        for i in range(1, len(case.sets)):
+            assert impl.mismatch(case, lonely(i), i), (name, i)
+
+
 def test_torch_add_is_gated_against_its_own_definition():
     """torch-add's one call is x + residual rounded once (exact), and the gate says so; the same
     step off by one ulp somewhere, or raising, is rejected or failed. Its outputs rotate with the
@@ -405,11 +429,11 @@ def test_the_largest_shapes_still_get_a_second_input_set():
 
     def stale(i):
         if not first:
-            first.append(good.call(i))
+            first.append(good.result(good.call(i)))
         return first[0]
     verdict, _ = cases.gate(ctx, impls.Step(stale, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
     assert verdict.kind is Kind.REJECTED and verdict.reason.startswith("checked call 2"), verdict
-    verdict, _ = cases.gate(ctx, impls.Step(good.call, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
+    verdict, _ = cases.gate(ctx, impls.Step(good.call, result=good.result, checked_calls=2), lambda r, i: impl.mismatch(case, r, i))
     assert verdict is OK
 
 
@@ -689,7 +713,7 @@ def test_new_patterns_verify_and_wrong_results_are_rejected(name):
     assert res.scales is not None and res.scales.stride() == case.expected_tail.scales.stride()
 
     def off(edit):
-        r = step.call(0)
+        r = step.result(step.call(0))
         storage = reference.mn_major_storage(r.scales, 5, 2, p.scale_ue8m0) if p.scale_layout == "mn_major" else None
         r.scales = r.scales.clone() if storage is None else torch.as_strided(storage.clone(), r.scales.shape,
                                                                              r.scales.stride())
@@ -961,7 +985,7 @@ def test_mxfp8_pattern_verifies_and_wrong_scale_factors_are_rejected():
     verdict, res = cases.gate(ctx, step, lambda r, i: impl.mismatch(case, r, i))
     assert verdict is OK and res.sf.dtype == torch.uint8 and res.scales is None
     for index, change, why in ((0, 2, "UE8M0 scale factors"), (res.sf.numel() - 1, 1, "swizzle padding not 0")):
-        r = step.call(0)
+        r = step.result(step.call(0))
         r.sf = r.sf.clone()
         r.sf[index] += change
         assert why in impl.mismatch(case, r)

@@ -177,9 +177,9 @@ class Case:
     any of which passes (on > 2 ranks also the tail of the backend's own sum, see make_case).
     expected_tail: the oracle for tail-only rows (tail of this rank's x, no collective).
     moe (MoE patterns): moe[i] = this rank's MoeInputs of input set i; sets[i]'s x is their combine
-    (the oracle's), so the dense rows' view of a case (x, residual) holds for them too. moe_ranks: every
-    rank's MoeInputs of set 0, for rows that combine by other semantics than the oracle's (a peer's).
-    later: (expected, expected_tail) of sets 1, 2, ..., whose inputs every rank draws alike (oracle(i)).
+    (the oracle's), so the dense rows' view of a case (x, residual) holds for them too. moe_ranks[i]: every
+    rank's MoeInputs of set i, for rows that combine by other semantics than the oracle's (a peer's).
+    later: (expected, expected_tail) of sets 1, 2, ... (oracle(i)).
     """
 
     pattern: Pattern
@@ -269,28 +269,29 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
     def randn(*shape):
         return torch.randn(shape, generator=gen, device=gen_dev, dtype=torch.float32).to(dev)
 
+    # Every input set is drawn for every rank (the same draws on each), so that each set's oracle is the sum
+    # of different inputs: a row that skipped the exchange on its later calls would fail their checks.
     moe = moe_all = None
     if pattern.is_moe:
-        moe_all, residual = _moe_draws(ctx, pattern, t, h, dtype, randn, gen, gen_dev)
-        xs = [m.combine() for m in moe_all]  # each rank's contribution to the all-reduce
+        moe_all, draws = [], []
+        for _ in range(_input_sets(ctx, t, h, dtype, _moe_set_bytes(pattern, t, h, dtype))):
+            ranks, r = _moe_draws(ctx, pattern, t, h, dtype, randn, gen, gen_dev)
+            moe_all.append(ranks)
+            draws.append(([m.combine() for m in ranks], r))  # each rank's contribution to the all-reduce
+        moe = [ranks[ctx.rank] for ranks in moe_all]
         weight = (1 + 0.1 * randn(h)).to(dtype)
-        moe = [moe_all[ctx.rank]]
-        sets = [(xs[ctx.rank], residual)]
-        for _ in range(_input_sets(ctx, t, h, dtype, _moe_set_bytes(pattern, t, h, dtype)) - 1):
-            m, r = _moe_draws(ctx, pattern, t, h, dtype, randn, gen, gen_dev, world=1)
-            moe.append(m[0])
-            sets.append((m[0].combine(), r))
     else:
-        xs = []
-        for _ in range(ctx.world):
-            x = randn(t, h)
-            x[0] *= 40  # one large row per rank: norms and NVFP4 scale factors span a wide range
-            xs.append(x.to(dtype))
-        residual = randn(t, h).to(dtype)
+        def draw():
+            xs = []
+            for _ in range(ctx.world):
+                x = randn(t, h)
+                x[0] *= 40  # one large row per rank: norms and NVFP4 scale factors span a wide range
+                xs.append(x.to(dtype))
+            return xs, randn(t, h).to(dtype)
+        draws = [draw()]
         weight = (1 + 0.1 * randn(h)).to(dtype)
-        sets = [(xs[ctx.rank], residual)]
-        for _ in range(_input_sets(ctx, t, h, dtype) - 1):
-            sets.append((randn(t, h).to(dtype), randn(t, h).to(dtype)))
+        draws += [draw() for _ in range(_input_sets(ctx, t, h, dtype) - 1)]
+    sets = [(xs[ctx.rank], r) for xs, r in draws]
     scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
              if pattern.quant in SCALES else None)
     eps = ctx.args.eps
@@ -316,16 +317,15 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
         return ([oracle_tail(s, residual, pattern, weight, eps, scale) for s in sums],
                 oracle_tail(xs[ctx.rank], residual, pattern, weight, eps, scale))
 
-    expected, expected_tail = oracle(xs, residual)
-    # The later sets' x is the same on every rank (drawn alike): their sums need no exchange of inputs.
-    later = [oracle([x] * ctx.world, r) for x, r in sets[1:]]
+    expected, expected_tail = oracle(*draws[0])
+    later = [oracle(*d) for d in draws[1:]]
     return Case(pattern, dname, dtype, t, h, sets, weight, scale, eps, expected, expected_tail,
                 sum_ulps=ctx.world if own_order else 0, moe=moe, moe_ranks=moe_all, later=later)
 
 
-def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, randn, gen, gen_dev,
-               world: Optional[int] = None) -> Tuple[list, torch.Tensor]:
-    """One MoE input set of `world` ranks (default all): ([MoeInputs of each rank], residual).
+def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, randn, gen,
+               gen_dev) -> Tuple[list, torch.Tensor]:
+    """One MoE input set of every rank: ([MoeInputs of each rank], residual).
 
     As in tensor parallelism, the routing is the ranks' common knowledge (one weights, one row_index)
     and the expert outputs are each rank's partial sums: y (and shared) differ per rank. y is standard
@@ -340,7 +340,7 @@ def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, r
         rows = t * k + MOE_PADDING_ROWS
         row_index = torch.randperm(rows, generator=gen, device=gen_dev)[: t * k].view(t, k).to(torch.int32).to(dev)
     out = []
-    for _ in range(ctx.world if world is None else world):
+    for _ in range(ctx.world):
         y = randn(t, k, h)
         y[0] *= 40
         y = y.to(dtype)
