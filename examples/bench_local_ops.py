@@ -22,7 +22,8 @@ Correct before fast: every row is first compared with commfuse.reference (commfu
 tolerances) on two calls (commfuse's first plans the signature, the second runs from the plan table, as
 the timed calls do), and after the timing on the last timed call of each mode; a row that misses gets no
 time, only the reason. Times are microseconds per call: on CUDA
-the GPU time of K calls captured in one CUDA graph ("graph") and of K back-to-back Python calls
+the GPU time of K calls captured in one CUDA graph ("graph"; a GPU spin before each replay keeps the
+graph's launch out of it) and of K back-to-back Python calls
 ("eager"), median of R repeats; without CUDA the host's wall time (a test of the script, not a
 measurement worth reporting). With --paired N, commfuse and torch.compile are also timed against each
 other in N interleaved rounds (paired_us): the median of the rounds' ratios and its 95% interval say
@@ -44,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import commfuse  # noqa: E402
 from commfuse import local, reference, tolerance  # noqa: E402
+from commfuse.bench.timing import SLEEP_CYCLES  # noqa: E402
 
 # gated_rmsnorm:G normalises groups of G elements (gated_rmsnorm alone: 128, or h where 128 does not divide it).
 PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "gated_rmsnorm", "quantize_fp8",
@@ -166,13 +168,17 @@ def _graph(fn, calls: int):
     return g, last
 
 
-def _elapsed_us(run, cuda: bool) -> float:
-    """The time of run(): CUDA events around it on a GPU, the host's wall clock without one."""
+def _elapsed_us(run, cuda: bool, spin: bool = False) -> float:
+    """The time of run(): CUDA events around it on a GPU, the host's wall clock without one. spin (a graph's
+    replay): a GPU spin first, so that the replay is queued before the start event fires and its launch
+    latency stays out of the time (as commfuse.bench.timing does)."""
     if not cuda:
         t0 = time.perf_counter()
         run()
         return (time.perf_counter() - t0) * 1e6
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if spin:
+        torch.cuda._sleep(SLEEP_CYCLES)
     s.record()
     run()
     e.record()
@@ -200,7 +206,7 @@ def time_us(fn, cuda: bool, calls: int, repeats: int, timed: Optional[list] = No
             g, graph_last = _graph(fn, calls)
             timed.append(graph_last)
             g.replay()
-            out["graph"] = statistics.median(_elapsed_us(g.replay, True) / calls for _ in range(repeats))
+            out["graph"] = statistics.median(_elapsed_us(g.replay, True, True) / calls for _ in range(repeats))
         except Exception as ex:  # noqa: BLE001 - a row that cannot be captured is reported so
             out["graph_error"] = f"{type(ex).__name__}: {ex}"
     out["eager" if cuda else "host"] = statistics.median(_elapsed_us(loop, cuda) / calls for _ in range(repeats))
@@ -241,7 +247,7 @@ def paired_us(ours, theirs, cuda: bool, calls: int, rounds: int, timed: Optional
     times = ([], [])
     for i in range(rounds):
         for k in ((0, 1) if i % 2 == 0 else (1, 0)):
-            times[k].append(_elapsed_us(runs[k], cuda) / calls)
+            times[k].append(_elapsed_us(runs[k], cuda, cuda) / calls)
     timed.extend(lasts)
     ratios = [a / b for a, b in zip(*times)]
     return {"commfuse": statistics.median(times[0]), "torch.compile": statistics.median(times[1]),
