@@ -77,16 +77,17 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _compiled_checks(x, quant, flags=(), numbers=(), quant_required: bool = False, group_size=None) -> None:
+def _compiled_checks(x, quant, flags=(), numbers=(), quant_required: bool = False, group_size=None,
+                     name: str = "x") -> None:
     """What a compiled call can check of its arguments without specialising the graph (their types), as eager
     calls check them: the op's schema would otherwise convert a wrong value silently (norm_before_gate None to
     False, eps True to 1.0), and the op's "" for None would drop a quantization. flags, numbers: (name, value)
     pairs; an int past float32's range is refused here, as eager calls refuse it: the schema's conversion would
-    fail naming nothing."""
+    fail naming nothing. name: x's argument name."""
     if group_size is not None:
         integer_type("group_size", group_size)
     if isinstance(x, Tensor) and x.dim() == 0:
-        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     if quant is not None or quant_required:
         checks.quant_named(quant)
         formats.by_name(quant)

@@ -46,8 +46,8 @@ import torch
 
 from . import local
 from .reference import Tail
+from .tail import checks, formats
 from .tail.checks import fields_of
-from .tail import formats
 from .tail.spec import TailSpec, code, mn_major_scales, present, public, spread
 
 __all__ = ["all_reduce", "fused_all_reduce", "moe_all_reduce"]
@@ -158,10 +158,11 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     return Tail(*outs)
 
 
-def _compiled_checks(x, quant, return_norm, scale_ue8m0, eps, weight_offset) -> None:
-    """The compiled call's checks, as the local ops' (the schema would take eps=True as 1.0, "1" as 1.0)."""
+def _compiled_checks(x, quant, return_norm, scale_ue8m0, eps, weight_offset, name: str = "x") -> None:
+    """The compiled call's checks, as the local ops' (the schema would take eps=True as 1.0, "1" as 1.0); name:
+    the argument that holds the tail's rows (x, or a MoE call's residual)."""
     local._compiled_checks(x, quant, (("return_norm", return_norm), ("scale_ue8m0", scale_ue8m0)),
-                           (("eps", eps), ("weight_offset", weight_offset)))
+                           (("eps", eps), ("weight_offset", weight_offset)), name=name)
 
 
 def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -181,7 +182,9 @@ def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch
         r = comm.moe_all_reduce(y, weights, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                 row_index=row_index, shared=shared, **kw)
         return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)
-    _compiled_checks(y, quant, return_norm, scale_ue8m0, eps, weight_offset)
+    if isinstance(y, torch.Tensor) and (row_index is None or isinstance(row_index, torch.Tensor)):
+        checks.moe_ranks(y, row_index, sizes=False)
+    _compiled_checks(residual, quant, return_norm, scale_ue8m0, eps, weight_offset, "residual")
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     outs = torch.ops.commfuse.moe_all_reduce(y, weights, row_index, shared, residual, weight, scale, float(eps),
                                              float(weight_offset), tail, comm.name)
@@ -210,13 +213,13 @@ def _define(schema: str, impl, fake) -> None:
     torch.library.register_fake(f"commfuse::{name}", fake, lib=_LIB)
 
 
-def _fakes(x: torch.Tensor, tail: int, residual: bool = True) -> list:
-    """The outputs of a tail op as empty tensors of their shapes and strides (those its call has). The real
-    calls check their arguments; here only what the shapes need."""
+def _fakes(x: torch.Tensor, tail: int, residual: bool = True, name: str = "x") -> list:
+    """The outputs of a tail op as empty tensors of their shapes and strides (those its call has), from its
+    rows x (the argument `name`). The real calls check their arguments; here only what the shapes need."""
     spec = TailSpec.from_code(tail)
     h = x.shape[-1]
     if h == 0:
-        raise ValueError(f"x must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape [..., h] with h > 0, got {tuple(x.shape)}")
     outs = []
     for s in spec.outputs(x.numel() // h, h, x.dtype, residual):
         if s is None:
@@ -308,4 +311,4 @@ _define("quantize(Tensor x, Tensor? scale, int tail) -> Tensor[]", _quantize,
 _define("moe_all_reduce(Tensor y, Tensor weights, Tensor? row_index, Tensor? shared, Tensor residual, Tensor weight, "
         f"{_TAIL}, str comm) -> Tensor[]", _moe_all_reduce,
         lambda y, weights, row_index, shared, residual, weight, scale, eps, weight_offset, tail, comm:
-        _fakes(residual, tail))
+        _fakes(residual, tail, name="residual"))

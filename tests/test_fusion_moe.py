@@ -420,11 +420,18 @@ def test_one_tokens_combine_broadcast_by_the_shared_add_is_no_combine(quiet_comm
 
 
 @mpi
-def test_sum_in_t_of_float32_products_is_noted(quiet_comm, gen):
+@pytest.mark.parametrize("form", ["reduce", "gathered"])
+def test_sum_in_t_of_float32_products_is_noted(quiet_comm, gen, form):
     """sum(dim=1, dtype=T) casts each float32 product to T before the sum: the op's combine rounds once, so the
-    report says so (its numerics note) and spells the dtype."""
+    report says so (its numerics note) and spells the dtype. gathered: HF grouped_mm's spelling, rows in expert
+    order weighted, gathered back by the inverse permutation, then the same sum."""
     def combine(x, rows, w, t, k, h, cast=True):
-        products = rows.view(t, k, h).float() * w.unsqueeze(-1)
+        if form == "reduce":
+            products = rows.view(t, k, h).float() * w.unsqueeze(-1)
+        else:
+            perm = _reversed(t * k, x.device)
+            weighted = rows[perm] * w.reshape(-1)[perm].unsqueeze(-1)  # float32 products (w is float32)
+            products = weighted[_hf_inverse(perm, t * k)].view(t, k, h)
         return products.sum(dim=1, dtype=x.dtype) if cast else products.sum(dim=1).to(x.dtype)
 
     same = torch.Generator().set_state(gen.get_state())

@@ -141,6 +141,30 @@ def test_compiled_calls_refuse_what_eager_calls_refuse(comm, gen, op, name, valu
         torch.compile(calls[op], fullgraph=True, backend="aot_eager")()
 
 
+def test_a_compiled_moe_call_names_its_own_wrong_argument(comm, gen):
+    """A compiled moe_all_reduce refuses y of the wrong rank (either form) and a residual without rows as the
+    eager call does, naming y or the residual, not the dense ops' x; the op's fake names the residual too."""
+    x = torch.randn(2, 16, generator=gen).to(torch.bfloat16).to(comm.device)
+    w = torch.rand(2, 1, generator=gen).to(comm.device)
+    idx = torch.arange(2, dtype=torch.int32, device=comm.device).view(2, 1)
+    cases = [(lambda: ops.moe_all_reduce(comm, x[0, 0], w, x, x[0]).residual, r"y must be \[t, k, h\]"),
+             (lambda: ops.moe_all_reduce(comm, x.view(2, 1, 16), w, x, x[0], row_index=idx).residual,
+              r"with row_index, y must be the rows \[R, h\]"),
+             (lambda: ops.moe_all_reduce(comm, x.view(2, 1, 16), w, x[0, 0], x[0]).residual,
+              r"residual must have shape \[\.\.\., h\]")]
+    for call, error in cases:
+        with pytest.raises((TypeError, ValueError), match=error):
+            call()
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=error):
+            torch.compile(call, fullgraph=True, backend="aot_eager")()
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        y, empty = torch.empty(2, 1, 0, dtype=torch.bfloat16), torch.empty(2, 0, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"^residual must have shape"):
+            torch.ops.commfuse.moe_all_reduce(y, torch.empty(2, 1), None, None, empty, torch.empty(0), None, 1e-6, 0.0,
+                                              0, comm.name)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 @pytest.mark.parametrize("op", ["fused_all_reduce", "moe_all_reduce"])

@@ -938,7 +938,7 @@ def _routed_sum_core(s: fx.Node, t_dtype):
         nodes.append(m)
     elif G.kind(m) == "view" and G.kind(G.source(m)) == "getitem" and G.kind(G.source(m).args[0]) == "mul" and \
             _rank(G.source(m)) == 2:
-        return _gathered_core(s, m, G.source(m), dim, t_dtype)
+        return _gathered_core(s, m, G.source(m), dim, cast, t_dtype)
     else:
         return None
     if dim % 3 != 1:
@@ -1061,11 +1061,12 @@ def _ascending_over_dim0(node: fx.Node, descending_ok: bool = False) -> bool:
     return _rank(x) == 1 and dim in (0, -1) and (descending_ok or descending is False)
 
 
-def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
+def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, cast, t_dtype):
     """HF grouped_mm's combine, `(rows * w[perm][:, None])[inv_perm].view(t, k, h).sum(dim=1)`: rows in
     expert order, each weighted by its token's routing weight, gathered back to token order and summed over
     the top-k axis. The finalize form: token (i, j)'s row is inv_perm[i * k + j] and its weight w[i * k + j]
-    (perm[inv_perm[s]] = s), so y = rows, row_index = inv_perm viewed [t, k], weights = w viewed [t, k]."""
+    (perm[inv_perm[s]] = s), so y = rows, row_index = inv_perm viewed [t, k], weights = w viewed [t, k]. cast:
+    the sum's dtype= (None, float32 or T), as _routed_sum_core reads it."""
     prod, idx = gi.args
     what = f"the weighted rows {prod.name} gathered by {getattr(idx, 'name', idx)} ({gi.name})"
     perm = _inverse_of(idx, gi) if isinstance(idx, fx.Node) else None
@@ -1103,10 +1104,13 @@ def _gathered_core(s: fx.Node, m: fx.Node, gi: fx.Node, dim: int, t_dtype):
     w_rows, w = token_major is None, token_major or w  # w [t * k] (w[perm] matched it to the rows), or [t, k]
     fill = _zeroed_rows(prod, gi)
     mask = None if fill is None else G.operand(fill, 1, "mask")
+    sum_txt = f".sum(dim=1, dtype={_dt(cast)})" if cast is not None else ".sum(dim=1)"
+    # As in _routed_sum_core: products computed in T are rounded to T whatever dtype= the sum casts them to.
+    products = G.dtype(prod) if G.dtype(prod) in T_DTYPES else cast or G.dtype(prod)
     return dict(y=y, w=w, k=k, nodes=[s, m, gi, prod] + ([fill] if fill is not None else []), y_rows=False,
-                w_rows=w_rows, prod=prod, row_index=idx, row_mask=mask,
+                w_rows=w_rows, prod=prod, products=products, row_index=idx, row_mask=mask,
                 spelling="(rows * w[perm][:, None])" + (".masked_fill_(mask, 0)" if fill is not None else "")
-                         + "[inv_perm].view(t, k, h).sum(dim=1)" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
+                         + f"[inv_perm].view(t, k, h){sum_txt}" + (f".to({_dt(t_dtype)})" if G.dtype(s) == _F32 else ""))
 
 
 def _zeroed_rows(prod: fx.Node, gather: fx.Node) -> Optional[fx.Node]:

@@ -486,8 +486,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
 
 
 # How moe_all_reduce runs the combine (commfuse.moe): the call's plan.combine says which at run time.
-_MOE_COMBINE_ROUTE = ("combine: one kernel with the tail at world size 1, else the combine kernel before the "
-                      "collective on CUDA tensors, commfuse.reference's ops elsewhere (the call's plan.combine)")
+_MOE_COMBINE_ROUTE = ("combine: one kernel with the tail at world size 1, inside the P2P kernel as each rank's rows "
+                      "are read where the group takes a P2P route, else the combine kernel before the collective on "
+                      "CUDA tensors, commfuse.reference's ops elsewhere (the call's plan.combine)")
 
 
 def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):

@@ -173,6 +173,18 @@ def gated(x, z, weight, s, spec: TailSpec, group_size, norm_before_gate) -> int:
     return h
 
 
+def moe_ranks(y, row_index, sizes: bool = True) -> None:
+    """y's (and row_index's) rank for the MoE form, which a compiled call checks too (ranks are static); sizes:
+    also that k and h are > 0 (eager calls: under torch.compile a size check would specialise the graph)."""
+    if row_index is None:
+        if y.dim() != 3 or (sizes and 0 in y.shape[1:]):
+            raise ValueError(f"y must be [t, k, h] with k, h > 0 (or the rows [R, h] with row_index), got "
+                             f"{tuple(y.shape)}")
+    elif y.dim() != 2 or row_index.dim() != 2 or (sizes and (y.shape[1] == 0 or row_index.shape[1] == 0)):
+        raise ValueError(f"with row_index, y must be the rows [R, h] and row_index [t, k] (k, h > 0), got "
+                         f"{tuple(y.shape)} and {tuple(row_index.shape)}")
+
+
 def moe(y, weights, row_index, shared, residual, device: torch.device) -> tuple:
     """A MoE call's tensors (moe_all_reduce): (t, k, h), checked. y: T[t, k, h] (the reduction form) or,
     with row_index int32/int64 [t, k], the permuted rows T[R, h] (the finalize form); weights: [t, k]
@@ -183,18 +195,14 @@ def moe(y, weights, row_index, shared, residual, device: torch.device) -> tuple:
     if y.dtype not in DTYPES:
         raise TypeError(f"y must be float16, bfloat16 or float32, got {y.dtype}")
     same_device("y", y, device)
-    if row_index is None:
-        if y.dim() != 3 or 0 in y.shape[1:]:
-            raise ValueError(f"y must be [t, k, h] with k, h > 0 (or the rows [R, h] with row_index), got "
-                             f"{tuple(y.shape)}")
-        t, k, h = y.shape
-    else:
+    if row_index is not None:
         _tensor("row_index", row_index)
         if row_index.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"row_index must be int32 or int64, got {row_index.dtype}")
-        if y.dim() != 2 or y.shape[1] == 0 or row_index.dim() != 2 or row_index.shape[1] == 0:
-            raise ValueError(f"with row_index, y must be the rows [R, h] and row_index [t, k] (k, h > 0), got "
-                             f"{tuple(y.shape)} and {tuple(row_index.shape)}")
+    moe_ranks(y, row_index)
+    if row_index is None:
+        t, k, h = y.shape
+    else:
         same_device("row_index", row_index, device)
         (t, k), h = row_index.shape, y.shape[1]
     _tensor("weights", weights)
