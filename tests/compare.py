@@ -10,8 +10,10 @@ from commfuse.kernels import launch
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of t (any dtype, NaN payloads included), flat, on the CPU."""
-    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+    """The bytes of t (any dtype, NaN payloads included), flat, on the CPU. Copied into a fresh tensor first:
+    contiguous() keeps a stride that a size-1 dim has (MN-major scales of one row and group), and a view of
+    int32 as bytes needs the last stride 1."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t.detach()).view(-1).view(torch.uint8).cpu()
 
 
 def bits_equal(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

@@ -736,6 +736,31 @@ def test_gpu_plain_rmsnorm_kernel(gen, monkeypatch, quant, return_norm, sf_layou
         assert bits_equal(got.norm[0, :64].cpu(), n[0, :64])  # the signed zeros
 
 
+@needs_gpu
+def test_gpu_kernels_alone_refuse_a_python_number_scale(gen):
+    """fused_tail.run and gated_norm.run (the kernels alone) take the format's scale as a float32 CUDA tensor: a
+    Python number is refused by name before any launch, by both alike."""
+    from commfuse.kernels import fused_tail, gated_norm
+
+    x, z, weight, _ = inputs(gen, 4, 256, BF16, "cuda")
+    for quant in ("fp8", "nvfp4"):
+        with pytest.raises(ValueError, match="^fused_tail.run: scale must be a float32 CUDA tensor$"):
+            fused_tail.run(x, z, weight, 1e-6, quant, 0.5)
+        with pytest.raises(ValueError, match="^gated_norm.run: scale must be a float32 CUDA tensor$"):
+            gated_norm.run(x, z, weight, 1e-6, 128, False, quant, 0.5)
+
+
+def test_bits_equal_reads_mn_major_scales_of_one_row_and_group():
+    """The tests' byte comparison takes every layout the ops return: MN-major UE8M0 scales of one row and
+    one group are [1, 1] with strides (1, 4), whose int32 a plain view cannot read as bytes."""
+    q = commfuse.quantize(torch.randn(1, 128).to(BF16), "fp8_block", scale_layout="mn_major", scale_ue8m0=True)
+    assert q.scales.shape == (1, 1) and q.scales.stride() == (1, 4), q.scales.stride()
+    other = torch.empty(1, 1, dtype=q.scales.dtype).copy_(q.scales)
+    assert bits_equal(q.scales, other)
+    other.view(torch.uint8)[0, 0] += 1
+    assert not bits_equal(q.scales, other)
+
+
 # Below gated_norm.SPLIT_TOKENS rows of 7168 / 8192 / 16384 are split over 7 / 8 / 8 CTAs, and from
 # MANY_SPLIT_TOKENS rows (groups of 1024 / 8 / 2048) over 7 / 2 / 4 (gated_norm.splits).
 GATED_CASES = [(1024, 1024), (1024, 256), (1024, 128), (2880, 1440), (8192, 8), (7168, 1024), (16384, 2048)]

@@ -157,6 +157,8 @@ def run(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: f
     why = None if x.is_cuda else "x must be a CUDA tensor"
     why = why or GATED_NORM.rejects(x.dtype, torch.cuda.get_device_capability(x.device), h, t, spec,
                                     group_size=group_size)
+    if why is None and spec.format.takes_scale and not isinstance(scale, torch.Tensor):
+        why = "scale must be a float32 CUDA tensor"
     if why:
         raise ValueError(f"gated_norm.run: {why}")
     launcher = _launcher(x.dtype, t, h, spec, group_size, norm_before_gate, x.get_device())
