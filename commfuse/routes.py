@@ -316,7 +316,7 @@ class P2PRoute(Route):
         if size > limits.workspace_bytes and not chunk_rows(row_bytes, call.spec if fused else None,
                                                             limits.workspace_bytes):
             return (f"message {size} B > P2P workspace {limits.workspace_bytes} B, which holds no piece of it "
-                    f"(a row, or 128 rows for swizzled scale factors): {_fallback(m)}",)
+                    f"(a row, or 128 rows for swizzled scale factors)" + ("" if fused else f": {_fallback(m)}"),)
         # The one-shot's buffers bound it whatever the crossovers say: a larger message would overrun them.
         oneshot_bytes = limits.oneshot_bytes if limits.oneshot_bytes is not None else limits.workspace_bytes
         forced = m.strategy in ("oneshot", "twoshot")
@@ -489,6 +489,16 @@ def plan(call: Call, m: Machine) -> Plan:
     return Plan(Collective.NONE, TailRoute.SEPARATED, None, tuple(why), "separated")
 
 
+def _first_route(call: Call, m: Machine, fused: bool, reasons: list) -> Route:
+    """The first collective route that takes the call (fused: with its tail), the others' reasons added."""
+    for route in COLLECTIVE_ROUTES:
+        why = route.accepts(call, m, fused)
+        if why is None:
+            return route
+        reasons.extend(why)
+    raise RuntimeError(f"no route takes a call over the {m.backend!r} backend")  # the backend's route takes all
+
+
 def _collective_plan(call: Call, m: Machine, reasons: list) -> Plan:
     fused = False
     if call.spec is not None:
@@ -496,13 +506,18 @@ def _collective_plan(call: Call, m: Machine, reasons: list) -> Plan:
         if why:
             reasons.append(why)
         fused = why is None
-    for route in COLLECTIVE_ROUTES:
-        why = route.accepts(call, m, fused)
-        if why is None:
-            break
-        reasons.extend(why)
-    else:  # pragma: no cover - the backend's route takes every call
-        raise RuntimeError(f"no route takes a call over the {m.backend!r} backend")
+    route = _first_route(call, m, fused, reasons)
+    if fused and not isinstance(route, P2PRoute) and (m.strategy in ("oneshot", "twoshot") or
+                                                      _rejects(route.kernel, call, m, call.spec)):
+        # The P2P kernel refused the fused tail (its hidden-size limit; no 128 rows of swizzled scale factors fit
+        # the workspace), not the all-reduce: where the group's own collective cannot fuse the tail either, or
+        # the strategy forces P2P, the P2P all-reduce runs with the tail separated, as it would with fusion off.
+        plain = next((r for r in _P2P_ROUTES if r.accepts(call, m, False) is None), None)
+        if plain is not None:
+            why = (f"strategy {m.strategy!r}" if m.strategy in ("oneshot", "twoshot") else
+                   f"{route.name} cannot fuse the tail either")
+            reasons.append(f"the P2P all-reduce with the tail separated ({why})")
+            route, fused = plain, False
     why = route.chosen(call, m, fused)
     if why:
         reasons.append(why)

@@ -166,12 +166,28 @@ def test_chunk_rows(t, h, quant, sf_layout, pieces):
     c = call(t=t, h=h, quant=quant, sf_layout=sf_layout)
     p = plan(c, mode="p2p", limits=OVER, strategy="twoshot")
     if pieces:
-        assert p.collective == "p2p_twoshot", str(p)
-    else:  # 128 rows of swizzled NVFP4 scale factors do not fit: no piece, NCCL
-        assert p.collective == "nccl" and "holds no piece" in " ".join(p.reasons), str(p)
+        assert (p.collective, p.tail) == ("p2p_twoshot", "fused"), str(p)
+    else:  # 128 rows of swizzled NVFP4 scale factors do not fit: the forced P2P all-reduce, its tail separated
+        assert (p.collective, p.tail) == ("p2p_twoshot", "separated") and "holds no piece" in " ".join(p.reasons)
+        assert "the P2P all-reduce with the tail separated (strategy 'twoshot')" in p.reasons, str(p)
+        auto = plan(c, mode="p2p", limits=OVER)  # not forced: NCCL, whose fused_tail takes the tail
+        assert (auto.collective, auto.tail, auto.kernel) == ("nccl", "fused", "fused_tail"), str(auto)
     # With the tail separated the P2P kernel is a plain all-reduce: pieces of any 16 bytes fit.
     p = plan(c, mode="p2p", limits=OVER, strategy="twoshot", fusion=False)
     assert (p.collective, p.tail, p.route) == ("p2p_twoshot", "separated", "separated"), str(p)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_a_tail_no_kernel_fuses_keeps_the_p2p_all_reduce(quant):
+    """Rows longer than any kernel's fused tail (h 131072 > 65536): the tail is separated whatever the route, so
+    the plan keeps the P2P all-reduce it would take with fusion off, rather than leaving P2P for NCCL."""
+    c = call(t=16, h=1 << 17, quant=quant)
+    p = plan(c, mode="p2p", limits=LIMITS)
+    off = plan(c, mode="p2p", limits=LIMITS, fusion=False)
+    assert (p.collective, p.tail, p.route) == (off.collective, "separated", "separated") == \
+        ("p2p_twoshot", "separated", "separated"), str(p)
+    assert "the P2P all-reduce with the tail separated (nccl cannot fuse the tail either)" in p.reasons, str(p)
+    assert plan(c).collective == "nccl" and plan(c).tail == "separated"  # no P2P: NCCL, the tail separated
 
 
 def test_strategy_nccl_forces_fallback_row_on_p2p_machine():
