@@ -205,10 +205,12 @@ class Communicator:
         all raise naming them. Raising before that collective would leave the peers waiting in it for the group's
         timeout, then with broken connections. "number": the Communicator's number among its group's, agreed."""
         given = os.environ.get("COMMFUSE_STRATEGY")
-        name, strategy = ("COMMFUSE_STRATEGY", given) if given else ("strategy", strategy)
         try:
-            if strategy not in STRATEGIES:
-                raise ValueError(f"{name} must be one of {STRATEGIES}, got {strategy!r}")
+            # The argument is checked even where the variable overrides it: a wrong one is the caller's error.
+            for name, value in (("strategy", strategy), ("COMMFUSE_STRATEGY", given or strategy)):
+                if value not in STRATEGIES:
+                    raise ValueError(f"{name} must be one of {STRATEGIES}, got {value!r}")
+            strategy = given or strategy
             settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
                         ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
                         ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),

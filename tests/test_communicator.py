@@ -719,6 +719,9 @@ def test_unknown_strategy_raises(comm, monkeypatch):
     monkeypatch.setenv("COMMFUSE_STRATEGY", "AUTO")  # the variable named, not the argument it overrides
     with pytest.raises(ValueError, match="^COMMFUSE_STRATEGY must be one of .*, got 'AUTO'"):
         Communicator(comm.group)
+    monkeypatch.setenv("COMMFUSE_STRATEGY", "nccl")  # a wrong argument is refused even where the variable rules
+    with pytest.raises(ValueError, match="^strategy must be one of .*, got 'fastest'"):
+        Communicator(comm.group, strategy="fastest")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -286,15 +286,20 @@ def test_group_probe_names_ranks_whose_overrides_differ(monkeypatch, capsys):
     monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 2, 0, "mpi"))
     monkeypatch.setattr("commfuse.distributed.init_distributed", lambda: (0, 2))
     monkeypatch.setattr(topology, "detect", lambda: topo)
-    monkeypatch.setattr(probe_cli, "gather_objects",
-                        lambda group, mine: [mine, dict(theirs, COMMFUSE_PRETEND_NO_P2P="1")])
     monkeypatch.setattr(dist, "is_initialized", lambda: False)  # nothing of the test session's to destroy
     for k in probe_cli.OVERRIDES:
         monkeypatch.delenv(k, raising=False)
-    assert probe_cli.main(["--json"]) == 0
-    notes = json.loads(capsys.readouterr().out)["notes"]
-    assert any("ranks set the overrides differently" in n and "rank 1: " in n
-               and "'COMMFUSE_PRETEND_NO_P2P': '1'" in n for n in notes), notes
+    for other, differs in ((dict(theirs, COMMFUSE_PRETEND_NO_P2P="1"), True),
+                           (dict(theirs, COMMFUSE_STRATEGY="twoshot"), True),
+                           # What a Communicator reads as rank 0's unset values: no difference to note.
+                           (dict(theirs, COMMFUSE_STRATEGY="auto", COMMFUSE_DISABLE_FUSION="0",
+                                 COMMFUSE_PRETEND_NO_P2P=""), False)):
+        monkeypatch.setattr(probe_cli, "gather_objects", lambda group, mine: [mine, other])
+        assert probe_cli.main(["--json"]) == 0
+        notes = json.loads(capsys.readouterr().out)["notes"]
+        noted = [n for n in notes if "ranks set the overrides differently" in n]
+        assert bool(noted) == differs, (other, notes)
+        assert not differs or ("rank 1: " in noted[0] and repr(other)[1:-1] in noted[0]), noted
 
 
 def test_bus_ids_normalised():

@@ -56,6 +56,13 @@ OVERRIDES = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_F
 _SHORT = {p: "+" + p[len("residual_rmsnorm_"):] if p != "residual_rmsnorm" else "rmsnorm" for p in topology.PATTERNS}
 
 
+def _effective(overrides: dict) -> tuple:
+    """What a Communicator makes of the OVERRIDES' strings, which its ranks compare (Communicator._agreed_settings):
+    the strategy ("auto" where unset or empty), and the switches, on only at "1"."""
+    return (overrides["COMMFUSE_STRATEGY"] or "auto", overrides["COMMFUSE_PRETEND_NO_P2P"] == "1",
+            overrides["COMMFUSE_DISABLE_FUSION"] == "1")
+
+
 def _sm(sm):
     return None if sm is None else f"{sm[0]}.{sm[1]}"
 
@@ -232,7 +239,7 @@ def main(argv=None) -> int:
         if topo.rank != 0:
             return 0
         rep = group_report(topo, launcher)
-        differ = [f"rank {r}: {o}" for r, o in enumerate(overrides) if o != overrides[0]]
+        differ = [f"rank {r}: {o}" for r, o in enumerate(overrides) if _effective(o) != _effective(overrides[0])]
         if differ:
             rep["notes"].append(f"ranks set the overrides differently (rank 0: {overrides[0]}; " + "; ".join(differ)
                                 + "): a Communicator raises ValueError; this report is rank 0's")
