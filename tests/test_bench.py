@@ -909,6 +909,20 @@ def test_bad_options_are_named(argv, error, capsys):
     assert error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, value", [("COMMFUSE_STRATEGY", "nccl"), ("COMMFUSE_DISABLE_FUSION", "1"),
+                                         ("COMMFUSE_PRETEND_NO_P2P", "1")])
+def test_overrides_that_would_relabel_commfuse_rows_are_refused(monkeypatch, capsys, name, value):
+    """COMMFUSE_STRATEGY would make every commfuse row run that strategy (the auto row timing NCCL under its
+    name), the other two their tails separated or P2P off: the benchmark refuses them, naming the variable."""
+    for other in ("COMMFUSE_STRATEGY", "COMMFUSE_DISABLE_FUSION", "COMMFUSE_PRETEND_NO_P2P"):
+        monkeypatch.delenv(other, raising=False)
+    assert cli.parse_args(["--quick"]).quick
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--quick"])
+    assert f"{name} is set ({value!r})" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("raw", ["abc", "0", "1e10", "1e-9"])
 def test_a_bad_timeout_is_named(raw, monkeypatch, capsys, tmp_path):
     """COMMFUSE_BENCH_TIMEOUT outside env.seconds' range: one line naming it and exit status 2, before any
