@@ -263,7 +263,8 @@ def plan(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-
          weight_offset: float = 0.0, scale_layout: str = "row", scale_ue8m0: bool = False, out=None) -> Plan:
     """The route `fused_add_rmsnorm(...)` takes with these arguments, without running it: a
     commfuse.Plan with collective "none", tail "fused" (kernel fused_tail) or "separated" and the reason.
-    Raises on the same argument errors as the call."""
+    Raises on the same argument errors as the call. It reads COMMFUSE_DISABLE_FUSION now, as a call's first
+    plan of its signature does: a signature already called keeps the route it was planned with."""
     spec = _tail_spec(quant, return_norm, eps, weight_offset, sf_layout, scale_layout, scale_ue8m0)
     return routes.plan(_local_call(x, residual, weight, scale, out, spec), Machine.local(x.device))
 
