@@ -1,9 +1,11 @@
 """Tensor-parallel sharding of a Hugging Face decoder, the usual (Megatron) way, in place: so that "any
 model, unchanged" can be tried on transformers' own classes in a few lines.
 
-    model = transformers.AutoModelForCausalLM.from_config(config)    # or from_pretrained(...)
-    commfuse.sharding.shard_decoder(model)                            # every rank, the same weights
-    compiled = commfuse.fusion.compile(model, commfuse.Communicator())
+    comm = commfuse.Communicator()
+    torch.manual_seed(0)                                   # from_config draws the weights: alike on every rank
+    model = transformers.AutoModelForCausalLM.from_config(config).to(comm.device, torch.bfloat16).eval()
+    commfuse.sharding.shard_decoder(model)                 # (or from_pretrained(...), then .to(comm.device))
+    compiled = commfuse.fusion.compile(model, comm)
 
 Per decoder layer: the attention's q_proj / k_proj / v_proj and the MLP's gate_proj / up_proj become
 column-parallel (each rank keeps its 1 / world of the heads and of the intermediate features, biases
@@ -35,7 +37,9 @@ Each attention is sharded by its own key-value heads (its k_proj's: MiMo-V2-Flas
 twice the config's); where they are fewer than the ranks (and divide them) they are replicated: each rank keeps
 the one its queries read. An attention or MLP holding any other weighted part, a projection that is not a plain
 nn.Linear or whose sharded features do not divide, or a head count that does not divide, is refused (ValueError)
-rather than sharded wrong. The sharded model is for inference: its parameters do not require grad.
+rather than sharded wrong. The ranks must hold the same weights (each shards its part of them): they compare a
+checksum of each parameter's bits first, and raise where any differs. The sharded model is for inference: its
+parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan,
@@ -355,6 +359,10 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
         # One head's weight (and bias) that every head shares; not one per head, nor one over the projection.
         w = getattr(norm, "weight", None)
         if not (isinstance(w, torch.Tensor) and len(params) <= 2 and all(p.numel() == head_dim for p in params)):
+            if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[-1] == head_dim:
+                raise ValueError(f"{path}.{name} has a weight of its own for each head {tuple(w.shape)} (Cohere's): "
+                                 "shard_decoder shares out only norms whose one head's weight every head shares; "
+                                 "not a decoder shard_decoder knows")
             what = f"{w.numel()} features" if isinstance(w, torch.Tensor) else f"with {len(params)} weights"
             whole = isinstance(w, torch.Tensor) and w.numel() == q_proj.out_features
             raise ValueError(f"{path}.{name} normalises {what}, not one head's {head_dim}: sharding the heads "
@@ -420,6 +428,32 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
         layer.num_key_value_groups = heads // world // (kv // kv_parts)  # kv_parts divides kv (_kv_share)
 
 
+def _bits_sum(t: torch.Tensor) -> torch.Tensor:
+    """A checksum of t's bits: their integers summed in int64 (exact, so in any order the same on every device)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(ints).sum(dtype=torch.int64)
+
+
+def _check_same_weights(model: nn.Module, group, kind: str) -> None:
+    """Raise ValueError on every rank where the ranks' parameters differ (a checksum of each one's bits,
+    all-gathered): each rank would shard weights of its own, and the sharded model sum garbage. Parameters on the
+    meta device (no values yet) are left out."""
+    named = [(path, p) for path, p in model.named_parameters() if not p.is_meta]
+    if not named or dist.get_world_size(group) == 1:
+        return
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.stack([_bits_sum(p).to(device) for _, p in named])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    for r, theirs in enumerate(every):
+        differ = (theirs != every[0]).nonzero()
+        if len(differ):
+            raise ValueError(f"{kind}: the ranks hold different weights ({named[int(differ[0])][0]} differs between "
+                             f"group ranks 0 and {r}): shard_decoder needs the same weights on every rank (seed "
+                             "from_config alike on each, or load them with from_pretrained)")
+
+
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     """Shard `model` (a transformers decoder: *ForCausalLM or its base model) over `group` (None:
     WORLD) in place, for inference (no parameter requires grad), and return it. Every rank must call it with the
@@ -431,8 +465,9 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     an attention's q/k norm spans more than one head or its sinks are not one per head, where a decoder layer
     holds a weight matrix outside its attention, MLP and MoE block (an attention or MLP of another shape, a Mamba
     mixer; Qwen3-Next's linear attention excepted, left whole), where a config size is not one int, where the
-    model has no layer of the known shape, or where it is sharded already (by this function, or by transformers'
-    tp_plan: DTensor weights)."""
+    model has no layer of the known shape, where it is sharded already (by this function, or by transformers'
+    tp_plan: DTensor weights), or, on every rank, where the ranks' weights differ (_check_same_weights: a model
+    made by from_config on each rank without one seed)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -484,6 +519,7 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
             _check_layer(path, layer, attention, heads, sizes["num_key_value_heads"], world)
     except ValueError as e:
         raise ValueError(f"{kind}: {e}") from None
+    _check_same_weights(model, group, kind)
     for _, block in blocks:
         _shard_moe_block(block, rank, world, group)
     for _, layer, attention in layers:

@@ -52,6 +52,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", 
 # MLPs of other shapes, which would stay whole on every rank: gate and up fused in one projection (GLM), c_fc /
 # c_proj (Starcoder2).
 OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}), "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
+          "cohere": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
           "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}), "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
           "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"pad_token_id": 0}),
           # Attentions of other shapes: one projection for the queries and an output gate (MiniCPM5-MoE's
@@ -295,6 +296,9 @@ def test_shard_decoder_errors(comm, monkeypatch):
     # Olmo2's q_norm / k_norm normalise the whole projection: a rank's share of the heads would change them
     for family, match in (("olmo2", r"^Olmo2ForCausalLM: model.layers.0.self_attn.q_norm normalises [0-9]+ features, "
                                     r"not one head's 16"),
+                          # Cohere's: a weight of its own for each head (one head's features, each its own)
+                          ("cohere", r"^CohereForCausalLM: model.layers.0.self_attn.q_norm has a weight of its own "
+                                     r"for each head \([0-9]+, 16\) \(Cohere's\)"),
                           ("diffllama", r"layers.0.self_attn \(DiffLlamaAttention\) has \['lambda_q1', 'lambda_k1', "
                                         r"'lambda_q2', 'lambda_k2'\] beside its projections"),
                           ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside"),
@@ -359,6 +363,28 @@ def test_shard_decoder_errors(comm, monkeypatch):
                                          "the model is parallelised"):
         shard_decoder(model)
     assert [p.shape for p in model.parameters()] == before
+
+
+@mpi
+def test_ranks_with_different_weights_are_refused(comm):
+    """A model made by from_config on each rank without one seed holds each rank's own weights, which sharded
+    would sum garbage: every rank raises, naming a parameter that differs, and leaves its model unsharded."""
+    if comm.world_size < 2:
+        pytest.skip("needs 2+ ranks")
+    import torch.distributed as dist
+
+    model = tiny("llama", torch.float32)
+    with torch.no_grad():  # one element of one weight, on the last rank only
+        if dist.get_rank() == comm.world_size - 1:
+            model.model.layers[1].mlp.up_proj.weight[3, 5] += 1
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM: the ranks hold different weights "
+                                         rf"\(model.layers.1.mlp.up_proj.weight differs between group ranks 0 and "
+                                         rf"{comm.world_size - 1}\)"):
+        shard_decoder(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert shard_decoder(tiny("llama", torch.float32)) is not None  # the same weights: sharded
 
 
 @mpi
