@@ -188,11 +188,14 @@ def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
         raise ValueError(f"MoE block {type(block).__name__} has {other} beside its router, experts and shared "
                          "expert: shard_decoder does not know how to shard them")
     inter = down.shape[down_axis] if down.dim() == 3 else 0
-    if up.dim() != 3 or down.dim() != 3 or up.shape[up_axis] != 2 * inter or inter % world:
+    if up.dim() != 3 or down.dim() != 3 or up.shape[up_axis] != 2 * inter:
         want = ("[experts, h, 2 * intermediate] and [experts, intermediate, h]" if up_axis == 2 else
                 "[experts, 2 * intermediate, h] and [experts, h, intermediate]")
-        raise ValueError(f"MoE experts with gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)}: "
-                         f"expected {want}, intermediate dividing by the world size {world}")
+        raise ValueError(f"{path}.experts hold gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)}: "
+                         f"not the layout {want}" + ("" if getattr(experts, "is_transposed", None) is not None else
+                                                     " (the experts say nothing of is_transposed)"))
+    if inter % world:
+        raise ValueError(f"{path}.experts' intermediate size {inter} does not divide by the world size {world}")
     if getattr(experts, "has_bias", False):
         h = up.shape[3 - up_axis]
         shapes = {n: tuple(b.shape) if isinstance(b := getattr(experts, n, None), torch.Tensor) else None

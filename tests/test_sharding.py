@@ -257,7 +257,8 @@ def test_shard_decoder_errors(comm, monkeypatch):
         shard_decoder(model)
     model = tiny("qwen2_moe", torch.float32)
     model.model.layers[0].mlp.experts.is_transposed = True  # the weights' shapes are not transposed ones
-    with pytest.raises(ValueError, match=r"expected \[experts, h, 2 \* intermediate\]"):
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts hold gate_up_proj \([0-9, ]+\) and down_proj "
+                                         r"\([0-9, ]+\): not the layout \[experts, h, 2 \* intermediate\]"):
         shard_decoder(model)
     model = tiny("qwen2_moe", torch.float32)
     model.model.layers[0].mlp.experts.has_post_expert_norm = True  # a norm of each expert's partial product
@@ -287,12 +288,21 @@ def test_shard_decoder_errors(comm, monkeypatch):
     model.model.layers[1].mlp.extra = torch.nn.Linear(4, 4)  # would be summed once per rank by the all-reduce
     with pytest.raises(ValueError, match=r"has \['extra'\] beside its router"):
         shard_decoder(model)
-    model = tiny("mixtral", torch.float32)
-    model.model.layers[1].mlp.experts.down_proj.data = torch.zeros(4, model.config.hidden_size, 2 * comm.world_size + 1)
-    before = [p.shape for p in model.parameters()]
-    with pytest.raises(ValueError, match="intermediate dividing by the world size"):
-        shard_decoder(model)
-    assert [p.shape for p in model.parameters()] == before  # checked before anything is sharded
+    odd, h = 2 * comm.world_size + 1, None
+    for which in ("layout", "divides"):  # a down_proj of another width than gate_up_proj's; both of an odd one
+        model = tiny("mixtral", torch.float32)
+        experts, h = model.model.layers[1].mlp.experts, model.config.hidden_size
+        experts.down_proj.data = torch.zeros(4, h, odd)
+        if which == "divides":
+            experts.gate_up_proj.data = torch.zeros(4, 2 * odd, h)
+        before = [p.shape for p in model.parameters()]
+        match = (rf"^MixtralForCausalLM: model.layers.1.mlp.experts hold gate_up_proj \(4, [0-9]+, {h}\) and down_proj "
+                 rf"\(4, {h}, {odd}\): not the layout \[experts, 2 \* intermediate, h\]" if which == "layout" else
+                 rf"^MixtralForCausalLM: model.layers.1.mlp.experts' intermediate size {odd} does not divide by the "
+                 rf"world size {comm.world_size}$")
+        with pytest.raises(ValueError, match=match):
+            shard_decoder(model)
+        assert [p.shape for p in model.parameters()] == before  # checked before anything is sharded
     # Olmo2's q_norm / k_norm normalise the whole projection: a rank's share of the heads would change them
     for family, match in (("olmo2", r"^Olmo2ForCausalLM: model.layers.0.self_attn.q_norm normalises [0-9]+ features, "
                                     r"not one head's 16"),
