@@ -24,6 +24,7 @@ from torch import Tensor
 
 from . import reference, routes
 from .routes import CallMismatchError
+from .kernels import jit
 from .kernels.moe_combine import MOE_COMBINE, index_limits, run
 from .kernels.moe_tail import MOE_TAIL
 from .tail import checks
@@ -41,7 +42,7 @@ def plan(y: Tensor, weights: Tensor, m: routes.Machine) -> Tuple[str, Optional[s
     if y.device.type != "cuda" or m.sm is None:
         return "separated", f"combine: tensors on {y.device.type}: the combine kernel needs CUDA tensors"
     t, k = weights.shape
-    why = MOE_COMBINE.rejects_combine(y.dtype, m.sm, y.shape[-1], t, k, y.shape[0])
+    why = jit.cannot_target(tuple(m.sm)) or MOE_COMBINE.rejects_combine(y.dtype, m.sm, y.shape[-1], t, k, y.shape[0])
     return ("separated", f"combine: {why}") if why else ("kernel", None)
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import reference
 from .distributed import rank_label
-from .kernels import native
+from .kernels import jit, native
 from .kernels.family import CTYPE, Family
 from .kernels.fused_tail import FUSED_TAIL
 from .kernels.gated_norm import GATED_NORM
@@ -228,6 +228,9 @@ def tail_guard(call: Call, m: Machine) -> Optional[str]:
         return f"tensors on {call.x.device.type}: fused kernels need CUDA tensors"
     if tuple(m.sm) < MIN_FUSED_SM:
         return f"SM {m.sm[0]}.{m.sm[1]} < {MIN_FUSED_SM[0]}.{MIN_FUSED_SM[1]}: no fused kernels"
+    why = jit.cannot_target(tuple(m.sm))
+    if why:
+        return why
     if call.x.dtype not in FUSED_DTYPES:
         return f"dtype {call.x.dtype}: fused kernels take float16 and bfloat16"
     # (Strided tensors are no reason: the launchers read a dense copy. Nothing here may differ between

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import ipc
+from .kernels import jit
 from .tail.formats import FORMATS
 
 MIN_FUSED_SM = (8, 0)  # the oldest SM the kernels are built for
@@ -149,7 +150,7 @@ def fusion_capability(sm: Optional[tuple]) -> dict:
     converted in software (below the format's hw_sm: FP8 below SM 8.9, e2m1 below 10.0); "separated":
     plain torch ops.
     """
-    if sm is None or tuple(sm) < MIN_FUSED_SM:
+    if sm is None or tuple(sm) < MIN_FUSED_SM or jit.cannot_target(tuple(sm)):
         return {p: "separated" for p in PATTERNS}
     return {p: "fused-hw" if tuple(sm) >= f.hw_sm else "fused-sw" for p, f in zip(PATTERNS, FORMATS)}
 
@@ -212,6 +213,9 @@ def _decide_gpu_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]], p
     if sms and sms[0] < MIN_FUSED_SM:
         return "fallback", (f"SM {sms[0][0]}.{sms[0][1]} < {MIN_FUSED_SM[0]}.{MIN_FUSED_SM[1]}: "
                             f"no P2P kernels, {fallback}",)
+    newer = jit.cannot_target(sms[0]) if sms else None  # a GPU newer than the NVRTC: no kernel compiles for it
+    if newer:
+        return "fallback", (f"{newer.split(':')[0]}: no P2P kernels, {fallback}",)
     if pretend_no_p2p:
         return "fallback", ("COMMFUSE_PRETEND_NO_P2P=1: P2P treated as absent",)
     missing = [(i, j) for i in range(len(ranks)) for j in range(len(ranks)) if i != j and not p2p[i][j]]

@@ -105,6 +105,28 @@ def test_guard_failure_takes_separated_path_with_reason(case, why):
     assert any(why in r for r in p.reasons), p.reasons
 
 
+def test_a_gpu_newer_than_nvrtc_knows_takes_the_separated_ops(monkeypatch):
+    """An SM the loaded NVRTC cannot compile for (a GPU newer than it) is a guard like an old SM: the separated ops,
+    with the reason naming NVRTC's version and range, rather than a compile error at the first call."""
+    from commfuse.kernels import jit
+
+    monkeypatch.setattr(jit, "supported_archs", lambda: (75, 80, 86, 89, 90, 100, 120))
+    monkeypatch.setattr(jit, "nvrtc_version", lambda: (12, 8))
+    jit.cannot_target.cache_clear()
+    try:
+        p = plan(call(quant="nvfp4"), sm=(12, 1))
+        assert (p.tail, p.route) == ("separated", "separated"), str(p)
+        assert "NVRTC 12.8 cannot compile for sm_121 (it targets sm_75 to sm_120): no fused kernels" in p.reasons
+        assert plan(call(quant="nvfp4"), sm=(12, 0)).tail == "fused"
+        from commfuse import moe  # the MoE combine kernel neither
+        y, w = meta((4, 2, 256)), meta((4, 2), torch.float32)
+        why = "combine: NVRTC 12.8 cannot compile for sm_121 (it targets sm_75 to sm_120): no fused kernels"
+        assert moe.plan(y, w, Machine("fallback", sm=(12, 1), world_size=2, backend="nccl")) == ("separated", why)
+        assert moe.plan(y, w, Machine("fallback", sm=(12, 0), world_size=2, backend="nccl")) == ("kernel", None)
+    finally:
+        jit.cannot_target.cache_clear()
+
+
 def test_family_limits_reject_with_the_family_name():
     class Small(Family):
         name = "small"

@@ -67,6 +67,23 @@ def test_old_sm_everywhere_falls_back():
     assert mode == "fallback" and "7.5 < 8.0" in reasons[0]
 
 
+def test_an_sm_newer_than_nvrtc_falls_back(monkeypatch):
+    """No kernel compiles for a GPU newer than the loaded NVRTC, the P2P all-reduce's neither: the fallback mode,
+    saying so, rather than a compile error at the Communicator's first call."""
+    from commfuse.kernels import jit
+
+    monkeypatch.setattr(jit, "supported_archs", lambda: (80, 90, 100))
+    monkeypatch.setattr(jit, "nvrtc_version", lambda: (12, 8))
+    jit.cannot_target.cache_clear()
+    try:
+        mode, reasons = decide_mode([gpu(sm=(12, 0), device=0), gpu(sm=(12, 0), device=1)], full(2))
+        assert mode == "fallback" and reasons[0] == ("NVRTC 12.8 cannot compile for sm_120 (it targets sm_80 to "
+                                                     "sm_100): no P2P kernels, NCCL"), reasons
+        assert decide_mode([gpu(sm=(10, 0), device=0), gpu(sm=(10, 0), device=1)], full(2))[0] == "p2p"
+    finally:
+        jit.cannot_target.cache_clear()
+
+
 def test_two_nodes_fall_back_even_with_p2p_everywhere():
     ranks = [gpu("a", device=0), gpu("a", device=1), gpu("b", device=0), gpu("b", device=1)]
     mode, reasons = decide_mode(ranks, full(4))

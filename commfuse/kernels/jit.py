@@ -57,6 +57,7 @@ __all__ = [
     "arch_for_capability",
     "nvrtc_version",
     "supported_archs",
+    "cannot_target",
     "CSRC_DIR",
     "disable_pdl",
     "on_pdl_off",
@@ -129,6 +130,22 @@ def nvrtc_version() -> Tuple[int, int]:
 def supported_archs() -> Tuple[int, ...]:
     """Compute capabilities (80, 90, 100, ...) the loaded NVRTC can target."""
     return tuple(_nvrtc_check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+
+@functools.lru_cache(maxsize=None)
+def cannot_target(capability: Tuple[int, int]) -> Optional[str]:
+    """Why the loaded NVRTC cannot compile the kernels for a GPU of this compute capability (one newer than it
+    knows), or None; None too where NVRTC does not load, which building the kernels then reports."""
+    try:
+        archs = supported_archs()
+        version = nvrtc_version()
+    except JitError:
+        return None
+    cc = 10 * capability[0] + capability[1]
+    if cc in archs:
+        return None
+    return (f"NVRTC {version[0]}.{version[1]} cannot compile for sm_{cc} (it targets sm_{min(archs)} to "
+            f"sm_{max(archs)}): no fused kernels")
 
 
 @functools.cache
