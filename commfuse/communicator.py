@@ -205,11 +205,12 @@ class Communicator:
         all raise naming them. Raising before that collective would leave the peers waiting in it for the group's
         timeout, then with broken connections. "number": the Communicator's number among its group's, agreed."""
         given = os.environ.get("COMMFUSE_STRATEGY")
+        name = "COMMFUSE_STRATEGY" if given else "strategy"  # where the strategy comes from, sent to the peers
         try:
             # The argument is checked even where the variable overrides it: a wrong one is the caller's error.
-            for name, value in (("strategy", strategy), ("COMMFUSE_STRATEGY", given or strategy)):
+            for source, value in (("strategy", strategy), (name, given or strategy)):
                 if value not in STRATEGIES:
-                    raise ValueError(f"{name} must be one of {STRATEGIES}, got {value!r}")
+                    raise ValueError(f"{source} must be one of {STRATEGIES}, got {value!r}")
             strategy = given or strategy
             settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
                         ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),

@@ -515,11 +515,17 @@ def _collective_plan(call: Call, m: Machine, reasons: list) -> Plan:
         # The P2P kernel refused the fused tail (its hidden-size limit; no 128 rows of swizzled scale factors fit
         # the workspace), not the all-reduce: where the group's own collective cannot fuse the tail either, or
         # the strategy forces P2P, the P2P all-reduce runs with the tail separated, as it would with fusion off.
-        plain = next((r for r in _P2P_ROUTES if r.accepts(call, m, False) is None), None)
+        plain, skipped = None, []  # skipped: why a P2P algorithm passed over takes no plain all-reduce either
+        for p2p_route in _P2P_ROUTES:
+            why = p2p_route.accepts(call, m, False)
+            if why is None:
+                plain = p2p_route
+                break
+            skipped.extend(why)
         if plain is not None:
             why = (f"strategy {m.strategy!r}" if m.strategy in ("oneshot", "twoshot") else
                    f"{route.name} cannot fuse the tail either")
-            reasons.append(f"the P2P all-reduce with the tail separated ({why})")
+            reasons += [f"the P2P all-reduce with the tail separated ({why})", *skipped]
             route, fused = plain, False
     why = route.chosen(call, m, fused)
     if why:

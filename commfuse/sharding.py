@@ -431,30 +431,43 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
         layer.num_key_value_groups = heads // world // (kv // kv_parts)  # kv_parts divides kv (_kv_share)
 
 
-def _bits_sum(t: torch.Tensor) -> torch.Tensor:
-    """A checksum of t's bits: their integers summed in int64 (exact, so in any order the same on every device)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.detach().contiguous().view(ints).sum(dtype=torch.int64)
+_SUM_CHUNK = 1 << 22  # elements a step: the int64 sum casts its input, so a step's temporary is 32 MiB
+
+
+def _bits_sum(t: torch.Tensor) -> int:
+    """A checksum of t's bits: their integers summed in int64 (exact, so in any order the same on every device),
+    in chunks (a sum to int64 first casts what it reads)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
+    flat = t.detach().contiguous().view(-1)
+    flat = flat.view(torch.uint8).view(ints) if flat.dtype != ints else flat
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for i in range(0, flat.numel(), _SUM_CHUNK):
+        total += flat[i:i + _SUM_CHUNK].sum(dtype=torch.int64)
+    return int(total)
 
 
 def _check_same_weights(model: nn.Module, group, kind: str) -> None:
     """Raise ValueError on every rank where the ranks' parameters differ (a checksum of each one's bits,
-    all-gathered): each rank would shard weights of its own, and the sharded model sum garbage. Parameters on the
-    meta device (no values yet) are left out."""
-    named = [(path, p) for path, p in model.named_parameters() if not p.is_meta]
-    if not named or dist.get_world_size(group) == 1:
+    all-gathered): each rank would shard weights of its own, and the sharded model sum garbage. A parameter on the
+    meta device (no values yet) counts by its name alone. A rank whose checksums fail (out of memory) sends its
+    error, and every rank raises."""
+    if dist.get_world_size(group) == 1:
         return
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    mine = torch.stack([_bits_sum(p).to(device) for _, p in named])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
+    try:
+        mine = [(path, None if p.is_meta else _bits_sum(p)) for path, p in model.named_parameters()]
+    except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
+        mine = f"{type(e).__name__}: {e}"
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     for r, theirs in enumerate(every):
-        differ = (theirs != every[0]).nonzero()
-        if len(differ):
-            raise ValueError(f"{kind}: the ranks hold different weights ({named[int(differ[0])][0]} differs between "
-                             f"group ranks 0 and {r}): shard_decoder needs the same weights on every rank (seed "
-                             "from_config alike on each, or load them with from_pretrained)")
+        if isinstance(theirs, str):
+            raise ValueError(f"{kind}: group rank {r} could not checksum its weights ({theirs})")
+    for r, theirs in enumerate(every):
+        if theirs != every[0]:
+            paths = [a[0] for a, b in zip(every[0], theirs) if a != b] or ["the parameters' names"]
+            raise ValueError(f"{kind}: the ranks hold different weights ({paths[0]} differs between group ranks 0 "
+                             f"and {r}): shard_decoder needs the same weights on every rank (seed from_config alike "
+                             "on each, or load them with from_pretrained)")
 
 
 def shard_decoder(model: nn.Module, group=None) -> nn.Module:

@@ -921,6 +921,9 @@ def test_overrides_that_would_relabel_commfuse_rows_are_refused(monkeypatch, cap
     with pytest.raises(SystemExit):
         cli.parse_args(["--quick"])
     assert f"{name} is set ({value!r})" in capsys.readouterr().err
+    if name != "COMMFUSE_STRATEGY":  # the switches read "1" alone: "0" changes nothing
+        monkeypatch.setenv(name, "0")
+        assert cli.parse_args(["--quick"]).quick
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "1e10", "1e-9"])

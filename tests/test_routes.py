@@ -210,6 +210,11 @@ def test_a_tail_no_kernel_fuses_keeps_the_p2p_all_reduce(quant):
         ("p2p_twoshot", "separated", "separated"), str(p)
     assert "the P2P all-reduce with the tail separated (nccl cannot fuse the tail either)" in p.reasons, str(p)
     assert plan(c).collective == "nccl" and plan(c).tail == "separated"  # no P2P: NCCL, the tail separated
+    # A forced one-shot over its buffers: two-shot, and the reasons say why, as with fusion off.
+    small = P2PLimits(64 << 20, (("oneshot", 1 << 20), ("twoshot", 32 << 20)), oneshot_bytes=1 << 20)
+    p = plan(c, mode="p2p", limits=small, strategy="oneshot")
+    assert (p.collective, p.tail) == ("p2p_twoshot", "separated"), str(p)
+    assert "message 4194304 B > one-shot buffers 1048576 B: two-shot" in p.reasons, str(p)
 
 
 def test_strategy_nccl_forces_fallback_row_on_p2p_machine():

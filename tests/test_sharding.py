@@ -375,6 +375,25 @@ def test_shard_decoder_errors(comm, monkeypatch):
     assert [p.shape for p in model.parameters()] == before
 
 
+def test_bits_sum_is_the_exact_sum_of_the_bits_in_chunks(monkeypatch):
+    """The weights' checksum: every element's bits as an integer, summed exactly (int64), whatever the element
+    size (a 16-byte complex128 by its bytes) or layout, in chunks that bound the int64 temporary."""
+    from commfuse import sharding
+
+    monkeypatch.setattr(sharding, "_SUM_CHUNK", 7)  # several chunks and a short last one
+    gen = torch.Generator().manual_seed(5)
+    for t in (torch.randn(5, 9, generator=gen).to(torch.bfloat16), torch.randn(3, 11, generator=gen),
+              torch.randn(4, 6, generator=gen)[:, ::2], torch.randn(10, generator=gen).to(torch.float8_e4m3fn),
+              torch.randn(5, generator=gen, dtype=torch.complex128)):
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(t.element_size(), torch.uint8)
+        want = int(t.contiguous().view(-1).view(torch.uint8).view(ints).to(torch.int64).sum())
+        assert sharding._bits_sum(t) == want, t.dtype
+    flipped = torch.randn(5, 9, generator=gen)
+    other = flipped.clone()
+    other.view(torch.int32)[2, 3] ^= 1  # one bit of one element
+    assert sharding._bits_sum(other) != sharding._bits_sum(flipped)
+
+
 @mpi
 def test_ranks_with_different_weights_are_refused(comm):
     """A model made by from_config on each rank without one seed holds each rank's own weights, which sharded

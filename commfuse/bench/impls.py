@@ -277,8 +277,10 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
         kw = dict(eps=case.eps, quant=p.quant, scale=case.scale, return_norm=p.return_norm, sf_layout=SF_LAYOUT,
                   **p.scaled)
         plan = comm.plan(x, residual, case.weight, **kw) if p.tail else comm.plan(x)
-        # A forced P2P algorithm is timed only where it runs (one-shot above its buffers runs two-shot).
-        if strategy in ("oneshot", "twoshot") and plan.collective != f"p2p_{strategy}":
+        # A forced P2P algorithm is timed only where it runs (one-shot above its buffers runs two-shot), with the
+        # tail in its kernel (a tail the P2P kernel refuses runs separated after it).
+        if strategy in ("oneshot", "twoshot") and (plan.collective != f"p2p_{strategy}" or
+                                                   (p.tail and plan.tail != "fused")):
             raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
         ctx.plans.append({"impl": impl or IMPL_OF_STRATEGY[strategy], "pattern": p.name, "dtype": case.dname,
                           "tokens": case.tokens, "hidden": case.hidden, "collective": plan.collective,
@@ -325,7 +327,7 @@ def _prep_commfuse_moe(ctx: Ctx, case: Case, comm: Communicator, strategy: str, 
     m0, (x, residual) = case.moe_set(0), case.input_set(0)
     kw = dict(eps=case.eps, quant=p.quant, scale=case.scale, return_norm=p.return_norm, sf_layout=SF_LAYOUT, **p.scaled)
     plan = comm.plan(x, residual, case.weight, **kw)  # the route of the combined rows (moe_all_reduce's)
-    if strategy in ("oneshot", "twoshot") and plan.collective != f"p2p_{strategy}":
+    if strategy in ("oneshot", "twoshot") and (plan.collective != f"p2p_{strategy}" or plan.tail != "fused"):
         raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
     # One call before the timed ones: it compiles and loads what it runs, and its plan is the route the
     # rows take (at world size 1 the one-kernel MoE tail, which comm.plan of the combined rows cannot say).
