@@ -17,6 +17,20 @@ def _bench():
     return mod
 
 
+def _wrong_after(bench, monkeypatch, right: int) -> None:
+    """commfuse.fused_add_rmsnorm as the bench calls it, right on its first `right` calls, then its residual off
+    by one."""
+    calls, fused = [], bench.commfuse.fused_add_rmsnorm
+
+    def wrong_later(*args, **kw):
+        r = fused(*args, **kw)
+        calls.append(1)
+        if len(calls) > right:
+            r.residual.add_(1)
+        return r
+    monkeypatch.setattr(bench.commfuse, "fused_add_rmsnorm", wrong_later)
+
+
 def test_local_ops_bench_checks_and_counts_bytes(tmp_path):
     bench = _bench()
     t, h = 3, 256
@@ -85,15 +99,7 @@ def test_a_row_wrong_from_the_plan_table_or_after_its_checks_is_rejected(monkeyp
         m.setattr(local, "_TABLE", Wrong())
         row = bench.main(argv)["rows"][0]
     assert row["commfuse"]["rejected"].startswith("output: "), row
-    calls, fused = [], local.fused_add_rmsnorm
-
-    def right_twice(*args, **kw):  # the two checked calls right, the timed ones not
-        r = fused(*args, **kw)
-        calls.append(1)
-        if len(calls) > 2:
-            r.residual.add_(1)
-        return r
-    monkeypatch.setattr(bench.commfuse, "fused_add_rmsnorm", right_twice)
+    _wrong_after(bench, monkeypatch, 2)  # the two checked calls right, the timed ones not
     row = bench.main(argv)["rows"][0]
     assert row["commfuse"]["rejected"].startswith("the last timed call: output: "), row
 
@@ -127,15 +133,7 @@ def test_paired_rounds_are_checked_and_reported(monkeypatch):
     v = bench.main(argv)["rows"][0]["paired"]
     assert v["rounds"] == 7 and v["commfuse"] > 0 and v["torch.compile"] > 0, v
     assert v["ratio_ci95"][0] <= v["ratio"] <= v["ratio_ci95"][1], v
-    calls, fused = [], bench.commfuse.fused_add_rmsnorm
-
-    def right_until_paired(*args, **kw):  # the checked and timed calls right (2 checks, 3 warm, 1 + 2 timed)
-        r = fused(*args, **kw)
-        calls.append(1)
-        if len(calls) > 8:
-            r.residual.add_(1)
-        return r
-    monkeypatch.setattr(bench.commfuse, "fused_add_rmsnorm", right_until_paired)
+    _wrong_after(bench, monkeypatch, 8)  # the checked and timed calls right (2 checks, 3 warm, 1 + 2 timed)
     row = bench.main(argv)["rows"][0]
     assert "rejected" not in row["commfuse"], row
     assert row["paired"]["rejected"].startswith("the last paired call: output: "), row
