@@ -434,16 +434,16 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
 _SUM_CHUNK = 1 << 22  # elements a step: the int64 sum casts its input, so a step's temporary is 32 MiB
 
 
-def _bits_sum(t: torch.Tensor) -> int:
-    """A checksum of t's bits: their integers summed in int64 (exact, so in any order the same on every device),
-    in chunks (a sum to int64 first casts what it reads)."""
+def _bits_sum(t: torch.Tensor) -> torch.Tensor:
+    """A checksum of t's bits, a 0-d int64 tensor on t's device: their integers summed in int64 (exact, so in any
+    order the same on every device), in chunks (a sum to int64 first casts what it reads)."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
     flat = t.detach().contiguous().view(-1)
     flat = flat.view(torch.uint8).view(ints) if flat.dtype != ints else flat
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for i in range(0, flat.numel(), _SUM_CHUNK):
         total += flat[i:i + _SUM_CHUNK].sum(dtype=torch.int64)
-    return int(total)
+    return total
 
 
 def _check_same_weights(model: nn.Module, group, kind: str) -> None:
@@ -454,7 +454,15 @@ def _check_same_weights(model: nn.Module, group, kind: str) -> None:
     if dist.get_world_size(group) == 1:
         return
     try:
-        mine = [(path, None if p.is_meta else _bits_sum(p)) for path, p in model.named_parameters()]
+        named = list(model.named_parameters())
+        sums = {path: _bits_sum(p) for path, p in named if not p.is_meta}
+        on: dict = {}  # the sums by device, read back once a device (not one host sync a parameter)
+        for path, total in sums.items():
+            on.setdefault(total.device, []).append(path)
+        values = {}
+        for paths in on.values():
+            values.update(zip(paths, torch.stack([sums[q] for q in paths]).tolist()))
+        mine = [(path, values.get(path)) for path, _ in named]
     except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
         mine = f"{type(e).__name__}: {e}"
     every: list = [None] * dist.get_world_size(group)

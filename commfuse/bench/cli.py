@@ -304,10 +304,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         ap.error(f"--eps must be a finite number >= 0, got {args.eps}")
     # Each commfuse row names what it runs: these would run another under its name (any strategy overrides the
     # rows' own, "auto" the forced ones'; the switches only at "1", the value they read).
-    for name, value in (("COMMFUSE_STRATEGY", os.environ.get("COMMFUSE_STRATEGY")),
-                        *((n, os.environ.get(n)) for n in ("COMMFUSE_DISABLE_FUSION", "COMMFUSE_PRETEND_NO_P2P")
-                          if os.environ.get(n) == "1")):
-        if value:
+    for name in ("COMMFUSE_STRATEGY", "COMMFUSE_DISABLE_FUSION", "COMMFUSE_PRETEND_NO_P2P"):
+        value = os.environ.get(name)
+        if value and (name == "COMMFUSE_STRATEGY" or value == "1"):
             ap.error(f"{name} is set ({value!r}): it would override what every commfuse row runs "
                      "(its strategy, its fused tail, its topology); unset it")
     if not args.machine.strip() or "/" in args.machine:
