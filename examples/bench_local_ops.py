@@ -328,7 +328,8 @@ def main(argv=None) -> dict:
                         if ceiling and row[name].get("graph"):
                             row[name]["frac_hbm"] = row["bytes"] / (row[name]["graph"] * 1e3) / ceiling
                     # Rows both of whose columns were timed (on a GPU, a graph each: one whose capture failed has none).
-                    if args.paired and all(("graph" if cuda else "host") in row[k] for k in ("commfuse", "torch.compile")):
+                    timed_key = "graph" if cuda else "host"
+                    if args.paired and all(timed_key in row[k] for k in ("commfuse", "torch.compile")):
                         timed = []
                         row["paired"] = paired_us(ours, compiled, cuda, args.calls, args.paired, timed)
                         if cuda:
