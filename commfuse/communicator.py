@@ -361,7 +361,10 @@ class Communicator:
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
         if residual is None:
-            checks.plain_plan(weight, quant, scale)
+            checks.plain_plan(weight=(weight, None), eps=(eps, 1e-6), quant=(quant, None), scale=(scale, None),
+                              return_norm=(return_norm, False), sf_layout=(sf_layout, "swizzled"),
+                              weight_offset=(weight_offset, 0.0), scale_layout=(scale_layout, "row"),
+                              scale_ue8m0=(scale_ue8m0, False))
             spec = None
         else:
             spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)

@@ -703,6 +703,13 @@ def test_plan_without_running(comm, gen):
     p = comm.plan(x, residual, weight, quant="nvfp4", scale=scale)
     assert p.collective in ("nccl", "gloo") or p.collective.startswith("p2p")
     assert p.tail == ("fused" if comm.device.type == "cuda" else "separated")
+    # a plain plan (no residual) would ignore any tail argument: each is refused by name, defaults are not
+    assert comm.plan(x, eps=1e-6, sf_layout="swizzled", weight_offset=0.0).tail == "none"
+    for name, value in (("weight", weight), ("eps", 1e-5), ("quant", "fp8"), ("scale", scale), ("return_norm", True),
+                        ("sf_layout", "linear"), ("weight_offset", 1.0), ("scale_layout", "mn_major"),
+                        ("scale_ue8m0", True)):
+        with pytest.raises(ValueError, match=f"^residual is required when {name} is given$"):
+            comm.plan(x, **{name: value})
 
 
 def test_communicator_needs_initialised_group(monkeypatch):

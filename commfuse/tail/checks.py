@@ -232,10 +232,13 @@ def quant_named(quant) -> None:
         raise ValueError("quant must name a format, got None")
 
 
-def plain_plan(weight, quant, scale) -> None:
-    """comm.plan of a plain all-reduce (residual None) takes no tail argument."""
-    if weight is not None or quant is not None or scale is not None:
-        raise ValueError("residual is required when weight, quant or scale is given")
+def plain_plan(**tail) -> None:
+    """comm.plan of a plain all-reduce (residual None) takes no tail argument: each of `tail` (name: (value,
+    default)) must be at its default, or the plan would describe a call that ignores it."""
+    given = [name for name, (value, default) in tail.items()
+             if (value is not None if default is None else value != default)]
+    if given:
+        raise ValueError(f"residual is required when {', '.join(given)} {'is' if len(given) == 1 else 'are'} given")
 
 
 def storage_room(t: Tensor) -> int:
