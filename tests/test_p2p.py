@@ -511,6 +511,31 @@ def test_the_calibration_cache_key_names_how_nccl_was_timed():
     assert other["nccl_route"] != bound["nccl_route"]
     assert {k: v for k, v in plain.items() if k != "nccl_route"} == {k: v for k, v in bound.items() if k != "nccl_route"}
 
+
+def test_the_calibration_cache_key_names_the_launch_and_nccl_settings(monkeypatch):
+    """Times measured with PDL off, or under other NCCL_* settings (an algorithm, a protocol, channels), are not
+    reused where they differ: they move NCCL's and the kernels' times, so the crossovers."""
+    from types import SimpleNamespace
+
+    from commfuse.p2p import calibration
+
+    ws = SimpleNamespace(world=2, max_bytes=1 << 20, lamport_bytes=1 << 18, nblocks=132)
+    topo = SimpleNamespace(versions=None, ranks=[SimpleNamespace(gpu_name="GPU")] * 2, p2p=((True,) * 2,) * 2,
+                           nvlink=((0,) * 2,) * 2)
+    monkeypatch.delenv("COMMFUSE_PDL", raising=False)
+    for k in [k for k in os.environ if k.startswith("NCCL_")]:
+        monkeypatch.delenv(k)
+    base = calibration.cache_key(ws, topo)
+    assert base["pdl"] is True and base["nccl_env"] == {}
+    monkeypatch.setenv("COMMFUSE_PDL", "0")
+    assert calibration.cache_key(ws, topo)["pdl"] is False
+    monkeypatch.delenv("COMMFUSE_PDL")
+    monkeypatch.setenv("NCCL_PROTO", "LL")
+    changed = calibration.cache_key(ws, topo)
+    assert changed["nccl_env"] == {"NCCL_PROTO": "LL"}
+    assert {k: v for k, v in changed.items() if k != "nccl_env"} == {k: v for k, v in base.items() if k != "nccl_env"}
+
+
 def _meta(shape, dtype=torch.bfloat16):
     return TensorMeta(tuple(shape), dtype, torch.device("cuda", 0))
 

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -129,6 +130,9 @@ def nccl_route(nccl) -> str:
 
 
 def cache_key(ws, topo, nccl=None) -> dict:
+    """What the measured times depend on. Besides the machine, the software and the workspace: COMMFUSE_PDL (the
+    kernels' launch) and every NCCL_* variable (NCCL's algorithm, protocol, channels, transports), as rank 0 has
+    them: a file measured under other settings is measured again rather than trusted."""
     vers = topo.versions
     return {
         "calibration": CALIBRATION_VERSION, "kernel": jit.sources_digest(), "world": ws.world,
@@ -137,7 +141,10 @@ def cache_key(ws, topo, nccl=None) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": vers.nccl if vers else None, "driver": vers.driver if vers else None,
         "workspace_bytes": ws.max_bytes, "lamport_bytes": ws.lamport_bytes, "nblocks": ws.nblocks,
+        "pdl": os.environ.get("COMMFUSE_PDL", "1") != "0",
+        "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
     }
+
 
 def calibrate(ws, topo, nccl=None) -> P2PLimits:
     """Measured limits, from the disk cache when this machine and software were measured before.
