@@ -312,6 +312,26 @@ def test_a_source_of_its_own_folder_is_keyed_by_its_headers(tmp_path, cache_dir)
     assert jit.cache_path(str(src), ["tiny<1>"], "sm_90") != before
 
 
+def test_the_key_names_the_nvrtc_build_not_only_its_version(tmp_path, cache_dir, monkeypatch):
+    """nvrtcVersion gives (major, minor): a patch release of NVRTC, which generates other code, must not load
+    the cubins (nor reuse the calibration) of the build before it."""
+    nvrtc_archs()
+    src = tmp_path / "tiny.cu"
+    src.write_text("template <int N> __global__ void tiny(int* x) { x[0] = N; }\n")
+    old_build = tmp_path / "libnvrtc.so.13.0.48"
+    old_build.write_bytes(b"x" * 10)
+    nvrtc, _ = jit._nvrtc_library()
+    monkeypatch.setattr(jit, "_nvrtc_library", lambda: (nvrtc, str(old_build)))
+    entry, digest = jit.cache_path(str(src), ["tiny<1>"], "sm_90"), jit.sources_digest()
+    patched = tmp_path / "libnvrtc.so.13.0.88"
+    patched.write_bytes(b"x" * 10)
+    monkeypatch.setattr(jit, "_nvrtc_library", lambda: (nvrtc, str(patched)))  # a toolkit's: the name says
+    assert jit.cache_path(str(src), ["tiny<1>"], "sm_90") != entry and jit.sources_digest() != digest
+    old_build.write_bytes(b"x" * 11)  # a wheel's: the same name, another library
+    monkeypatch.setattr(jit, "_nvrtc_library", lambda: (nvrtc, str(old_build)))
+    assert jit.cache_path(str(src), ["tiny<1>"], "sm_90") != entry and jit.sources_digest() != digest
+
+
 def test_cache_key_and_hit(tmp_path, cache_dir, monkeypatch):
     nvrtc_archs()
     src = tmp_path / "tiny.cu"

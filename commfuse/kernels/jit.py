@@ -96,19 +96,37 @@ _CACHE_MAGIC = b"commfuse-cubin-3\n"
 
 
 @functools.cache
-def _nvrtc():
-    """cuda.bindings.nvrtc with libnvrtc loaded (from the nvidia-cuda-nvrtc wheel or the toolkit)."""
+def _nvrtc_library():
+    """cuda.bindings.nvrtc with libnvrtc loaded (from the nvidia-cuda-nvrtc wheel or the toolkit), and the
+    loaded library's path."""
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
 
-        load_nvidia_dynamic_lib("nvrtc")
+        path = load_nvidia_dynamic_lib("nvrtc").abs_path
         from cuda.bindings import nvrtc
     except Exception as exc:  # ImportError, or pathfinder's DynamicLibNotFoundError
         raise JitError(
             f"NVRTC is not available ({type(exc).__name__}: {exc}); install commfuse[jit] "
             "(nvidia-cuda-nvrtc) or a CUDA toolkit"
         ) from exc
-    return nvrtc
+    return nvrtc, path
+
+
+def _nvrtc():
+    return _nvrtc_library()[0]
+
+
+def nvrtc_identity() -> str:
+    """The loaded NVRTC's version and which build of it: nvrtcVersion gives (major, minor) only, and a patch
+    release changes the code it generates. The library's resolved path (a toolkit's names the patch level) and
+    size (a wheel's does not) stand for the build."""
+    path = _nvrtc_library()[1]
+    try:
+        real = os.path.realpath(path)
+        build = f"{real}:{os.stat(real).st_size}"
+    except (OSError, TypeError):  # pathfinder found it by the loader's search: no path to read
+        build = str(path)
+    return f"{nvrtc_version()} {build}"
 
 
 def _nvrtc_check(result, what: str):
@@ -231,7 +249,7 @@ def _hasher():
 
 def _add_build_inputs(add, extra: Sequence[Path] = ()) -> None:
     """What every kernel build reads: csrc's sources and headers (and `extra` sources), the CUDA headers,
-    the generated parameter header, the NVRTC version."""
+    the generated parameter header, the NVRTC version and build."""
     sources = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
     for p in sources + list(extra):
         add(f"src:{p.name}", p.read_bytes())
@@ -244,7 +262,7 @@ def _add_build_inputs(add, extra: Sequence[Path] = ()) -> None:
             if header.is_file():
                 add(f"hdr:{name}", header.read_bytes())
     add(f"gen:{params.HEADER_NAME}", params.header().encode())
-    add("nvrtc", repr(nvrtc_version()).encode())
+    add("nvrtc", nvrtc_identity().encode())
 
 
 def sources_digest() -> str:
