@@ -408,6 +408,27 @@ def test_the_combine_added_to_itself_is_no_shared_expert(quiet_comm, gen, added_
 
 
 @mpi
+def test_the_combine_as_its_own_sums_residual_is_not_erased(quiet_comm, gen):
+    """all_reduce(routed) + routed: the add's residual is the combine itself, which the op would erase while
+    reading it (the pass stopped on its own assertion). The combine stays; the all-reduce tail is fused."""
+    t, k, h = 6, 2, 64
+    c = quiet_comm
+    args, _ = moe_setup(c, gen, t, h)
+
+    def layer(x, router, w_up, w_down, ws_up, ws_down, residual, weight):
+        w, sel = route(x, router, k, "f32")
+        routed = (expert_rows(x, sel, w_up, w_down).view(t, k, h) * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        hs = reduce("funcol", c, routed) + routed
+        return weight_before_cast_norm(hs, weight), hs
+
+    gm, report, want, got = fuse_and_run(layer, args, c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    (s,) = [s for s in report.skipped if s.what == "moe combine"]
+    assert s.kind == "pattern" and "is the combine's own result" in s.reason, report
+    assert_same(got, want)
+
+
+@mpi
 def test_one_tokens_combine_broadcast_by_the_shared_add_is_no_combine(quiet_comm, gen):
     """(routed + shared.float()).to(T) where routed is one token's combine that the add broadcasts over every
     token: the op's combine is one row per token, so it stays in the graph (not reported: no combine of the

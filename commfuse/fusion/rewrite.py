@@ -316,7 +316,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     kind = "gated" if norm.gated else "all_reduce" if ar is not None else "local"
     if kind == "all_reduce" and residual is None:  # pragma: no cover - trace_all_reduce needs the add
         kind = "local"
-    moe = _moe_combine(ar, norm, h, report) if kind == "all_reduce" else None
+    moe = _moe_combine(ar, norm, residual, h, report) if kind == "all_reduce" else None
     if ar is not None and ar.added is not None and moe is None:
         report.skipped.append(Skipped(ar.nodes[0].name, "all-reduce", "the sums of two all-reduces are added: fused "
                                       "only where one reduces a MoE combine and the other its shared expert's "
@@ -491,12 +491,12 @@ _MOE_COMBINE_ROUTE = ("combine: one kernel with the tail at world size 1, inside
                       "CUDA tensors, commfuse.reference's ops elsewhere (the call's plan.combine)")
 
 
-def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
+def _moe_combine(ar: P.AllReduce, norm: P.Norm, residual: fx.Node, h: int, report: FusionReport):
     """The MoE combine the all-reduce reads (patterns.match_moe_combine), or None: its skip reasons are
     reported, and the all-reduce + add + RMSNorm then become commfuse::fused_all_reduce as usual."""
     then = "; the all-reduce + add + RMSNorm become commfuse::fused_all_reduce, the combine stays in the graph"
     if ar.added is not None:
-        return _moe_combine_and_shared(ar, norm, h, report)
+        return _moe_combine_and_shared(ar, norm, residual, h, report)
     found = P.match_moe_combine(ar.x, G.dtype(norm.input))
     if found is None:
         ia = P.index_add_combine(ar.x)
@@ -507,6 +507,11 @@ def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
         return None
     if isinstance(found, P.Mismatch):
         report.skipped.append(Skipped(ar.x.name, "moe combine", found.reason + then, found.kind))
+        return None
+    if residual in found.nodes:  # the add reads the combine twice: as the sum's input and as the residual
+        report.skipped.append(Skipped(residual.name, "moe combine", f"the residual {residual.name} is the combine's "
+                                      "own result, not kept apart from it: commfuse::moe_all_reduce takes the "
+                                      "residual as an input of its own" + then, "pattern"))
         return None
     allowed = set(found.nodes) | set(ar.nodes) | set(ar.chain) | {norm.input}
     for n in found.nodes:
@@ -523,7 +528,7 @@ def _moe_combine(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
     return found
 
 
-def _moe_combine_and_shared(ar: P.AllReduce, norm: P.Norm, h: int, report: FusionReport):
+def _moe_combine_and_shared(ar: P.AllReduce, norm: P.Norm, residual: fx.Node, h: int, report: FusionReport):
     """Two all-reduces added (transformers' expert parallelism: the routed combine's, and the shared expert's
     row-parallel down_proj's): the combine one reduces, the other's input as the op's shared expert output.
     None where neither reduces a combine without a shared expert of its own."""
@@ -534,7 +539,7 @@ def _moe_combine_and_shared(ar: P.AllReduce, norm: P.Norm, h: int, report: Fusio
                 or G.dtype(shared) != t or shared is x or shared in found.nodes:  # the combine all-reduced twice
             continue
         alone = P.AllReduce(x=x, nodes=ar.nodes, chain=ar.chain, spelling=ar.spelling, group=ar.group, comm=ar.comm)
-        found = _moe_combine(alone, norm, h, report)
+        found = _moe_combine(alone, norm, residual, h, report)
         if found is None:
             return None
         found.shared = shared
