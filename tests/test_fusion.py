@@ -1433,20 +1433,22 @@ def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
         h = x + residual
         a, b = h.float(), h.float()
         b.mul_(2)
-        return a + 1, b
+        return a * b
 
     def foreach_written(x, residual, weight):  # a write through a list argument
         h = x + residual
         a, b = h.float(), h.float()
         torch._foreach_mul_([b], 2.0)
-        return a + 1, b
+        return a * b
 
     def returned(x, residual, weight):  # merged, the caller would get one tensor twice
         h = x + residual
-        return h.float(), h.float()
+        a, b = h.float(), h.float()
+        return a * b, a, b
 
     gm, inputs = capture(once, x, residual, weight)
     assert fusion.fuse(gm, None, rewrite="all").count() == 1
+    # each pair meets in one computation (the merge's other condition), so only the writes or the output keep it two
     for fn in (written, result_written, foreach_written, returned):
         gm, inputs = capture(fn, x, residual, weight)
         want = gm(*_cloned(inputs))
@@ -1456,6 +1458,24 @@ def test_casts_merged_only_where_nothing_writes_their_tensor_between(gen):
         got = gm(*_cloned(inputs))
         assert all(bits_equal(g, w) for g, w in zip(got, want)), fn.__name__
         assert len({g.data_ptr() for g in got}) == len(got), fn.__name__
+
+
+def test_two_norms_of_one_tensor_keep_their_casts(gen):
+    """A parallel block's two RMSNorms of one residual stream, each casting it to float32: the casts are not merged
+    (each norm would see its cast read by the other's nodes and be refused); both norms fuse, bit for bit."""
+    x, residual, weight, _ = _local_inputs(gen)
+    other = torch.randn(weight.shape, generator=gen).to(weight.dtype)
+
+    def parallel(x, residual, weight, other):
+        h = x + residual
+        return weight_before_cast_norm(h, weight), weight_before_cast_norm(h, other), h
+
+    gm, inputs = capture(parallel, x, residual, weight, other)
+    want = gm(*_cloned(inputs))
+    report = fusion.fuse(gm, None, rewrite="all")
+    assert report.count() == 2 and not report.skipped, report
+    got = gm(*_cloned(inputs))
+    assert all(bits_equal(g, w) for g, w in zip(got, want))
 
 
 def test_casts_written_by_a_reader_are_not_merged(gen):

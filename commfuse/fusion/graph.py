@@ -235,7 +235,9 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
     apart: the tensor is computed in the graph (not an input, which may alias another), is no view, and feeds
     only casts, computations that read it and the graph's output; each cast feeds only such computations (not
     the output: the caller would get one tensor twice). A computation's kind says what it computes, not whether it
-    writes its operand too (`F.silu(b, inplace=True)`, `torch.clamp(h, 0, 1, out=h)`): none may."""
+    writes its operand too (`F.silu(b, inplace=True)`, `torch.clamp(h, 0, 1, out=h)`): none may. And only casts
+    that meet in one computation (the norm's product reads one cast and the rsqrt of the other's mean): two norms
+    of one tensor, each with its cast, stay two, or each would see its cast read by the other's nodes."""
     def read_only(n: fx.Node, output: bool) -> bool:
         return all(not writes(u, n) and (kind(u) in _READERS or (output and u.op == "output")
                                          or (kind(u) == "cast" and not may_alias(u)))
@@ -253,9 +255,19 @@ def merge_duplicate_casts(graph: fx.Graph) -> None:
             first = seen.setdefault(key, n)
         except TypeError:  # an argument that cannot be a key (a list): left as it is
             continue
-        if first is not n and read_only(first, False) and read_only(n, False):
+        if first is not n and read_only(first, False) and read_only(n, False) and _meet(first, n):
             n.replace_all_uses_with(first)
             graph.erase_node(n)
+
+
+def _meet(a: fx.Node, b: fx.Node, depth: int = 8) -> bool:
+    """Whether a computation reads one of a and b and, through its other operands, the other (within `depth`
+    nodes): the two casts of one norm do, those of two norms do not."""
+    def reaches(n: fx.Node, target: fx.Node, left: int) -> bool:
+        return n is target or (left > 0 and any(reaches(i, target, left - 1) for i in n.all_input_nodes))
+
+    return any(reaches(i, other, depth) for one, other in ((a, b), (b, a)) for u in one.users
+               for i in u.all_input_nodes if i is not one)
 
 
 def operand(node: fx.Node, index: int, name: Optional[str] = None, default: Any = None) -> Any:
