@@ -627,6 +627,48 @@ def test_fp32_activations_are_skipped(quiet_comm, gen):
 
 
 @mpi
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_rms_norm_of_float32_casts_cast_back_is_fused(quiet_comm, gen, quant):
+    """F.rms_norm(h.float(), (h,), w.float(), eps).to(T): a float32 norm and weight multiply rounded once, the fused
+    op's own math: fused, bit for bit (the all-reduce's sum across ranks within its order)."""
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant=quant)
+
+    def layer(x, residual, weight, wo, scale):
+        h = all_reduced_sum(x, residual, wo)
+        n = F.rms_norm(h.float(), (h.shape[-1],), weight.float(), 1e-6).to(h.dtype)
+        return (n if quant is None else fp8(n, scale)), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1} and not report.skipped, report
+    assert "float32 casts" in report.fused[0].spelling, report
+    assert_same(got, want)
+
+
+@mpi
+def test_rms_norm_of_float32_casts_with_a_float32_weight_is_reported_truly(quiet_comm, gen):
+    """rms_norm(h.float(), (h,), w32): the activations are bfloat16, cast up for the norm; the weight is float32,
+    which no fused op takes. The norm's reason says so (not "float32 activations"), and the all-reduce's says that
+    a norm reads its sum (not that none does)."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    w32 = weight.float()
+
+    def layer(x, residual, w32, wo):
+        h = all_reduced_sum(x, residual, wo)
+        return F.rms_norm(h.float(), (h.shape[-1],), w32, 1e-6).to(h.dtype), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, w32, wo), c)
+    assert not counts(gm) and not report.fused, report
+    (norm,) = _skip_reasons(report, "rmsnorm")
+    assert "float32 of the torch.bfloat16" in norm and "weight of torch.float32" in norm, report
+    assert "float32 activations" not in norm, report
+    (ar,) = _skip_reasons(report, "all-reduce")
+    assert "feeds a residual add + RMSNorm" in ar and "no residual" not in ar, report
+    assert_same(got, want)
+
+
+@mpi
 def test_non_sum_all_reduce_is_not_fused(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, _, wo = setup(c, gen)

@@ -250,8 +250,24 @@ def _match_rms_op(n: fx.Node) -> Union[Norm, Mismatch]:
         eps = G.number(eps)
     elif not isinstance(eps, fx.Node):
         return Mismatch(f"{spelling}: eps {eps!r} is not a number")
+    upcast = None if mod is not None else _upcast_rms_op(n, x, weight)
+    if upcast is not None:  # rms_norm(x.float(), (h,), w.float(), eps).to(T): the fused op's own math
+        x_t, w_t, back = upcast
+        return Norm(input=x_t, output=back, weight=w_t, eps=eps, nodes=[x, weight, n, back],
+                    spelling=spelling + " of float32 casts, cast back", notes=notes, weight_dtype=G.dtype(w_t))
     return Norm(input=x, output=n, weight=weight, eps=eps, nodes=[n], spelling=spelling, notes=notes,
                 weight_dtype=wdtype)
+
+
+def _upcast_rms_op(n: fx.Node, x: fx.Node, weight) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:
+    """(x_t, w_t, back) where rms_norm `n` normalises float32(x_t) with weight float32(w_t), both float16/bfloat16
+    of one dtype, and one cast `back` to that dtype reads it: a float32 norm and weight multiply rounded once, as
+    the fused ops compute. The casts must feed the norm alone (they are replaced with it)."""
+    x_t, w_t, back = _f32_of(x), _f32_of(weight), _single_user(n)
+    if x_t is None or w_t is None or back is None or G.dtype(x_t) not in T_DTYPES or G.dtype(w_t) != G.dtype(x_t) \
+            or not _is_cast_to(back, G.dtype(x_t)) or len(x.users) != 1 or len(weight.users) != 1:
+        return None
+    return x_t, w_t, back
 
 
 def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:

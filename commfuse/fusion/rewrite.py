@@ -249,7 +249,13 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     try:
         t = G.dtype(norm.input)
         if t == torch.float32:
-            raise _Skip(norm.output.name, "rmsnorm", "float32 activations: commfuse's fused kernels take float16/bfloat16")
+            src = G.source(norm.input) if G.kind(norm.input) == "cast" else None
+            raise _Skip(norm.output.name, "rmsnorm", (
+                f"it normalises {norm.input.name}, float32 of the {G.dtype(src)} {src.name}, with a weight of "
+                f"{norm.weight_dtype}: the fused ops take float16/bfloat16 activations and weight (a norm of float32 "
+                "casts is matched where its weight is a float32 cast of one too and its result is cast back)")
+                if src is not None and G.dtype(src) in P.T_DTYPES else
+                "float32 activations: commfuse's fused kernels take float16/bfloat16")
         if t not in P.T_DTYPES:
             raise _Skip(norm.output.name, "rmsnorm", f"activations of dtype {t}: the fused ops take float16/bfloat16")
         h = G.hidden(norm.input)
@@ -569,7 +575,8 @@ def _skip_feeding_all_reduce(norm_input: fx.Node, norm_name: str, reason: str, k
     (norm_input, or a float32 cast of it) reads is skipped for the norm's reason, so that its report line
     does not say that no norm reads it."""
     add = norm_input
-    if G.passthrough(add) and G.source(add) is not None and P.match_residual_add(add) is None:
+    if (G.passthrough(add) or G.kind(add) == "cast") and G.source(add) is not None \
+            and P.match_residual_add(add) is None:
         add = G.source(add)  # the norm's float32 cast of the sum
     pair = P.match_residual_add(add)
     if pair is None:
