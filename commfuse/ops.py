@@ -123,7 +123,6 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     _tensor_scale(comm, scale)
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
-        quant = None if quant == "" else quant  # the op's "" for None; anything else goes as given (and is checked)
         r = comm.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out, **kw)
         got = (r.residual, r.norm, r.quant, r.scale_factors, r.scales)
         if out is not None:  # as the out op returns: the caller's tensors, None where out has none
@@ -178,7 +177,6 @@ def moe_all_reduce(comm, y: torch.Tensor, weights: torch.Tensor, residual: torch
     _tensor_scale(comm, scale)
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():
-        quant = None if quant == "" else quant
         r = comm.moe_all_reduce(y, weights, residual, weight, eps, quant, scale, return_norm, sf_layout,
                                 row_index=row_index, shared=shared, **kw)
         return Tail(r.residual, r.norm, r.quant, r.scale_factors, r.scales)

@@ -95,12 +95,33 @@ def test_opcheck_fused_all_reduce(quiet_comm, gen, quant, return_norm, sf_layout
 
 
 @mpi
-def test_empty_quant_string_means_none(quiet_comm, gen):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_empty_quant_string_is_refused_eager_and_compiled(quiet_comm, gen, compiled):
+    """quant="" is no format: refused as comm.fused_all_reduce and the local ops refuse it, eager and compiled
+    alike (eager calls took it for no quantization, compiled ones refused it). Refused before any exchange, so
+    the ranks stay in step."""
     x, _ = rank_inputs(quiet_comm, gen, (3, 64), torch.bfloat16)
     residual, weight, _ = tail_inputs(quiet_comm, gen, 3, 64, torch.bfloat16, None)
-    r = ops.fused_all_reduce(quiet_comm, x, residual, weight, quant="")
-    want = quiet_comm.fused_all_reduce(x, residual, weight)
-    assert r.quant is None and bits_equal(r.norm, want.norm) and bits_equal(r.residual, want.residual)
+    calls = [lambda: ops.fused_all_reduce(quiet_comm, x, residual, weight, quant="").residual,
+             lambda: ops.moe_all_reduce(quiet_comm, x.view(3, 1, 64), torch.ones(3, 1), residual, weight,
+                                        quant="").residual]
+    for call in calls:
+        if compiled:
+            torch._dynamo.reset()
+            call = torch.compile(call, fullgraph=True, backend="aot_eager")
+        with pytest.raises(Exception, match="quant must be one of .*got ''"):
+            call()
+    want = quiet_comm.fused_all_reduce(x, residual, weight)  # the ranks are still in step
+    assert bits_equal(want.residual, quiet_comm.fused_all_reduce(x, residual, weight).residual)
+
+
+def test_a_layout_of_another_type_is_named():
+    """The ops' tail number of a list or dict layout: the error names the argument (a TypeError, not an
+    unhashable-type error from the lookup), as eager calls name it."""
+    for kw, name in (({"sf_layout": ["swizzled"]}, "sf_layout"), ({"scale_layout": {}}, "scale_layout"),
+                     ({"quant": ["fp8"]}, "quant")):
+        with pytest.raises((TypeError, ValueError), match=name):
+            code(**kw)
 
 
 def test_bad_arguments_name_themselves(comm):

@@ -319,9 +319,10 @@ def code(quant: Optional[str] = None, return_norm: bool = False, sf_layout: str 
          scale_layout: str = "row", scale_ue8m0: bool = False) -> int:
     """The ops' `tail` number of these public keyword arguments (TailSpec.code); TypeError / ValueError
     naming the argument where they make no spec."""
-    flags = type(return_norm) is bool and type(scale_ue8m0) is bool  # 1 would find True's entry
-    quant = None if quant == "" else quant  # the ops' wrappers take "" for none
-    c = _CODES.get((quant, return_norm, sf_layout, scale_layout, scale_ue8m0)) if flags else None
+    # Only values of the right types are looked up: 1 would find True's entry, a list cannot be a key.
+    typed = type(return_norm) is bool and type(scale_ue8m0) is bool and type(sf_layout) is str \
+        and type(scale_layout) is str and (quant is None or type(quant) is str)
+    c = _CODES.get((quant, return_norm, sf_layout, scale_layout, scale_ue8m0)) if typed else None
     if c is None:  # not a valid set: TailSpec.of says which argument is wrong
         c = TailSpec.of(quant, return_norm=return_norm, sf_layout=sf_layout, scale_layout=scale_layout,
                         scale_ue8m0=scale_ue8m0).code
