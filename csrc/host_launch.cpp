@@ -592,10 +592,13 @@ bool from_tensor(py::handle h, const at::Tensor*& t, bool optional) {
   }
   if (!THPVariable_Check(h.ptr())) return false;
   t = &THPVariable_Unpack(h.ptr());
-  // Any other tensor has no key: planning says why (a FakeTensor's or a functionalized tensor's memory is not its
-  // values; a zero tensor has none, and its null pointer would read as an argument not given).
+  // Any other tensor has no key: planning says why (a FakeTensor's, a functionalized tensor's or a torch.func
+  // transform's memory is not its values; a zero tensor has none, and its null pointer would read as an argument
+  // not given).
+  const c10::DispatchKeySet keys = t->key_set();
   return t->layout() == at::kStrided && !t->is_nested() && !t->is_neg() && !t->_is_zerotensor() &&
-         !t->key_set().has(c10::DispatchKey::Python) && !t->key_set().has(c10::DispatchKey::Functionalize);
+         !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::Functionalize) &&
+         !keys.has(c10::DispatchKey::FuncTorchBatched) && !keys.has(c10::DispatchKey::FuncTorchGradWrapper);
 }
 
 bool from_number(py::handle h, double& v) {

@@ -239,6 +239,14 @@ def test_a_fake_tensor_is_refused_on_a_planned_signature(gen, device):
     # torch.func.functionalize's wrappers are plain torch.Tensor objects whose memory is not their values either.
     with pytest.raises(TypeError, match="x is a tensor of torch.func.functionalize"):
         torch.func.functionalize(lambda a: commfuse.fused_add_rmsnorm(a, residual, weight, quant="fp8", scale=scale))(x)
+    # So are torch.func's transforms' (vmap's batched tensor: one example's sizes over the batch's memory; grad's),
+    # on the planned signature too (a key of the example's sizes would find another signature's launcher).
+    batch = torch.stack([x, x + 1])
+    commfuse.fused_add_rmsnorm(batch[0], residual, weight, quant="fp8", scale=scale)  # the example's signature
+    for transform, wrapped in ((torch.vmap, batch), (torch.func.grad, x.float())):
+        with pytest.raises(TypeError, match="x is a tensor of a torch.func transform"):
+            transform(lambda a: commfuse.fused_add_rmsnorm(a.to(BF16), residual, weight, quant="fp8",
+                                                           scale=scale).quant.float().sum())(wrapped)
 
 
 def test_separated_outputs_have_no_autograd_history(gen):

@@ -34,9 +34,10 @@ _PLAIN = (Tensor, torch.nn.Parameter)  # their dispatch is torch's own: no key l
 
 def dispatched(t: Tensor) -> bool:
     """Whether torch's dispatch computes t's values rather than its memory holding them: a subclass that handles
-    the dispatch itself (a FakeTensor, a FunctionalTensor, an AsyncCollectiveTensor, a DTensor), or a wrapper of
-    torch.func.functionalize. Its memory, if it has any, is not its values."""
-    return torch._is_functional_tensor(t) or (
+    the dispatch itself (a FakeTensor, a FunctionalTensor, an AsyncCollectiveTensor, a DTensor), a wrapper of
+    torch.func.functionalize, or of torch.func's transforms (vmap's batched tensor: one example's sizes over the
+    whole batch's memory; grad's). Its memory, if it has any, is not its values."""
+    return torch._is_functional_tensor(t) or torch._C._functorch.is_functorch_wrapped_tensor(t) or (
         type(t) not in _PLAIN and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python))
 
 
@@ -48,7 +49,8 @@ def _tensor(name: str, t) -> Tensor:
     if dispatched(t):
         cls = type(t).__name__
         kind = ("a tensor of torch.func.functionalize" if torch._is_functional_tensor(t) else
-                ("an " if cls[0] in "AEIOU" else "a ") + cls)
+                "a tensor of a torch.func transform (vmap, grad, jvp)" if
+                torch._C._functorch.is_functorch_wrapped_tensor(t) else ("an " if cls[0] in "AEIOU" else "a ") + cls)
         raise TypeError(f"{name} is {kind}, whose values only torch's ops compute, while commfuse's calls launch "
                         "kernels on memory: pass a plain tensor (an AsyncCollectiveTensor's wait_tensor(), a "
                         "DTensor's to_local()), or trace the model through commfuse.ops")
