@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import commfuse
 from commfuse import fusion, reference, tolerance
 from commfuse.fusion import graph as G
-from commfuse.tail.spec import public
+from commfuse.tail.spec import code as spec_code, public
 
 from compare import assert_within_ulp, bits_equal
 from inputs import rank_inputs, tail_inputs
@@ -537,6 +537,23 @@ def test_commfuse_local_op_after_all_reduce_becomes_fused_all_reduce(quiet_comm,
         y = fc.all_reduce(F.linear(x, wo), "sum", dist.group.WORLD)
         t = commfuse.fused_add_rmsnorm(y, residual, weight, 1e-6, quant="fp8", scale=scale, return_norm=True)
         return t.residual, t.norm, t.quant
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
+    assert counts(gm) == {FUSED_AR: 1}, report
+    assert_same(got, want)
+
+
+@mpi
+def test_the_local_op_called_with_keywords_after_an_all_reduce_is_fused(quiet_comm, gen):
+    """torch.ops.commfuse.fused_add_rmsnorm with its arguments by keyword (as a graph may carry them): read by
+    the schema's names, not unpacked by position (the pass raised)."""
+    c = quiet_comm
+    x, residual, weight, scale, wo = setup(c, gen, quant="fp8")
+    tail = spec_code("fp8", return_norm=True)
+
+    def layer(x, residual, weight, wo, scale):
+        y = fc.all_reduce(F.linear(x, wo), "sum", dist.group.WORLD)
+        return tuple(LOCAL(y, residual=residual, weight=weight, scale=scale, eps=1e-6, weight_offset=0.0, tail=tail))
 
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, scale), c)
     assert counts(gm) == {FUSED_AR: 1}, report

@@ -815,7 +815,9 @@ def _names(nodes):
 
 
 def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce, aten_only=False) -> None:
-    x, residual, weight, scale, eps, offset, tail = node.args
+    # The op's arguments by its schema's names: a graph may pass any of them by keyword.
+    x, residual, weight, scale, eps, offset, tail = (G.operand(node, i, name) for i, name in enumerate(
+        ("x", "residual", "weight", "scale", "eps", "weight_offset", "tail")))
     options = public(tail)
     positions = G.order(gm.graph)
     if not isinstance(x, fx.Node):
