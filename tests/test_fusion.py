@@ -686,6 +686,28 @@ def test_rms_norm_of_float32_casts_with_a_float32_weight_is_reported_truly(quiet
 
 
 @mpi
+def test_a_sum_read_through_a_view_taken_before_the_all_reduce_is_reported_so(quiet_comm, gen):
+    """y2 = y.view(...); dist.all_reduce(y); y2 + residual: the add reads the sum through a view taken before the
+    collective, which the pass does not follow. The add + norm become the local op, and the all-reduce's reason
+    says how its sum is read (not that nothing reads it)."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen, shape=(2, 3, 128))
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        y2 = y.view(residual.shape)
+        dist.all_reduce(y)
+        h = y2 + residual
+        return weight_before_cast_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo), c)
+    assert counts(gm) == {LOCAL: 1}, report
+    (ar,) = _skip_reasons(report, "all-reduce")
+    assert "a view of y taken before the in-place all-reduce" in ar and "no residual" not in ar, report
+    assert_same(got, want)
+
+
+@mpi
 def test_non_sum_all_reduce_is_not_fused(quiet_comm, gen):
     c = quiet_comm
     x, residual, weight, _, wo = setup(c, gen)

@@ -110,8 +110,9 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     _unsplit_addmm(gm.graph, splits, erased)
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
-            report.skipped.append(Skipped(node.name, "all-reduce", "no residual add + RMSNorm (as the pass "
-                                          "recognises one) reads its sum", "pattern"))
+            report.skipped.append(Skipped(node.name, "all-reduce", _read_through_an_early_view(node) or
+                                          "no residual add + RMSNorm (as the pass recognises one) reads its sum",
+                                          "pattern"))
         elif G.kind(node) == "funcol_all_reduce_":
             report.skipped.append(Skipped(node.name, "all-reduce", "an in-place all_reduce_ "
                                           "(torch.ops._c10d_functional.all_reduce_) is not matched: the pass fuses "
@@ -120,6 +121,27 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     gm.graph.lint()
     gm.recompile()
     return report
+
+
+def _read_through_an_early_view(ar: fx.Node) -> Optional[str]:
+    """Why an in-place all-reduce (dynamo's all_reduce(v) -> wait -> v.copy_) whose sum is read only through a view
+    of v taken before it is not matched, or None: the matchers follow the sum from v and from views taken after."""
+    positions = G.order(ar.graph)
+    v = ar.args[0] if ar.args else None
+    copies = [u for u in getattr(v, "users", ()) if G.kind(u) == "copy_" and G.kind(G.operand(u, 1, "src")) == "wait"
+              and G.operand(G.operand(u, 1, "src"), 0, "input") is ar]
+    if not copies:
+        return None
+    stack = [u for u in v.users if positions[u] < positions[ar] and G.may_alias(u)]
+    while stack:
+        a = stack.pop()
+        for u in a.users:
+            if positions[u] > positions[copies[0]]:
+                return (f"its sum is read through {a.name}, a view of {v.name} taken before the in-place all-reduce "
+                        f"(by {u.name}): the pass follows the sum from {v.name} itself or a view taken after it")
+            if G.may_alias(u):
+                stack.append(u)
+    return None
 
 
 # --------------------------------------------------------------------------- Inductor's post-grad graph
