@@ -103,8 +103,8 @@ def test_empty_quant_string_is_refused_eager_and_compiled(quiet_comm, gen, compi
     x, _ = rank_inputs(quiet_comm, gen, (3, 64), torch.bfloat16)
     residual, weight, _ = tail_inputs(quiet_comm, gen, 3, 64, torch.bfloat16, None)
     calls = [lambda: ops.fused_all_reduce(quiet_comm, x, residual, weight, quant="").residual,
-             lambda: ops.moe_all_reduce(quiet_comm, x.view(3, 1, 64), torch.ones(3, 1), residual, weight,
-                                        quant="").residual]
+             lambda: ops.moe_all_reduce(quiet_comm, x.view(3, 1, 64), torch.ones(3, 1, device=x.device), residual,
+                                        weight, quant="").residual]
     for call in calls:
         if compiled:
             torch._dynamo.reset()
