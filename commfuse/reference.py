@@ -728,14 +728,22 @@ def dequantize_mxfp8(codes: Tensor, scale_factors: Tensor, sf_layout: str = "swi
 # --------------------------------------------------------------------------- scale helpers
 
 
+def _divided(amax: Scale, d: float) -> Scale:
+    """amax / d, a true division on any device: on CUDA, torch turns a tensor's division by a Python number into a
+    multiply by its reciprocal (one fp32 ulp off for about half of all amax): divide by a tensor."""
+    if isinstance(amax, Tensor):
+        return amax / torch.full((), d, dtype=amax.dtype, device=amax.device)
+    return amax / d
+
+
 def nvfp4_scale_from_amax(amax: Scale) -> Scale:
     """NVFP4 global dequant scale amax / (448 * 6). Tensor in -> tensor out, float -> float."""
-    return amax / (FP8_MAX * E2M1_MAX)
+    return _divided(amax, FP8_MAX * E2M1_MAX)
 
 
 def fp8_scale_from_amax(amax: Scale) -> Scale:
     """FP8 dequant scale amax / 448. Tensor in -> tensor out, float -> float."""
-    return amax / FP8_MAX
+    return _divided(amax, FP8_MAX)
 
 
 def scale_from_inverse(inv_scale: Scale) -> Scale:

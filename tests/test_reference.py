@@ -13,6 +13,7 @@ from commfuse import reference as ref
 from commfuse.reference import Tail
 
 from compare import assert_tail_close
+from conftest import needs_gpu
 
 INF = float("inf")
 NAN = float("nan")
@@ -651,6 +652,19 @@ def test_scale_helpers_values_and_kinds():
     assert isinstance(ref.fp8_scale_from_amax(t), torch.Tensor) and ref.fp8_scale_from_amax(t).item() == 2.0
     assert isinstance(ref.scale_from_inverse(t), torch.Tensor)
     assert ref.scale_from_inverse(t).item() == torch.tensor(1 / 896).item()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_scales_from_amax_are_true_divisions_on_every_device(device):
+    """amax / 448 and amax / 2688 rounded once, as docs/semantics.md says, on CUDA too: there torch turns a division
+    by a Python number into a multiply by its rounded reciprocal, one ulp off for about half of all amax. Checked
+    against the float64 quotient rounded to float32 (exact: a float32 quotient rounds once either way)."""
+    g = torch.Generator().manual_seed(7)
+    amax = torch.cat([torch.rand(4096, generator=g) * 1000, 1 + torch.arange(4096) / 4096])  # every kind of mantissa
+    for helper, d in ((ref.fp8_scale_from_amax, 448.0), (ref.nvfp4_scale_from_amax, 2688.0)):
+        got = helper(amax.to(device)).cpu()
+        want = (amax.double() / d).float()
+        assert torch.equal(got, want), (helper.__name__, int((got != want).sum()))
 
 
 def test_scale_from_inverse_matches_amax_convention():
