@@ -7,7 +7,10 @@
 # tree show the drift. Results in OUT/base, OUT/new, OUT/new-2 and OUT/base-2. Kernels both trees share
 # come from one COMMFUSE_CACHE_DIR. Differences smaller than the spread between a tree's two runs are noise.
 set -uo pipefail
-base=$(cd "$1" && pwd); n=$2; shift 2
+if (( $# < 3 )); then echo "usage: launch/ab.sh BASE_TREE N OUT [commfuse-bench args...]" >&2; exit 2; fi
+# Without its tree the "base" runs would benchmark the working directory's under the base's name.
+base=$(cd "$1" && pwd) || { echo "launch/ab.sh: BASE_TREE $1 is not a folder" >&2; exit 2; }
+n=$2; shift 2
 mkdir -p "$1" && out=$(cd "$1" && pwd) || exit 1; shift
 here=$(cd "$(dirname "$0")/.." && pwd)
 rc=0

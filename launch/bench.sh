@@ -11,14 +11,21 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 
 n=""
-if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$((10#$1)); shift; fi  # 10#: "08" is eight, not a bad octal
 if [[ -n $n ]] && (( n < 1 )); then
   echo "launch/bench.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
 fi
 
 # GPUs this job can use.
 if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-  gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[0-9A-Za-z]' || true)
+  # CUDA's rule: the list ends at its first invalid entry (-1, the usual way to hide every GPU, is one).
+  gpus=0
+  IFS=',' read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  for d in "${visible[@]}"; do
+    d=${d// /}
+    [[ $d =~ ^[0-9]+$ || $d =~ ^(GPU|MIG)- ]] || break
+    gpus=$((gpus + 1))
+  done
 elif command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 else

@@ -2,7 +2,8 @@
 # One full GPU session on a machine without package registries (the device machine): install the
 # carried wheels, probe, run the suite on N GPUs (P2P/auto, then the forced fallback row), benchmark.
 # Usage: launch/device.sh [N] [stage ...]   stages: probe test fallback sanitize bench (default: these), gate,
-# and two switches: `mps` starts the MPS daemon for the stages after it, `nomps` stops it.
+# and two switches: `mps` starts the MPS daemon for the stages after it, `nomps` stops it. Every stage runs; the
+# exit status is the first failed stage's (0 when all pass), an unknown stage an error (2) before any runs.
 # N may exceed the GPUs: the ranks then share them (commfuse.init_distributed picks gloo; a correctness
 # mode), time-sliced by the GPU, or run at once under MPS. Logs go to $OUT (or ./logs) as one tarball
 # plus a summary; several calls in one command (world sizes 2, 4, 8) share $OUT: set COMMFUSE_RUN_TAG.
@@ -11,11 +12,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=2
-if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$((10#$1)); shift; fi  # 10#: "08" is eight, not a bad octal
 if [[ -n $n ]] && (( n < 1 )); then
   echo "launch/device.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
 fi
 stages=${*:-probe test fallback sanitize bench}
+for s in $stages; do  # a misspelt stage would be skipped in silence, and the call would pass
+  case $s in
+    mps|nomps|probe|test|fallback|sanitize|bench|gate) ;;
+    *) echo "launch/device.sh: unknown stage '$s' (stages: probe test fallback sanitize bench gate mps nomps)" >&2
+       exit 2 ;;
+  esac
+done
 out=${OUT:-$PWD/logs}; mkdir -p "$out"
 logs=$(mktemp -d -t commfuse-device.XXXX)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -42,10 +50,12 @@ mps_stop() {
 trap mps_stop EXIT
 # Every rank would compile the same kernels at once on first use: compile them once, in parallel.
 python3 launch/prewarm.py | tee -a "$summary"
+status=0  # the first failed stage's rc, the command's exit status (each stage runs regardless)
 run() {  # name, command...
   local name=$1; shift
   local t0=$SECONDS
   "$@" > "$logs/$name.log" 2>&1; local rc=$?
+  (( status == 0 )) && status=$rc
   printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - t0)) \
     "$(grep -aE '[0-9]+ (passed|failed)' "$logs/$name.log" | tail -n 1)" | tee -a "$summary"
   tail -n 25 "$logs/$name.log" | sed "s/^/[$name] /"
@@ -73,3 +83,4 @@ rm -rf "$logs/mps-pipe"
 tar -czf "$out/logs-$tag.tgz" -C "$logs" . 2>/dev/null
 cp "$logs"/bench/*.json "$logs"/bench/*.png "$out"/ 2>/dev/null
 echo "== summary"; cat "$summary"
+exit $status

@@ -12,9 +12,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-1}; dir=${2:-logs/gate}
-if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 )); then
+if ! [[ $n =~ ^[0-9]+$ ]] || (( 10#$n < 1 )); then
   echo "launch/gate.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
 fi
+n=$((10#$n))  # "08" is eight, not a bad octal
 mkdir -p "$dir"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -4,7 +4,7 @@
 # would pick; rank 0 prints). Otherwise one process (local GPUs, driver P2P, NVLink, versions).
 set -euo pipefail
 n=1
-if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$((10#$1)); shift; fi  # 10#: "08" is eight, not a bad octal
 if [[ -n $n ]] && (( n < 1 )); then
   echo "launch/probe.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
 fi

@@ -7,7 +7,7 @@
 # Logs: $COMMFUSE_SANITIZE_LOGS (a temporary folder by default), one file per tool and rank.
 set -uo pipefail
 n=1
-if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$((10#$1)); shift; fi  # 10#: "08" is eight, not a bad octal
 if [[ -n $n ]] && (( n < 1 )); then
   echo "launch/sanitize.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
 fi

@@ -5,7 +5,7 @@
 # printed while it runs, the other ranks' summaries after it. Fails if any rank fails or no test passed.
 set -uo pipefail
 n=4
-if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$1; shift; fi
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then n=$((10#$1)); shift; fi  # 10#: "08" is eight, not a bad octal
 if [[ -n $n ]] && (( n < 1 )); then
   echo "launch/test.sh: N, the number of ranks, must be at least 1, got $n" >&2; exit 2
 fi

@@ -1167,6 +1167,55 @@ def test_launch_scripts_refuse_fewer_than_one_rank(script, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_device_sh_refuses_an_unknown_stage_and_fails_with_a_failed_stage(tmp_path):
+    """A misspelt stage is an error before anything runs (it was skipped, and the call passed); a stage that fails
+    fails the command (it exited 0 whatever its stages did). On the CPU the sanitizer stage fails: it needs a GPU."""
+    env = dict(_child_env(), OUT=str(tmp_path / "out"))
+    run = subprocess.run(["bash", str(ROOT / "launch" / "device.sh"), "1", "tset"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "unknown stage 'tset'" in run.stderr, (run.returncode, run.stderr[-500:])
+    assert not (tmp_path / "out").exists()
+    if not torch.cuda.is_available():
+        run = subprocess.run(["bash", str(ROOT / "launch" / "device.sh"), "1", "sanitize"], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and "sanitize   rc=2" in run.stdout, (run.returncode, run.stdout[-1000:])
+
+
+def test_ab_sh_refuses_a_missing_base_tree(tmp_path):
+    """Without its base tree ab.sh benchmarked the working directory's tree under the base's name, and passed."""
+    run = subprocess.run(["bash", str(ROOT / "launch" / "ab.sh"), str(tmp_path / "absent"), "1", str(tmp_path / "o")],
+                         env=_child_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "BASE_TREE" in run.stderr and not (tmp_path / "o").exists(), run.stderr[-500:]
+    run = subprocess.run(["bash", str(ROOT / "launch" / "ab.sh"), str(tmp_path)], env=_child_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "usage: launch/ab.sh" in run.stderr
+
+
+@cpu_smoke
+def test_bench_sh_counts_no_gpu_behind_a_hidden_list(tmp_path):
+    """CUDA_VISIBLE_DEVICES=-1 hides every GPU (CUDA reads the list up to its first invalid entry): the CPU's two
+    gloo ranks, with the warning that these are not GPU numbers (it was counted as one GPU)."""
+    run = subprocess.run([str(ROOT / "launch" / "bench.sh"), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(_child_env(), CUDA_VISIBLE_DEVICES="-1"), timeout=120)
+    assert "no GPU: 2 ranks over gloo on the CPU" in run.stderr and run.stdout.count("usage:") == 2, run.stderr[-500:]
+
+
+@cpu_smoke
+def test_test_sh_reads_a_leading_zero_as_decimal(tmp_path):
+    """launch/test.sh 08: eight ranks, whose results are checked (bash took "08" for a bad octal: mpirun started 8
+    ranks and the script checked none of them, so a failure on rank 1 passed). The failing rank fails the command,
+    by name."""
+    (tmp_path / "test_rank.py").write_text(
+        "import os\n\n\ndef test_rank_zero_only():\n    assert os.environ.get('OMPI_COMM_WORLD_RANK', '0') == '0'\n")
+    run = subprocess.run(["bash", str(ROOT / "launch" / "test.sh"), "08", str(tmp_path / "test_rank.py"), "-q"],
+                         env=dict(_child_env(), COMMFUSE_TEST_LOGS=str(tmp_path / "logs")), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1 and "rank 1: FAILED" in run.stdout, (run.returncode, run.stdout[-1000:],
+                                                                    run.stderr[-500:])
+    assert len(list((tmp_path / "logs").glob("rank*.rc"))) == 8
+    assert "value too great for base" not in run.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the sanitizer")
 def test_sanitize_sh_says_it_needs_a_gpu(tmp_path):
     """Without a GPU (or compute-sanitizer) the sanitizer script says what it needs, before it starts anything."""
