@@ -32,7 +32,9 @@ def test_code_names_the_wrong_argument():
         S.code("fp8", return_norm=1)
     with pytest.raises(TypeError, match="quant must be None or one of"):
         S.code(0)
-    assert S.code("") == S.code(None) == S.code()  # the ops' old spelling of no quantization
+    with pytest.raises(ValueError, match="quant must be one of .*got ''"):  # no format, as every public call says
+        S.code("")
+    assert S.code(None) == S.code()
 
 
 def test_the_signature_tells_apart_what_str_rounds():
