@@ -124,6 +124,22 @@ class _Checked:
         return self.inner(*args)
 
 
+
+def compared_settings(strategy: str) -> tuple:
+    """((name, value), ...) that a Communicator's ranks compare at its construction, each as it reads them: the
+    strategy (the argument, or COMMFUSE_STRATEGY) and the environment's settings that decide which collectives a
+    call makes (COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK, COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION,
+    COMMFUSE_PRETEND_NO_P2P: topology.detect reads it, and a rank alone in the fallback mode would skip the workspace
+    its peers make). ValueError naming a variable whose value is none; COMMFUSE_NCCL_TIMEOUT_S is checked too, not
+    compared (each rank's watchdog is its own). commfuse-probe compares them as a Communicator does."""
+    settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
+                ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
+                ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),
+                ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"),
+                ("COMMFUSE_PRETEND_NO_P2P", os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"))
+    nccl.watchdog_timeout()
+    return settings
+
 class Communicator:
     """Sum all-reduce and fused all-reduce tails over a torch.distributed group.
 
@@ -196,11 +212,8 @@ class Communicator:
 
     @staticmethod
     def _agreed_settings(group, strategy: str) -> dict:
-        """{name: value} of the strategy (the argument or COMMFUSE_STRATEGY) and of the settings read from
-        the environment that decide which collectives a call makes (COMMFUSE_CHECK, COMMFUSE_GLOO_CHECK,
-        COMMFUSE_GLOO_TIMEOUT_S, COMMFUSE_DISABLE_FUSION, COMMFUSE_PRETEND_NO_P2P: topology.detect reads it, and a
-        rank alone in the fallback mode would skip the workspace its peers make), checked, then compared in the
-        construction's first collective (COMMFUSE_NCCL_TIMEOUT_S is checked too, not compared). A rank whose own
+        """{name: value} of compared_settings (the strategy: the argument or COMMFUSE_STRATEGY), checked, then
+        compared in the construction's first collective. A rank whose own
         are wrong raises its error after taking part, and its peers raise saying so; ranks whose settings differ
         all raise naming them. Raising before that collective would leave the peers waiting in it for the group's
         timeout, then with broken connections. "number": the Communicator's number among its group's, agreed."""
@@ -211,13 +224,7 @@ class Communicator:
             for source, value in (("strategy", strategy), (name, given or strategy)):
                 if value not in STRATEGIES:
                     raise ValueError(f"{source} must be one of {STRATEGIES}, got {value!r}")
-            strategy = given or strategy
-            settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
-                        ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
-                        ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),
-                        ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"),
-                        ("COMMFUSE_PRETEND_NO_P2P", os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"))
-            nccl.watchdog_timeout()  # checked only: each rank's watchdog is its own
+            settings = compared_settings(given or strategy)
             error = None
         except Exception as e:  # noqa: BLE001 - raised after the exchange, on this rank as it was
             settings, error = None, e

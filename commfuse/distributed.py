@@ -154,7 +154,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     if launcher == "mpi":
         addr, port = _mpi_rendezvous(rank)
     else:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"  # set but empty is unset, as MASTER_PORT
         port = _master_port() or (_free_port() if world == 1 else 29500)
     timeout = datetime.timedelta(seconds=timeout_s)
     # torch's own rendezvous (it knows torchrun's agent store), whose store then serves the group.

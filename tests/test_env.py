@@ -90,6 +90,21 @@ def test_init_distributed_and_the_probe_say_what_is_wrong():
     assert r.returncode == 1 and r.stderr.strip() == "commfuse-probe: WORLD_SIZE must be an integer, got 'abc'", r
 
 
+def test_the_probe_under_stale_launcher_variables_ends_in_a_message():
+    """RANK=0 WORLD_SIZE=2 left in a shell: the probe waited for a second rank 600 s; --timeout bounds the wait,
+    and the message says what may be wrong. An empty MASTER_ADDR is unset, as an empty MASTER_PORT is (it crashed
+    in torch's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    r = _run("import sys; from commfuse.cli.probe import main; sys.exit(main(['--timeout', '2']))", RANK="0",
+             WORLD_SIZE="2", MASTER_PORT=port, MASTER_ADDR="")
+    assert r.returncode == 1 and "commfuse-probe: the group of 2 ranks could not be probed" in r.stderr, r.stderr
+    assert "left over in this shell" in r.stderr and "hostname cannot be None" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "0", "1e7", "1e-9"])
 def test_a_bad_number_is_named(monkeypatch, raw):
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", raw)

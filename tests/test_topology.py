@@ -292,31 +292,49 @@ def test_probe_names_a_strategy_a_communicator_would_refuse(monkeypatch, capsys,
     assert any(f"COMMFUSE_STRATEGY='{strategy}' is not a strategy" in n for n in rep["notes"]) is noted, rep["notes"]
 
 
-def test_group_probe_names_ranks_whose_overrides_differ(monkeypatch, capsys):
-    """The group probe prints rank 0's report; where another rank sets COMMFUSE_PRETEND_NO_P2P (or another
-    override) differently, a Communicator would raise: the notes say so, naming the rank and its values."""
+def test_group_probe_names_ranks_whose_settings_differ(monkeypatch, capsys):
+    """The group probe prints rank 0's report; where another rank sets a setting that a Communicator's ranks compare
+    differently (any of communicator.compared_settings, COMMFUSE_CHECK included, as the Communicator reads it), or
+    to a value that is none, a Communicator would raise: the notes say so, naming the rank and the setting."""
     import torch.distributed as dist
 
     ranks = tuple(dataclasses.replace(gpu(device=i), versions=topology.own_info().versions) for i in range(2))
     topo = topology.Topology(0, 2, ranks, ((True, True), (True, True)), "p2p", ("2 ranks",))
-    theirs = {k: None for k in probe_cli.OVERRIDES}
     monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 2, 0, "mpi"))
-    monkeypatch.setattr("commfuse.distributed.init_distributed", lambda: (0, 2))
+    monkeypatch.setattr("commfuse.distributed.init_distributed", lambda timeout_s: (0, 2))
     monkeypatch.setattr(topology, "detect", lambda: topo)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)  # nothing of the test session's to destroy
-    for k in probe_cli.OVERRIDES:
+    names = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_FUSION", "COMMFUSE_CHECK",
+             "COMMFUSE_GLOO_CHECK", "COMMFUSE_GLOO_TIMEOUT_S", "COMMFUSE_NCCL_TIMEOUT_S")
+    for k in names:
         monkeypatch.delenv(k, raising=False)
-    for other, differs in ((dict(theirs, COMMFUSE_PRETEND_NO_P2P="1"), True),
-                           (dict(theirs, COMMFUSE_STRATEGY="twoshot"), True),
-                           # What a Communicator reads as rank 0's unset values: no difference to note.
-                           (dict(theirs, COMMFUSE_STRATEGY="auto", COMMFUSE_DISABLE_FUSION="0",
-                                 COMMFUSE_PRETEND_NO_P2P=""), False)):
+    for theirs, noted_with in (({"COMMFUSE_PRETEND_NO_P2P": "1"}, "COMMFUSE_PRETEND_NO_P2P: rank 0 False, rank 1 True"),
+                               ({"COMMFUSE_STRATEGY": "twoshot"}, "strategy: rank 0 'auto', rank 1 'twoshot'"),
+                               ({"COMMFUSE_CHECK": "1"}, "COMMFUSE_CHECK: rank 0 False, rank 1 True"),
+                               ({"COMMFUSE_GLOO_TIMEOUT_S": "abc"}, "rank 1: COMMFUSE_GLOO_TIMEOUT_S must be a number"),
+                               # What a Communicator reads as rank 0's unset values: no difference to note.
+                               ({"COMMFUSE_STRATEGY": "auto", "COMMFUSE_DISABLE_FUSION": "0",
+                                 "COMMFUSE_PRETEND_NO_P2P": "", "COMMFUSE_GLOO_TIMEOUT_S": "10"}, None)):
+        with monkeypatch.context() as m:
+            for k, v in theirs.items():
+                m.setenv(k, v)
+            other = probe_cli._settings()
         monkeypatch.setattr(probe_cli, "gather_objects", lambda group, mine: [mine, other])
         assert probe_cli.main(["--json"]) == 0
         notes = json.loads(capsys.readouterr().out)["notes"]
-        noted = [n for n in notes if "ranks set the overrides differently" in n]
-        assert bool(noted) == differs, (other, notes)
-        assert not differs or ("rank 1: " in noted[0] and repr(other)[1:-1] in noted[0]), noted
+        noted = [n for n in notes if "a Communicator raises" in n]
+        if noted_with is None:
+            assert not noted, (theirs, notes)
+        else:
+            assert len(noted) == 1 and noted_with in noted[0], (theirs, notes)
+
+
+def test_single_probe_notes_a_setting_a_communicator_refuses(monkeypatch, capsys):
+    monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 1, 0, None))
+    monkeypatch.setenv("COMMFUSE_GLOO_TIMEOUT_S", "abc")
+    assert probe_cli.main(["--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("COMMFUSE_GLOO_TIMEOUT_S must be a number, got 'abc': a Communicator raises it" in n for n in notes)
 
 
 def test_bus_ids_normalised():

@@ -2,7 +2,8 @@
 
     commfuse-probe [--json]              one process: local GPUs, driver P2P, NVLink, versions
     launch/probe.sh N [--json]           N ranks (mpirun): the group's table, IPC-confirmed P2P and
-                                         the mode a Communicator would pick (also under torchrun)
+                                         the mode a Communicator would pick (also under torchrun);
+                                         --timeout S bounds the ranks' waits for each other (120 s)
 
 A single process can only ask the driver about P2P; the IPC check (a buffer written by one process
 and read through an IPC mapping by another) needs two processes. On a machine without a GPU the
@@ -34,7 +35,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   strategy      the Communicator's strategy here: COMMFUSE_STRATEGY or "auto" (a value that is no
                 strategy is named in notes: a Communicator raises on it)
   overrides     {COMMFUSE_STRATEGY, COMMFUSE_PRETEND_NO_P2P, COMMFUSE_DISABLE_FUSION}: values set, or null
-  notes         what could not be measured and why ("rank i: ..." under a launcher)
+  notes         what could not be measured and why ("rank i: ..." under a launcher); a setting a Communicator
+                would refuse, or that its ranks set differently (communicator.compared_settings)
 """
 from __future__ import annotations
 
@@ -56,11 +58,18 @@ OVERRIDES = ("COMMFUSE_STRATEGY", "COMMFUSE_PRETEND_NO_P2P", "COMMFUSE_DISABLE_F
 _SHORT = {p: "+" + p[len("residual_rmsnorm_"):] if p != "residual_rmsnorm" else "rmsnorm" for p in topology.PATTERNS}
 
 
-def _effective(overrides: dict) -> tuple:
-    """What a Communicator makes of the OVERRIDES' strings, which its ranks compare (Communicator._agreed_settings):
-    the strategy ("auto" where unset or empty), and the switches, on only at "1"."""
-    return (overrides["COMMFUSE_STRATEGY"] or "auto", overrides["COMMFUSE_PRETEND_NO_P2P"] == "1",
-            overrides["COMMFUSE_DISABLE_FUSION"] == "1")
+PROBE_TIMEOUT_S = 120  # the group's rendezvous and collectives (--timeout): stale launcher variables end in a message
+
+
+def _settings() -> tuple:
+    """(settings, None) as a Communicator here would compare them with its peers' (communicator.compared_settings),
+    or (None, its error) where one is not a value: a Communicator would raise it."""
+    from ..communicator import compared_settings
+
+    try:
+        return compared_settings(os.environ.get("COMMFUSE_STRATEGY") or "auto"), None
+    except ValueError as e:
+        return None, str(e)
 
 
 def _sm(sm):
@@ -211,7 +220,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="commfuse-probe", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON (fields: see the module docstring)")
+    parser.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+                        help=f"how long the ranks of a launcher wait for each other (default {PROBE_TIMEOUT_S})")
     args = parser.parse_args(argv)
+    if not 0 < args.timeout < 1e9:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     try:
         _, world, _, launcher = launch_env()
     except ValueError as e:  # a broken launcher is a message, not a traceback
@@ -221,17 +234,23 @@ def main(argv=None) -> int:
         rep = single_report()
         if launcher is not None:
             rep["launcher"] = launcher
+        _, error = _settings()
+        if error:
+            rep["notes"].append(f"{error}: a Communicator raises it")
     else:
         import torch.distributed as dist
 
         from ..distributed import init_distributed
 
         try:
-            init_distributed()
+            init_distributed(timeout_s=args.timeout)
             topo = topology.detect()
-            overrides = gather_objects(None, {k: os.environ.get(k) for k in OVERRIDES})
+            every = gather_objects(None, _settings())
         except Exception as e:  # a broken launcher or backend is a message, not a traceback
-            print(f"commfuse-probe: the group could not be probed: {type(e).__name__}: {e}", file=sys.stderr)
+            stale = " (are RANK / WORLD_SIZE left over in this shell from a launcher?)" if "timed out" in \
+                str(e).lower() else ""
+            print(f"commfuse-probe: the group of {world} ranks could not be probed: {type(e).__name__}: {e}{stale}",
+                  file=sys.stderr)
             return 1
         finally:
             if dist.is_initialized():
@@ -239,10 +258,14 @@ def main(argv=None) -> int:
         if topo.rank != 0:
             return 0
         rep = group_report(topo, launcher)
-        differ = [f"rank {r}: {o}" for r, o in enumerate(overrides) if _effective(o) != _effective(overrides[0])]
+        ok = [dict(settings) for settings, error in every if error is None]
+        rep["notes"] += [f"rank {r}: {error}: a Communicator raises it" for r, (_, error) in enumerate(every) if error]
+        differ = sorted({k for one in ok for k in one if one[k] != ok[0][k]})
         if differ:
-            rep["notes"].append(f"ranks set the overrides differently (rank 0: {overrides[0]}; " + "; ".join(differ)
-                                + "): a Communicator raises ValueError; this report is rank 0's")
+            values = "; ".join(f"{k}: " + ", ".join(f"rank {r} {dict(settings)[k]!r}" for r, (settings, _)
+                                                    in enumerate(every) if settings is not None) for k in differ)
+            rep["notes"].append(f"ranks' settings differ ({values}): a Communicator raises ValueError; this report is "
+                                "rank 0's")
     strategy = os.environ.get("COMMFUSE_STRATEGY")
     if strategy and strategy not in STRATEGIES:
         rep["notes"].append(f"COMMFUSE_STRATEGY={strategy!r} is not a strategy (one of {', '.join(STRATEGIES)}): a "
