@@ -1211,7 +1211,7 @@ def test_calibration_times_nccl_as_the_route_runs_it(comm, monkeypatch):
 
 
 @mpi
-@pytest.mark.parametrize("bad", ["max_bytes", "COMMFUSE_P2P_TIMEOUT_S"])
+@pytest.mark.parametrize("bad", ["max_bytes", "COMMFUSE_P2P_TIMEOUT_S", "COMMFUSE_P2P_WORKSPACE_MB"])
 def test_a_workspace_argument_wrong_on_one_rank_makes_every_rank_raise_at_once(comm, monkeypatch, bad):
     """Rank 0's max_bytes (or its environment's timeout) is wrong: it raises after the ranks' agreement, in
     which it takes part, and its peers raise naming it there. Before, rank 0 raised first and its peers
@@ -1227,11 +1227,11 @@ def test_a_workspace_argument_wrong_on_one_rank_makes_every_rank_raise_at_once(c
         raise Agreed
 
     monkeypatch.setattr(p2p.Workspace, "_create", create)
-    if rank == 0 and bad == "COMMFUSE_P2P_TIMEOUT_S":
-        monkeypatch.setenv(bad, "-1")
+    if rank == 0 and bad.startswith("COMMFUSE"):
+        monkeypatch.setenv(bad, "-1" if bad == "COMMFUSE_P2P_TIMEOUT_S" else "1e308")  # 1e308 MiB overflowed
     topo = types.SimpleNamespace(gpu_sharers=(1,) * dist.get_world_size(comm.group))
-    mine = 0 if rank == 0 and bad == "max_bytes" else 1 << 20
-    want = ("max_bytes must be > 0" if bad == "max_bytes" else "COMMFUSE_P2P_TIMEOUT_S") if rank == 0 else \
+    mine = 0 if rank == 0 and bad == "max_bytes" else None if bad == "COMMFUSE_P2P_WORKSPACE_MB" else 1 << 20
+    want = ("max_bytes must be > 0" if bad == "max_bytes" else bad) if rank == 0 else \
         r"a rank could not make the P2P workspace \(rank 0: ValueError: "
     with pytest.raises(ValueError, match=want):
         p2p.Workspace(comm.group, "cuda:0", max_bytes=mine, calibrate=False, topology=topo)

@@ -134,7 +134,9 @@ class Workspace:
     def _sizes(self, max_bytes, timeout_s) -> tuple:
         """(max_bytes rounded up to ALIGN, timeout_s), the arguments or their environment defaults, checked."""
         if max_bytes is None:
-            max_bytes = math.ceil(env.number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20) * 2**20)
+            # At most 1 TiB: beyond any GPU's memory, and 1e308 MiB would overflow the rounding to bytes.
+            max_bytes = math.ceil(env.number("COMMFUSE_P2P_WORKSPACE_MB", default_max_bytes(self.world) / 2**20,
+                                             maximum=2**20) * 2**20)
         if int(max_bytes) <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         timeout = float(timeout_s) if timeout_s is not None else env.seconds("COMMFUSE_P2P_TIMEOUT_S", DEFAULT_TIMEOUT_S)
