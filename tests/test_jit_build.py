@@ -397,8 +397,12 @@ def test_the_cache_goes_to_a_temporary_folder_without_a_home(monkeypatch):
     def no_home():
         raise RuntimeError("Could not determine home directory.")
 
-    monkeypatch.setattr(jit.Path, "home", staticmethod(no_home))
-    assert jit.cache_dir() == jit.Path(jit.tempfile.gettempdir()) / f"commfuse-cache-{os.getuid()}"
+    temporary = jit.Path(jit.tempfile.gettempdir()) / f"commfuse-cache-{os.getuid()}"
+    with monkeypatch.context() as m:
+        m.setattr(jit.Path, "home", staticmethod(no_home))
+        assert jit.cache_dir() == temporary
+    monkeypatch.setenv("HOME", "")  # set but empty: no home either (it gave /.cache/commfuse)
+    assert jit.cache_dir() == temporary
     monkeypatch.setenv("COMMFUSE_CACHE_DIR", "/somewhere")
     assert jit.cache_dir() == jit.Path("/somewhere")
 

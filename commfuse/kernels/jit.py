@@ -225,9 +225,11 @@ def cache_dir() -> Path:
     if given:
         return Path(given)
     try:
-        return Path.home() / ".cache" / "commfuse"
+        if os.environ.get("HOME") != "":  # set but empty is no home (Path.home() would give "" or "/")
+            return Path.home() / ".cache" / "commfuse"
     except RuntimeError:  # no HOME and no passwd entry (a container's arbitrary uid)
-        return Path(tempfile.gettempdir()) / f"commfuse-cache-{os.getuid()}"
+        pass
+    return Path(tempfile.gettempdir()) / f"commfuse-cache-{os.getuid()}"
 
 
 def _source_path(source_file: str) -> Path:
