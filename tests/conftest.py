@@ -57,7 +57,9 @@ def comm():
     """A Communicator over WORLD (NCCL with GPUs, else gloo); the group is made on first use."""
     import commfuse
 
-    commfuse.init_distributed(timeout_s=float(os.environ.get("COMMFUSE_TEST_COLLECTIVE_TIMEOUT", 180)))
+    from commfuse import env
+
+    commfuse.init_distributed(timeout_s=env.seconds("COMMFUSE_TEST_COLLECTIVE_TIMEOUT", 180.0))  # a bad one named
     return commfuse.Communicator()
 
 

@@ -427,6 +427,16 @@ def test_probe_says_separated_where_fusion_is_turned_off(monkeypatch):
         f"commfuse-probe on {socket.gethostname()}: 1 rank (mpi)")
 
 
+def test_probe_text_says_a_switch_not_at_1_does_nothing():
+    """COMMFUSE_DISABLE_FUSION=true is listed as set, and as doing nothing (a switch reads only "1"), not as if it
+    turned fusion off."""
+    rep = json.loads(_run_probe("--json").stdout)
+    rep["overrides"] = {"COMMFUSE_STRATEGY": "nccl", "COMMFUSE_PRETEND_NO_P2P": "1", "COMMFUSE_DISABLE_FUSION": "true"}
+    text = probe_cli.render(rep)
+    assert ("Overrides (COMMFUSE_STRATEGY=nccl, COMMFUSE_PRETEND_NO_P2P=1, COMMFUSE_DISABLE_FUSION=true (no effect: "
+            "only 1 switches it on))") in text, text
+
+
 # ---- single process on GPUs ---------------------------------------------------------------------
 
 @two_gpus

@@ -207,7 +207,9 @@ def render(rep: dict) -> str:
     if rep["local_group"]:
         out.append(f"mode of a group of one rank per local GPU: {rep['local_group']['mode']}")
         out += [f"  - {r}" for r in rep["local_group"]["reasons"]]
-    set_now = ", ".join(f"{k}={v}" for k, v in rep["overrides"].items() if v is not None) or "none set"
+    # A switch reads only "1": any other value is said to do nothing, not listed as if it did.
+    set_now = ", ".join(f"{k}={v}" + (" (no effect: only 1 switches it on)" if k != "COMMFUSE_STRATEGY" and v != "1"
+                                      else "") for k, v in rep["overrides"].items() if v) or "none set"
     out += [f"strategy: {rep['strategy']}. Overrides ({set_now}): COMMFUSE_STRATEGY=nccl or "
             "Communicator(strategy=\"nccl\") forces NCCL; COMMFUSE_PRETEND_NO_P2P=1 makes the mode "
             "\"fallback\"; COMMFUSE_DISABLE_FUSION=1 forces separated ops."]
