@@ -124,7 +124,6 @@ class _Checked:
         return self.inner(*args)
 
 
-
 def compared_settings(strategy: str) -> tuple:
     """((name, value), ...) that a Communicator's ranks compare at its construction, each as it reads them: the
     strategy (the argument, or COMMFUSE_STRATEGY) and the environment's settings that decide which collectives a
@@ -139,6 +138,7 @@ def compared_settings(strategy: str) -> tuple:
                 ("COMMFUSE_PRETEND_NO_P2P", os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"))
     nccl.watchdog_timeout()
     return settings
+
 
 class Communicator:
     """Sum all-reduce and fused all-reduce tails over a torch.distributed group.
@@ -368,10 +368,7 @@ class Communicator:
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
         if residual is None:
-            checks.plain_plan(weight=(weight, None), eps=(eps, 1e-6), quant=(quant, None), scale=(scale, None),
-                              return_norm=(return_norm, False), sf_layout=(sf_layout, "swizzled"),
-                              weight_offset=(weight_offset, 0.0), scale_layout=(scale_layout, "row"),
-                              scale_ue8m0=(scale_ue8m0, False))
+            checks.plain_plan(Communicator.plan, locals())
             spec = None
         else:
             spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)

@@ -126,12 +126,12 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
 def _read_through_an_early_view(ar: fx.Node) -> Optional[str]:
     """Why an in-place all-reduce (dynamo's all_reduce(v) -> wait -> v.copy_) whose sum is read only through a view
     of v taken before it is not matched, or None: the matchers follow the sum from v and from views taken after."""
-    positions = G.order(ar.graph)
     v = ar.args[0] if ar.args else None
     copies = [u for u in getattr(v, "users", ()) if G.kind(u) == "copy_" and G.kind(G.operand(u, 1, "src")) == "wait"
               and G.operand(G.operand(u, 1, "src"), 0, "input") is ar]
     if not copies:
         return None
+    positions = G.order(ar.graph)
     stack = [u for u in v.users if positions[u] < positions[ar] and G.may_alias(u)]
     while stack:
         a = stack.pop()

@@ -7,6 +7,7 @@ x's device.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence
 
 import torch
@@ -234,11 +235,13 @@ def quant_named(quant) -> None:
         raise ValueError("quant must name a format, got None")
 
 
-def plain_plan(**tail) -> None:
-    """comm.plan of a plain all-reduce (residual None) takes no tail argument: each of `tail` (name: (value,
-    default)) must be at its default, or the plan would describe a call that ignores it."""
-    given = [name for name, (value, default) in tail.items()
-             if (value is not None if default is None else value != default)]
+def plain_plan(fn, values: dict) -> None:
+    """comm.plan of a plain all-reduce (residual None) takes no tail argument: each argument of `fn` (comm.plan) with
+    a default, out aside, must be at it in `values` (its locals), or the plan would describe a call that ignores
+    it."""
+    defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                if p.default is not inspect.Parameter.empty and k != "out"}
+    given = [k for k, d in defaults.items() if (values[k] is not None if d is None else values[k] != d)]
     if given:
         raise ValueError(f"residual is required when {', '.join(given)} {'is' if len(given) == 1 else 'are'} given")
 
