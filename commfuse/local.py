@@ -254,7 +254,7 @@ def _quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0) -> Cal
     checks.quant_named(quant)
     spec = TailSpec.of(quant, sf_layout=sf_layout, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     h = checks.x_hidden(x, None)
-    checks.scale(spec, scale, h, x.device)
+    checks.scale(spec, scale, h, x.device, where="x is on")
     return Call.of("quantize", x, scale=scale, spec=spec)
 
 

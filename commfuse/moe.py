@@ -91,8 +91,8 @@ class Launcher:
     "kernel" or "separated"), then `dense`, the launcher of fused_all_reduce's route for the combined rows.
     `text`: describe()'s. On the gloo route (`gloo`) the sum's exchange carries the text too; `check`, where
     given (COMMFUSE_CHECK: check(note, refused=None)), compares it across the ranks first, with what the
-    routes would refuse of the call's own facts (checks.per_call). Either way the reference's route reads the
-    row indices first and the text says whether they are in range, so that a rank whose are not makes every
+    routes would refuse of the call's own facts (checks.per_call). Either way the reference's combine reads the
+    row indices (once) and the text says whether they are in range, so that a rank whose are not makes every
     rank raise (CallMismatchError) before any rank writes an output; with COMMFUSE_GLOO_CHECK=0 (no
     signature) that rank raises ValueError and its peers' sums are NaN. A combine that raises (torch refusing
     an input no check foresaw) runs before any exchange and takes part in them as a refusal: the rank raises
@@ -106,14 +106,13 @@ class Launcher:
 
     def __call__(self, y, residual, weight, scale, out, weights, row_index, shared):
         bad = failed = None
-        if row_index is not None and self.route == "separated":
-            bad = reference.row_index_error(row_index, y.shape[0])
+        try:  # before any exchange: a rank whose combine raises still makes its peers' exchanges
+            x = combine(y, weights, row_index, shared, self.route)
+        except reference.RowIndexError as e:  # the reference's route read the indices: a call of its own
+            bad = e
+        except Exception as e:  # noqa: BLE001 - raised below, after the peers have heard of it
+            failed = e
         note = self.text if bad is None else f"{self.text}, {bad}"
-        if bad is None:
-            try:  # before any exchange: a rank whose combine raises still makes its peers' exchanges
-                x = combine(y, weights, row_index, shared, self.route)
-            except Exception as e:  # noqa: BLE001 - raised below, after the peers have heard of it
-                failed = e
         if self.check is not None:
             try:  # what the routes would refuse of this call's own facts, compared with the call
                 given = (None,) * len(self.outputs) if out is None else fields_of(out)
@@ -134,7 +133,7 @@ class Launcher:
                 except CallMismatchError:
                     if failed is None:
                         raise
-            raise failed if failed is not None else ValueError(bad)
+            raise failed if failed is not None else bad
         # out against the combine's inputs (the dense launcher checks it against the others): on the gloo
         # route after the exchange, as the dense route's checks, so that a rank that raises stays in step.
         inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))

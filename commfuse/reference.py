@@ -183,6 +183,11 @@ def moe_reduce(y: Tensor, weights: Tensor, shared: Optional[Tensor] = None) -> T
     return _combine(t, k, h, lambda j: y[:, j], weights, shared, y.dtype, y.device)
 
 
+class RowIndexError(ValueError):
+    """moe_finalize's row_index holds a row outside [-1, R): its ValueError, told apart from the others by the
+    MoE launcher, which reports it to the peers as a call of its own (commfuse.moe.Launcher)."""
+
+
 def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optional[Tensor] = None) -> Tensor:
     """The combine of permuted expert rows, as the grouped-GEMM MoE kernels leave them (the layout
     TensorRT-LLM's and FlashInfer's finalize take): moe_reduce of y[i, j] = rows[row_index[i, j]].
@@ -199,23 +204,14 @@ def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optio
         raise ValueError(f"weights must be [t, k] = {[t, k]}, got {tuple(weights.shape)}")
     if shared is not None and tuple(shared.shape) != (t, rows.shape[1]):
         raise ValueError(f"shared must be [t, h] = {[t, rows.shape[1]]}, got {tuple(shared.shape)}")
-    why = row_index_error(row_index, rows.shape[0])
-    if why:
-        raise ValueError(why)
     idx = row_index.long()
+    if idx.numel() and ((idx < -1) | (idx >= rows.shape[0])).any():  # on a GPU the one synchronisation
+        raise RowIndexError(f"row_index must hold rows in [-1, {rows.shape[0]}), got {int(idx.min())} .. "
+                            f"{int(idx.max())}")
     # A dropped slot reads row 0 and is then left out (kept); with no rows at all, a row of zeros stands in.
     src = rows if rows.shape[0] else rows.new_zeros(1, rows.shape[1])
     return _combine(t, k, rows.shape[1], lambda j: src[idx[:, j].clamp_min(0)], weights, shared, rows.dtype,
                     rows.device, kept=idx >= 0)
-
-
-def row_index_error(row_index: Tensor, rows: int) -> Optional[str]:
-    """Why `row_index` (int32 / int64 [t, k]) holds a row outside [-1, rows), in words; None where it holds
-    none. Reads the indices (on a GPU one synchronisation)."""
-    idx = row_index.long()
-    if idx.numel() and ((idx < -1) | (idx >= rows)).any():
-        return f"row_index must hold rows in [-1, {rows}), got {int(idx.min())} .. {int(idx.max())}"
-    return None
 
 
 def _row_blocks(x: Tensor, block: int, what: str) -> Tensor:

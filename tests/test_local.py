@@ -131,6 +131,9 @@ def test_bad_arguments_name_themselves(gen):
         (ValueError, "multiple of 16", lambda: f(x[:, :40], residual[:, :40], weight[:40], quant="nvfp4",
                                                  scale=scale)),
         (ValueError, "sf_layout", lambda: f(x, residual, weight, sf_layout="tiled")),
+        (ValueError, "scale is on meta, but x is on cpu", lambda: f(x, residual, weight, quant="fp8",
+                                                                    scale=scale.to("meta"))),
+        (ValueError, "scale is on meta, but x is on cpu", lambda: commfuse.quantize(x, "fp8", scale.to("meta"))),
     ]
     for exc, match, call in cases:
         with pytest.raises(exc, match=match):

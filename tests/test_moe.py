@@ -336,6 +336,8 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
                                 shared=args["shared"])
     with pytest.raises(TypeError, match="weight dtype torch.float16 must match residual dtype"):
         comm.moe_all_reduce(y, w, residual, weight.half())
+    with pytest.raises(ValueError, match="scale is on meta, but this communicator works on"):  # no x to name
+        comm.moe_all_reduce(y, w, residual, weight, quant="fp8", scale=torch.ones(1, device="meta"))
     if dev.type == "cpu":  # the reference reads the indices; the kernel makes the token's row NaN instead
         bad = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]], dtype=torch.int32, device=dev)  # row 8 of 8 rows
         with pytest.raises(ValueError, match="row_index must hold rows in \\[-1, 8\\)"):
@@ -387,6 +389,26 @@ def test_moe_calls_that_differ_raise_on_every_rank(comm, quiet_comm, gen, differ
             comm.moe_all_reduce(y, w, residual, weight, **kw)
     ones = torch.ones(2, 64, device=dev)
     assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
+
+
+@mpi
+def test_the_separated_combine_reads_the_row_indices_once(comm, gen, monkeypatch):
+    """The reference's combine reads the indices to check them (on a GPU a synchronisation): once a call, as
+    docs/semantics.md says, not once for the launcher's check and again for the combine's."""
+    t, k, h = 3, 2, 64
+    y = torch.randn(8, h, generator=gen).bfloat16().to(comm.device)
+    w = torch.rand(t, k, generator=gen).to(comm.device)
+    idx = torch.randint(-1, 8, (t, k), generator=gen).to(comm.device)
+    residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
+    first = comm.moe_all_reduce(y, w, residual, weight, row_index=idx)  # planned: the next call is the table's
+    if first.plan.combine != "separated":
+        pytest.skip(f"the combine runs as a kernel here ({first.plan.combine}), which reads no index on the host")
+    reads = []
+    read = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(self.shape) or read(self))
+    got = comm.moe_all_reduce(y, w, residual, weight, row_index=idx)
+    monkeypatch.undo()
+    assert len(reads) == 1 and got.plan.combine == "separated", (reads, got.plan)
 
 
 @pytest.mark.mpi(min_size=2)

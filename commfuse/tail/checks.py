@@ -94,7 +94,8 @@ def _weight(weight, x: Tensor, h: int, device: torch.device, where: str, x_name:
     same_device("weight", weight, device, where)
 
 
-def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x") -> None:
+def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x",
+          where: str = "this communicator works on") -> None:
     """The scale argument against the format: a float32 tensor of one element on `device` (or a
     Python number, which the separated ops round to fp32) where the format takes one, else None;
     and h (x_name's hidden size) a multiple of the format's block."""
@@ -115,8 +116,7 @@ def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x") ->
             raise ValueError(f"scale must have one element, got shape {tuple(s.shape)}")
         if s.dtype != torch.float32:
             raise TypeError(f"scale must be float32, got {s.dtype}")
-        if s.device != device and not (device.index is None and s.device.type == device.type):
-            raise ValueError(f"scale is on {s.device}, but x is on {device}")
+        same_device("scale", s, device, where)
     elif isinstance(s, bool) or not isinstance(s, (int, float)):
         raise TypeError(f"scale must be a float32 tensor of one element or a float, got {type(s).__name__}")
     scale_value(s)
@@ -156,7 +156,7 @@ def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device],
     else:
         _like_x("residual", residual, x, device, where)
     _weight(weight, x, h, device, where, x_name)
-    scale(spec, s, h, device, x_name)
+    scale(spec, s, h, device, x_name, where)
     return h
 
 
