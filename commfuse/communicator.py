@@ -318,7 +318,9 @@ class Communicator:
         """Whether every call compares its signature across the ranks first (COMMFUSE_CHECK=1); it may
         be turned off (or on) for this communicator, alike on every rank. On a gloo group, ranks set apart
         raise CallMismatchError at their next call (the comparison and the gloo route's exchange are of one
-        size); on an NCCL group nothing compares a rank that does not check with one that does."""
+        size; with COMMFUSE_GLOO_CHECK=0, no exchange, those that check raise CallTimeoutError and the others
+        wait for the process group's timeout); on an NCCL group nothing compares a rank that does not check
+        with one that does."""
         return self._check_calls
 
     @check_calls.setter
@@ -439,7 +441,7 @@ class Communicator:
                          scale_ue8m0: bool = False, out=None) -> FusedResult:
         """All-reduce `x`, then residual add, RMSNorm and optional quantization (docs/semantics.md).
 
-        x, residual: T[..., h] (T = fp16 or bf16 for the fused rows; others go separated), same shape;
+        x, residual: T[..., h] (T = fp16, bf16 or fp32, else TypeError; fp32 takes the separated tail), same shape;
         weight: T[h]; all on the communicator's device. scale: the dequant scale (value = code *
         scale) as a float32 tensor of one element on the device (a Python float takes the separated
         path): required for quant "fp8" (per-tensor scale) and "nvfp4" (global scale, amax / (448*6)).

@@ -26,6 +26,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import env
+
 _ENV_LAYOUTS = (  # rank, world size, local rank, ranks on this node
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -114,10 +116,15 @@ def _mpi_rendezvous(rank: int) -> tuple:
             addr = (os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname()),
                     _master_port() or _free_port())
         except Exception as e:  # noqa: BLE001 - any failure here must reach the other ranks
-            addr = e
+            error = e
+            addr = (type(e).__name__, str(e))  # words, not the exception: one that does not pickle would stop
+            # rank 0 in the broadcast alone, and not every type is made again from its message
     addr = MPI.COMM_WORLD.bcast(addr, root=0)
-    if isinstance(addr, Exception):
-        raise addr if rank == 0 else type(addr)(f"rank 0: {addr}")
+    if isinstance(addr[1], str):  # rank 0's error, in words (an address's port is an int)
+        if rank == 0:
+            raise error
+        kind = ValueError if addr[0] == "ValueError" else RuntimeError
+        raise kind(f"rank 0: {addr[0]}: {addr[1]}")
     return addr
 
 
@@ -145,8 +152,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e9):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+            not env.MIN_SECONDS <= timeout_s <= env.MAX_SECONDS:  # a shorter bound is 0 ms to torch.distributed
+        raise ValueError(f"timeout_s must be a number of seconds from {env.MIN_SECONDS:g} to {env.MAX_SECONDS:.15g}, "
+                         f"got {timeout_s!r}")
     rank, world, local_rank, _, launcher = _launch_env()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -158,7 +167,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         port = _master_port() or (_free_port() if world == 1 else 29500)
     timeout = datetime.timedelta(seconds=timeout_s)
     # torch's own rendezvous (it knows torchrun's agent store), whose store then serves the group.
-    store, rank, world = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout))
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # an IPv6 address, as a URL has it
+    store, rank, world = next(dist.rendezvous(f"tcp://{host}:{port}", rank=rank, world_size=world, timeout=timeout))
     store.set_timeout(timeout)
     if backend is None:
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if cuda else ""

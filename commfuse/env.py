@@ -26,9 +26,9 @@ def number(name: str, default: float, *, minimum: float = 0.0, maximum: float = 
     except ValueError:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
     if not (math.isfinite(value) and value <= maximum and ((zero and value == 0) or (value > 0 and value >= minimum))):
-        low = f">= {minimum:g}" if minimum > 0 else "> 0"
+        low = f">= {minimum:.15g}" if minimum > 0 else "> 0"  # 15 digits: a bound printed as it is
         raise ValueError(f"{name} must be {'0 or ' if zero else ''}a number {low}"
-                         + (f" and at most {maximum:g}" if maximum < math.inf else "") + f", got {raw!r}")
+                         + (f" and at most {maximum:.15g}" if maximum < math.inf else "") + f", got {raw!r}")
     return value
 
 

@@ -84,8 +84,9 @@ def test_init_distributed_and_the_probe_say_what_is_wrong():
     assert "MASTER_PORT must be an integer, got 'abc'" in r.stderr, r.stderr
     r = _run("import commfuse; commfuse.init_distributed()", RANK="0", WORLD_SIZE="1", MASTER_PORT="70000")
     assert "MASTER_PORT must be in [1, 65535], got 70000" in r.stderr, r.stderr
-    r = _run("import commfuse; commfuse.init_distributed(timeout_s=0)")
-    assert "timeout_s must be a positive number of seconds" in r.stderr, r.stderr
+    for bad in ("0", "1e-4", "True", "float('nan')", "2e6"):  # 1e-4 s is a timeout of 0 ms to torch.distributed
+        r = _run(f"import commfuse; commfuse.init_distributed(timeout_s={bad})")
+        assert "timeout_s must be a number of seconds from 0.001 to 1000000" in r.stderr, (bad, r.stderr)
     r = _run("import sys; from commfuse.cli.probe import main; sys.exit(main([]))", RANK="0", WORLD_SIZE="abc")
     assert r.returncode == 1 and r.stderr.strip() == "commfuse-probe: WORLD_SIZE must be an integer, got 'abc'", r
 
@@ -103,6 +104,23 @@ def test_the_probe_under_stale_launcher_variables_ends_in_a_message():
              WORLD_SIZE="2", MASTER_PORT=port, MASTER_ADDR="")
     assert r.returncode == 1 and "commfuse-probe: the group of 2 ranks could not be probed" in r.stderr, r.stderr
     assert "left over in this shell" in r.stderr and "hostname cannot be None" not in r.stderr, r.stderr
+    r = _run("import sys; from commfuse.cli.probe import main; sys.exit(main(['--timeout', '1e-4']))")
+    assert r.returncode == 2 and "--timeout must be a number of seconds from 0.001" in r.stderr, r.stderr
+
+
+def test_an_ipv6_master_addr_is_a_host_of_the_rendezvous_url():
+    """MASTER_ADDR=::1 (as torch's env:// takes it) failed: the URL tcp://::1:port read ':1:port' as the port."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = str(s.getsockname()[1])
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback on this machine: {e}")
+    r = _run("import commfuse; print(commfuse.init_distributed(timeout_s=30))", RANK="0", WORLD_SIZE="1",
+             MASTER_ADDR="::1", MASTER_PORT=port)
+    assert r.returncode == 0 and r.stdout.strip() == "(0, 1)", r.stderr
 
 
 @pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "0", "1e7", "1e-9"])
@@ -121,7 +139,7 @@ def test_numbers_in_range_and_defaults(monkeypatch):
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "0")
     assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True) == 0.0  # e.g. no NCCL watchdog
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "-0.5")
-    with pytest.raises(ValueError, match="must be 0 or a number >= 0.001 and at most 1e\\+06, got '-0.5'"):
+    with pytest.raises(ValueError, match="must be 0 or a number >= 0.001 and at most 1000000, got '-0.5'"):
         env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True)
     # Below a millisecond: torch.distributed's timeout of 0 ms, which failed without naming the variable.
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1e-4")
@@ -129,6 +147,9 @@ def test_numbers_in_range_and_defaults(monkeypatch):
         env.seconds("COMMFUSE_TEST_SECONDS", 10.0, zero=True)
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "0.001")
     assert env.seconds("COMMFUSE_TEST_SECONDS", 10.0) == 0.001
+    monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1048577")  # its bound printed whole: 1.04858e+06 read as above it
+    with pytest.raises(ValueError, match="at most 1048576, got '1048577'"):
+        env.number("COMMFUSE_TEST_SECONDS", 1.0, maximum=2.0 ** 20)
     monkeypatch.setenv("COMMFUSE_TEST_SECONDS", "1e300")
     assert env.number("COMMFUSE_TEST_SECONDS", 1.0) == 1e300  # a number with no maximum (not a wait)
     assert env.MAX_SECONDS < math.inf

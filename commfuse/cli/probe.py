@@ -51,6 +51,7 @@ import torch
 
 from .. import topology
 from ..distributed import gather_objects, launch_env
+from ..env import MAX_SECONDS, MIN_SECONDS
 from ..kernels.p2p_allreduce import MAX_WORLD
 from ..routes import STRATEGIES
 
@@ -225,8 +226,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
                         help=f"how long the ranks of a launcher wait for each other (default {PROBE_TIMEOUT_S})")
     args = parser.parse_args(argv)
-    if not 0 < args.timeout < 1e9:
-        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not MIN_SECONDS <= args.timeout <= MAX_SECONDS:  # init_distributed's range
+        parser.error(f"--timeout must be a number of seconds from {MIN_SECONDS:g} to {MAX_SECONDS:.15g}, "
+                     f"got {args.timeout}")
     try:
         _, world, _, launcher = launch_env()
     except ValueError as e:  # a broken launcher is a message, not a traceback
