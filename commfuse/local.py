@@ -48,7 +48,16 @@ _F32_MAX = torch.finfo(torch.float32).max
 class Quantized(NamedTuple):
     """Outputs of `quantize`: the codes, and the block scales in the field the format keeps them in
     (its registry entry's scale_field: scale_factors for NVFP4 and MXFP8, scales for the computed FP8
-    scales), None where it has none."""
+    scales), None where it has none. All on x's device; t = x.numel() // h.
+
+    quant: float8_e4m3fn[t, h] (fp8, fp8_per_token, fp8_block, mxfp8) or uint8[t, h/2] (nvfp4, two
+        e2m1 codes a byte, even index in the low nibble).
+    scale_factors: nvfp4's float8_e4m3fn[t, h/16] or mxfp8's uint8[t, h/32] (UE8M0 exponents) with
+        sf_layout "linear"; "swizzled": flat, roundup(t, 128) * roundup(K, 4) entries (K = h/16 or h/32,
+        padding 0); None for the other formats.
+    scales: fp8_per_token's float32[t]; fp8_block's (K = h/128): float32[t, K] row-major or MN-major
+        (strides (1, roundup(t, 4))), or with scale_ue8m0 uint8[t, K] row-major or MN-major packed four
+        to an int32[t, ceil(K/4)] (reference.quantize_fp8_block); None for the other formats."""
 
     quant: Tensor
     scale_factors: Optional[Tensor]
@@ -140,8 +149,9 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
                       scale_layout: str = "row", scale_ue8m0: bool = False, out=None) -> Tail:
     """residual = round_T(x + residual), then RMSNorm and an optional quantization of it.
 
-    x: T[..., h] (T float16, bfloat16 or float32); residual: x's shape and dtype, or None for a plain
-    RMSNorm of x (+ quant); weight: T[h]; eps: a number >= 0. quant: None or a format of
+    x: T[..., h] (T float16, bfloat16 or float32; others raise TypeError), on any device; residual: x's
+    shape and dtype, or None for a plain RMSNorm of x (+ quant); weight: T[h]; residual, weight (and a
+    scale tensor) on x's device (else ValueError); eps: a number >= 0. quant: None or a format of
     commfuse.tail.formats.FORMATS: "fp8" and "nvfp4" take scale, the dequant scale (a float32 tensor
     of one element on x's device; a Python float is taken and rounded to fp32, on the separated route);
     "fp8_per_token", "fp8_block" and "mxfp8" compute their scales (scale None; docs/semantics.md).
@@ -182,22 +192,25 @@ def fused_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
 
 
 def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: Optional[int],
-                  norm_before_gate: bool, *, quant: Optional[str] = None, scale: Optional[Tensor] = None,
+                  norm_before_gate: bool, *, quant: Optional[str] = None, scale: Union[Tensor, float, None] = None,
                   return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
                   scale_ue8m0: bool = False) -> Tail:
     """The gated RMSNorm of Mamba2 / Nemotron-H (reference.gated_rmsnorm has the exact formula), then
     an optional quantization of its T-rounded output (commfuse.reference's quantizers).
 
-    x: T[..., h]; z: x's shape and dtype, or None (no gate); weight: T[h]; eps >= 0; group_size: the
-    elements normalised together, dividing h (None: h, one group); norm_before_gate: False gates x by
-    silu(z) before the norm (HF Mamba2), True gates the weighted norm after it (mamba_ssm's default).
-    quant, scale, return_norm, sf_layout, scale_layout, scale_ue8m0 as in `fused_add_rmsnorm`.
+    x: T[..., h] (T float16, bfloat16 or float32; others raise TypeError), on any device; z: x's shape
+    and dtype, or None (no gate); weight: T[h]; z, weight (and a scale tensor) on x's device (else
+    ValueError); eps >= 0; group_size: the elements normalised together, dividing h (None: h, one
+    group); norm_before_gate: False gates x by silu(z) before the norm (HF Mamba2), True gates the
+    weighted norm after it (mamba_ssm's default).
+    quant, scale, return_norm, sf_layout, scale_layout, scale_ue8m0 as in `fused_add_rmsnorm`: scale a
+    float32 tensor of one element on x's device, or a Python float (rounded to fp32, on the separated route).
 
     Route: the gated RMSNorm kernel (one launch) where its guards hold (fused_add_rmsnorm's,
     group_size % 8 == 0, h <= 16384), else the separated ops (fp32 torch) on x's device; `plan_gated`
     says which. The kernel's silu takes the GPU's fast exp: its norm is within an ulp of T of the
-    reference (docs/semantics.md). Returns a Tail with residual None: norm
-    [t, h] (None when quantizing without return_norm), quant, scale_factors, scales."""
+    reference (docs/semantics.md). Returns a Tail with residual None, on x's device: norm T[t, h]
+    (None when quantizing without return_norm), quant, scale_factors, scales (as in `Quantized`)."""
     if group_size is None and isinstance(x, Tensor) and x.dim():
         group_size = x.shape[-1]
     if _compiling():
@@ -226,16 +239,19 @@ def _gated_call(x, z, weight, eps, group_size, norm_before_gate, quant, scale, r
     return Call.of("gated", x, None, weight, scale, z, spec, group_size, norm_before_gate)
 
 
-def quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: str = "swizzled", *,
+def quantize(x: Tensor, quant: str, scale: Union[Tensor, float, None] = None, sf_layout: str = "swizzled", *,
              scale_layout: str = "row", scale_ue8m0: bool = False) -> Quantized:
     """The quantization `quant` of x alone (docs/semantics.md sections 4-5 and 10-11; commfuse.reference).
 
-    x: T[..., h]; quant: any format of commfuse.tail.formats.FORMATS but None; scale: the dequant
-    scale, a float32 tensor of one element on x's device, for the formats that take one; sf_layout,
-    scale_layout, scale_ue8m0: the layout of the block scales, as in `fused_add_rmsnorm`. Returns
-    Quantized(quant [t, h] float8_e4m3fn or [t, h/2] uint8, scale_factors, scales). Route: the quantize
-    kernel (one launch; reference.quantize's bits) where its guards hold, else the separated ops;
-    `plan_quantize` says which. The fusion pass folds this op into a fused tail that produces x."""
+    x: T[..., h] (T float16, bfloat16 or float32; others raise TypeError), on any device; quant: any
+    format of commfuse.tail.formats.FORMATS but None; scale: the dequant scale for the formats that
+    take one ("fp8", "nvfp4"; None for the others), a float32 tensor of one element on x's device or a
+    Python float (rounded to fp32, on the separated route); sf_layout, scale_layout, scale_ue8m0: the
+    layout of the block scales, as in `fused_add_rmsnorm`. Returns Quantized(quant [t, h] float8_e4m3fn
+    or [t, h/2] uint8, scale_factors, scales) on x's device, t = x.numel() // h (shapes: `Quantized`).
+    Route: the quantize kernel (one launch; reference.quantize's bits) where its guards hold, else the
+    separated ops; `plan_quantize` says which. The fusion pass folds this op into a fused tail that
+    produces x."""
     if _compiling():
         _compiled_checks(x, quant, (("scale_ue8m0", scale_ue8m0),), quant_required=True)
         tail = code(quant, False, sf_layout, scale_layout, scale_ue8m0)
@@ -270,7 +286,7 @@ def plan(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-
 
 
 def plan_gated(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group_size: Optional[int],
-               norm_before_gate: bool, *, quant: Optional[str] = None, scale: Optional[Tensor] = None,
+               norm_before_gate: bool, *, quant: Optional[str] = None, scale: Union[Tensor, float, None] = None,
                return_norm: bool = False, sf_layout: str = "swizzled", scale_layout: str = "row",
                scale_ue8m0: bool = False) -> Plan:
     """The route `gated_rmsnorm(...)` takes, without running it (as `plan`; kernel gated_rmsnorm)."""
@@ -281,7 +297,7 @@ def plan_gated(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, group
     return routes.plan(call, Machine.local(x.device))
 
 
-def plan_quantize(x: Tensor, quant: str, scale: Optional[Tensor] = None, sf_layout: str = "swizzled", *,
+def plan_quantize(x: Tensor, quant: str, scale: Union[Tensor, float, None] = None, sf_layout: str = "swizzled", *,
                   scale_layout: str = "row", scale_ue8m0: bool = False) -> Plan:
     """The route `quantize(...)` takes, without running it (as `plan`; kernel quantize)."""
     return routes.plan(_quantize_call(x, quant, scale, sf_layout, scale_layout, scale_ue8m0), Machine.local(x.device))

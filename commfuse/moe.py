@@ -36,7 +36,11 @@ __all__ = ["combine", "plan", "fused_rejects", "describe", "Launcher"]
 
 def plan(y: Tensor, weights: Tensor, m: routes.Machine) -> Tuple[str, Optional[str]]:
     """How the combine of these (checked) tensors runs on machine `m`: ("kernel", None), or ("separated",
-    the reason)."""
+    the reason).
+
+    y: T[t, k, h] (reduction form) or the permuted rows T[R, h] (finalize form), T float16, bfloat16 or
+    float32; weights: [t, k] float32 or T; both on m's device (the communicator's; checks.moe). The kernel
+    needs CUDA tensors: y's device decides."""
     if not m.fusion:
         return "separated", "combine: COMMFUSE_DISABLE_FUSION=1: separated ops"
     if y.device.type != "cuda" or m.sm is None:
@@ -48,7 +52,12 @@ def plan(y: Tensor, weights: Tensor, m: routes.Machine) -> Tuple[str, Optional[s
 
 def fused_rejects(y: Tensor, weights: Tensor, residual: Tensor, weight: Tensor, scale, spec: TailSpec,
                   m: routes.Machine) -> Optional[str]:
-    """Why the one-kernel MoE tail cannot take this checked call on machine `m` (None when it can)."""
+    """Why the one-kernel MoE tail cannot take this checked call on machine `m` (None when it can).
+
+    y: T[t, k, h] or the permuted rows T[R, h] (T float16, bfloat16 or float32); weights: [t, k] float32
+    or T; residual: T[t, h] (it stands for the combined rows: their shape, dtype and device); weight: T[h];
+    scale: the dequant scale, a float32 tensor of one element, a Python number (which the fused tail does
+    not take) or None; all tensors on m's device (the communicator's; checks.moe and checks.tail)."""
     if m.world_size != 1:
         return f"world size {m.world_size}: the combine runs before the all-reduce, the tail after it"
     call = routes.Call.of("fused", residual, residual, weight, scale if isinstance(scale, Tensor) else None,
@@ -80,7 +89,12 @@ def combine(y: Tensor, weights: Tensor, row_index: Optional[Tensor] = None, shar
 
 
 def describe(y: Tensor, weights: Tensor, row_index: Optional[Tensor], shared: Optional[Tensor]) -> str:
-    """The combine of a MoE call as ranks must make it alike, in words."""
+    """The combine of a MoE call as ranks must make it alike, in words: y's and weights' dtypes and shapes,
+    the form (row_index's dtype) and whether there is a shared expert.
+
+    y: T[t, k, h], or the permuted rows T[R, h] with row_index int32/int64 [t, k] (None: reduction form);
+    weights: [t, k] float32 or T; shared: T[t, h] or None; on the communicator's device (checked:
+    checks.moe). Only their metadata is read."""
     rows = "reduction form" if row_index is None else f"row_index {row_index.dtype}"
     return (f"after moe_combine(y {y.dtype} {list(y.shape)}, weights {weights.dtype} {list(weights.shape)}, {rows}, "
             f"{'a shared expert' if shared is not None else 'no shared expert'})")
@@ -105,6 +119,15 @@ class Launcher:
         self.text, self.gloo, self.check = text, gloo, check
 
     def __call__(self, y, residual, weight, scale, out, weights, row_index, shared):
+        """The combine, then `dense` on the combined rows: Communicator.moe_all_reduce's checked arguments.
+
+        y: T[t, k, h], or the permuted rows T[R, h] with row_index int32/int64 [t, k] (None: reduction
+        form); weights: [t, k] float32 or T; shared: T[t, h] or None; residual: T[t, h]; weight: T[h]
+        (T float16, bfloat16 or float32); scale: the dequant scale (a float32 tensor of one element, or a
+        Python number), None without quant or for a format that computes its scales; all on the
+        communicator's device. out: caller-owned outputs as for fused_all_reduce, or None. Returns
+        fused_all_reduce's five outputs of the combined rows (residual T[t, h], norm, quant, scale_factors,
+        scales; None where absent), in commfuse.reference.Tail's order, on the communicator's device."""
         bad = failed = None
         try:  # before any exchange: a rank whose combine raises still makes its peers' exchanges
             x = combine(y, weights, row_index, shared, self.route)

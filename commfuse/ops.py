@@ -96,7 +96,8 @@ def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
     """`comm.all_reduce(x)` as a custom op: the sum of x over comm's group, in a new tensor, or in
     `out` (caller-owned, x's shape, dtype and device, contiguous: op all_reduce_out), returned.
 
-    x: [..., h] with h > 0, on comm's device (CUDA for NCCL, CPU for gloo); not modified."""
+    x: T[..., h] with h > 0 (T float16, bfloat16 or float32; others raise TypeError), on comm's device
+    (CUDA for NCCL, CPU for gloo); not modified. Returns T[..., h] (x's shape), on comm's device."""
     if not torch.compiler.is_compiling():
         # Eager: the op's own body, without the dispatcher's host cost (tens of microseconds a call).
         return comm.all_reduce(x, out=out)

@@ -172,9 +172,10 @@ def moe_reduce(y: Tensor, weights: Tensor, shared: Optional[Tensor] = None) -> T
     """The MoE combine of one rank, before the all-reduce: x = round_T(shared + sum_j w[:, j] * y[:, j, :]).
 
     y: T[t, k, h] (T = fp16 / bf16 / fp32), the top-k expert outputs of each token; weights: [t, k]
-    routing weights, float32 or T; shared: T[t, h] or None, a shared expert's output (DeepSeek, Qwen2-MoE).
-    In fp32: acc = float(shared) (0 without), then for j = 0 .. k-1 in order acc = RN(acc + RN(float(w_j) *
-    float(y_j))), rounded to T once. Returns T[t, h] (docs/semantics.md section 14)."""
+    routing weights, float32 or T; shared: T[t, h] or None, a shared expert's output (DeepSeek, Qwen2-MoE);
+    all on y's device (any device). In fp32: acc = float(shared) (0 without), then for j = 0 .. k-1 in order
+    acc = RN(acc + RN(float(w_j) * float(y_j))), rounded to T once. Returns T[t, h] on y's device
+    (docs/semantics.md section 14)."""
     if y.dim() != 3 or weights.shape != y.shape[:2]:
         raise ValueError(f"y must be [t, k, h] and weights [t, k], got {tuple(y.shape)} and {tuple(weights.shape)}")
     t, k, h = y.shape
@@ -195,7 +196,8 @@ def moe_finalize(rows: Tensor, row_index: Tensor, weights: Tensor, shared: Optio
     rows: T[R, h], the expert outputs in expert order (padding rows allowed); row_index: int32 / int64
     [t, k], the row of token i's j-th expert (its `expanded_idx_to_permuted_idx`), -1 for a slot dropped by
     capacity: that slot adds nothing (its step is left out, not added as zero); weights: [t, k] as in
-    moe_reduce; shared: T[t, h] or None. Returns T[t, h] (docs/semantics.md section 14)."""
+    moe_reduce; shared: T[t, h] or None; all on rows' device (any device; on a GPU, the check of row_index's
+    range synchronises once). Returns T[t, h] on rows' device (docs/semantics.md section 14)."""
     if rows.dim() != 2 or row_index.dim() != 2 or row_index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rows must be [R, h] and row_index an int32/int64 [t, k], got {tuple(rows.shape)} and "
                          f"{tuple(row_index.shape)} {row_index.dtype}")
@@ -409,7 +411,8 @@ def quantize_nvfp4(x: Tensor, scale: Scale, sf_layout: str = "swizzled") -> Tupl
 def nvfp4_block_codes(blocks: Tensor, sf: Tensor, S: Tensor) -> Tensor:
     """The e2m1 codes of fp32 blocks [..., 16] under their scale factors sf [...] (float8_e4m3fn) and
     S = RN(1 / scale): e2m1(RN(n * enc)), enc = 0 where sf is 0, else RN(S / float(sf)); a block whose
-    scale factor is NaN gets codes 0. Returns uint8 [..., 16], one code an element (not packed)."""
+    scale factor is NaN gets codes 0. S: float32 tensor of one element (shape [] or [1]). blocks, sf, S on
+    one device (any). Returns uint8 [..., 16] on blocks' device, one code an element (not packed)."""
     sff = sf.float()
     enc = torch.where(sff == 0, torch.zeros_like(sff), S / sff)
     codes = e2m1_encode(blocks * enc.unsqueeze(-1))
@@ -501,7 +504,7 @@ def fp8_group_codes(g: Tensor, s: Tensor) -> Tensor:
     """The e4m3 codes of fp32 groups g [..., n] under their dequant scales s [...] (float32): e4m3(RN(g / s)),
     a true division, except that +-Inf in a group of scale +Inf gives +-448 (as static FP8 saturates, not
     Inf / Inf = NaN). The codes of the computed-scale kinds and of MXFP8, whose s is the power of two
-    2^(E - 127). Returns float8_e4m3fn of g's shape."""
+    2^(E - 127). g, s on one device (any). Returns float8_e4m3fn of g's shape, on g's device."""
     q = g / s.unsqueeze(-1)  # a true division
     q = torch.where(torch.isinf(g) & torch.isinf(s).unsqueeze(-1), g, q)
     return _to_e4m3(q)
@@ -656,7 +659,8 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
                     norm_before_gate: bool) -> Tensor:
     """The gated RMSNorm of Mamba2 / Nemotron-H, in fp32, rounded to x's dtype once.
 
-    x: [..., h] T; z: x's shape and dtype, or None (no gate); weight: [h]; group_size divides h.
+    x: [..., h] T (fp16/bf16/fp32); z: x's shape and dtype, or None (no gate); weight: [h] (any float
+    dtype, usually T; read as float(weight)); x, z, weight on one device (any); group_size divides h.
     Each row is normalised per group of group_size consecutive elements; silu(z) is computed in fp32
     and gates x before the norm (norm_before_gate False: y = norm(x * silu(z)) * w) or the weighted
     norm after it (True: y = norm(x) * w * silu(z)):
@@ -668,7 +672,7 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
         return round_T(y)
 
     silu is torch.nn.functional.silu in fp32 on the tensor's device (not pinned bit for bit across
-    devices: it goes through exp). Returns [t, h] of x's dtype.
+    devices: it goes through exp). Returns [t, h] of x's dtype, on x's device.
     """
     h = x.shape[-1]
     xf = x.reshape(-1, h).contiguous().float()  # the sums in row order, whatever x's strides (as rmsnorm's)
@@ -733,18 +737,26 @@ def _divided(amax: Scale, d: float) -> Scale:
 
 
 def nvfp4_scale_from_amax(amax: Scale) -> Scale:
-    """NVFP4 global dequant scale amax / (448 * 6). Tensor in -> tensor out, float -> float."""
+    """NVFP4 global dequant scale amax / (448 * 6), a true division. Tensor in -> tensor out, float -> float.
+
+    amax: a float tensor (float32 for the ops' scale: one element, shape [] or [1]; any shape works
+    elementwise), any device; or a python float. Returns amax's shape, dtype and device."""
     return _divided(amax, FP8_MAX * E2M1_MAX)
 
 
 def fp8_scale_from_amax(amax: Scale) -> Scale:
-    """FP8 dequant scale amax / 448. Tensor in -> tensor out, float -> float."""
+    """FP8 dequant scale amax / 448, a true division. Tensor in -> tensor out, float -> float.
+
+    amax: as in :func:`nvfp4_scale_from_amax`. Returns amax's shape, dtype and device."""
     return _divided(amax, FP8_MAX)
 
 
 def scale_from_inverse(inv_scale: Scale) -> Scale:
     """Dequant scale from a peer's inverse (quant) scale, e.g. FlashInfer's NVFP4
-    global scale 448*6/amax: returns 1 / inv_scale (tensor -> tensor, float -> float)."""
+    global scale 448*6/amax: returns 1 / inv_scale (tensor -> tensor, float -> float).
+
+    inv_scale: a float tensor (float32 for the ops' scale: one element, shape [] or [1]; any shape works
+    elementwise), any device; or a python float. Returns inv_scale's shape, dtype and device."""
     return 1.0 / inv_scale
 
 
@@ -776,10 +788,14 @@ def quantize(
 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """The quantization `quant` of x [..., h] (flattened to [t, h]), by the format's function above.
 
-    scale: the dequant scale of "fp8" and "nvfp4" (None for the kinds that compute their scales);
-    sf_layout: the scale-factor layout of nvfp4 and mxfp8; scale_layout, scale_ue8m0: fp8_block's (see
-    :func:`quantize_fp8_block`). Returns (codes, scale_factors, scales), None where the format has none:
-    scale_factors for nvfp4 and mxfp8, scales for fp8_per_token and fp8_block.
+    x: fp16/bf16/fp32, any device. scale: the dequant scale of "fp8" and "nvfp4", a float32 tensor of
+    one element (any shape, any device: moved to x's) or a python float (rounded to fp32); None for the
+    kinds that compute their scales. sf_layout: the scale-factor layout of nvfp4 and mxfp8;
+    scale_layout, scale_ue8m0: fp8_block's (see :func:`quantize_fp8_block`). Returns (codes,
+    scale_factors, scales) on x's device, None where the format has none: codes float8_e4m3fn [t, h]
+    (uint8 [t, h/2] for nvfp4); scale_factors for nvfp4 (float8_e4m3fn) and mxfp8 (uint8), [t, K] linear
+    or flat swizzled (:func:`quantize_nvfp4`, :func:`quantize_mxfp8`); scales for fp8_per_token
+    (float32 [t]) and fp8_block (in its layout, :func:`quantize_fp8_block`).
     """
     if quant not in _QUANTS[1:]:
         raise ValueError(f"quant must be one of {_QUANTS[1:]}, got {quant!r}")

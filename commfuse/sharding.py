@@ -77,11 +77,13 @@ _MLP = {"gate_proj", "up_proj", "down_proj"}
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T + bias): one rank's slice of a row-parallel linear layer.
 
-    weight: [out, in / world] (this rank's columns of the unsharded layer's); bias: [out] or None, the
-    unsharded layer's, the same on every rank; group: the tensor-parallel group (None: WORLD). The
-    group's first rank adds the bias to its partial product (as vLLM does) rather than every rank after
-    the sum, so that what reads the all-reduce's sum (the residual add and norm) reads it directly: the
-    tail commfuse.fusion fuses."""
+    weight: [out, in / world] (this rank's columns of the unsharded layer's), of the model's float dtype
+    (not checked here), on a device the group's backend takes (CUDA for NCCL); bias: [out] or None, the
+    unsharded layer's (the same on every rank), of weight's dtype and on its device; group: the
+    tensor-parallel group (None: WORLD). Both are kept, not copied, as parameters that do not require
+    grad. The group's first rank adds the bias to its partial product (as vLLM does) rather than every
+    rank after the sum, so that what reads the all-reduce's sum (the residual add and norm) reads it
+    directly: the tail commfuse.fusion fuses."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group=None):
         super().__init__()
@@ -91,6 +93,10 @@ class RowParallelLinear(nn.Module):
         self.adds_bias = dist.get_rank(group) == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in / world], this rank's slice of the input features, weight's dtype and device.
+        Returns [..., out] of weight's dtype on x's device: the sum over the group of every rank's partial
+        product (torch.distributed.all_reduce in place; every rank of the group must call it), the bias
+        added once."""
         y = F.linear(x, self.weight, self.bias if self.adds_bias else None)
         dist.all_reduce(y, group=self.group)
         return y

@@ -166,5 +166,18 @@ def test_rank_0s_rendezvous_error_reaches_every_rank(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "abc")
     with pytest.raises(ValueError, match="MASTER_PORT must be an integer, got 'abc'"):
         distributed._mpi_rendezvous(MPI.COMM_WORLD.Get_rank())
+    class Unpicklable(Exception):  # made again from its message it would not be, and pickling it fails
+        def __init__(self, a, b):
+            super().__init__(a, b)
+            self.lock = __import__("threading").Lock()
+
+    def fails():
+        raise Unpicklable("port", "broken")
+
+    monkeypatch.setattr(distributed, "_master_port", fails)
+    rank = MPI.COMM_WORLD.Get_rank()
+    with pytest.raises(Unpicklable if rank == 0 else RuntimeError, match="" if rank == 0 else "rank 0: Unpicklable"):
+        distributed._mpi_rendezvous(rank)
+    monkeypatch.undo()
     monkeypatch.setenv("MASTER_PORT", "29533")
     assert distributed._mpi_rendezvous(MPI.COMM_WORLD.Get_rank())[1] == 29533  # and the world goes on

@@ -66,7 +66,11 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     gm: a torch-level FX graph: dynamo's (what a torch.compile backend receives), torch.fx.symbolic_trace's,
     or make_fx's (aten level) - the matchers read every spelling. Nodes need shape/dtype metadata
     (dynamo's and make_fx's graphs have it); otherwise pass example_inputs and it is propagated with fake
-    tensors first. comm: the commfuse.Communicator whose group the model's torch.distributed /
+    tensors first. example_inputs: gm's inputs, a sequence with one value per placeholder in order:
+    tensors (real or fake) of the shapes, dtypes and devices gm is called with (the matchers and the
+    rewrite read them through the metadata), other values as they are; the tensors are only converted to
+    fake ones (not run on, not modified). Ignored where every placeholder and call_function node already
+    has metadata. comm: the commfuse.Communicator whose group the model's torch.distributed /
     functional all-reduces use (they fuse only when their group is comm's); commfuse.ops.all_reduce
     calls name their own communicator. None: only those, and the local ops.
     rewrite: "auto" rewrites every collective tail and the local patterns where they pay given
