@@ -216,9 +216,9 @@ def _fakes(x: torch.Tensor, tail: int, residual: bool = True, name: str = "x") -
     """The outputs of a tail op as empty tensors of their shapes and strides (those its call has), from its
     rows x (the argument `name`). The real calls check their arguments; here only what the shapes need."""
     spec = TailSpec.from_code(tail)
-    h = x.shape[-1]
-    if h == 0:
+    if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{name} must have shape [..., h] with h > 0, got {tuple(x.shape)}")
+    h = x.shape[-1]
     outs = []
     for s in spec.outputs(x.numel() // h, h, x.dtype, residual):
         if s is None:

@@ -184,6 +184,9 @@ def test_a_compiled_moe_call_names_its_own_wrong_argument(comm, gen):
         with pytest.raises(ValueError, match=r"^residual must have shape"):
             torch.ops.commfuse.moe_all_reduce(y, torch.empty(2, 1), None, None, empty, torch.empty(0), None, 1e-6, 0.0,
                                               0, comm.name)
+        with pytest.raises(ValueError, match=r"^residual must have shape \[\.\.\., h\] with h > 0, got \(\)"):
+            torch.ops.commfuse.moe_all_reduce(y, torch.empty(2, 1), None, None, torch.empty((), dtype=torch.bfloat16),
+                                              torch.empty(0), None, 1e-6, 0.0, 0, comm.name)  # was an IndexError
 
 
 @pytest.mark.mpi(min_size=2)
