@@ -805,6 +805,9 @@ def quantize(
         raise ValueError(f"quant={quant!r} needs a scale")
     if quant in ("fp8_per_token", "fp8_block", "mxfp8") and scale is not None:
         raise ValueError(f"quant={quant!r} computes its own scales: scale must be None")
+    if quant not in ("nvfp4", "mxfp8") and sf_layout != "swizzled":
+        # as the public calls: an option the format does not take is refused, not ignored
+        raise ValueError(f"sf_layout={sf_layout!r} applies to quant 'nvfp4' / 'mxfp8' only, got quant={quant!r}")
     if quant != "fp8_block" and (scale_layout != "row" or scale_ue8m0):
         raise ValueError(f"scale_layout={scale_layout!r}, scale_ue8m0={scale_ue8m0!r}: other than "
                          f"'row', False only with quant='fp8_block', got quant={quant!r}")
@@ -862,8 +865,9 @@ def fused_tail(
     res = None if residual is None else residual_add(a, residual.reshape(-1, h))
     norm = rmsnorm(a if res is None else res, weight, eps, weight_offset)
     if quant is None:
-        _check_sf_layout(sf_layout)
-        _check_scale_layout(scale_layout)
+        if (sf_layout, scale_layout, scale_ue8m0) != ("swizzled", "row", False):
+            raise ValueError(f"sf_layout={sf_layout!r}, scale_layout={scale_layout!r}, scale_ue8m0={scale_ue8m0!r}: "
+                             "the quantization's options, without quant")
         return Tail(res, norm, None, None)
     q, sf, s = quantize(norm, quant, scale, sf_layout, scale_layout, scale_ue8m0)
     return Tail(res, norm if return_norm else None, q, sf, s)

@@ -555,6 +555,10 @@ def _tail_inputs(dtype=torch.bfloat16, shape=(2, 3, 128), seed=15):
 def test_fused_tail_structure(quant, return_norm, layout):
     a, r, w = _tail_inputs()
     scale = torch.tensor([0.004])
+    if layout == "linear" and quant != "nvfp4":  # the layout of NVFP4's (and MXFP8's) scale factors only
+        with pytest.raises(ValueError, match="sf_layout='linear'"):
+            ref.fused_tail(a, r, w, 1e-6, quant=quant, scale=scale, return_norm=return_norm, sf_layout=layout)
+        return
     out = ref.fused_tail(a, r, w, 1e-6, quant=quant, scale=scale, return_norm=return_norm,
                          sf_layout=layout)
     assert isinstance(out, ref.Tail) and out._fields == ("residual", "norm", "quant", "scale_factors", "scales")
@@ -639,6 +643,13 @@ def test_bad_arguments():
     q, sf = ref.quantize_nvfp4(a, 1.0)
     with pytest.raises(ValueError, match="sf_layout"):
         ref.dequantize_nvfp4(q, sf, 1.0, sf_layout="row")
+    # an option the format does not take is refused, as by the public calls, not ignored
+    for quant, scale in (("fp8", 1.0), ("fp8_per_token", None), ("fp8_block", None)):
+        with pytest.raises(ValueError, match="sf_layout='linear' applies to quant 'nvfp4' / 'mxfp8' only"):
+            ref.fused_tail(a, r, w, quant=quant, scale=scale, sf_layout="linear")
+    for options in (dict(sf_layout="linear"), dict(scale_layout="mn_major"), dict(scale_ue8m0=True)):
+        with pytest.raises(ValueError, match="without quant"):
+            ref.fused_tail(a, r, w, **options)
 
 
 # ----------------------------------------------------------------- scale helpers
