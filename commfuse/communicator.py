@@ -131,11 +131,11 @@ def compared_settings(strategy: str) -> tuple:
     COMMFUSE_PRETEND_NO_P2P: topology.detect reads it, and a rank alone in the fallback mode would skip the workspace
     its peers make). ValueError naming a variable whose value is none; COMMFUSE_NCCL_TIMEOUT_S is checked too, not
     compared (each rank's watchdog is its own). commfuse-probe compares them as a Communicator does."""
-    settings = (("strategy", strategy), ("COMMFUSE_CHECK", os.environ.get("COMMFUSE_CHECK") == "1"),
-                ("COMMFUSE_GLOO_CHECK", os.environ.get("COMMFUSE_GLOO_CHECK") != "0"),
+    settings = (("strategy", strategy), ("COMMFUSE_CHECK", env.flag("COMMFUSE_CHECK", False)),
+                ("COMMFUSE_GLOO_CHECK", env.flag("COMMFUSE_GLOO_CHECK", True)),
                 ("COMMFUSE_GLOO_TIMEOUT_S", env.seconds("COMMFUSE_GLOO_TIMEOUT_S", GLOO_TIMEOUT_S)),
-                ("COMMFUSE_DISABLE_FUSION", os.environ.get("COMMFUSE_DISABLE_FUSION") == "1"),
-                ("COMMFUSE_PRETEND_NO_P2P", os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"))
+                ("COMMFUSE_DISABLE_FUSION", env.flag("COMMFUSE_DISABLE_FUSION", False)),
+                ("COMMFUSE_PRETEND_NO_P2P", env.flag("COMMFUSE_PRETEND_NO_P2P", False)))
     nccl.watchdog_timeout()
     return settings
 
@@ -302,7 +302,7 @@ class Communicator:
         to use it, and whether to make the group's anew, where any rank's has failed (a watchdog's abort,
         a peer's error), rather than hand this Communicator one whose first call raises; and where a rank holds
         none (the first Communicator, or one whose making failed there), since making it is collective."""
-        why = "COMMFUSE_NCCL=0" if os.environ.get("COMMFUSE_NCCL") == "0" else nccl.available()
+        why = "COMMFUSE_NCCL=0" if not env.flag("COMMFUSE_NCCL", True) else nccl.available()
         usable = why is None and nccl.shared_usable(self.group, self.device)
         whys: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(whys, (why, usable), group=self.group)

@@ -396,7 +396,7 @@ class NcclComm:
         error = None
         if timeout > 0:
             try:
-                self._watch(timeout, os.environ.get("COMMFUSE_NCCL_WATCH_REPLAYS", "1") != "0")
+                self._watch(timeout, env.flag("COMMFUSE_NCCL_WATCH_REPLAYS", True))
             except BaseException as e:  # noqa: BLE001 - raised below, once the ranks know
                 error = e
         # Every rank keeps the communicator or none does: a peer of a rank whose watchdog did not start would

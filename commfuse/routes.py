@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Optional, Sequence, Tuple
@@ -32,7 +31,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import reference
+from . import env, reference
 from .distributed import rank_label
 from .kernels import jit, native
 from .kernels.family import CTYPE, Family
@@ -136,7 +135,7 @@ class Machine:
         """The machine of commfuse.local's calls on `device` (sm None: read from torch.cuda for CUDA)."""
         if sm is None and device.type == "cuda":
             sm = torch.cuda.get_device_capability(device)
-        return cls("local", sm=sm, fusion=os.environ.get("COMMFUSE_DISABLE_FUSION") != "1")
+        return cls("local", sm=sm, fusion=not env.flag("COMMFUSE_DISABLE_FUSION", False))
 
 
 class Collective(str, Enum):

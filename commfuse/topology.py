@@ -28,7 +28,6 @@ A failing driver, NVML or IPC call never raises here: it becomes False/None plus
 from __future__ import annotations
 
 import functools
-import os
 import random
 import socket
 import weakref
@@ -40,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import ipc
+from . import env, ipc
 from .kernels import jit
 from .tail.formats import FORMATS
 
@@ -482,7 +481,7 @@ def probe(group=None) -> Topology:
                                            for j in range(world)) for i in range(world))
     p2p = tuple(tuple(i == j or (p2p_ipc[i][j] is True and p2p_driver[i][j] is not False)
                       for j in range(world)) for i in range(world))
-    mode, reasons = decide_mode(infos, p2p, os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1", backend)
+    mode, reasons = decide_mode(infos, p2p, env.flag("COMMFUSE_PRETEND_NO_P2P", False), backend)
     return Topology(rank, world, tuple(infos), p2p, mode, reasons, p2p_driver, p2p_ipc,
                     nvlink_matrix(infos), tuple(notes))
 
@@ -498,6 +497,6 @@ def detect(group=None) -> Topology:
     if topo is None:
         return _DETECTED.setdefault(group, probe(group))
     # The facts are cached, the decision is not: COMMFUSE_PRETEND_NO_P2P is read anew for each Communicator.
-    mode, reasons = decide_mode(topo.ranks, topo.p2p, os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1",
+    mode, reasons = decide_mode(topo.ranks, topo.p2p, env.flag("COMMFUSE_PRETEND_NO_P2P", False),
                                 str(dist.get_backend(group)))
     return topo if (mode, reasons) == (topo.mode, topo.reasons) else replace(topo, mode=mode, reasons=reasons)

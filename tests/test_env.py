@@ -1,13 +1,15 @@
 """What commfuse reads from the environment: the launchers' variables (commfuse.distributed) and the
-numbers of COMMFUSE_* variables (commfuse.env). A value that is no number in range raises ValueError
-naming the variable, before anything waits on it. CPU, one process."""
+numbers and switches of COMMFUSE_* variables (commfuse.env). A value that is no number in range raises
+ValueError naming the variable, before anything waits on it; a switch other than 0 / 1 warns. CPU, one process."""
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 
-from commfuse import env
+from commfuse import env, routes
 from commfuse.distributed import _ENV_LAYOUTS, launch_env, local_world_size
 
 
@@ -181,3 +183,29 @@ def test_rank_0s_rendezvous_error_reaches_every_rank(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("MASTER_PORT", "29533")
     assert distributed._mpi_rendezvous(MPI.COMM_WORLD.Get_rank())[1] == 29533  # and the world goes on
+
+
+def test_a_switch_is_0_or_1_and_anything_else_warns_and_keeps_its_default(monkeypatch):
+    """A value other than 0 / 1 (COMMFUSE_DISABLE_FUSION=true, say) was read as the default without a word."""
+    monkeypatch.setattr(env, "_WARNED", set())
+    for default in (False, True):
+        monkeypatch.delenv("COMMFUSE_TEST_SWITCH", raising=False)
+        assert env.flag("COMMFUSE_TEST_SWITCH", default) is default
+        for raw, want in (("", default), ("  ", default), ("1", True), ("0", False)):
+            monkeypatch.setenv("COMMFUSE_TEST_SWITCH", raw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no warning for these
+                assert env.flag("COMMFUSE_TEST_SWITCH", default) is want
+    for raw in ("true", "yes", " 1", "on", "2"):
+        monkeypatch.setenv("COMMFUSE_TEST_SWITCH", raw)
+        with pytest.warns(UserWarning, match=f"COMMFUSE_TEST_SWITCH={raw!r} is neither 0 nor 1: read as 1, its default"):
+            assert env.flag("COMMFUSE_TEST_SWITCH", True) is True
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per value
+            assert env.flag("COMMFUSE_TEST_SWITCH", True) is True
+    # a reader of the library: the local ops' machine keeps its fused kernels, and says why
+    monkeypatch.setenv("COMMFUSE_DISABLE_FUSION", "true")
+    with pytest.warns(UserWarning, match="COMMFUSE_DISABLE_FUSION='true' is neither 0 nor 1: read as 0"):
+        assert routes.Machine.local(torch.device("cpu")).fusion is True
+    monkeypatch.setenv("COMMFUSE_DISABLE_FUSION", "1")
+    assert routes.Machine.local(torch.device("cpu")).fusion is False

@@ -49,7 +49,7 @@ import sys
 
 import torch
 
-from .. import topology
+from .. import env, topology
 from ..distributed import gather_objects, launch_env
 from ..env import MAX_SECONDS, MIN_SECONDS
 from ..kernels.p2p_allreduce import MAX_WORLD
@@ -89,7 +89,7 @@ def _fused(sm) -> dict:
     """topology.fusion_capability, or "separated" for every pattern where COMMFUSE_DISABLE_FUSION=1 turns the
     fused kernels off (commfuse.routes.tail_guard)."""
     fused = topology.fusion_capability(sm)
-    return {p: "separated" for p in fused} if os.environ.get("COMMFUSE_DISABLE_FUSION") == "1" else fused
+    return {p: "separated" for p in fused} if env.flag("COMMFUSE_DISABLE_FUSION", False) else fused
 
 
 def _rank(i: int, node: int, info: topology.RankInfo) -> dict:
@@ -107,7 +107,7 @@ def _common(me: topology.RankInfo, gpus) -> dict:
 
 def single_report() -> dict:
     """The report of one process: local GPUs and the driver's P2P answer among them."""
-    pretend = os.environ.get("COMMFUSE_PRETEND_NO_P2P") == "1"
+    pretend = env.flag("COMMFUSE_PRETEND_NO_P2P", False)
     me = topology.own_info()
     gpus = topology.local_gpus(me.versions)
     driver, driver_notes = topology.driver_p2p_matrix(gpus)

@@ -33,7 +33,6 @@ input that requires grad is left whole (the report says so), since backward woul
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from pathlib import Path
 from typing import Callable, List, Optional, Union
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import lowering
+from .. import env
 from .evidence import REWRITES
 from .report import FusionReport
 from .rewrite import fuse
@@ -186,7 +186,7 @@ def _post_grad_pass_class() -> type:
                 self.comm.name, str(self.comm.group.group_name), tuple(dist.get_process_group_ranks(self.comm.group)),
                 self.comm.device.type)
             return (get_hash_for_files(tuple(sorted(map(str, sources)))), comm, self.rewrite,
-                    os.environ.get("COMMFUSE_DISABLE_FUSION") == "1")
+                    env.flag("COMMFUSE_DISABLE_FUSION", False))
 
     return PostGradPass
 

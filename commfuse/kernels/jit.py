@@ -43,6 +43,7 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import params
+from .. import env
 
 __all__ = [
     "JitError",
@@ -210,7 +211,7 @@ def compile_options(arch: str, source_dir: Optional[Path] = None) -> Tuple[str, 
     includes += cuda_include_dirs()
     opts = ["-std=c++17", f"--gpu-architecture={arch}", "-default-device"]
     opts += [f"-I{d}" for d in includes]
-    if os.environ.get("COMMFUSE_JIT_DEBUG") == "1":
+    if env.flag("COMMFUSE_JIT_DEBUG", False):
         opts.append("-lineinfo")
     return tuple(opts)
 
@@ -525,7 +526,7 @@ class Kernel:
         self.device_index = device_index
         # Programmatic dependent launch needs SM 9.0+ and a kernel that calls pdl_wait() first;
         # COMMFUSE_PDL=0 turns it off (to measure what it gives, or to rule it out).
-        self.pdl = (bool(pdl) and os.environ.get("COMMFUSE_PDL", "1") != "0"
+        self.pdl = (bool(pdl) and env.flag("COMMFUSE_PDL", True)
                     and torch.cuda.get_device_capability(device_index) >= (9, 0))
         driver = _driver()
         where = f"loading {name} ({arch}) on cuda:{device_index}"

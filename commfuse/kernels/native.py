@@ -45,6 +45,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import jit, launch
+from .. import env
 from .launch import LaunchPlan, PyLauncher
 from .table import PyTable
 from ..tail.spec import codes as tail_codes
@@ -133,7 +134,7 @@ def _intact(target: Path) -> bool:
 @functools.cache
 def _load():
     """(module, None) or (None, why not)."""
-    if os.environ.get("COMMFUSE_NATIVE") == "0":
+    if not env.flag("COMMFUSE_NATIVE", True):
         return None, "COMMFUSE_NATIVE=0"
     if not torch.cuda.is_available():
         return None, "no CUDA device"

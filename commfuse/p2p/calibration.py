@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..distributed import gather_objects, rank_label
 from ..kernels import jit
 from ..kernels.p2p_allreduce import ALGORITHMS, DELAY_KERNEL, SOURCE
@@ -141,7 +142,7 @@ def cache_key(ws, topo, nccl=None) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": vers.nccl if vers else None, "driver": vers.driver if vers else None,
         "workspace_bytes": ws.max_bytes, "lamport_bytes": ws.lamport_bytes, "nblocks": ws.nblocks,
-        "pdl": os.environ.get("COMMFUSE_PDL", "1") != "0",
+        "pdl": env.flag("COMMFUSE_PDL", True),
         "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
     }
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -92,7 +91,7 @@ class Workspace:
             self.max_bytes, self.timeout_s = self._sizes(max_bytes, timeout_s)
         except Exception as e:  # noqa: BLE001 - raised after the agreement, as it was
             error, self.max_bytes, self.timeout_s = e, 0, DEFAULT_TIMEOUT_S
-        calibrate = bool(calibrate) and os.environ.get("COMMFUSE_P2P_CALIBRATE") != "0"
+        calibrate = bool(calibrate) and env.flag("COMMFUSE_P2P_CALIBRATE", True)
 
         self._ptr = self._host_ptr = None
         self._peers: list = [None] * self.world
