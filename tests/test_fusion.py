@@ -827,7 +827,8 @@ def test_all_reduce_of_a_split_item_in_place_is_not_fused(quiet_comm, gen, split
 
 
 ALIASES = {"view": lambda y: y.view(y.shape), "mT": lambda y: y.mT, "swapdims": lambda y: torch.swapdims(y, 0, 1),
-           "moveaxis": lambda y: torch.moveaxis(y, 0, 1), "broadcast_to": lambda y: torch.broadcast_to(y, y.shape)}
+           "moveaxis": lambda y: torch.moveaxis(y, 0, 1), "broadcast_to": lambda y: torch.broadcast_to(y, y.shape),
+           "to(device)": lambda y: y.to(y.device)}
 
 
 @mpi
@@ -1924,7 +1925,11 @@ IN_PLACE = {"h.add_ before the norm": _add_one, "h[:, :8] = 0 before the norm": 
             "torch.swapdims(h, 0, 1).mul_": _through(lambda h: torch.swapdims(h, 0, 1)),
             "torch.moveaxis(h, 0, 1).mul_": _through(lambda h: torch.moveaxis(h, 0, 1)),
             "h.adjoint().mul_": _through(lambda h: h.adjoint()),
-            "torch.atleast_2d(h).mul_": _through(torch.atleast_2d)}
+            "torch.atleast_2d(h).mul_": _through(torch.atleast_2d),
+            # no dtype: h itself where the device and layout are h's already
+            "h.to('cpu').mul_": _through(lambda h: h.to("cpu")), "h.to(h.device).mul_": _through(lambda h: h.to(h.device)),
+            "h.to(memory_format=torch.contiguous_format).mul_":
+                _through(lambda h: h.to(memory_format=torch.contiguous_format))}
 
 
 @pytest.mark.parametrize("case", sorted(IN_PLACE))
@@ -2213,6 +2218,29 @@ def test_identical_quantizations_share_the_codes_only_where_nothing_tells_them_a
     assert copies == (case != "read"), gm.code
     if case == "returned":
         assert got[0].data_ptr() != got[1].data_ptr()
+
+
+@pytest.mark.parametrize("form", ["norm_before_gate", "grouped"])
+def test_a_gated_norm_of_1_plus_w_is_skipped(gen, form):
+    """Gemma's (1 + w) weight in a gated or grouped norm: commfuse.gated_rmsnorm takes no offset (the pass fused it
+    and dropped the 1, off by up to 6 here)."""
+    x, z, weight, _ = _local_inputs(gen, h=64)
+
+    def f(x, z, w):
+        if form == "norm_before_gate":
+            xf, zf = x.float(), z.float()
+            out = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + 1e-5) * (1.0 + w.float())
+            return ((out * F.silu(zf)).to(x.dtype),)
+        hs = x.to(torch.float32) * F.silu(z.to(torch.float32))
+        g = hs.view(*hs.shape[:-1], 4, 16)
+        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-5)).view(hs.shape)
+        return ((g * (1.0 + w.float())).to(x.dtype),)
+
+    gm, report, want, got = fuse_and_run(f, (x, z, weight), None)
+    assert not counts(gm), report
+    assert any("multiplied by 1 + w, and commfuse.gated_rmsnorm takes no weight offset" in r
+               for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
 
 
 @pytest.mark.parametrize("z_shape", [(5, 1), (1, 64)])

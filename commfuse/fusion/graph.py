@@ -452,7 +452,8 @@ def may_alias(node: Any) -> bool:
         if dtype(node) is not None and dtype(node) == dtype(src):
             return True  # a cast to the dtype it has returns its input itself (x.bool() of a bool x, x.to(x.dtype))
     if node.op == "call_method":
-        return node.target in _ALIASING
+        # x.to(device), x.to(memory_format=...) (no dtype: not a cast) return x itself where nothing changes
+        return node.target in _ALIASING or (node.target in ("to", "type") and kind(node) != "cast")
     if node.op == "call_module":
         return not _fresh_module(_module(node))
     if node.op != "call_function":

@@ -424,6 +424,9 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     else:
         return Mismatch(f"RMSNorm at {r.name}: no weight multiply after the normalisation "
                         f"({u.name} is {G.kind(u) or u.target})", "guard")
+    if (gate is not None or group_size is not None) and offset != 0.0:
+        return Mismatch(f"gated RMSNorm at {r.name}: the rows are multiplied by {offset:g} + w, and "
+                        "commfuse.gated_rmsnorm takes no weight offset", "guard")
     if gate is not None and G.dtype(gate) != t:
         return Mismatch(f"gated RMSNorm at {r.name}: z is {G.dtype(gate)}, x is {t}")
     if gate is not None and not G.same_shape(gate, h_in):
