@@ -1268,6 +1268,16 @@ def test_a_sequence_first_residual_stream_is_left_whole(gen):
     (report,) = compiled.fusion_reports
     assert not report.fused and any("is not contiguous" in why for why in _skip_reasons(report)), report
 
+    # The same under ShapeProp's metadata (TensorMetadata, no fake tensor): its strides were not read, the norm
+    # was fused, and the graph's .view of the dense result failed.
+    from torch.fx.passes.shape_prop import ShapeProp
+    gm = torch.fx.symbolic_trace(m)
+    ShapeProp(gm).propagate(x, r)
+    report = fusion.fuse(gm, None, rewrite="all")
+    assert not report.fused and any("is not contiguous (strides (64, 320, 1))" in why
+                                    for why in _skip_reasons(report)), report
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, r), want))
+
 
 def test_a_graph_autograd_differentiates_is_left_whole(gen):
     """With grad mode on and a parameter that requires grad, the fused ops (which have no gradient) would

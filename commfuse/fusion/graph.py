@@ -305,12 +305,30 @@ def shape(node: Any) -> Optional[tuple]:
     return None if s is None else tuple(s)
 
 
+def strides(node: Any) -> Optional[tuple]:
+    """The node's strides from a fake tensor or ShapeProp's TensorMetadata, None if unknown."""
+    v = value(node)
+    s = v.stride() if isinstance(v, torch.Tensor) else getattr(v, "stride", None)
+    return None if s is None else tuple(s)
+
+
 def dense_rows(node: Any) -> bool:
     """Whether node's value is laid out as the fused ops write their outputs (contiguous rows), or unknown: a
     reader of a transposed value may rely on its strides (a .view that only they allow)."""
     v = value(node)
     if not isinstance(v, torch.Tensor):
-        return True
+        stride = strides(node)  # ShapeProp's TensorMetadata: its sizes and strides
+        if stride is None or getattr(v, "shape", None) is None:
+            return True
+        try:
+            expected = 1
+            for size, step in reversed(tuple(zip(v.shape, stride))):
+                if size != 1 and step != expected:
+                    return False
+                expected *= size
+            return True
+        except Exception:  # noqa: BLE001 - symbolic sizes that cannot be decided, as below
+            return True
     try:
         return bool(v.is_contiguous())
     except Exception:  # noqa: BLE001 - symbolic strides that cannot be decided: as the graph's shapes are

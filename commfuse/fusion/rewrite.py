@@ -300,7 +300,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         for node, what in ((norm.input, "input"), (norm.output, "output")):
             if not G.dense_rows(node):
                 raise _Skip(norm.output.name, "rmsnorm", f"the norm's {what} is not contiguous (strides "
-                            f"{tuple(G.value(node).stride())}): the fused ops write dense rows, and its readers may "
+                            f"{G.strides(node)}): the fused ops write dense rows, and its readers may "
                             "rely on its strides", "pattern")
         if not _takes_shape(norm.output, norm.input, h):
             raise _Skip(norm.output.name, "rmsnorm", f"the norm has shape {G.shape(norm.output)}, its input "
