@@ -11,6 +11,7 @@ wherever the graph computes in commfuse's rounding order; where the report notes
 codes those of the fused norm (docs/fusion.md, "Tolerances").
 """
 import collections
+from pathlib import Path
 
 import pytest
 import torch
@@ -1153,6 +1154,43 @@ def test_plain_norm_without_add_and_eps_none(gen):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("spelling", ["by hand", "F.rms_norm"])
+def test_a_plain_norm_whose_weight_cast_comes_first_is_fused(gen, spelling):
+    """w.float() hoisted above the norm's input: the op went before the norm's first node, that cast, where its
+    input did not exist yet, and the report said the input "is computed after the tail starts"."""
+    x, _, weight, _ = _local_inputs(gen)
+
+    def f(x, w):
+        wf = w.float()
+        hf = (x * 2).float()
+        if spelling == "by hand":
+            return ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * wf).to(BF16),)
+        return (F.rms_norm(hf, (64,), wf, 1e-6).to(BF16),)
+
+    gm, report, want, got = fuse_and_run(f, (x, weight), None)
+    assert counts(gm) == {LOCAL: 1} and not report.skipped, report
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("computed", ["w + w", "1 + w in T"])
+def test_a_weight_computed_by_an_add_is_a_weight(gen, computed):
+    """A T weight that an add computes (a merged LoRA's w + w; Gemma's 1 + w rounded in T) is the op's weight: it
+    was refused as "not a torch.bfloat16 weight", which it is."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, w):
+        w2 = w + w if computed == "w + w" else 1 + w
+        h = x + residual
+        hf = h.float()
+        return ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)) * w2).to(BF16), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None)
+    assert counts(gm) == {LOCAL: 1} and not report.skipped, report
+    node = next(n for n in gm.graph.nodes if n.target is LOCAL)
+    assert node.args[5] == 0.0  # no offset: the weight's value is the T tensor the add gave
+    assert_same(got, want)
+
+
 def mamba2_gated_norm(x, gate, weight, group_size, eps=1e-5):
     """HF Mamba2 / Nemotron-H MambaRMSNormGated.forward (the torch path; groups as Nemotron-H's)."""
     input_dtype = x.dtype
@@ -1613,6 +1651,30 @@ def test_a_result_given_out_is_its_out_tensor(gen):
     fusion.fuse(gm, None, rewrite="all")
     assert sum(G.kind(n) == "cast" for n in gm.graph.nodes) == 2, gm.code
     assert bits_equal(gm(*_cloned(inputs))[0], want[0])
+
+
+def test_post_grad_pass_cache_key_hashes_every_file_auto_reads(monkeypatch):
+    """rewrite="auto" asks routes.plan whether a kernel would run, which reads the gated norm's and quantize's limits
+    and rejections, jit's targets and topology's SM floor: an edit there must change Inductor's key (only
+    kernels/family.py was hashed, so cached code fused under the old limits was reused)."""
+    import importlib
+
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    backend = importlib.import_module("commfuse.fusion.backend")  # the module: fusion.backend is a function
+
+    hashed = []
+    monkeypatch.setattr(custom_graph_pass, "get_hash_for_files", lambda files: hashed.extend(files) or b"key")
+    backend._post_grad_pass_class.cache_clear()
+    try:
+        fusion.post_grad_pass(None).uuid()
+    finally:
+        backend._post_grad_pass_class.cache_clear()  # the next one binds torch's hash again
+    package = Path(commfuse.__file__).parent
+    names = {Path(f).relative_to(package).as_posix() for f in hashed}
+    assert {"routes.py", "local.py", "ops.py", "topology.py", "kernels/family.py", "kernels/gated_norm.py",
+            "kernels/quantize.py", "kernels/fused_tail.py", "kernels/jit.py", "fusion/evidence.py",
+            "tail/spec.py"} <= names, sorted(names)
 
 
 @mpi

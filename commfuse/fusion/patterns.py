@@ -386,8 +386,8 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
         wn = _other(u, y)
         w_t = None
         extra = []
-        if isinstance(wn, fx.Node) and G.dtype(wn) == t and G.kind(wn) != "add":
-            w_t = wn  # promoted: float(w) * rows in fp32
+        if isinstance(wn, fx.Node) and G.dtype(wn) == t:
+            w_t = wn  # promoted: float(w) * rows in fp32, whatever computed w (w + w, a merged LoRA's; 1 + w in T)
         elif _f32_of(wn) is not None:
             w_t, extra = _f32_of(wn), [wn]
         elif isinstance(wn, fx.Node) and G.kind(wn) == "add":

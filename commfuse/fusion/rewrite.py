@@ -355,8 +355,6 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                                       "output; the add + RMSNorm are matched without it", "pattern"))
         kind, ar = "local", None
 
-    # Where the op goes: before the add (its outputs replace it), else before the norm's first node.
-    anchor = norm.input if residual is not None else min(norm.nodes, key=lambda n: positions[n])
     scale_src = None
     if quant is not None:
         scale_src = quant.scale[1] if isinstance(quant.scale, tuple) else quant.scale
@@ -367,6 +365,14 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     if moe is not None:
         inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared),
                    ("expert rows' index", moe.row_index), ("zeroed rows' mask", moe.row_mask)]
+    # Where the op goes: before the add (its outputs replace it), else before the norm's first node after its
+    # inputs (a weight's cast that a model hoists above the norm's input is one of the norm's nodes).
+    if residual is not None:
+        anchor = norm.input
+    else:
+        ordered = sorted(norm.nodes, key=lambda n: positions[n])
+        latest = max((positions[n] for _, n in inputs if isinstance(n, fx.Node)), default=-1)
+        anchor = next((n for n in ordered if positions[n] > latest), ordered[0])
     why = _written_in_place(_matched(norm, quant, residual, ar, moe), inputs, anchor, positions)
     if why:
         report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "pattern"))
