@@ -38,14 +38,16 @@ twice the config's); where they are fewer than the ranks (and divide them) they 
 the one its queries read. An attention or MLP holding any other weighted part, a projection that is not a plain
 nn.Linear or whose sharded features do not divide, or a head count that does not divide, is refused (ValueError)
 rather than sharded wrong. The ranks must hold the same weights (each shards its part of them): they compare a
-checksum of each parameter's bits first, and raise where any differs. The sharded model is for inference: its
+checksum of each parameter's bits (their sum, and their sum weighted by position: a reordering differs too) first,
+and raise where any differs. The sharded model is for inference: its
 parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan,
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
-experts, dense first layers; DeepSeek's latent attention), and gpt-oss (transposed, interleaved experts with
-biases; attention sinks, one per head, shared out with the heads).
+experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
+biases; attention sinks, one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated
+queries; its gated delta layers whole, below).
 Others raise ValueError naming the model's class and what it does not know rather than leave it whole on every
 rank: a decoder layer's weight matrix (each layer of the ModuleList that holds those above, whether or not it holds
 one) outside the attention, MLP and MoE block above (an attention of another shape: MiniCPM5-MoE's q_gate_proj,
@@ -437,19 +439,27 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
         layer.num_key_value_groups = heads // world // (kv // kv_parts)  # kv_parts divides kv (_kv_share)
 
 
-_SUM_CHUNK = 1 << 22  # elements a step: the int64 sum casts its input, so a step's temporary is 32 MiB
+_SUM_CHUNK = 1 << 22  # elements a step: each of a step's few int64 temporaries is 32 MiB
+_PRIME = 2 ** 31 - 1  # residues below 2^31: a product of two fits int64, and a step's sum of them too
 
 
 def _bits_sum(t: torch.Tensor) -> torch.Tensor:
-    """A checksum of t's bits, a 0-d int64 tensor on t's device: their integers summed in int64 (exact, so in any
-    order the same on every device), in chunks (a sum to int64 first casts what it reads)."""
+    """A checksum of t's bits, an int64 tensor [2] on t's device: their integers summed, and summed weighted by
+    their position (1, 2, ...) modulo a prime, so that a reordering (swapped rows, a transposed square matrix, Meta's
+    q / k row order against the HF one) differs too. Integer arithmetic without overflow, in chunks: exact, so the
+    same on every device."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
     flat = t.detach().contiguous().view(-1)
     flat = flat.view(torch.uint8).view(ints) if flat.dtype != ints else flat
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    placed = torch.zeros((), dtype=torch.int64, device=flat.device)
     for i in range(0, flat.numel(), _SUM_CHUNK):
-        total += flat[i:i + _SUM_CHUNK].sum(dtype=torch.int64)
-    return total
+        chunk = flat[i:i + _SUM_CHUNK]
+        total += chunk.sum(dtype=torch.int64)
+        position = torch.arange(i + 1, i + 1 + chunk.numel(), dtype=torch.int64, device=flat.device)
+        weighted = chunk.to(torch.int64).remainder(_PRIME) * position.remainder(_PRIME)
+        placed = (placed + weighted.remainder(_PRIME).sum()).remainder(_PRIME)
+    return torch.stack([total, placed])
 
 
 def _check_same_weights(model: nn.Module, group, kind: str) -> None:
@@ -526,6 +536,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
     heads = sizes["num_attention_heads"]
     for name, value in sizes.items():
+        if value is None and name == "intermediate_size":
+            continue  # every MLP a MoE block (Qwen3.5-MoE's config has none); a dense MLP's checked in _check_layer
         if value is None:
             raise ValueError(f"{kind}: model.config has no {name}: not a decoder shard_decoder knows")
         if type(value) is not int:

@@ -44,9 +44,16 @@ FAMILIES.update({"deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DE
                  "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
                  "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None)),
                  # experts transposed, gate and up interleaved, with biases; attention sinks; sliding layers
-                 "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(MOE, num_local_experts=4, sliding_window=4))})
+                 "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(MOE, num_local_experts=4, sliding_window=4)),
+                 # every MLP a MoE block: its config has no intermediate_size (tiny leaves it out); a gated-delta
+                 # layer, kept whole, then a full attention
+                 "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                                 dict(MOE, num_experts=4, layer_types=["linear_attention", "full_attention"]))})
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_no_q_lora",
-                "gpt_oss")
+                "gpt_oss", "qwen3_5_moe")
+NO_INTERMEDIATE_SIZE = ("qwen3_5_moe",)
+LINEAR_ATTENTION_LAYERS = {"qwen3_5_moe": 1}  # kept whole: no o_proj sharded, no all-reduce
+QUERY_GATED = ("qwen3_5_moe",)  # q_proj gives each head's queries and its output gate
 # Families shard_decoder refuses: a norm over the whole q / k projection (Olmo2), per-layer lambdas mixing
 # two halves of the heads (DiffLlama), a norm over the whole attention output before o_proj (BitNet).
 # MLPs of other shapes, which would stay whole on every rank: gate and up fused in one projection (GLM), c_fc /
@@ -79,7 +86,10 @@ def tiny(family, dtype, seed=0):
                  num_attention_heads=2 * kv, num_key_value_heads=kv_heads, head_dim=16, vocab_size=128,
                  max_position_embeddings=64)
     extra = {k: v(dist.get_world_size()) if callable(v) else v for k, v in extra.items()}
+    if family in NO_INTERMEDIATE_SIZE:
+        del sizes["intermediate_size"]  # a config takes unknown keywords as attributes
     config = getattr(transformers, config_name)(**{**sizes, **extra})
+    assert family not in NO_INTERMEDIATE_SIZE or not hasattr(config, "intermediate_size")
     torch.manual_seed(seed)  # the same weights on every rank
     model = getattr(transformers, model_name)(config)
     with torch.no_grad():  # biases, sinks and per-head norms start alike: random ones, so a wrong share shows
@@ -115,10 +125,13 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
         model = shard_decoder(tiny(family, torch.float32))
         got = run(model)
     rows = sum(isinstance(m, RowParallelLinear) for m in model.modules())
-    assert rows == 2 * LAYERS - moe_layers(model)  # o_proj's, and down_proj's in a dense MLP
-    attention, config = model.model.layers[0].self_attn, model.config
+    # o_proj's, and down_proj's in a dense MLP
+    assert rows == 2 * LAYERS - moe_layers(model) - LINEAR_ATTENTION_LAYERS.get(family, 0)
+    attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    config = model.config
     q = attention.q_b_proj if getattr(attention, "q_b_proj", None) is not None else attention.q_proj
-    assert q.out_features == config.num_attention_heads * getattr(config, "qk_head_dim", 16) // comm.world_size
+    per_head = getattr(config, "qk_head_dim", 16) * (2 if family in QUERY_GATED else 1)
+    assert q.out_features == config.num_attention_heads * per_head // comm.world_size
     if getattr(attention, "k_proj", None) is not None:  # a rank's key-value heads, or the one it shares
         assert attention.k_proj.out_features == max(1, config.num_key_value_heads // comm.world_size) * 16
     assert not any(p.requires_grad for p in model.parameters())  # inference only
@@ -146,7 +159,8 @@ def test_fusion_fuses_every_all_reduce_tail(comm, family):
     moe_fused = sum(r.count("commfuse::moe_all_reduce") for r in reports)
     text = "\n".join(map(str, reports))
     # Every one: o_proj's, and down_proj's in a dense MLP or the MoE block's (its combine with it).
-    assert (fused, moe_fused) == (2 * LAYERS - moe_layers(model), moe_layers(model)), text
+    dense = 2 * LAYERS - moe_layers(model) - LINEAR_ATTENTION_LAYERS.get(family, 0)
+    assert (fused, moe_fused) == (dense, moe_layers(model)), text
     assert moe_layers(model) == (0 if not moe else LAYERS - FAMILIES[family][2].get("first_k_dense_replace", 0)), text
     assert not any(s.what == "all-reduce" for r in reports for s in r.skipped), text
     # The fused norms round once where the model's round twice (docs/fusion.md, Tolerances).
@@ -375,9 +389,11 @@ def test_shard_decoder_errors(comm, monkeypatch):
     assert [p.shape for p in model.parameters()] == before
 
 
-def test_bits_sum_is_the_exact_sum_of_the_bits_in_chunks(monkeypatch):
-    """The weights' checksum: every element's bits as an integer, summed exactly (int64), whatever the element
-    size (a 16-byte complex128 by its bytes) or layout, in chunks that bound the int64 temporary."""
+def test_bits_sum_is_exact_and_tells_a_reordering_apart(monkeypatch):
+    """The weights' checksum: every element's bits as an integer, summed exactly (int64), and summed weighted by
+    position modulo 2^31 - 1, whatever the element size (a 16-byte complex128 by its bytes) or layout, in chunks that
+    bound the int64 temporaries. Swapped rows or a transposed square matrix differ (the plain sum alone let ranks
+    whose weights were one another's reordering through)."""
     from commfuse import sharding
 
     monkeypatch.setattr(sharding, "_SUM_CHUNK", 7)  # several chunks and a short last one
@@ -386,26 +402,39 @@ def test_bits_sum_is_the_exact_sum_of_the_bits_in_chunks(monkeypatch):
               torch.randn(4, 6, generator=gen)[:, ::2], torch.randn(10, generator=gen).to(torch.float8_e4m3fn),
               torch.randn(5, generator=gen, dtype=torch.complex128)):
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(t.element_size(), torch.uint8)
-        want = int(t.contiguous().view(-1).view(torch.uint8).view(ints).to(torch.int64).sum())
-        assert int(sharding._bits_sum(t)) == want, t.dtype
+        bits = [int(b) for b in t.contiguous().view(-1).view(torch.uint8).view(ints).tolist()]
+        want = [sum(bits), sum(b * (i + 1) for i, b in enumerate(bits)) % (2 ** 31 - 1)]
+        assert sharding._bits_sum(t).tolist() == want, t.dtype
     flipped = torch.randn(5, 9, generator=gen)
     other = flipped.clone()
     other.view(torch.int32)[2, 3] ^= 1  # one bit of one element
-    assert int(sharding._bits_sum(other)) != int(sharding._bits_sum(flipped))
+    assert sharding._bits_sum(other).tolist() != sharding._bits_sum(flipped).tolist()
+    square = torch.randn(6, 6, generator=gen).to(torch.bfloat16)
+    swapped = square[[1, 0, 2, 3, 4, 5]]
+    for reordered in (swapped, square.t()):
+        assert int(sharding._bits_sum(reordered)[0]) == int(sharding._bits_sum(square)[0])  # the plain sum alike
+        assert sharding._bits_sum(reordered).tolist() != sharding._bits_sum(square).tolist()
 
 
 @mpi
-def test_ranks_with_different_weights_are_refused(comm):
+@pytest.mark.parametrize("change", ["one element", "two rows swapped"])
+def test_ranks_with_different_weights_are_refused(comm, change):
     """A model made by from_config on each rank without one seed holds each rank's own weights, which sharded
-    would sum garbage: every rank raises, naming a parameter that differs, and leaves its model unsharded."""
+    would sum garbage: every rank raises, naming a parameter that differs, and leaves its model unsharded. So
+    does a rank whose weight is a reordering of the others' (another row order loaded), which the checksum's
+    plain sum took for the same."""
     if comm.world_size < 2:
         pytest.skip("needs 2+ ranks")
     import torch.distributed as dist
 
     model = tiny("llama", torch.float32)
-    with torch.no_grad():  # one element of one weight, on the last rank only
+    with torch.no_grad():  # on the last rank only
         if dist.get_rank() == comm.world_size - 1:
-            model.model.layers[1].mlp.up_proj.weight[3, 5] += 1
+            up = model.model.layers[1].mlp.up_proj.weight
+            if change == "one element":
+                up[3, 5] += 1
+            else:
+                up[[0, 3]] = up[[3, 0]].clone()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"^LlamaForCausalLM: the ranks hold different weights "
                                          rf"\(model.layers.1.mlp.up_proj.weight differs between group ranks 0 and "
