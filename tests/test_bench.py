@@ -449,25 +449,26 @@ def test_host_mode_times_the_loop_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", slow_sync)
     ctx = _GpuCtx(_args(warmup=2, repeats=2, calls_per_graph=3), 0, 1, "nccl", torch.device("cpu"))
     step = impls.Step(lambda i: log.append(i))
-    times, verdict, _ = timing.time_step(ctx, step, "host")
+    times, verdict, _, index = timing.time_step(ctx, step, "host", 2)
     assert verdict is OK and len(times) == 2
     assert all(0 < t < 2000 for t in times), times  # 20 ms / 3 calls would be 6667 us per call
-    # warm-up, then per repeat: align's synchronize, the one before the clock, 3 calls, the one after.
-    assert log == [0, 1] + ["S", "S", 0, 1, 2, "S"] * 2
+    # warm-up, then per repeat: align's synchronize, the one before the clock, 3 calls (the rotation over the
+    # input sets going on), the one after.
+    assert log == [0, 1] + ["S", "S", 2, 3, 4, "S"] + ["S", "S", 5, 6, 7, "S"] and index == 7
 
     log.clear()
     step = impls.Step(lambda i: time.sleep(0.004), no_graph=impls.GLOO_NO_GRAPH)
-    times, verdict, _ = timing.time_step(ctx, step, "host")
+    times, verdict, _, _ = timing.time_step(ctx, step, "host", 2)
     assert verdict is OK and all(t >= 4000 for t in times)  # per call, not per loop
-    times, verdict, _ = timing.time_step(ctx, step, "graph")
+    times, verdict, _, _ = timing.time_step(ctx, step, "graph", 2)
     assert times is None and verdict == Verdict(Kind.SKIP, "graph mode: gloo collectives cannot be captured in a CUDA graph")
 
 
 def test_host_mode_on_the_cpu():
     ctx = _ctx(warmup=0, repeats=3, calls_per_graph=5)
     calls = []
-    times, verdict, _ = timing.time_step(ctx, impls.Step(calls.append), "host")
-    assert verdict is OK and len(times) == 3 and calls == list(range(5)) * 3
+    times, verdict, _, _ = timing.time_step(ctx, impls.Step(calls.append), "host", 4)
+    assert verdict is OK and len(times) == 3 and calls == list(range(15))
 
 
 def test_caller_owned_outputs_are_poisoned_before_the_timed_calls():
@@ -478,8 +479,59 @@ def test_caller_owned_outputs_are_poisoned_before_the_timed_calls():
     step = impls.Step(log.append, poison=lambda: log.append("poison"))
     for mode in ("eager", "host"):
         log.clear()
-        times, verdict, _ = timing.time_step(ctx, step, mode)
-        assert verdict is OK and log == [0, 1, "poison"] + [0, 1, 2] * 2, (mode, log)
+        times, verdict, _, _ = timing.time_step(ctx, step, mode, 3)
+        assert verdict is OK and log == [0, 1, "poison"] + list(range(2, 8)), (mode, log)
+
+
+@pytest.mark.parametrize("calls_per_graph", [1, 2, 3])
+def test_the_check_after_the_timing_reads_another_set_than_the_gates_first(calls_per_graph):
+    """A row right on input set 0 only (every later call returns set 0's outputs): the gate's one checked call
+    passes, and the check after the timing rejects it whatever the call count. The timed calls went back to set 0
+    each repeat, and the check read set (K - 1) % n: set 0 again for K = 1, or for an odd K over two sets."""
+    ctx = _ctx(warmup=1, repeats=2, calls_per_graph=calls_per_graph)
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 4, 256)
+    impl = impls.IMPLS["tail-eager"]
+    good = impl.prepare(ctx, case)
+    first = good.result(good.call(0))
+    read = []
+
+    def lazy(i):
+        read.append(i % len(case.sets))
+        return first
+    step = impls.Step(lazy)
+    mismatch = lambda r, i: impl.mismatch(case, r, i)  # noqa: E731
+    assert cases.gate(ctx, step, mismatch)[0] is OK
+    times, verdict, last, index = timing.time_step(ctx, step, "host", len(case.sets))
+    assert verdict is OK and index % len(case.sets) != 0 and set(read[1:]) != {0}
+    verdict = cli.checked_after(ctx, case, step, "host", last, index, mismatch)
+    assert verdict.kind is Kind.REJECTED and verdict.reason.startswith("the last timed call (host)"), verdict
+
+
+def test_a_gate_of_two_calls_stops_on_every_rank_where_one_rejects_the_first(monkeypatch):
+    """The ranks agree on the first checked call's verdict before the second (a collective): a rank that rejected
+    it alone returned while its peers went on into the second call, and they waited there for the timeout."""
+    ctx = _ctx(world=2)
+    agreed = []
+
+    def peers_reject(world, verdict):  # this rank's call was right; a peer's was not
+        agreed.append(verdict)
+        return Verdict(Kind.REJECTED, "rank 1: rejected")
+    monkeypatch.setattr(cases, "agree", peers_reject)
+    calls = []
+    verdict, _ = cases.gate(ctx, impls.Step(lambda i: calls.append(i) or i, checked_calls=2), lambda r, i: None)
+    assert calls == [0] and agreed == [OK] and verdict == Verdict(Kind.REJECTED, "rank 1: rejected")
+
+
+def test_torch_adds_outputs_are_poisoned():
+    """torch-add writes outputs of its own (one a set): poisoned before its timed calls like commfuse's, so a call
+    that wrote nothing does not pass on the gate's or the warm-up's sums."""
+    ctx = _ctx()
+    case = cases.make_case(ctx, cases.PATTERNS["residual_rmsnorm"], "bf16", 4, 256)
+    step = impls.IMPLS["torch-add"].prepare(ctx, case)
+    outs = [step.call(i).a for i in range(len(case.sets))]
+    assert step.poison is not None
+    step.poison()
+    assert all(bool(o.isnan().all()) for o in outs)
 
 
 def test_flashinfer_outputs_are_poisoned_before_the_timed_calls():

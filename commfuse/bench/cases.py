@@ -21,7 +21,7 @@ from commfuse.tail.formats import FORMATS
 from commfuse.tail.spec import TailSpec
 
 from .context import Ctx
-from .verdict import OK, Kind, Verdict, failed, short
+from .verdict import OK, Kind, Verdict, agree, failed, short
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SF_LAYOUT = "swizzled"  # the NVFP4 GEMMs' layout; the linear one is covered by the tests
@@ -412,10 +412,16 @@ def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tu
             if ctx.cuda:
                 torch.cuda.synchronize()
         except Exception as e:
-            return failed(which, e), None
-        why = judge(mismatch, res, i)
-        if why is not None:
-            return Verdict(Kind.REJECTED, why if i == 0 else f"{which} (input set {i}): {why}"), res
+            verdict, res = failed(which, e), None
+        else:
+            why = judge(mismatch, res, i)
+            verdict = OK if why is None else Verdict(Kind.REJECTED, why if i == 0 else f"{which} (input set {i}): {why}")
+        if i + 1 < step.checked_calls:
+            # Every rank makes the next call (a collective) or none: a rank that stopped here alone would leave
+            # its peers waiting in it. The caller agrees on the last.
+            verdict = agree(ctx.world, verdict)
+        if not verdict.ok:
+            return verdict, res
     return OK, res
 
 

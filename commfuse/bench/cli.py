@@ -177,9 +177,9 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
         for impl, step, wrong in runnable:
             mismatch = functools.partial(impl.mismatch, case, expected=step.expected)
             for mode in args.mode_list:
-                times, verdict, last = time_step(ctx, step, mode)
+                times, verdict, last, index = time_step(ctx, step, mode, len(case.sets))
                 if verdict.ok and wrong is None:
-                    verdict = checked_after(ctx, case, step, mode, last, mismatch)
+                    verdict = checked_after(ctx, case, step, mode, last, index, mismatch)
                 del last
                 if not verdict.ok:
                     not_run(impl, case, verdict, [mode])
@@ -204,11 +204,12 @@ def run_cases(ctx: Ctx, ceilings: dict) -> Tuple[list, list, dict]:
     return records, skipped, status
 
 
-def checked_after(ctx: Ctx, case, step, mode: str, last, mismatch) -> Verdict:
+def checked_after(ctx: Ctx, case, step, mode: str, last, index: int, mismatch) -> Verdict:
     """The last timed call's outputs (a graph's: those its last replay wrote), judged against the oracle of
-    its input set, agreed by all ranks: a row right on the gate's calls and wrong on later ones (another
-    call count, another input set, a replay) is rejected too."""
-    i = (ctx.args.calls_per_graph - 1) % len(case.sets)
+    its input set (call `index`'s: another than the gate's first, timing.first_call), agreed by all ranks: a row
+    right on the gate's calls and wrong on later ones (another call count, another input set, a replay) is
+    rejected too."""
+    i = index % len(case.sets)
 
     def judged(returned, j):
         res = step.result(returned)

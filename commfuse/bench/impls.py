@@ -53,11 +53,11 @@ class Step:
     poison: Optional[Callable[[], None]] = None
 
 
-def _poisoner(outputs) -> Callable[[], None]:
-    """A Step.poison for caller-owned `outputs` (a tensor, a Tail or a FusedResult): every byte of the
+def _poisoner(*outputs) -> Callable[[], None]:
+    """A Step.poison for caller-owned `outputs` (each a tensor, a Tail or a FusedResult): every byte of the
     storage behind each set to 0xFF (NaN in every float format; NVFP4 codes -6), padding included, which
     commfuse writes too."""
-    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in fields_of(outputs) if t is not None]
+    tensors = [t for o in outputs for t in ([o] if isinstance(o, torch.Tensor) else fields_of(o)) if t is not None]
 
     def poison() -> None:
         for t in tensors:
@@ -432,7 +432,9 @@ def _prep_torch_add(ctx: Ctx, case: Case) -> Step:
         x, residual, res = calls[i % n]
         torch.add(x, residual, out=res.a)
         return res
-    return Step(step)
+    # Its outputs are its own: poisoned like commfuse's, or a timed call that wrote nothing would pass on what
+    # the gate's or the warm-up's calls left there.
+    return Step(step, poison=_poisoner(*(res.a for _, _, res in calls)))
 
 
 def _check_torch_add(case: Case, res: Result, i: int) -> Optional[str]:

@@ -45,11 +45,19 @@ def _sync(ctx: Ctx) -> None:
         torch.cuda.synchronize()
 
 
-def _capture(ctx: Ctx, call: Callable[[int], object],
+def first_call(ctx: Ctx, sets: int, calls: int) -> int:
+    """The index of the first timed call of `calls` in a row: the rotation over the input sets goes on after the
+    warm-up's calls (0 .. warmup - 1), and the last call lands on a set other than 0 where there are several, so
+    that the check after the timing reads another set than the gate's first."""
+    first = ctx.args.warmup
+    return first + 1 if sets > 1 and (first + calls - 1) % sets == 0 else first
+
+
+def _capture(ctx: Ctx, call: Callable[[int], object], first: int,
              poison: Optional[Callable[[], None]] = None) -> Tuple["torch.cuda.CUDAGraph", object]:
-    """Warm up, then capture K calls in one CUDA graph (rotating over the input sets). Returns the graph and
-    what its last call returned: its outputs, which each replay writes again (kept for the check after).
-    poison: fills the row's caller-owned outputs after the warm-up (Step.poison)."""
+    """Warm up, then capture K calls in one CUDA graph (calls first .. first + K - 1: rotating over the input sets).
+    Returns the graph and what its last call returned: its outputs, which each replay writes again (kept for the
+    check after). poison: fills the row's caller-owned outputs after the warm-up (Step.poison)."""
     side = torch.cuda.Stream()  # warm-up before capture on a side stream, as torch.cuda.graphs advises
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -62,7 +70,7 @@ def _capture(ctx: Ctx, call: Callable[[int], object],
     graph = torch.cuda.CUDAGraph()
     # thread_local: CUDA calls of other threads (NCCL's watchdog) must not invalidate our capture.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for i in range(ctx.args.calls_per_graph):
+        for i in range(first, first + ctx.args.calls_per_graph):
             last = call(i)
     torch.cuda.synchronize()
     return graph, last
@@ -84,10 +92,11 @@ def _time_graph(ctx: Ctx, graph: "torch.cuda.CUDAGraph") -> List[float]:
     return times
 
 
-def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool,
+def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool, first: int,
                poison: Optional[Callable[[], None]] = None) -> Tuple[List[float], object]:
     """Time per call (us) of K back-to-back calls from Python, each repeat started on all ranks
-    together, and what the last call returned. events: CUDA events around the loop (eager on a GPU).
+    together, and what the last call returned. The repeats' calls are first, first + 1, ...: each goes on
+    with the rotation over the input sets where the last left it. events: CUDA events around the loop (eager on a GPU).
     Otherwise the host clock around the loop alone: the GPU is idle when the clock starts, and the stop
     time is read before the synchronize that keeps this repeat's queued work out of the next one.
     poison: fills the row's caller-owned outputs after the warm-up (Step.poison)."""
@@ -97,12 +106,13 @@ def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool,
     if poison is not None:  # what the gate's or the warm-up's calls wrote must not pass for the timed calls' outputs
         poison()
     times, last = [], None
-    for _ in range(ctx.args.repeats):
+    for r in range(ctx.args.repeats):
+        calls = range(first + r * k, first + (r + 1) * k)
         _align(ctx)
         if events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for i in range(k):
+            for i in calls:
                 last = call(i)
             end.record()
             end.synchronize()
@@ -110,7 +120,7 @@ def _time_loop(ctx: Ctx, call: Callable[[int], object], events: bool,
         else:
             _sync(ctx)
             t0 = time.perf_counter()
-            for i in range(k):
+            for i in calls:
                 last = call(i)
             t1 = time.perf_counter()
             _sync(ctx)
@@ -126,33 +136,38 @@ def _max_over_ranks(ctx: Ctx, times: Sequence[float]) -> List[float]:
     return t.tolist()
 
 
-def time_step(ctx: Ctx, step: Step, mode: str) -> Tuple[Optional[List[float]], Verdict, object]:
+def time_step(ctx: Ctx, step: Step, mode: str, sets: int) -> Tuple[Optional[List[float]], Verdict, object, int]:
     """(per-repeat us, slowest rank's, OK, what the last timed call returned: its outputs, for the check
-    after the timing) or (None, why not, agreed by all ranks, None). Ranks agree after the capture,
-    before any replay: a graph holding collectives must be replayed on every rank or none."""
+    after the timing, and that call's index: its input set modulo `sets`) or (None, why not, agreed by all
+    ranks, None, that index). Ranks agree after the capture, before any replay: a graph holding collectives
+    must be replayed on every rank or none."""
     last = None
+    k = ctx.args.calls_per_graph
+    calls = k if mode == "graph" else k * ctx.args.repeats
+    first = first_call(ctx, sets, calls)
+    index = first + calls - 1
     if mode == "graph":
         graph, verdict = None, OK
         if step.no_graph:
             verdict = Verdict(Kind.SKIP, f"graph mode: {step.no_graph}")
         else:
             try:
-                graph, last = _capture(ctx, step.call, step.poison)
+                graph, last = _capture(ctx, step.call, first, step.poison)
             except Exception as e:
                 verdict = failed("graph capture", e)
         verdict = agree(ctx.world, verdict)
         if not verdict.ok:
-            return None, verdict, None
+            return None, verdict, None, index
         run = lambda: (_time_graph(ctx, graph), last)
     else:
-        run = lambda: _time_loop(ctx, step.call, events=ctx.cuda and mode == "eager", poison=step.poison)
+        run = lambda: _time_loop(ctx, step.call, events=ctx.cuda and mode == "eager", first=first, poison=step.poison)
     times, verdict = None, OK
     try:
         times, last = run()
     except Exception as e:
         verdict = failed(f"{mode} timing", e)
     verdict = agree(ctx.world, verdict)
-    return (_max_over_ranks(ctx, times), OK, last) if verdict.ok else (None, verdict, None)
+    return (_max_over_ranks(ctx, times), OK, last, index) if verdict.ok else (None, verdict, None, index)
 
 
 # ------------------------------------------------------------------------------------- ceilings
