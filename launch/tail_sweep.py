@@ -57,17 +57,25 @@ def _fmt(us) -> str:
     return "n/a" if us is None else f"{us:.2f}"
 
 
-def _timed(call, want, quant) -> str:
-    """call()'s GPU time per call as text, after a check of its outputs against `want`."""
-    why = bench.check(call(), want, quant)
-    return "wrong: " + why if why else _fmt(bench.time_us(call, True, 20, 10).get("graph"))
+def _timed(call, want, quant, **tol) -> str:
+    """call()'s GPU time per call as text; its outputs checked against `want` (bench_local_ops.check, with tol's
+    reference norm and scale for the codes of a block whose scale factor is a step off) before the timing, and
+    after it those of the graph's last replay and of the last eager call."""
+    why = bench.check(call(), want, quant, **tol)
+    if why:
+        return "wrong: " + why
+    timed = []
+    us = bench.time_us(call, True, 20, 10, timed).get("graph")
+    torch.cuda.synchronize()
+    why = next((w for w in (bench.check(r, want, quant, **tol) for r in timed) if w), "")
+    return "wrong after the timing: " + why if why else _fmt(us)
 
 
-def _inductor(fn) -> str:
-    """Inductor's GPU time of fn, compiled static for this shape: a recompile for a second shape would
-    otherwise make its kernel dynamic."""
+def _inductor(fn, want, quant, **tol) -> str:
+    """Inductor's GPU time of fn, compiled static for this shape (a recompile for a second shape would
+    otherwise make its kernel dynamic), checked as _timed checks ours."""
     torch._dynamo.reset()
-    return _fmt(bench.time_us(torch.compile(fn, dynamic=False), True, 20, 10).get("graph"))
+    return _timed(torch.compile(fn, dynamic=False), want, quant, **tol)
 
 
 def main(argv=None) -> None:
@@ -98,7 +106,8 @@ def main(argv=None) -> None:
             want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
             if r is None:
                 want = want[-1:]  # the norm; the kernel's residual output is x's copy, which it does not write
-            ind = _inductor(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale))
+            tol = dict(norm=reference.fused_tail(x, r, w, 1e-5).norm, scale=scale)
+            ind = _inductor(lambda: bench.torch_tail(x, r, w, 1e-5, quant, scale), want, quant, **tol)
             chosen = fused_tail.launch_config(h, t, quant is None, r is not None)
             for vpt, threads in configs(h):
                 run = launcher(dtype, t, h, spec, vpt, threads)
@@ -108,7 +117,8 @@ def main(argv=None) -> None:
                     return out[-1:] if r is None else out  # no residual: the norm only, as `want`
 
                 mark = " *" if (vpt, threads) == chosen else ""
-                print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {_timed(call, want, quant)} | {ind} |", flush=True)
+                print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {_timed(call, want, quant, **tol)} | {ind} |",
+                      flush=True)
 
 
 def gated_sweep(args) -> None:
@@ -123,7 +133,7 @@ def gated_sweep(args) -> None:
         x, z = (torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2))
         w = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
         want = (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),)
-        ind = _inductor(lambda: (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),))
+        ind = _inductor(lambda: (reference.gated_rmsnorm(x, z, w, 1e-5, g, False),), want, None)
         spec = TailSpec.of(None, eps=1e-5, return_norm=True)
         split = gated_norm.splits(h, t, g, spec)
         chosen = (split, *gated_norm.launch_config(h // split, t))
@@ -174,6 +184,7 @@ def moe_sweep(args) -> None:
             for form_name, (y, row_index, shared_in, combined) in forms.items():
                 want = reference.fused_tail(combined, residual, weight, 1e-6, quant, scale, quant is None)
                 want = tuple(v for v in (want.residual, want.norm, want.quant, want.scale_factors) if v is not None)
+                tol = dict(norm=reference.fused_tail(combined, residual, weight, 1e-6).norm, scale=scale)
                 for split in (1, 2, 4, 8) if vpt == 1 and moe_tail.clusters(dev) else (1,):
                     index_dtype, y_rows = (None, 0) if row_index is None else (row_index.dtype, y.shape[0])
                     plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, index_dtype, t, k, h, y_rows, spec, dev,
@@ -184,7 +195,7 @@ def moe_sweep(args) -> None:
                         return tuple(v for v in out if v is not None)
 
                     mark = " *" if split == chosen else ""
-                    print(f"| {shape} | {k} | {form_name} | {q} | {split}{mark} | {_timed(call, want, quant)} |",
+                    print(f"| {shape} | {k} | {form_name} | {q} | {split}{mark} | {_timed(call, want, quant, **tol)} |",
                           flush=True)
 
 

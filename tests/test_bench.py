@@ -1275,3 +1275,26 @@ def test_sanitize_sh_says_it_needs_a_gpu(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "launch/sanitize.sh: needs a CUDA GPU" in run.stderr, (run.returncode,
                                                                                           run.stderr[-500:])
+
+
+def test_the_plot_marks_rows_timed_though_wrong(tmp_path, monkeypatch):
+    """A baseline timed though its gate rejected it (the record's "wrong", the table's *) is drawn as a cross, and
+    its label says so: the plot drew it as a plain point."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    recs = [{"impl": impl, "pattern": "residual_rmsnorm_fp8", "dtype": "bf16", "tokens": t, "hidden": 4096,
+             "mode": "graph", "us": 1.0 + t / 100,
+             **({"wrong": "rejected"} if impl == "tail-compile" and t == 16 else {})}
+            for impl in ("commfuse-auto", "tail-compile") for t in (1, 16, 64)]
+    doc = {"machine": "m", "gpu": "g", "world_size": 1, "records": recs}
+    report.plot(doc, str(tmp_path / "p.png"), "graph", "bf16")
+    (fig,) = figures
+    ax = fig.axes[0]
+    crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [16]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert sorted(labels) == ["commfuse-auto", "tail-compile (x: wrong)"], labels
+    monkeypatch.undo()
+    plt.close(fig)

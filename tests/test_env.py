@@ -198,7 +198,8 @@ def test_a_switch_is_0_or_1_and_anything_else_warns_and_keeps_its_default(monkey
                 assert env.flag("COMMFUSE_TEST_SWITCH", default) is want
     for raw in ("true", "yes", " 1", "on", "2"):
         monkeypatch.setenv("COMMFUSE_TEST_SWITCH", raw)
-        with pytest.warns(UserWarning, match=f"COMMFUSE_TEST_SWITCH={raw!r} is neither 0 nor 1: read as 1, its default"):
+        said = f"COMMFUSE_TEST_SWITCH={raw!r} is neither 0 nor 1: read as 1, its default"
+        with pytest.warns(UserWarning, match=said):
             assert env.flag("COMMFUSE_TEST_SWITCH", True) is True
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once per value

@@ -1999,7 +1999,8 @@ IN_PLACE = {"h.add_ before the norm": _add_one, "h[:, :8] = 0 before the norm": 
             "h.adjoint().mul_": _through(lambda h: h.adjoint()),
             "torch.atleast_2d(h).mul_": _through(torch.atleast_2d),
             # no dtype: h itself where the device and layout are h's already
-            "h.to('cpu').mul_": _through(lambda h: h.to("cpu")), "h.to(h.device).mul_": _through(lambda h: h.to(h.device)),
+            "h.to('cpu').mul_": _through(lambda h: h.to("cpu")),
+            "h.to(h.device).mul_": _through(lambda h: h.to(h.device)),
             "h.to(memory_format=torch.contiguous_format).mul_":
                 _through(lambda h: h.to(memory_format=torch.contiguous_format))}
 

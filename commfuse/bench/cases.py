@@ -415,7 +415,8 @@ def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tu
             verdict, res = failed(which, e), None
         else:
             why = judge(mismatch, res, i)
-            verdict = OK if why is None else Verdict(Kind.REJECTED, why if i == 0 else f"{which} (input set {i}): {why}")
+            verdict = OK if why is None else Verdict(Kind.REJECTED,
+                                                     why if i == 0 else f"{which} (input set {i}): {why}")
         if i + 1 < step.checked_calls:
             # Every rank makes the next call (a collective) or none: a rank that stopped here alone would leave
             # its peers waiting in it. The caller agrees on the last.

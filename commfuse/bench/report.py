@@ -125,7 +125,8 @@ def format_table(doc: dict, status: dict, args) -> str:
 
 def plot(doc: dict, path: str, mode: str, dname: str) -> None:
     """Latency against tokens, log-log: one panel per (hidden, pattern), one line per implementation
-    (tail-only rows dashed, the floor dotted)."""
+    (tail-only rows dashed, the floor dotted). A point timed though its gate rejected it ("wrong", the table's *)
+    is a cross, and its implementation's label says so."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -142,6 +143,7 @@ def plot(doc: dict, path: str, mode: str, dname: str) -> None:
         return
     impls = [n for n in IMPLS if any(r["impl"] == n for r in recs)]
     colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(impls)}
+    wrong_impls = {n: any(r.get("wrong") for r in recs if r["impl"] == n) for n in impls}
     styles = {"tail": "--", "floor": ":"}
     fig, axes = plt.subplots(len(hiddens), len(patterns), squeeze=False,
                              figsize=(3.6 * len(patterns), 3.0 * len(hiddens) + 0.8))
@@ -149,11 +151,16 @@ def plot(doc: dict, path: str, mode: str, dname: str) -> None:
         for j, pname in enumerate(patterns):
             ax = axes[i][j]
             for n in impls:
-                pts = sorted((r["tokens"], r["us"]) for r in recs
+                pts = sorted((r["tokens"], r["us"], bool(r.get("wrong"))) for r in recs
                              if r["impl"] == n and r["pattern"] == pname and r["hidden"] == h)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, color=colors[n],
-                            ls=styles.get(IMPLS[n].section, "-"), label=n)
+                    label = n + (" (x: wrong)" if wrong_impls.get(n) else "")
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=colors[n],
+                            ls=styles.get(IMPLS[n].section, "-"), label=label)
+                    bad = [p for p in pts if p[2]]
+                    if bad:
+                        ax.plot([p[0] for p in bad], [p[1] for p in bad], ls="none", marker="x", ms=8,
+                                color=colors[n])
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(f"{pname}\nhidden {h}", fontsize=8)

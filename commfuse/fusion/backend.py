@@ -176,9 +176,9 @@ def _post_grad_pass_class() -> type:
         def uuid(self):
             # What the rewritten graph holds comes from the pass (fusion/), the ops' schemas (ops.py), the tail codes
             # they take (tail/), and rewrite="auto"'s reading of which kernels run (routes.py, local.py, the
-            # kernels' limits and rejections in kernels/, topology.py's SM floor, COMMFUSE_DISABLE_FUSION); whether it fuses a torch.distributed all-reduce
-            # from the Communicator's group, and the code it writes names the Communicator: a process whose
-            # "commfuse-0" is of another group must not reuse it.
+            # kernels' limits and rejections in kernels/, topology.py's SM floor, COMMFUSE_DISABLE_FUSION);
+            # whether it fuses a torch.distributed all-reduce from the Communicator's group, and the code it writes
+            # names the Communicator: a process whose "commfuse-0" is of another group must not reuse it.
             package = Path(__file__).parents[1]
             sources = [*package.glob("fusion/*.py"), package / "ops.py", *package.glob("tail/*.py"),
                        package / "routes.py", package / "local.py", *package.glob("kernels/*.py"),
