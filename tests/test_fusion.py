@@ -1172,6 +1172,23 @@ def test_a_plain_norm_whose_weight_cast_comes_first_is_fused(gen, spelling):
     assert_same(got, want)
 
 
+def test_a_norm_computed_in_float64_is_skipped(gen):
+    """mean(..., dtype=torch.float64) makes the inverse RMS and the products float64: another rounding than the
+    fused ops' float32, which the pass fused without a word."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, w):
+        h = x + residual
+        hf = h.float()
+        var = hf.pow(2).mean(-1, keepdim=True, dtype=torch.float64)
+        return ((hf * torch.rsqrt(var + 1e-6)) * w).to(BF16), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None)
+    assert not counts(gm), report
+    assert any("the mean of squares is torch.float64" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("computed", ["w + w", "1 + w in T"])
 def test_a_weight_computed_by_an_add_is_a_weight(gen, computed):
     """A T weight that an add computes (a merged LoRA's w + w; Gemma's 1 + w rounded in T) is the op's weight: it

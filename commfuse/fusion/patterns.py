@@ -303,6 +303,9 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     v = _is_square_of(sq_node)
     if not isinstance(v, fx.Node) or not _is_mean_last(mean, _rank(v)):
         return None
+    if G.dtype(mean) not in (None, torch.float32):  # mean(..., dtype=torch.float64): the rest follows in it
+        return Mismatch(f"RMSNorm at {r.name}: the mean of squares is {G.dtype(mean)} (the norm computed in it), "
+                        "and the fused ops compute in float32", norm_input=G.source(v) if G.kind(v) == "cast" else v)
     if isinstance(eps, Mismatch):  # the norm's input: the T tensor v casts, whose all-reduce is reported with it
         eps.norm_input = G.source(v) if G.kind(v) == "cast" else v
         return eps
