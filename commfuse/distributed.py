@@ -9,9 +9,9 @@ Launchers and what they leave in the environment:
 
 More ranks on a node than GPUs (e.g. `launch/test.sh 4` on a workstation with one GPU): the ranks
 share GPUs, rank r on GPU local_rank % device_count, and the default backend is gloo, because NCCL
-refuses two ranks on one GPU. Whether ranks share one is told by the GPUs' UUIDs, exchanged in the rendezvous's
-store before the group is made: ranks that each see a GPU of their own (CUDA_VISIBLE_DEVICES set per rank) get
-NCCL. commfuse then still runs its real kernels on those GPUs (the P2P
+refuses two ranks on one GPU. Whether ranks share one is told by the GPUs' UUIDs and bus ids, exchanged in the
+rendezvous's store before the group is made: ranks that each see a GPU of their own (CUDA_VISIBLE_DEVICES set per
+rank) get NCCL. commfuse then still runs its real kernels on those GPUs (the P2P
 row over same-device IPC, the fallback row as gloo's exact sum and the fused tail kernel): a mode
 for testing and debugging tensor-parallel code, not for speed (see commfuse.topology).
 """
@@ -129,18 +129,36 @@ def _mpi_rendezvous(rank: int) -> tuple:
 
 
 def default_backend(gpus: list) -> str:
-    """NCCL when every rank has a GPU of its own: `gpus`, each rank's GPU UUID (None without CUDA), all distinct.
-    gloo without CUDA on a rank, and where ranks share a GPU (NCCL refuses two ranks on one GPU). By UUID, not by
-    counting ranks and GPUs: ranks that each see one GPU of their own (CUDA_VISIBLE_DEVICES set per rank, as
-    SLURM's --gpus-per-task and many wrappers do) own it although the node has more ranks than either sees."""
-    return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
+    """NCCL when every rank has a GPU of its own: `gpus`, each rank's GPU (None without CUDA) as its UUID, or as
+    "UUID|host|boot id|PCI bus id" (gpu_identity), all distinct in both the UUID and the place. gloo without CUDA
+    on a rank, and where ranks share a GPU (NCCL refuses two ranks on one GPU, and two MIG instances of one, whose
+    UUIDs differ: by the bus id). By identity, not by counting ranks and GPUs: ranks that each see one GPU of their
+    own (CUDA_VISIBLE_DEVICES set per rank, as SLURM's --gpus-per-task and many wrappers do) own it although the node
+    has more ranks than either sees."""
+    if not all(gpus):
+        return "gloo"
+    parts = [g.split("|") for g in gpus]
+    uuids = [p[0] for p in parts]
+    places = [tuple(p[1:]) for p in parts if len(p) == 4 and p[3]]
+    return "nccl" if len(set(uuids)) == len(uuids) and len(set(places)) == len(places) else "gloo"
+
+
+def gpu_identity() -> str:
+    """This process's current GPU for default_backend: "UUID|host|boot id|PCI bus id"."""
+    from .topology import boot_id
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    bus = getattr(props, "pci_bus_id", None)
+    domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+    place = "" if bus is None else f"{domain:04x}:{bus:02x}:{device:02x}"
+    return f"{props.uuid}|{socket.gethostname()}|{boot_id() or ''}|{place}"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple:
     """Initialise the default process group once; return (rank, world_size).
 
     backend: None picks "nccl" when every rank has a GPU of its own, "gloo" without CUDA and when ranks share
-    GPUs (see the module docstring): the ranks exchange their GPUs' UUIDs in the rendezvous's store first.
+    GPUs (see the module docstring): the ranks exchange their GPUs' identities in the rendezvous's store first.
     With CUDA, each process is bound to GPU `local_rank % device_count` before the group is made.
     Safe to call again: an existing group is kept. A gloo group made here is destroyed at interpreter
     exit (unless the caller destroyed it): a gloo group still alive when the interpreter finalizes can
@@ -171,8 +189,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     store, rank, world = next(dist.rendezvous(f"tcp://{host}:{port}", rank=rank, world_size=world, timeout=timeout))
     store.set_timeout(timeout)
     if backend is None:
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if cuda else ""
-        store.set(f"commfuse/gpu/{rank}", uuid)
+        store.set(f"commfuse/gpu/{rank}", gpu_identity() if cuda else "")
         backend = default_backend([u.decode() or None for u in store.multi_get([f"commfuse/gpu/{r}"
                                                                                 for r in range(world)])])
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,

@@ -155,13 +155,14 @@ def fusion_capability(sm: Optional[tuple]) -> dict:
 
 
 def gpu_sharers(ranks: Sequence[RankInfo]) -> tuple:
-    """For each rank, the number of ranks on its GPU (same host and GPU uuid, else PCI bus id)."""
-    def key(r: RankInfo):
-        gpu = r.uuid or r.pci_bus_id
-        return None if r.device is None or gpu is None else (r.node, gpu)
+    """For each rank, the number of ranks on its GPU: the same node and the same GPU uuid or PCI bus id (MIG
+    instances of one GPU have uuids of their own and one bus id)."""
+    def same(a: RankInfo, b: RankInfo) -> bool:
+        if a.device is None or b.device is None or a.node != b.node:
+            return False
+        return (a.uuid is not None and a.uuid == b.uuid) or (a.pci_bus_id is not None and a.pci_bus_id == b.pci_bus_id)
 
-    keys = [key(r) for r in ranks]
-    return tuple(1 if k is None else keys.count(k) for k in keys)
+    return tuple(1 if r.device is None else max(1, sum(same(r, s) for s in ranks)) for r in ranks)
 
 
 def sharing_reason(ranks: Sequence[RankInfo], p2p: bool = True) -> Optional[str]:
@@ -171,7 +172,7 @@ def sharing_reason(ranks: Sequence[RankInfo], p2p: bool = True) -> Optional[str]
     groups: dict = {}
     for i, (r, n) in enumerate(zip(ranks, counts)):
         if n > 1:
-            groups.setdefault((r.node, r.uuid or r.pci_bus_id), []).append(i)
+            groups.setdefault((r.node, r.pci_bus_id or r.uuid), []).append(i)  # MIG instances: one bus id
     if not groups:
         return None
     parts = []
@@ -363,7 +364,7 @@ def local_gpus(vers: Optional[Versions] = None) -> tuple:
 def can_access_peer(bus_id: str, peer_bus_id: str) -> tuple:
     """(cuDeviceCanAccessPeer from one GPU to another by PCI bus id, or None; a note when None)."""
     if bus_id == peer_bus_id:
-        return True, None
+        return None, None  # one GPU (ranks sharing it, MIG instances of it): no peer access to ask the driver about
     try:
         dev = ipc.device_by_pci_bus_id(bus_id)
         peer = ipc.device_by_pci_bus_id(peer_bus_id)
@@ -384,7 +385,9 @@ def driver_p2p_matrix(infos: Sequence[RankInfo]) -> tuple:
             notes.append(note)
         return answer
 
-    return tuple(tuple(ask(a, b) for b in infos) for a in infos), tuple(notes)
+    rows = tuple(tuple(True if i == j and a.device is not None else ask(a, b) for j, b in enumerate(infos))
+                 for i, a in enumerate(infos))
+    return rows, tuple(notes)
 
 
 def _pattern(rank: int) -> bytes:
@@ -479,8 +482,10 @@ def probe(group=None) -> Topology:
         # Nothing measured between ranks; a rank's own GPU reaches itself, a rank without one has nothing to reach.
         p2p_driver = p2p_ipc = tuple(tuple(True if i == j and infos[i].device is not None else None
                                            for j in range(world)) for i in range(world))
-    p2p = tuple(tuple(i == j or (p2p_ipc[i][j] is True and p2p_driver[i][j] is not False)
-                      for j in range(world)) for i in range(world))
+    # A rank's GPU reaches itself; a rank without one reaches nothing.
+    p2p = tuple(tuple((i == j and infos[i].device is not None)
+                      or (p2p_ipc[i][j] is True and p2p_driver[i][j] is not False) for j in range(world))
+                for i in range(world))
     mode, reasons = decide_mode(infos, p2p, env.flag("COMMFUSE_PRETEND_NO_P2P", False), backend)
     return Topology(rank, world, tuple(infos), p2p, mode, reasons, p2p_driver, p2p_ipc,
                     nvlink_matrix(infos), tuple(notes))

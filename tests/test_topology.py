@@ -638,3 +638,33 @@ def test_single_probe_says_a_node_too_large_for_the_p2p_kernels_takes_nccl(monke
     assert local["mode"] == "p2p"
     said = f"{n} ranks > {MAX_WORLD}: no P2P kernels for it, no P2P workspace: a Communicator of this group takes NCCL"
     assert said in local["reasons"], local
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_single_probe_names_a_probe_sh_that_runs_the_ipc_check(monkeypatch, gpus):
+    """The IPC check needs two processes: on a one-GPU machine the advice named `launch/probe.sh 1`, which runs one
+    process again."""
+    versions = topology.own_info().versions
+    infos = tuple(dataclasses.replace(gpu("a", device=i), versions=versions) for i in range(gpus))
+    monkeypatch.setattr(topology, "own_info", lambda: infos[0])
+    monkeypatch.setattr(topology, "local_gpus", lambda versions=None: infos)
+    monkeypatch.setattr(topology, "driver_p2p_matrix", lambda infos: (tuple(map(tuple, full(len(infos)))), ()))
+    local = probe_cli.single_report()["local_group"]
+    assert local["reasons"][-1] == "P2P from the driver only: the IPC check needs two processes (launch/probe.sh 2)"
+
+
+def test_mig_instances_of_one_gpu_count_as_sharing_it():
+    """Two MIG instances of one GPU have UUIDs of their own and one PCI bus id: NCCL refuses them as one GPU
+    ("Duplicate GPU detected"), so init_distributed's default is gloo and the topology names them as sharing it.
+    The driver is not asked for P2P from a GPU to itself (it answered True, asked nothing)."""
+    from commfuse.distributed import default_backend
+
+    mig = [RankInfo("a", 0, f"MIG-{i}", (9, 0), "sim MIG 1g.10gb", "0000:19:00.0", boot_id="b") for i in range(2)]
+    assert topology.gpu_sharers(mig) == (2, 2)
+    assert "ranks 0,1 share GPU 0" in topology.sharing_reason(mig)
+    place = "|a|b|0000:19:00"
+    assert default_backend([f"MIG-0{place}", f"MIG-1{place}"]) == "gloo"
+    assert default_backend([f"GPU-0{place}", "GPU-1|a|b|0000:1a:00"]) == "nccl"
+    assert default_backend([f"GPU-0{place}", "GPU-1|other|c|0000:19:00"]) == "nccl"  # the same bus on another node
+    assert default_backend(["GPU-0||b|", "GPU-1||b|"]) == "nccl"  # no bus id known: by the UUIDs
+    assert topology.can_access_peer("0000:19:00.0", "0000:19:00.0") == (None, None)

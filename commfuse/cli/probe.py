@@ -116,8 +116,9 @@ def single_report() -> dict:
     local = None
     if gpus:
         m, r = topology.decide_mode(gpus, p2p, pretend, "nccl")
+        # The IPC check needs two processes: one a GPU, or two sharing the one GPU.
         local = {"mode": m, "reasons": list(r) + _too_large(m, len(gpus), False) + [
-            f"P2P from the driver only: the IPC check needs two processes (launch/probe.sh {len(gpus)})"]}
+            f"P2P from the driver only: the IPC check needs two processes (launch/probe.sh {max(2, len(gpus))})"]}
     notes = list(dict.fromkeys([*me.notes, *(n for g in gpus for n in g.notes), *driver_notes]))
     return {"launcher": None, "world_size": 1, **_common(me, gpus), "ranks": [_rank(0, 0, me)],
             "matrix_of": "gpus", "p2p_driver": driver, "p2p_ipc": None, "p2p": p2p,
