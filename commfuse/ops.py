@@ -119,8 +119,8 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     call goes to the Communicator directly (the op's body, without the dispatcher's cost); compiled code
     calls the op. out: caller-owned outputs as for Communicator.fused_all_reduce (op
     fused_all_reduce_out, which writes them; a field None there is allocated and not returned), returned
-    as the Tail; through the op, out.residual must be a tensor of its own (the in-place residual update is
-    the Communicator call's)."""
+    as the Tail; out.residual may be the residual itself, updated in place, as there (compiled, the op writes
+    a copy that torch's functionalization writes back)."""
     _tensor_scale(comm, scale)
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
@@ -273,6 +273,8 @@ def _gated_rmsnorm(x, z, weight, scale, eps, group_size, norm_before_gate, tail)
 def _quantize_options(tail) -> dict:
     """quantize's keyword arguments of its `tail` (the kernel's and the fake's one check: no norm to return)."""
     kw = public(tail)
+    if kw["quant"] is None:
+        raise ValueError("tail: quantize's code must name a format (quant None: nothing to quantize)")
     if kw.pop("return_norm"):
         raise ValueError("tail: quantize returns no norm (its code has return_norm set)")
     return kw
@@ -302,7 +304,7 @@ _define(f"fused_all_reduce_out(Tensor x, Tensor residual, Tensor weight, {_TAIL}
         _fused_all_reduce_out, lambda *args: None)
 _define(f"fused_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, {_TAIL}) -> Tensor[]", _fused_add_rmsnorm,
         lambda x, residual, weight, scale, eps, weight_offset, tail: _fakes(x, tail, residual is not None))
-_define("gated_rmsnorm(Tensor x, Tensor? z, Tensor weight, Tensor? scale, float eps, int group_size, "
+_define("gated_rmsnorm(Tensor x, Tensor? z, Tensor weight, Tensor? scale, float eps, SymInt group_size, "
         "bool norm_before_gate, int tail) -> Tensor[]", _gated_rmsnorm,
         lambda x, z, weight, scale, eps, group_size, norm_before_gate, tail: _fakes(x, tail, False))
 _define("quantize(Tensor x, Tensor? scale, int tail) -> Tensor[]", _quantize,

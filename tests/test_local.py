@@ -388,6 +388,13 @@ def test_opcheck_gated_and_quantize(gen, quant):
             torch.ops.commfuse.quantize(x, scale, code(quant, True))
         with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="quantize returns no norm"):
             torch.ops.commfuse.quantize(x, scale, code(quant, True))
+    else:  # a code without a format: the fake raised nothing and a graph failed only when it ran
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with pytest.raises(ValueError, match="quantize's code must name a format"):
+            torch.ops.commfuse.quantize(x, scale, code(None))
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="must name a format"):
+            torch.ops.commfuse.quantize(x, scale, code(None))
 
 
 def test_ops_have_no_gradient_as_the_eager_calls(gen):
@@ -429,6 +436,23 @@ def test_compiled_ops_dynamic_tokens(gen):
             got = compiled(x, residual, weight, z, scale)
         for a, b in zip(got, f(x, residual, weight, z, scale)):
             assert bits_equal(a, b)
+
+
+def test_compiled_gated_norm_keeps_a_dynamic_hidden_size(gen):
+    """group_size None is the row, x.shape[-1]: a symbol under dynamic shapes, which the op's schema took as an int
+    and so specialised (a graph for every hidden size; a ConstraintViolationError where the size was marked
+    dynamic). One graph serves every hidden size, with the eager bits."""
+    def f(x, z, weight):
+        return commfuse.gated_rmsnorm(x, z, weight, 1e-5, None, True).norm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, h in enumerate((256, 512, 384)):
+        x, z = (torch.randn(3, h, generator=gen).to(BF16) for _ in range(2))
+        weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(BF16)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(x, z, weight)
+        assert bits_equal(got, f(x, z, weight)), h
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
