@@ -440,6 +440,12 @@ def test_derive_limits():
     nan = float("nan")
     assert p2p.derive_limits(sizes, [(nan, 2, 10)] * 5, 1 << 20) == _limits(1 << 20, 0, 1 << 20)
     assert p2p.derive_limits(sizes, [(1, nan, 10)] * 5, 1 << 20) == _limits(1 << 20, 1 << 20, 1 << 20)
+    # Two-shot edging one-shot once (noise) ends one-shot's range there, and two-shot's ends where it loses to NCCL:
+    # sizes that only one-shot beat NCCL at go to NCCL, not to a two-shot slower than both (its range ran to 1 MiB).
+    times = [(8, 12, 15), (10, 13, 17), (14, 13.5, 19), (18, 24, 22), (30, 36, 32)]
+    assert p2p.derive_limits(sizes, times, 1 << 20) == _limits(1 << 20, 16 << 10, 64 << 10)
+    # One-shot slower than NCCL where two-shot is not: two-shot from the start.
+    assert p2p.derive_limits(sizes, [(12, 8, 10)] * 5, 1 << 20) == _limits(1 << 20, 0, 1 << 20)
     for bad_sizes, bad_times in ((sizes[::-1], [(1, 2, 10)] * 5), (sizes, [(1, 2)] * 5), (sizes, [(1, 2, 10)] * 4)):
         with pytest.raises(ValueError, match="ascending sizes and a row of 3 times"):
             p2p.derive_limits(bad_sizes, bad_times, 1 << 20)
@@ -1263,6 +1269,33 @@ def test_a_rank_that_cannot_set_calibration_up_makes_every_rank_raise_before_any
     with pytest.raises(p2p.CalibrationError,
                        match=r"^P2P calibration could not start: rank 1: RuntimeError: out of memory \(stand-in\)$") as e:
         p2p.calibration.measure(ws, sizes=[4096, 65536])
+    assert (e.value.__cause__ is not None) == (rank == 1)
+
+
+@mpi
+def test_a_rank_that_cannot_make_the_cache_key_makes_every_rank_raise(comm, monkeypatch, tmp_path):
+    """The key's kernel digest needs NVRTC and the CUDA headers (JitError where a rank has none, stand-in): that rank
+    raised alone, before the cache's gather, and its peers waited there for the group's timeout; and the error was
+    no CalibrationError, so the workspace was not torn down. Now every rank raises CalibrationError naming it."""
+    if dist.get_world_size(comm.group) < 2:
+        pytest.skip("needs 2+ ranks")
+    rank = dist.get_rank(comm.group)
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
+
+    def digest():
+        if rank == 1:
+            raise p2p.calibration.jit.JitError("CUDA headers (cuda_fp16.h) not found (stand-in)")
+        return "digest"
+    monkeypatch.setattr(p2p.calibration.jit, "sources_digest", digest)
+    monkeypatch.setattr(p2p.calibration, "measure", lambda ws, nccl=None: pytest.fail("measured after the failure"))
+    world = dist.get_world_size(comm.group)
+    ws = types.SimpleNamespace(group=comm.group, rank=rank, world=world, max_bytes=1 << 20, lamport_bytes=1 << 16,
+                               nblocks=132)
+    topo = types.SimpleNamespace(versions=None, ranks=[types.SimpleNamespace(gpu_name="GPU")] * world,
+                                 p2p=((True,) * world,) * world, nvlink=((0,) * world,) * world)
+    with pytest.raises(p2p.CalibrationError,
+                       match=r"^P2P calibration could not start: rank 1: JitError: CUDA headers") as e:
+        p2p.calibration.calibrate(ws, topo)
     assert (e.value.__cause__ is not None) == (rank == 1)
 
 

@@ -85,9 +85,9 @@ up to max_bytes and at 2 x max_bytes
 (two-shot in two pieces there; one-shot up to lamport_bytes). Each timing is
 GPU time of back-to-back eager calls held behind a short delay kernel (so Python launch overhead
 does not count, as in a CUDA graph replay), best of 3; the MAX over ranks is taken so every rank
-decides the same. Two-shot's crossover is the largest size up to which P2P (the better algorithm)
-beats NCCL at every measured size; one-shot's the largest size up to which one-shot also beats
-two-shot (P2PLimits.crossovers).
+decides the same. One-shot's crossover is the largest size up to which one-shot beats NCCL and is no
+slower than two-shot at every measured size; two-shot's the largest size above that up to which two-shot
+beats NCCL at every measured size (P2PLimits.crossovers).
 Between two measured sizes the larger one's decision applies (an algorithm is taken only up to the
 largest size at which it was measured to win), and above the largest measured size NCCL is taken (its bandwidth still grows with the size, the pieces' does not). Results are cached as
 JSON under COMMFUSE_CACHE_DIR (default ~/.cache/commfuse), keyed by GPU names, world size, the NCCL route's binding and library,

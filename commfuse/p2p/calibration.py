@@ -69,24 +69,28 @@ def derive_limits(sizes: Sequence[int], times: Sequence[Sequence[float]], worksp
     """P2PLimits from times[i] = (each algorithm of ALGORITHMS, then NCCL) at sizes[i] (ascending, any
     unit; inf where an algorithm cannot take the size).
 
-    The last algorithm's crossover: the largest size up to which the fastest algorithm beats NCCL at every
-    size (0: P2P never); each earlier one's: the largest size no larger than the next one's up to which it
-    is no slower than every later algorithm at every size.
+    A plan takes the first algorithm up to its crossover, the next one above that up to its own, and so on, NCCL
+    above the last. So each algorithm's crossover, in order: the largest size (from the previous crossover on) up
+    to which, at every size, it beats NCCL and is no slower than every later algorithm (0, or the previous
+    crossover: never taken). Each algorithm is taken only where it was measured to win: the last one's range ends
+    where it loses to NCCL itself (it ended where the fastest of them all did, so one-shot's wins, noise where
+    two-shot edged it, sent sizes to a two-shot that NCCL beat).
     """
     k = len(ALGORITHMS)
     if list(sizes) != sorted(sizes) or len(times) != len(sizes) or any(len(row) != k + 1 for row in times):
         raise ValueError(f"derive_limits needs ascending sizes and a row of {k + 1} times per size")
     times = [[t if t == t else math.inf for t in row] for row in times]  # NaN: not measured, never the fastest
-    limits = [0] * k
-    for size, row in zip(sizes, times):
-        if not min(row[:k]) < row[k]:
-            break
-        limits[k - 1] = size
-    for i in range(k - 2, -1, -1):
+    limits, taken = [], 0  # sizes up to `taken` go to the algorithms before
+    for i in range(k):
+        limit = taken
         for size, row in zip(sizes, times):
-            if size > limits[i + 1] or not row[i] <= min(row[i + 1:k]):
+            if size <= taken:
+                continue
+            if not (row[i] < row[k] and row[i] <= min(row[i + 1:k], default=math.inf)):
                 break
-            limits[i] = size
+            limit = size
+        limits.append(limit)
+        taken = limit
     return P2PLimits(workspace_bytes, tuple(zip(ALGORITHMS, limits)), oneshot_bytes)
 
 
@@ -151,9 +155,13 @@ def calibrate(ws, topo, nccl=None) -> P2PLimits:
     """Measured limits, from the disk cache when this machine and software were measured before.
     nccl: the NCCL route's NcclComm (None: the route runs torch.distributed's all_reduce), timed as the
     route runs it."""
-    key = cache_key(ws, topo, nccl)
-    # JSON round trip: tuples become lists, so the cached key compares equal.
-    key = json.loads(json.dumps(key))
+    cause = key = None
+    try:
+        # JSON round trip: tuples become lists, so the cached key compares equal.
+        key = json.loads(json.dumps(cache_key(ws, topo, nccl)))
+    except Exception as e:  # noqa: BLE001 - the kernels' digest (NVRTC, the CUDA headers, the sources): every rank
+        cause = e  # must hear of it, or a rank alone here leaves its peers in the gather below
+    _raise_together(ws.group, cause, "could not start")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = jit.cache_dir() / f"p2p-limits-{digest}.json"
     cached = _read_limits(path, key) if ws.rank == 0 else None
