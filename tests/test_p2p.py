@@ -1272,6 +1272,24 @@ def test_a_rank_that_cannot_set_calibration_up_makes_every_rank_raise_before_any
     assert (e.value.__cause__ is not None) == (rank == 1)
 
 
+def test_the_cache_key_says_whether_the_kernels_launch_with_pdl(monkeypatch):
+    """PDL goes off for the whole process once ranks share a GPU in it (jit.disable_pdl): a later calibration there
+    measures without it, and its file must not be keyed as measured with it (the key read COMMFUSE_PDL alone)."""
+    from commfuse.p2p import calibration
+
+    monkeypatch.setattr(calibration.jit, "sources_digest", lambda: "digest")
+    monkeypatch.delenv("COMMFUSE_PDL", raising=False)
+    ws = types.SimpleNamespace(world=2, max_bytes=1 << 20, lamport_bytes=1 << 16, nblocks=132)
+    topo = types.SimpleNamespace(versions=None, ranks=[types.SimpleNamespace(gpu_name="GPU")] * 2,
+                                 p2p=((True,) * 2,) * 2, nvlink=((0,) * 2,) * 2)
+    assert calibration.cache_key(ws, topo)["pdl"] is True
+    monkeypatch.setattr(calibration.jit, "_PDL_OFF", "ranks share a GPU")
+    assert calibration.cache_key(ws, topo)["pdl"] is False
+    monkeypatch.setattr(calibration.jit, "_PDL_OFF", None)
+    monkeypatch.setenv("COMMFUSE_PDL", "0")
+    assert calibration.cache_key(ws, topo)["pdl"] is False
+
+
 @mpi
 def test_a_rank_that_cannot_make_the_cache_key_makes_every_rank_raise(comm, monkeypatch, tmp_path):
     """The key's kernel digest needs NVRTC and the CUDA headers (JitError where a rank has none, stand-in): that rank

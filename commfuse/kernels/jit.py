@@ -61,6 +61,7 @@ __all__ = [
     "cannot_target",
     "CSRC_DIR",
     "disable_pdl",
+    "pdl_off",
     "on_pdl_off",
     "device_index",
     "cache_dir",
@@ -503,6 +504,11 @@ def disable_pdl(reason: str) -> None:
     _PDL_OFF = reason
     for listener in _PDL_LISTENERS:
         listener(False)
+
+
+def pdl_off() -> Optional[str]:
+    """Why programmatic dependent launch is off in this whole process (disable_pdl), None where it is not."""
+    return _PDL_OFF
 
 
 def on_pdl_off(listener) -> None:

@@ -146,7 +146,8 @@ def cache_key(ws, topo, nccl=None) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": vers.nccl if vers else None, "driver": vers.driver if vers else None,
         "workspace_bytes": ws.max_bytes, "lamport_bytes": ws.lamport_bytes, "nblocks": ws.nblocks,
-        "pdl": env.flag("COMMFUSE_PDL", True),
+        # as the kernels launch: off by the variable, or for the whole process once ranks shared a GPU in it
+        "pdl": env.flag("COMMFUSE_PDL", True) and jit.pdl_off() is None,
         "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
     }
 
