@@ -139,7 +139,8 @@ def default_backend(gpus: list) -> str:
         return "gloo"
     parts = [g.split("|") for g in gpus]
     uuids = [p[0] for p in parts]
-    places = [tuple(p[1:]) for p in parts if len(p) == 4 and p[3]]
+    # The machine by its boot id (containers of one machine share it, whatever their host names), else its name.
+    places = [(p[2] or p[1], p[3]) for p in parts if len(p) == 4 and p[3]]
     return "nccl" if len(set(uuids)) == len(uuids) and len(set(places)) == len(places) else "gloo"
 
 

@@ -668,5 +668,6 @@ def test_mig_instances_of_one_gpu_count_as_sharing_it():
     assert default_backend([f"MIG-0{place}", f"MIG-1{place}"]) == "gloo"
     assert default_backend([f"GPU-0{place}", "GPU-1|a|b|0000:1a:00"]) == "nccl"
     assert default_backend([f"GPU-0{place}", "GPU-1|other|c|0000:19:00"]) == "nccl"  # the same bus on another node
+    assert default_backend([f"MIG-0{place}", "MIG-1|container2|b|0000:19:00"]) == "gloo"  # one machine's containers
     assert default_backend(["GPU-0||b|", "GPU-1||b|"]) == "nccl"  # no bus id known: by the UUIDs
     assert topology.can_access_peer("0000:19:00.0", "0000:19:00.0") == (None, None)
