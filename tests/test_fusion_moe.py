@@ -609,6 +609,26 @@ def test_the_sorts_values_written_in_place_leave_its_permutation_alone(quiet_com
     assert_same(got, want)
 
 
+@mpi
+def test_a_write_to_the_rows_a_gather_copied_leaves_the_combine_alone(quiet_comm, gen):
+    """rows[perm] is a copy (indexing by a tensor): a write to the rows after the gather changes nothing the combine
+    reads, so the combine is still the finalize form. The gather was taken for a view, the expert outputs for
+    "written in place", and the whole tail left unfused."""
+    def combine(x, rows, w, t, k, h):
+        r = rows * 1.0
+        ids_sorted, perm = torch.sort(torch.arange(t * k, device=x.device) * 5 % (t * k))
+        yg = r[perm]
+        weighted = yg * w.reshape(-1)[perm].unsqueeze(-1)
+        out = weighted[_hf_inverse(perm, t * k)].view(t, k, h).sum(dim=1).to(x.dtype)
+        r.mul_(0)  # the gather's source, not its copy
+        return out
+
+    gm, report, want, got = with_combine(quiet_comm, gen, combine)
+    assert counts(gm) == {MOE_AR: 1}, report
+    assert not report.skipped, report
+    assert_same(got, want)
+
+
 def _zeroed(mask_shape, value=0.0, after_gather=False):
     """transformers 5.8-5.9's grouped_mm combine: the weighted rows of some slots (expert-parallel sentinels,
     the sorted ids past the experts) zeroed in place between the products and the gather."""
@@ -817,5 +837,5 @@ def test_index_add_combine_is_reported(quiet_comm, gen):
         pytest.skip(f"dynamo does not trace the per-expert loop in one graph here: {type(e).__name__}")
     assert counts(gm) == {FUSED_AR: 1}, report
     (s,) = [s for s in report.skipped if s.what == "moe combine"]
-    assert s.kind == "pattern" and "index_add_ of expert rows" in s.reason, report
+    assert s.kind == "pattern" and "the all-reduced tensor is built by an index_add_" in s.reason, report
     assert_same(got, want)

@@ -483,11 +483,21 @@ def may_alias(node: Any) -> bool:
         # An item of sort's, topk's, ... result is a tensor of its own (a write to the values leaves the
         # indices alone); any other container's items may be views (split, vsplit, unsafe_chunk, a module's tuple).
         container = node.args[0] if node.args else None
+        if isinstance(value(container), torch.Tensor) and len(node.args) > 1 and _advanced_index(node.args[1]):
+            return False  # rows[perm]: indexing by a tensor or a list gathers a copy
         return not (isinstance(value(container), (tuple, list)) and _name(container) in _FRESH_TUPLES)
     schema = getattr(t, "_schema", None)
     if schema is not None:
         return any(r.alias_info is not None for r in schema.returns)
     return getattr(t, "__name__", None) in _ALIASING
+
+
+def _advanced_index(index: Any) -> bool:
+    """Whether a tensor's [index] is advanced indexing, which copies: a tensor (known to be one), a list, or a tuple
+    holding either. Ints, slices, None and Ellipsis alone index a view."""
+    if isinstance(index, tuple):
+        return any(_advanced_index(i) for i in index)
+    return isinstance(index, list) or (isinstance(index, fx.Node) and is_tensor(index))
 
 
 # Leaf modules (symbolic_trace keeps torch.nn's as call_module nodes) that return a new tensor: any other may return

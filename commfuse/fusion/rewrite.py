@@ -539,9 +539,10 @@ def _moe_combine(ar: P.AllReduce, norm: P.Norm, residual: fx.Node, h: int, repor
     if found is None:
         ia = P.index_add_combine(ar.x)
         if ia is not None:
-            report.skipped.append(Skipped(ia.name, "moe combine", "the combine is an index_add_ of expert rows (HF "
-                                          "Mixtral's loop over experts): not matched, only a weighted sum over the "
-                                          "top-k axis is" + then, "pattern"))
+            # Said of any index_add_ there: a MoE combine or not, the graph's add is what is not matched.
+            report.skipped.append(Skipped(ia.name, "moe combine", "the all-reduced tensor is built by an index_add_ "
+                                          "(as HF Mixtral's loop over experts combines expert rows): not matched as "
+                                          "a combine, only a weighted sum over the top-k axis is" + then, "pattern"))
         return None
     if isinstance(found, P.Mismatch):
         report.skipped.append(Skipped(ar.x.name, "moe combine", found.reason + then, found.kind))
