@@ -495,6 +495,17 @@ def test_sum_over_another_dim_is_not_the_combine(quiet_comm, gen):
 
 
 @mpi
+def test_a_combine_summed_in_float64_is_reported(quiet_comm, gen):
+    """.sum(dim=1, dtype=torch.float64).to(T): another sum than the op's (float32), left with the tail fused; the
+    report said nothing of it."""
+    def combine(x, rows, w, t, k, h):
+        return (rows.view(t, k, h) * w.unsqueeze(-1)).sum(dim=1, dtype=torch.float64).to(x.dtype)
+
+    s = negative(quiet_comm, gen, combine)
+    assert s.kind == "pattern" and "casts the products to float64" in s.reason, s
+
+
+@mpi
 def test_weights_on_another_axis_are_not_routing_weights(quiet_comm, gen):
     def combine(x, rows, w, t, k, h):  # a per-token gate over h, not one weight per (token, slot)
         g = torch.sigmoid(x.float())

@@ -934,6 +934,12 @@ def _routed_sum(n, t_dtype):
             if isinstance(core, dict):
                 core["nodes"] = [n] + core["nodes"]
             return core
+        if G.kind(src) == "sum" and G.dtype(src) is not None and G.dtype(src) != t_dtype:  # float64, say: said so
+            core = _routed_sum_core(src, t_dtype)
+            if isinstance(core, dict):
+                return Mismatch(f"the sum {src.name} is {_dt(G.dtype(src))}: commfuse::moe_all_reduce sums float32 "
+                                "products in float32", "pattern")
+            return core
         return None
     if G.kind(n) == "sum":
         return _routed_sum_core(n, t_dtype)
