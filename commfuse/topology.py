@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import env, ipc
+from . import env, ipc, nccl
 from .kernels import jit
 from .tail.formats import FORMATS
 
@@ -55,7 +55,8 @@ class Versions:
 
     torch: str
     cuda_runtime: Optional[str]  # CUDA torch was built with
-    nccl: Optional[str]
+    nccl: Optional[str]  # the NCCL commfuse's NCCL route calls (commfuse.nccl.library())
+    torch_nccl: Optional[str]  # the NCCL torch was built with (its process groups'): may differ from it
     driver_cuda: Optional[str]  # newest CUDA the driver supports (cuDriverGetVersion), e.g. "13.0"
     driver: Optional[str]  # NVML driver version, e.g. "580.65.06"
 
@@ -291,12 +292,16 @@ def _nvlink(pci_bus_id: str) -> NvLinkInfo:
 def versions() -> tuple:
     """(Versions of this process, notes on what could not be read)."""
     notes = []
-    nccl = None
-    if torch.version.cuda:
+    route_nccl = torch_nccl = None
+    if torch.version.cuda:  # a CPU build has neither, and no use for them
         try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+            torch_nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception as e:
-            notes.append(f"NCCL version: {_err(e)}")
+            notes.append(f"torch's NCCL version: {_err(e)}")
+        try:
+            route_nccl = nccl.library().version()
+        except (nccl.NcclUnavailable, nccl.NcclError) as e:
+            notes.append(f"NCCL route's library: {_err(e)}")
     try:
         v = ipc.call(ipc.driver.cuDriverGetVersion)
         driver_cuda = f"{v // 1000}.{v % 1000 // 10}"
@@ -309,7 +314,7 @@ def versions() -> tuple:
     except Exception as e:
         driver = None
         notes.append(f"NVML: {_err(e)}")
-    return Versions(torch.__version__, torch.version.cuda, nccl, driver_cuda, driver), tuple(notes)
+    return Versions(torch.__version__, torch.version.cuda, route_nccl, torch_nccl, driver_cuda, driver), tuple(notes)
 
 
 def _gpu_info(ordinal: int, host: str, vers: Optional[Versions], notes: tuple = ()) -> RankInfo:

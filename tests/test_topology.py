@@ -282,6 +282,29 @@ def test_nvml_failure_is_reported_not_raised(monkeypatch, capsys):
         assert any("NVLink of GPU 0 (NVML)" in n for n in rep["notes"])
 
 
+def test_versions_name_the_nccl_the_route_calls(monkeypatch, capsys):
+    """The NCCL route calls commfuse.nccl's library, which may not be the one torch was built with: the probe
+    reports that library's version, and torch's beside it where they differ."""
+    from commfuse import nccl
+
+    def missing():
+        raise nccl.NcclUnavailable("no NCCL library could be loaded; tried loader path libnccl.so.2")
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 7))
+    monkeypatch.setattr(nccl, "library", missing)
+    vers, notes = topology.versions()
+    assert vers.nccl is None and vers.torch_nccl == "2.27.7"
+    assert any(n.startswith("NCCL route's library: NcclUnavailable: no NCCL library") for n in notes)
+    monkeypatch.setattr(nccl, "library", lambda: types.SimpleNamespace(version=lambda: "2.28.9"))
+    vers, _ = topology.versions()
+    assert (vers.nccl, vers.torch_nccl) == ("2.28.9", "2.27.7")
+    monkeypatch.setattr(topology, "versions", lambda: (vers, ()))
+    monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 1, 0, None))
+    assert probe_cli.main([]) == 0
+    assert "NCCL 2.28.9 (torch's: 2.27.7)," in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("strategy, noted", [("bogus", True), ("nccl", False)])
 def test_probe_names_a_strategy_a_communicator_would_refuse(monkeypatch, capsys, strategy, noted):
     monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 1, 0, None))
@@ -397,7 +420,7 @@ def test_probe_json_has_documented_fields():
     assert rep["launcher"] is None and rep["world_size"] == 1 and rep["matrix_of"] == "gpus"
     assert rep["p2p_ipc"] is None and rep["strategy"] == (os.environ.get("COMMFUSE_STRATEGY") or "auto")
     assert set(rep["overrides"]) == set(probe_cli.OVERRIDES)
-    assert set(rep["versions"]) == {"torch", "cuda_runtime", "nccl", "driver", "driver_cuda"}
+    assert set(rep["versions"]) == {"torch", "cuda_runtime", "nccl", "torch_nccl", "driver", "driver_cuda"}
     assert rep["versions"]["torch"] == torch.__version__
     (me,) = rep["ranks"]
     assert set(me) == UNIT_FIELDS | {"rank", "host", "node", "versions"}

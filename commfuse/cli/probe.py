@@ -14,7 +14,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   world_size    ranks in the group (1 for a single process)
   host          host of this process (rank 0)
   cuda          torch sees a CUDA GPU
-  versions      {torch, cuda_runtime, nccl, driver, driver_cuda} of this process (null: unreadable)
+  versions      {torch, cuda_runtime, nccl, torch_nccl, driver, driver_cuda} of this process (null: unreadable);
+                nccl: the library commfuse's NCCL route calls, torch_nccl: torch's own (its process groups')
   gpus          GPUs visible to this process: [{index, name, sm ("9.0"), uuid, pci_bus_id, memory_bytes,
                 nvlink ({gpu_links: {pci_bus_id: links}, switch_links} or null), fused}] where fused maps
                 each pattern of topology.PATTERNS (residual_rmsnorm, then one per quantization format)
@@ -167,8 +168,9 @@ def render(rep: dict) -> str:
     ranks = f"{rep['world_size']} rank{'s' if rep['world_size'] != 1 else ''}"
     out = [f"commfuse-probe on {rep['host']}: " + ("single process" if rep["launcher"] is None else
                                                   f"{ranks} ({rep['launcher']})"),
-           f"versions: torch {v['torch']}, CUDA runtime {v['cuda_runtime']}, NCCL {v['nccl']}, "
-           f"driver {v['driver']} (CUDA {v['driver_cuda']})", ""]
+           f"versions: torch {v['torch']}, CUDA runtime {v['cuda_runtime']}, NCCL {v['nccl']}"
+           + (f" (torch's: {v['torch_nccl']})" if v["torch_nccl"] != v["nccl"] else "")
+           + f", driver {v['driver']} (CUDA {v['driver_cuda']})", ""]
     fused = "  ".join(f"{s:<9}" for s in _SHORT.values())
     if not rep["cuda"]:
         out += ["no CUDA GPU: torch sees none. commfuse runs on CPU (gloo), tails as separated ops.", ""]
