@@ -330,11 +330,10 @@ def e2m1_decode(codes: Tensor) -> Tensor:
 def swizzled_sf_index(m: Tensor, k: Tensor, K: int) -> Tensor:
     """Flat index of scale factor (row m, block k) in the swizzled 128x4 layout.
 
-    m, k: integer tensors (broadcastable, any device). K: blocks per row (h/16).
+    m, k: integers or integer tensors (broadcastable, any device). K: blocks per row (h/16).
     Returns int64 tensor of the broadcast shape.
     """
-    m = m.long()
-    k = k.long()
+    m, k = torch.as_tensor(m).long(), torch.as_tensor(k).long()
     k_tiles = (K + 3) // 4
     return (
         (m // 128) * (k_tiles * 512)
@@ -536,16 +535,16 @@ def dequantize_fp8_per_token(codes: Tensor, scales: Tensor) -> Tensor:
 def mn_major_index(m: Tensor, k: Tensor, t: int) -> Tensor:
     """Element index of scale (row m, block k) in the float32 MN-major storage: k * roundup(t, 4) + m.
 
-    m, k: integer tensors (broadcastable, any device). t: rows. Returns int64 tensor."""
-    return k.long() * _tp(t) + m.long()
+    m, k: integers or integer tensors (broadcastable, any device). t: rows. Returns int64 tensor."""
+    return torch.as_tensor(k).long() * _tp(t) + torch.as_tensor(m).long()
 
 
 def packed_ue8m0_byte_index(m: Tensor, k: Tensor, t: int) -> Tensor:
     """Byte index of the UE8M0 byte of (row m, block k) in the packed MN-major int32 storage:
     4 * ((k // 4) * roundup(t, 4) + m) + k % 4 (little-endian int32, block 4j in the low byte).
 
-    m, k: integer tensors (broadcastable, any device). t: rows. Returns int64 tensor."""
-    m, k = m.long(), k.long()
+    m, k: integers or integer tensors (broadcastable, any device). t: rows. Returns int64 tensor."""
+    m, k = torch.as_tensor(m).long(), torch.as_tensor(k).long()
     return 4 * ((k // 4) * _tp(t) + m) + k % 4
 
 

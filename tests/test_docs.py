@@ -302,3 +302,30 @@ def test_checker_leaves_what_names_nothing_alone():
         "```\n"
     )
     assert check_markdown(page, "docs/fake.md", REPO / "docs") == []
+
+
+def _python_blocks(text: str) -> list:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def test_readme_usage_runs_as_written(tmp_path):
+    """The README's usage blocks (the eager calls, then the same through commfuse.ops) run as one script in one
+    process on the CPU, as a user pastes them; a name a later block reads from an earlier one must exist."""
+    import subprocess
+    import sys
+
+    blocks = _python_blocks((REPO / "README.md").read_text())
+    first = next(i for i, b in enumerate(blocks) if "commfuse.init_distributed()" in b)
+    assert "commfuse.ops.fused_all_reduce(comm" in blocks[first + 1]
+    script = tmp_path / "example.py"
+    # Each FP8 call's scale suits its format: the amax is the values' bound, so no code reaches the e4m3 limit.
+    script.write_text(blocks[first] + blocks[first + 1]
+                      + "assert r.quant.dtype == torch.float8_e4m3fn and r.quant.float().abs().max() < 448\n")
+    launcher = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "MPI_LOCAL")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "gloo + separated tail" in res.stdout, res.stdout

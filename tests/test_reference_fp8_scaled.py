@@ -432,6 +432,15 @@ def test_packed_ue8m0_layout(t, K):
     assert (flat.view(torch.uint8) != 0).sum().item() == t * K  # every padding byte is 0
 
 
+def test_index_helpers_take_plain_integers():
+    """semantics.md's worked example, written as it is there: ints, not tensors (t = 5, h = 4096)."""
+    assert ref.mn_major_index(4, 3, 5).item() == 28
+    assert [ref.packed_ue8m0_byte_index(4, k, 5).item() for k in (3, 5)] == [19, 49]
+    K = 4096 // 16  # the swizzled index of (m, k) is the enumeration's, for an int row and a tensor of blocks
+    assert torch.equal(ref.swizzled_sf_index(130, torch.arange(K), K),
+                       ref.swizzled_sf_index(torch.tensor(130), torch.arange(K), K))
+
+
 def test_packed_ue8m0_hand_example():
     E = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], dtype=torch.uint8)
     flat = ref.mn_major_storage(ref.pack_ue8m0_mn_major(E), 2, 5, ue8m0=True)
