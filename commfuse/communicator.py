@@ -165,6 +165,9 @@ class Communicator:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None (WORLD), got "
+                            f"{type(group).__name__}")
         settings = self._agreed_settings(group, strategy)
         self.group = group if group is not None else dist.group.WORLD
         self._caller = f" on communicator {settings['number']} of its group"  # what its call checks' texts end with
@@ -325,7 +328,9 @@ class Communicator:
 
     @check_calls.setter
     def check_calls(self, on: bool) -> None:
-        self._check_calls = bool(on)
+        if not isinstance(on, bool):  # bool("0") is True
+            raise TypeError(f"check_calls must be a bool, got {on!r}")
+        self._check_calls = on
         self.table.clear()  # the launchers of the other setting: with the check, or without it
 
     @property

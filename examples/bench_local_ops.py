@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import commfuse  # noqa: E402
 from commfuse import local, reference, tolerance  # noqa: E402
 from commfuse.reference import Tail  # noqa: E402
-from commfuse.bench.timing import SLEEP_CYCLES  # noqa: E402
+from commfuse.bench.timing import SLEEP_CYCLES, median_interval  # noqa: E402
 
 # gated_rmsnorm:G normalises groups of G elements (gated_rmsnorm alone: 128, or h where 128 does not divide it).
 PATTERNS = ("add_rmsnorm", "add_rmsnorm_fp8", "add_rmsnorm_nvfp4", "rmsnorm", "gated_rmsnorm", "quantize_fp8",
@@ -219,26 +218,14 @@ def time_us(fn, cuda: bool, calls: int, repeats: int, timed: Optional[list] = No
     return out
 
 
-def median_ci(values, level: float = 0.95) -> tuple:
-    """A distribution-free interval for the median of `values` at confidence >= level: the order statistics
-    x_(j) and x_(n+1-j) with j the largest rank whose Binomial(n, 1/2) tail P(B < j) is at most (1 - level) / 2.
-    Too few values for any such j (n < 6 at 95%): their whole range."""
-    v, n = sorted(values), len(values)
-    tail, j = 0.0, 0
-    while j < n and tail + math.comb(n, j) / 2 ** n <= (1 - level) / 2:
-        tail += math.comb(n, j) / 2 ** n
-        j += 1
-    return (v[j - 1], v[n - j]) if j else (v[0], v[-1])
-
-
 def paired_us(ours, theirs, cuda: bool, calls: int, rounds: int, timed: Optional[list] = None) -> dict:
     """Both ops timed in interleaved rounds: on a GPU each op's `calls` calls captured in one CUDA graph, and
     each round replays both graphs back to back, the order alternating, so that a clock or a machine drifting
     during the run moves both alike (separate blocks of repeats, as time_us's columns are, do not); on the CPU
     each round times both ops' `calls` Python calls the same way. us per call: {"commfuse", "torch.compile"}
     (medians over the rounds); "ratio": the median of the rounds' commfuse / torch.compile, "ratio_ci95": its
-    interval (median_ci); "rounds". timed: gets what both ops' last timed calls returned, for the check after
-    the timing."""
+    interval (median_interval: their range below 6 rounds), "coverage": the interval's; "rounds". timed: gets
+    what both ops' last timed calls returned, for the check after the timing."""
     timed = [] if timed is None else timed
     runs, lasts = [], [None, None]
     for k, fn in enumerate((ours, theirs)):
@@ -255,8 +242,9 @@ def paired_us(ours, theirs, cuda: bool, calls: int, rounds: int, timed: Optional
             times[k].append(_elapsed_us(runs[k], cuda, cuda) / calls)
     timed.extend(lasts)
     ratios = [a / b for a, b in zip(*times)]
+    low, high, coverage = median_interval(ratios)
     return {"commfuse": statistics.median(times[0]), "torch.compile": statistics.median(times[1]),
-            "ratio": statistics.median(ratios), "ratio_ci95": median_ci(ratios), "rounds": rounds}
+            "ratio": statistics.median(ratios), "ratio_ci95": (low, high), "coverage": coverage, "rounds": rounds}
 
 
 def main(argv=None) -> dict:
@@ -350,7 +338,8 @@ def main(argv=None) -> dict:
           f"torch.compile backend {backend}" + (f"; HBM copy ceiling {ceiling:.0f} GB/s" if ceiling else ""))
     paired = any("paired" in r for r in rows)
     print("| pattern | tokens x hidden | dtype | commfuse | torch eager | torch.compile | commfuse route |" +
-          (" commfuse / torch.compile, paired rounds [95% interval] |" if paired else ""))
+          (" commfuse / torch.compile, paired rounds [95% interval; their range, its coverage, under 6] |"
+           if paired else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
     for r in rows:
         cells = []
@@ -362,7 +351,8 @@ def main(argv=None) -> dict:
                          _us(v.get(key, float("nan"))) + (f" ({copy}{failed}eager {v['eager']:.1f})" if cuda else ""))
         v = r.get("paired", {})
         pair = (f" rejected: {v['rejected']} |" if "rejected" in v else
-                f" {v['ratio']:.3f} [{v['ratio_ci95'][0]:.3f}, {v['ratio_ci95'][1]:.3f}] ({_us(v['commfuse'])} / "
+                f" {v['ratio']:.3f} [{v['ratio_ci95'][0]:.3f}, {v['ratio_ci95'][1]:.3f}"
+                + ("" if v["coverage"] >= 0.95 else f": {v['coverage']:.0%}") + f"] ({_us(v['commfuse'])} / "
                 f"{_us(v['torch.compile'])}, {v['rounds']} rounds) |" if v else " - |") if paired else ""
         print(f"| {r['pattern']} | {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {r['route']} |" + pair)
     save()

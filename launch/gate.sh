@@ -49,8 +49,10 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/w{sys.argv[2]}-*.json")):
               f"{'' if name.endswith('unfused') or r['ok'] else '  CHECK FAILED'}")
     ratios = r.get("ratios", {}).get("compiled/fused", [])
     slower = [s for s, q in zip(r["steps"], ratios) if q["low"] > 1]
+    few = min((q["coverage"] for q in ratios), default=1.0) < 0.95  # under 6 rounds: the rounds' range
     print(f"{run:30s} {'fused / unfused':17s} " + " ".join(f"{q['median']:.3f} [{q['low']:.3f}, {q['high']:.3f}]"
                                                         for q in ratios)
-          + (f"  SLOWER: {', '.join(slower)}" if slower else "  no step slower"))
+          + ("  too few rounds for a verdict (COMMFUSE_GATE_REPEATS >= 6)" if few else
+             f"  SLOWER: {', '.join(slower)}" if slower else "  no step slower"))
 PY
 exit $status

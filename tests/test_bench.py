@@ -1298,3 +1298,24 @@ def test_the_plot_marks_rows_timed_though_wrong(tmp_path, monkeypatch):
     assert sorted(labels) == ["commfuse-auto", "tail-compile (x: wrong)"], labels
     monkeypatch.undo()
     plt.close(fig)
+
+
+@pytest.mark.parametrize("n, lo, hi", [(40, 14, 27), (41, 14, 28), (9, 2, 8), (6, 1, 6), (5, 1, 5), (3, 1, 3),
+                                       (1, 1, 1)])
+def test_median_interval_takes_the_binomial_ranks(n, lo, hi):
+    """The median's interval is the lo-th and hi-th smallest of n values (the binomial table's ranks), whatever
+    order they come in; its coverage, 1 - 2 P(B < lo), is at least 95% where n >= 6 and one rank further in
+    would drop below it; fewer values give their whole range and its lower coverage (75% for 3, 0 for 1)."""
+    import math
+
+    xs = torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64).tolist()
+    s = sorted(xs)
+
+    def coverage(j):
+        return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2 ** n
+
+    low, high, cov = timing.median_interval(xs)
+    assert (low, high) == (s[lo - 1], s[hi - 1]) and cov == pytest.approx(coverage(lo), abs=1e-15)
+    assert (cov >= 0.95 > coverage(lo + 1)) if n >= 6 else cov < 0.95
+    with pytest.raises(ValueError, match="at least one value"):
+        timing.median_interval([])

@@ -718,6 +718,25 @@ def test_communicator_needs_initialised_group(monkeypatch):
         Communicator()
 
 
+def test_communicator_refuses_a_group_of_another_type(monkeypatch):
+    """A group that is not a ProcessGroup (a rank list, a name) is refused naming the argument, before any
+    collective (it has none to take part in)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for bad in ("world", 0, [0, 1]):
+        with pytest.raises(TypeError, match=f"^group must be a torch.distributed ProcessGroup or None .*got "
+                                            f"{type(bad).__name__}$"):
+            Communicator(bad)
+
+
+@mpi
+def test_check_calls_takes_a_bool(comm):
+    before = comm.check_calls
+    for bad in ("0", 1, None):  # bool("0") would turn the checks on
+        with pytest.raises(TypeError, match="^check_calls must be a bool"):
+            comm.check_calls = bad
+    assert comm.check_calls is before
+
+
 @mpi
 def test_unknown_strategy_raises(comm, monkeypatch):
     monkeypatch.delenv("COMMFUSE_STRATEGY", raising=False)  # the env would override the argument

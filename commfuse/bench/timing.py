@@ -9,6 +9,7 @@ Each repeat's time is the slowest rank's; the caller reports the median of R rep
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -171,6 +172,23 @@ def time_step(ctx: Ctx, step: Step, mode: str, sets: int) -> Tuple[Optional[List
 
 
 # ------------------------------------------------------------------------------------- ceilings
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> Tuple[float, float, float]:
+    """(low, high, coverage): a distribution-free interval for the median of `values`, the order statistics
+    x_(j) and x_(n+1-j) for the largest j whose Binomial(n, 1/2) tail P(B < j) is at most (1 - level) / 2, and
+    the probability that it holds the median, 1 - 2 P(B < j): at least `level`. Too few values for any such j
+    (n < 6 at 95%): their whole range, whose coverage, 1 - 2^(1-n), is below `level` (75% of 3 values)."""
+    v, n = sorted(values), len(values)
+    if n == 0:
+        raise ValueError("median_interval needs at least one value")
+    below, j = 0.0, 0
+    while j < n and below + math.comb(n, j) / 2 ** n <= (1 - level) / 2:
+        below += math.comb(n, j) / 2 ** n
+        j += 1
+    if j == 0:
+        j, below = 1, 1 / 2 ** n
+    return v[j - 1], v[n - j], 1 - 2 * below
+
 
 def _median_time(ctx: Ctx, fn: Callable, reps: int, collective: bool = False) -> float:
     """Median seconds of fn() on this rank (device events on a GPU). collective: fn is a collective,
