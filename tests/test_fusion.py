@@ -1362,6 +1362,7 @@ def test_a_graph_autograd_differentiates_is_left_whole(gen):
     (report,) = compiled.fusion_reports
     assert not report.fused and [s.what for s in report.skipped] == ["graph"], report
     assert "requires grad" in report.skipped[0].reason and "torch.no_grad()" in report.skipped[0].reason, report
+    assert "\n  - graph (guard): " in str(report), report  # the whole graph: no "at the graph"
     compiled(x, residual)  # under the module's no_grad: dynamo's other graph, fused
     assert compiled.fusion_reports[-1].count("commfuse::fused_add_rmsnorm") == 1, compiled.fusion_reports[-1]
 

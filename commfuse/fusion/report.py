@@ -95,5 +95,6 @@ class FusionReport:
         if self.skipped:
             lines.append("  skipped:")
             for s in self.skipped:
-                lines.append(f"  - {s.what} at {s.where} ({s.kind}): {s.reason}")
+                at = "" if s.where == "the graph" else f" at {s.where}"  # the whole graph, skipped: said once
+                lines.append(f"  - {s.what}{at} ({s.kind}): {s.reason}")
         return "\n".join(lines)
