@@ -114,7 +114,17 @@ def test_paired_rounds_are_checked_and_reported(monkeypatch):
     v = bench.main(argv)["rows"][0]["paired"]
     assert v["rounds"] == 7 and v["commfuse"] > 0 and v["torch.compile"] > 0, v
     assert v["ratio_ci95"][0] <= v["ratio"] <= v["ratio_ci95"][1] and v["coverage"] >= 0.95, v  # 7 rounds: 98.4%
-    _wrong_after(bench, monkeypatch, 8)  # the checked and timed calls right (2 checks, 3 warm, 1 + 2 timed)
+    # Right until the paired rounds start (the checks and every mode's timed calls: how many depends on the modes
+    # the device has), then wrong: captured so in the paired rounds' CUDA graphs on a GPU.
+    fused, paired, real = bench.commfuse.fused_add_rmsnorm, [], bench.paired_us
+
+    def wrong_when_paired(*args, **kw):
+        r = fused(*args, **kw)
+        if paired:
+            r.residual.add_(1)
+        return r
+    monkeypatch.setattr(bench.commfuse, "fused_add_rmsnorm", wrong_when_paired)
+    monkeypatch.setattr(bench, "paired_us", lambda *a, **kw: paired.append(1) or real(*a, **kw))
     row = bench.main(argv)["rows"][0]
     assert "rejected" not in row["commfuse"], row
     assert row["paired"]["rejected"].startswith("the last paired call: output: "), row
