@@ -712,6 +712,13 @@ def test_check_follows_the_tolerances():
     assert check(res, exp, P["residual_rmsnorm_fp8"]) is None
     codes.view(-1)[9] = 0xFF
     assert "more than one step" in check(res, exp, P["residual_rmsnorm_fp8"])
+    # Neighbours are allowed in at most 1e-3 of the codes: 16 of 16384 pass, 20 do not.
+    codes.copy_(exp.quant.view(torch.uint8))
+    finite = ((codes.view(-1) & 0x7F) < 0x70).nonzero().flatten()  # +1 stays a finite neighbour
+    codes.view(-1)[finite[:16]] += 1
+    assert check(res, exp, P["residual_rmsnorm_fp8"]) is None
+    codes.view(-1)[finite[16:20]] += 1
+    assert "20 of 16384 codes differ (at most 0.001" in check(res, exp, P["residual_rmsnorm_fp8"])
 
     exp = _tail("nvfp4")
     res = Result(residual=exp.residual, quant=torch.zeros_like(exp.quant), sf=exp.sf.clone())

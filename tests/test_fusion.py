@@ -1235,18 +1235,20 @@ def mamba_ssm_norm_before_gate(x, z, weight, eps=1e-5):
 def test_gated_rmsnorm_is_found(gen, form):
     x, z, weight, _ = _local_inputs(gen, h=64)
 
+    eps = 0.25  # not the models' default 1e-5: the op must take the graph's
+
     def f(x, z, weight):
         if form == "mamba2_grouped":
-            return (mamba2_gated_norm(x, z, weight, 16),)
+            return (mamba2_gated_norm(x, z, weight, 16, eps),)
         if form == "mamba2_one_group":
-            return (mamba2_gated_norm(x, z, weight, 64),)
-        return (mamba_ssm_norm_before_gate(x, z, weight),)
+            return (mamba2_gated_norm(x, z, weight, 64, eps),)
+        return (mamba_ssm_norm_before_gate(x, z, weight, eps),)
 
     gm, report, want, got = fuse_and_run(f, (x, z, weight), None)
     assert counts(gm) == {GATED: 1}, report
     node = next(n for n in gm.graph.nodes if n.target is GATED)
     assert node.args[5] == {"mamba2_grouped": 16}.get(form, 64) and node.args[6] is (form == "norm_before_gate")
-    assert op_eps(gm) == [1e-5]
+    assert op_eps(gm) == [eps]
     if form == "norm_before_gate":
         assert_same(got, want)
     else:
@@ -1952,7 +1954,60 @@ def test_dynamic_floats_eps_and_clamp_bounds(gen):
     assert_same(got, want)
 
 
+def test_local_and_gated_rewrites_keep_the_graphs_eps(gen):
+    """The op takes the graph's own eps (0.25 here: a value the outputs show), not a default."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def f(x, residual, weight):
+        h = x + residual
+        return weight_before_cast_norm(h, weight, eps=0.25), h
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight), None)
+    assert counts(gm) == {LOCAL: 1} and op_eps(gm) == [0.25], report
+    assert_same(got, want)
+
+
 # --------------------------------------------------------------------------- what looks like the pattern and is not
+
+
+def _norm_of(inv):
+    """A norm of h whose inverse RMS is inv(hf) and whose weight multiplies after it, in float32."""
+    def norm(h, w, s):
+        hf = h.float()
+        return (hf * inv(hf) * w.float()).to(BF16), h
+    return norm
+
+
+def _quant_of(q):
+    def quant(h, w, s):
+        return q(weight_before_cast_norm(h, w), s), h
+    return quant
+
+
+NOT_THE_PATTERN = {  # each differs from the norm or the quantization in one operand
+    "hf.pow(4).mean(-1)": _norm_of(lambda hf: torch.rsqrt(hf.pow(4).mean(-1, keepdim=True) + 1e-6)),
+    "hf.pow(2).mean(0)": _norm_of(lambda hf: torch.rsqrt(hf.pow(2).mean(0, keepdim=True) + 1e-6)),
+    "2 / sqrt(ms + eps)": _norm_of(lambda hf: 2 / torch.sqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)),
+    "(scale / n).to(fp8)": _quant_of(lambda n, s: (s / n.float()).clamp(-448, 448).to(torch.float8_e4m3fn)),
+    "n * (2 / scale)": _quant_of(lambda n, s: (n.float() * (2 / s)).clamp(-448, 448).to(torch.float8_e4m3fn)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_THE_PATTERN))
+def test_what_differs_from_the_norm_or_the_quantization_in_one_operand_is_not_fused(gen, case):
+    """A fourth power, the mean over tokens, a 2 for the 1 of 1/sqrt, the scale divided by the norm or a 2 for
+    the 1 of 1/scale: not what the ops compute. The norm is left as written (so is the add it reads); the
+    quantization is left to the graph (the add + norm before it may fuse, without it). The outputs are the
+    graph's."""
+    x, residual, weight, scale = _local_inputs(gen)
+
+    def f(x, residual, weight, scale):
+        return NOT_THE_PATTERN[case](x + residual, weight, scale)
+
+    gm, report, want, got = fuse_and_run(f, (x, residual, weight, scale), None)
+    quantized = case.startswith(("(scale", "n *"))
+    assert all(f.quant is None for f in report.fused) if quantized else not counts(gm), report
+    assert_same(got, want)
 
 
 def _add_one(h, w, s):

@@ -134,6 +134,19 @@ def test_bad_arguments_name_themselves(gen):
         (ValueError, "scale is on meta, but x is on cpu", lambda: f(x, residual, weight, quant="fp8",
                                                                     scale=scale.to("meta"))),
         (ValueError, "scale is on meta, but x is on cpu", lambda: commfuse.quantize(x, "fp8", scale.to("meta"))),
+        (ValueError, "^residual is on meta, but x is on cpu", lambda: f(x, residual.to("meta"), weight)),
+        (ValueError, "^weight is on meta, but x is on cpu", lambda: f(x, residual, weight.to("meta"))),
+        (ValueError, "^z is on meta, but x is on cpu",
+         lambda: commfuse.gated_rmsnorm(x, residual.to("meta"), weight, 1e-5, 16, False)),
+        (TypeError, "^scale_ue8m0 must be a bool, got int", lambda: f(x, residual, weight, quant="fp8_block",
+                                                                       scale_ue8m0=1)),
+        (ValueError, r"^x must have shape \[\.\.\., h\] with h > 0, got \(2, 0\)",
+         lambda: f(x[:, :0], residual[:, :0], weight[:0])),
+        (ValueError, r"^x must have shape \[\.\.\., h\] with h > 0", lambda: commfuse.quantize(x[:, :0], "fp8_per_token")),
+        (ValueError, "^group_size must be a positive divisor of h=64, got -64",
+         lambda: commfuse.gated_rmsnorm(x, residual, weight, 1e-5, -64, False)),
+        (ValueError, "^group_size must be a positive divisor of h=64, got 0",
+         lambda: commfuse.gated_rmsnorm(x, residual, weight, 1e-5, 0, False)),
     ]
     for exc, match, call in cases:
         with pytest.raises(exc, match=match):

@@ -327,6 +327,8 @@ def test_moe_bad_arguments_raise_naming_them(comm, gen):
         (ValueError, "residual must have shape \\[t, h\\]", dict(residual=residual[:2])),
         (TypeError, "y must be a torch.Tensor", dict(y=[1.0])),
         (TypeError, "residual must be a torch.Tensor", dict(residual=None)),
+        (TypeError, "^residual dtype torch.float16 must match y dtype torch.bfloat16", dict(residual=residual.half())),
+        (TypeError, "^y must be float16, bfloat16 or float32, got torch.float64", dict(y=y.double())),
     ]
     for err, match, kw in cases:
         args = dict(y=y, w=w, residual=residual, row_index=None, shared=None)
