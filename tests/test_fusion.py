@@ -1990,13 +1990,14 @@ NOT_THE_PATTERN = {  # each differs from the norm or the quantization in one ope
     "2 / sqrt(ms + eps)": _norm_of(lambda hf: 2 / torch.sqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)),
     "(scale / n).to(fp8)": _quant_of(lambda n, s: (s / n.float()).clamp(-448, 448).to(torch.float8_e4m3fn)),
     "n * (2 / scale)": _quant_of(lambda n, s: (n.float() * (2 / s)).clamp(-448, 448).to(torch.float8_e4m3fn)),
+    "rsqrt(ms + -1e-6)": _norm_of(lambda hf: torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + -1e-6)),  # eps < 0
 }
 
 
 @pytest.mark.parametrize("case", sorted(NOT_THE_PATTERN))
 def test_what_differs_from_the_norm_or_the_quantization_in_one_operand_is_not_fused(gen, case):
-    """A fourth power, the mean over tokens, a 2 for the 1 of 1/sqrt, the scale divided by the norm or a 2 for
-    the 1 of 1/scale: not what the ops compute. The norm is left as written (so is the add it reads); the
+    """A fourth power, the mean over tokens, a 2 for the 1 of 1/sqrt, a negative eps, the scale divided by the
+    norm or a 2 for the 1 of 1/scale: not what the ops compute. The norm is left as written (so is the add it reads); the
     quantization is left to the graph (the add + norm before it may fuse, without it). The outputs are the
     graph's."""
     x, residual, weight, scale = _local_inputs(gen)

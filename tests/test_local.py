@@ -42,6 +42,8 @@ PATTERNS = [(None, False, "swizzled"), ("fp8", False, "swizzled"), ("fp8", True,
 @pytest.mark.parametrize("quant, return_norm, sf_layout", PATTERNS)
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 def test_fused_add_rmsnorm_is_the_reference_tail(gen, quant, return_norm, sf_layout, dtype):
+    """Every option reaches the route (on the CPU the separated one, the reference's own code; the poison there
+    checks the Python launchers' outputs where a GPU runs them: test_gpu_fused_route_matches_reference)."""
     x, residual, weight, scale = inputs(gen, 7, 256, dtype, quant=quant)
     runs = poisoned_runs(lambda: commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale,
                                                             return_norm=return_norm, sf_layout=sf_layout))
@@ -593,8 +595,11 @@ def test_gpu_fused_route_matches_reference(gen, quant, return_norm, sf_layout, d
     x, residual, weight, scale = inputs(gen, t, h, dtype, "cuda", quant)
     p = local.plan(x, residual, weight, quant=quant, scale=scale, return_norm=return_norm, sf_layout=sf_layout)
     assert p.tail == "fused", p
-    got = commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale, return_norm=return_norm,
-                                     sf_layout=sf_layout)
+    runs = poisoned_runs(lambda: commfuse.fused_add_rmsnorm(x, residual, weight, 1e-5, quant=quant, scale=scale,
+                                                            return_norm=return_norm, sf_layout=sf_layout))
+    for a, b in zip(*runs):  # the kernel's outputs, allocated filled with two poisons: each element written
+        assert bits_equal(a, b), "an output element is left unwritten"
+    got = runs[0]
     want = reference.fused_tail(x, residual, weight, 1e-5, quant, scale, return_norm, sf_layout)
     assert_tail_close(got, want, quant, sf_layout, norm=reference.fused_tail(x, residual, weight, 1e-5).norm,
                       scale=scale)

@@ -105,6 +105,18 @@ def test_guard_failure_takes_separated_path_with_reason(case, why):
     assert any(why in r for r in p.reasons), p.reasons
 
 
+def test_the_first_failing_guard_is_the_reason_in_the_documented_order():
+    """guards.md's order: COMMFUSE_DISABLE_FUSION before the device, the device before the SM, the SM before the
+    dtype. A call failing several guards is refused for the first."""
+    cpu = dict(c=call(device=torch.device("cpu"), dtype=torch.float32), sm=None, backend="gloo")
+    for case, first in ((dict(cpu, fusion=False), "COMMFUSE_DISABLE_FUSION=1"), (cpu, "tensors on cpu"),
+                        (dict(c=call(dtype=torch.float32), sm=(7, 5)), "SM 7.5 < 8.0")):
+        c = case.pop("c")
+        p = plan(c, **case)
+        tail = [r for r in p.reasons if "P2P" not in r and "topology" not in r]  # the collective's own reasons
+        assert p.tail == "separated" and tail[0].startswith(first), p.reasons
+
+
 def test_a_gpu_newer_than_nvrtc_knows_takes_the_separated_ops(monkeypatch):
     """An SM the loaded NVRTC cannot compile for (a GPU newer than it) is a guard like an old SM: the separated ops,
     with the reason naming NVRTC's version and range, rather than a compile error at the first call."""
@@ -137,6 +149,16 @@ def test_family_limits_reject_with_the_family_name():
     assert "9 tokens" in Small().rejects(torch.bfloat16, (9, 0), 4096, 9, spec)
     assert "small: dtype" in Small().rejects(torch.float32, (9, 0), 4096, 1, spec)
     assert "needs SM >= 8.0" in Small().rejects(torch.bfloat16, (7, 0), 4096, 1, spec)
+
+
+def test_the_tail_kernels_take_up_to_two_to_the_31_minus_128_rows():
+    """Rows are blockIdx.x (< 2^31) with up to 127 padding rows of the swizzled scale layout: the fused tail takes
+    2^31 - 128 rows, one more goes to the separated ops, saying why (metadata only: nothing is allocated)."""
+    most = (1 << 31) - 128
+    p = plan(call(t=most, h=8))
+    assert (p.tail, p.kernel) == ("fused", "fused_tail"), str(p)
+    p = plan(call(t=most + 1, h=8))
+    assert p.tail == "separated" and f"fused_tail: {most + 1} tokens > {most}" in p.reasons, str(p)
 
 
 def test_plain_all_reduce_has_no_tail():
@@ -288,10 +310,10 @@ def test_call_pattern_names():
 
 def test_strategies_and_routes_are_entries():
     assert routes.STRATEGIES == ("auto", "oneshot", "twoshot", "nccl")
-    assert set(routes.ROUTES) == {"p2p_oneshot", "p2p_twoshot", "nccl", "gloo", "local", "gated", "quantize",
-                                  "separated"}
-    for name, route in routes.ROUTES.items():
-        assert route.name == name
+    kinds = {"p2p_oneshot": routes.P2PRoute, "p2p_twoshot": routes.P2PRoute, "nccl": routes.NcclRoute,
+             "gloo": routes.GlooRoute, "local": routes.LocalRoute, "gated": routes.GatedRoute,
+             "quantize": routes.QuantizeRoute, "separated": routes.SeparatedRoute}
+    assert {name: type(route) for name, route in routes.ROUTES.items()} == kinds
 
 
 def test_ranks_sharing_a_gpu_plan_p2p_over_gloo_and_gloo_fallback():
