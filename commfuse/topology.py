@@ -55,7 +55,7 @@ class Versions:
 
     torch: str
     cuda_runtime: Optional[str]  # CUDA torch was built with
-    nccl: Optional[str]  # the NCCL commfuse's NCCL route calls (commfuse.nccl.library())
+    nccl: Optional[str]  # the NCCL commfuse's NCCL route calls (commfuse.nccl.library(); torch's at COMMFUSE_NCCL=0)
     torch_nccl: Optional[str]  # the NCCL torch was built with (its process groups'): may differ from it
     driver_cuda: Optional[str]  # newest CUDA the driver supports (cuDriverGetVersion), e.g. "13.0"
     driver: Optional[str]  # NVML driver version, e.g. "580.65.06"
@@ -298,10 +298,13 @@ def versions() -> tuple:
             torch_nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception as e:
             notes.append(f"torch's NCCL version: {_err(e)}")
-        try:
-            route_nccl = nccl.library().version()
-        except (nccl.NcclUnavailable, nccl.NcclError) as e:
-            notes.append(f"NCCL route's library: {_err(e)}")
+        if not env.flag("COMMFUSE_NCCL", True):  # the route calls torch.distributed's: the library is not loaded
+            route_nccl = torch_nccl
+        else:
+            try:
+                route_nccl = nccl.library().version()
+            except (nccl.NcclUnavailable, nccl.NcclError) as e:
+                notes.append(f"NCCL route's library: {_err(e)}")
     try:
         v = ipc.call(ipc.driver.cuDriverGetVersion)
         driver_cuda = f"{v // 1000}.{v % 1000 // 10}"

@@ -299,6 +299,9 @@ def test_versions_name_the_nccl_the_route_calls(monkeypatch, capsys):
     monkeypatch.setattr(nccl, "library", lambda: types.SimpleNamespace(version=lambda: "2.28.9"))
     vers, _ = topology.versions()
     assert (vers.nccl, vers.torch_nccl) == ("2.28.9", "2.27.7")
+    monkeypatch.setenv("COMMFUSE_NCCL", "0")  # the route calls torch.distributed: torch's NCCL is the route's
+    assert topology.versions()[0].nccl == "2.27.7"
+    monkeypatch.delenv("COMMFUSE_NCCL")
     monkeypatch.setattr(topology, "versions", lambda: (vers, ()))
     monkeypatch.setattr(probe_cli, "launch_env", lambda: (0, 1, 0, None))
     assert probe_cli.main([]) == 0

@@ -15,7 +15,8 @@ probe says so and exits 0; a broken driver or NVML shows up in "notes", not as a
   host          host of this process (rank 0)
   cuda          torch sees a CUDA GPU
   versions      {torch, cuda_runtime, nccl, torch_nccl, driver, driver_cuda} of this process (null: unreadable);
-                nccl: the library commfuse's NCCL route calls, torch_nccl: torch's own (its process groups')
+                nccl: the library commfuse's NCCL route calls (torch's at COMMFUSE_NCCL=0), torch_nccl: torch's
+                own (its process groups')
   gpus          GPUs visible to this process: [{index, name, sm ("9.0"), uuid, pci_bus_id, memory_bytes,
                 nvlink ({gpu_links: {pci_bus_id: links}, switch_links} or null), fused}] where fused maps
                 each pattern of topology.PATTERNS (residual_rmsnorm, then one per quantization format)
