@@ -25,19 +25,16 @@ from commfuse.bench import cases, cli, impls, report, timing
 from commfuse.bench.context import Ctx
 from commfuse.bench.verdict import OK, Kind, Skip, Verdict, combine
 
+from processes import single_process_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORD_FIELDS = {"impl", "pattern", "dtype", "tokens", "hidden", "mode", "us", "us_min", "us_max", "frac_hbm",
                  "frac_link"}
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID")
 
 
 def _child_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_")) and k not in _LAUNCHER_VARS}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable,
-               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
-               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
+    return single_process_env(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable,
+                              PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 # On a GPU machine launch/bench.sh runs the real benchmark (launch/device.sh, stage bench); the CPU smoke

@@ -314,6 +314,8 @@ def test_readme_usage_runs_as_written(tmp_path):
     import subprocess
     import sys
 
+    from processes import single_process_env
+
     blocks = _python_blocks((REPO / "README.md").read_text())
     first = next(i for i, b in enumerate(blocks) if "commfuse.init_distributed()" in b)
     assert "commfuse.ops.fused_all_reduce(comm" in blocks[first + 1]
@@ -321,11 +323,7 @@ def test_readme_usage_runs_as_written(tmp_path):
     # Each FP8 call's scale suits its format: the amax is the values' bound, so no code reaches the e4m3 limit.
     script.write_text(blocks[first] + blocks[first + 1]
                       + "assert r.quant.dtype == torch.float8_e4m3fn and r.quant.float().abs().max() < 448\n")
-    launcher = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "MPI_LOCAL")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=single_process_env(CUDA_VISIBLE_DEVICES=""),
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "gloo + separated tail" in res.stdout, res.stdout

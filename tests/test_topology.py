@@ -22,6 +22,8 @@ from commfuse import ipc, topology
 from commfuse.cli import probe as probe_cli
 from commfuse.topology import NvLinkInfo, RankInfo, decide_mode, fusion_capability, nvlink_matrix
 
+from processes import single_process_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                               reason="needs 2 CUDA GPUs (this machine has "
@@ -394,11 +396,7 @@ def test_missing_driver_is_a_cuda_error():
 # ---- the probe command ----------------------------------------------------------------------------
 
 def _run_probe(*args):
-    # Launcher variables of an mpirun'd test run would make the child think it is a rank.
-    env = {k: v for k, v in os.environ.items()
-           if not re.match(r"(OMPI_|PMI_|PMIX_|RANK$|WORLD_SIZE$|LOCAL_RANK$)", k)}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "commfuse.cli.probe", *args], env=env, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "commfuse.cli.probe", *args], env=single_process_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -621,13 +619,8 @@ def test_init_distributed_destroys_its_gloo_group_at_exit(tmp_path):
         "import commfuse\n"
         "commfuse.init_distributed(backend='gloo')\n"
         "print(commfuse.Communicator().all_reduce(torch.ones(4)).sum().item(), flush=True)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       env=single_process_env(CUDA_VISIBLE_DEVICES=""), timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["4.0", "initialized", "at", "exit:", "False"], (r.stdout, r.stderr)
 
