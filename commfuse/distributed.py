@@ -4,7 +4,9 @@ Launchers and what they leave in the environment:
 - torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
 - Open MPI (mpirun): OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}; MPICH / Intel MPI: PMI_RANK, PMI_SIZE,
   MPI_LOCALRANKID. MPI gives no rendezvous address, so rank 0 picks a free port and broadcasts its
-  host and port with mpi4py (imported only under MPI: importing it starts MPI).
+  address and port with mpi4py (imported only under MPI: importing it starts MPI): MASTER_ADDR where set, else
+  its host name's address, or where that is a loopback one and ranks run on other hosts, its address on the route
+  to them.
 - nothing: a single process (world size 1).
 
 More ranks on a node than GPUs (e.g. `launch/test.sh 4` on a workstation with one GPU): the ranks
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import ipaddress
 import os
 import socket
 import weakref
@@ -105,16 +108,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _route_source(peer: str) -> str:
+    """The address of this host's interface on the route to the IPv4 address `peer`: a UDP socket's connect
+    picks it from the routing table and sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
+def _loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr).is_loopback
+
+
+def _rank0_address(hosts: list) -> str:
+    """Rank 0's address for its peers, `hosts` being every rank's host name (rank 0's first): its host name's
+    address, unless that is a loopback one (Debian and Ubuntu map the host name to 127.0.1.1 in /etc/hosts) and a
+    rank runs on another host, which could not reach it and would wait out the rendezvous's timeout. Then the
+    address of rank 0's interface on the route to such a host, else a non-loopback address of its host name;
+    ValueError naming MASTER_ADDR where there is none."""
+    own = hosts[0]
+    addr = socket.gethostbyname(own)
+    others = [h for h in dict.fromkeys(hosts) if h != own]
+    if not others or not _loopback(addr):
+        return addr
+    for peer in others:
+        try:
+            peer_addr = socket.gethostbyname(peer)
+            source = _route_source(peer_addr)
+        except OSError:  # a name that does not resolve here, or no route: the next host, or the next way
+            continue
+        if not _loopback(peer_addr) and not _loopback(source):
+            return source
+    for *_, sockaddr in socket.getaddrinfo(own, None, socket.AF_INET, socket.SOCK_STREAM):
+        if not _loopback(sockaddr[0]):
+            return sockaddr[0]
+    raise ValueError(f"rank 0's host name {own!r} resolves to the loopback address {addr}, which the ranks on "
+                     f"{others[0]!r} cannot reach, and no route to them was found: set MASTER_ADDR to an address of "
+                     "rank 0's host that every rank can reach")
+
+
 def _mpi_rendezvous(rank: int) -> tuple:
     """(address, port) of rank 0, sent to every rank; rank 0's error (a bad MASTER_PORT, say) is sent instead
-    and raised on every rank, which would otherwise wait in the broadcast for good."""
+    and raised on every rank, which would otherwise wait in the broadcast for good. The address: MASTER_ADDR,
+    else _rank0_address's (every rank's host name gathered first)."""
     from mpi4py import MPI
 
     addr = None
+    hosts = MPI.COMM_WORLD.gather(socket.gethostname(), root=0)  # by every rank, whatever its MASTER_ADDR
     if rank == 0:
         try:
-            addr = (os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname()),
-                    _master_port() or _free_port())
+            addr = (os.environ.get("MASTER_ADDR") or _rank0_address(hosts), _master_port() or _free_port())
         except Exception as e:  # noqa: BLE001 - any failure here must reach the other ranks
             error = e
             addr = (type(e).__name__, str(e))  # words, not the exception: one that does not pickle would stop

@@ -185,6 +185,59 @@ def test_rank_0s_rendezvous_error_reaches_every_rank(monkeypatch):
     assert distributed._mpi_rendezvous(MPI.COMM_WORLD.Get_rank())[1] == 29533  # and the world goes on
 
 
+def test_rank_0s_address_reaches_ranks_on_other_hosts(monkeypatch):
+    """Under mpirun without MASTER_ADDR, rank 0 sent its host name's address, which on Debian and Ubuntu is
+    127.0.1.1 (/etc/hosts): ranks on other hosts waited out the rendezvous's timeout (600 s) connecting to
+    themselves. A loopback address is kept only where every rank shares rank 0's host."""
+    from commfuse import distributed
+
+    names = {"node-a": "127.0.1.1", "node-b": "10.1.2.3", "node-c": "127.0.0.1"}
+    monkeypatch.setattr(distributed.socket, "gethostbyname", lambda host: names[host])
+    routes = {"10.1.2.3": "10.1.2.1"}
+    monkeypatch.setattr(distributed, "_route_source", lambda peer: routes[peer])
+    monkeypatch.setattr(distributed.socket, "getaddrinfo", lambda *a: [])
+    assert distributed._rank0_address(["node-a", "node-a"]) == "127.0.1.1"  # one host: loopback reaches it
+    assert distributed._rank0_address(["node-a", "node-a", "node-b"]) == "10.1.2.1"  # the route to node-b
+    routes.clear()  # no route to node-b (OSError from the connect): a non-loopback address of rank 0's name
+    monkeypatch.setattr(distributed, "_route_source", lambda peer: (_ for _ in ()).throw(OSError("unreachable")))
+    monkeypatch.setattr(distributed.socket, "getaddrinfo",
+                        lambda *a: [(0, 0, 0, "", ("127.0.1.1", 0)), (0, 0, 0, "", ("192.168.7.9", 0))])
+    assert distributed._rank0_address(["node-a", "node-b"]) == "192.168.7.9"
+    monkeypatch.setattr(distributed.socket, "getaddrinfo", lambda *a: [(0, 0, 0, "", ("127.0.1.1", 0))])
+    with pytest.raises(ValueError, match="'node-a' resolves to the loopback address 127.0.1.1, which the ranks on "
+                                         "'node-c' cannot reach.*set MASTER_ADDR"):
+        distributed._rank0_address(["node-a", "node-c"])  # node-c's name resolves to loopback here: no route
+    monkeypatch.setattr(distributed.socket, "gethostbyname", lambda host: {"node-a": "10.9.9.9"}[host])
+    assert distributed._rank0_address(["node-a", "node-b"]) == "10.9.9.9"  # not loopback: as it was
+
+
+def test_route_source_is_this_hosts_address_towards_the_peer():
+    from commfuse import distributed
+
+    assert distributed._route_source("127.0.0.1") == "127.0.0.1"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rendezvous_gathers_host_names_before_rank_0_picks_its_address(monkeypatch):
+    """Rank 1 on a host of its own (its name changed here): rank 0, whose name is loopback here and which finds no
+    route to that host, raises, and every rank with it, in step."""
+    from mpi4py import MPI
+
+    from commfuse import distributed
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29534")
+    monkeypatch.setattr(distributed.socket, "gethostname", lambda: "commfuse-test-other-host" if rank else "me")
+    monkeypatch.setattr(distributed.socket, "gethostbyname",
+                        lambda host: "127.0.1.1" if host == "me" else (_ for _ in ()).throw(OSError("unknown")))
+    monkeypatch.setattr(distributed.socket, "getaddrinfo", lambda *a: [(0, 0, 0, "", ("127.0.1.1", 0))])
+    with pytest.raises(ValueError, match="commfuse-test-other-host.*set MASTER_ADDR"):
+        distributed._mpi_rendezvous(rank)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")  # the user's address is taken as given
+    assert distributed._mpi_rendezvous(rank) == ("10.0.0.7", 29534)
+
+
 def test_a_switch_is_0_or_1_and_anything_else_warns_and_keeps_its_default(monkeypatch):
     """A value other than 0 / 1 (COMMFUSE_DISABLE_FUSION=true, say) was read as the default without a word."""
     monkeypatch.setattr(env, "_WARNED", set())
