@@ -11,6 +11,7 @@ wherever the graph computes in commfuse's rounding order; where the report notes
 codes those of the fused norm (docs/fusion.md, "Tolerances").
 """
 import collections
+import re
 from pathlib import Path
 
 import pytest
@@ -641,6 +642,37 @@ def test_fp32_activations_are_skipped(quiet_comm, gen):
     # Every reason is true: a norm reads the all-reduce's sum, so the all-reduce's line says why it is not fused.
     (ar,) = _skip_reasons(report, "all-reduce")
     assert "feeds a residual add + RMSNorm" in ar and "float32 activations" in ar and "no residual" not in ar, report
+    assert_same(got, want)
+
+
+@mpi
+@pytest.mark.parametrize("between", ["post-norm", "multiplier"])
+def test_an_all_reduce_whose_sum_is_not_the_residual_adds_says_what_reads_it(quiet_comm, gen, between):
+    """Gemma 2 / 3 normalise the all-reduced sum before the residual add (a post-norm); Granite multiplies it by its
+    residual_multiplier there. Neither all-reduce can become fused_all_reduce, and the report said only that no
+    residual add + RMSNorm reads the sum: it now names the norm, or the node, that does."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    post = (0.1 * torch.randn(weight.shape, generator=gen)).to(weight.device, weight.dtype)
+
+    def layer(x, residual, weight, wo, post):  # Gemma's norms, which round as the fused ops do
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        y = gemma_norm(y, post) if between == "post-norm" else y * 0.5
+        h = residual + y
+        return gemma_norm(h, weight - 1), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, post), c)
+    assert FUSED_AR not in counts(gm), report
+    (ar,) = _skip_reasons(report, "all-reduce")
+    if between == "post-norm":
+        norm = next(f for f in report.fused if "add" not in f.pattern)  # the post-norm, matched alone
+        assert f"the input of the RMSNorm {norm.replaced[-1]} (a post-norm" in ar, report
+    else:
+        found = re.search(r"reads its sum: it is read by (\w+) \(mul\)$", ar)
+        assert found, report
+        (mul,) = [n for n in gm.graph.nodes if n.name == found.group(1)]
+        assert 0.5 in mul.args and G.kind(mul) == "mul", mul.args
     assert_same(got, want)
 
 
@@ -2401,22 +2433,26 @@ def test_gated_norm_with_a_broadcast_gate_is_skipped(gen, z_shape):
     assert_same(got, want)
 
 
-def test_a_layernorm_of_half_activations_is_not_called_float32(gen):
-    """x.float() - mean is normalised in float32: not an RMSNorm of float32 activations (the reason says
-    what is normalised instead)."""
+@pytest.mark.parametrize("centred", ["once", "twice"])
+def test_a_layernorm_of_half_activations_is_called_a_layernorm(gen, centred):
+    """x.float() - mean is normalised in float32: not an RMSNorm of float32 activations; the reason says that it is
+    a LayerNorm. Cohere's norm computes x - mean twice (for the variance and for the product), where the reason was
+    that no multiply of the normalised tensor by the inverse RMS was found."""
     x, residual, weight, _ = _local_inputs(gen)
 
     def layer_norm(x, residual, weight):
         h = x + residual
         hf = h.float()
-        c = hf - hf.mean(-1, keepdim=True)
-        return (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(BF16), h
+        mean = hf.mean(-1, keepdim=True)
+        c = hf - mean
+        inv = torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return ((c if centred == "once" else hf - mean) * inv * weight.float()).to(BF16), h
 
     gm, report, want, got = fuse_and_run(layer_norm, (x, residual, weight), None)
     assert not counts(gm), report
     reasons = _skip_reasons(report, "rmsnorm")
-    assert reasons and not any("float32 activations" in r for r in reasons), report
-    assert any("not a float32 cast of a float16/bfloat16 tensor" in r for r in reasons), report
+    assert len(reasons) == 1 and "it normalises" in reasons[0] and reasons[0].startswith("LayerNorm at inv:"), report
+    assert reasons[0].endswith("its input minus the input's mean; commfuse's fused ops take RMSNorm"), report
     assert_same(got, want)
 
 

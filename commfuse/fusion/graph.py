@@ -49,6 +49,7 @@ def _table() -> dict:
 
     put("add", operator.add, torch.add, _overloads(aten.add, "Tensor", "Scalar"))
     put("add_", _overloads(aten.add_, "Tensor", "Scalar"))  # the aten decomposition's mean.add_(eps)
+    put("sub", operator.sub, torch.sub, torch.subtract, _overloads(aten.sub, "Tensor", "Scalar"))
     put("mul", operator.mul, torch.mul, torch.multiply, _overloads(aten.mul, "Tensor", "Scalar"))
     put("div", operator.truediv, torch.div, torch.true_divide, torch.divide,
         _overloads(aten.div, "Tensor", "Scalar"))
@@ -93,7 +94,7 @@ def _table() -> dict:
 
 _FUNCTIONS = _table()
 _METHODS = {
-    "add": "add", "mul": "mul", "div": "div", "true_divide": "div", "truediv": "div", "pow": "pow",
+    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "true_divide": "div", "truediv": "div", "pow": "pow",
     "square": "square", "mean": "mean", "rsqrt": "rsqrt", "sqrt": "sqrt", "reciprocal": "reciprocal",
     "clamp": "clamp", "clip": "clamp", "clamp_min": "clamp_min", "clamp_max": "clamp_max",
     "to": "cast", "float": "cast", "half": "cast", "bfloat16": "cast", "type_as": "cast", "type": "cast",
@@ -134,7 +135,7 @@ def kind(node: Any) -> Optional[str]:
 
 # The binary kinds, and the keyword arguments that make one compute something else: torch.add(a, b,
 # alpha=2) scales b, torch.div(a, b, rounding_mode="floor") rounds the quotient.
-_TWO_OPERANDS = {"add": ("alpha",), "add_": ("alpha",), "div": ("rounding_mode",)}
+_TWO_OPERANDS = {"add": ("alpha",), "add_": ("alpha",), "sub": ("alpha",), "div": ("rounding_mode",)}
 
 
 def _kind(node: fx.Node) -> Optional[str]:

@@ -303,6 +303,9 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     v = _is_square_of(sq_node)
     if not isinstance(v, fx.Node) or not _is_mean_last(mean, _rank(v)):
         return None
+    if G.kind(v) == "sub" and any(G.kind(o) == "mean" for o in _binary(v)):  # Cohere's, OLMo's LayerNorm spelt out
+        return Mismatch(f"LayerNorm at {r.name}: it normalises {v.name}, its input minus the input's mean; commfuse's "
+                        "fused ops take RMSNorm")
     if G.dtype(mean) not in (None, torch.float32):  # mean(..., dtype=torch.float64): the rest follows in it
         return Mismatch(f"RMSNorm at {r.name}: the mean of squares is {G.dtype(mean)} (the norm computed in it), "
                         "and the fused ops compute in float32", norm_input=G.source(v) if G.kind(v) == "cast" else v)

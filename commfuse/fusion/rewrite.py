@@ -94,6 +94,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     targets = _targets()
     seen_all_reduce: set = set()
     erased: set = set()
+    norm_inputs: dict = {}  # each RMSNorm's input (gated ones aside): its name, for an all-reduce whose sum it is
     for node in list(gm.graph.nodes):
         if node in erased:
             continue
@@ -103,6 +104,9 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
         match = P.match_norm(node)
         if match is None:
             continue
+        norm_input = match.norm_input if isinstance(match, P.Mismatch) else None if match.gated else match.input
+        if norm_input is not None:
+            norm_inputs.setdefault(norm_input, match.output.name if isinstance(match, P.Norm) else node.name)
         if isinstance(match, P.Mismatch):
             report.skipped.append(Skipped(node.name, "rmsnorm", match.reason, match.kind))
             if match.norm_input is not None:
@@ -115,8 +119,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
             report.skipped.append(Skipped(node.name, "all-reduce", _read_through_an_early_view(node) or
-                                          "no residual add + RMSNorm (as the pass recognises one) reads its sum",
-                                          "pattern"))
+                                          _unread_sum(node, norm_inputs), "pattern"))
         elif G.kind(node) == "funcol_all_reduce_":
             report.skipped.append(Skipped(node.name, "all-reduce", "an in-place all_reduce_ "
                                           "(torch.ops._c10d_functional.all_reduce_) is not matched: the pass fuses "
@@ -125,6 +128,40 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     gm.graph.lint()
     gm.recompile()
     return report
+
+
+def _unread_sum(ar: fx.Node, norm_inputs: dict) -> str:
+    """Why no fused op takes the all-reduce `ar` that no residual add + RMSNorm reads: what reads its sum (through
+    views and casts), where that is a norm's input a post-norm (Gemma 2 / 3's post_attention_layernorm: nothing for
+    fused_all_reduce, which adds a residual before its norm)."""
+    positions = G.order(ar.graph)
+    stack, seen, readers = [ar] if G.kind(ar) == "cf_all_reduce" else [], set(), []
+    after = {}  # dynamo's in-place form: the tensor the sum is copied into, read as the sum after that copy
+    for w in (u for u in ar.users if G.kind(u) == "wait"):
+        stack.append(w)
+        for u in w.users:
+            if G.kind(u) == "copy_" and G.operand(u, 1, "src") is w and isinstance(G.operand(u, 0, "self"), fx.Node):
+                after[G.operand(u, 0, "self")] = positions[u]
+                stack.append(G.operand(u, 0, "self"))
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in norm_inputs:
+            return (f"its sum is the input of the RMSNorm {norm_inputs[n]} (a post-norm, as Gemma 2 / 3's "
+                    "post_attention_layernorm), not added to a residual first: fused_all_reduce normalises the sum "
+                    "plus a residual")
+        if n is ar or n in after or G.kind(n) in ("wait", "cast") or G.passthrough(n):
+            stack.extend(u for u in n.users if positions[u] > after.get(n, -1) and G.kind(u) != "copy_")
+        else:
+            readers.append(n)
+    base = "no residual add + RMSNorm (as the pass recognises one) reads its sum"
+    if not readers:
+        return base
+    named = [f"{r.name} ({G.kind(r) or getattr(r.target, '__name__', r.target)})"
+             for r in sorted(readers, key=positions.get)[:4]]
+    return f"{base}: it is read by {', '.join(named)}" + (" and more" if len(readers) > 4 else "")
 
 
 def _read_through_an_early_view(ar: fx.Node) -> Optional[str]:
