@@ -547,7 +547,7 @@ void put_tensor(std::string& key, const at::Tensor* t) {
   put(key, static_cast<int8_t>(t->scalar_type()));
   put(key, static_cast<int8_t>(t->device().type()));
   put(key, static_cast<int8_t>(t->device().index()));
-  put(key, static_cast<int8_t>(t->dim()));
+  put(key, static_cast<int64_t>(t->dim()));  // whole: torch takes more than 255 dims, and the sizes follow
   for (const int64_t v : t->sizes()) put(key, v);
   for (const int64_t v : t->strides()) put(key, v);
 }

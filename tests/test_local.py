@@ -4,6 +4,7 @@ CPU: semantics, argument errors, out=, the route's reasons, opcheck of the custo
 GPU (skipped on a CPU machine): the fused kernel route against the reference, within the tolerances
 of docs/semantics.md section 9.
 """
+import collections
 import functools
 import re
 import shutil
@@ -174,6 +175,33 @@ def test_out_tensors_are_written_in_place(gen):
     for exc, match, out in bad:
         with pytest.raises(exc, match=match):
             commfuse.fused_add_rmsnorm(x, residual, weight, quant="fp8", scale=scale, return_norm=True, out=out)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_a_tuple_out_is_read_by_position_unless_its_type_is_a_namedtuple(gen, device):
+    """A tuple subclass whose instances answer _fields (its type has none) was checked by its attributes' names in
+    Python and keyed and written by position in the native table (csrc/host_launch.cpp): a wrong tensor at a
+    position, with a right one under that name, passed the checks, and a planned call wrote the wrong one. Both now
+    read it by position, where the wrong tensor raises; a namedtuple is read by name."""
+    x, residual, weight, _ = inputs(gen, 4, 64, BF16, device)
+
+    class Record(tuple):  # a record type answering any attribute from a dict of its own
+        def __getattr__(self, name):
+            return Tail._fields if name == "_fields" else self.__dict__["named"].get(name)
+
+    right, wrong = torch.empty(4, 64, dtype=BF16, device=device), torch.empty(3, 64, dtype=BF16, device=device)
+    for _ in range(2):  # the signature's first call, then a planned one
+        out = Record((None, wrong, None, None))
+        out.named = {"norm": right}
+        with pytest.raises(ValueError, match=r"out.norm must have shape \[4, 64\]"):
+            commfuse.fused_add_rmsnorm(x, residual, weight, out=out)
+        got = commfuse.fused_add_rmsnorm(x, residual, weight, out=Record((None, right, None, None)))
+        assert got.norm is right
+    want = reference.fused_tail(x.cpu(), residual.cpu(), weight.cpu(), 1e-6, None, None, True)
+    assert_tail_close(Tail(got.residual.cpu(), right.cpu(), None, None), want, None, exact=device == "cpu")
+    Named = collections.namedtuple("Named", ["norm", "residual", "quant", "scale_factors"])  # not Tail's order
+    norm = torch.empty(4, 64, dtype=BF16, device=device)
+    assert commfuse.fused_add_rmsnorm(x, residual, weight, out=Named(norm, None, None, None)).norm is norm
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
