@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import gc
 import os
 import weakref
 from dataclasses import dataclass
@@ -54,9 +55,9 @@ def _drop_gloo_groups() -> None:
     tensors needs Python, which no longer runs). So at exit, while Python still runs, commfuse drops its
     own references to gloo groups: each group that nothing else holds is then destroyed, its threads
     joined. The check groups are destroyed too, which an NCCL world's destruction (torch's, never
-    commfuse's) would not do. The Communicators are unusable after that. Registered when commfuse is
-    imported, so it runs after the caller's own exit handlers and after init_distributed's destruction of
-    the group it made."""
+    commfuse's) would not do; then a garbage collection frees what reference cycles held. The Communicators
+    are unusable after that. Registered when commfuse is imported, so it runs after the caller's own exit
+    handlers and after init_distributed's destruction of the group it made."""
     try:
         for comm in list(ops.live_communicators()):
             comm._drop_gloo_groups()
@@ -69,6 +70,9 @@ def _drop_gloo_groups() -> None:
         _CHECK_GROUPS.clear()
         _MADE_CHECK_GROUPS.clear()
         routes.BROKEN_CHECK_GROUPS.clear()
+        # Groups that only reference cycles still hold (an exception kept with its traceback, whose frames hold
+        # a launcher or a group) would otherwise go at the interpreter's finalization: collected now.
+        gc.collect()
 
 
 @dataclass(slots=True)  # slots: the plan table sets the fields of a hit's result without __init__
@@ -165,6 +169,10 @@ class Communicator:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, strategy: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call commfuse.init_distributed() first")
+        if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:  # new_group's, on the ranks outside
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group (torch.distributed.new_group "
+                             "returns GroupMember.NON_GROUP_MEMBER to the ranks outside it): only its ranks make its "
+                             "Communicator")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None (WORLD), got "
                             f"{type(group).__name__}")
@@ -233,8 +241,6 @@ class Communicator:
             settings, error = None, e
         group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
-        if world < 1:  # not a member: no collective over the group to take part in
-            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group")
         every: list = [None] * world
         dist.all_gather_object(every, (settings if error is None else f"{type(error).__name__}: {error}", name,
                                        _MADE_ON.get(group, 0)), group=group)

@@ -135,28 +135,31 @@ class Launcher:
             bad = e
         except Exception as e:  # noqa: BLE001 - raised below, after the peers have heard of it
             failed = e
-        note = self.text if bad is None else f"{self.text}, {bad}"
-        if self.check is not None:
-            try:  # what the routes would refuse of this call's own facts, compared with the call
-                given = (None,) * len(self.outputs) if out is None else fields_of(out)
-                inputs = zip(LAUNCHER_INPUTS, (y, residual, weight, scale, out, weights, row_index, shared))
-                checks.per_call(OUT_NAMES, given, self.outputs, tuple((n, a) for n, a in inputs if n), scale)
-            except (TypeError, ValueError) as e:
-                self.check(note, refused=e)
-            if failed is not None:
-                self.check(note, refused=failed)
-            self.check(note)
-        if bad is not None or failed is not None:
-            if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written);
-                # NaN rows where it exchanges no signature (COMMFUSE_GLOO_CHECK=0), as the kernel route's
+        try:
+            note = self.text if bad is None else f"{self.text}, {bad}"
+            if self.check is not None:
+                try:  # what the routes would refuse of this call's own facts, compared with the call
+                    given = (None,) * len(self.outputs) if out is None else fields_of(out)
+                    inputs = zip(LAUNCHER_INPUTS, (y, residual, weight, scale, out, weights, row_index, shared))
+                    checks.per_call(OUT_NAMES, given, self.outputs, tuple((n, a) for n, a in inputs if n), scale)
+                except (TypeError, ValueError) as e:
+                    self.check(note, refused=e)
                 if failed is not None:
-                    note = f"{self.text}, a combine that raised {type(failed).__name__}: {failed}"
-                try:
-                    self.dense.first(residual.new_full(residual.shape, float("nan")), note=note)
-                except CallMismatchError:
-                    if failed is None:
-                        raise
-            raise failed if failed is not None else bad
+                    self.check(note, refused=failed)
+                self.check(note)
+            if bad is not None or failed is not None:
+                if self.gloo:  # the exchange alone, in step with the peers' sums (their outputs are not written);
+                    # NaN rows where it exchanges no signature (COMMFUSE_GLOO_CHECK=0), as the kernel route's
+                    if failed is not None:
+                        note = f"{self.text}, a combine that raised {type(failed).__name__}: {failed}"
+                    try:
+                        self.dense.first(residual.new_full(residual.shape, float("nan")), note=note)
+                    except CallMismatchError:
+                        if failed is None:
+                            raise
+                raise failed if failed is not None else bad
+        finally:  # this frame, in the error's traceback, must not hold it (routes.refuse says why)
+            bad = failed = None
         # out against the combine's inputs (the dense launcher checks it against the others): on the gloo
         # route after the exchange, as the dense route's checks, so that a rank that raises stays in step.
         inputs = (("y", y), ("weights", weights), ("row_index", row_index), ("shared", shared))

@@ -680,13 +680,17 @@ def refuse(check_group, call: str, error: Exception, payload=None, room: int = 0
     `caller` (Resources.caller): its
     peers raise CallMismatchError naming it rather than pair the exchange with this rank's next call. Where
     a peer skipped the call, the error is caused by the CallTimeoutError: the check group is broken."""
+    cause = None
     try:
         exchange_signature(check_group, f"{call} {type(error).__name__}: {error}{caller}", 0, payload, room)
     except CallMismatchError:
         pass  # the peers' side of it: this rank raises its own error
     except CallTimeoutError as timeout:
-        raise error from timeout
-    raise error
+        cause = timeout
+    try:
+        raise error from cause
+    finally:  # this frame, in the error's traceback, must not hold it: the cycle would keep every frame of the
+        del error, cause  # call (its tensors, the Communicator's groups) until a garbage collection
 
 
 GLOO_INLINE_BYTES = 16384  # a decode step's rows (8192 bf16 elements) travel with the gloo route's signature

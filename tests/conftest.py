@@ -21,6 +21,23 @@ RANK, WORLD, LOCAL_RANK, LAUNCHER = launch_env()
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU-only machine)")
 
 
+def error_cycle(error: BaseException):
+    """Where a frame of `error`'s traceback (the raising test's own aside) holds, in a local, an exception whose
+    traceback runs through that frame: "function.local", or None. Such a cycle keeps every frame of the call (its
+    tensors, a Communicator's gloo groups) alive until a garbage collection, at worst the interpreter's exit, where
+    a gloo group alive can abort the process."""
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    while tb is not None:
+        for name, value in tb.tb_frame.f_locals.items():
+            inner = value.__traceback__ if isinstance(value, BaseException) else None
+            while inner is not None:
+                if inner.tb_frame is tb.tb_frame:
+                    return f"{tb.tb_frame.f_code.co_name}.{name}"
+                inner = inner.tb_next
+        tb = tb.tb_next
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     mpi = [i for i in items if i.get_closest_marker("mpi")]
     serial = [i for i in items if not i.get_closest_marker("mpi")]

@@ -13,6 +13,7 @@ from commfuse.reference import Tail
 from commfuse.tail.spec import code
 
 from compare import assert_tail_close, bits_equal
+from conftest import error_cycle
 from inputs import tail_inputs
 
 mpi = pytest.mark.mpi(min_size=1)
@@ -387,13 +388,15 @@ def test_moe_calls_that_differ_raise_on_every_rank(comm, quiet_comm, gen, differ
             w = w.bfloat16()
         elif differ == "row index":
             kw["row_index"][0, 0] = t * k
-    with pytest.raises(commfuse.CallMismatchError, match="moe_combine\\(y torch.bfloat16"):
+    with pytest.raises(commfuse.CallMismatchError, match="moe_combine\\(y torch.bfloat16") as raised:
         if differ == "fused op" and dist.get_rank(comm.group) == 1:
             comm.fused_all_reduce(y.sum(1), residual, weight)
         else:
             comm.moe_all_reduce(y, w, residual, weight, **kw)
+    cycle = error_cycle(raised.value)  # the MoE launcher's frame held the combine's RowIndexError
     ones = torch.ones(2, 64, device=dev)
     assert torch.equal(comm.all_reduce(ones), torch.full((2, 64), float(comm.world_size), device=dev))
+    assert cycle is None, cycle
 
 
 @mpi
