@@ -76,20 +76,19 @@ def communicator(name: str):
     return comm
 
 
-def _raise(error: Exception):
-    raise error
-
-
 def _tensor_scale(comm, scale) -> None:
     """The ops take scale as a tensor (or None), as their schemas do. An eager call that gives another raises
     through the Communicator's refusal (comm._planned): its peers, whose calls are good, raise naming it
     rather than wait for this rank in the call's collective."""
     if scale is None or isinstance(scale, torch.Tensor):
         return
-    error = TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    message = f"scale must be a float32 tensor of one element, got {type(scale).__name__}"
+
+    def refused():  # the error made where it is raised: no frame of the call holds it (routes.refuse says why)
+        raise TypeError(message)
     if torch.compiler.is_compiling():
-        raise error
-    comm._planned(functools.partial(_raise, error))
+        raise TypeError(message)
+    comm._planned(refused)
 
 
 def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import commfuse
 from commfuse import ops
 from commfuse.tail.spec import code, public
 
+from conftest import error_cycle
 from compare import bits_equal
 from inputs import rank_inputs, tail_inputs
 from test_communicator import _checked_by, exact_sum
@@ -208,9 +209,11 @@ def test_an_eager_op_call_with_a_number_scale_on_one_rank_keeps_the_ranks_in_ste
                                   quant="fp8", scale=s).residual
 
     steps = [rank_inputs(c, gen, (t, h), torch.bfloat16) for _ in range(2)]
+    cycle = None
     if rank == 0:
-        with pytest.raises(TypeError, match="scale must be a float32 tensor of one element, got float"):
+        with pytest.raises(TypeError, match="scale must be a float32 tensor of one element, got float") as raised:
             call(steps[0][0], 0.5)
+        cycle = error_cycle(raised.value)  # the frames that made and raised it held it: asserted last
     else:
         with pytest.raises(commfuse.CallMismatchError, match="rank 0: a call that raised TypeError: scale must be"):
             call(steps[0][0], scale)
@@ -218,6 +221,7 @@ def test_an_eager_op_call_with_a_number_scale_on_one_rank_keeps_the_ranks_in_ste
     want = commfuse.reference.fused_tail(commfuse.reference.all_reduce_sum(xs), residual, weight, 1e-6).residual
     got = call(x, scale)
     assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
+    assert cycle is None, cycle
 
 
 @pytest.mark.mpi(min_size=2)
