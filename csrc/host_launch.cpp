@@ -162,14 +162,13 @@ at::Tensor operand(const at::Tensor& t) {
 }
 
 // Whether tail/checks.py's fields_of reads `out` by position: a tuple that is not a namedtuple (a
-// subclass of tuple too, or its fields would be read as absent attributes and never written).
+// subclass of tuple too, or its fields would be read as absent attributes and never written). On the
+// instance, as fields_of asks: a tuple whose instances alone answer _fields (a record type's __getattr__)
+// is read by its names in both, where asking its type had it checked by name and written by position.
 bool positional(py::handle out) {
   if (PyTuple_CheckExact(out.ptr())) return true;
   if (!PyTuple_Check(out.ptr())) return false;
-  // On the type, not the instance: a namedtuple's _fields is a class attribute (found through the type's
-  // method cache, where the instance's lookup walks its class dictionaries first).
-  const int named = PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(out.ptr())), "_fields");
-  return named == 0;
+  return PyObject_HasAttrString(out.ptr(), "_fields") == 0;
 }
 
 // Field i of a caller's `out`, read as tail/checks.py's fields_of reads it: a tuple by position in

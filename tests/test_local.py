@@ -178,30 +178,32 @@ def test_out_tensors_are_written_in_place(gen):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-def test_a_tuple_out_is_read_by_position_unless_its_type_is_a_namedtuple(gen, device):
+def test_a_tuple_out_that_answers_fields_is_read_by_name(gen, device):
     """A tuple subclass whose instances answer _fields (its type has none) was checked by its attributes' names in
     Python and keyed and written by position in the native table (csrc/host_launch.cpp): a wrong tensor at a
     position, with a right one under that name, passed the checks, and a planned call wrote the wrong one. Both now
-    read it by position, where the wrong tensor raises; a namedtuple is read by name."""
+    read it by name: the tensor at the position is neither checked nor written. A namedtuple is read by name in
+    any field order; a plain tuple by position."""
     x, residual, weight, _ = inputs(gen, 4, 64, BF16, device)
+    want = reference.fused_tail(x.cpu(), residual.cpu(), weight.cpu(), 1e-6, None, None, True)
 
     class Record(tuple):  # a record type answering any attribute from a dict of its own
         def __getattr__(self, name):
             return Tail._fields if name == "_fields" else self.__dict__["named"].get(name)
 
-    right, wrong = torch.empty(4, 64, dtype=BF16, device=device), torch.empty(3, 64, dtype=BF16, device=device)
+    wrong = torch.full((3, 64), 7.0, dtype=BF16, device=device)
     for _ in range(2):  # the signature's first call, then a planned one
+        right = torch.full((4, 64), float("nan"), dtype=BF16, device=device)
         out = Record((None, wrong, None, None))
         out.named = {"norm": right}
-        with pytest.raises(ValueError, match=r"out.norm must have shape \[4, 64\]"):
-            commfuse.fused_add_rmsnorm(x, residual, weight, out=out)
-        got = commfuse.fused_add_rmsnorm(x, residual, weight, out=Record((None, right, None, None)))
-        assert got.norm is right
-    want = reference.fused_tail(x.cpu(), residual.cpu(), weight.cpu(), 1e-6, None, None, True)
-    assert_tail_close(Tail(got.residual.cpu(), right.cpu(), None, None), want, None, exact=device == "cpu")
+        got = commfuse.fused_add_rmsnorm(x, residual, weight, out=out)
+        assert got.norm is right and torch.equal(wrong, torch.full_like(wrong, 7.0))
+        assert_tail_close(Tail(got.residual.cpu(), right.cpu(), None, None), want, None, exact=device == "cpu")
     Named = collections.namedtuple("Named", ["norm", "residual", "quant", "scale_factors"])  # not Tail's order
     norm = torch.empty(4, 64, dtype=BF16, device=device)
     assert commfuse.fused_add_rmsnorm(x, residual, weight, out=Named(norm, None, None, None)).norm is norm
+    plain = torch.empty(4, 64, dtype=BF16, device=device)
+    assert commfuse.fused_add_rmsnorm(x, residual, weight, out=(None, plain, None, None)).norm is plain
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])

@@ -253,10 +253,9 @@ def storage_room(t: Tensor) -> int:
 
 def fields_of(out) -> tuple:
     """The five output fields of `out`: a reference.Tail, a commfuse.FusedResult, or a tuple in Tail's
-    order (4 fields: no scales). A tuple is read by its fields' names where its type is a namedtuple's (_fields on
-    the type, as the native table asks: an instance answering _fields alone would be checked by name and written
-    by position there)."""
-    if isinstance(out, tuple) and not hasattr(type(out), "_fields"):
+    order (4 fields: no scales); a tuple that answers _fields (a namedtuple) by its fields' names, as the native
+    table reads it (csrc/host_launch.cpp, positional)."""
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
         if len(out) not in (4, 5):
             raise TypeError(f"out must be a commfuse.reference.Tail (or a tuple of its {len(OUT_FIELDS)} fields: "
                             f"{', '.join(OUT_FIELDS)}; or of the first 4), got a tuple of {len(out)}")
