@@ -646,5 +646,9 @@ class Communicator:
         if self._check_group is None:
             self._check_group = self._open_check_group()
         if refused is not None:
-            routes.refuse(self._check_group, f"{signature}, refused", refused, None, self._check_room, self._caller)
+            try:
+                routes.refuse(self._check_group, f"{signature}, refused", refused, None, self._check_room,
+                              self._caller)
+            finally:  # this frame, in the error's traceback, must not hold it (routes.refuse says why)
+                del refused
         routes.exchange_signature(self._check_group, f"{signature}{self._caller}", 0, None, self._check_room)

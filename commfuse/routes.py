@@ -688,7 +688,9 @@ def refuse(check_group, call: str, error: Exception, payload=None, room: int = 0
     except CallTimeoutError as timeout:
         cause = timeout
     try:
-        raise error from cause
+        if cause is not None:
+            raise error from cause
+        raise error
     finally:  # this frame, in the error's traceback, must not hold it: the cycle would keep every frame of the
         del error, cause  # call (its tensors, the Communicator's groups) until a garbage collection
 

@@ -466,6 +466,35 @@ def test_a_fake_tensor_refused_under_its_mode_keeps_the_ranks_in_step(comm, gen)
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_planned_call_refused_by_its_per_call_checks_leaves_no_reference_cycle(comm, gen):
+    """A planned signature's call that its per-call checks refuse (a CPU scale tensor's value, read every call) is
+    compared with the peers' calls as a refusal (check_same_call's `refused`), then raised: the frames it passes
+    through held it, a reference cycle that kept the call's frames until a garbage collection."""
+    c = _checked_by(comm, "COMMFUSE_CHECK")
+    if c.device.type != "cpu":
+        pytest.skip("a CPU scale tensor's value is read on every call; a CUDA one's is not (no synchronisation)")
+    t, h = 4, 256
+    residual, weight, _ = tail_inputs(c, gen, t, h, torch.bfloat16, None)
+    x, xs = rank_inputs(c, gen, (t, h), torch.bfloat16)
+
+    def call(scale):
+        return c.fused_all_reduce(x, residual, weight, quant="fp8", scale=torch.tensor([scale])).residual
+
+    call(0.5)  # planned on every rank
+    cycle = None
+    if dist.get_rank(c.group) == 0:
+        with pytest.raises(ValueError, match="scale") as raised:
+            call(-1.0)
+        cycle = error_cycle(raised.value)
+    else:
+        with pytest.raises(commfuse.CallMismatchError, match="rank 0"):
+            call(0.5)
+    want = reference.fused_tail(reference.all_reduce_sum(xs), residual, weight, 1e-6).residual
+    assert bits_equal(call(0.5), want) if exact_sum(c) else torch.allclose(call(0.5).float(), want.float(), rtol=2e-2)
+    assert cycle is None, cycle
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 @pytest.mark.parametrize("bad", ["a misaligned out", "a sparse x", "a negated x", "a Python-float scale of 0",
                                  "a MoE int16 row_index"])
@@ -492,22 +521,18 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
     call(steps[0][0])  # planned on every rank
     x, _ = steps[1]
     if rank == 0:
-        if bad == "a misaligned out":
-            with pytest.raises(ValueError, match="out must be 16-byte aligned"):
-                call(x, out=torch.empty(t * h + 8, dtype=torch.bfloat16, device=c.device)[1:1 + t * h].view(t, h))
-        elif bad == "a sparse x":  # the table cannot key it, planning names it
-            with pytest.raises(TypeError, match="x must be a dense tensor, got a torch.sparse_coo one"):
-                call(x.to_sparse())
-        elif bad == "a negated x":  # its memory holds -x: the table cannot key it, planning names it
-            with pytest.raises(TypeError, match="x is a lazily negated view"):
-                call(torch._neg_view(x))
-        elif bad == "a MoE int16 row_index":
-            with pytest.raises(TypeError, match="row_index"):
-                call(x, index=torch.int16)
-        else:
-            with pytest.raises(ValueError, match="scale must be") as raised:
-                call(x, scale=0.0)
-            cycle = error_cycle(raised.value)  # routes.refuse's frame held the error it raised: asserted last
+        error, match, bad_call = {  # the sparse and negated x: the table cannot key them, planning names them
+            "a misaligned out": (ValueError, "out must be 16-byte aligned", lambda: call(
+                x, out=torch.empty(t * h + 8, dtype=torch.bfloat16, device=c.device)[1:1 + t * h].view(t, h))),
+            "a sparse x": (TypeError, "x must be a dense tensor, got a torch.sparse_coo one",
+                           lambda: call(x.to_sparse())),
+            "a negated x": (TypeError, "x is a lazily negated view", lambda: call(torch._neg_view(x))),
+            "a MoE int16 row_index": (TypeError, "row_index", lambda: call(x, index=torch.int16)),
+            "a Python-float scale of 0": (ValueError, "scale must be", lambda: call(x, scale=0.0)),
+        }[bad]
+        with pytest.raises(error, match=match) as raised:
+            bad_call()
+        cycle = error_cycle(raised.value)  # routes.refuse's frame and its caller's held the error: asserted last
     else:
         with pytest.raises(commfuse.CallMismatchError, match="rank 0: a call that raised (Value|Type)Error"):
             call(x)
@@ -517,7 +542,7 @@ def test_a_call_whose_planning_raises_on_one_rank_keeps_the_ranks_in_step(comm, 
         want = total if plain else reference.fused_tail(total, residual, weight, 1e-6).residual
         got = call(x)
         assert bits_equal(got, want) if exact_sum(c) else torch.allclose(got.float(), want.float(), rtol=2e-2)
-    if rank == 0 and bad == "a Python-float scale of 0":
+    if rank == 0:
         assert cycle is None, cycle
 
 
