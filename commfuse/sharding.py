@@ -7,9 +7,9 @@ model, unchanged" can be tried on transformers' own classes in a few lines.
     commfuse.sharding.shard_decoder(model)                 # (or from_pretrained(...), then .to(comm.device))
     compiled = commfuse.fusion.compile(model, comm)
 
-Per decoder layer: the attention's q_proj / k_proj / v_proj and the MLP's gate_proj / up_proj become
-column-parallel (each rank keeps its 1 / world of the heads and of the intermediate features, biases
-included), o_proj and down_proj row-parallel: each rank multiplies its slice of the input features and
+Per decoder layer: the attention's q_proj / k_proj / v_proj and the MLP's gate_proj / up_proj (up_proj alone in
+an ungated MLP, as Arcee's and Nemotron's: its activation is elementwise) become column-parallel (each rank keeps
+its 1 / world of the heads and of the intermediate features, biases included), o_proj and down_proj row-parallel: each rank multiplies its slice of the input features and
 the partial products are summed with `torch.distributed.all_reduce` in place, as models write it (a
 bias added to rank 0's partial product only, as vLLM does, so that the sum holds it once). That
 all-reduce is followed by the residual add and the next RMSNorm: the tail commfuse.fusion fuses.
@@ -74,6 +74,8 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "
 _ROW = ("o_proj", "down_proj")
 _ATTENTION = ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"})
 _MLP = {"gate_proj", "up_proj", "down_proj"}
+# A dense MLP: gated (_MLP), or not (Arcee's, Nemotron's: down_proj(act(up_proj(x))), its activation elementwise).
+_DENSE_MLP = {"up_proj", "down_proj"}
 
 
 class RowParallelLinear(nn.Module):
@@ -282,7 +284,7 @@ def _layers(model: nn.Module, blocks: list) -> list:
         names = {n for n, _ in layer.named_children()}
         if any(names >= a for a in _ATTENTION):
             found.append((path, layer, True))
-        elif names >= _MLP:
+        elif names >= _DENSE_MLP:
             found.append((path, layer, False))
     return found
 
@@ -309,8 +311,8 @@ def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
             continue
         for name, p in stack.named_parameters():
             if p.dim() >= 2 and id(p) not in covered:
-                raise ValueError(f"{path}.{name} is in no attention, MLP (gate/up/down_proj) or MoE block that "
-                                 "shard_decoder knows: every rank would keep all of it")
+                raise ValueError(f"{path}.{name} is in no attention, MLP (up/down_proj, gated or not) or MoE block "
+                                 "that shard_decoder knows: every rank would keep all of it")
 
 
 def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: int, world: int) -> None:
@@ -551,8 +553,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
     layers = _layers(model, [m for _, m in blocks])
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
-        raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (gate/up/down_proj) or MoE "
-                         "(gate, experts) layers found: not a decoder shard_decoder knows")
+        raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (up/down_proj, gated or not) "
+                         "or MoE (gate, experts) layers found: not a decoder shard_decoder knows")
     try:
         _check_covered(model, layers, [m for _, m in blocks])
         for path, block in blocks:

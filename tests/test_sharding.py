@@ -21,6 +21,7 @@ FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),  # dropout between each all-reduce and its add
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),  # query_ / key_layernorm per head
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # an ungated MLP: down_proj(relu2(up_proj(x)))
     # views its projections with its own num_heads; LayerNorm, which the pass does not fuse
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "stablelm_qk_layernorm": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True}),  # a LayerNorm a head
@@ -327,7 +328,7 @@ def test_shard_decoder_errors(comm, monkeypatch):
                                         r"'lambda_q2', 'lambda_k2'\] beside its projections"),
                           ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside"),
                           ("glm", r"^GlmForCausalLM: model.layers.0.mlp.gate_up_proj.weight is in no attention, MLP "
-                                  r"\(gate/up/down_proj\) or MoE block that shard_decoder knows"),
+                                  r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows"),
                           ("starcoder2", r"^Starcoder2ForCausalLM: model.layers.0.mlp.c_fc.weight is in no attention")):
         model = tiny(family, torch.float32)
         before = [p.shape for p in model.parameters()]
@@ -354,7 +355,7 @@ def test_shard_decoder_errors(comm, monkeypatch):
               rf"^LlamaForCausalLM: model.layers.1.self_attn has {odd} key-value heads, which do not divide by the "
               rf"world size {comm.world_size}, nor the world size by them$"),
              ("llama", lambda m: setattr(m.model.layers[1], "extra", torch.nn.Linear(4, 4)),
-              r"model.layers.1.extra.weight is in no attention, MLP \(gate/up/down_proj\) or MoE block"),
+              r"model.layers.1.extra.weight is in no attention, MLP \(up/down_proj, gated or not\) or MoE block"),
              ("llama", lambda m: setattr(m.model.layers[1].mlp, "activation_sparsity", 0.95),  # Gemma 3n's
               r"layers.1.mlp \(LlamaMLP\) keeps a top share of its intermediate features"),
              ("qwen3_moe", lambda m: setattr(m, "config", types.SimpleNamespace(  # Gemma 3n's sizes per layer
@@ -488,9 +489,9 @@ def test_shard_decoder_shards_a_model_once(comm):
 # The error each refused family's tiny model raises (its class, then the weight it would leave whole).
 PARTLY_WHOLE = {
     "minicpm5_moe": r"^MiniCPM5MoeForCausalLM: model.layers.0.self_attn.k_proj.weight is in no attention, MLP "
-                    r"\(gate/up/down_proj\) or MoE block that shard_decoder knows: every rank would keep all of it$",
+                    r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows: every rank would keep all of it$",
     "deepseek_v4": r"^DeepseekV4ForCausalLM: model.layers.0.self_attn.q_a_proj.weight is in no attention, MLP "
-                   r"\(gate/up/down_proj\) or MoE block that shard_decoder knows",
+                   r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows",
     "nemotron_h": r"^NemotronHForCausalLM: model.layers.1.mixer.experts \(NemotronHExperts\) store their weights as "
                   r"\{'has_gate': False, 'has_post_expert_norm': False\}: shard_decoder knows gated experts"}
 
