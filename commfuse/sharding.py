@@ -43,7 +43,7 @@ and raise where any differs. The sharded model is for inference: its
 parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
-per-head qk_layernorm), HunYuan,
+per-head qk_layernorm), HunYuan, Arcee (an ungated MLP),
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated
@@ -300,7 +300,7 @@ def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
     """Raise where a decoder layer (each child of a ModuleList that holds an attention, MLP or MoE block found,
     whether or not the layer itself holds one) has a weight matrix in none of its attention, MLP or MoE block: an
     attention of another shape (MiniCPM5-MoE's q_gate_proj, DeepSeek-V4's), an MLP of another shape (GLM's fused
-    gate_up_proj, Starcoder2's c_fc / c_proj, Nemotron's up_proj without a gate) or a mixer of another kind would
+    gate_up_proj, Starcoder2's c_fc / c_proj) or a mixer of another kind would
     stay whole on every rank, the model sharded only in part (its results right, that part's weights and work not
     divided). Linear attention of the gated delta rule (_KEPT_WHOLE) stays whole on purpose."""
     found = {*(layer for _, layer, _ in layers), *blocks}

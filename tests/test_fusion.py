@@ -677,6 +677,34 @@ def test_an_all_reduce_whose_sum_is_not_the_residual_adds_says_what_reads_it(qui
 
 
 @mpi
+@pytest.mark.parametrize("compiler", [None, "inductor"])
+def test_an_all_reduce_read_through_a_shared_view_names_that_view(quiet_comm, gen, compiler):
+    """The sum reaches its residual add + RMSNorm through a view that another node reads too (the fused op would not
+    write the view): the all-reduce is left, and its reason names the view. It was called a post-norm (the add, a
+    norm's input, taken for the sum), or said that no residual add + RMSNorm reads the sum, naming the local op the
+    add + norm had become."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+
+    def layer(x, residual, weight, wo):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        v = y.view(y.shape)
+        h = residual + v
+        return gemma_norm(h, weight - 1), h, v * 2
+
+    gm, _ = capture(layer, x, residual, weight, wo)
+    report = fusion.fuse(gm, c, compiler=compiler)
+    (ar,) = _skip_reasons(report, "all-reduce")
+    found = re.fullmatch(r"its sum reaches the residual add \+ RMSNorm at (\w+) through (\w+), which (\w+) reads too: "
+                         r"the fused op does not write \2", ar)
+    assert found, report
+    nodes = {n.name: n for n in gm.graph.nodes}
+    view, other = nodes[found.group(2)], nodes[found.group(3)]
+    assert G.kind(view) == "view" and G.kind(other) == "mul" and view in other.args, (view, other)
+
+
+@mpi
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_rms_norm_of_float32_casts_cast_back_is_fused(quiet_comm, gen, quant):
     """F.rms_norm(h.float(), (h,), w.float(), eps).to(T): a float32 norm and weight multiply rounded once, the fused
@@ -2430,6 +2458,23 @@ def test_gated_norm_with_a_broadcast_gate_is_skipped(gen, z_shape):
     gm, report, want, got = fuse_and_run(lambda x, z, w: (mamba2_gated_norm(x, z, w, 16),), (x, z, weight), None)
     assert not counts(gm), report
     assert any(f"z has shape {list(z_shape)}" in r for r in _skip_reasons(report, "rmsnorm")), report
+    assert_same(got, want)
+
+
+def test_a_norm_centred_over_another_dim_is_not_called_a_layernorm(gen):
+    """x - x.mean(0) is not a LayerNorm's centring (that is over the normalised, last dim): its reason does not say
+    LayerNorm."""
+    x, residual, weight, _ = _local_inputs(gen)
+
+    def norm(x, residual, weight):
+        h = x + residual
+        hf = h.float()
+        c = hf - hf.mean(0, keepdim=True)
+        return (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(BF16), h
+
+    gm, report, want, got = fuse_and_run(norm, (x, residual, weight), None)
+    reasons = _skip_reasons(report, "rmsnorm")
+    assert reasons and not any("LayerNorm" in r for r in reasons), report
     assert_same(got, want)
 
 

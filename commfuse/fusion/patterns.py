@@ -197,6 +197,18 @@ def _eps_of(add: fx.Node, mean: fx.Node):
     return None
 
 
+def _centred(v: fx.Node) -> bool:
+    """Whether v is x - mean(x) over the last dim (x itself, or a cast of it, on either side)."""
+    if G.kind(v) != "sub":
+        return False
+    a, b = _binary(v)
+    for mean, x in ((b, a), (a, b)):
+        if _is_mean_last(mean, _rank(x)):
+            of = G.operand(mean, 0, "input", G.operand(mean, 0, "self"))
+            return of is x or (G.kind(of) == "cast" and G.source(of) is x) or (G.kind(x) == "cast" and G.source(x) is of)
+    return False
+
+
 def _rank(n) -> Optional[int]:
     s = G.shape(n)
     return None if s is None else len(s)
@@ -303,7 +315,7 @@ def _match_manual(r: fx.Node) -> Union[Norm, Mismatch, None]:
     v = _is_square_of(sq_node)
     if not isinstance(v, fx.Node) or not _is_mean_last(mean, _rank(v)):
         return None
-    if G.kind(v) == "sub" and any(G.kind(o) == "mean" for o in _binary(v)):  # Cohere's, OLMo's LayerNorm spelt out
+    if _centred(v):  # Cohere's, OLMo's LayerNorm spelt out
         return Mismatch(f"LayerNorm at {r.name}: it normalises {v.name}, its input minus the input's mean; commfuse's "
                         "fused ops take RMSNorm")
     if G.dtype(mean) not in (None, torch.float32):  # mean(..., dtype=torch.float64): the rest follows in it

@@ -131,31 +131,46 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
 
 
 def _unread_sum(ar: fx.Node, norm_inputs: dict) -> str:
-    """Why no fused op takes the all-reduce `ar` that no residual add + RMSNorm reads: what reads its sum (through
-    views and casts), where that is a norm's input a post-norm (Gemma 2 / 3's post_attention_layernorm: nothing for
-    fused_all_reduce, which adds a residual before its norm)."""
+    """Why no fused op takes the all-reduce `ar` that no residual add + RMSNorm reads as the fused op would: what
+    reads its sum (through views and casts). Where the sum itself is a norm's input, a post-norm (Gemma 2 / 3's
+    post_attention_layernorm: fused_all_reduce adds a residual before its norm); where a residual add + RMSNorm reads
+    it through a view or cast that other nodes read too, that node (the fused op would not write it)."""
     positions = G.order(ar.graph)
-    stack, seen, readers = [ar] if G.kind(ar) == "cf_all_reduce" else [], set(), []
     after = {}  # dynamo's in-place form: the tensor the sum is copied into, read as the sum after that copy
+
+    def readers_of(n):
+        return [u for u in n.users if positions[u] > after.get(n, -1) and G.kind(u) != "copy_"]
+
+    stack = [ar] if G.kind(ar) == "cf_all_reduce" else []
     for w in (u for u in ar.users if G.kind(u) == "wait"):
         stack.append(w)
         for u in w.users:
             if G.kind(u) == "copy_" and G.operand(u, 1, "src") is w and isinstance(G.operand(u, 0, "self"), fx.Node):
                 after[G.operand(u, 0, "self")] = positions[u]
                 stack.append(G.operand(u, 0, "self"))
+    seen, readers, via = set(), [], {}
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
+        if not (n is ar or n in after or G.kind(n) in ("wait", "cast") or G.passthrough(n)):
+            readers.append(n)  # no longer the sum itself
+            continue
         if n in norm_inputs:
             return (f"its sum is the input of the RMSNorm {norm_inputs[n]} (a post-norm, as Gemma 2 / 3's "
                     "post_attention_layernorm), not added to a residual first: fused_all_reduce normalises the sum "
                     "plus a residual")
-        if n is ar or n in after or G.kind(n) in ("wait", "cast") or G.passthrough(n):
-            stack.extend(u for u in n.users if positions[u] > after.get(n, -1) and G.kind(u) != "copy_")
-        else:
-            readers.append(n)
+        for u in readers_of(n):
+            via.setdefault(u, n)
+            stack.append(u)
+    for r in sorted(readers, key=positions.get):
+        shared = via[r]
+        others = [u.name for u in readers_of(shared) if u is not r]
+        if (r in norm_inputs or G.kind(r) == "cf_tail") and others and shared not in (ar, *after):
+            return (f"its sum reaches the residual add + RMSNorm at {r.name} through {shared.name}, which "
+                    f"{', '.join(others)} read{'s' if len(others) == 1 else ''} too: the fused op does not write "
+                    f"{shared.name}")
     base = "no residual add + RMSNorm (as the pass recognises one) reads its sum"
     if not readers:
         return base
