@@ -205,7 +205,7 @@ def _centred(v: fx.Node) -> bool:
     for mean, x in ((b, a), (a, b)):
         if _is_mean_last(mean, _rank(x)):
             of = G.operand(mean, 0, "input", G.operand(mean, 0, "self"))
-            return of is x or (G.kind(of) == "cast" and G.source(of) is x) or (G.kind(x) == "cast" and G.source(x) is of)
+            return of is x or any(G.kind(c) == "cast" and G.source(c) is o for c, o in ((of, x), (x, of)))
     return False
 
 
