@@ -22,6 +22,8 @@ FAMILIES = {
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),  # dropout between each all-reduce and its add
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),  # query_ / key_layernorm per head
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # an ungated MLP: down_proj(relu2(up_proj(x)))
+    # a post-norm (the all-reduced sum normalised, then added): nothing for fused_all_reduce (POST_NORM below)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 4}),
     # views its projections with its own num_heads; LayerNorm, which the pass does not fuse
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "stablelm_qk_layernorm": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True}),  # a LayerNorm a head
@@ -53,6 +55,7 @@ FAMILIES.update({"deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DE
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_no_q_lora",
                 "gpt_oss", "qwen3_5_moe")
 NO_INTERMEDIATE_SIZE = ("qwen3_5_moe",)
+POST_NORM = ("gemma2",)  # every all-reduce left, each reported as a post-norm's input
 LINEAR_ATTENTION_LAYERS = {"qwen3_5_moe": 1}  # kept whole: no o_proj sharded, no all-reduce
 QUERY_GATED = ("qwen3_5_moe",)  # q_proj gives each head's queries and its output gate
 # Families shard_decoder refuses: a norm over the whole q / k projection (Olmo2), per-layer lambdas mixing
@@ -140,7 +143,31 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
 
 
 @mpi
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"stablelm", "stablelm_qk_layernorm"}))
+@pytest.mark.parametrize("family", POST_NORM)
+def test_fusion_reports_a_post_norms_all_reduces_as_such(comm, family):
+    """Gemma 2 normalises each all-reduced sum before adding it to the residual: fused_all_reduce, which normalises
+    sum + residual, takes none of them, and each all-reduce's reason says that its sum is a post-norm's input. The
+    norms are matched as local ops; the logits stay the unfused model's (bf16, within the norms' rounding)."""
+    c = commfuse.Communicator(comm.group)
+    c.check_calls = False
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        model = shard_decoder(tiny(family, torch.bfloat16)).to(c.device)
+        ids = tokens(2).to(c.device)
+        want = model(ids, use_cache=False).logits.float()
+        compiled = fusion.compile(model, c, backend="aot_eager")
+        got = compiled(ids, use_cache=False).logits.float()
+    reports = compiled.fusion_reports
+    text = "\n".join(map(str, reports))
+    assert not any("commfuse::fused_all_reduce" in str(r) for r in reports), text
+    reasons = [s.reason for r in reports for s in r.skipped if s.what == "all-reduce"]
+    assert len(reasons) == 2 * LAYERS and all("(a post-norm, as Gemma 2 / 3's" in r for r in reasons), text
+    err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+    assert err < 0.03, f"relative RMS error {err:.3g}"
+
+
+@mpi
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"stablelm", "stablelm_qk_layernorm", *POST_NORM}))
 def test_fusion_fuses_every_all_reduce_tail(comm, family):
     c = commfuse.Communicator(comm.group)
     c.check_calls = False
