@@ -164,7 +164,8 @@ def _unread_sum(ar: fx.Node, norm_inputs: dict) -> str:
         for u in readers_of(n):
             via.setdefault(u, n)
             stack.append(u)
-    for r in sorted(readers, key=positions.get):
+    readers.sort(key=positions.get)
+    for r in readers:
         shared = via[r]
         others = [u.name for u in readers_of(shared) if u is not r]
         if (r in norm_inputs or G.kind(r) == "cf_tail") and others and shared not in (ar, *after):
@@ -174,8 +175,7 @@ def _unread_sum(ar: fx.Node, norm_inputs: dict) -> str:
     base = "no residual add + RMSNorm (as the pass recognises one) reads its sum"
     if not readers:
         return base
-    named = [f"{r.name} ({G.kind(r) or getattr(r.target, '__name__', r.target)})"
-             for r in sorted(readers, key=positions.get)[:4]]
+    named = [f"{r.name} ({G.kind(r) or getattr(r.target, '__name__', r.target)})" for r in readers[:4]]
     return f"{base}: it is read by {', '.join(named)}" + (" and more" if len(readers) > 4 else "")
 
 
