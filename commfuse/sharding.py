@@ -7,18 +7,17 @@ model, unchanged" can be tried on transformers' own classes in a few lines.
     commfuse.sharding.shard_decoder(model)                 # (or from_pretrained(...), then .to(comm.device))
     compiled = commfuse.fusion.compile(model, comm)
 
-Per decoder layer: the attention's q_proj / k_proj / v_proj and the MLP's gate_proj / up_proj (up_proj alone in
-an ungated MLP, as Arcee's and Nemotron's: its activation is elementwise) become column-parallel (each rank keeps
-its 1 / world of the heads and of the intermediate features, biases included), o_proj and down_proj
-row-parallel: each rank multiplies its slice of the input features and the partial products are summed with
+Per decoder layer: the attention's q_proj / k_proj / v_proj and the MLP's gate_proj / up_proj (up_proj alone in an
+ungated MLP, as Arcee's and Nemotron's: its activation is elementwise) become column-parallel (each rank keeps its
+1 / world of the heads and of the intermediate features, biases included), o_proj and down_proj row-parallel: each
+rank multiplies its slice of the input features and the partial products are summed with
 `torch.distributed.all_reduce` in place, as models write it (a bias added to rank 0's partial product only, as vLLM
-does, so that the sum holds it once). That all-reduce is followed by the residual add and the next RMSNorm: the
-tail commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attention reshapes with `-1` heads (transformers'
-Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged on their share
-of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
-up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the
-projections to the latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms)
-replicated.
+does, so that the sum holds it once). That all-reduce is followed by the residual add and the next RMSNorm: the tail
+commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attention reshapes with `-1` heads
+(transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged on their
+share of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
+up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the projections to the
+latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated.
 
 A MoE block (transformers 5's layout: a router `gate` (gpt-oss: `router`) and an `experts` module holding
 every expert's `gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate], or
