@@ -23,7 +23,7 @@ from conftest import error_cycle
 from compare import assert_tail_close, assert_within_ulp, bits_equal, poisoned_runs
 from inputs import rank_inputs, tail_inputs
 
-mpi = pytest.mark.mpi(min_size=1)  # one rank too: on one GPU that is the NCCL route (the sum is a copy)
+mpi = pytest.mark.mpi(min_size=1)  # one rank too: on one GPU no collective runs, NCCL's where a test forces it
 DTYPES = [torch.bfloat16, torch.float16]
 PATTERNS = [  # (quant, return_norm, sf_layout)
     (None, False, "swizzled"),
@@ -89,6 +89,54 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
         assert r.plan.tail == "fused", str(r.plan)
     else:
         assert r.plan.tail == "separated" and any("cpu" in s for s in r.plan.reasons)
+
+
+@mpi
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (an NCCL group of one rank)")
+def test_one_rank_of_an_nccl_group_launches_no_all_reduce(comm, gen):
+    """A Communicator of an NCCL group of one rank (each rank's own): its calls plan no collective and launch no
+    NCCL all-reduce (its watchdog counts none), eager and replayed from a CUDA graph; a plain call is a copy of
+    x, a fused one the reference's tail of x (the residual bit for bit, the codes within their tolerance),
+    out.residual = residual updated in place. strategy="nccl" runs NCCL's all-reduce on the same group."""
+    if dist.get_backend(comm.group) != "nccl":
+        pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
+    groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
+    c, forced = (Communicator(groups[dist.get_rank()], strategy=s) for s in ("auto", "nccl"))
+    c.check_calls = forced.check_calls = False  # the check's gather would not be captured
+    words = None if c._nccl is None else c._nccl._progress
+    issued = None if words is None else words[nccl.ISSUED]
+    x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
+    residual, weight, scale = tail_inputs(c, gen, 16, 4096, torch.bfloat16, "fp8")
+    p = c.plan(x, residual, weight, quant="fp8", scale=scale)
+    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "fused", "fused_tail", "identity"), str(p)
+    assert (c.plan(x).collective, forced.plan(x).collective) == ("none", "nccl")
+    runs = poisoned_runs(lambda: c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale))
+    want = reference.fused_tail(x, residual, weight, quant="fp8", scale=scale)
+    for r in runs:
+        assert bits_equal(r.residual, want.residual) and r.norm is None
+        assert_tail_close(r, want, "fp8", norm=reference.fused_tail(x, residual, weight).norm, scale=scale)
+    y = c.all_reduce(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    in_place = residual.clone()
+    assert c.fused_all_reduce(x, in_place, weight, out=(in_place, None, None, None, None)).residual is in_place
+    assert bits_equal(in_place, want.residual)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        captured = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale)
+        captured_sum = c.all_reduce(x)
+    captured.quant.view(torch.uint8).fill_(0xA5)
+    captured_sum.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(captured.quant, runs[0].quant) and torch.equal(captured_sum, x)
+    if words is not None:
+        assert words[nccl.ISSUED] == issued, "an NCCL all-reduce ran"
+        assert torch.equal(forced.all_reduce(x), x)
+        torch.cuda.synchronize()
+        assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 1
+    c.close()
+    forced.close()
 
 
 @mpi
@@ -730,7 +778,9 @@ def test_plan_without_running(comm, gen):
     x, _ = rank_inputs(comm, gen, (4, 64), torch.bfloat16)
     residual, weight, scale = tail_inputs(comm, gen, 4, 64, torch.bfloat16, "nvfp4")
     p = comm.plan(x, residual, weight, quant="nvfp4", scale=scale)
-    assert p.collective in ("nccl", "gloo") or p.collective.startswith("p2p")
+    # one rank of an NCCL group has nothing to exchange: no collective
+    assert p.collective in ("nccl", "gloo", "none" if comm.world_size == 1 else "gloo") or \
+        p.collective.startswith("p2p"), str(p)
     assert p.tail == ("fused" if comm.device.type == "cuda" else "separated")
     # a plain plan (no residual) would ignore any tail argument: each is refused by name, defaults are not
     assert comm.plan(x, eps=1e-6, sf_layout="swizzled", weight_offset=0.0).tail == "none"

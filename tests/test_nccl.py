@@ -906,19 +906,22 @@ def test_the_stream_reports_each_eager_all_reduce_and_each_replayed_one(solo, ge
 
 @mpi
 @needs_nccl_gpu
-def test_a_communicators_native_launchers_report_their_all_reduces(quiet_comm, gen):
+def test_a_communicators_native_launchers_report_their_all_reduces(comm, gen):
     """The C++ launchers of the NCCL route (a plain all-reduce, and one with the fused tail) count each call
     and have the stream write its number, as NcclComm.all_reduce does."""
+    import commfuse
     from commfuse.kernels import native
 
-    if quiet_comm._nccl is None or native.unavailable() is not None:
+    c = commfuse.Communicator(comm.group, strategy="nccl")  # the route, also for one rank
+    c.check_calls = False  # the check's gather would not be captured
+    if c._nccl is None or native.unavailable() is not None:
         pytest.skip(f"needs the NCCL route's native launchers ({native.unavailable() or 'no commfuse.nccl here'})")
-    words = quiet_comm._nccl._progress
+    words = c._nccl._progress
     x, r = (torch.randn(8, 4096, generator=gen).bfloat16().cuda() for _ in range(2))
     w = torch.randn(4096, generator=gen).bfloat16().cuda()
     issued = words[nccl.ISSUED]
-    quiet_comm.all_reduce(x)
-    quiet_comm.fused_all_reduce(x, r, w)
+    c.all_reduce(x)
+    c.fused_all_reduce(x, r, w)
     torch.cuda.synchronize()
     assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 2
     # Captured, the same launchers put each all-reduce between the marks that its replays count.
@@ -927,13 +930,14 @@ def test_a_communicators_native_launchers_report_their_all_reduces(quiet_comm, g
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph):
-        quiet_comm.all_reduce(x)
-        quiet_comm.fused_all_reduce(x, r, w)
+        c.all_reduce(x)
+        c.fused_all_reduce(x, r, w)
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
     assert words[nccl.BEGUN] == words[nccl.ENDED] == begun + 4
     assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 2
+    c.close()
 
 
 @mpi
@@ -982,7 +986,7 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
         pytest.skip(f"the native launchers are off: {native.unavailable()}")
     monkeypatch.setenv("COMMFUSE_NCCL_TIMEOUT_S", "1")
     groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
-    c = commfuse.Communicator(groups[dist.get_rank()])
+    c = commfuse.Communicator(groups[dist.get_rank()], strategy="nccl")  # one rank runs NCCL only where forced
     c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
     x = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).cuda()
     r, w = torch.randn_like(x), torch.randn(4096, generator=gen).to(torch.bfloat16).cuda()
@@ -1006,7 +1010,8 @@ def test_an_aborted_route_raises_nccl_timeout_error_eager_through_torch_ops_and_
     compiled = torch.compile(lambda a: commfuse.ops.all_reduce(c, a * 2) + 1, fullgraph=True)
     with pytest.raises(nccl.NcclTimeoutError, match=expected):
         compiled(x)
-    fresh = commfuse.Communicator(groups[dist.get_rank()])  # the group's communicator made anew, and working
+    # the group's communicator made anew, and working
+    fresh = commfuse.Communicator(groups[dist.get_rank()], strategy="nccl")
     assert fresh._nccl is not c._nccl and not fresh._nccl.failed
     torch.testing.assert_close(fresh.all_reduce(x), x, rtol=0, atol=0)
     c.close()
@@ -1050,7 +1055,7 @@ def _stub_communicator(comm, stub):
     assert stub[1].stub_on_device(1) == 0, "libcuda's functions for the stub"
     try:
         groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
-        c = commfuse.Communicator(groups[dist.get_rank()])
+        c = commfuse.Communicator(groups[dist.get_rank()], strategy="nccl")  # one rank runs NCCL only where forced
         c.check_calls = False  # COMMFUSE_CHECK's comparison is a Python launcher: the op kernels would not run C++
         assert c._nccl is not None and c._nccl.nccl.path == stub[0], c.nccl_binding
         yield c

@@ -10,6 +10,8 @@ from commfuse.routes import Call, Collective, Machine, TailRoute, TensorMeta
 from commfuse.tail import checks
 from commfuse.tail.spec import TailSpec
 
+from compare import bits_equal
+
 CUDA = torch.device("cuda", 0)
 LIMITS = P2PLimits(64 << 20, (("oneshot", 1 << 20), ("twoshot", 32 << 20)))
 
@@ -292,6 +294,60 @@ def test_p2p_world_size_not_supported_goes_to_nccl():
     assert p.collective == "nccl" and any(r.startswith("world size 9 > 8") for r in p.reasons), p.reasons
 
 
+@pytest.mark.parametrize("strategy", ["auto", "oneshot", "twoshot"])
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "fp8_block"])
+def test_one_rank_of_an_nccl_group_runs_no_collective(strategy, quant):
+    """The sum of one rank is x: a fused call is the fused_tail kernel on x, a plain one a copy; no NCCL
+    launch, whatever P2P strategy is asked (one rank has no P2P)."""
+    p = plan(call(quant=quant), world=1, strategy=strategy, mode_reasons=("one rank",))
+    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "fused", "fused_tail", "identity"), str(p)
+    assert p.reasons == ("one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs "
+                         "NCCL's)",), p.reasons
+    p = plan(call(plain=True), world=1, strategy=strategy)
+    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "none", None, "identity"), str(p)
+
+
+def test_one_rank_keeps_nccls_all_reduce_where_forced_and_gloo_on_a_gloo_group():
+    for c in (call(quant="fp8"), call(plain=True)):
+        assert plan(c, world=1, strategy="nccl").collective == "nccl"
+        assert plan(c, world=1, backend="gloo").collective == "gloo"
+        assert plan(c, world=2).collective == "nccl"
+
+
+def test_one_rank_separates_a_tail_the_kernel_cannot_take_without_a_collective():
+    """Off the fused kernel (float32, a Python-number scale, CPU tensors) the separated tail runs on x itself:
+    the plan's route is the separated one and its collective none, whose launcher is the tail alone."""
+    for c, why in ((call(dtype=torch.float32), "float32"), (call(quant="fp8", scale=None), "Python float")):
+        p = plan(c, world=1)
+        assert (p.collective, p.tail, p.route) == ("none", "separated", "separated"), str(p)
+        assert any(why in r for r in p.reasons) and any("no collective runs" in r for r in p.reasons), p.reasons
+
+
+def test_one_ranks_launchers_copy_x_and_run_the_tail_on_x():
+    """What the plans above run, on CPU tensors: a plain call's copy of x (into out= where given, never x
+    itself), and the separated tail on x, bit for bit the reference's tail of the one-rank sum."""
+    from commfuse import reference
+
+    gen = torch.Generator().manual_seed(26)
+    x, residual = (torch.randn(5, 64, generator=gen).bfloat16() for _ in range(2))
+    weight = torch.randn(64, generator=gen).bfloat16()
+    m = Machine("fallback", "nccl", (9, 0), 1)
+    plain = Call.of("plain", x)
+    copy = routes.launcher(plain, routes.plan(plain, m), routes.Resources())
+    y = copy(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    out = torch.full_like(x, float("nan"))
+    assert copy(x, out=out) is out and torch.equal(out, x)
+    with pytest.raises(ValueError, match="overlap"):
+        copy(x, out=x)
+    fused = Call.of("fused", x, residual, weight, spec=TailSpec.of("fp8_per_token"))
+    p = routes.plan(fused, m)
+    tail = routes.launcher(fused, p, routes.Resources())(x, residual, weight)
+    want = reference.fused_tail(reference.all_reduce_sum([x]), residual, weight, quant="fp8_per_token")
+    for name, got in zip(("residual", "norm", "quant", "scale_factors", "scales"), tail):
+        assert bits_equal(got, getattr(want, name)), name
+
+
 def test_topology_reasons_are_carried():
     p = plan(call(), mode="fallback", mode_reasons=("no P2P between ranks 0->1",))
     assert "no P2P between ranks 0->1" in p.reasons and p.tail == "fused"
@@ -310,7 +366,8 @@ def test_call_pattern_names():
 
 def test_strategies_and_routes_are_entries():
     assert routes.STRATEGIES == ("auto", "oneshot", "twoshot", "nccl")
-    kinds = {"p2p_oneshot": routes.P2PRoute, "p2p_twoshot": routes.P2PRoute, "nccl": routes.NcclRoute,
+    kinds = {"identity": routes.IdentityRoute, "p2p_oneshot": routes.P2PRoute, "p2p_twoshot": routes.P2PRoute,
+             "nccl": routes.NcclRoute,
              "gloo": routes.GlooRoute, "local": routes.LocalRoute, "gated": routes.GatedRoute,
              "quantize": routes.QuantizeRoute, "separated": routes.SeparatedRoute}
     assert {name: type(route) for name, route in routes.ROUTES.items()} == kinds

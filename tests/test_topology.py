@@ -108,7 +108,8 @@ def test_machines_of_one_hostname_are_two_nodes():
 
 
 def test_one_rank_falls_back():
-    assert decide_mode([gpu()], full(1)) == ("fallback", ("one rank: nothing to exchange, NCCL path",))
+    assert decide_mode([gpu()], full(1)) == ("fallback",
+                                            ("one rank: nothing to exchange (NCCL only where forced), no P2P",))
 
 
 def test_a_rank_without_gpu_is_cpu():
