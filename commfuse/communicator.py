@@ -149,10 +149,11 @@ class Communicator:
 
     group: a torch.distributed process group; None = WORLD (init it first, e.g. with
     commfuse.init_distributed()). strategy: "auto" (P2P where the topology allows and it wins, else
-    NCCL), "nccl" (force the fallback row), "oneshot"/"twoshot" (force a P2P algorithm where P2P
-    exists): STRATEGIES. The environment variable COMMFUSE_STRATEGY overrides the argument;
-    COMMFUSE_DISABLE_FUSION=1 forces separated ops; COMMFUSE_CHECK=1 compares every call's shapes
-    and dtypes across ranks first (raising on all ranks instead of hanging).
+    NCCL; a fused call of one rank runs no collective), "nccl" (force the fallback row),
+    "oneshot"/"twoshot" (force a P2P algorithm where P2P exists): STRATEGIES. The environment variable
+    COMMFUSE_STRATEGY overrides the argument; COMMFUSE_DISABLE_FUSION=1 forces separated ops;
+    COMMFUSE_CHECK=1 compares every call's shapes and dtypes across ranks first (raising on all ranks
+    instead of hanging).
 
     Construction is collective. Where the topology's mode is "p2p" (NCCL group on one node, P2P
     between every pair) and the strategy is not "nccl", it creates the P2P workspace
@@ -603,7 +604,7 @@ class Communicator:
 
     def close(self) -> None:
         """Release the P2P workspace (collective: every rank calls it); later calls take the group's own
-        collective through torch.distributed (NCCL, or gloo)."""
+        collective through torch.distributed (NCCL, or gloo), a fused call of one rank none."""
         self.table.clear()  # its launchers may hold the workspace or commfuse.nccl's communicator
         self._moe_plans.clear()  # so may the MoE P2P launchers
         self.table = native.table(self.name, 0, FusedResult, Tail, Quantized)

@@ -5,7 +5,7 @@ The collective routes, in the order they are tried (the strategy= names come fro
 
 | route | strategy= | collective | tail | calibrated by |
 |---|---|---|---|---|
-| identity | - | none: one rank of an NCCL group, whose sum is x itself | the fused_tail kernel on x | - |
+| identity | - | none: a fused call of one rank of an NCCL group (its sum is x) | the fused_tail kernel on x | - |
 | p2p_oneshot | "oneshot" | the P2P one-shot kernel | fused into it | its crossover (p2p.calibration) |
 | p2p_twoshot | "twoshot" | the P2P two-shot kernel (in pieces past the workspace) | fused into it | its crossover |
 | nccl | "nccl" | ncclAllReduce (commfuse.nccl, else torch.distributed) | the fused_tail kernel after it | - |
@@ -286,25 +286,24 @@ class Route:
 
 
 class IdentityRoute(Route):
-    """One rank of an NCCL group, under any strategy but "nccl": the all-reduce of one rank is x itself, so
-    nothing is exchanged and nothing launched for it. A plain all-reduce copies x; a fused call is the local
-    route's kernel on x, the bits of NCCL's copy then the tail, without NCCL's launch and the watchdog's two
-    marks (a decode call's 1.7 us against 6.2 on an H200). strategy="nccl" keeps NCCL's all-reduce, which the
-    NCCL route's tests on one GPU run. A gloo group of one rank (CPU tensors) keeps the gloo route."""
+    """A fused call of one rank of an NCCL group, under any strategy but "nccl": the all-reduce of one rank is
+    x itself, so the tail's kernel reads x, the bits of NCCL's copy then the tail, without NCCL's launch and
+    the watchdog's two marks (the decode rows on an H200: 1.7 us against 6.2). A plain all-reduce keeps NCCL's
+    (a copy into a new tensor, from the C++ launcher), and so do strategy="nccl" (the NCCL route's tests on
+    one GPU) and a gloo group of one rank (CPU tensors)."""
 
     name = "identity"
     collective = Collective.NONE
     kernel = FUSED_TAIL
 
     def accepts(self, call, m, fused):
-        return None if m.world_size == 1 and m.backend == "nccl" and m.strategy != "nccl" else ()
+        one = m.world_size == 1 and m.backend == "nccl" and m.strategy != "nccl"
+        return None if one and call.spec is not None else ()
 
     def chosen(self, call, m, fused):
         return "one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs NCCL's)"
 
     def launcher(self, call, plan, res):
-        if call.spec is None:
-            return _Copy()
         return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index,
                                                residual=call.residual is not None))
 
@@ -603,21 +602,8 @@ class _Then:
         return self.tail(total, residual, weight, scale, out, z)
 
 
-class _Copy:
-    """The sum of one rank: a copy of x (the caller's), in out where given."""
-
-    __slots__ = ()
-
-    def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
-        if out is None:
-            return x.clone(memory_format=torch.contiguous_format)
-        out_placed(("out",), (out,), (None,))
-        no_overlap(("out",), (out,), (None,), (("x", x),))
-        return out.copy_(x)
-
-
-class _TorchAllReduce(_Copy):
-    """torch.distributed's all_reduce, which works in place: on a copy of x."""
+class _TorchAllReduce:
+    """torch.distributed's all_reduce, which works in place: on a copy of x (x is the caller's)."""
 
     __slots__ = ("group",)
 
@@ -625,7 +611,12 @@ class _TorchAllReduce(_Copy):
         self.group = group
 
     def __call__(self, x, residual=None, weight=None, scale=None, out=None, z=None):
-        out = super().__call__(x, out=out)
+        if out is None:
+            out = x.clone(memory_format=torch.contiguous_format)
+        else:
+            out_placed(("out",), (out,), (None,))
+            no_overlap(("out",), (out,), (None,), (("x", x),))
+            out.copy_(x)
         dist.all_reduce(out, group=self.group)
         return out
 

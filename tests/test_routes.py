@@ -296,22 +296,22 @@ def test_p2p_world_size_not_supported_goes_to_nccl():
 
 @pytest.mark.parametrize("strategy", ["auto", "oneshot", "twoshot"])
 @pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "fp8_block"])
-def test_one_rank_of_an_nccl_group_runs_no_collective(strategy, quant):
-    """The sum of one rank is x: a fused call is the fused_tail kernel on x, a plain one a copy; no NCCL
-    launch, whatever P2P strategy is asked (one rank has no P2P)."""
+def test_a_fused_call_of_one_rank_of_an_nccl_group_runs_no_collective(strategy, quant):
+    """The sum of one rank is x: a fused call is the fused_tail kernel on x, no NCCL launch, whatever P2P
+    strategy is asked (one rank has no P2P); a plain call keeps NCCL's all-reduce (its copy of x)."""
     p = plan(call(quant=quant), world=1, strategy=strategy, mode_reasons=("one rank",))
     assert (p.collective, p.tail, p.kernel, p.route) == ("none", "fused", "fused_tail", "identity"), str(p)
     assert p.reasons == ("one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs "
                          "NCCL's)",), p.reasons
     p = plan(call(plain=True), world=1, strategy=strategy)
-    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "none", None, "identity"), str(p)
+    assert (p.collective, p.tail, p.route) == ("nccl", "none", "nccl"), str(p)
 
 
 def test_one_rank_keeps_nccls_all_reduce_where_forced_and_gloo_on_a_gloo_group():
-    for c in (call(quant="fp8"), call(plain=True)):
-        assert plan(c, world=1, strategy="nccl").collective == "nccl"
-        assert plan(c, world=1, backend="gloo").collective == "gloo"
-        assert plan(c, world=2).collective == "nccl"
+    c = call(quant="fp8")
+    assert plan(c, world=1, strategy="nccl").collective == "nccl"
+    assert plan(c, world=1, backend="gloo").collective == "gloo"
+    assert plan(c, world=2).collective == "nccl"
 
 
 def test_one_rank_separates_a_tail_the_kernel_cannot_take_without_a_collective():
@@ -323,25 +323,17 @@ def test_one_rank_separates_a_tail_the_kernel_cannot_take_without_a_collective()
         assert any(why in r for r in p.reasons) and any("no collective runs" in r for r in p.reasons), p.reasons
 
 
-def test_one_ranks_launchers_copy_x_and_run_the_tail_on_x():
-    """What the plans above run, on CPU tensors: a plain call's copy of x (into out= where given, never x
-    itself), and the separated tail on x, bit for bit the reference's tail of the one-rank sum."""
+def test_one_ranks_separated_launcher_runs_the_tail_on_x():
+    """What a one-rank fused call off the fused kernel runs, on CPU tensors: the separated tail on x itself,
+    bit for bit the reference's tail of the one-rank sum (no collective's launcher before it)."""
     from commfuse import reference
 
     gen = torch.Generator().manual_seed(26)
     x, residual = (torch.randn(5, 64, generator=gen).bfloat16() for _ in range(2))
     weight = torch.randn(64, generator=gen).bfloat16()
-    m = Machine("fallback", "nccl", (9, 0), 1)
-    plain = Call.of("plain", x)
-    copy = routes.launcher(plain, routes.plan(plain, m), routes.Resources())
-    y = copy(x)
-    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
-    out = torch.full_like(x, float("nan"))
-    assert copy(x, out=out) is out and torch.equal(out, x)
-    with pytest.raises(ValueError, match="overlap"):
-        copy(x, out=x)
     fused = Call.of("fused", x, residual, weight, spec=TailSpec.of("fp8_per_token"))
-    p = routes.plan(fused, m)
+    p = routes.plan(fused, Machine("fallback", "nccl", (9, 0), 1))
+    assert (p.collective, p.route) == ("none", "separated"), str(p)
     tail = routes.launcher(fused, p, routes.Resources())(x, residual, weight)
     want = reference.fused_tail(reference.all_reduce_sum([x]), residual, weight, quant="fp8_per_token")
     for name, got in zip(("residual", "norm", "quant", "scale_factors", "scales"), tail):
