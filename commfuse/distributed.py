@@ -120,15 +120,29 @@ def _loopback(addr: str) -> bool:
     return ipaddress.ip_address(addr).is_loopback
 
 
-def _rank0_address(hosts: list) -> str:
-    """Rank 0's address for its peers, `hosts` being every rank's host name (rank 0's first): its host name's
-    address, unless that is a loopback one (Debian and Ubuntu map the host name to 127.0.1.1 in /etc/hosts) and a
-    rank runs on another host, which could not reach it and would wait out the rendezvous's timeout. Then the
-    address of rank 0's interface on the route to such a host, else a non-loopback address of its host name;
-    ValueError naming MASTER_ADDR where there is none."""
-    own = hosts[0]
+def _network_namespace() -> str:
+    """This process's network namespace as "boot id:inode" (Linux), "" where it cannot be read: the processes of
+    one namespace share its loopback interface, those of another (a container of its own, on this machine or
+    another, whatever its host name) do not."""
+    from .topology import boot_id
+
+    try:
+        return f"{boot_id() or ''}:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""
+
+
+def _rank0_address(places: list) -> str:
+    """Rank 0's address for its peers, `places` being every rank's (host name, _network_namespace()), rank 0's
+    first: its host name's address, unless that is a loopback one (Debian and Ubuntu map the host name to
+    127.0.1.1 in /etc/hosts) and a rank runs in another place (another host, or another network namespace under
+    the same host name), which could not reach it and would wait out the rendezvous's timeout. Then the address
+    of rank 0's interface on the route to such a host, else a non-loopback address of its host name; ValueError
+    naming MASTER_ADDR where there is none."""
+    places = [tuple(p) for p in places]
+    own = places[0][0]
     addr = socket.gethostbyname(own)
-    others = [h for h in dict.fromkeys(hosts) if h != own]
+    others = list(dict.fromkeys(name for name, ns in places if (name, ns) != places[0]))  # host names, once
     if not others or not _loopback(addr):
         return addr
     for peer in others:
@@ -142,22 +156,23 @@ def _rank0_address(hosts: list) -> str:
     for *_, sockaddr in socket.getaddrinfo(own, None, socket.AF_INET, socket.SOCK_STREAM):
         if not _loopback(sockaddr[0]):
             return sockaddr[0]
-    raise ValueError(f"rank 0's host name {own!r} resolves to the loopback address {addr}, which the ranks on "
-                     f"{others[0]!r} cannot reach, and no route to them was found: set MASTER_ADDR to an address of "
-                     "rank 0's host that every rank can reach")
+    where = next((f"on {h!r}" for h in others if h != own), f"in another network namespace of {own!r}")
+    raise ValueError(f"rank 0's host name {own!r} resolves to the loopback address {addr}, which the ranks {where} "
+                     "cannot reach, and no route to them was found: set MASTER_ADDR to an address of rank 0's host "
+                     "that every rank can reach")
 
 
 def _mpi_rendezvous(rank: int) -> tuple:
     """(address, port) of rank 0, sent to every rank; rank 0's error (a bad MASTER_PORT, say) is sent instead
     and raised on every rank, which would otherwise wait in the broadcast for good. The address: MASTER_ADDR,
-    else _rank0_address's (every rank's host name gathered first)."""
+    else _rank0_address's (every rank's host name and network namespace gathered first)."""
     from mpi4py import MPI
 
     addr = None
-    hosts = MPI.COMM_WORLD.gather(socket.gethostname(), root=0)  # by every rank, whatever its MASTER_ADDR
+    places = MPI.COMM_WORLD.gather((socket.gethostname(), _network_namespace()), root=0)  # whatever MASTER_ADDR
     if rank == 0:
         try:
-            addr = (os.environ.get("MASTER_ADDR") or _rank0_address(hosts), _master_port() or _free_port())
+            addr = (os.environ.get("MASTER_ADDR") or _rank0_address(places), _master_port() or _free_port())
         except Exception as e:  # noqa: BLE001 - any failure here must reach the other ranks
             error = e
             addr = (type(e).__name__, str(e))  # words, not the exception: one that does not pickle would stop

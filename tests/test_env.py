@@ -196,19 +196,42 @@ def test_rank_0s_address_reaches_ranks_on_other_hosts(monkeypatch):
     routes = {"10.1.2.3": "10.1.2.1"}
     monkeypatch.setattr(distributed, "_route_source", lambda peer: routes[peer])
     monkeypatch.setattr(distributed.socket, "getaddrinfo", lambda *a: [])
-    assert distributed._rank0_address(["node-a", "node-a"]) == "127.0.1.1"  # one host: loopback reaches it
-    assert distributed._rank0_address(["node-a", "node-a", "node-b"]) == "10.1.2.1"  # the route to node-b
+    a, b, c = ("node-a", "ns-1"), ("node-b", "ns-2"), ("node-c", "ns-3")
+    assert distributed._rank0_address([a, a]) == "127.0.1.1"  # one host: loopback reaches it
+    assert distributed._rank0_address([a, a, b]) == "10.1.2.1"  # the route to node-b
     routes.clear()  # no route to node-b (OSError from the connect): a non-loopback address of rank 0's name
     monkeypatch.setattr(distributed, "_route_source", lambda peer: (_ for _ in ()).throw(OSError("unreachable")))
     monkeypatch.setattr(distributed.socket, "getaddrinfo",
                         lambda *a: [(0, 0, 0, "", ("127.0.1.1", 0)), (0, 0, 0, "", ("192.168.7.9", 0))])
-    assert distributed._rank0_address(["node-a", "node-b"]) == "192.168.7.9"
+    assert distributed._rank0_address([a, b]) == "192.168.7.9"
+    # rank 1 under rank 0's host name in another network namespace (a container of its own): its loopback is
+    # not rank 0's, so it takes the non-loopback address too
+    assert distributed._rank0_address([a, ("node-a", "ns-9")]) == "192.168.7.9"
     monkeypatch.setattr(distributed.socket, "getaddrinfo", lambda *a: [(0, 0, 0, "", ("127.0.1.1", 0))])
     with pytest.raises(ValueError, match="'node-a' resolves to the loopback address 127.0.1.1, which the ranks on "
                                          "'node-c' cannot reach.*set MASTER_ADDR"):
-        distributed._rank0_address(["node-a", "node-c"])  # node-c's name resolves to loopback here: no route
+        distributed._rank0_address([a, c])  # node-c's name resolves to loopback here: no route
+    with pytest.raises(ValueError, match="which the ranks in another network namespace of 'node-a' cannot reach"):
+        distributed._rank0_address([a, ("node-a", "ns-9")])
     monkeypatch.setattr(distributed.socket, "gethostbyname", lambda host: {"node-a": "10.9.9.9"}[host])
-    assert distributed._rank0_address(["node-a", "node-b"]) == "10.9.9.9"  # not loopback: as it was
+    assert distributed._rank0_address([a, b]) == "10.9.9.9"  # not loopback: as it was
+
+
+def test_network_namespace_is_this_machines_and_this_processs():
+    """Two processes of one namespace (this one and a child) name it alike; the name holds the machine's boot id,
+    so the same inode on another machine is another namespace."""
+    import subprocess
+    import sys
+
+    from commfuse import distributed
+    from commfuse.topology import boot_id
+
+    mine = distributed._network_namespace()
+    if not mine:
+        pytest.skip("no /proc/self/ns/net here")
+    child = subprocess.run([sys.executable, "-c", "from commfuse import distributed; "
+                            "print(distributed._network_namespace())"], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == mine and mine.startswith(f"{boot_id() or ''}:")
 
 
 def test_route_source_is_this_hosts_address_towards_the_peer():
