@@ -60,6 +60,8 @@ def fused_rejects(y: Tensor, weights: Tensor, residual: Tensor, weight: Tensor, 
     not take) or None; all tensors on m's device (the communicator's; checks.moe and checks.tail)."""
     if m.world_size != 1:
         return f"world size {m.world_size}: the combine runs before the all-reduce, the tail after it"
+    if m.strategy == "nccl":  # the fallback row, as a dense call of one rank takes it (routes.IdentityRoute)
+        return "strategy 'nccl': the combine, NCCL's all-reduce, then the tail"
     call = routes.Call.of("fused", residual, residual, weight, scale if isinstance(scale, Tensor) else None,
                           spec=spec)  # the combined rows: residual's shape, dtype and device
     why = routes.tail_guard(call, m) or MOE_TAIL.rejects(y.dtype, m.sm or (0, 0), y.shape[-1], weights.shape[0],

@@ -205,7 +205,7 @@ def _decide_gpu_mode(ranks: Sequence[RankInfo], p2p: Sequence[Sequence[bool]], p
     if len(nodes) > 1:
         return "fallback", (f"ranks span {len(nodes)} nodes: {fallback} between nodes",)
     if len(ranks) == 1:
-        return "fallback", (f"one rank: nothing to exchange ({fallback} only where forced), no P2P",)
+        return "fallback", ("one rank: nothing to exchange, no P2P",)
     sms = sorted({tuple(r.sm) for r in ranks if r.sm is not None})
     if len(sms) > 1:
         # Every rank must take the same collective; per-rank kernel choices could diverge and hang.

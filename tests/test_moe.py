@@ -10,7 +10,7 @@ import commfuse
 from commfuse import ops, reference
 from commfuse.kernels import launch
 from commfuse.reference import Tail
-from commfuse.tail.spec import code
+from commfuse.tail.spec import TailSpec, code
 
 from compare import assert_tail_close, bits_equal
 from conftest import error_cycle
@@ -72,7 +72,7 @@ def test_moe_all_reduce_matches_reference(comm, gen, form, quant, return_norm, s
     after = [v for v in (y, w, idx, shared, residual, weight) if v is not None]
     assert all(bits_equal(b, v) for b, v in zip(saved, after)), "moe_all_reduce modified an input"  # NaN rows too
     if comm.device.type == "cuda":  # world 1 and the P2P route: the combine in the kernel that reads the rows
-        fused = comm.world_size == 1 or r.plan.collective.algorithm is not None
+        fused = (comm.world_size == 1 and comm.strategy != "nccl") or r.plan.collective.algorithm is not None
         assert r.plan.combine == ("fused" if fused else "kernel"), str(r.plan)
     else:
         assert r.plan.combine == "separated" and any(s.startswith("combine: tensors on cpu") for s in r.plan.reasons)
@@ -227,6 +227,23 @@ def test_moe_plan_names_disable_fusion_first():
     assert moe.plan(y, w, Machine("local", sm=(9, 0), fusion=False)) == \
         ("separated", "combine: COMMFUSE_DISABLE_FUSION=1: separated ops")
     assert moe.plan(y, w, Machine("local", sm=(9, 0)))[1].startswith("combine: tensors on cpu")
+
+
+def test_one_rank_forced_to_nccl_keeps_the_combine_out_of_the_tail():
+    """strategy="nccl" is the fallback row for a MoE call of one rank too (as for a dense one): the combine, NCCL's
+    all-reduce, the tail; without it one kernel may take the call, and at world size 2 none is tried."""
+    from commfuse import moe
+    from commfuse.routes import Machine
+
+    y, w, residual, weight = torch.empty(4, 2, 64), torch.empty(4, 2), torch.empty(4, 64), torch.empty(64)
+
+    def why(**machine):
+        return moe.fused_rejects(y, w, residual, weight, None, TailSpec.of(None),
+                                 Machine("fallback", "nccl", (9, 0), **machine))
+
+    assert why(world_size=1, strategy="nccl") == "strategy 'nccl': the combine, NCCL's all-reduce, then the tail"
+    assert why(world_size=1).startswith("moe_tail: tensors on cpu")  # the next guard: CUDA tensors
+    assert why(world_size=2).startswith("world size 2")
 
 
 @mpi

@@ -108,8 +108,7 @@ def test_machines_of_one_hostname_are_two_nodes():
 
 
 def test_one_rank_falls_back():
-    assert decide_mode([gpu()], full(1)) == ("fallback",
-                                            ("one rank: nothing to exchange (NCCL only where forced), no P2P",))
+    assert decide_mode([gpu()], full(1)) == ("fallback", ("one rank: nothing to exchange, no P2P",))
 
 
 def test_a_rank_without_gpu_is_cpu():
