@@ -285,29 +285,6 @@ class Route:
         raise NotImplementedError
 
 
-class IdentityRoute(Route):
-    """A fused call of one rank of an NCCL group, under any strategy but "nccl": the all-reduce of one rank is
-    x itself, so the tail's kernel reads x, the bits of NCCL's copy then the tail, without NCCL's launch and
-    the watchdog's two marks (the decode rows on an H200: 1.7 us against 6.2). A plain all-reduce keeps NCCL's
-    (a copy into a new tensor, from the C++ launcher), and so do strategy="nccl" (the NCCL route's tests on
-    one GPU) and a gloo group of one rank (CPU tensors)."""
-
-    name = "identity"
-    collective = Collective.NONE
-    kernel = FUSED_TAIL
-
-    def accepts(self, call, m, fused):
-        one = m.world_size == 1 and m.backend == "nccl" and m.strategy != "nccl"
-        return None if one and call.spec is not None else ()
-
-    def chosen(self, call, m, fused):
-        return "one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs NCCL's)"
-
-    def launcher(self, call, plan, res):
-        return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index,
-                                               residual=call.residual is not None))
-
-
 class P2PRoute(Route):
     """The P2P all-reduce kernels over the workspace's IPC buffers, one algorithm each. Calibrated: the
     workspace measures where each algorithm beats the next and NCCL (p2p.calibration); `auto` takes an
@@ -439,6 +416,25 @@ class LocalRoute(Route):
     def launcher(self, call, plan, res):
         return native.launcher(self.kernel.plan(call.x.dtype, call.tokens, call.hidden, call.spec,
                                                 call.x.device.index, residual=call.residual is not None))
+
+
+class IdentityRoute(LocalRoute):
+    """A fused call of one rank of an NCCL group, under any strategy but "nccl": the all-reduce of one rank is
+    x itself, so the local route's kernel reads x, the bits of NCCL's copy then the tail, without NCCL's launch
+    and the watchdog's two marks (at 1 x 4096 on an H200, bench/results/2026-12-05-h200-s31-moe-w1.txt: the tail
+    kernel 1.7 us, the NCCL route 6.2). A plain all-reduce keeps NCCL's (a copy into a new tensor, from the C++
+    launcher), and so do strategy="nccl" (the NCCL route's tests on one GPU) and a gloo group of one rank (CPU
+    tensors)."""
+
+    name = "identity"
+    collective = Collective.NONE
+
+    def accepts(self, call, m, fused):
+        one = m.world_size == 1 and m.backend == "nccl" and m.strategy != "nccl"
+        return None if one and call.spec is not None else ()
+
+    def chosen(self, call, m, fused):
+        return "one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs NCCL's)"
 
 
 class GatedRoute(Route):
