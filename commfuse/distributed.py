@@ -139,7 +139,6 @@ def _rank0_address(places: list) -> str:
     the same host name), which could not reach it and would wait out the rendezvous's timeout. Then the address
     of rank 0's interface on the route to such a host, else a non-loopback address of its host name; ValueError
     naming MASTER_ADDR where there is none."""
-    places = [tuple(p) for p in places]
     own = places[0][0]
     addr = socket.gethostbyname(own)
     others = list(dict.fromkeys(name for name, ns in places if (name, ns) != places[0]))  # host names, once
