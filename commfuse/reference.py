@@ -139,6 +139,22 @@ def _to_e4m3(v: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- tail ops
 
 
+def _like(name: str, t: Tensor, other: str, like: Tensor) -> None:
+    """ValueError unless t has like's shape, dtype and device: torch would broadcast a [1, h] or [h] tensor, or
+    promote a dtype, and give an answer to a call that the library refuses."""
+    for what, a, b in (("shape", tuple(t.shape), tuple(like.shape)), ("dtype", t.dtype, like.dtype),
+                       ("device", t.device, like.device)):
+        if a != b:
+            raise ValueError(f"{name} must have {other}'s {what} {b}, got {a}")
+
+
+def _weight(weight: Tensor, x: Tensor) -> None:
+    """ValueError unless weight is [h], h = x.shape[-1], on x's device (any float dtype)."""
+    if tuple(weight.shape) != (x.shape[-1],) or weight.device != x.device:
+        raise ValueError(f"weight must be [{x.shape[-1]}] (the hidden size) on {x.device}, got "
+                         f"{list(weight.shape)} on {weight.device}")
+
+
 def all_reduce_sum(xs: Sequence[Tensor]) -> Tensor:
     """Sum of the ranks' partial tensors, as the one-shot all-reduce computes it.
 
@@ -149,6 +165,8 @@ def all_reduce_sum(xs: Sequence[Tensor]) -> Tensor:
     """
     if len(xs) == 0:
         raise ValueError("all_reduce_sum needs at least one tensor")
+    for i, x in enumerate(xs[1:], 1):
+        _like(f"xs[{i}]", x, "xs[0]", xs[0])
     # Explicit rank-order accumulation: a stacked .sum() may reorder (pairwise/vectorised).
     acc = xs[0].to(torch.float32, copy=True)
     for x in xs[1:]:
@@ -233,6 +251,7 @@ def residual_add(a: Tensor, residual: Tensor) -> Tensor:
     a, residual: tensors of one shape and dtype T, on one device.
     Returns a T tensor of that shape.
     """
+    _like("residual", residual, "a", a)
     return (a.float() + residual.float()).to(a.dtype)
 
 
@@ -253,6 +272,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float =
     w = float(weight) when weight_offset == 0 (no addition: a -0.0 weight keeps its
     sign), else w = RN(weight_offset + float(weight)), one fp32 addition.
     """
+    _weight(weight, x)
     xf = x.float().contiguous()  # the mean's order of summation is a dense row's, whatever x's strides
     inv = torch.rsqrt(_mean_of_squares(xf) + eps)
     wf = weight.float()
@@ -674,6 +694,9 @@ def gated_rmsnorm(x: Tensor, z: Optional[Tensor], weight: Tensor, eps: float, gr
     devices: it goes through exp). Returns [t, h] of x's dtype, on x's device.
     """
     h = x.shape[-1]
+    _weight(weight, x)
+    if z is not None:
+        _like("z", z, "x", x)
     xf = x.reshape(-1, h).contiguous().float()  # the sums in row order, whatever x's strides (as rmsnorm's)
     g = None if z is None else torch.nn.functional.silu(z.reshape(-1, h).float())
     if g is not None and not norm_before_gate:

@@ -295,6 +295,17 @@ def _layers(model: nn.Module, blocks: list) -> list:
 _KEPT_WHOLE = "GatedDeltaNet"
 
 
+def _first_stacked_matrix(model: nn.Module) -> Optional[str]:
+    """The path of the first weight matrix of a ModuleList of layers (a decoder's stack) whose module has no name
+    that shard_decoder knows, or None."""
+    for path, stack in model.named_modules():
+        if isinstance(stack, nn.ModuleList):
+            for name, p in stack.named_parameters():
+                if p.dim() >= 2 and name.rsplit(".", 2)[-2] not in (*_COLUMN, *_ROW):
+                    return f"{path}.{name}"
+    return None
+
+
 def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
     """Raise where a decoder layer (each child of a ModuleList that holds an attention, MLP or MoE block found,
     whether or not the layer itself holds one) has a weight matrix in none of its attention, MLP or MoE block: an
@@ -552,8 +563,10 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
     layers = _layers(model, [m for _, m in blocks])
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
+        unknown = _first_stacked_matrix(model)  # Phi-3's qkv_proj, say: named, as _check_covered names one
         raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (up/down_proj, gated or not) "
-                         "or MoE (gate, experts) layers found: not a decoder shard_decoder knows")
+                         "or MoE (gate, experts) layers found" + (f" ({unknown} is in none)" if unknown else "")
+                         + ": not a decoder shard_decoder knows")
     try:
         _check_covered(model, layers, [m for _, m in blocks])
         for path, block in blocks:

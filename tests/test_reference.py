@@ -652,6 +652,28 @@ def test_bad_arguments():
             ref.fused_tail(a, r, w, **options)
 
 
+def test_operands_that_torch_would_broadcast_or_promote_are_refused():
+    """The oracle answers no call that the library refuses: a [1, h] residual, a [1] or per-row weight, a
+    partial of another dtype would each give a result through torch's broadcasting or promotion."""
+    a, r, w = _tail_inputs(shape=(4, 64))
+    for bad, match in ((dict(residual=r[:1]), r"residual must have a's shape \(4, 64\), got \(1, 64\)"),
+                       (dict(residual=r.half()), "residual must have a's dtype torch.bfloat16, got torch.float16"),
+                       (dict(weight=w[:1]), r"weight must be \[64\] \(the hidden size\) on cpu, got \[1\]"),
+                       (dict(weight=a), r"weight must be \[64\] .* got \[4, 64\]")):
+        with pytest.raises(ValueError, match=match):
+            ref.fused_tail(**{"a": a, "residual": r, "weight": w, **bad})
+    with pytest.raises(ValueError, match=r"weight must be \[64\]"):
+        ref.rmsnorm(a, w[:32])
+    with pytest.raises(ValueError, match=r"weight must be \[64\]"):
+        ref.gated_rmsnorm(a, None, w[:1], 1e-6, 16, False)
+    with pytest.raises(ValueError, match=r"z must have x's shape"):
+        ref.gated_rmsnorm(a, a[:1], w, 1e-6, 16, False)
+    for other, match in ((a.half(), "xs\\[1\\] must have xs\\[0\\]'s dtype"),
+                         (a[:1], "xs\\[1\\] must have xs\\[0\\]'s shape")):
+        with pytest.raises(ValueError, match=match):
+            ref.all_reduce_sum([a, other])
+
+
 # ----------------------------------------------------------------- scale helpers
 
 

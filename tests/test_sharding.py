@@ -66,6 +66,7 @@ OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}), "diffllama": ("DiffL
           "cohere": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
           "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}), "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
           "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"pad_token_id": 0}),
+          "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),  # fused qkv_proj and gate_up_proj
           # Attentions of other shapes: one projection for the queries and an output gate (MiniCPM5-MoE's
           # q_gate_proj), DeepSeek-V4's; ungated experts (Nemotron-H's up_proj / down_proj).
           "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(MOE, n_routed_experts=4)),
@@ -356,7 +357,10 @@ def test_shard_decoder_errors(comm, monkeypatch):
                           ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside"),
                           ("glm", r"^GlmForCausalLM: model.layers.0.mlp.gate_up_proj.weight is in no attention, MLP "
                                   r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows"),
-                          ("starcoder2", r"^Starcoder2ForCausalLM: model.layers.0.mlp.c_fc.weight is in no attention")):
+                          ("starcoder2", r"^Starcoder2ForCausalLM: model.layers.0.mlp.c_fc.weight is in no attention"),
+                          # no attention or MLP of a known shape at all: the first weight matrix of the stack named
+                          ("phi3", r"^Phi3ForCausalLM: no attention .* layers found \(model.layers.0.self_attn.qkv_proj"
+                                   r".weight is in none\): not a decoder")):
         model = tiny(family, torch.float32)
         before = [p.shape for p in model.parameters()]
         with pytest.raises(ValueError, match=match):
