@@ -42,7 +42,8 @@ and raise where any differs. The sharded model is for inference: its
 parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
-per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), Gemma 2 (whose post-norms leave its all-reduces unfused),
+per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Gemma 2 / 3 and EXAONE 4 (whose
+post-norms leave their all-reduces unfused), Granite (its scaled sums too), Cohere 2 (parallel attention and MLP),
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated

@@ -2,6 +2,8 @@
 CPU over gloo, or ranks sharing a GPU): the sharded model computes the unsharded one's logits, and
 commfuse.fusion fuses every all-reduce tail of it, the model on the Communicator's device. Skipped with a
 reason where transformers is not installed."""
+import re
+
 import pytest
 import torch
 
@@ -22,8 +24,16 @@ FAMILIES = {
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),  # dropout between each all-reduce and its add
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),  # query_ / key_layernorm per head
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # an ungated MLP: down_proj(relu2(up_proj(x)))
-    # a post-norm (the all-reduced sum normalised, then added): nothing for fused_all_reduce (POST_NORM below)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"pad_token_id": 0}),  # layers without rotary embeddings
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"pad_token_id": 0, "use_bias": True}),  # biases
+    # a post-norm (the all-reduced sum normalised, then added): nothing for fused_all_reduce (LEFT_UNFUSED below)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 4}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 4}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 4}),  # q/k norms too
+    # the sum scaled before the residual add (residual + sum * residual_multiplier): not fused_all_reduce's tail
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"residual_multiplier": 0.5}),
+    # attention and MLP in parallel, both all-reduced sums added to the residual; LayerNorm
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4}),
     # views its projections with its own num_heads; LayerNorm, which the pass does not fuse
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "stablelm_qk_layernorm": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True}),  # a LayerNorm a head
@@ -55,7 +65,11 @@ FAMILIES.update({"deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DE
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_no_q_lora",
                 "gpt_oss", "qwen3_5_moe")
 NO_INTERMEDIATE_SIZE = ("qwen3_5_moe",)
-POST_NORM = ("gemma2",)  # every all-reduce left, each reported as a post-norm's input
+# Families whose every all-reduce the pass leaves, each reported with this reason.
+POST_NORM = re.escape("(a post-norm, as Gemma 2 / 3's post_attention_layernorm), not added to a residual first")
+LEFT_UNFUSED = {"gemma2": POST_NORM, "gemma3": POST_NORM, "exaone4": POST_NORM,
+                "granite": r"no residual add \+ RMSNorm \(as the pass recognises one\) reads its sum: it is read by \S+ \(mul\)",
+                "cohere2": r"no residual add \+ RMSNorm \(as the pass recognises one\) reads its sum: it is read by \S+ \(add\)"}
 LINEAR_ATTENTION_LAYERS = {"qwen3_5_moe": 1}  # kept whole: no o_proj sharded, no all-reduce
 QUERY_GATED = ("qwen3_5_moe",)  # q_proj gives each head's queries and its output gate
 # Families shard_decoder refuses: a norm over the whole q / k projection (Olmo2), per-layer lambdas mixing
@@ -144,11 +158,12 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
 
 
 @mpi
-@pytest.mark.parametrize("family", POST_NORM)
-def test_fusion_reports_a_post_norms_all_reduces_as_such(comm, family):
-    """Gemma 2 normalises each all-reduced sum before adding it to the residual: fused_all_reduce, which normalises
-    sum + residual, takes none of them, and each all-reduce's reason says that its sum is a post-norm's input. The
-    norms are matched as local ops; the logits stay the unfused model's (bf16, within the norms' rounding)."""
+@pytest.mark.parametrize("family", sorted(LEFT_UNFUSED))
+def test_fusion_reports_why_it_leaves_each_all_reduce(comm, family):
+    """Gemma 2 / 3 and EXAONE 4 normalise each all-reduced sum before adding it to the residual (a post-norm),
+    Granite scales it, Cohere 2 adds the attention's and the MLP's sums to the residual together: fused_all_reduce,
+    which normalises sum + residual, takes none of them, and each all-reduce's reason says which. The norms are
+    matched as local ops; the logits stay the unfused model's (bf16, within the norms' rounding)."""
     c = commfuse.Communicator(comm.group)
     c.check_calls = False
     torch._dynamo.reset()
@@ -162,13 +177,13 @@ def test_fusion_reports_a_post_norms_all_reduces_as_such(comm, family):
     text = "\n".join(map(str, reports))
     assert not any("commfuse::fused_all_reduce" in str(r) for r in reports), text
     reasons = [s.reason for r in reports for s in r.skipped if s.what == "all-reduce"]
-    assert len(reasons) == 2 * LAYERS and all("(a post-norm, as Gemma 2 / 3's" in r for r in reasons), text
+    assert len(reasons) == 2 * LAYERS and all(re.search(LEFT_UNFUSED[family], r) for r in reasons), text
     err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
     assert err < 0.03, f"relative RMS error {err:.3g}"
 
 
 @mpi
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"stablelm", "stablelm_qk_layernorm", *POST_NORM}))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"stablelm", "stablelm_qk_layernorm", *LEFT_UNFUSED}))
 def test_fusion_fuses_every_all_reduce_tail(comm, family):
     c = commfuse.Communicator(comm.group)
     c.check_calls = False
