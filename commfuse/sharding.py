@@ -17,7 +17,11 @@ commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attent
 (transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE ones below), so its modules run unchanged on their
 share of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
 up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the projections to the
-latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated.
+latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated. Projections in one
+are column-parallel by their parts: Phi-3's qkv_proj (a rank keeps its queries', keys' and values' rows, in that
+order; its attention splits the output at its config's head count, so each attention gets a shallow copy of the
+config with the rank's counts) and the gate_up_proj of Phi-3's and GLM's dense MLPs (gate and up concatenated, as
+their chunk(2) splits them: a rank keeps its share of each half).
 
 A MoE block (transformers 5's layout: a router `gate` (gpt-oss: `router`) and an `experts` module holding
 every expert's `gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate], or
@@ -42,8 +46,9 @@ and raise where any differs. The sharded model is for inference: its
 parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
-per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Gemma 2 / 3 and EXAONE 4 (whose
-post-norms leave their all-reduces unfused), Granite (its scaled sums too), Cohere 2 (parallel attention and MLP),
+per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Phi-3 (Phi-4's class too) and GLM
+(projections in one), Gemma 2 / 3, EXAONE 4 and GLM-4 (whose post-norms leave their all-reduces unfused), Granite
+(its scaled sums too), Cohere 2 (parallel attention and MLP),
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
 biases; attention sinks, one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated
@@ -51,13 +56,14 @@ queries; its gated delta layers whole, below).
 Others raise ValueError naming the model's class and what it does not know rather than leave it whole on every
 rank: a decoder layer's weight matrix (each layer of the ModuleList that holds those above, whether or not it holds
 one) outside the attention, MLP and MoE block above (an attention of another shape: MiniCPM5-MoE's q_gate_proj,
-DeepSeek-V4's; GLM's fused gate_up_proj, Starcoder2's c_fc / c_proj; a Mamba mixer), or ungated experts
+DeepSeek-V4's; Starcoder2's c_fc / c_proj; a Mamba mixer), or ungated experts
 (Nemotron-H's up_proj / down_proj). Linear-attention layers of the gated delta rule (Qwen3-Next's, Qwen3.5's) are
 the one exception, on purpose: each rank runs all of them (their results right, their work not divided); the
 model's full attention and MoE blocks are sharded.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Optional
 
@@ -70,12 +76,16 @@ __all__ = ["shard_decoder", "RowParallelLinear"]
 
 # q_b_proj and kv_b_proj: multi-head latent attention's per-head up-projections (DeepSeek V2 / V3); its
 # down-projections to the shared latents (q_a_proj, kv_a_proj_with_mqa) and their norms stay replicated.
-_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+# Projections in one: q, k and v in that order (Phi-3's qkv_proj, split by its config's head counts), gate and up
+# concatenated (Phi-3's and GLM's gate_up_proj, split by chunk(2)); a rank keeps its share of each part.
+_QKV, _GATE_UP = "qkv_proj", "gate_up_proj"
+_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", _QKV, _GATE_UP)
 _ROW = ("o_proj", "down_proj")
-_ATTENTION = ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"})
+_ATTENTION = ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}, {_QKV, "o_proj"})
 _MLP = {"gate_proj", "up_proj", "down_proj"}
-# A dense MLP: gated (_MLP), or not (Arcee's, Nemotron's: down_proj(act(up_proj(x))), its activation elementwise).
-_DENSE_MLP = {"up_proj", "down_proj"}
+# A dense MLP: gated (_MLP, or gate and up in one), or not (Arcee's, Nemotron's: down_proj(act(up_proj(x))), its
+# activation elementwise).
+_DENSE_MLPS = ({"up_proj", "down_proj"}, {_GATE_UP, "down_proj"})
 
 
 class RowParallelLinear(nn.Module):
@@ -117,6 +127,32 @@ def _column(linear: nn.Linear, part: int, parts: int) -> nn.Linear:
         if linear.bias is not None:
             new.bias.copy_(linear.bias[part * out:(part + 1) * out])
     return new
+
+
+def _parts_column(linear: nn.Linear, parts: list) -> nn.Linear:
+    """The rows (start, count) of `parts` of `linear`, concatenated in that order: a rank's share of each projection
+    of a fused one."""
+    out = sum(n for _, n in parts)
+    new = nn.Linear(linear.in_features, out, bias=linear.bias is not None, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(torch.cat([linear.weight[a:a + n] for a, n in parts]))
+        if linear.bias is not None:
+            new.bias.copy_(torch.cat([linear.bias[a:a + n] for a, n in parts]))
+    return new
+
+
+def _fused_parts(name: str, linear: nn.Linear, layer: nn.Module, rank: int, world: int, heads: int, kv: int) -> list:
+    """(start, count) of this rank's rows of a fused projection: its query heads', then its key-value heads' (their
+    share, or the one replicated, _kv_share) of qkv_proj; its gate features', then its up features' of
+    gate_up_proj."""
+    if name == _GATE_UP:
+        n = linear.out_features // 2 // world
+        return [(rank * n, n), (linear.out_features // 2 + rank * n, n)]
+    d = _head_dim(layer, heads)
+    q, (part, parts) = heads // world * d, _kv_share(kv, rank, world)
+    k = kv // parts * d
+    return [(rank * q, q), (heads * d + part * k, k), ((heads + kv) * d + part * k, k)]
 
 
 def _row(linear: nn.Linear, rank: int, world: int, group) -> RowParallelLinear:
@@ -284,7 +320,7 @@ def _layers(model: nn.Module, blocks: list) -> list:
         names = {n for n, _ in layer.named_children()}
         if any(names >= a for a in _ATTENTION):
             found.append((path, layer, True))
-        elif names >= _DENSE_MLP:
+        elif any(names >= m for m in _DENSE_MLPS):
             found.append((path, layer, False))
     return found
 
@@ -310,8 +346,8 @@ def _first_stacked_matrix(model: nn.Module) -> Optional[str]:
 def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
     """Raise where a decoder layer (each child of a ModuleList that holds an attention, MLP or MoE block found,
     whether or not the layer itself holds one) has a weight matrix in none of its attention, MLP or MoE block: an
-    attention of another shape (MiniCPM5-MoE's q_gate_proj, DeepSeek-V4's), an MLP of another shape (GLM's fused
-    gate_up_proj, Starcoder2's c_fc / c_proj) or a mixer of another kind would
+    attention of another shape (MiniCPM5-MoE's q_gate_proj, DeepSeek-V4's), an MLP of another shape (Starcoder2's
+    c_fc / c_proj) or a mixer of another kind would
     stay whole on every rank, the model sharded only in part (its results right, that part's weights and work not
     divided). Linear attention of the gated delta rule (_KEPT_WHOLE) stays whole on purpose."""
     found = {*(layer for _, layer, _ in layers), *blocks}
@@ -322,8 +358,8 @@ def _check_covered(model: nn.Module, layers: list, blocks: list) -> None:
             continue
         for name, p in stack.named_parameters():
             if p.dim() >= 2 and id(p) not in covered:
-                raise ValueError(f"{path}.{name} is in no attention, MLP (up/down_proj, gated or not) or MoE block "
-                                 "that shard_decoder knows: every rank would keep all of it")
+                raise ValueError(f"{path}.{name} is in no attention, MLP (up/down_proj or gate_up/down_proj) or MoE "
+                                 "block that shard_decoder knows: every rank would keep all of it")
 
 
 def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: int, world: int) -> None:
@@ -346,8 +382,13 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
     if attention:
         kv = _check_kv_heads(path, layer, heads, kv, world)
     for name, child in layer.named_children():
+        if name == _QKV and child.out_features != (heads + 2 * kv) * _head_dim(layer, heads):
+            raise ValueError(f"{path}.{name} has {child.out_features} output features, not the queries, keys and "
+                             f"values of {heads} + 2 x {kv} heads of {_head_dim(layer, heads)}")
         features = child.out_features if name in _COLUMN else child.in_features if name in _ROW else 0
         parts = _kv_share(kv, 0, world)[1] if attention and name in _KV_PROJ else world
+        if name in (_QKV, _GATE_UP):  # its parts' shares: heads and key-value heads are checked apart
+            features, parts = (child.out_features, 2 * world) if name == _GATE_UP else (0, 1)
         if features % parts:
             by = f"the world size {world}" if parts == world else f"its {parts} key-value heads"
             raise ValueError(f"{path}.{name} has {features} {'output' if name in _COLUMN else 'input'} features, "
@@ -398,7 +439,9 @@ def _head_dim(layer: nn.Module, heads: int) -> int:
     """The attention's own head_dim where it keeps one: a q_proj may project more than the queries (Qwen3-Next's
     output gate doubles it)."""
     head_dim = getattr(layer, "head_dim", None)
-    return head_dim if type(head_dim) is int else layer.q_proj.out_features // heads
+    if type(head_dim) is int:
+        return head_dim
+    return layer.q_proj.out_features // heads if hasattr(layer, "q_proj") else layer.o_proj.in_features // heads
 
 
 def _kv_heads(layer: nn.Module, heads: int, kv: int) -> int:
@@ -450,6 +493,11 @@ def _shard_attention(layer: nn.Module, rank: int, world: int, heads: int, kv: in
             setattr(layer, name, count // world if name not in _KV_COUNTS else count // kv_parts)
     if type(getattr(layer, "num_key_value_groups", None)) is int:
         layer.num_key_value_groups = heads // world // (kv // kv_parts)  # kv_parts divides kv (_kv_share)
+    if hasattr(layer, _QKV) and getattr(layer, "config", None) is not None:
+        # Phi-3's attention splits qkv_proj's output at its config's query count: a config of its own with the
+        # rank's head counts (a shallow copy: every other setting the model's).
+        layer.config = copy.copy(layer.config)
+        layer.config.num_attention_heads, layer.config.num_key_value_heads = heads // world, kv // kv_parts
 
 
 _SUM_CHUNK = 1 << 22  # elements a step: each of a step's few int64 temporaries is 32 MiB
@@ -565,7 +613,8 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     layers = _layers(model, [m for _, m in blocks])
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
         unknown = _first_stacked_matrix(model)  # Phi-3's qkv_proj, say: named, as _check_covered names one
-        raise ValueError(f"{kind}: no attention (q/k/v/o_proj or kv_a/kv_b/o_proj), MLP (up/down_proj, gated or not) "
+        raise ValueError(f"{kind}: no attention (q/k/v/o_proj, qkv/o_proj or kv_a/kv_b/o_proj), MLP (up/down_proj or "
+                         "gate_up/down_proj) "
                          "or MoE (gate, experts) layers found" + (f" ({unknown} is in none)" if unknown else "")
                          + ": not a decoder shard_decoder knows")
     try:
@@ -584,7 +633,9 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         if attention:
             _shard_attention(layer, rank, world, heads, kv)
         for name, child in list(layer.named_children()):
-            if name in _COLUMN:
+            if name in (_QKV, _GATE_UP):
+                setattr(layer, name, _parts_column(child, _fused_parts(name, child, layer, rank, world, heads, kv)))
+            elif name in _COLUMN:
                 part, parts = _kv_share(kv, rank, world) if attention and name in _KV_PROJ else (rank, world)
                 setattr(layer, name, _column(child, part, parts))
             elif name in _ROW:

@@ -26,6 +26,11 @@ FAMILIES = {
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # an ungated MLP: down_proj(relu2(up_proj(x)))
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"pad_token_id": 0}),  # layers without rotary embeddings
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"pad_token_id": 0, "use_bias": True}),  # biases
+    # projections in one: q, k and v (Phi-3's qkv_proj), gate and up (Phi-3's and GLM's gate_up_proj)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "phi3_one_kv_head": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "num_key_value_heads": 1}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0}),  # post-norms too (LEFT_UNFUSED)
     # a post-norm (the all-reduced sum normalised, then added): nothing for fused_all_reduce (LEFT_UNFUSED below)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 4}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 4}),
@@ -67,20 +72,18 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", 
 NO_INTERMEDIATE_SIZE = ("qwen3_5_moe",)
 # Families whose every all-reduce the pass leaves, each reported with this reason.
 POST_NORM = re.escape("(a post-norm, as Gemma 2 / 3's post_attention_layernorm), not added to a residual first")
-LEFT_UNFUSED = {"gemma2": POST_NORM, "gemma3": POST_NORM, "exaone4": POST_NORM,
-                "granite": r"no residual add \+ RMSNorm \(as the pass recognises one\) reads its sum: it is read by \S+ \(mul\)",
-                "cohere2": r"no residual add \+ RMSNorm \(as the pass recognises one\) reads its sum: it is read by \S+ \(add\)"}
+LEFT_UNFUSED = {"gemma2": POST_NORM, "gemma3": POST_NORM, "exaone4": POST_NORM, "glm4": POST_NORM,
+                "granite": r"no residual add \+ RMSNorm .* reads its sum: it is read by \S+ \(mul\)",
+                "cohere2": r"no residual add \+ RMSNorm .* reads its sum: it is read by \S+ \(add\)"}
 LINEAR_ATTENTION_LAYERS = {"qwen3_5_moe": 1}  # kept whole: no o_proj sharded, no all-reduce
 QUERY_GATED = ("qwen3_5_moe",)  # q_proj gives each head's queries and its output gate
 # Families shard_decoder refuses: a norm over the whole q / k projection (Olmo2), per-layer lambdas mixing
 # two halves of the heads (DiffLlama), a norm over the whole attention output before o_proj (BitNet).
-# MLPs of other shapes, which would stay whole on every rank: gate and up fused in one projection (GLM), c_fc /
-# c_proj (Starcoder2).
+# MLPs of other shapes, which would stay whole on every rank: c_fc / c_proj (Starcoder2).
 OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}), "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
           "cohere": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
-          "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}), "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
+          "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}),
           "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"pad_token_id": 0}),
-          "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),  # fused qkv_proj and gate_up_proj
           # Attentions of other shapes: one projection for the queries and an output gate (MiniCPM5-MoE's
           # q_gate_proj), DeepSeek-V4's; ungated experts (Nemotron-H's up_proj / down_proj).
           "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(MOE, n_routed_experts=4)),
@@ -148,11 +151,15 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
     assert rows == 2 * LAYERS - moe_layers(model) - LINEAR_ATTENTION_LAYERS.get(family, 0)
     attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
     config = model.config
-    q = attention.q_b_proj if getattr(attention, "q_b_proj", None) is not None else attention.q_proj
-    per_head = getattr(config, "qk_head_dim", 16) * (2 if family in QUERY_GATED else 1)
-    assert q.out_features == config.num_attention_heads * per_head // comm.world_size
-    if getattr(attention, "k_proj", None) is not None:  # a rank's key-value heads, or the one it shares
-        assert attention.k_proj.out_features == max(1, config.num_key_value_heads // comm.world_size) * 16
+    kv = max(1, config.num_key_value_heads // comm.world_size)  # a rank's key-value heads, or the one it shares
+    if hasattr(attention, "qkv_proj"):  # q, k and v in one projection: a rank's share of each
+        assert attention.qkv_proj.out_features == (config.num_attention_heads // comm.world_size + 2 * kv) * 16
+    else:
+        q = attention.q_b_proj if getattr(attention, "q_b_proj", None) is not None else attention.q_proj
+        per_head = getattr(config, "qk_head_dim", 16) * (2 if family in QUERY_GATED else 1)
+        assert q.out_features == config.num_attention_heads * per_head // comm.world_size
+    if getattr(attention, "k_proj", None) is not None:
+        assert attention.k_proj.out_features == kv * 16
     assert not any(p.requires_grad for p in model.parameters())  # inference only
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -309,6 +316,9 @@ def test_shard_decoder_errors(comm, monkeypatch):
     bare.config = types.SimpleNamespace(num_attention_heads=2 * w, num_key_value_heads=w, intermediate_size=4 * w)
     with pytest.raises(ValueError, match=r"^Sequential: no attention .* layers found: not a decoder"):
         shard_decoder(bare)
+    bare.append(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4))]))  # a stack of unknown layers: named
+    with pytest.raises(ValueError, match=r"^Sequential: no attention .* found \(1.0.0.weight is in none\): not a"):
+        shard_decoder(bare)
     model = tiny("qwen3", torch.float32)  # StableLM's per-head norms are a list of norms, one a head
     model.model.layers[1].self_attn.k_layernorm = torch.nn.LayerNorm(16)
     with pytest.raises(ValueError, match=r"layers.1.self_attn.k_layernorm \(LayerNorm\) is not a list of [0-9]+ norms"):
@@ -370,12 +380,7 @@ def test_shard_decoder_errors(comm, monkeypatch):
                           ("diffllama", r"layers.0.self_attn \(DiffLlamaAttention\) has \['lambda_q1', 'lambda_k1', "
                                         r"'lambda_q2', 'lambda_k2'\] beside its projections"),
                           ("bitnet", r"layers.0.self_attn \(BitNetAttention\) has \['attn_sub_norm'\] beside"),
-                          ("glm", r"^GlmForCausalLM: model.layers.0.mlp.gate_up_proj.weight is in no attention, MLP "
-                                  r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows"),
-                          ("starcoder2", r"^Starcoder2ForCausalLM: model.layers.0.mlp.c_fc.weight is in no attention"),
-                          # no attention or MLP of a known shape at all: the first weight matrix of the stack named
-                          ("phi3", r"^Phi3ForCausalLM: no attention .* layers found \(model.layers.0.self_attn.qkv_proj"
-                                   r".weight is in none\): not a decoder")):
+                          ("starcoder2", r"^Starcoder2ForCausalLM: model.layers.0.mlp.c_fc.weight is in no attention")):
         model = tiny(family, torch.float32)
         before = [p.shape for p in model.parameters()]
         with pytest.raises(ValueError, match=match):
@@ -401,7 +406,7 @@ def test_shard_decoder_errors(comm, monkeypatch):
               rf"^LlamaForCausalLM: model.layers.1.self_attn has {odd} key-value heads, which do not divide by the "
               rf"world size {comm.world_size}, nor the world size by them$"),
              ("llama", lambda m: setattr(m.model.layers[1], "extra", torch.nn.Linear(4, 4)),
-              r"model.layers.1.extra.weight is in no attention, MLP \(up/down_proj, gated or not\) or MoE block"),
+              r"model.layers.1.extra.weight is in no attention, MLP \(up/down_proj or gate_up/down_proj\) or MoE"),
              ("llama", lambda m: setattr(m.model.layers[1].mlp, "activation_sparsity", 0.95),  # Gemma 3n's
               r"layers.1.mlp \(LlamaMLP\) keeps a top share of its intermediate features"),
              ("qwen3_moe", lambda m: setattr(m, "config", types.SimpleNamespace(  # Gemma 3n's sizes per layer
@@ -535,9 +540,10 @@ def test_shard_decoder_shards_a_model_once(comm):
 # The error each refused family's tiny model raises (its class, then the weight it would leave whole).
 PARTLY_WHOLE = {
     "minicpm5_moe": r"^MiniCPM5MoeForCausalLM: model.layers.0.self_attn.k_proj.weight is in no attention, MLP "
-                    r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows: every rank would keep all of it$",
+                    r"\(up/down_proj or gate_up/down_proj\) or MoE block that shard_decoder knows: every rank would "
+                    r"keep all of it$",
     "deepseek_v4": r"^DeepseekV4ForCausalLM: model.layers.0.self_attn.q_a_proj.weight is in no attention, MLP "
-                   r"\(up/down_proj, gated or not\) or MoE block that shard_decoder knows",
+                   r"\(up/down_proj or gate_up/down_proj\) or MoE block that shard_decoder knows",
     "nemotron_h": r"^NemotronHForCausalLM: model.layers.1.mixer.experts \(NemotronHExperts\) store their weights as "
                   r"\{'has_gate': False, 'has_post_expert_norm': False\}: shard_decoder knows gated experts"}
 
