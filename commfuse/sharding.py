@@ -20,7 +20,7 @@ up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-pa
 latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated. Projections in one
 are column-parallel by their parts: Phi-3's qkv_proj (a rank keeps its queries', keys' and values' rows, in that
 order; its attention splits the output at its config's head count, so each attention gets a shallow copy of the
-config with the rank's counts) and the gate_up_proj of Phi-3's and GLM's dense MLPs (gate and up concatenated, as
+config with the rank's counts: choose the attention implementation before sharding) and the gate_up_proj of Phi-3's and GLM's dense MLPs (gate and up concatenated, as
 their chunk(2) splits them: a rank keeps its share of each half).
 
 A MoE block (transformers 5's layout: a router `gate` (gpt-oss: `router`) and an `experts` module holding
