@@ -18,10 +18,11 @@ commfuse.fusion fuses. Embeddings, norms and the LM head stay replicated. Attent
 share of the heads. Multi-head latent attention (DeepSeek V2 / V3) is sharded by heads too: its per-head
 up-projections q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj row-parallel, and the projections to the
 latents that every head shares (q_a_proj, kv_a_proj_with_mqa, with their norms) replicated. Projections in one
-are column-parallel by their parts: Phi-3's qkv_proj (a rank keeps its queries', keys' and values' rows, in that
-order; its attention splits the output at its config's head count, so each attention gets a shallow copy of the
-config with the rank's counts: choose the attention implementation before sharding) and the gate_up_proj of Phi-3's and GLM's dense MLPs (gate and up concatenated, as
-their chunk(2) splits them: a rank keeps its share of each half).
+are column-parallel by their parts: a qkv_proj (Phi-3's, Ergo's: queries, keys and values in that order, the
+attention splitting them at its config's head counts; a rank keeps its rows of each, and each attention gets a
+shallow copy of the config with the rank's counts, so choose the attention implementation before sharding) and
+the gate_up_proj of Phi-3's and GLM's dense MLPs (gate and up concatenated, as their chunk(2) splits them: a rank
+keeps its share of each half).
 
 A MoE block (transformers 5's layout: a router `gate` (gpt-oss: `router`) and an `experts` module holding
 every expert's `gate_up_proj` [experts, 2 * intermediate, h] and `down_proj` [experts, h, intermediate], or
@@ -47,7 +48,7 @@ parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Phi-3 (Phi-4's class too) and GLM
-(projections in one), Gemma 2 / 3, EXAONE 4 and GLM-4 (whose post-norms leave their all-reduces unfused), Granite
+(projections in one), Gemma 2 / 3, EXAONE 4, GLM-4 and Ergo (whose post-norms leave their all-reduces unfused), Granite
 (its scaled sums too), Cohere 2 (parallel attention and MLP),
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
@@ -76,8 +77,8 @@ __all__ = ["shard_decoder", "RowParallelLinear"]
 
 # q_b_proj and kv_b_proj: multi-head latent attention's per-head up-projections (DeepSeek V2 / V3); its
 # down-projections to the shared latents (q_a_proj, kv_a_proj_with_mqa) and their norms stay replicated.
-# Projections in one: q, k and v in that order (Phi-3's qkv_proj, split by its config's head counts), gate and up
-# concatenated (Phi-3's and GLM's gate_up_proj, split by chunk(2)); a rank keeps its share of each part.
+# Projections in one: q, k and v in that order (Phi-3's and Ergo's qkv_proj, split by the config's head counts),
+# gate and up concatenated (Phi-3's and GLM's gate_up_proj, split by chunk(2)); a rank keeps its share of each part.
 _QKV, _GATE_UP = "qkv_proj", "gate_up_proj"
 _COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", _QKV, _GATE_UP)
 _ROW = ("o_proj", "down_proj")
@@ -413,9 +414,10 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
         raise ValueError(f"{path}.sinks has shape {tuple(sinks.shape)}, not one logit per head ({heads},): "
                          "shard_decoder cannot share it out by heads")
     q_proj = getattr(layer, "q_proj", None)
-    if not isinstance(q_proj, nn.Linear):
+    if not isinstance(q_proj, nn.Linear) and not hasattr(layer, _QKV):
         return
     head_dim = _head_dim(layer, heads)
+    queries = q_proj.out_features if isinstance(q_proj, nn.Linear) else heads * head_dim
     for name in _HEAD_NORMS:
         norm = getattr(layer, name, None)
         params = [] if norm is None else list(norm.parameters())
@@ -429,7 +431,7 @@ def _check_layer(path: str, layer: nn.Module, attention: bool, heads: int, kv: i
                                  "shard_decoder shares out only norms whose one head's weight every head shares; "
                                  "not a decoder shard_decoder knows")
             what = f"{w.numel()} features" if isinstance(w, torch.Tensor) else f"with {len(params)} weights"
-            whole = isinstance(w, torch.Tensor) and w.numel() == q_proj.out_features
+            whole = isinstance(w, torch.Tensor) and w.numel() == queries
             raise ValueError(f"{path}.{name} normalises {what}, not one head's {head_dim}: sharding the heads "
                              "would change it" + (" (a norm over the whole projection, as Olmo2's)" if whole else "")
                              + "; not a decoder shard_decoder knows")

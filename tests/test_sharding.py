@@ -31,6 +31,9 @@ FAMILIES = {
     "phi3_one_kv_head": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "num_key_value_heads": 1}),
     "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0}),  # post-norms too (LEFT_UNFUSED)
+    # qkv_proj split by heads (not by features), per-head q/k norms; post-norms (LEFT_UNFUSED)
+    "ergo": ("ErgoConfig", "ErgoForCausalLM", {"mlp_layer_types": ["dense", "dense"], "sliding_window": 4,
+                                                "layer_types": ["sliding_attention", "full_attention"]}),
     # a post-norm (the all-reduced sum normalised, then added): nothing for fused_all_reduce (LEFT_UNFUSED below)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 4}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 4}),
@@ -72,7 +75,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", 
 NO_INTERMEDIATE_SIZE = ("qwen3_5_moe",)
 # Families whose every all-reduce the pass leaves, each reported with this reason.
 POST_NORM = re.escape("(a post-norm, as Gemma 2 / 3's post_attention_layernorm), not added to a residual first")
-LEFT_UNFUSED = {"gemma2": POST_NORM, "gemma3": POST_NORM, "exaone4": POST_NORM, "glm4": POST_NORM,
+LEFT_UNFUSED = {"gemma2": POST_NORM, "gemma3": POST_NORM, "exaone4": POST_NORM, "glm4": POST_NORM, "ergo": POST_NORM,
                 "granite": r"no residual add \+ RMSNorm .* reads its sum: it is read by \S+ \(mul\)",
                 "cohere2": r"no residual add \+ RMSNorm .* reads its sum: it is read by \S+ \(add\)"}
 LINEAR_ATTENTION_LAYERS = {"qwen3_5_moe": 1}  # kept whole: no o_proj sharded, no all-reduce
@@ -99,6 +102,8 @@ def tiny(family, dtype, seed=0):
     import torch.distributed as dist
 
     config_name, model_name, extra = {**FAMILIES, **OTHERS}[family]
+    if not hasattr(transformers, model_name):  # a family newer than the installed transformers
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     kv = 2 * dist.get_world_size()
     if family in MOE_FAMILIES:
         extra = dict(extra, moe_intermediate_size=32 * kv, shared_expert_intermediate_size=64 * kv)
@@ -554,9 +559,6 @@ def test_families_it_would_leave_partly_whole_are_refused(comm, family):
     """A decoder layer's weights that shard_decoder does not know (an attention of another shape, beside an MLP or
     MoE block it knows; ungated experts) are refused before anything changes, rather than left whole on every
     rank."""
-    model_name = OTHERS[family][1]
-    if not hasattr(transformers, model_name):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     model = tiny(family, torch.float32)
     before = [p.shape for p in model.parameters()]
     with pytest.raises(ValueError, match=PARTLY_WHOLE[family]):
