@@ -395,6 +395,12 @@ def test_shard_decoder_errors(comm, monkeypatch):
     model.model.layers[0].self_attn.q_norm = torch.nn.ModuleList(torch.nn.RMSNorm(16) for _ in range(4))
     with pytest.raises(ValueError, match=r"self_attn.q_norm normalises with 4 weights, not one head's 16"):
         shard_decoder(model)
+    model = tiny("phi3", torch.float32)  # a qkv_proj's queries normalised whole, as Olmo2's q_proj's
+    heads = model.config.num_attention_heads
+    model.model.layers[1].self_attn.q_norm = torch.nn.RMSNorm(heads * 16)
+    with pytest.raises(ValueError, match=rf"layers.1.self_attn.q_norm normalises {heads * 16} features, not one head's "
+                                         r"16: .* \(a norm over the whole projection, as Olmo2's\)"):
+        shard_decoder(model)
     # Each refused in the last layer (of a MoE model where it can): nothing, MoE blocks included, is sharded
     # before the checks.
     odd = 2 * comm.world_size + 1
