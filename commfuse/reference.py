@@ -882,6 +882,8 @@ def fused_tail(
     """
     if quant is not None and quant not in _QUANTS:
         raise ValueError(f"quant must be one of {_QUANTS}, got {quant!r}")
+    if residual is not None:
+        _like("residual", residual, "a", a)  # as given: a reshape would pass any of the same numel
     h = a.shape[-1]
     a = a.reshape(-1, h)
     res = None if residual is None else residual_add(a, residual.reshape(-1, h))

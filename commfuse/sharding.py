@@ -48,7 +48,8 @@ parameters do not require grad.
 
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Phi-3 (Phi-4's class too) and GLM
-(projections in one), Gemma 2 / 3, EXAONE 4, GLM-4 and Ergo (whose post-norms leave their all-reduces unfused), Granite
+(projections in one), Gemma 2 / 3, EXAONE 4, GLM-4 and Ergo with dense MLPs (whose post-norms leave their
+all-reduces unfused), Granite
 (its scaled sums too), Cohere 2 (parallel attention and MLP),
 and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
 experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
@@ -57,10 +58,10 @@ queries; its gated delta layers whole, below).
 Others raise ValueError naming the model's class and what it does not know rather than leave it whole on every
 rank: a decoder layer's weight matrix (each layer of the ModuleList that holds those above, whether or not it holds
 one) outside the attention, MLP and MoE block above (an attention of another shape: MiniCPM5-MoE's q_gate_proj,
-DeepSeek-V4's; Starcoder2's c_fc / c_proj; a Mamba mixer), or ungated experts
-(Nemotron-H's up_proj / down_proj). Linear-attention layers of the gated delta rule (Qwen3-Next's, Qwen3.5's) are
-the one exception, on purpose: each rank runs all of them (their results right, their work not divided); the
-model's full attention and MoE blocks are sharded.
+DeepSeek-V4's; Starcoder2's c_fc / c_proj; a Mamba mixer), or ungated experts (Nemotron-H's up_proj / down_proj;
+Ergo's, with a norm each). Linear-attention layers of the gated delta rule (Qwen3-Next's, Qwen3.5's) are the one
+exception, on purpose: each rank runs all of them (their results right, their work not divided); the model's full
+attention and MoE blocks are sharded.
 """
 from __future__ import annotations
 
@@ -215,7 +216,8 @@ def _check_moe_block(path: str, block: nn.Module, world: int) -> None:
     """ValueError where shard_decoder cannot shard this MoE block over `world` ranks (before any is)."""
     experts = block.experts
     gated = isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and getattr(experts, "has_gate", True)
-    layout = {"has_gate": gated, "has_post_expert_norm": getattr(experts, "has_post_expert_norm", False)}
+    layout = {"has_gate": gated, "has_post_expert_norm": bool(getattr(experts, "has_post_expert_norm", False))
+              or getattr(experts, "post_expert_norm", None) is not None}  # Ergo's says it by its module alone
     if layout != {"has_gate": True, "has_post_expert_norm": False}:
         raise ValueError(f"{path}.experts ({type(experts).__name__}) store their weights as {layout}: "
                          "shard_decoder knows gated experts (gate_up_proj) without a norm per expert")
@@ -632,11 +634,15 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
         _shard_moe_block(block, rank, world, group)
     for _, layer, attention in layers:
         kv = _kv_heads(layer, heads, sizes["num_key_value_heads"]) if attention else 0  # read before k_proj changes
+        # A fused projection's rows, read before its siblings change (Phi-3's o_proj comes first, and its head_dim
+        # may be read from it).
+        fused = {name: _fused_parts(name, child, layer, rank, world, heads, kv)
+                 for name, child in layer.named_children() if name in (_QKV, _GATE_UP)}
         if attention:
             _shard_attention(layer, rank, world, heads, kv)
         for name, child in list(layer.named_children()):
-            if name in (_QKV, _GATE_UP):
-                setattr(layer, name, _parts_column(child, _fused_parts(name, child, layer, rank, world, heads, kv)))
+            if name in fused:
+                setattr(layer, name, _parts_column(child, fused[name]))
             elif name in _COLUMN:
                 part, parts = _kv_share(kv, rank, world) if attention and name in _KV_PROJ else (rank, world)
                 setattr(layer, name, _column(child, part, parts))

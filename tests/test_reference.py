@@ -657,6 +657,7 @@ def test_operands_that_torch_would_broadcast_or_promote_are_refused():
     partial of another dtype would each give a result through torch's broadcasting or promotion."""
     a, r, w = _tail_inputs(shape=(4, 64))
     for bad, match in ((dict(residual=r[:1]), r"residual must have a's shape \(4, 64\), got \(1, 64\)"),
+                       (dict(residual=r.reshape(8, 32)), r"residual must have a's shape \(4, 64\), got \(8, 32\)"),
                        (dict(residual=r.half()), "residual must have a's dtype torch.bfloat16, got torch.float16"),
                        (dict(weight=w[:1]), r"weight must be \[64\] \(the hidden size\) on cpu, got \[1\]"),
                        (dict(weight=a), r"weight must be \[64\] .* got \[4, 64\]")):

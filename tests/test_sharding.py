@@ -92,7 +92,11 @@ OTHERS = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}), "diffllama": ("DiffL
           "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(MOE, n_routed_experts=4)),
           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(MOE, n_routed_experts=4)),
           "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(MOE, n_routed_experts=4,
-                                                                         layers_block_type=["attention", "moe"]))}
+                                                                         layers_block_type=["attention", "moe"])),
+          # ungated experts, each with a norm of its own (its dense layers shard: "ergo" above)
+          "ergo_moe": ("ErgoConfig", "ErgoForCausalLM", dict(MOE, num_experts=4, moe_intermediate_size=32,
+                                                             mlp_layer_types=["dense", "sparse"], sliding_window=4,
+                                                             layer_types=["sliding_attention", "full_attention"]))}
 LAYERS = 2
 
 
@@ -556,7 +560,9 @@ PARTLY_WHOLE = {
     "deepseek_v4": r"^DeepseekV4ForCausalLM: model.layers.0.self_attn.q_a_proj.weight is in no attention, MLP "
                    r"\(up/down_proj or gate_up/down_proj\) or MoE block that shard_decoder knows",
     "nemotron_h": r"^NemotronHForCausalLM: model.layers.1.mixer.experts \(NemotronHExperts\) store their weights as "
-                  r"\{'has_gate': False, 'has_post_expert_norm': False\}: shard_decoder knows gated experts"}
+                  r"\{'has_gate': False, 'has_post_expert_norm': False\}: shard_decoder knows gated experts",
+    "ergo_moe": r"^ErgoForCausalLM: model.layers.1.mlp.experts \(ErgoExperts\) store their weights as "
+                r"\{'has_gate': False, 'has_post_expert_norm': True\}: shard_decoder knows gated experts"}
 
 
 @mpi
