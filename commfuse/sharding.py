@@ -49,12 +49,11 @@ parameters do not require grad.
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Phi-3 (Phi-4's class too) and GLM
 (projections in one), Gemma 2 / 3, EXAONE 4, GLM-4 and Ergo with dense MLPs (whose post-norms leave their
-all-reduces unfused), Granite
-(its scaled sums too), Cohere 2 (parallel attention and MLP),
-and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared
-experts, dense first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with
-biases; attention sinks, one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated
-queries; its gated delta layers whole, below).
+all-reduces unfused), Granite (its scaled sums too), Cohere 2 (parallel attention and MLP), and the MoE ones
+Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense
+first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with biases; attention sinks,
+one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated queries; its gated delta
+layers whole, below).
 Others raise ValueError naming the model's class and what it does not know rather than leave it whole on every
 rank: a decoder layer's weight matrix (each layer of the ModuleList that holds those above, whether or not it holds
 one) outside the attention, MLP and MoE block above (an attention of another shape: MiniCPM5-MoE's q_gate_proj,
@@ -616,11 +615,10 @@ def shard_decoder(model: nn.Module, group=None) -> nn.Module:
     blocks = [(path, m) for path, m in model.named_modules() if _is_moe_block(m)]
     layers = _layers(model, [m for _, m in blocks])
     if not blocks and not any(n in _ROW for _, layer, _ in layers for n, _ in layer.named_children()):
-        unknown = _first_stacked_matrix(model)  # Phi-3's qkv_proj, say: named, as _check_covered names one
+        unknown = _first_stacked_matrix(model)  # named, as _check_covered names one
         raise ValueError(f"{kind}: no attention (q/k/v/o_proj, qkv/o_proj or kv_a/kv_b/o_proj), MLP (up/down_proj or "
-                         "gate_up/down_proj) "
-                         "or MoE (gate, experts) layers found" + (f" ({unknown} is in none)" if unknown else "")
-                         + ": not a decoder shard_decoder knows")
+                         "gate_up/down_proj) or MoE (gate, experts) layers found"
+                         + (f" ({unknown} is in none)" if unknown else "") + ": not a decoder shard_decoder knows")
     try:
         _check_covered(model, layers, [m for _, m in blocks])
         for path, block in blocks:
