@@ -31,7 +31,7 @@ FAMILIES = {
     "phi3_one_kv_head": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "num_key_value_heads": 1}),
     "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0}),  # post-norms too (LEFT_UNFUSED)
-    # qkv_proj split by heads (not by features), per-head q/k norms; post-norms (LEFT_UNFUSED)
+    # qkv_proj's output viewed as heads, then split; per-head q/k norms; post-norms (LEFT_UNFUSED)
     "ergo": ("ErgoConfig", "ErgoForCausalLM", {"mlp_layer_types": ["dense", "dense"], "sliding_window": 4,
                                                 "layer_types": ["sliding_attention", "full_attention"]}),
     # a post-norm (the all-reduced sum normalised, then added): nothing for fused_all_reduce (LEFT_UNFUSED below)
@@ -176,10 +176,10 @@ def test_sharded_model_computes_the_unsharded_logits(comm, family):
 @mpi
 @pytest.mark.parametrize("family", sorted(LEFT_UNFUSED))
 def test_fusion_reports_why_it_leaves_each_all_reduce(comm, family):
-    """Gemma 2 / 3 and EXAONE 4 normalise each all-reduced sum before adding it to the residual (a post-norm),
-    Granite scales it, Cohere 2 adds the attention's and the MLP's sums to the residual together: fused_all_reduce,
-    which normalises sum + residual, takes none of them, and each all-reduce's reason says which. The norms are
-    matched as local ops; the logits stay the unfused model's (bf16, within the norms' rounding)."""
+    """Gemma 2 / 3, EXAONE 4, GLM-4 and Ergo normalise each all-reduced sum before adding it to the residual (a
+    post-norm), Granite scales it, Cohere 2 adds the attention's and the MLP's sums to the residual together:
+    fused_all_reduce, which normalises sum + residual, takes none of them, and each all-reduce's reason says which.
+    The norms are matched as local ops; the logits stay the unfused model's (bf16, within the norms' rounding)."""
     c = commfuse.Communicator(comm.group)
     c.check_calls = False
     torch._dynamo.reset()
