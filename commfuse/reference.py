@@ -43,6 +43,7 @@ Conventions (docs/semantics.md has every formula in order):
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -750,9 +751,17 @@ def dequantize_mxfp8(codes: Tensor, scale_factors: Tensor, sf_layout: str = "swi
 # --------------------------------------------------------------------------- scale helpers
 
 
+def _positive(name: str, v: Scale) -> None:
+    """ValueError for a python number that is not positive and finite: its scale would be one the calls refuse (0,
+    negative, Inf, NaN). A tensor's values are not read (that would synchronise with its device)."""
+    if not isinstance(v, Tensor) and not (0.0 < float(v) < math.inf):
+        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+
+
 def _divided(amax: Scale, d: float) -> Scale:
     """amax / d, a true division on any device: on CUDA, torch turns a tensor's division by a Python number into a
     multiply by its reciprocal (one fp32 ulp off for about half of all amax): divide by a tensor."""
+    _positive("amax", amax)
     if isinstance(amax, Tensor):
         return amax / torch.full((), d, dtype=amax.dtype, device=amax.device)
     return amax / d
@@ -762,7 +771,8 @@ def nvfp4_scale_from_amax(amax: Scale) -> Scale:
     """NVFP4 global dequant scale amax / (448 * 6), a true division. Tensor in -> tensor out, float -> float.
 
     amax: a float tensor (float32 for the ops' scale: one element, shape [] or [1]; any shape works
-    elementwise), any device; or a python float. Returns amax's shape, dtype and device."""
+    elementwise), any device; or a python float, positive and finite (else ValueError). Returns amax's shape,
+    dtype and device."""
     return _divided(amax, FP8_MAX * E2M1_MAX)
 
 
@@ -778,7 +788,9 @@ def scale_from_inverse(inv_scale: Scale) -> Scale:
     global scale 448*6/amax: returns 1 / inv_scale (tensor -> tensor, float -> float).
 
     inv_scale: a float tensor (float32 for the ops' scale: one element, shape [] or [1]; any shape works
-    elementwise), any device; or a python float. Returns inv_scale's shape, dtype and device."""
+    elementwise), any device; or a python float, positive and finite (else ValueError). Returns inv_scale's shape,
+    dtype and device."""
+    _positive("inv_scale", inv_scale)
     return 1.0 / inv_scale
 
 

@@ -701,6 +701,18 @@ def test_scales_from_amax_are_true_divisions_on_every_device(device):
         assert torch.equal(got, want), (helper.__name__, int((got != want).sum()))
 
 
+def test_scale_helpers_refuse_a_number_that_gives_no_scale():
+    """A python amax or inverse scale of 0, below 0, Inf or NaN would give a scale the calls refuse (or a bare
+    ZeroDivisionError): the helpers say which argument."""
+    for bad in (0.0, -1.0, INF, NAN, 0):
+        for helper in (ref.fp8_scale_from_amax, ref.nvfp4_scale_from_amax):
+            with pytest.raises(ValueError, match="amax must be a positive finite number"):
+                helper(bad)
+        with pytest.raises(ValueError, match="inv_scale must be a positive finite number"):
+            ref.scale_from_inverse(bad)
+    assert ref.fp8_scale_from_amax(448) == 1.0  # an int is a number too
+
+
 def test_scale_from_inverse_matches_amax_convention():
     g = gen(20)
     x = torch.randn(64, 256, generator=g)
