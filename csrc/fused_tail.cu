@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
 // of squares, which the cluster adds in rank order (cluster_reduce: one word a CTA through distributed
 // shared memory), then the norm and the quantization of its slice (fp8_per_token's row scale is the
 // cluster's maximum, row_scale). The combine is per vector: the same bits whichever CTA computes it.
-template <typename T, int FORM, int QUANT, int VPT>
+// K: the k the variant is built for (combine_vec's K; the VPT 1 variants), 0 for any.
+template <typename T, int FORM, int QUANT, int VPT, int K>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(const __grid_constant__ MoeTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
   pdl_wait();
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
       const uint4 x = mine ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.tail.residual_in) + row_base)[v]
                            : zero;
       const uint4 w = mine ? __ldg(reinterpret_cast<const uint4*>(p.tail.weight) + v) : zero;
-      const uint4 a = mine ? combine_vec<T, FORM>(p.combine, row, v) : zero;
+      const uint4 a = mine ? combine_vec<T, FORM, K>(p.combine, row, v) : zero;
       float sumsq = 0.f;
       const uint4 y = norm_input<T, false>(p.tail, a, x, sumsq);
       if (mine) reinterpret_cast<uint4*>(static_cast<T*>(p.tail.residual_out) + row_base)[v] = y;
@@ -140,13 +141,13 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
-      av[i] = v < nv ? combine_vec<T, FORM>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
+      av[i] = v < nv ? combine_vec<T, FORM, K>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
     }
     if constexpr (VPT != 1) tail_load<T, VPT>(p.tail, row, x, w);
     tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, false>(
-        p.tail, row, [&p, row](int v) { return combine_vec<T, FORM>(p.combine, row, v); },
+        p.tail, row, [&p, row](int v) { return combine_vec<T, FORM, K>(p.combine, row, v); },
         quant_scalar<QUANT>(p.tail), red);
   }
 }

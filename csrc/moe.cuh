@@ -37,15 +37,15 @@ struct RowIndex<kCombineFinalize32> {
 // The rows of slots j0 .. j0 + kCombineChunk - 1 of the token whose first slot is slot0: -1 past k or
 // for a dropped slot (its step is left out, its row not read); an index outside [-1, rows) sets `bad`.
 template <int FORM>
-__device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, size_t slot0, int j0,
+__device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, int k, size_t slot0, int j0,
                                            long long (&r)[kCombineChunk], bool& bad) {
   if constexpr (FORM == kCombineReduction) {
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? static_cast<long long>(slot0 + j0 + c) : -1;
+    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < k ? static_cast<long long>(slot0 + j0 + c) : -1;
   } else {
     const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0 + j0;
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < p.k ? static_cast<long long>(index[c]) : -1;
+    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < k ? static_cast<long long>(index[c]) : -1;
 #pragma unroll
     for (int c = 0; c < kCombineChunk; ++c) {
       bad |= r[c] < -1 || r[c] >= p.rows;
@@ -73,9 +73,14 @@ __device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t 
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
 // [-1, rows) (that index's row is not read; nothing raises without a synchronisation; the reference
 // raises ValueError). The sums stay in slot order.
-template <typename T, int FORM>
+// K: the slots a token (p.k) where the variant is built for one k, 0 for any. A known k unrolls the chunks and
+// drops the slots past k at compile time (their predicates, selects and skipped steps): at few tokens a row is
+// one chain of instructions at one or two warps a scheduler, so each one left out is time (commfuse/kernels/
+// moe_tail.py's SLOTS). With K 0 `#pragma unroll` leaves the loop as it is (its trip count is not constant).
+template <typename T, int FORM, int K = 0>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v) {
-  const size_t slot0 = static_cast<size_t>(row) * p.k;
+  const int k = K > 0 ? K : p.k;
+  const size_t slot0 = static_cast<size_t>(row) * k;
   float acc[8];
   if (p.shared != nullptr) {
     unpack8<T>(reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v], acc);
@@ -88,9 +93,10 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   // (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
   const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
-  for (int j0 = 0; j0 < p.k; j0 += kCombineChunk) {
+#pragma unroll
+  for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += kCombineChunk) {
     long long r[kCombineChunk];
-    chunk_rows<FORM>(p, slot0, j0, r, bad);
+    chunk_rows<FORM>(p, k, slot0, j0, r, bad);
     float w[kCombineChunk];
     chunk_weights<T>(p, slot0 + j0, r, w);
     uint4 yv[kCombineChunk];

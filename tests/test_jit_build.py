@@ -120,11 +120,13 @@ def test_every_moe_combine_variant_builds(arch, cache_dir):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_100a"])  # the oldest SM and the hardware-E2M1 one
 def test_every_moe_tail_variant_builds(arch, cache_dir):
-    """fused_tail.cu's moe_tail: both element types x the two forms x every format x every VPT."""
+    """fused_tail.cu's moe_tail: both element types x the three forms x every format x every VPT, and at VPT 1 the
+    variants built for each of moe_tail.SLOTS."""
     if int(arch[3:].rstrip("a")) not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target {arch}")
     names = moe_tail.variants()
-    assert len(set(names)) == 2 * len(moe_combine.FORMS) * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1)
+    per_form = len(fused_tail.VPT_BUCKETS) + 1 + len(moe_tail.SLOTS)
+    assert len(set(names)) == 2 * len(moe_combine.FORMS) * len(FORMATS) * per_form
     build(moe_tail.SOURCE, names, arch)
 
 
@@ -161,6 +163,36 @@ def test_vpt4_tail_variants_fit_four_ctas_without_spills():
         assert " 0 bytes spill stores, 0 bytes spill loads" in report, f"{name} spills:\n{report}"
         used = int(report.split("Used ")[1].split(" registers")[0])
         assert used <= 65536 // (4 * 256), f"{name}: {used} registers do not fit 4 CTAs of 256 threads"
+
+
+def _spill_report(names):
+    """{name: (registers, spill store bytes, spill load bytes)} of fused_tail.cu's `names` for sm_90 (ptxas' report)."""
+    _, lowered, log = jit._nvrtc_compile(jit.CSRC_DIR / moe_tail.SOURCE, tuple(names),
+                                         jit.compile_options("sm_90") + ("--ptxas-options=-v",))
+    entries = {e.split("'")[1]: e for e in log.split("Compiling entry function")[1:]}
+    report = {}
+    for name in names:
+        e = entries[lowered[name]]
+        spills = e.split(" bytes spill stores, ")
+        report[name] = (int(e.split("Used ")[1].split(" registers")[0]), int(spills[0].rsplit(" ", 1)[1]),
+                        int(spills[1].split(" bytes spill loads")[0]))
+    return report
+
+
+def test_moe_tail_slot_variants_fit_without_spills():
+    """The VPT 1 MoE tails built for a k of moe_tail.SLOTS (the combine unrolled) fit the 1024 threads of the VPT 1
+    bound (<= 64 registers on SM 9.0) without a spill: bf16, every form and format (ptxas' report)."""
+    if 90 not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
+    names = [moe_tail.MOE_TAIL.name_expression(torch.bfloat16, form, f, 1, k) for form in FORMS.values()
+             for f in FORMATS for k in moe_tail.SLOTS]
+    n = max(1, min(os.cpu_count() or 1, 8))
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        reports = {}
+        for part in pool.map(_spill_report, [names[i::n] for i in range(n)]):
+            reports.update(part)
+    for name, (regs, spill_st, spill_ld) in reports.items():
+        assert regs <= 64 and spill_st == spill_ld == 0, (name, regs, spill_st, spill_ld)
 
 
 def test_moe_tail_configs_have_variants():

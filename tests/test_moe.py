@@ -628,7 +628,9 @@ def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype):
                                                             ("fp8_block", "swizzled", "mn_major")])
 # h 1152 (144 vectors): split 8 gives slices of 32 vectors, the fifth CTA's of 16 ending the row, the last three
 # CTAs none (they take part in the cluster's sums only). k 12: three of the combine's chunks of 4 slots.
-@pytest.mark.parametrize("t, k, h", [(1, 8, 7168), (7, 2, 4096), (33, 4, 3072), (3, 8, 1152), (2, 12, 2048)])
+# k 1 and 6 (variants built for those k; 6: a chunk of 4 and one of 2); k 12: the variant for any k.
+@pytest.mark.parametrize("t, k, h", [(1, 8, 7168), (7, 2, 4096), (33, 4, 3072), (3, 8, 1152), (2, 12, 2048),
+                                     (1, 1, 7168), (4, 6, 2048)])
 @pytest.mark.parametrize("form", ["reduction", "int32", "int64"])
 def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, scale_layout, t, k, h, form):
     """The world-1 MoE tail with each token's row cut over a cluster of 2, 4 and 8 CTAs, one slice each (SM
@@ -665,6 +667,8 @@ def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, s
         plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, None if idx is None else idx.dtype, t, k, h,
                                       0 if idx is None else y.shape[0], spec, dev, split=split)
         assert plan.launches[0].cluster == split
+        slots = k if k in moe_tail.SLOTS else 0  # the variant built for k slots where there is one
+        assert plan.launches[0].kernel.name.endswith(f", 1, {slots}>"), plan.launches[0].kernel.name
         return reference.Tail(*native.launcher(plan)(y, residual, weight, scale, None, w, idx, shared))
 
     ref = reference.fused_tail(combine, residual, weight, 1e-6, quant, scale, True, sf_layout, scale_layout=scale_layout)

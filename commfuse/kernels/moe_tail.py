@@ -9,8 +9,9 @@ fused_tail.LATENCY_TOKENS to WIDE_TOKENS rows (launch_config), and for few token
 variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes to a thread-block cluster
 of `split` CTAs (up to 8, while the t * split CTAs fit the SMs), each running the tail on its slice of the
 row (slice_vectors), the sum of squares added over the cluster: one SM alone does not read the k expert
-rows at the HBM's pace (csrc/fused_tail.cu). The kernels read the routing weights (float32 or T, a plan
-field) and the row index (int32 or int64, the variant's form) as given.
+rows at the HBM's pace (csrc/fused_tail.cu). The VPT 1 variants come also built for each k of SLOTS (the combine
+unrolled for that k). The kernels read the routing weights (float32 or T, a plan field) and the row index (int32
+or int64, the variant's form) as given.
 """
 from __future__ import annotations
 
@@ -64,16 +65,18 @@ class MoeTail(Family):
     source = SOURCE
     limits = Limits(world_sizes=frozenset({1}))
 
-    def name_expression(self, dtype: torch.dtype, form: int, fmt: Format, vpt: int) -> str:
-        return f"commfuse::moe_tail<{CTYPE[dtype]}, {form}, {fmt.id}, {vpt}>"
+    def name_expression(self, dtype: torch.dtype, form: int, fmt: Format, vpt: int, slots: int = 0) -> str:
+        """slots: the k the variant is built for (one of SLOTS, VPT 1 only), 0 for any k."""
+        return f"commfuse::moe_tail<{CTYPE[dtype]}, {form}, {fmt.id}, {vpt}, {slots}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, form, f, v) for d in CTYPE for form in FORMS.values() for f in FORMATS
-                for v in fused_tail.VPT_BUCKETS + (0,)]
+        return [self.name_expression(d, form, f, v, s) for d in CTYPE for form in FORMS.values() for f in FORMATS
+                for v in fused_tail.VPT_BUCKETS + (0,) for s in variant_slots(v)]
 
     def configs(self, dtype, spec, hidden):
         vpts = {launch_config(hidden, t)[0] for t in (1, fused_tail.LATENCY_TOKENS, WIDE_TOKENS)}
-        return [self.name_expression(dtype, form, spec.format, vpt) for form in FORMS.values() for vpt in sorted(vpts)]
+        return [self.name_expression(dtype, form, spec.format, vpt, s) for form in FORMS.values()
+                for vpt in sorted(vpts) for s in variant_slots(vpt)]
 
     def plan(self, dtype: torch.dtype, weights_dtype: torch.dtype, index_dtype: Optional[torch.dtype], t: int, k: int,
              h: int, rows: int, spec: TailSpec, device_index: int, split: Optional[int] = None) -> LaunchPlan:
@@ -92,7 +95,9 @@ class MoeTail(Family):
                 threads = whole_warps(per)
             blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h), per, 0)
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
-            kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt), device_index)
+            slots = k if k in variant_slots(vpt) else 0
+            kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt, slots),
+                                 device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
             grid = t * split + -(-(spec.row_slots(t) - t) // split) * split
             launches = (Launch(kernel, grid, threads, blob, tuple(patches), split),)
@@ -114,6 +119,21 @@ class MoeTail(Family):
         while split < MAX_SPLIT and t * split * 2 <= sms:
             split *= 2
         return split
+
+
+# The k of the VPT 1 variants built for one number of slots a token (csrc/moe.cuh's combine_vec, K), the top-k of
+# the common MoE models (Llama 4: 1; Mixtral: 2; gpt-oss: 4; DeepSeek-V2: 6; Qwen3, DeepSeek-V3: 8): their combine
+# loop unrolled, the slots past k gone at compile time. A token's row at few tokens is a chain of dependent
+# instructions at one or two warps a scheduler, so each instruction left out is time. H100, graph us, any k / built
+# for k (bench/journal.md, session 53): k 2 1 x 4096 2.08 / 1.76, 16 x 4096 2.15 / 1.90, 64 x 7168 3.05 / 2.72; k 8
+# 1 x 4096 2.52 / 2.16, 1 x 7168 2.60 / 2.25, 64 x 7168 5.32 / 5.04; finalize k 8 1 x 4096 2.65 / 2.54, 64 x 7168
+# 5.80 / 5.65; level at 256 x 4096. The other k take the variants for any k.
+SLOTS = (1, 2, 4, 6, 8)
+
+
+def variant_slots(vpt: int) -> tuple:
+    """The slots of the variants of `vpt`: 0 (any k), and SLOTS for VPT 1."""
+    return (0,) + SLOTS if vpt == 1 else (0,)
 
 
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
