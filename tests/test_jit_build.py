@@ -145,29 +145,10 @@ def test_moe_tail_variant_subset_builds(arch, cache_dir):
         assert symbol.encode() in built.cubin, f"{name} ({symbol}) missing from the {arch} cubin"
 
 
-def test_vpt4_tail_variants_fit_four_ctas_without_spills():
-    """csrc/fused_tail.cu builds the VPT 4 tails without quantization, fp8 and nvfp4 (the weights loaded after the
-    row's sum) for 4 CTAs of 256 threads an SM (<= 64 registers on SM 9.0) without a spill (ptxas' report)."""
-    if 90 not in nvrtc_archs():
-        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
-    names = tuple(fused_tail.FUSED_TAIL.name_expression(d, f, 4) for d in (torch.bfloat16, torch.float16)
-                  for f in FORMATS if f.name in (None, "fp8", "nvfp4"))
-    options = jit.compile_options("sm_90") + ("--ptxas-options=-v",)
-    _, lowered, log = jit._nvrtc_compile(jit.CSRC_DIR / fused_tail.SOURCE, names, options)
-    reports = {}
-    for entry in log.split("Compiling entry function")[1:]:
-        symbol = entry.split("'")[1]
-        reports[symbol] = entry
-    for name in names:
-        report = reports[lowered[name]]
-        assert " 0 bytes spill stores, 0 bytes spill loads" in report, f"{name} spills:\n{report}"
-        used = int(report.split("Used ")[1].split(" registers")[0])
-        assert used <= 65536 // (4 * 256), f"{name}: {used} registers do not fit 4 CTAs of 256 threads"
-
-
 def _spill_report(names):
-    """{name: (registers, spill store bytes, spill load bytes)} of fused_tail.cu's `names` for sm_90 (ptxas' report)."""
-    _, lowered, log = jit._nvrtc_compile(jit.CSRC_DIR / moe_tail.SOURCE, tuple(names),
+    """{name: (registers, spill store bytes, spill load bytes)} of fused_tail.cu's `names` (its tails and MoE tails)
+    for sm_90 (ptxas' report)."""
+    _, lowered, log = jit._nvrtc_compile(jit.CSRC_DIR / fused_tail.SOURCE, tuple(names),
                                          jit.compile_options("sm_90") + ("--ptxas-options=-v",))
     entries = {e.split("'")[1]: e for e in log.split("Compiling entry function")[1:]}
     report = {}
@@ -177,6 +158,18 @@ def _spill_report(names):
         report[name] = (int(e.split("Used ")[1].split(" registers")[0]), int(spills[0].rsplit(" ", 1)[1]),
                         int(spills[1].split(" bytes spill loads")[0]))
     return report
+
+
+def test_vpt4_tail_variants_fit_four_ctas_without_spills():
+    """csrc/fused_tail.cu builds the VPT 4 tails without quantization, fp8 and nvfp4 (the weights loaded after the
+    row's sum) for 4 CTAs of 256 threads an SM (<= 64 registers on SM 9.0) without a spill (ptxas' report)."""
+    if 90 not in nvrtc_archs():
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
+    names = tuple(fused_tail.FUSED_TAIL.name_expression(d, f, 4) for d in (torch.bfloat16, torch.float16)
+                  for f in FORMATS if f.name in (None, "fp8", "nvfp4"))
+    for name, (used, spill_st, spill_ld) in _spill_report(names).items():
+        assert spill_st == spill_ld == 0, f"{name} spills {spill_st} / {spill_ld} bytes"
+        assert used <= 65536 // (4 * 256), f"{name}: {used} registers do not fit 4 CTAs of 256 threads"
 
 
 def test_moe_tail_slot_variants_fit_without_spills():
