@@ -14,6 +14,24 @@ from commfuse.sharding import RowParallelLinear, shard_decoder
 transformers = pytest.importorskip("transformers", reason="the sharding tests need transformers (pip install transformers)")
 
 mpi = pytest.mark.mpi(min_size=2)
+
+# The classes that the oldest transformers these tests run with (the GPU image's 5.17) lacks, and the version that
+# first ran them here: below it their tests skip. Any other class missing is a failure (a misspelt name, or a
+# class transformers removed), not a skip that would hide it.
+NEWER_CLASSES = {"ErgoForCausalLM": "5.25", "MiniCPM5MoeForCausalLM": "5.25"}
+
+
+def model_class(name):
+    """transformers' class `name`; a skip where it is one of NEWER_CLASSES and the installed transformers is older
+    than the version that has it, else a failure where it is missing."""
+    if hasattr(transformers, name):
+        return getattr(transformers, name)
+    from packaging.version import Version
+
+    since = NEWER_CLASSES.get(name)
+    if since is not None and Version(transformers.__version__) < Version(since):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} (tested from {since})")
+    pytest.fail(f"transformers {transformers.__version__} has no {name}: a misspelt class, or one it removed")
 MOE = {"num_experts_per_tok": 2}  # 4 experts of 32 * kv intermediate features each (set in tiny)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -106,8 +124,7 @@ def tiny(family, dtype, seed=0):
     import torch.distributed as dist
 
     config_name, model_name, extra = {**FAMILIES, **OTHERS}[family]
-    if not hasattr(transformers, model_name):  # a family newer than the installed transformers
-        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    model_type = model_class(model_name)
     kv = 2 * dist.get_world_size()
     if family in MOE_FAMILIES:
         extra = dict(extra, moe_intermediate_size=32 * kv, shared_expert_intermediate_size=64 * kv)
@@ -122,7 +139,7 @@ def tiny(family, dtype, seed=0):
     config = getattr(transformers, config_name)(**{**sizes, **extra})
     assert family not in NO_INTERMEDIATE_SIZE or not hasattr(config, "intermediate_size")
     torch.manual_seed(seed)  # the same weights on every rank
-    model = getattr(transformers, model_name)(config)
+    model = model_type(config)
     with torch.no_grad():  # biases, sinks and per-head norms start alike: random ones, so a wrong share shows
         for name, p in model.named_parameters():
             if name.endswith(("bias", "sinks")):
@@ -233,8 +250,7 @@ def test_key_value_heads_differ_by_layer(comm):
     """MiMo-V2-Flash's sliding-window layers have twice the config's key-value heads: each attention is sharded by
     its own (its k_proj's), a rank keeping its share of them or, where they are fewer than the ranks, the one its
     queries read. The prompt's logits, and a decode step's, are the unsharded model's."""
-    if not hasattr(transformers, "MiMoV2FlashForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no MiMoV2FlashForCausalLM")
+    model_class("MiMoV2FlashForCausalLM")
     world = comm.world_size
     ids, step = tokens(), tokens(3)[:, :1]
 
@@ -582,8 +598,7 @@ def test_families_it_would_leave_partly_whole_are_refused(comm, family):
 def test_gated_delta_linear_attention_stays_whole_in_each_family_that_has_it(comm):
     """Qwen3.5's linear attention (transformers' Qwen3_5GatedDeltaNet) stays whole on every rank as Qwen3-Next's
     does, its full attention and MLPs sharded: the logits are the unsharded model's."""
-    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no Qwen3_5ForCausalLM")
+    model_class("Qwen3_5ForCausalLM")
     kv = 2 * comm.world_size
     config = transformers.Qwen3_5TextConfig(hidden_size=2 * kv * 16, num_hidden_layers=2, num_attention_heads=2 * kv,
                                             num_key_value_heads=kv, head_dim=16, vocab_size=128,
