@@ -419,22 +419,27 @@ class LocalRoute(Route):
 
 
 class IdentityRoute(LocalRoute):
-    """A fused call of one rank of an NCCL group, under any strategy but "nccl": the all-reduce of one rank is
-    x itself, so the local route's kernel reads x, the bits of NCCL's copy then the tail, without NCCL's launch
-    and the watchdog's two marks (at 1 x 4096 on an H200, bench/results/2026-12-05-h200-s31-moe-w1.txt: the tail
-    kernel 1.7 us, the NCCL route 6.2). A plain all-reduce keeps NCCL's (a copy into a new tensor, from the C++
-    launcher), and so do strategy="nccl" (the NCCL route's tests on one GPU) and a gloo group of one rank (CPU
-    tensors)."""
+    """A call of one rank of an NCCL group, under any strategy but "nccl": the all-reduce of one rank is x
+    itself, so a fused call is the local route's kernel on x, the bits of NCCL's copy then the tail, without NCCL's
+    launch and the watchdog's two marks (at 1 x 4096 on an H200, bench/results/2026-12-05-h200-s31-moe-w1.txt: the
+    tail kernel 1.7 us, the NCCL route 6.2), and a plain one a copy of x into a new tensor (or the caller's out), a
+    device-to-device copy where NCCL would launch its kernel. strategy="nccl" (the NCCL route's tests on one GPU)
+    and a gloo group of one rank (CPU tensors) keep their collective."""
 
     name = "identity"
     collective = Collective.NONE
 
     def accepts(self, call, m, fused):
-        one = m.world_size == 1 and m.backend == "nccl" and m.strategy != "nccl"
-        return None if one and call.spec is not None else ()
+        return None if m.world_size == 1 and m.backend == "nccl" and m.strategy != "nccl" else ()
 
     def chosen(self, call, m, fused):
         return "one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs NCCL's)"
+
+    def launcher(self, call, plan, res):
+        if call.spec is not None:
+            return super().launcher(call, plan, res)
+        return native.launcher(LaunchPlan(self.name, (), (OutputSpec(call.x.shape, call.x.dtype),), res.device.index,
+                                          copy=True))
 
 
 class GatedRoute(Route):

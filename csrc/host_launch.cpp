@@ -65,6 +65,7 @@ using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**)
 using ErrorString = CUresult (*)(CUresult, const char**);
 using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using IsCapturing = CUresult (*)(CUstream, CUstreamCaptureStatus*);
+using MemcpyAsync = CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 // ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
 using AllReduce = int (*)(const void*, void*, size_t, int, int, void*, void*);
 
@@ -74,6 +75,7 @@ struct Driver {
   ErrorString error_string = nullptr;
   WriteValue64 write_value64 = nullptr;
   IsCapturing is_capturing = nullptr;
+  MemcpyAsync memcpy_async = nullptr;
   Driver() {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
@@ -84,9 +86,11 @@ struct Driver {
     write_value64 = reinterpret_cast<WriteValue64>(dlsym(lib, "cuStreamWriteValue64_v2"));
     if (write_value64 == nullptr) write_value64 = reinterpret_cast<WriteValue64>(dlsym(lib, "cuStreamWriteValue64"));
     is_capturing = reinterpret_cast<IsCapturing>(dlsym(lib, "cuStreamIsCapturing"));
-    if (launch_ex == nullptr || error_string == nullptr || write_value64 == nullptr || is_capturing == nullptr)
-      throw std::runtime_error("commfuse host launch: libcuda lacks cuLaunchKernelEx, cuStreamWriteValue64 or "
-                               "cuStreamIsCapturing");
+    memcpy_async = reinterpret_cast<MemcpyAsync>(dlsym(lib, "cuMemcpyAsync"));
+    if (launch_ex == nullptr || error_string == nullptr || write_value64 == nullptr || is_capturing == nullptr ||
+        memcpy_async == nullptr)
+      throw std::runtime_error("commfuse host launch: libcuda lacks cuLaunchKernelEx, cuStreamWriteValue64, "
+                               "cuStreamIsCapturing or cuMemcpyAsync");
   }
 };
 
@@ -205,10 +209,11 @@ class Launcher {
   // tail, one for a plain all-reduce; nccl: None, or NcclComm.native_args (commfuse/nccl.py: ncclAllReduce's
   // address, the communicator, the NCCL dtype, the element count, then the watchdog's words, the device
   // address of their DONE, the mark kernel and the begin and end marks' parameters; zeros without one),
-  // enqueued first; combine: the kernels combine MoE expert rows (the sources named as a MoE call's arguments).
+  // enqueued first; combine: the kernels combine MoE expert rows (the sources named as a MoE call's arguments);
+  // copy: the output is x copied (the sum of one rank, launch.py's LaunchPlan.copy).
   Launcher(std::string name, const std::vector<py::tuple>& launches, const std::vector<py::object>& specs,
-           bool fused, py::object nccl, int device, bool combine)
-      : name_(std::move(name)), fused_(fused), inputs_(combine ? kMoeInputNames : kInputNames),
+           bool fused, py::object nccl, int device, bool combine, bool copy)
+      : name_(std::move(name)), fused_(fused), copy_(copy), inputs_(combine ? kMoeInputNames : kInputNames),
         device_(device) {
     for (const py::tuple& l : launches) {
       KernelLaunch k;
@@ -265,7 +270,9 @@ class Launcher {
         }
       }
     }
-    if (!launches_.empty() || progress_ != nullptr) driver();  // fail at plan time, not in a call
+    if (copy_ && (fused_ || nccl_ != nullptr || !launches_.empty()))
+      throw std::invalid_argument(name_ + ": a copy is a plain call's whole work");
+    if (!launches_.empty() || progress_ != nullptr || copy_) driver();  // fail at plan time, not in a call
   }
 
   // x, residual, weight, scale, z, row_index, shared: tensors (or None where the call has none), as the plan
@@ -393,6 +400,7 @@ class Launcher {
       if (!written) throw std::runtime_error(name_ + ": cuStreamWriteValue64 after ncclAllReduce failed");
       if (captured == 1 && marked_) launch(marks_[1], t);
     }
+    if (copy_) copy(t[kOut0], t[kX]);
     for (const KernelLaunch& k : launches_) launch(k, t);
   }
 
@@ -434,6 +442,23 @@ class Launcher {
                                           s.dtype, at::Device(at::kCUDA, device_), std::nullopt);
     if (g_poison >= 0) o.view(at::kByte).fill_(g_poison);
     return s.strides.empty() ? o : o.as_strided(s.sizes, s.strides);
+  }
+
+  // dst = src, both dense (an operand; an output of the plan's spec), on the current stream.
+  void copy(const at::Tensor& dst, const at::Tensor& src) const {
+    const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
+    if (bytes == 0) return;
+    c10::cuda::OptionalCUDAGuard guard;
+    if (c10::cuda::current_device() != device_) guard.set_index(device_);
+    const CUresult rc = driver().memcpy_async(static_cast<CUdeviceptr>(address(dst)),
+                                              static_cast<CUdeviceptr>(address(src)), bytes,
+                                              reinterpret_cast<CUstream>(stream()));
+    if (rc != CUDA_SUCCESS) {
+      const char* text = nullptr;
+      driver().error_string(rc, &text);
+      throw std::runtime_error("copy of " + name_ + " on cuda:" + std::to_string(device_) + ": " +
+                               (text ? text : "unknown error") + " (" + std::to_string(rc) + ")");
+    }
   }
 
   void launch(const KernelLaunch& k, const at::Tensor (&t)[kSources]) const {
@@ -482,6 +507,7 @@ class Launcher {
   OutSpec specs_[kOutputs];
   std::string field_names_[kOutputs];  // for the caller-owned outputs' errors: "out.norm" (or "out")
   bool fused_;
+  bool copy_;
   const char* const* inputs_;  // the inputs' names in errors: a MoE call's or the others'
   AllReduce nccl_ = nullptr;
   void* nccl_comm_ = nullptr;
@@ -1166,7 +1192,7 @@ PYBIND11_MODULE(commfuse_host, m) {
   m.doc() = "commfuse's eager hot path (csrc/host_launch.cpp)";
   py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
       .def(py::init<std::string, const std::vector<py::tuple>&, const std::vector<py::object>&, bool, py::object,
-                    int, bool>())
+                    int, bool, bool>())
       .def("__call__", &Launcher::operator(), py::arg("x"), py::arg("residual") = py::none(),
            py::arg("weight") = py::none(), py::arg("scale") = py::none(), py::arg("out") = py::none(),
            py::arg("z") = py::none(), py::arg("row_index") = py::none(), py::arg("shared") = py::none());

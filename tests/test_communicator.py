@@ -94,10 +94,11 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
 @mpi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (an NCCL group of one rank)")
 def test_one_rank_of_an_nccl_group_launches_no_all_reduce_for_a_fused_call(comm, gen):
-    """A Communicator of an NCCL group of one rank (each rank's own): its fused calls plan no collective and
-    launch no NCCL all-reduce (its watchdog counts none), eager and replayed from a CUDA graph, and give the
-    reference's tail of x (the residual bit for bit, the codes within their tolerance), out.residual =
-    residual updated in place; a plain call, and any call with strategy="nccl", runs NCCL's all-reduce."""
+    """A Communicator of an NCCL group of one rank (each rank's own): its calls plan no collective and launch no
+    NCCL all-reduce (its watchdog counts none), eager and replayed from a CUDA graph; fused calls give the
+    reference's tail of x (the residual bit for bit, the codes within their tolerance), out.residual = residual
+    updated in place; plain calls a copy of x (a new tensor, or the caller's out); any call with strategy="nccl"
+    runs NCCL's all-reduce."""
     if dist.get_backend(comm.group) != "nccl":
         pytest.skip("needs NCCL groups (ranks sharing a GPU run gloo)")
     groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
@@ -118,17 +119,25 @@ def test_one_rank_of_an_nccl_group_launches_no_all_reduce_for_a_fused_call(comm,
     in_place = residual.clone()
     assert c.fused_all_reduce(x, in_place, weight, out=(in_place, None, None, None, None)).residual is in_place
     assert bits_equal(in_place, want.residual)
+    p = c.plan(x)
+    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "none", None, "identity"), str(p)
+    for y in poisoned_runs(lambda: c.all_reduce(x)):
+        assert bits_equal(y, x) and y.data_ptr() != x.data_ptr()
+    given = torch.full_like(x, float("nan"))
+    assert c.all_reduce(x, out=given) is given and bits_equal(given, x)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(graph):
         captured = c.fused_all_reduce(x, residual, weight, quant="fp8", scale=scale)
+        summed = c.all_reduce(x)
     captured.quant.view(torch.uint8).fill_(0xA5)
+    summed.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert bits_equal(captured.quant, runs[0].quant)
+    assert bits_equal(captured.quant, runs[0].quant) and bits_equal(summed, x)
     if words is not None:
         assert words[nccl.ISSUED] == issued, "an NCCL all-reduce ran"
-        assert c.plan(x).collective == "nccl" and torch.equal(c.all_reduce(x), x)
+        assert forced.plan(x).collective == "nccl" and bits_equal(forced.all_reduce(x), x)
         assert torch.equal(forced.fused_all_reduce(x, residual, weight).residual, want.residual)
         torch.cuda.synchronize()
         assert words[nccl.ISSUED] == words[nccl.DONE] == issued + 2

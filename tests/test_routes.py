@@ -296,22 +296,22 @@ def test_p2p_world_size_not_supported_goes_to_nccl():
 
 @pytest.mark.parametrize("strategy", ["auto", "oneshot", "twoshot"])
 @pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "fp8_block"])
-def test_a_fused_call_of_one_rank_of_an_nccl_group_runs_no_collective(strategy, quant):
-    """The sum of one rank is x: a fused call is the fused_tail kernel on x, no NCCL launch, whatever P2P
-    strategy is asked (one rank has no P2P); a plain call keeps NCCL's all-reduce (its copy of x)."""
+def test_a_call_of_one_rank_of_an_nccl_group_runs_no_collective(strategy, quant):
+    """The sum of one rank is x: a fused call is the fused_tail kernel on x, a plain call a copy of x, no NCCL
+    launch, whatever P2P strategy is asked (one rank has no P2P)."""
     p = plan(call(quant=quant), world=1, strategy=strategy, mode_reasons=("one rank",))
     assert (p.collective, p.tail, p.kernel, p.route) == ("none", "fused", "fused_tail", "identity"), str(p)
     assert p.reasons == ("one rank: its all-reduce is x itself, so no collective runs (strategy 'nccl' runs "
                          "NCCL's)",), p.reasons
     p = plan(call(plain=True), world=1, strategy=strategy)
-    assert (p.collective, p.tail, p.route) == ("nccl", "none", "nccl"), str(p)
+    assert (p.collective, p.tail, p.kernel, p.route) == ("none", "none", None, "identity"), str(p)
 
 
 def test_one_rank_keeps_nccls_all_reduce_where_forced_and_gloo_on_a_gloo_group():
-    c = call(quant="fp8")
-    assert plan(c, world=1, strategy="nccl").collective == "nccl"
-    assert plan(c, world=1, backend="gloo").collective == "gloo"
-    assert plan(c, world=2).collective == "nccl"
+    for c in (call(quant="fp8"), call(plain=True)):
+        assert plan(c, world=1, strategy="nccl").collective == "nccl"
+        assert plan(c, world=1, backend="gloo").collective == "gloo"
+        assert plan(c, world=2).collective == "nccl"
 
 
 def test_one_rank_separates_a_tail_the_kernel_cannot_take_without_a_collective():

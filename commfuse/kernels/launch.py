@@ -13,8 +13,8 @@ vectors; a MoE plan's weights and row index are made dense too, in their own dty
 the outputs the caller did not give (out: None, a tensor for a plain all-reduce, or the five fields; a field
 None is allocated), checks the caller's outputs' alignment and an MN-major view's room (the plan's key holds
 no addresses), runs ncclAllReduce of x into the residual output (a scratch buffer where that output is the
-residual input itself), then each kernel with its pointers patched in: source address + delta, or 0 where the
-source is absent.
+residual input itself), or copies x into the output (a plain all-reduce of one rank), then each kernel with its
+pointers patched in: source address + delta, or 0 where the source is absent.
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ class LaunchPlan:
     """Everything one call of a signature launches. outputs: five OutputSpecs (None where absent) for a
     tail, one for a plain all-reduce; nccl: the NcclComm whose ncclAllReduce sums x (count elements)
     into the residual output first, or None; device_index: the CUDA device; combine: the kernels combine
-    MoE expert rows (z: the routing weights; the call's sources are named as a MoE call's arguments)."""
+    MoE expert rows (z: the routing weights; the call's sources are named as a MoE call's arguments); copy:
+    the output is x copied, the whole work of a plain all-reduce of one rank (whose sum is x itself)."""
 
     name: str
     launches: Tuple[Launch, ...]
@@ -74,6 +75,7 @@ class LaunchPlan:
     nccl: Optional[object] = None
     count: int = 0
     combine: bool = False
+    copy: bool = False
 
     @property
     def fused(self) -> bool:
@@ -179,6 +181,8 @@ class PyLauncher:
             aliased = plan.fused and residual is not None and t[OUT].data_ptr() == residual.data_ptr()
             t[SUM] = allocate(plan.outputs[0], self._device) if aliased else t[OUT]
             plan.nccl.all_reduce(t[X], t[SUM])
+        if plan.copy:
+            t[OUT].copy_(t[X])
         for launch in plan.launches:
             buf = bytearray(launch.params)
             for offset, source, delta in launch.patches:

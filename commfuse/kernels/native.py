@@ -197,7 +197,7 @@ def launcher(plan: LaunchPlan):
                 for l in plan.launches]
     nccl = plan.nccl.native_args(plan.outputs[0].dtype, plan.count) if plan.nccl is not None else None
     return mod.Launcher(plan.name, launches, [_spec(s) for s in plan.outputs], plan.fused, nccl, plan.device_index,
-                        plan.combine)
+                        plan.combine, plan.copy)
 
 
 def table(name: str, error_word: int, fused_type, tail_type, quantized_type):
