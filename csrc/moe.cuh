@@ -93,6 +93,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   // (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
   const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
+  // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
 #pragma unroll
   for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += kCombineChunk) {
     long long r[kCombineChunk];

@@ -93,7 +93,7 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
 
 @mpi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (an NCCL group of one rank)")
-def test_one_rank_of_an_nccl_group_launches_no_all_reduce_for_a_fused_call(comm, gen):
+def test_one_rank_of_an_nccl_group_launches_no_all_reduce(comm, gen):
     """A Communicator of an NCCL group of one rank (each rank's own): its calls plan no collective and launch no
     NCCL all-reduce (its watchdog counts none), eager and replayed from a CUDA graph; fused calls give the
     reference's tail of x (the residual bit for bit, the codes within their tolerance), out.residual = residual
