@@ -874,6 +874,7 @@ def fused_tail(
     weight_offset: float = 0.0,
     scale_layout: str = "row",
     scale_ue8m0: bool = False,
+    post_weight: Optional[Tensor] = None,
 ) -> Tail:
     """The tail after the all-reduce: residual add, RMSNorm, optional quantization.
 
@@ -891,6 +892,8 @@ def fused_tail(
     quant is float8_e4m3fn [t,h] (the e4m3 formats) or uint8 [t,h/2] (nvfp4); norm is given
     when quant is None or return_norm; scale_factors only for nvfp4 and mxfp8; scales only for
     fp8_per_token (float32 [t]) and fp8_block. The quantized value is that of the T-rounded norm.
+    post_weight: [h] weight of a post-norm (Gemma 2 / 3's post_attention_layernorm; docs/semantics.md section
+    2a), or None: a is first replaced by rmsnorm(a, post_weight, eps, weight_offset), then the tail as above.
     """
     if quant is not None and quant not in _QUANTS:
         raise ValueError(f"quant must be one of {_QUANTS}, got {quant!r}")
@@ -898,6 +901,8 @@ def fused_tail(
         _like("residual", residual, "a", a)  # as given: a reshape would pass any of the same numel
     h = a.shape[-1]
     a = a.reshape(-1, h)
+    if post_weight is not None:
+        a = rmsnorm(a, post_weight, eps, weight_offset)
     res = None if residual is None else residual_add(a, residual.reshape(-1, h))
     norm = rmsnorm(a if res is None else res, weight, eps, weight_offset)
     if quant is None:

@@ -541,6 +541,61 @@ def test_the_oracle_does_not_depend_on_strides():
 # ----------------------------------------------------------------- fused_tail
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+def test_a_post_weight_normalises_the_sum_before_the_residual_add(dtype, weight_offset):
+    """post_weight (docs/semantics.md section 2a): the sum a is replaced by its RMSNorm with the post weight, the
+    tail's eps and weight offset, rounded to T, before the residual add. Checked against a float64 computation of
+    the same steps, each rounded to T where the semantics round (the post-norm, the residual): within 1 ulp of T
+    for the post-norm and the norm; the residual then within the ulp of a' plus its own rounding."""
+    g = gen(17)
+    a = (torch.randn(8, 256, generator=g) * 3).to(dtype)
+    r = torch.randn(8, 256, generator=g).to(dtype)
+    w = (0.1 * torch.randn(256, generator=g) + (0.0 if weight_offset else 1.0)).to(dtype)
+    post = (0.1 * torch.randn(256, generator=g) + (0.0 if weight_offset else 1.0)).to(dtype)
+    eps = 1e-6
+
+    def norm64(x, weight):
+        xd = x.double()
+        return xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) * (weight.double() + weight_offset)
+
+    got = ref.fused_tail(a, r, w, eps, weight_offset=weight_offset, post_weight=post)
+    a_post = norm64(a, post)
+    assert ((ref.rmsnorm(a, post, eps, weight_offset).double() - a_post).abs() <= ulp(a_post.to(dtype))).all()
+    residual = a_post + r.double()
+    assert ((got.residual.double() - residual).abs() <= 2 * ulp(residual.to(dtype)) + ulp(a_post.to(dtype))).all()
+    want = norm64(got.residual, w)
+    assert ((got.norm.double() - want).abs() <= ulp(want.to(dtype))).all()
+    # the same as the tail of the post-norm, and not the tail of a itself
+    composed = ref.fused_tail(ref.rmsnorm(a, post, eps, weight_offset), r, w, eps, weight_offset=weight_offset)
+    assert torch.equal(got.residual, composed.residual) and torch.equal(got.norm, composed.norm)
+    assert not torch.equal(got.residual, ref.fused_tail(a, r, w, eps, weight_offset=weight_offset).residual)
+
+
+def test_a_post_weight_matches_gemma3_decoder_layer_math():
+    """Gemma 3's decoder layer as transformers writes it (post_attention_layernorm of the sum, + residual,
+    pre_feedforward_layernorm; Gemma3RMSNorm: float32, (1 + w)) against fused_tail(..., weight_offset=1.0,
+    post_weight=): the residual and the norm within 1 ulp of bf16 (the mean's order of summation aside, the same
+    operations)."""
+    modeling = pytest.importorskip("transformers.models.gemma3.modeling_gemma3",
+                                   reason="the Gemma 3 comparison needs transformers")
+    g = gen(18)
+    h, eps = 256, 1e-6
+    post_norm, pre_norm = modeling.Gemma3RMSNorm(h, eps), modeling.Gemma3RMSNorm(h, eps)
+    with torch.no_grad():
+        post_norm.weight.copy_(0.1 * torch.randn(h, generator=g))
+        pre_norm.weight.copy_(0.1 * torch.randn(h, generator=g))
+    post_norm, pre_norm = post_norm.bfloat16(), pre_norm.bfloat16()  # a bf16 model's
+    a = (torch.randn(8, h, generator=g) * 3).bfloat16()
+    r = torch.randn(8, h, generator=g).bfloat16()
+    with torch.no_grad():
+        residual = r + post_norm(a)
+        norm = pre_norm(residual)
+    got = ref.fused_tail(a, r, pre_norm.weight, eps, weight_offset=1.0, post_weight=post_norm.weight)
+    assert ((got.residual.double() - residual.double()).abs() <= 2 * ulp(residual)).all()
+    assert ((got.norm.double() - norm.double()).abs() <= 2 * ulp(norm)).all()
+
+
 def _tail_inputs(dtype=torch.bfloat16, shape=(2, 3, 128), seed=15):
     g = gen(seed)
     a = torch.randn(*shape, generator=g).to(dtype)
