@@ -37,12 +37,31 @@ constexpr int kMinBlocks = VPT == 4 ? 4 : 1;
 template <int VPT, int QUANT>
 constexpr bool kWeightAfterSum = VPT == 4 && (QUANT == kQuantNone || QUANT == kQuantFp8 || QUANT == kQuantNvfp4);
 
-// The kernel's only parameter is FusedTailParams (the all-reduced input a, then TailParams),
-// declared in commfuse/kernels/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
+// The kernel's only parameter is FusedTailParams (the all-reduced input a, TailParams, then the post-norm's
+// weight), declared in commfuse/kernels/params.py (the generated header commfuse_params.cuh, via epilogue.cuh).
+
+// The post-norm (docs/semantics.md section 2a): a's row normalised with the post weight, the tail's eps and weight
+// offset, in place, before the residual add. Its own block sum, which frees red for the tail's. The weight is
+// loaded after the sum, a vector at a time: it takes no registers across it.
+template <typename T, int VPT>
+__device__ __forceinline__ void post_norm(const TailParams& p, const void* post_weight, uint4 (&a)[VPT], float* red) {
+  const int nv = p.h / kVecElems;
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) add_squares<T>(a[i], sumsq);  // zero past the row's end
+  const float inv = inv_rms(block_sum(sumsq, red), p);
+  const uint4* w = static_cast<const uint4*>(post_weight);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < nv) a[i] = norm_round<T>(a[i], __ldg(w + v), inv, p.weight_offset);
+  }
+}
 
 // VPT > 0: the row lives in registers, VPT vectors of 8 elements per thread.
-// VPT == 0: rows of any length, looped over (two passes over residual_out).
-template <typename T, int QUANT, int VPT>
+// VPT == 0: rows of any length, looped over (two passes over residual_out; with POST one more over a first).
+// POST: the post-norm first (FusedTailParams::post_weight).
+template <typename T, int QUANT, int VPT, bool POST>
 __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
     fused_tail(const __grid_constant__ FusedTailParams p) {
   __shared__ float red[kMaxThreads<VPT> / 32];
@@ -71,7 +90,19 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
       for (int i = 0; i < VPT; ++i) x[i] = make_uint4(0, 0, 0, 0);
     }
     if constexpr (!kLate) tail_load_weight<T, VPT>(p.tail, w);
+    if constexpr (POST) post_norm<T, VPT>(p.tail, p.post_weight, av, red);  // the residual's loads in flight
     tail_row<T, QUANT, VPT, true, kLate>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
+  } else if constexpr (POST) {
+    // A first pass for the post-norm's sum; then each read of a normalises it again (the same bits each time:
+    // the later passes read residual_out, or a again without a residual).
+    float sumsq = 0.f;
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) add_squares<T>(a[v], sumsq);
+    const float inv = inv_rms(block_sum(sumsq, red), p.tail);
+    const uint4* w = static_cast<const uint4*>(p.post_weight);
+    const float offset = p.tail.weight_offset;
+    tail_row_looped<T, QUANT, kLoopVectors, true>(
+        p.tail, row, [a, w, inv, offset](int v) { return norm_round<T>(a[v], __ldg(w + v), inv, offset); },
+        quant_scalar<QUANT>(p.tail), red);
   } else {
     tail_row_looped<T, QUANT, kLoopVectors, true>(p.tail, row, [a](int v) { return a[v]; },
                                                   quant_scalar<QUANT>(p.tail), red);

@@ -100,7 +100,7 @@ def rows(comm, t: int, h: int):
         yield "torch._C._cuda_getDevice", lambda: jit._current_device()
         none = TailSpec.of(None)
         fields = launch.tail_fields(none, t, h)
-        yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(x.data_ptr(), *fields)
+        yield "params.FUSED_TAIL.pack", lambda: params.FUSED_TAIL.pack(x.data_ptr(), *fields, 0)
         # A plain RMSNorm of x into norm_buf: the plan's bytes with its pointers patched in, as a launcher does.
         (one,) = FUSED_TAIL.plan(dt, t, h, none, 0, residual=False).launches
         norm_buf = torch.empty_like(x)

@@ -46,7 +46,7 @@ def configs(h: int):
 
 
 def launcher(dtype, t, h, spec, vpt, threads):
-    blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
+    blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
     patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
     launch = FUSED_TAIL.row_launch(dtype, spec, t, vpt, threads, blob, patches, torch.cuda.current_device())
     return PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, dtype, True)),

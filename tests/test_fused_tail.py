@@ -567,3 +567,39 @@ def test_mxfp8_matches_reference(dtype, hidden, sf_layout, weight_offset, monkey
             row_sf = ref.unswizzle_scale_factors(k.scale_factors, tokens, K) if sf_layout == "swizzled" \
                 else k.scale_factors
             assert (row_sf[NAN_ROW] == 0xFF).all() and (k.quant[NAN_ROW].view(torch.uint8) == 0x7F).all()
+
+
+@pytest.mark.parametrize("quant", (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"))
+@pytest.mark.parametrize("weight_offset", (0.0, 1.0))
+# VPT 1 (decode), VPT 2 / 1 at 256-511 rows, VPT 4 (many rows), the looped variant (h 32768)
+@pytest.mark.parametrize("t, h", [(1, 4096), (16, 7168), (300, 4096), (600, 7168), (3, 32768)])
+def test_a_post_norm_variant_matches_the_reference(t, h, weight_offset, quant):
+    """The POST variants (docs/semantics.md section 2a; the post weight from the launcher's z): the sum is
+    normalised with the post weight before the residual add. The residual within 2 ulps of T of the reference's
+    (its post-norm may differ by an ulp: the order of the sum of squares), every output written (poisoned runs
+    agree), and the norm and the quantization those of the kernel's own residual (reference.fused_tail of it
+    without a residual) within the tolerances."""
+    from commfuse.kernels import native
+
+    from compare import assert_tail_close, assert_within_ulp, bits_equal
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(t * 7 + h)
+    a = (torch.randn(t, h, generator=g) * 3).bfloat16().cuda()
+    residual = torch.randn(t, h, generator=g).bfloat16().cuda()
+    base = 0.0 if weight_offset else 1.0
+    weight = (base + 0.1 * torch.randn(h, generator=g)).bfloat16().cuda()
+    post = (base + 0.1 * torch.randn(h, generator=g)).bfloat16().cuda()
+    scale = torch.tensor([0.05]).cuda() if quant in ("fp8", "nvfp4") else None
+    spec = TailSpec.of(quant, return_norm=True, weight_offset=weight_offset)
+    plan = ft.FUSED_TAIL.plan(torch.bfloat16, t, h, spec, torch.cuda.current_device(), post=True)
+    first, second = poisoned_runs(lambda: ref.Tail(*native.launcher(plan)(a, residual, weight, scale, None, post)))
+    for name in ("residual", "norm", "quant", "scale_factors", "scales"):
+        assert bits_equal(getattr(first, name), getattr(second, name)), f"{name} not written everywhere"
+    want = ref.fused_tail(a, residual, weight, 1e-6, quant, scale, True, weight_offset=weight_offset,
+                          post_weight=post)
+    assert_within_ulp(first.residual, want.residual, 2, "residual")
+    assert not bits_equal(first.residual, ref.fused_tail(a, residual, weight, weight_offset=weight_offset).residual)
+    own = ref.fused_tail(first.residual, None, weight, 1e-6, quant, scale, True, weight_offset=weight_offset)
+    assert_tail_close(ref.Tail(None, *first[1:]), own, quant, scale=scale)

@@ -215,7 +215,7 @@ def test_moe_tail_launch_rule():
 
 def test_variants_cover_every_launch_config():
     names = set(fused_tail.variants())
-    assert len(names) == 2 * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1)
+    assert len(names) == 2 * len(FORMATS) * (len(fused_tail.VPT_BUCKETS) + 1) * 2  # with and without a post-norm
     rows = (1, fused_tail.LATENCY_TOKENS - 1, fused_tail.LATENCY_TOKENS, fused_tail.PLAIN_WIDE_TOKENS - 1,
             fused_tail.PLAIN_WIDE_TOKENS, 8192)
     for hidden in (16, 24, 128, 1000, 2048, 2056, 2880, 4096, 4104, 5120, 7168, 8192, 8200, 16384, 16392, 32000,

@@ -48,7 +48,7 @@ from ..tail.formats import FORMATS, Format
 from ..tail.spec import TailSpec
 from . import native, params
 from .family import CTYPE, MAX_HIDDEN, MAX_TOKENS, Family, Limits
-from .launch import SUM, X, LaunchPlan, tail_fields, tail_patches, whole_warps
+from .launch import SUM, X, Z, Launch, LaunchPlan, tail_fields, tail_patches, whole_warps
 
 __all__ = ["FUSED_TAIL", "run", "warmup", "variants", "launch_config", "register_config", "MAX_HIDDEN",
            "MAX_TOKENS"]
@@ -121,12 +121,14 @@ class FusedTail(Family):
     source = SOURCE
     limits = Limits()
 
-    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int) -> str:
-        """The template instantiation for (dtype, format, vpt); vpt 0 is the looped variant."""
-        return f"commfuse::fused_tail<{CTYPE[dtype]}, {fmt.id}, {vpt}>"
+    def name_expression(self, dtype: torch.dtype, fmt: Format, vpt: int, post: bool = False) -> str:
+        """The template instantiation for (dtype, format, vpt); vpt 0 is the looped variant; post: with the
+        post-norm (docs/semantics.md section 2a)."""
+        return f"commfuse::fused_tail<{CTYPE[dtype]}, {fmt.id}, {vpt}, {str(post).lower()}>"
 
     def variants(self) -> List[str]:
-        return [self.name_expression(d, f, v) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS + (0,)]
+        return [self.name_expression(d, f, v, post) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS + (0,)
+                for post in (False, True)]
 
     def configs(self, dtype, spec, hidden):
         # The rules change only at these row counts (launch_config).
@@ -134,17 +136,21 @@ class FusedTail(Family):
                 for t in (1, LATENCY_TOKENS, PLAIN_WIDE_TOKENS) for residual in (True, False)]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int, *, residual: bool = True,
-             nccl=None) -> LaunchPlan:
+             nccl=None, post: bool = False) -> LaunchPlan:
         """The LaunchPlan of the tail of t rows of h (residual False: none, a plain RMSNorm). nccl: the
         NcclComm of the NCCL route, whose ncclAllReduce of x (into the residual output) comes first, the
-        kernel reading the sum there as its input `a` and updating it in place; else `a` is x."""
+        kernel reading the sum there as its input `a` and updating it in place; else `a` is x. post: the
+        post-norm first, its weight the call's source Z (a fused call has no other z)."""
         launches = ()
         if t:
             vpt, threads = launch_config(h, t, spec.quant is None, residual)
-            blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
+            blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
             patches = [(params.FUSED_TAIL.offsets["a"], SUM if nccl is not None else X, 0)]
+            if post:
+                patches.append((params.FUSED_TAIL.offsets["post_weight"], Z, 0))
             patches += tail_patches(params.FUSED_TAIL.offsets["tail"])
-            launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index),)
+            kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, post), device_index)
+            launches = (Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches)),)
         name = ("ncclAllReduce + " if nccl is not None else "") + self.name
         return LaunchPlan(name, launches, tuple(spec.outputs(t, h, dtype, residual)), device_index, nccl, t * h)
 

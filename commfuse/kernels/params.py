@@ -120,6 +120,8 @@ TAIL = Struct("TailParams", [
 FUSED_TAIL = Struct("FusedTailParams", [
     Field("a", "const void*", "ptr", comment="T [t, h]: the all-reduced input"),
     Field("tail", "TailParams", TAIL),
+    # Last, so that the other fields keep their offsets (and the variants without a post-norm their code).
+    Field("post_weight", "const void*", "ptr", comment="T [h]: the post-norm's weight (the POST variants)"),
 ])
 
 GATED_NORM = Struct("GatedNormParams", [

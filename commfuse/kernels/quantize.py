@@ -99,7 +99,7 @@ class Quantize(Family):
         launches = ()
         if t:
             vpt, threads, split = cut_config(h, t, spec)
-            blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h))
+            blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
             patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
             launches = (self.row_launch(dtype, spec, t, vpt, threads, blob, patches, device_index, split),)
         return LaunchPlan(self.name, launches, tuple(spec.outputs(t, h, dtype, residual=False)), device_index)
