@@ -354,18 +354,20 @@ class Communicator:
 
     # ---------------------------------------------------------------- planning (a signature's first call)
 
-    def _call(self, x, residual, weight, scale, out, spec: Optional[TailSpec]) -> Call:
-        """The checked call (raises on one that has no meaning, naming the argument)."""
+    def _call(self, x, residual, weight, scale, out, spec: Optional[TailSpec], post_weight=None) -> Call:
+        """The checked call (raises on one that has no meaning, naming the argument); post_weight: the fused
+        call's post-norm weight, its z."""
         if spec is None:
             checks.x_hidden(x, self.device)
             if out is not None:
                 checks.out_like(out, x)
             return Call.of("plain", x)
-        h = checks.tail(x, residual, weight, scale, spec, self.device)
+        h = checks.tail(x, residual, weight, scale, spec, self.device, post_weight=post_weight)
         if out is not None:
             checks.out(out, spec.outputs(x.numel() // h, h, x.dtype), self.device,
-                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
-        return Call.of("fused", x, residual, weight, scale, spec=spec)
+                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale),
+                        ("post_weight", post_weight)))
+        return Call.of("fused", x, residual, weight, scale, post_weight, spec=spec)
 
     @staticmethod
     def _spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0) -> TailSpec:
@@ -376,9 +378,9 @@ class Communicator:
              weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6, quant: Optional[str] = None,
              scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
              sf_layout: str = "swizzled", weight_offset: float = 0.0, scale_layout: str = "row",
-             scale_ue8m0: bool = False, out=None) -> Plan:
+             scale_ue8m0: bool = False, out=None, post_weight: Optional[torch.Tensor] = None) -> Plan:
         """The route `fused_all_reduce` (or `all_reduce` when residual is None) would take, without
-        running it. Arguments as for those (x, residual: T[..., h], weight: T[h], scale: float32[1],
+        running it. Arguments as for those (x, residual: T[..., h], weight, post_weight: T[h], scale: float32[1],
         on the communicator's device; out: the caller's output tensors, if any); raises on the same
         argument errors. Not collective."""
         if residual is None:
@@ -386,7 +388,7 @@ class Communicator:
             spec = None
         else:
             spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-        return routes.plan(self._call(x, residual, weight, scale, out, spec), self._machine)
+        return routes.plan(self._call(x, residual, weight, scale, out, spec, post_weight), self._machine)
 
     def _planned(self, first):
         """first(): a call's planning (its checks, its plan, its launcher in the table), which a signature's first
@@ -423,7 +425,8 @@ class Communicator:
         p = routes.plan(call, self._machine)
         launcher = routes.launcher(call, p, self._resources)
         if self._check_calls:
-            spec = None if call.spec is None else call.spec.signature + routes.scale_form(call)
+            spec = None if call.spec is None else (call.spec.signature + routes.scale_form(call) +
+                                                   (", post-norm" if call.post else ""))
             signature = (op, tuple(call.x.shape), str(call.x.dtype), spec, str(p.collective))
             outputs = (None,) if call.spec is None else tuple(routes.outputs_of(call))
             launcher = _Checked(self, signature, launcher, outputs, ("x", "residual", "weight", "scale"))
@@ -450,7 +453,7 @@ class Communicator:
                          eps: float = 1e-6, quant: Optional[str] = None,
                          scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
                          sf_layout: str = "swizzled", weight_offset: float = 0.0, scale_layout: str = "row",
-                         scale_ue8m0: bool = False, out=None) -> FusedResult:
+                         scale_ue8m0: bool = False, out=None, post_weight: Optional[torch.Tensor] = None) -> FusedResult:
         """All-reduce `x`, then residual add, RMSNorm and optional quantization (docs/semantics.md).
 
         x, residual: T[..., h] (T = fp16, bf16 or fp32, else TypeError; fp32 takes the separated tail), same shape;
@@ -469,18 +472,21 @@ class Communicator:
         overlap neither each other nor an input (checked per call, ValueError), except that out.residual
         may be `residual` itself, or `residual.view(-1, h)` of a contiguous residual of another shape: the
         residual is updated in place (every route reads each residual element before it writes it).
+        post_weight: T[h] on the device, a post-norm's weight (Gemma 2 / 3's post_attention_layernorm): the sum is
+        first normalised with it, the same eps and weight_offset, then added to the residual (docs/semantics.md
+        section 2a); the P2P kernels do not take it (the NCCL route's tail kernel does).
         """
         r = self.table.fused(x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
-                             scale_layout, scale_ue8m0)
+                             scale_layout, scale_ue8m0, post_weight)
         if r is None:
             args = (x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
-                    scale_layout, scale_ue8m0)
+                    scale_layout, scale_ue8m0, post_weight)
 
             def first():
                 spec = self._spec(eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0)
-                return self._first("fused", args, self._call(x, residual, weight, scale, out, spec))
+                return self._first("fused", args, self._call(x, residual, weight, scale, out, spec, post_weight))
             p, launcher = self._planned(first)
-            r = FusedResult(*launcher(x, residual, weight, scale, out), plan=p)
+            r = FusedResult(*launcher(x, residual, weight, scale, out, post_weight), plan=p)
         return r
 
     def moe_all_reduce(self, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

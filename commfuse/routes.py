@@ -76,7 +76,8 @@ class TensorMeta:
 class Call:
     """One call as the routes see it. op: commfuse.kernels.table's (plain, fused, local, gated,
     quantize); spec: the tail (None: the plain all-reduce); scale None also when it is a Python
-    number; group_size, norm_before_gate: the gated norm's."""
+    number; z: the gated norm's gate, or a fused call's post-norm weight (post_weight); group_size,
+    norm_before_gate: the gated norm's."""
 
     op: str
     x: TensorMeta
@@ -105,6 +106,11 @@ class Call:
     @property
     def message_bytes(self) -> int:
         return self.x.numel * self.x.dtype.itemsize
+
+    @property
+    def post(self) -> bool:
+        """Whether the tail starts with a post-norm (a fused call's post_weight, docs/semantics.md section 2a)."""
+        return self.op == "fused" and self.z is not None
 
     @property
     def pattern(self) -> str:
@@ -310,6 +316,8 @@ class P2PRoute(Route):
             return ("no P2P workspace",)
         if call.x.device.type != "cuda":
             return ()
+        if fused and call.post:
+            return ("post_weight: the P2P kernels have no post-norm (the NCCL route's tail kernel has)",)
         why = _rejects(self.kernel, call, m, call.spec if fused else None, numel=call.x.numel)
         if why:
             return (why,)
@@ -378,7 +386,7 @@ class NcclRoute(Route):
         if res.nccl is not None:
             if fused:
                 return native.launcher(FUSED_TAIL.plan(x.dtype, call.tokens, call.hidden, call.spec,
-                                                       res.device.index, nccl=res.nccl))
+                                                       res.device.index, nccl=res.nccl, post=call.post))
             return native.launcher(LaunchPlan("ncclAllReduce", (), (OutputSpec(x.shape, x.dtype),), res.device.index,
                                               res.nccl, x.numel))
         first = _TorchAllReduce(res.group)
@@ -415,7 +423,8 @@ class LocalRoute(Route):
 
     def launcher(self, call, plan, res):
         return native.launcher(self.kernel.plan(call.x.dtype, call.tokens, call.hidden, call.spec,
-                                                call.x.device.index, residual=call.residual is not None))
+                                                call.x.device.index, residual=call.residual is not None,
+                                                post=call.post))
 
 
 class IdentityRoute(LocalRoute):
@@ -577,7 +586,8 @@ def launcher(call: Call, plan: Plan, res: Resources) -> Callable:
 
 def _tail_kernel(call: Call, res: Resources):
     """The fused_tail kernel's launcher, reading the collective's sum as x."""
-    return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index))
+    return native.launcher(FUSED_TAIL.plan(call.x.dtype, call.tokens, call.hidden, call.spec, res.device.index,
+                                           post=call.post))
 
 
 def outputs_of(call: Call):
@@ -800,9 +810,10 @@ class _SeparatedTail:
             given = fields_of(out)
             out_placed(OUT_NAMES, given, self.outputs)
             no_overlap(OUT_NAMES, given, self.outputs,
-                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale)))
+                       (("x", x), ("residual", residual), ("weight", weight), ("scale", scale), ("post_weight", z)))
         with torch.no_grad():  # outside autograd, as the kernels: no output (nor out= tensor) gains a history
-            tail = reference.fused_tail(_dense(x), _dense(residual), weight, s.eps, scale=scale, **s.reference_kwargs())
+            tail = reference.fused_tail(_dense(x), _dense(residual), weight, s.eps, scale=scale, post_weight=z,
+                                        **s.reference_kwargs())
             return _write_out(tuple(tail), out, self.outputs)
 
 

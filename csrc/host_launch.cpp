@@ -752,7 +752,9 @@ bool call_of(Call& c, Op op, const py::tuple& a) {
   switch (op) {
     case kPlain:
       return n == 2 && plain_call(c, a[0], a[1]);
-    case kFused:
+    case kFused:  // and its post_weight (a fused call's z)
+      return n == 13 && tail_call(c, op, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]) &&
+             from_tensor(a[12], c.z, true);
     case kLocal:
       return n == 12 && tail_call(c, op, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
     case kGated:
@@ -823,16 +825,27 @@ class Table {
     return hit(c, x, py::none(), py::none(), py::none(), out, py::none());
   }
 
-  // fused (a Communicator's fused_all_reduce) and local (fused_add_rmsnorm) take the same arguments.
-  template <Op kOp>
-  py::object tail(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
-                  py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
-                  py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
+  // local (fused_add_rmsnorm) takes fused's arguments (a Communicator's fused_all_reduce) but its post_weight.
+  py::object local(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
+                   py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
+                   py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0) {
     Call c;
-    if (!tail_call(c, kOp, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+    if (!tail_call(c, kLocal, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
                    scale_layout, scale_ue8m0))
       return py::none();
     return hit(c, x, residual, weight, scale, out, py::none());
+  }
+
+  // The post-norm's weight is the call's z (commfuse/routes.py's Call.post).
+  py::object fused(py::handle x, py::handle residual, py::handle weight, py::handle scale, py::handle out,
+                   py::handle eps, py::handle quant, py::handle return_norm, py::handle sf_layout,
+                   py::handle weight_offset, py::handle scale_layout, py::handle scale_ue8m0, py::handle post_weight) {
+    Call c;
+    if (!tail_call(c, kFused, x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset,
+                   scale_layout, scale_ue8m0) ||
+        !from_tensor(post_weight, c.z, true))
+      return py::none();
+    return hit(c, x, residual, weight, scale, out, post_weight);
   }
 
   py::object gated(py::handle x, py::handle z, py::handle weight, py::handle scale, py::handle eps,
@@ -1199,8 +1212,8 @@ PYBIND11_MODULE(commfuse_host, m) {
   py::class_<Table>(m, "Table")
       .def(py::init<std::string, uintptr_t, py::object, py::object, py::object>())
       .def("plain", &Table::plain)
-      .def("fused", &Table::tail<kFused>)
-      .def("local", &Table::tail<kLocal>)
+      .def("fused", &Table::fused)
+      .def("local", &Table::local)
       .def("gated", &Table::gated)
       .def("quantize", &Table::quantize)
       .def("moe", &Table::moe)

@@ -92,6 +92,43 @@ def test_fused_all_reduce_matches_reference(comm, gen, strategy, quant, return_n
 
 
 @mpi
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8_per_token"])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+def test_a_post_weight_normalises_the_sum_before_the_residual_add(comm, gen, quant, weight_offset):
+    """fused_all_reduce(post_weight=) (docs/semantics.md section 2a): the tail of the sum's post-norm, on every
+    route (gloo and the separated ops on the CPU: the reference's bits; NCCL and the tail kernel on a GPU: the
+    residual within 2 ulps, the rest within the tolerances of the kernel's own residual), the inputs untouched,
+    the P2P kernels passed over with the reason; post_weight checked as weight is, by its name."""
+    t, h = 6, 512
+    x, xs = rank_inputs(comm, gen, (t, h), torch.bfloat16)
+    residual, weight, scale = tail_inputs(comm, gen, t, h, torch.bfloat16, quant)
+    post = (1.0 - weight_offset + 0.1 * torch.randn(h, generator=gen)).bfloat16().to(comm.device)
+    saved = [v.clone() for v in (x, residual, weight, post)]
+    a = comm.all_reduce(x)
+    first, second = poisoned_runs(lambda: comm.fused_all_reduce(x, residual, weight, quant=quant, scale=scale,
+                                                                return_norm=True, weight_offset=weight_offset,
+                                                                post_weight=post))
+    for f in ("residual", "norm", "quant", "scale_factors", "scales"):
+        assert bits_equal(getattr(first, f), getattr(second, f)), f"{f}: an element left unwritten"
+    for before, after in zip(saved, (x, residual, weight, post)):
+        assert torch.equal(before, after), "fused_all_reduce modified an input"
+    want = reference.fused_tail(a, residual, weight, 1e-6, quant, scale, True, weight_offset=weight_offset,
+                                post_weight=post)
+    assert not first.plan.collective.startswith("p2p"), str(first.plan)
+    if first.plan.tail == "separated":
+        assert_tail_close(first, want, quant, exact=True)
+    else:
+        assert_within_ulp(first.residual, want.residual, 2, "residual")
+        own = reference.fused_tail(first.residual, None, weight, 1e-6, quant, scale, True, weight_offset=weight_offset)
+        assert_tail_close(reference.Tail(None, *first[1:5]), own, quant, scale=scale)
+    assert comm.plan(x, residual, weight, quant=quant, scale=scale, post_weight=post).kernel == first.plan.kernel
+    with pytest.raises(ValueError, match=r"post_weight must have shape \[512\]"):
+        comm.fused_all_reduce(x, residual, weight, post_weight=post[:256])
+    with pytest.raises(TypeError, match="post_weight dtype torch.float32 must match x dtype torch.bfloat16"):
+        comm.fused_all_reduce(x, residual, weight, post_weight=post.float())
+
+
+@mpi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (an NCCL group of one rank)")
 def test_one_rank_of_an_nccl_group_launches_no_all_reduce(comm, gen):
     """A Communicator of an NCCL group of one rank (each rank's own): its calls plan no collective and launch no

@@ -145,10 +145,15 @@ def test_table_results_have_the_ops_types():
     t = table.PyTable("t", 0, FusedResult, Tail, Quantized)
     x = torch.randn(4, 8)
     five = lambda *a: (a[0], a[0], None, None, None)  # noqa: E731
-    fused = (x, x, x[0], None, None, 1e-6, None, False, "swizzled", 0.0, "row", False)
+    fused = (x, x, x[0], None, None, 1e-6, None, False, "swizzled", 0.0, "row", False, None)
     t.insert("fused", fused, "the plan", five)
     r = t.fused(*fused)
     assert isinstance(r, FusedResult) and r.plan == "the plan" and r.residual is x
+    # a post_weight is a key of its own, handed to the launcher as its z
+    post = fused[:12] + (x[1],)
+    assert t.fused(*post) is None
+    t.insert("fused", post, "post", lambda *a: (a[5], None, None, None, None))
+    assert t.fused(*post).residual is post[12]
     quantize = (x, None, "fp8_block", "swizzled", "row", False)
     t.insert("quantize", quantize, "p", lambda *a: (None, None, a[0], None, a[0][:, 0]))
     q = t.quantize(*quantize)

@@ -1,4 +1,6 @@
 """commfuse.routes on simulated hardware: argument errors, the fused tail's guards, the collective's choice."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,6 +43,22 @@ def plan(c, mode="fallback", sm=(9, 0), world=2, **kw):
 def test_fallback_row_fuses_tail_when_guards_hold(quant, dtype):
     p = plan(call(dtype=dtype, quant=quant))
     assert (p.collective, p.tail, p.kernel, p.route) == ("nccl", "fused", "fused_tail", "nccl")
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "fp8_block"])
+def test_a_post_norm_takes_the_nccl_routes_tail_kernel_not_p2p(quant):
+    """A fused call with a post_weight (the call's z): the P2P kernels have no post-norm, so it takes NCCL and the
+    fused_tail kernel, saying why; one rank takes the tail kernel on x; off CUDA the separated ops."""
+    c = call(quant=quant)
+    post = dataclasses.replace(c, z=c.weight)
+    assert post.post and not c.post and not dataclasses.replace(c, op="local", z=c.weight).post
+    p = plan(post, mode="p2p", limits=LIMITS)
+    assert (p.collective, p.tail, p.kernel, p.route) == ("nccl", "fused", "fused_tail", "nccl"), str(p)
+    assert "post_weight: the P2P kernels have no post-norm (the NCCL route's tail kernel has)" in p.reasons
+    assert plan(c, mode="p2p", limits=LIMITS).collective == "p2p_oneshot"
+    assert (plan(post, world=1).route, plan(post, world=1).kernel) == ("identity", "fused_tail")
+    cpu = call(quant=quant, device=torch.device("cpu"))
+    assert plan(dataclasses.replace(cpu, z=cpu.weight), backend="gloo").tail == "separated"
 
 
 @pytest.mark.parametrize("kw", [

@@ -15,8 +15,8 @@ and plans it, and its insert returns False. While the table's error word (a P2P 
 word) is not 0 every lookup misses, so that the caller raises the workspace's error.
 
 Lookups, one method per op (the C++ table's hot path): plain(x, out), fused(x, residual, weight, scale,
-out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0), local(the same;
-residual may be None), gated(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm,
+out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0, post_weight), local(the
+same but post_weight; residual may be None), gated(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm,
 sf_layout, scale_layout, scale_ue8m0), quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0),
 moe(y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
 weight_offset, scale_layout, scale_ue8m0): the result, or None on a miss. insert(op, args, plan,
@@ -87,10 +87,11 @@ def _key_of(op: str, args: tuple) -> tuple:
     if op == "plain":
         x, out = args
         return key(op, x, out=out)
-    if op in ("fused", "local"):
-        x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout, ue8m0 = args
-        return key(op, x, residual, weight, scale, None, out, eps, quant, return_norm, sf_layout, weight_offset,
-                   scale_layout, ue8m0)
+    if op in ("fused", "local"):  # fused's last argument is its post_weight, the call's z
+        x, residual, weight, scale, out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout, ue8m0 = \
+            args[:12]
+        return key(op, x, residual, weight, scale, args[12] if op == "fused" else None, out, eps, quant, return_norm,
+                   sf_layout, weight_offset, scale_layout, ue8m0)
     if op == "gated":
         x, z, weight, scale, eps, group_size, before, quant, return_norm, sf_layout, scale_layout, ue8m0 = args
         return key(op, x, None, weight, scale, z, None, eps, quant, return_norm, sf_layout, None, scale_layout, ue8m0,
@@ -136,6 +137,8 @@ class PyTable:
         elif op == "quantize":
             outs = launcher(args[0], None, None, args[1], None)
             return quantized_type(outs[2], outs[3], outs[4])
+        elif op == "fused":
+            outs = launcher(*args[:5], args[12])
         else:
             outs = launcher(*args[:5])
         if op == "fused":

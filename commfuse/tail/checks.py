@@ -85,13 +85,14 @@ def _like_x(name: str, t, x: Tensor, device: torch.device, where: str) -> None:
     same_device(name, t, device, where)
 
 
-def _weight(weight, x: Tensor, h: int, device: torch.device, where: str, x_name: str = "x") -> None:
-    _tensor("weight", weight)
+def _weight(weight, x: Tensor, h: int, device: torch.device, where: str, x_name: str = "x",
+            name: str = "weight") -> None:
+    _tensor(name, weight)
     if weight.dim() != 1 or weight.numel() != h:
-        raise ValueError(f"weight must have shape [{h}] ({x_name}'s hidden size), got {tuple(weight.shape)}")
+        raise ValueError(f"{name} must have shape [{h}] ({x_name}'s hidden size), got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match {x_name} dtype {x.dtype}")
-    same_device("weight", weight, device, where)
+        raise TypeError(f"{name} dtype {weight.dtype} must match {x_name} dtype {x.dtype}")
+    same_device(name, weight, device, where)
 
 
 def scale(spec: TailSpec, s, h: int, device: torch.device, x_name: str = "x",
@@ -145,9 +146,10 @@ def scale_value(s) -> None:
 
 
 def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device], *, residual_optional: bool = False,
-         where: str = "this communicator works on", x_name: str = "x") -> int:
+         where: str = "this communicator works on", x_name: str = "x", post_weight=None) -> int:
     """A tail call's tensors (fused_all_reduce, fused_add_rmsnorm): h, checked; `x_name`: what the errors
-    call x (moe_all_reduce passes its residual, which stands for the combined rows)."""
+    call x (moe_all_reduce passes its residual, which stands for the combined rows); post_weight: a post-norm's
+    weight (fused_all_reduce), checked as weight, or None."""
     h = x_hidden(x, device, where, x_name)
     device = x.device if device is None else device
     if residual is None:
@@ -156,6 +158,8 @@ def tail(x, residual, weight, s, spec: TailSpec, device: Optional[torch.device],
     else:
         _like_x("residual", residual, x, device, where)
     _weight(weight, x, h, device, where, x_name)
+    if post_weight is not None:
+        _weight(post_weight, x, h, device, where, x_name, "post_weight")
     scale(spec, s, h, device, x_name, where)
     return h
 
