@@ -109,10 +109,11 @@ def all_reduce(comm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
 def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                      quant: Optional[str] = None, scale: Optional[torch.Tensor] = None,
                      return_norm: bool = False, sf_layout: str = "swizzled", out: Optional[Tail] = None, *,
-                     weight_offset: float = 0.0, scale_layout: str = "row", scale_ue8m0: bool = False) -> Tail:
+                     weight_offset: float = 0.0, scale_layout: str = "row", scale_ue8m0: bool = False,
+                     post_weight: Optional[torch.Tensor] = None) -> Tail:
     """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; docs/semantics.md).
 
-    x, residual: T[..., h]; weight: T[h]; scale: float32[1] (the dequant scale, where the format takes
+    x, residual: T[..., h]; weight, post_weight (or None): T[h]; scale: float32[1] (the dequant scale, where the format takes
     one), all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant; scale_factors;
     scales; None where absent), without the plan: `comm.plan(...)` gives that. Outside torch.compile the
     call goes to the Communicator directly (the op's body, without the dispatcher's cost); compiled code
@@ -123,7 +124,8 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     _tensor_scale(comm, scale)
     kw = dict(weight_offset=weight_offset, scale_layout=scale_layout, scale_ue8m0=scale_ue8m0)
     if not torch.compiler.is_compiling():  # eager: the op's own body, as in all_reduce
-        r = comm.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out, **kw)
+        r = comm.fused_all_reduce(x, residual, weight, eps, quant, scale, return_norm, sf_layout, out=out,
+                                  post_weight=post_weight, **kw)
         got = (r.residual, r.norm, r.quant, r.scale_factors, r.scales)
         if out is not None:  # as the out op returns: the caller's tensors, None where out has none
             got = tuple(None if o is None else g for o, g in zip(fields_of(out), got))
@@ -132,13 +134,13 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
     tail = code(quant, return_norm, sf_layout, scale_layout, scale_ue8m0)
     if out is None:
         outs = torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, float(eps), float(weight_offset), tail,
-                                                   comm.name)
+                                                   comm.name, post_weight)
         return Tail(*spread(outs, tail))
     outs = fields_of(out)
     scales = outs[4]
     if scales is None or scale_layout != "mn_major":
         torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
-                                                comm.name, *outs)
+                                                comm.name, *outs, post_weight)
         return Tail(*outs)
     # MN-major out.scales: the op writes their padding rows too, which lie outside the [t, K] view that compiled
     # code copies and writes back (AOTAutograd's functionalization), so the op writes a buffer of the graph's own
@@ -152,7 +154,7 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
                          "section 11)")
     mine = x.new_empty((spec.storage_numel,), dtype=spec.dtype).as_strided(spec.shape, spec.strides)
     torch.ops.commfuse.fused_all_reduce_out(x, residual, weight, scale, float(eps), float(weight_offset), tail,
-                                            comm.name, *outs[:4], mine)
+                                            comm.name, *outs[:4], mine, post_weight)
     scales.copy_(mine)
     return Tail(*outs)
 
@@ -247,17 +249,18 @@ def _tail_options(comm: str, tail: int) -> tuple:
     return c, c._planned(functools.partial(public, tail))
 
 
-def _fused_all_reduce(x, residual, weight, scale, eps, weight_offset, tail, comm) -> list:
+def _fused_all_reduce(x, residual, weight, scale, eps, weight_offset, tail, comm, post_weight=None) -> list:
     c, kw = _tail_options(comm, tail)
-    r = c.fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset, **kw)
+    r = c.fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset,
+                           post_weight=post_weight, **kw)
     return present((r.residual, r.norm, r.quant, r.scale_factors, r.scales))
 
 
 def _fused_all_reduce_out(x, residual, weight, scale, eps, weight_offset, tail, comm, residual_out, norm_out,
-                          quant_out, sf_out, scales_out) -> None:
+                          quant_out, sf_out, scales_out, post_weight=None) -> None:
     c, kw = _tail_options(comm, tail)
     c.fused_all_reduce(x, residual, weight, eps, kw.pop("quant"), scale, weight_offset=weight_offset,
-                       out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out), **kw)
+                       out=Tail(residual_out, norm_out, quant_out, sf_out, scales_out), post_weight=post_weight, **kw)
 
 
 def _fused_add_rmsnorm(x, residual, weight, scale, eps, weight_offset, tail) -> list:
@@ -296,11 +299,13 @@ _TAIL = "Tensor? scale, float eps, float weight_offset, int tail"
 _define("all_reduce(Tensor x, str comm) -> Tensor", _all_reduce,
         lambda x, comm: torch.empty_like(x, memory_format=torch.contiguous_format))
 _define("all_reduce_out(Tensor x, str comm, Tensor(a!) out) -> ()", _all_reduce_out, lambda x, comm, out: None)
-_define(f"fused_all_reduce(Tensor x, Tensor residual, Tensor weight, {_TAIL}, str comm) -> Tensor[]",
-        _fused_all_reduce, lambda x, residual, weight, scale, eps, weight_offset, tail, comm: _fakes(x, tail))
+# post_weight last, defaulted: the calls and code made before it stay valid.
+_define(f"fused_all_reduce(Tensor x, Tensor residual, Tensor weight, {_TAIL}, str comm, Tensor? post_weight=None) "
+        "-> Tensor[]", _fused_all_reduce,
+        lambda x, residual, weight, scale, eps, weight_offset, tail, comm, post_weight=None: _fakes(x, tail))
 _define(f"fused_all_reduce_out(Tensor x, Tensor residual, Tensor weight, {_TAIL}, str comm, Tensor(a!) residual_out, "
-        "Tensor(b!)? norm_out, Tensor(c!)? quant_out, Tensor(d!)? sf_out, Tensor(e!)? scales_out) -> ()",
-        _fused_all_reduce_out, lambda *args: None)
+        "Tensor(b!)? norm_out, Tensor(c!)? quant_out, Tensor(d!)? sf_out, Tensor(e!)? scales_out, "
+        "Tensor? post_weight=None) -> ()", _fused_all_reduce_out, lambda *args: None)
 _define(f"fused_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, {_TAIL}) -> Tensor[]", _fused_add_rmsnorm,
         lambda x, residual, weight, scale, eps, weight_offset, tail: _fakes(x, tail, residual is not None))
 _define("gated_rmsnorm(Tensor x, Tensor? z, Tensor weight, Tensor? scale, float eps, SymInt group_size, "

@@ -1097,16 +1097,20 @@ bool op_call(Call& c, Op op, at::Tensor (&t)[kSources], const at::Tensor& x, con
   return tail_options(c, tail);
 }
 
+// post_weight: a post-norm's weight, the call's z (commfuse/routes.py's Call.post).
 Outputs fused_all_reduce_op(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                             const std::optional<at::Tensor>& scale, double eps, double weight_offset, int64_t tail,
-                            std::string_view comm) {
+                            std::string_view comm, const std::optional<at::Tensor>& post_weight) {
   at::Tensor t[kSources];
   Call c;
-  if (op_call(c, kFused, t, x, &residual, &weight, scale, nullptr, eps, weight_offset, tail) && run_op(comm, c, t))
+  if (op_call(c, kFused, t, x, &residual, &weight, scale, post_weight.has_value() ? &*post_weight : nullptr, eps,
+              weight_offset, tail) &&
+      run_op(comm, c, t))
     return op_outputs(t);
   py::gil_scoped_acquire gil;
   return list_back(py::module_::import("commfuse.ops").attr("_fused_all_reduce")(
-      wrap(x), wrap(residual), wrap(weight), optional_wrap(scale), eps, weight_offset, tail, std::string(comm)));
+      wrap(x), wrap(residual), wrap(weight), optional_wrap(scale), eps, weight_offset, tail, std::string(comm),
+      optional_wrap(post_weight)));
 }
 
 at::Tensor all_reduce_op(const at::Tensor& x, std::string_view comm) {

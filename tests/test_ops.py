@@ -55,6 +55,38 @@ def test_compiled_ops_match_eager_calls(quiet_comm, gen, quant, return_norm, sf_
 
 
 @mpi
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_a_post_weight_through_the_ops_eager_compiled_and_opchecked(quiet_comm, gen, quant):
+    """ops.fused_all_reduce(post_weight=) (docs/semantics.md section 2a): compiled (one graph for every token
+    count) and with out= the bits of the eager call, which is the Communicator's; the op passes opcheck with it."""
+    c = quiet_comm
+    torch._dynamo.reset()
+    post = (1 + 0.1 * torch.randn(256, generator=gen)).bfloat16().to(c.device)
+
+    def layer(x, residual, weight, scale, post):
+        return ops.fused_all_reduce(c, x, residual, weight, quant=quant, scale=scale, post_weight=post)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=backend(c))
+    for i, t in enumerate((3, 17)):
+        x, _ = rank_inputs(c, gen, (t, 256), torch.bfloat16)
+        residual, weight, scale = tail_inputs(c, gen, t, 256, torch.bfloat16, quant)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            r = compiled(x, residual, weight, scale, post)
+        want = c.fused_all_reduce(x, residual, weight, quant=quant, scale=scale, post_weight=post)
+        assert not bits_equal(want.residual, c.fused_all_reduce(x, residual, weight, quant=quant, scale=scale).residual)
+        out = tuple(torch.empty_like(f) if f is not None else None for f in (want.residual, want.norm, want.quant)) \
+            + (None, None)
+        into = torch.compile(lambda *a: ops.fused_all_reduce(c, *a[:3], quant=quant, scale=a[3], out=out,
+                                                             post_weight=a[4]), fullgraph=True,
+                             backend="aot_eager")(x, residual, weight, scale, post)
+        for name in ("residual", "norm", "quant"):
+            assert bits_equal(getattr(r, name), getattr(want, name)), f"t={t}: {name}"
+            assert bits_equal(getattr(into, name), getattr(want, name)), f"t={t}: out.{name}"
+    torch.library.opcheck(torch.ops.commfuse.fused_all_reduce.default,
+                          (x, residual, weight, scale, 1e-6, 0.0, code(quant), c.name, post))
+
+
+@mpi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_ops_in_cuda_graphs_of_reduce_overhead(quiet_comm, gen):
     c = quiet_comm
