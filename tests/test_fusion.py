@@ -646,29 +646,37 @@ def test_fp32_activations_are_skipped(quiet_comm, gen):
 
 
 @mpi
-@pytest.mark.parametrize("between", ["post-norm", "multiplier"])
+@pytest.mark.parametrize("between", ["post-norm", "post-norm, no norm after the add", "multiplier"])
 def test_an_all_reduce_whose_sum_is_not_the_residual_adds_says_what_reads_it(quiet_comm, gen, between):
-    """Gemma 2 / 3 normalise the all-reduced sum before the residual add (a post-norm); Granite multiplies it by its
-    residual_multiplier there. Neither all-reduce can become fused_all_reduce, and the report said only that no
-    residual add + RMSNorm reads the sum: it now names the norm, or the node, that does."""
+    """Gemma 2 / 3 normalise the all-reduced sum before the residual add (a post-norm): with the next norm after the
+    add, all of it becomes fused_all_reduce with the post-norm's weight as post_weight, the graph's bits. Without a
+    norm after the add (EXAONE 4's layers) the post-norm stays, and so does Granite's residual_multiplier between
+    the sum and the add: the all-reduce's reason names the norm, or the node, that reads its sum."""
     c = quiet_comm
     x, residual, weight, _, wo = setup(c, gen)
     post = (0.1 * torch.randn(weight.shape, generator=gen)).to(weight.device, weight.dtype)
 
     def layer(x, residual, weight, wo, post):  # Gemma's norms, which round as the fused ops do
+        w = weight - 1
         y = F.linear(x, wo)
         dist.all_reduce(y)
-        y = gemma_norm(y, post) if between == "post-norm" else y * 0.5
+        y = gemma_norm(y, post) if between.startswith("post-norm") else y * 0.5
         h = residual + y
-        return gemma_norm(h, weight - 1), h
+        return (h * 1, h) if between.endswith("after the add") else (gemma_norm(h, w), h)
 
     gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, post), c)
-    assert FUSED_AR not in counts(gm), report
-    (ar,) = _skip_reasons(report, "all-reduce")
     if between == "post-norm":
-        norm = next(f for f in report.fused if "add" not in f.pattern)  # the post-norm, matched alone
-        assert f"the input of the RMSNorm {norm.replaced[-1]} (a post-norm" in ar, report
+        assert counts(gm).get(FUSED_AR) == 1 and not _skip_reasons(report, "all-reduce"), report
+        (fused,) = [f for f in report.fused if "post-norm" in f.pattern]
+        assert fused.pattern == "all_reduce + rmsnorm (post-norm) + add + rmsnorm", report
     else:
+        assert FUSED_AR not in counts(gm), report
+        (ar,) = _skip_reasons(report, "all-reduce")
+    if between == "post-norm, no norm after the add":
+        norm = next(f for f in report.fused if "add" not in f.pattern)  # the post-norm, matched alone
+        assert f"the input of the RMSNorm {norm.replaced[-1]} (a post-norm), which fused_all_reduce takes only" in ar, \
+            report
+    elif between == "multiplier":
         found = re.search(r"reads its sum: it is read by (\w+) \(mul\)$", ar)
         assert found, report
         (mul,) = [n for n in gm.graph.nodes if n.name == found.group(1)]

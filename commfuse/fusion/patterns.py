@@ -496,13 +496,14 @@ def match_residual_add(h: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
     return a, b
 
 
-def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
+def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict, also=frozenset()) -> Union[AllReduce, Mismatch, None]:
     """The all-reduce whose sum `v` is, read at node `before` (through views and no-op casts that
-    feed nothing else). None when v is no all-reduce's result."""
+    feed nothing else). None when v is no all-reduce's result. also: other nodes that may read the sum itself (a
+    post-norm's, which reads it twice: Gemma's `type_as(x)`)."""
     chain = []
     cur = v
     while True:
-        found = _all_reduce_at(cur, before, positions)
+        found = _all_reduce_at(cur, before, positions, also)
         if found is not None:
             if isinstance(found, AllReduce):
                 found.chain = list(reversed(chain))
@@ -543,14 +544,14 @@ def trace_all_reduce_sum(v: fx.Node, before: fx.Node, positions: dict) -> Union[
                      added=second.x)
 
 
-def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllReduce, Mismatch, None]:
+def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict, also=frozenset()) -> Union[AllReduce, Mismatch, None]:
     k = G.kind(v)
     waits = [v]
     inner = G.operand(v, 0, "input") if k == "wait" else None
     if G.kind(inner) == "wait" and len(inner.users) == 1:  # fc.wait_tensor(fc.all_reduce(...)): a second wait
         waits.insert(0, inner)
     if k == "cf_all_reduce" or (k == "wait" and G.kind(G.operand(waits[0], 0, "input")) == "funcol_all_reduce"):
-        others = [u.name for u in v.users if u is not before]
+        others = [u.name for u in v.users if u is not before and u not in also]
         if others:
             return Mismatch(f"the all-reduced {v.name} is also read by {', '.join(others)}: the fused op does not "
                             "return the sum", "guard")
@@ -586,7 +587,7 @@ def _all_reduce_at(v: fx.Node, before: fx.Node, positions: dict) -> Union[AllRed
     for u in v.users:  # readers of v after the copy read the sum: the add (through `before`) only
         if u in (copy, ar) or positions.get(u, 0) < positions[copy]:
             continue
-        if u is not before:
+        if u is not before and u not in also:
             return Mismatch(f"the all-reduced {v.name} is also read by {u.name}: the fused op does not return the sum",
                             "guard")
     # Views of v taken before the collective see the sum too once it is copied in.

@@ -95,6 +95,7 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
     seen_all_reduce: set = set()
     erased: set = set()
     norm_inputs: dict = {}  # each RMSNorm's input (gated ones aside): its name, for an all-reduce whose sum it is
+    post_norms: dict = {}  # output -> Norm of each RMSNorm of an all-reduce's sum read only by a residual add
     for node in list(gm.graph.nodes):
         if node in erased:
             continue
@@ -113,8 +114,15 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
                 _skip_feeding_all_reduce(match.norm_input, node.name, match.reason, match.kind, report,
                                          seen_all_reduce)
             continue
+        if _is_post_norm(match):  # the next norm's match takes it (or leaves it as the graph has it)
+            post_norms[match.output] = match
+            continue
         _fuse_norm(gm, match, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs),
-                   aten_only)
+                   aten_only, post_norms)
+    for post in post_norms.values():  # no add's norm took it: matched alone, as any norm
+        if post.output not in erased:
+            _fuse_norm(gm, post, comm, targets, report, erased, seen_all_reduce, (rewrite, compiler, cuda_graphs),
+                       aten_only)
     _unsplit_addmm(gm.graph, splits, erased)
     for node in gm.graph.nodes:
         if G.kind(node) in ("funcol_all_reduce", "cf_all_reduce") and node not in seen_all_reduce:
@@ -132,9 +140,10 @@ def fuse(gm: fx.GraphModule, comm=None, *, example_inputs=None, rewrite: str = "
 
 def _unread_sum(ar: fx.Node, norm_inputs: dict) -> str:
     """Why no fused op takes the all-reduce `ar` that no residual add + RMSNorm reads as the fused op would: what
-    reads its sum (through views and casts). Where the sum itself is a norm's input, a post-norm (Gemma 2 / 3's
-    post_attention_layernorm: fused_all_reduce adds a residual before its norm); where a residual add + RMSNorm reads
-    it through a view or cast that other nodes read too, that node (the fused op would not write it)."""
+    reads its sum (through views and casts). Where the sum itself is a norm's input, a post-norm that the fused op
+    could not take (its output not added to a residual that an RMSNorm then normalises, as in EXAONE 4's layers; or
+    read by more than that add; or another eps or weight offset than that norm's); where a residual add + RMSNorm
+    reads it through a view or cast that other nodes read too, that node (the fused op would not write it)."""
     positions = G.order(ar.graph)
     after = {}  # dynamo's in-place form: the tensor the sum is copied into, read as the sum after that copy
 
@@ -158,9 +167,9 @@ def _unread_sum(ar: fx.Node, norm_inputs: dict) -> str:
             readers.append(n)  # no longer the sum itself
             continue
         if n in norm_inputs:
-            return (f"its sum is the input of the RMSNorm {norm_inputs[n]} (a post-norm, as Gemma 2 / 3's "
-                    "post_attention_layernorm), not added to a residual first: fused_all_reduce normalises the sum "
-                    "plus a residual")
+            return (f"its sum is the input of the RMSNorm {norm_inputs[n]} (a post-norm), which fused_all_reduce takes "
+                    "only where its output alone is added to a residual that an RMSNorm then normalises with the same "
+                    "eps and weight offset (Gemma 2 / 3's post_attention_layernorm)")
         for u in readers_of(n):
             via.setdefault(u, n)
             stack.append(u)
@@ -322,7 +331,9 @@ def _is_rows(n: Optional[fx.Node], h: int) -> bool:
 
 
 def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: set, seen_all_reduce: set,
-               policy: tuple, aten_only: bool = False) -> None:
+               policy: tuple, aten_only: bool = False, post_norms: Optional[dict] = None) -> None:
+    """One norm's rewrite. post_norms: output -> Norm of the post-norms held back (_is_post_norm): a residual add
+    of one's output becomes commfuse::fused_all_reduce with its weight as post_weight."""
     g = gm.graph
     try:
         t = G.dtype(norm.input)
@@ -365,22 +376,27 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         return
 
     quant, others = _consumers(norm, h, report)
-    residual, x, ar = None, norm.input, None
+    residual, x, ar, post = None, norm.input, None, None
     positions = G.order(g)
     if not norm.gated:
         pair = P.match_residual_add(norm.input)
         if pair is not None:
             x, residual = pair
             for xa, rb in (pair, pair[::-1]):
-                found = P.trace_all_reduce(xa, norm.input, positions)
+                pn = (post_norms or {}).get(xa)
+                summed = xa if pn is None else pn.input  # a post-norm's: the sum it normalises
+                found = (P.trace_all_reduce(xa, norm.input, positions) if pn is None else
+                         P.trace_all_reduce(pn.input, _first_reader(pn), positions, set(pn.nodes)))
                 if found is None:
                     found = P.trace_all_reduce_sum(xa, norm.input, positions)
                 if found is None:
                     continue
-                if isinstance(found, P.AllReduce) and P.reads_the_sum(rb, xa, found, positions):
+                if isinstance(found, P.AllReduce) and P.reads_the_sum(rb, summed, found, positions):
                     found = P.Mismatch(f"the residual {rb.name} is computed from the all-reduce's sum too: the "
                                        "fused op takes the residual before the sum exists")
                 why = _all_reduce_guard(found, comm, norm) if isinstance(found, P.AllReduce) else None
+                if why is None and pn is not None and isinstance(found, P.AllReduce):
+                    why = _post_norm_guard(pn, norm)
                 if why:
                     found = P.Mismatch(why, "guard")
                 # Both operands may be all-reduced sums: where one cannot fuse, the other may, this sum its residual.
@@ -388,7 +404,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                     _skip_all_reduce(xa, norm.input.name, found.reason + "; the add + RMSNorm are matched without it",
                                      found.kind, report, seen_all_reduce)
                 elif ar is None:
-                    x, residual, ar = xa, rb, found
+                    x, residual, ar, post = xa, rb, found, pn
                     seen_all_reduce.update(n for n in ar.nodes if G.kind(n) in ("funcol_all_reduce", "cf_all_reduce"))
                 else:
                     _skip_all_reduce(xa, norm.input.name, f"the add's other operand {residual.name} is an all-reduced "
@@ -414,6 +430,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
               ("scale", scale_src), ("eps", norm.eps if isinstance(norm.eps, fx.Node) else None)]
     if isinstance(norm.weight, fx.Node):
         inputs.append(("weight", norm.weight))
+    if post is not None and isinstance(post.weight, fx.Node):
+        inputs.append(("post-norm weight", post.weight))
     if moe is not None:
         inputs += [("expert outputs", moe.y), ("routing weights", moe.weights), ("shared expert output", moe.shared),
                    ("expert rows' index", moe.row_index), ("zeroed rows' mask", moe.row_mask)]
@@ -425,7 +443,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         ordered = sorted(norm.nodes, key=lambda n: positions[n])
         latest = max((positions[n] for _, n in inputs if isinstance(n, fx.Node)), default=-1)
         anchor = next((n for n in ordered if positions[n] > latest), ordered[0])
-    why = _written_in_place(_matched(norm, quant, residual, ar, moe), inputs, anchor, positions)
+    why = _written_in_place(_matched(norm, quant, residual, ar, moe, post), inputs, anchor, positions)
     if why:
         report.skipped.append(Skipped(norm.output.name, "rmsnorm", why, "pattern"))
         return
@@ -486,6 +504,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
             args = (y, w, index, rows(moe.shared), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
         elif kind == "all_reduce":
             args = (rows(ar.x), rows(residual), weight, scale, norm.eps, offset, tail, comm_name)
+            if post is not None:
+                args += (g.get_attr(post.weight[1]) if isinstance(post.weight, tuple) else post.weight,)
         elif kind == "local":
             args = (rows(x), rows(residual), weight, scale, norm.eps, offset, tail)
         else:
@@ -543,6 +563,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         norm.input.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and u not in set(norm.nodes))
         doomed.append(norm.input)
     doomed += norm.nodes
+    if post is not None:
+        doomed += post.nodes
     if ar is not None:
         doomed += ar.chain + ar.nodes
     if moe is not None:
@@ -550,9 +572,12 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
     _erase(g, doomed, erased)
 
     pattern = ("moe_combine + " if moe is not None else "") + ("all_reduce + " if kind == "all_reduce" else "") \
+        + ("rmsnorm (post-norm) + " if post is not None else "") \
         + ("add + " if residual is not None else "") \
         + ("gated_rmsnorm" if kind == "gated" else "rmsnorm") + (f" + {quant.quant}" if quant is not None else "")
     spelling = [norm.spelling]
+    if post is not None:
+        spelling.insert(0, post.spelling)
     if ar is not None:
         spelling.insert(0, ar.spelling)
     if moe is not None:
@@ -570,7 +595,7 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         spelling=" | ".join(spelling), quant=quant.quant if quant is not None else None,
         return_norm=bool(others) if quant is not None else True,
         eps=norm.eps.name if isinstance(norm.eps, fx.Node) else f"{norm.eps:g}", comm=comm_name,
-        route=_route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm)
+        route=_route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm, post is not None)
         + ("\n" + _MOE_COMBINE_ROUTE if moe is not None else ""),
         notes=notes))
 
@@ -701,9 +726,9 @@ def _collectives_behind(v: fx.Node) -> list:
     return found
 
 
-def _matched(norm: P.Norm, quant, residual, ar, moe) -> set:
-    """Every node the rewrite replaces (the residual sum's add included)."""
-    nodes = set(norm.nodes)
+def _matched(norm: P.Norm, quant, residual, ar, moe, post: Optional[P.Norm] = None) -> set:
+    """Every node the rewrite replaces (the residual sum's add, and a post-norm's nodes, included)."""
+    nodes = set(norm.nodes) | set(post.nodes if post is not None else ())
     if residual is not None:
         nodes.add(norm.input)
     if quant is not None:
@@ -842,6 +867,37 @@ def _scale_name(s) -> str:
     return getattr(s, "name", repr(s))
 
 
+def _is_post_norm(norm: P.Norm) -> bool:
+    """Whether `norm` normalises an all-reduce's sum and only a residual add reads it (Gemma 2 / 3's
+    post_attention_layernorm): held back for the add's norm, which takes it as fused_all_reduce's post-norm."""
+    if norm.gated or len(norm.output.users) != 1 or P.match_residual_add(next(iter(norm.output.users))) is None:
+        return False
+    positions = G.order(norm.output.graph)
+    return isinstance(P.trace_all_reduce(norm.input, _first_reader(norm), positions, set(norm.nodes)), P.AllReduce)
+
+
+def _first_reader(norm: P.Norm) -> fx.Node:
+    """The norm's first node that reads its input (where trace_all_reduce reads the sum)."""
+    positions = G.order(norm.output.graph)
+    return min((n for n in norm.nodes if norm.input in n.all_input_nodes), key=positions.get)
+
+
+def _post_norm_guard(post: P.Norm, norm: P.Norm) -> Optional[str]:
+    """Why the post-norm `post` cannot be fused_all_reduce's post_weight before `norm` (None: it can): the op gives
+    both norms one eps and one weight offset, and takes the post weight as it takes the weight."""
+    if not (post.eps == norm.eps if isinstance(post.eps, float) and isinstance(norm.eps, float) else
+            post.eps is norm.eps):
+        return f"the post-norm {post.output.name}'s eps {post.eps} is not the norm's {norm.eps}: the op takes one eps"
+    if float(post.weight_offset) != float(norm.weight_offset):
+        return (f"the post-norm {post.output.name}'s weight offset {post.weight_offset:g} is not the norm's "
+                f"{norm.weight_offset:g}: the op takes one")
+    dtype = G.dtype(post.weight) if isinstance(post.weight, fx.Node) else post.weight_dtype
+    if dtype is not None and dtype != G.dtype(norm.input):
+        return (f"the post-norm {post.output.name}'s weight is {dtype}, the activations {G.dtype(norm.input)}: the "
+                "op takes one of the activations' dtype")
+    return None
+
+
 def _all_reduce_guard(ar: P.AllReduce, comm, norm: P.Norm) -> Optional[str]:
     if G.dtype(ar.x) != G.dtype(norm.input):
         return f"the all-reduce sums {G.dtype(ar.x)}, the add is {G.dtype(norm.input)}"
@@ -949,7 +1005,7 @@ def _fuse_commfuse_tail(gm, node, comm, targets, report, erased, seen_all_reduce
 # --------------------------------------------------------------------------- the route, for the report
 
 
-def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> str:
+def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm, post: bool = False) -> str:
     """What the inserted op will run, from commfuse's plan for a call of the graph's shapes (one
     token when the token count is symbolic)."""
     try:
@@ -979,7 +1035,8 @@ def _route(kind, norm, residual, quant, comm_name, comm, t, h, return_norm) -> s
                                     bool(norm.norm_before_gate), quant=q, scale=scale, **layouts)
         elif kind == "all_reduce":
             plan = c.plan(x, torch.empty_like(x), w, eps=eps, quant=q, scale=scale,
-                          return_norm=bool(return_norm) and q is not None, weight_offset=norm.weight_offset, **layouts)
+                          return_norm=bool(return_norm) and q is not None, weight_offset=norm.weight_offset,
+                          post_weight=torch.empty_like(w) if post else None, **layouts)
         else:
             from commfuse import local
 
