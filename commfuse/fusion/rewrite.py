@@ -895,6 +895,9 @@ def _post_norm_guard(post: P.Norm, norm: P.Norm) -> Optional[str]:
     if dtype is not None and dtype != G.dtype(norm.input):
         return (f"the post-norm {post.output.name}'s weight is {dtype}, the activations {G.dtype(norm.input)}: the "
                 "op takes one of the activations' dtype")
+    shape, h = G.shape(post.weight) if isinstance(post.weight, fx.Node) else None, G.shape(norm.input)
+    if shape is not None and h is not None and tuple(map(str, shape)) != (str(h[-1]),):
+        return f"the post-norm {post.output.name}'s weight has shape {tuple(shape)}, not [{h[-1]}]"
     return None
 
 
