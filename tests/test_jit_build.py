@@ -471,7 +471,8 @@ def test_parameter_structs_are_declared_once():
             assert s.offsets[f.name] == offset and offset % f.align == 0, (s.name, f.name)
             offset += f.size
         assert s.size == offset == len(s.pack(*[0] * len(s.unpack(bytes(s.size)))))
-    assert (params.TAIL.size, params.FUSED_TAIL.size, params.GATED_NORM.size, params.P2P.size) == (96, 104, 128, 344)
+    assert (params.TAIL.size, params.FUSED_TAIL.size, params.GATED_NORM.size, params.P2P.size) == (96, 112, 128, 344)
+    assert params.FUSED_TAIL.offsets["post_weight"] == 104  # last: the other fields keep their offsets
     assert params.P2P.offsets["x"] == 96 and params.P2P.offsets["sig_offset"] == 240 and params.P2P.offsets["rank"] == 272
     assert params.P2P.offsets["combine"] == 280 and params.MOE_COMBINE.size == 64
     header = params.header()
