@@ -1,7 +1,9 @@
 """Tolerances (docs/semantics.md): why a result differs from commfuse.reference beyond them (None when it does not).
 
 - residual / norm: within `ulps` units in the last place of T of the reference: at most that many representable
-  values of T apart (NaN and Inf where it has them, and only there).
+  values of T apart (NaN and Inf where it has them, and only there). The residual of a post-norm call (section 2a):
+  within one ulp of T of the post-normed sum a' plus one of the residual (a' may be an ulp off, and the sum of the
+  other a' rounds once more).
 - Codes (e4m3, e2m1) and e4m3 scale factors: equal, except a neighbouring code (a value within rounding
   of a code boundary) in at most `max_frac` of them, or one; the FP8 NaN code is 0x7F (never 0xFF).
 - Computed float32 scales: equal, or off by no more than a neighbouring amax gives: |got - want| <=
@@ -27,7 +29,8 @@ from . import reference
 from .tail.formats import Layout
 from .tail.spec import TailSpec
 
-__all__ = ["ulp", "within_ulp", "signed_rank", "codes_close", "scales_close", "tail_mismatch", "spec_mismatch"]
+__all__ = ["ulp", "within_ulp", "post_residual_within", "signed_rank", "codes_close", "scales_close", "tail_mismatch",
+           "spec_mismatch"]
 
 FP8_NAN = 0x7F
 
@@ -80,6 +83,31 @@ def within_ulp(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor],
         i = int(bad.nonzero()[0, 0])
         return (f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond {ulps} ulp "
                 f"(e.g. {a[i].item():.9g} vs {e[i].item():.9g})")
+    return None
+
+
+def post_residual_within(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor],
+                         post_normed: torch.Tensor, what: str) -> Optional[str]:
+    """Why a post-norm call's residual (docs/semantics.md section 2a) is not within ulp_T(a') + ulp_T(r) of the
+    reference's r elementwise, a' (`post_normed`) the reference's post-normed sum: the kernel's a' may be an ulp of
+    T off (the order of its sum of squares), and a' + residual then rounds to T once more."""
+    why = _shape_dtype(actual, expected, what)
+    if why or actual is None:
+        return why
+    a, e, p = actual.float(), expected.to(actual.device).float(), post_normed.to(actual.device).float()
+    nan_e = e.isnan()
+    if not torch.equal(a.isnan(), nan_e):
+        return f"{what}: NaN at {int((a.isnan() ^ nan_e).sum())} places where the reference differs (unwritten?)"
+    a, e, p = a[~nan_e], e[~nan_e], p[~nan_e]
+    inf = e.isinf()
+    if not torch.equal(a[inf], e[inf]):
+        return f"{what}: Inf differs"
+    bound = ulp(p, actual.dtype) + ulp(e, actual.dtype)
+    bad = ((a - e).abs() > bound) & ~inf
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        return (f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond ulp(a') + ulp(r) "
+                f"(e.g. {a[i].item():.9g} vs {e[i].item():.9g}, a' {p[i].item():.9g})")
     return None
 
 

@@ -28,6 +28,11 @@ def assert_within_ulp(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 
     assert why is None, why
 
 
+def assert_post_residual_close(actual: torch.Tensor, expected: torch.Tensor, post_normed: torch.Tensor) -> None:
+    why = tolerance.post_residual_within(actual, expected, post_normed, "residual")
+    assert why is None, why
+
+
 def assert_tail_close(tail, ref, quant, sf_layout="swizzled", exact=False, norm=None, scale=None) -> None:
     """A kernel's Tail against reference.fused_tail fed the same all-reduced input: within the
     tolerances, or (exact) bit for bit. norm, scale: the reference's norm where ref holds none, and the

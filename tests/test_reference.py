@@ -596,6 +596,26 @@ def test_a_post_weight_matches_gemma3_decoder_layer_math():
     assert ((got.norm.double() - norm.double()).abs() <= 2 * ulp(norm)).all()
 
 
+def test_a_post_norm_residual_may_be_off_by_an_ulp_of_the_post_normed_sum():
+    """tolerance.post_residual_within (section 2a): a post-norm an ulp of bf16 off (a' 2 -> 2 + 2^-6) moves
+    r = a' + residual by that ulp, 8 of r's own (-0.46875 -> -0.453125): within the bound, where 2 ulps of r are
+    not; a' two ulps off, or r an ulp of a' and two of its own off, is beyond it."""
+    from commfuse import tolerance
+
+    bf = dict(dtype=torch.bfloat16)
+    post_normed, residual = torch.tensor([2.0, 0.5], **bf), torch.tensor([-2.46875, 0.25], **bf)
+    want = post_normed + residual
+    up = torch.nextafter(post_normed, torch.full_like(post_normed, INF))
+    got = up + residual
+    assert got[0].item() == -0.453125 and tolerance.within_ulp(got, want, 2, "residual") is not None
+    assert tolerance.post_residual_within(got, want, post_normed, "residual") is None
+    beyond = torch.nextafter(up, torch.full_like(up, INF)) + residual
+    assert "beyond ulp(a') + ulp(r)" in tolerance.post_residual_within(beyond, want, post_normed, "residual")
+    off = torch.nextafter(torch.nextafter(got, torch.full_like(got, INF)), torch.full_like(got, INF))
+    assert tolerance.post_residual_within(off, want, post_normed, "residual") is not None
+    assert "NaN" in tolerance.post_residual_within(torch.full_like(want, float("nan")), want, post_normed, "r")
+
+
 def _tail_inputs(dtype=torch.bfloat16, shape=(2, 3, 128), seed=15):
     g = gen(seed)
     a = torch.randn(*shape, generator=g).to(dtype)
