@@ -81,8 +81,12 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
       const int v = threadIdx.x + i * blockDim.x;
       av[i] = v < nv ? a[v] : make_uint4(0, 0, 0, 0);
     }
-    constexpr bool kLate = kWeightAfterSum<VPT, QUANT>;
+    // POST at VPT 4: the residual loaded after the post-norm's sum and the weight after the tail's, else the row,
+    // the residual and the weight in flight across the post-norm's sum spill (4-62 bytes under 4 CTAs an SM).
+    constexpr bool kResidualAfterPost = POST && VPT == 4;
+    constexpr bool kLate = kWeightAfterSum<VPT, QUANT> || kResidualAfterPost;
     uint4 x[VPT], w[VPT];
+    if constexpr (kResidualAfterPost) post_norm<T, VPT>(p.tail, p.post_weight, av, red);
     if (p.tail.residual_in != nullptr) {
       tail_load_residual<T, VPT>(p.tail, row, x);
     } else {  // a plain RMSNorm: tail_row takes a as the norm's input
@@ -90,7 +94,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
       for (int i = 0; i < VPT; ++i) x[i] = make_uint4(0, 0, 0, 0);
     }
     if constexpr (!kLate) tail_load_weight<T, VPT>(p.tail, w);
-    if constexpr (POST) post_norm<T, VPT>(p.tail, p.post_weight, av, red);  // the residual's loads in flight
+    if constexpr (POST && !kResidualAfterPost) post_norm<T, VPT>(p.tail, p.post_weight, av, red);
     tail_row<T, QUANT, VPT, true, kLate>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);
   } else if constexpr (POST) {
     // A first pass for the post-norm's sum; then each read of a normalises it again (the same bits each time:

@@ -3,6 +3,9 @@ same tail: whether commfuse.kernels.fused_tail.launch_config's choice, or anothe
 
 Usage (one GPU): python launch/tail_sweep.py [--shapes 1024x8192,8192x4096] [--quants none,fp8,nvfp4] [--no-residual]
 (--no-residual: the plain RMSNorm of x, commfuse.fused_add_rmsnorm(x, None, ...), quant none only)
+       python launch/tail_sweep.py --post [--shapes ...] [--quants ...]
+(--post: the POST variants, x normalised with a post weight before the residual add (docs/semantics.md
+section 2a); Inductor's kernel of the same unfused math, as Gemma 2 / 3 write it)
        python launch/tail_sweep.py --moe 8 [--shapes 1x7168,64x7168] [--quants none,nvfp4]
 (--moe k: the world-1 MoE tail of k slots a token, in the reduction form and in the finalize form with a
 shared expert, at every split: CTAs a token, moe_tail.MOE_TAIL.plan's split, the default one marked "*";
@@ -31,7 +34,7 @@ import bench_local_ops as bench  # noqa: E402
 from commfuse import reference  # noqa: E402
 from commfuse.kernels import fused_tail, native, params  # noqa: E402
 from commfuse.kernels.fused_tail import FUSED_TAIL  # noqa: E402
-from commfuse.kernels.launch import X, Z, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
+from commfuse.kernels.launch import X, Z, Launch, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
 from commfuse.tail.spec import TailSpec  # noqa: E402
 
 
@@ -45,37 +48,42 @@ def configs(h: int):
     yield 0, fused_tail.MAX_THREADS[0]
 
 
-def launcher(dtype, t, h, spec, vpt, threads):
+def launcher(dtype, t, h, spec, vpt, threads, post=False):
+    """The tail at (vpt, threads); post: the POST variant, its weight the launcher's z."""
+    dev = torch.cuda.current_device()
     blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
     patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
-    launch = FUSED_TAIL.row_launch(dtype, spec, t, vpt, threads, blob, patches, torch.cuda.current_device())
-    return PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, dtype, True)),
-                                 torch.cuda.current_device()))
+    if post:
+        patches.append((params.FUSED_TAIL.offsets["post_weight"], Z, 0))
+    kernel = FUSED_TAIL.kernel(FUSED_TAIL.name_expression(dtype, spec.format, vpt, post), dev)
+    launch = Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches))
+    return PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, dtype, True)), dev))
 
 
 def _fmt(us) -> str:
     return "n/a" if us is None else f"{us:.2f}"
 
 
-def _timed(call, want, quant, **tol) -> str:
+def _timed(call, want, quant, check=None, **tol) -> str:
     """call()'s GPU time per call as text; its outputs checked against `want` (bench_local_ops.check, with tol's
-    reference norm and scale for the codes of a block whose scale factor is a step off) before the timing, and
-    after it those of the graph's last replay and of the last eager call."""
-    why = bench.check(call(), want, quant, **tol)
+    reference norm and scale for the codes of a block whose scale factor is a step off; or check(outputs) -> why)
+    before the timing, and after it those of the graph's last replay and of the last eager call."""
+    check = check or (lambda r: bench.check(r, want, quant, **tol))
+    why = check(call())
     if why:
         return "wrong: " + why
     timed = []
     us = bench.time_us(call, True, 20, 10, timed).get("graph")
     torch.cuda.synchronize()
-    why = next((w for w in (bench.check(r, want, quant, **tol) for r in timed) if w), "")
+    why = next((w for w in (check(r) for r in timed) if w), "")
     return "wrong after the timing: " + why if why else _fmt(us)
 
 
-def _inductor(fn, want, quant, **tol) -> str:
+def _inductor(fn, want, quant, check=None, **tol) -> str:
     """Inductor's GPU time of fn, compiled static for this shape (a recompile for a second shape would
     otherwise make its kernel dynamic), checked as _timed checks ours."""
     torch._dynamo.reset()
-    return _timed(torch.compile(fn, dynamic=False), want, quant, **tol)
+    return _timed(torch.compile(fn, dynamic=False), want, quant, check, **tol)
 
 
 def main(argv=None) -> None:
@@ -85,9 +93,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-residual", action="store_true", help="the plain RMSNorm of x (quant none)")
     p.add_argument("--moe", type=int, default=0, help="the MoE tail of this many slots a token, at every split")
     p.add_argument("--gated", type=int, default=0, help="the gated RMSNorm of groups of this size, at every VPT")
+    p.add_argument("--post", action="store_true", help="the POST variants: a post-norm before the residual add")
     args = p.parse_args(argv)
     if args.moe:
         return moe_sweep(args)
+    if args.post:
+        return post_sweep(args)
     if args.gated:
         return gated_sweep(args)
     gen = torch.Generator().manual_seed(0)
@@ -118,6 +129,56 @@ def main(argv=None) -> None:
 
                 mark = " *" if (vpt, threads) == chosen else ""
                 print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {_timed(call, want, quant, **tol)} | {ind} |",
+                      flush=True)
+
+
+def post_check(x, r, w, post, quant, scale):
+    """check(outputs) for a post-norm tail (residual, then the norm or the codes and scale factors): the residual
+    within tolerance.post_residual_within of the reference's, the rest that of the outputs' own residual."""
+    from commfuse import tolerance
+
+    want = reference.fused_tail(x, r, w, 1e-5, quant, scale, post_weight=post)
+    post_normed = reference.rmsnorm(x, post, 1e-5)
+
+    def check(got):
+        got = bench.outputs(got)
+        why = tolerance.post_residual_within(got[0], want.residual, post_normed, "residual")
+        if why:
+            return why
+        own = reference.fused_tail(got[0], None, w, 1e-5, quant, scale)
+        if quant is None:
+            return tolerance.within_ulp(got[1], own.norm, 1, "norm") or ""
+        sf = got[2] if quant == "nvfp4" else None
+        return tolerance.tail_mismatch(reference.Tail(got[0], None, got[1], sf),
+                                       reference.Tail(got[0], None, own.quant, own.scale_factors), quant,
+                                       norm=reference.fused_tail(got[0], None, w, 1e-5).norm, scale=scale) or ""
+    return check
+
+
+def post_sweep(args) -> None:
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    print("| shape | quant | post config (vpt x threads) | us | Inductor us (unfused post-norm) |\n|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        t, h = map(int, shape.split("x"))
+        x, r = (torch.randn(t, h, generator=gen).to(dtype).cuda() for _ in range(2))
+        w, post = ((1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).cuda() for _ in range(2))
+        for q in args.quants.split(","):
+            quant = None if q == "none" else q
+            scale = torch.tensor([bench.SCALES[quant]], device="cuda") if quant else None
+            spec = TailSpec.of(quant, eps=1e-5, return_norm=quant is None)
+            check = post_check(x, r, w, post, quant, scale)
+            ind = _inductor(lambda: bench.torch_tail(bench.torch_tail(x, None, post, 1e-5, None, None)[0], r, w, 1e-5,
+                                                     quant, scale), None, quant, check)
+            chosen = fused_tail.launch_config(h, t, quant is None, True)
+            for vpt, threads in configs(h):
+                run = launcher(dtype, t, h, spec, vpt, threads, post=True)
+
+                def call(run=run):
+                    return tuple(v for v in run(x, r, w, scale, None, post) if v is not None)
+
+                mark = " *" if (vpt, threads) == chosen else ""
+                print(f"| {shape} | {q} | {vpt} x {threads}{mark} | {_timed(call, None, quant, check)} | {ind} |",
                       flush=True)
 
 

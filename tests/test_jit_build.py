@@ -162,11 +162,14 @@ def _spill_report(names):
 
 def test_vpt4_tail_variants_fit_four_ctas_without_spills():
     """csrc/fused_tail.cu builds the VPT 4 tails without quantization, fp8 and nvfp4 (the weights loaded after the
-    row's sum) for 4 CTAs of 256 threads an SM (<= 64 registers on SM 9.0) without a spill (ptxas' report)."""
+    row's sum), and the POST ones of every format (the residual loaded after the post-norm's sum too), for 4 CTAs
+    of 256 threads an SM (<= 64 registers on SM 9.0) without a spill (ptxas' report)."""
     if 90 not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
     names = tuple(fused_tail.FUSED_TAIL.name_expression(d, f, 4) for d in (torch.bfloat16, torch.float16)
                   for f in FORMATS if f.name in (None, "fp8", "nvfp4"))
+    names += tuple(fused_tail.FUSED_TAIL.name_expression(d, f, 4, True) for d in (torch.bfloat16, torch.float16)
+                   for f in FORMATS)
     for name, (used, spill_st, spill_ld) in _spill_report(names).items():
         assert spill_st == spill_ld == 0, f"{name} spills {spill_st} / {spill_ld} bytes"
         assert used <= 65536 // (4 * 256), f"{name}: {used} registers do not fit 4 CTAs of 256 threads"
