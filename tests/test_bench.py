@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from commfuse import reference
+from commfuse import reference, tolerance
 from commfuse.bench import cases, cli, impls, report, timing
 from commfuse.bench.context import Ctx
 from commfuse.bench.verdict import OK, Kind, Skip, Verdict, combine
@@ -1066,6 +1066,199 @@ def test_mxfp8_pattern_verifies_and_wrong_scale_factors_are_rejected():
     assert cases.tail_bytes(p, 5, 256, 2) == 3 * 5 * 256 * 2 + 256 * 2 + 5 * 256 + 128 * 8
 
 
+# ------------------------------------------------------------------------------- post-norm patterns
+
+POST_PATTERNS = ("residual_gemma_post_rmsnorm", "residual_gemma_post_rmsnorm_fp8")
+
+POST_DROPPED = r'''
+import dataclasses, sys
+from commfuse.bench import cli, impls
+
+def prepare(ctx, case):  # Gemma's tail without its post-norm: the sum added to the residual as it is
+    return impls.IMPLS["nccl+eager"].prepare(ctx, dataclasses.replace(case, post_weight=None))
+
+impls.register(impls.Impl("post-dropped", "collective", prepare, "test only: nccl+eager without the post-norm"))
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+def test_post_patterns_run_on_request_only():
+    assert not set(POST_PATTERNS) & set(cli.parse_args([]).pattern_list)
+    assert cli.parse_args(["--patterns", "residual_gemma_post_rmsnorm_fp8"]).pattern_list == \
+        ["residual_gemma_post_rmsnorm_fp8"]
+    assert all(cases.PATTERNS[n].post and cases.PATTERNS[n].weight_offset == 1.0 for n in POST_PATTERNS)
+    assert not any(p.post for n, p in cases.PATTERNS.items() if n not in POST_PATTERNS)
+    # The post weight is read too: h more elements than the Gemma tail without it.
+    t, h = 128, 4096
+    assert cases.tail_bytes(cases.PATTERNS["residual_gemma_post_rmsnorm_fp8"], t, h, 2) == \
+        cases.tail_bytes(cases.PATTERNS["residual_gemma_rmsnorm_fp8"], t, h, 2) + h * 2
+    assert cases.tail_bytes(cases.PATTERNS["residual_gemma_post_rmsnorm"], t, h, 2) == \
+        3 * t * h * 2 + 2 * h * 2 + t * h * 2
+
+
+@cpu_smoke
+def test_post_patterns_run_every_cpu_row_at_world_size_1(tmp_path):
+    """The post-norm patterns through the CLI in one process: the CPU rows pass the gate and are timed, FlashInfer
+    skips (no post-norm in its fusion); a row that drops the post-norm is rejected on its residual."""
+    out = tmp_path / "out"
+    rows = "nccl+eager,commfuse-auto,commfuse-ops,tail-eager,flashinfer"
+    _run([sys.executable, "-c", POST_DROPPED, "--impls", rows + ",post-dropped", "--patterns", ",".join(POST_PATTERNS),
+          "--shapes", "5x256", "--dtypes", "bf16", "--modes", "eager", "--repeats", "1", "--calls-per-graph", "2",
+          "--out", str(out)], tmp_path)
+    doc = _load(out)
+    assert doc["world_size"] == 1
+    timed = set(rows.split(",")) - {"flashinfer"}
+    assert {(r["impl"], r["pattern"]) for r in doc["records"]} == {(i, p) for i in timed for p in POST_PATTERNS}
+    assert all("wrong" not in r for r in doc["records"])
+    skipped = {(s["impl"], s["pattern"]): s["reason"] for s in doc["skipped"]}
+    assert set(skipped) == {(i, p) for i in ("flashinfer", "post-dropped") for p in POST_PATTERNS}, skipped
+    for p in POST_PATTERNS:
+        assert skipped[("flashinfer", p)].startswith("its all-reduce fusion has no post-norm")
+        assert skipped[("post-dropped", p)].startswith("rejected (bf16 5x256): residual: "), skipped
+        assert "beyond ulp(a') + ulp(r)" in skipped[("post-dropped", p)]
+
+
+@cpu_smoke
+def test_post_patterns_run_every_cpu_row_on_2_ranks(tmp_path):
+    """launch/bench.sh 2 (gloo) with the post-norm patterns: every row that runs on the CPU passes the gate and is
+    timed (commfuse's rows on gloo + the separated tail: the reference's bits), tail rows' frac_hbm counts the post
+    weight; FlashInfer, the forced P2P rows and tail-commfuse (CUDA only) skip with their reasons."""
+    out = tmp_path / "out"
+    rows = ("nccl+eager,commfuse-fallback,commfuse-p2p,commfuse-auto,commfuse-auto-out,commfuse-ops,tail-eager,"
+            "tail-commfuse,torch-add,flashinfer")
+    _run([str(ROOT / "launch" / "bench.sh"), "2", "--impls", rows, "--patterns", ",".join(POST_PATTERNS), "--shapes",
+          "4x256", "--dtypes", "bf16", "--modes", "eager", "--repeats", "1", "--calls-per-graph", "2", "--out",
+          str(out)], tmp_path)
+    doc = _load(out)
+    assert doc["world_size"] == 2
+    skips = {"flashinfer", "commfuse-p2p", "tail-commfuse"}
+    timed = set(rows.split(",")) - skips
+    assert {(r["impl"], r["pattern"]) for r in doc["records"]} == {(i, p) for i in timed for p in POST_PATTERNS}
+    assert all("wrong" not in r for r in doc["records"])
+    assert_tail_rows_frac_hbm(doc, 4, 256)
+    skipped = {(s["impl"], s["pattern"]): s["reason"] for s in doc["skipped"]}
+    assert set(skipped) == {(i, p) for i in skips for p in POST_PATTERNS}, skipped
+    assert not any(why.startswith(("rejected", "failed")) for why in skipped.values()), skipped
+    assert {pl["tail"] for pl in doc["plans"] if pl["pattern"] in POST_PATTERNS} == {"separated"}
+
+
+def test_post_cases_draw_one_post_weight_and_the_oracle_normalises_the_sum():
+    """A post pattern's case: one post weight on every rank, about 0 (Gemma's w of 1 + w); the oracle of every input
+    set is the reference's tail with the post-norm of the sum of every rank's x, and holds that post-normed sum;
+    other patterns have no post weight."""
+    p = cases.PATTERNS["residual_gemma_post_rmsnorm_fp8"]
+    c0, c1 = (cases.make_case(Ctx(_args(), rank=r, world=2, backend="gloo", device=torch.device("cpu")), p, "bf16",
+                              4, 256) for r in (0, 1))
+    assert c0.post_weight.dtype == torch.bfloat16 and torch.equal(c0.post_weight, c1.post_weight)
+    assert c0.post_weight.float().abs().mean() < 0.2
+    for i, (expected, _) in enumerate([c0.oracle(i) for i in range(len(c0.sets))]):
+        (x0, residual), x1 = c0.input_set(i), c1.input_set(i)[0]
+        total = reference.all_reduce_sum([x0, x1])
+        want = reference.fused_tail(total, residual, c0.weight, c0.eps, "fp8", c0.scale, weight_offset=1.0,
+                                    post_weight=c0.post_weight)
+        assert torch.equal(expected[0].residual, want.residual) and torch.equal(expected[0].quant, want.quant)
+        assert torch.equal(expected[0].post_normed, reference.rmsnorm(total, c0.post_weight, c0.eps, 1.0))
+    assert cases.make_case(_ctx(), cases.PATTERNS["residual_gemma_rmsnorm_fp8"], "bf16", 4, 256).post_weight is None
+
+
+@pytest.mark.parametrize("name", POST_PATTERNS)
+def test_the_gate_holds_post_rows_to_ulp_a_plus_ulp_r_and_their_own_residuals_tail(name):
+    """The gate of a post row (docs/semantics.md section 2a): its residual within ulp(a') + ulp(r) of the oracle's
+    passes, with its norm and quantization those of its own residual; a few residual elements 2 ulps of a' off,
+    beyond that bound, are rejected; so is a norm of another residual (the tail without the post-norm). commfuse's
+    rows on the CPU (the separated route: the reference's ops) are held to the residual's bits."""
+    ctx = _ctx()
+    p = cases.PATTERNS[name]
+    case = cases.make_case(ctx, p, "bf16", 16, 256)
+    exp, bf16 = case.expected[0], torch.bfloat16
+    eager, ours = impls.IMPLS["nccl+eager"], impls.IMPLS["commfuse-auto"]
+
+    def row(r):  # a row's outputs from its residual r: the norm and quantization of r
+        own = reference.fused_tail(r, None, case.weight, case.eps, p.quant, case.scale, p.return_norm,
+                                   weight_offset=p.weight_offset)
+        return cases.Result(residual=r, norm=own.norm, quant=own.quant)
+
+    def gated(impl, res):
+        return cases.gate(ctx, impls.Step(lambda i: res), lambda r, i: impl.mismatch(case, r, i))[0]
+
+    r = exp.residual.float()
+    a_ulp = tolerance.ulp(exp.post_normed.float(), bf16)
+    bound = a_ulp + tolerance.ulp(r, bf16)
+
+    def moved(by, keep):  # the oracle's residual moved by `by` (rounded to T) at the first 3 elements where keep(|d|)
+        m = (r + by).to(bf16)
+        d = (m.float() - r).abs()
+        where = keep(d).flatten().nonzero().flatten()[:3]
+        assert where.numel() == 3
+        out = exp.residual.clone()
+        out.view(-1)[where] = m.view(-1)[where]
+        return out
+
+    assert gated(eager, row(exp.residual)) is OK and gated(ours, row(exp.residual)) is OK
+    within = row(moved(a_ulp, lambda d: (d > 0) & (d <= bound)))
+    assert gated(eager, within) is OK
+    verdict = gated(ours, within)
+    assert verdict.kind is Kind.REJECTED and verdict.reason.startswith("residual: 3 of 4096 elements beyond 0 ulp")
+    verdict = gated(eager, row(moved(2 * a_ulp, lambda d: d > bound)))
+    assert verdict.kind is Kind.REJECTED, verdict
+    assert verdict.reason.startswith("residual: 3 of 4096 elements beyond ulp(a') + ulp(r)"), verdict
+    x, residual = case.sets[0]
+    plain = reference.fused_tail(x, residual, case.weight, case.eps, p.quant, case.scale, weight_offset=1.0)
+    verdict = gated(eager, cases.Result(residual=exp.residual, norm=plain.norm, quant=plain.quant))
+    assert verdict.kind is Kind.REJECTED and ("codes" if p.quant else "norm") in verdict.reason, verdict
+    verdict = gated(eager, cases.Result.of_tail(plain))
+    assert verdict.kind is Kind.REJECTED and "beyond ulp(a') + ulp(r)" in verdict.reason, verdict
+
+
+def test_compiled_tail_rows_take_the_post_weight(monkeypatch):
+    """tail-compile of a post pattern computes the post-norm (the compiled function is called with the post
+    weight), as its own compiled function (not the Gemma tail's without a post-norm): it passes the gate. torch.compile
+    is left out (its C++ build on a CPU): the function it would compile runs as Python."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):  # _compiled_tail sets it: restored after the test
+        monkeypatch.setattr(dynamo_config, "fail_on_recompile_limit_hit", dynamo_config.fail_on_recompile_limit_hit)
+    ctx = _ctx(quick=False)
+    impl = impls.IMPLS["tail-compile"]
+    for name in POST_PATTERNS + ("residual_gemma_rmsnorm_fp8",):
+        case = cases.make_case(ctx, cases.PATTERNS[name], "bf16", 4, 256)
+        step = impl.prepare(ctx, case)
+        assert cases.gate(ctx, step, lambda r, i: impl.mismatch(case, r, i))[0] is OK, name
+    assert len([k for k in ctx.cache if k[0] == "compiled"]) == 3
+
+
+def test_tail_commfuse_launches_the_post_variants_plan(monkeypatch):
+    """tail-commfuse of a post pattern (fused_tail.run has no post-norm): the POST plan of the case's tail (eps, the
+    weight offset, the format), its launcher given the post weight as z, as the library's routes give it."""
+    from commfuse.kernels import fused_tail, native
+
+    planned, zs = [], []
+
+    def plan(dtype, t, h, spec, device_index, *, residual=True, nccl=None, post=False):
+        planned.append((dtype, t, h, spec, post))
+        return spec
+
+    def launcher(spec):
+        def launch(x, residual, weight, scale, out, z):
+            zs.append(z)
+            return reference.fused_tail(x, residual, weight, spec.eps, spec.quant, scale, spec.return_norm,
+                                        weight_offset=spec.weight_offset, post_weight=z)
+        return launch
+    monkeypatch.setattr(fused_tail.FUSED_TAIL, "plan", plan)
+    monkeypatch.setattr(native, "launcher", launcher)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ctx = _ctx()
+    impl = impls.IMPLS["tail-commfuse"]
+    case = cases.make_case(ctx, cases.PATTERNS["residual_gemma_post_rmsnorm_fp8"], "bf16", 4, 256)
+    step = impl.prepare(_GpuCtx(_args(), 0, 1, "nccl", torch.device("cpu")), case)
+    assert cases.gate(ctx, step, lambda r, i: impl.mismatch(case, r, i))[0] is OK
+    (dtype, t, h, spec, post), = planned
+    assert (dtype, t, h, post) == (torch.bfloat16, 4, 256, True)
+    assert (spec.quant, spec.eps, spec.weight_offset) == ("fp8", case.eps, 1.0)
+    assert len(zs) == 1 and zs[0] is case.post_weight
+
+
 # ------------------------------------------------------------------------------------- MoE patterns
 
 SWAPPED = r'''
@@ -1207,8 +1400,8 @@ def test_tail_commfuse_row_plans_the_moe_combine_on_the_machine(monkeypatch):
     monkeypatch.setattr(fused_tail, "warmup", lambda *a, **k: None)  # no NVRTC here
     m0 = types.SimpleNamespace(y=torch.randn(4, 2, 256).bfloat16(), weights=torch.rand(4, 2), row_index=None,
                                shared=None)
-    case = types.SimpleNamespace(pattern=types.SimpleNamespace(is_moe=True, quant=None), dtype=torch.bfloat16,
-                                 hidden=256, moe_set=lambda i: m0)
+    case = types.SimpleNamespace(pattern=types.SimpleNamespace(is_moe=True, quant=None, post=False),
+                                 dtype=torch.bfloat16, hidden=256, moe_set=lambda i: m0)
     with pytest.raises(Skip, match="combine: tensors on cpu"):
         impls._prep_tail_commfuse(types.SimpleNamespace(cuda=True, device=torch.device("cpu")), case)
 

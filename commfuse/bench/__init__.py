@@ -39,6 +39,12 @@ Rows (--impls), by section:
   sequence, the combine kernel + fused_tail.run for tail-commfuse); flashinfer's MoE fusions
   (trtllm_moe_allreduce_fusion for the reduction form, trtllm_moe_finalize_allreduce_fusion for the
   finalize form), gated against the oracle fed their combine (in T, impls.fi_moe_combine).
+- Post-norm patterns (residual_gemma_post_rmsnorm[_fp8], on request): Gemma 2 / 3's layer end, the sum
+  normalised with its own weight before the residual add (post_weight, docs/semantics.md section 2a). The
+  torch tails compute that norm first (eager and compiled), commfuse's rows pass post_weight, tail-commfuse
+  launches the fused tail's POST variant; flashinfer skips (its fusion has no post-norm). Gated as the
+  tests hold the post-norm kernel (cases.check_post): the residual within ulp(a') + ulp(r), the norm and
+  codes those of the row's own residual.
 - floor: torch-add, `torch.add(x, residual, out=buf)`: one torch elementwise op on the case's
   inputs, the yardstick of host cost per call (the target: fused_all_reduce at most 2x its host time,
   measured in the same run). Gated against its own definition (x + residual rounded once, exactly),

@@ -3,7 +3,8 @@
 A case is (pattern, dtype, tokens, hidden). `make_case` draws every rank's inputs from one seeded
 generator on each rank, so each rank knows the gather of all inputs, and applies commfuse.reference
 to it: the oracle. `gate` runs one call on the checked inputs and compares it with the oracle, with
-the tolerances of the tests (commfuse.tolerance; docs/semantics.md).
+the tolerances of the tests (commfuse.tolerance; docs/semantics.md; a post-norm pattern's as section 2a's,
+see `check`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ SF_LAYOUT = "swizzled"  # the NVFP4 GEMMs' layout; the linear one is covered by 
 @dataclass(frozen=True)
 class Pattern:
     """One benchmark pattern. tail=False: the plain sum all-reduce. weight_offset, scale_layout and
-    scale_ue8m0 as in commfuse.reference.fused_tail (the last two for quant "fp8_block" only)."""
+    scale_ue8m0 as in commfuse.reference.fused_tail (the last two for quant "fp8_block" only). post: a
+    post-norm of the sum with its own weight before the residual add (reference.fused_tail's post_weight,
+    docs/semantics.md section 2a: Gemma 2 / 3, GLM-4); dense patterns only."""
 
     name: str
     quant: Optional[str] = None
@@ -39,6 +42,7 @@ class Pattern:
     weight_offset: float = 0.0
     scale_layout: str = "row"
     scale_ue8m0: bool = False
+    post: bool = False
     # The MoE patterns (Communicator.moe_all_reduce, docs/semantics.md section 14): moe_k experts per
     # token (0: a dense pattern), combined in form "reduce" (y [t, k, h]) or "finalize" (permuted rows
     # [R, h] with row_index [t, k]), with a shared expert's output when moe_shared.
@@ -76,6 +80,10 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in (
     # DeepGEMM's layout for Blackwell's block-scaled GEMMs: MN-major, UE8M0 exponents packed 4 per int32.
     Pattern("residual_rmsnorm_fp8_block_ue8m0", "fp8_block", scale_layout="mn_major", scale_ue8m0=True),
     Pattern("residual_gemma_rmsnorm_fp8", "fp8", weight_offset=1.0),  # Gemma's RMSNorm scales by (1 + w)
+    # Gemma 2 / 3's layer end: the sum normalised by post_attention_layernorm (or post_feedforward_layernorm)
+    # before the residual add, then the next layer's input norm.
+    Pattern("residual_gemma_post_rmsnorm", weight_offset=1.0, post=True),
+    Pattern("residual_gemma_post_rmsnorm_fp8", "fp8", weight_offset=1.0, post=True),
 )}
 
 
@@ -95,8 +103,8 @@ _MOE.append(Pattern(_moe_name(8, "reduce", "fp8", shared=True), "fp8", moe_k=8, 
 MOE_PATTERNS = tuple(p.name for p in _MOE)
 PATTERNS.update({p.name: p for p in _MOE})
 PATTERN_GROUPS = {"moe": MOE_PATTERNS}  # --patterns moe: every MoE pattern
-# The default --patterns: the computed-scale and Gemma patterns run on request only (each pattern
-# costs a full sweep of shapes x dtypes x implementations).
+# The default --patterns: the computed-scale and Gemma patterns (the post-norm ones too) run on request only
+# (each pattern costs a full sweep of shapes x dtypes x implementations).
 DEFAULT_PATTERNS = ("allreduce", "residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_nvfp4",
                     "residual_rmsnorm_fp8_out", "residual_rmsnorm_nvfp4_out")
 # The dequant scales of the checked inputs (value = code * scale); they keep every code of the
@@ -135,7 +143,8 @@ class Result:
     """What one call produced: `a` for the plain all-reduce (or a floor row's output), else the
     tail's outputs (as commfuse.FusedResult; scales: the computed FP8 scales). An oracle's (oracle_tail)
     also holds the reference's norm where the pattern returns none (ref_norm): the gate judges the codes
-    of a block whose scale differs from the oracle's by it."""
+    of a block whose scale differs from the oracle's by it; and a post-norm pattern's post-normed sum a'
+    (post_normed), whose ulp bounds the residual's difference (tolerance.post_residual_within)."""
 
     a: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
@@ -144,6 +153,7 @@ class Result:
     sf: Optional[torch.Tensor] = None
     scales: Optional[torch.Tensor] = None
     ref_norm: Optional[torch.Tensor] = None
+    post_normed: Optional[torch.Tensor] = None
 
     @classmethod
     def of_tail(cls, tail) -> "Result":
@@ -180,6 +190,7 @@ class Case:
     (the oracle's), so the dense rows' view of a case (x, residual) holds for them too. moe_ranks[i]: every
     rank's MoeInputs of set i, for rows that combine by other semantics than the oracle's (a peer's).
     later: (expected, expected_tail) of sets 1, 2, ... (oracle(i)).
+    post_weight: the post-norm's weight T[h] of a post pattern (every rank's the same), else None.
     """
 
     pattern: Pattern
@@ -194,6 +205,7 @@ class Case:
     expected: list
     expected_tail: Optional[Result]
     sum_ulps: int
+    post_weight: Optional[torch.Tensor] = None
     moe: Optional[list] = None
     moe_ranks: Optional[list] = None
     later: list = field(default_factory=list)
@@ -205,7 +217,7 @@ class Case:
 
     def tail_args(self) -> tuple:
         """reference.fused_tail's arguments after (a, residual), positional."""
-        return tail_args(self.pattern, self.weight, self.eps, self.scale)
+        return tail_args(self.pattern, self.weight, self.eps, self.scale, self.post_weight)
 
     def input_set(self, i: int) -> tuple:
         return self.sets[i % len(self.sets)]
@@ -214,17 +226,21 @@ class Case:
         return self.moe[i % len(self.moe)]
 
 
-def tail_args(p: Pattern, weight: torch.Tensor, eps: float, scale: Optional[torch.Tensor]) -> tuple:
-    return (weight, eps, p.quant, scale, p.return_norm, SF_LAYOUT, p.weight_offset, p.scale_layout, p.scale_ue8m0)
+def tail_args(p: Pattern, weight: torch.Tensor, eps: float, scale: Optional[torch.Tensor],
+              post_weight: Optional[torch.Tensor] = None) -> tuple:
+    return (weight, eps, p.quant, scale, p.return_norm, SF_LAYOUT, p.weight_offset, p.scale_layout, p.scale_ue8m0,
+            post_weight)
 
 
-def oracle_tail(a: torch.Tensor, residual: torch.Tensor, p: Pattern, weight: torch.Tensor, eps: float,
-                scale: Optional[torch.Tensor]) -> Result:
-    """reference.fused_tail's outputs of the pattern, with the norm kept as ref_norm (see Result)."""
+def oracle_tail(a: torch.Tensor, residual: Optional[torch.Tensor], p: Pattern, weight: torch.Tensor, eps: float,
+                scale: Optional[torch.Tensor], post_weight: Optional[torch.Tensor] = None) -> Result:
+    """reference.fused_tail's outputs of the pattern (with the post-norm of post_weight where given), with the
+    norm kept as ref_norm and the post-normed sum as post_normed (see Result)."""
     full = reference.fused_tail(a, residual, weight, eps, p.quant, scale, True, SF_LAYOUT, p.weight_offset,
-                                p.scale_layout, p.scale_ue8m0)
+                                p.scale_layout, p.scale_ue8m0, post_weight)
+    post_normed = None if post_weight is None else reference.rmsnorm(a, post_weight, eps, p.weight_offset)
     return Result(residual=full.residual, norm=full.norm if p.has_norm else None, quant=full.quant,
-                  sf=full.scale_factors, scales=full.scales, ref_norm=full.norm)
+                  sf=full.scale_factors, scales=full.scales, ref_norm=full.norm, post_normed=post_normed)
 
 
 def _seed(*parts) -> int:
@@ -291,6 +307,10 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
         draws = [draw()]
         weight = (1 + 0.1 * randn(h)).to(dtype)
         draws += [draw() for _ in range(_input_sets(ctx, t, h, dtype) - 1)]
+    # The post-norm's weight: 0.1 randn about 1 - weight_offset, so that it scales by about 1 as a checkpoint's
+    # does (Gemma stores the w of 1 + w, about 0). The post-normed sum is then of the residual's order, as in a
+    # model, and both terms of the residual's tolerance, ulp(a') + ulp(r), count.
+    post = ((1.0 - pattern.weight_offset) + 0.1 * randn(h)).to(dtype) if pattern.post else None
     sets = [(xs[ctx.rank], r) for xs, r in draws]
     scale = (torch.tensor([SCALES[pattern.quant]], dtype=torch.float32, device=dev)
              if pattern.quant in SCALES else None)
@@ -314,13 +334,13 @@ def make_case(ctx: Ctx, pattern: Pattern, dname: str, t: int, h: int) -> Case:
                 sums.append(a)
         if not pattern.tail:
             return [Result(a=exact)], None
-        return ([oracle_tail(s, residual, pattern, weight, eps, scale) for s in sums],
-                oracle_tail(xs[ctx.rank], residual, pattern, weight, eps, scale))
+        return ([oracle_tail(s, residual, pattern, weight, eps, scale, post) for s in sums],
+                oracle_tail(xs[ctx.rank], residual, pattern, weight, eps, scale, post))
 
     expected, expected_tail = oracle(*draws[0])
     later = [oracle(*d) for d in draws[1:]]
     return Case(pattern, dname, dtype, t, h, sets, weight, scale, eps, expected, expected_tail,
-                sum_ulps=ctx.world if own_order else 0, moe=moe, moe_ranks=moe_all, later=later)
+                sum_ulps=ctx.world if own_order else 0, post_weight=post, moe=moe, moe_ranks=moe_all, later=later)
 
 
 def _moe_draws(ctx: Ctx, pattern: Pattern, t: int, h: int, dtype: torch.dtype, randn, gen,
@@ -362,10 +382,11 @@ def _moe_set_bytes(pattern: Pattern, t: int, h: int, dtype: torch.dtype) -> int:
 
 
 def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
-    """The fewest bytes the tail moves: read a, residual, weight; write every output once (the layouts'
-    padding included, which is written too). A MoE pattern's tail starts at the combine: in place of a
-    it reads each token's k expert rows once (t k h elements, in either form), the float32 weights
-    [t, k], the int32 row_index [t, k] (finalize form) and the shared expert's output (where it has one)."""
+    """The fewest bytes the tail moves: read a, residual, weight (and a post pattern's post weight); write
+    every output once (the layouts' padding included, which is written too). A MoE pattern's tail starts at
+    the combine: in place of a it reads each token's k expert rows once (t k h elements, in either form), the
+    float32 weights [t, k], the int32 row_index [t, k] (finalize form) and the shared expert's output (where
+    it has one)."""
     outputs = pattern.spec.outputs(t, h, torch.float16 if itemsize == 2 else torch.float32)
     written = sum(o.storage_numel * o.dtype.itemsize for o in outputs if o)
     if pattern.is_moe:
@@ -373,19 +394,25 @@ def tail_bytes(pattern: Pattern, t: int, h: int, itemsize: int) -> int:
         indices = 4 * t * k * (1 + (pattern.moe_form == "finalize"))  # float32 weights, int32 row_index
         read = (t * k * h + t * h * (1 + pattern.moe_shared) + h) * itemsize + indices
         return read + written
-    return 2 * t * h * itemsize + h * itemsize + written
+    return (2 * t * h + h * (1 + pattern.post)) * itemsize + written
 
 
 # ------------------------------------------------------------------------------- correctness gate
 
 def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_residual: bool = False,
-          scale: Optional[torch.Tensor] = None) -> Optional[str]:
+          scale: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
+          eps: float = 0.0) -> Optional[str]:
     """Why `res` violates the tolerances (commfuse.tolerance) against the oracle `exp`, None when it
     does not: the plain all-reduce within sum_ulps of T, a tail as tolerance.tail_mismatch (scale: the
     case's, with exp.ref_norm for the codes of blocks whose scale differs); exact_residual (commfuse's
-    rows): the residual's bits too, as the tests hold them (one rounded addition)."""
+    rows): the residual's bits too, as the tests hold them (one rounded addition).
+    A post pattern's row is held so only where exact_residual and its residual is on the CPU (commfuse's
+    separated route there: the reference's ops, so its bits); any other to docs/semantics.md section 2a's
+    tolerances (check_post, with the case's weight and eps): a post-norm kernel's a' may be an ulp off."""
     if not pattern.tail:
         return tolerance.within_ulp(res.a, exp.a, sum_ulps, "all-reduce sum")
+    if pattern.post and not (exact_residual and res.residual is not None and res.residual.device.type == "cpu"):
+        return check_post(res, exp, pattern, weight, eps, scale)
     if exact_residual and res.residual is not None and exp.residual is not None:
         why = tolerance.within_ulp(res.residual, exp.residual.to(res.residual.device), 0, "residual")
         if why:
@@ -394,6 +421,24 @@ def check(res: Result, exp: Result, pattern: Pattern, sum_ulps: int = 0, exact_r
                                    Tail(exp.residual, exp.norm, exp.quant, exp.sf, exp.scales), pattern.quant,
                                    SF_LAYOUT, scale_layout=pattern.scale_layout, scale_ue8m0=pattern.scale_ue8m0,
                                    norm=exp.ref_norm, scale=scale)
+
+
+def check_post(res: Result, exp: Result, pattern: Pattern, weight: torch.Tensor, eps: float,
+               scale: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why a post pattern's `res` violates docs/semantics.md section 2a's tolerances (None when it does not), as
+    the kernel tests hold the post-norm kernel: the residual within ulp(a') + ulp(r) of the oracle's
+    (tolerance.post_residual_within, a' the oracle's post-normed sum: a post-norm an ulp off moves the sum by as
+    much); the norm and quantization those of the row's own residual (the reference's tail of it without a
+    residual, with weight, eps and the case's scale) within tolerance.tail_mismatch's tolerances."""
+    why = tolerance.post_residual_within(res.residual, exp.residual, exp.post_normed, "residual")
+    if why:
+        return why
+    own = oracle_tail(res.residual, None, pattern, weight, eps, scale)
+    # The residual, judged above, on both sides: it passes, and gives the comparison its device.
+    got = Tail(res.residual, res.norm, res.quant, res.sf, res.scales)
+    want = Tail(res.residual, own.norm, own.quant, own.sf, own.scales)
+    return tolerance.tail_mismatch(got, want, pattern.quant, SF_LAYOUT, scale_layout=pattern.scale_layout,
+                                   scale_ue8m0=pattern.scale_ue8m0, norm=own.ref_norm, scale=scale)
 
 
 def gate(ctx: Ctx, step, mismatch: Callable[[Result, int], Optional[str]]) -> Tuple[Verdict, Optional[Result]]:

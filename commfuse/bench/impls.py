@@ -20,7 +20,7 @@ import torch.distributed as dist
 from commfuse import Communicator, moe, reference, routes, tolerance
 from commfuse.tail.checks import fields_of
 from commfuse.tail.formats import by_name
-from commfuse.tail.spec import spread
+from commfuse.tail.spec import TailSpec, spread
 
 from .cases import (MOE_COMPILE_PATTERN, QUICK_COMPILE_PATTERN, SF_LAYOUT, Case, MoeInputs, Result, check,
                     oracle_tail)
@@ -91,7 +91,7 @@ class Impl:
     def mismatch(self, case: Case, res: Result, i: int = 0, expected: Optional[list] = None) -> Optional[str]:
         """Why one call's result on input set i is wrong; None when it is right. expected: the step's own
         oracles of every set (Step.expected), else the case's of set i are used. commfuse's rows are held to
-        the residual's exact bits."""
+        the residual's exact bits (a post pattern's where that is the reference's, see cases.check)."""
         if self.own_check is not None:
             return self.own_check(case, res, i)
         if expected is not None:
@@ -99,8 +99,8 @@ class Impl:
         else:
             collective, tail = case.oracle(i)
             expected = [tail] if self.section == "tail" else collective
-        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name), scale=case.scale)
-                   for exp in expected]
+        reasons = [check(res, exp, case.pattern, case.sum_ulps, exact_residual=is_commfuse(self.name), scale=case.scale,
+                         weight=case.weight, eps=case.eps) for exp in expected]
         return None if None in reasons else reasons[0]
 
 
@@ -186,7 +186,9 @@ def _fresh_function(fn, tag: str):
 
 
 def _compiled_tail(ctx: Ctx, case: Case):
-    """reference.fused_tail through torch.compile, once per (pattern, dtype, hidden).
+    """reference.fused_tail through torch.compile, once per (pattern, dtype, hidden), called as
+    fn(a, residual, weight, scale, post_weight) (post_weight None but for a post pattern: the post-norm is then
+    the reference's rmsnorm of the sum, in the same torch ops as the tail's norm, for inductor to fuse).
 
     Mode: the default (inductor, no CUDA graphs of its own: we capture our own graphs; "max-autotune"
     only tunes matmuls and costs minutes). Shapes: dynamo's automatic dynamic shapes; cases run in
@@ -203,15 +205,15 @@ def _compiled_tail(ctx: Ctx, case: Case):
                        "(compile time)")
     p = case.pattern
     # One compiled tail per (tail, dtype, hidden): the MoE patterns share the dense patterns' tails.
-    tail_key = (p.quant, p.return_norm, p.weight_offset, p.scale_layout, p.scale_ue8m0)
+    tail_key = (p.quant, p.return_norm, p.weight_offset, p.scale_layout, p.scale_ue8m0, p.post)
     key = ("compiled", tail_key, case.dname, case.hidden)
     if key not in ctx.cache:
         quant, return_norm, eps = p.quant, p.return_norm, case.eps
         offset, scale_layout, ue8m0 = p.weight_offset, p.scale_layout, p.scale_ue8m0
 
-        def tail(a, residual, weight, scale):
+        def tail(a, residual, weight, scale, post_weight):
             return reference.fused_tail(a, residual, weight, eps, quant, scale, return_norm, SF_LAYOUT, offset,
-                                        scale_layout, ue8m0)
+                                        scale_layout, ue8m0, post_weight)
 
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
@@ -232,12 +234,12 @@ def _prep_nccl_compile(ctx: Ctx, case: Case) -> Step:
         def moe_step(i):
             x = torch_combine(case.moe_set(i))  # eager torch, as nccl+eager's
             dist.all_reduce(x)
-            return fn(x, case.input_set(i)[1], case.weight, case.scale)
+            return fn(x, case.input_set(i)[1], case.weight, case.scale, None)
         return Step(moe_step, _dist_no_graph(ctx), Result.of_tail)
 
     def step(i):
         x, residual = case.input_set(i)
-        return fn(_torch_all_reduce(x), residual, case.weight, case.scale)
+        return fn(_torch_all_reduce(x), residual, case.weight, case.scale, case.post_weight)
     return Step(step, _dist_no_graph(ctx), Result.of_tail)
 
 
@@ -275,10 +277,11 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
         p = case.pattern
         x, residual = case.input_set(0)
         kw = dict(eps=case.eps, quant=p.quant, scale=case.scale, return_norm=p.return_norm, sf_layout=SF_LAYOUT,
-                  **p.scaled)
+                  post_weight=case.post_weight, **p.scaled)
         plan = comm.plan(x, residual, case.weight, **kw) if p.tail else comm.plan(x)
         # A forced P2P algorithm is timed only where it runs (one-shot above its buffers runs two-shot), with the
-        # tail in its kernel (a tail the P2P kernel refuses runs separated after it).
+        # tail in its kernel (a tail the P2P kernel refuses runs separated after it: a post-norm's among them, which
+        # its kernels have not; the skip gives the plan's reasons).
         if strategy in ("oneshot", "twoshot") and (plan.collective != f"p2p_{strategy}" or
                                                    (p.tail and plan.tail != "fused")):
             raise Skip(f"plan is {plan.collective} + {plan.tail}: " + "; ".join(plan.reasons))
@@ -290,14 +293,14 @@ def _commfuse(strategy: str, impl: str = "", out: bool = False, via_ops: bool = 
         if out:
             owned = comm.fused_all_reduce(x, residual, case.weight, **kw) if p.tail else comm.all_reduce(x)
         if via_ops:
-            scale, weight, tail = case.scale, case.weight, p.spec.code
+            scale, weight, tail, post = case.scale, case.weight, p.spec.code, case.post_weight
 
             def step(i):
                 x, residual = case.input_set(i)
                 if not p.tail:
                     return torch.ops.commfuse.all_reduce(x, comm.name)
                 return torch.ops.commfuse.fused_all_reduce(x, residual, weight, scale, case.eps, p.weight_offset, tail,
-                                                           comm.name)
+                                                           comm.name, post)
 
             def result(r):
                 if not p.tail:
@@ -382,12 +385,12 @@ def _prep_tail_compile(ctx: Ctx, case: Case) -> Step:
     fn = _compiled_tail(ctx, case)
     if case.pattern.is_moe:
         def moe_step(i):
-            return fn(torch_combine(case.moe_set(i)), case.input_set(i)[1], case.weight, case.scale)
+            return fn(torch_combine(case.moe_set(i)), case.input_set(i)[1], case.weight, case.scale, None)
         return Step(moe_step, result=Result.of_tail)
 
     def step(i):
         x, residual = case.input_set(i)
-        return fn(x, residual, case.weight, case.scale)
+        return fn(x, residual, case.weight, case.scale, case.post_weight)
     return Step(step, result=Result.of_tail)
 
 
@@ -396,6 +399,8 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
         raise Skip("fused_tail.run needs CUDA tensors (no GPU)")
     from commfuse.kernels import fused_tail  # on a GPU a failed import fails the row (cli: "prepare")
     p = case.pattern
+    if p.post:
+        return _prep_tail_commfuse_post(ctx, case)
     fused_tail.warmup(case.dtype, p.quant, case.hidden, ctx.device)  # NVRTC compile and module load now, not in the gate call
     if p.is_moe:
         # The combine kernel, then the tail kernel: moe_all_reduce's local work without the collective.
@@ -417,6 +422,26 @@ def _prep_tail_commfuse(ctx: Ctx, case: Case) -> Step:
         x, residual = case.input_set(i)
         return fused_tail.run(x, residual, case.weight, case.eps, p.quant, case.scale, p.return_norm, SF_LAYOUT,
                               **p.scaled)
+    return Step(step, result=Result.of_tail)
+
+
+def _prep_tail_commfuse_post(ctx: Ctx, case: Case) -> Step:
+    """tail-commfuse of a post pattern: fused_tail.run has no post-norm, so the POST variant's LaunchPlan (made
+    here: its kernel compiled and loaded before the gate call), launched as the library's NCCL and one-rank routes
+    launch it, the post weight as the launcher's z; refused as run refuses what the kernel cannot take."""
+    from commfuse.kernels import fused_tail, native
+    p = case.pattern
+    spec = TailSpec.of(p.quant, return_norm=p.return_norm, eps=case.eps, sf_layout=SF_LAYOUT, **p.scaled)
+    sm = torch.cuda.get_device_capability(ctx.device)
+    why = fused_tail.FUSED_TAIL.rejects(case.dtype, sm, case.hidden, case.tokens, spec)
+    if why:
+        raise ValueError(f"fused_tail: {why}")
+    launcher = native.launcher(fused_tail.FUSED_TAIL.plan(case.dtype, case.tokens, case.hidden, spec,
+                                                          ctx.device.index, post=True))
+
+    def step(i):
+        x, residual = case.input_set(i)
+        return launcher(x, residual, case.weight, case.scale, None, case.post_weight)
     return Step(step, result=Result.of_tail)
 
 
@@ -680,6 +705,9 @@ def _prep_flashinfer_moe(ctx: Ctx, case: Case, api: dict) -> Step:
 
 
 def _prep_flashinfer(ctx: Ctx, case: Case) -> Step:
+    if case.pattern.post:
+        raise Skip("its all-reduce fusion has no post-norm (its patterns, TensorRT-LLM's kARResidualRMSNorm*, add "
+                   "the residual to the sum itself)")
     if ctx.shared_gpu and not case.pattern.is_moe:
         raise Skip("its all-reduce fusion hangs on ranks sharing a GPU (it did at 200 x 7168 on an H200)")
     if "flashinfer" not in ctx.cache:
@@ -758,7 +786,8 @@ for _impl in (
     Impl("tail-eager", "tail", _prep_tail_eager, "the tail alone: commfuse.reference in plain torch"),
     Impl("tail-compile", "tail", _prep_tail_compile, "the tail alone through torch.compile",
          timed_if_wrong=True),
-    Impl("tail-commfuse", "tail", _prep_tail_commfuse, "the tail alone: commfuse.kernels.fused_tail.run"),
+    Impl("tail-commfuse", "tail", _prep_tail_commfuse,
+         "the tail alone: commfuse.kernels.fused_tail.run (a post pattern: its POST variant's plan)"),
     Impl("torch-add", "floor", _prep_torch_add,
          "torch.add(x, residual, out=buf): one torch elementwise op, the floor of host cost per call",
          own_check=_check_torch_add),
