@@ -429,7 +429,8 @@ class Communicator:
                                                    (", post-norm" if call.post else ""))
             signature = (op, tuple(call.x.shape), str(call.x.dtype), spec, str(p.collective))
             outputs = (None,) if call.spec is None else tuple(routes.outputs_of(call))
-            launcher = _Checked(self, signature, launcher, outputs, ("x", "residual", "weight", "scale"))
+            launcher = _Checked(self, signature, launcher, outputs,
+                                ("x", "residual", "weight", "scale", None, "post_weight" if call.post else None))
         self.table.insert(op, args, p, launcher)
         return p, launcher
 

@@ -634,7 +634,7 @@ class _TorchAllReduce:
 
 def describe(call: Call, plan: Plan) -> str:
     """The call as every rank must make it alike: op, dtype, shape, tail spec and route, in words."""
-    tail = "" if call.spec is None else f", {call.spec.signature}{scale_form(call)}"
+    tail = "" if call.spec is None else f", {call.spec.signature}{scale_form(call)}{', post-norm' * call.post}"
     # Not the tail's route: ranks of different SMs each pick their own, after the exchange.
     return f"{call.op}({call.x.dtype}, {list(call.x.shape)}{tail}) on {plan.collective}"
 

@@ -1183,15 +1183,17 @@ Outputs moe_all_reduce_op(const at::Tensor& y, const at::Tensor& weights, const 
 // An op kernel as a plain function (what Inductor's code calls, commfuse/fusion/lowering.py): without the
 // dispatcher's argument parsing and boxing, which cost more host time than the kernel's own work. The GIL is
 // released as torch.ops does; the op keeps its name in torch.profiler's traces.
-template <typename R, typename... A>
-void def_direct(py::module_& m, const char* name, R (*op)(A...)) {
+// names: py::arg annotations of every argument where the schema defaults trailing ones (Inductor's code leaves a
+// trailing argument at its default out of the call).
+template <typename R, typename... A, typename... Names>
+void def_direct(py::module_& m, const char* name, R (*op)(A...), const Names&... names) {
   m.def(
       name,
       [qualified = std::string("commfuse::") + name, op](A... a) -> R {
         RECORD_FUNCTION(qualified, std::vector<c10::IValue>());
         return op(std::forward<A>(a)...);
       },
-      py::call_guard<py::gil_scoped_release>());
+      py::call_guard<py::gil_scoped_release>(), names...);
 }
 
 }  // namespace
@@ -1224,7 +1226,9 @@ PYBIND11_MODULE(commfuse_host, m) {
       .def("insert", &Table::insert)
       .def("clear", &Table::clear)
       .def("__len__", &Table::size);
-  def_direct(m, "fused_all_reduce", &fused_all_reduce_op);
+  def_direct(m, "fused_all_reduce", &fused_all_reduce_op, py::arg("x"), py::arg("residual"), py::arg("weight"),
+             py::arg("scale"), py::arg("eps"), py::arg("weight_offset"), py::arg("tail"), py::arg("comm"),
+             py::arg("post_weight") = py::none());
   def_direct(m, "all_reduce", &all_reduce_op);
   def_direct(m, "fused_add_rmsnorm", &fused_add_rmsnorm_op);
   def_direct(m, "gated_rmsnorm", &gated_rmsnorm_op);

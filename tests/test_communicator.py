@@ -382,6 +382,21 @@ def _checked_by(comm, check: str, group=None) -> Communicator:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
+def test_a_post_weight_on_one_rank_only_is_a_mismatch(comm, gen, check):
+    """A post weight belongs to the call the ranks compare: where one rank gives it and another not, every rank
+    raises naming the post-norm (their sums would be normalised differently, or not at all)."""
+    c = _checked_by(comm, check)
+    rank = dist.get_rank(c.group)
+    x, _ = rank_inputs(c, gen, (4, 64), torch.bfloat16)
+    residual, weight, _ = tail_inputs(c, gen, 4, 64, torch.bfloat16, None)
+    with pytest.raises(commfuse.CallMismatchError, match="ranks disagree on the call.*post-norm"):
+        c.fused_all_reduce(x, residual, weight, post_weight=weight if rank == 0 else None)
+    y = torch.ones(2, 64, dtype=torch.bfloat16, device=c.device)
+    assert torch.equal(c.all_reduce(y), torch.full_like(y, c.world_size))  # the group still works
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["gloo route", "COMMFUSE_CHECK"])
 @pytest.mark.parametrize("name, value", [("weight_offset", 1.0), ("eps", 1e-6)])
 def test_tail_numbers_that_differ_in_a_low_bit_are_a_mismatch(comm, gen, check, name, value):
     """eps and weight_offset belong to the call the ranks compare, to the last bit (str() of the spec

@@ -285,15 +285,20 @@ def test_gated_split_rule():
 
 def test_warmup_configs_cover_every_row_count():
     """warmup compiles what any row count may launch (a CUDA graph cannot compile): configs holds launch_config's
-    variant at every row count, for each format, with a residual and without."""
+    variant at every row count, for each format, with a residual and without; with post, the POST variant of each
+    (with a residual) and nothing else."""
     for hidden in (2048, 4096, 7168, 8192, 16384, 32000):
         for fmt in FORMATS:
             spec = TailSpec.of(fmt.name)
             names = set(fused_tail.FUSED_TAIL.configs(torch.bfloat16, spec, hidden))
+            post = set(fused_tail.FUSED_TAIL.configs(torch.bfloat16, spec, hidden, post=True))
+            assert all(n.endswith(", true>") for n in post) and all(n.endswith(", false>") for n in names)
             for tokens in range(1, 1100, 7):
                 for residual in (True, False):
                     vpt = fused_tail.launch_config(hidden, tokens, spec.quant is None, residual)[0]
                     assert fused_tail.FUSED_TAIL.name_expression(torch.bfloat16, fmt, vpt) in names
+                    if residual:
+                        assert fused_tail.FUSED_TAIL.name_expression(torch.bfloat16, fmt, vpt, True) in post
 
 
 def test_broken_source_raises_jit_error_with_log(tmp_path, cache_dir):

@@ -81,11 +81,12 @@ class Family:
     def configs(self, dtype: torch.dtype, spec: TailSpec, hidden: int) -> Iterable[str]:
         raise NotImplementedError
 
-    def warmup(self, dtype: torch.dtype, spec: TailSpec, hidden: int, device=None) -> None:
+    def warmup(self, dtype: torch.dtype, spec: TailSpec, hidden: int, device=None, **options) -> None:
         """Compile and load every kernel calls of (dtype, spec, hidden) may launch, any number of tokens,
-        on `device` (default: current), so that later calls can be captured in a CUDA graph."""
+        on `device` (default: current), so that later calls can be captured in a CUDA graph. options: the
+        family's configs' own (fused_tail's post)."""
         if dtype not in CTYPE:
             raise ValueError(f"no {self.name} kernel for dtype={dtype}")
         index = jit.device_index(device)
-        for name in self.configs(dtype, spec, hidden):
+        for name in self.configs(dtype, spec, hidden, **options):
             self.kernel(name, index)

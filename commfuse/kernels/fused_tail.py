@@ -130,10 +130,12 @@ class FusedTail(Family):
         return [self.name_expression(d, f, v, post) for d in CTYPE for f in FORMATS for v in VPT_BUCKETS + (0,)
                 for post in (False, True)]
 
-    def configs(self, dtype, spec, hidden):
-        # The rules change only at these row counts (launch_config).
-        return [self.name_expression(dtype, spec.format, launch_config(hidden, t, spec.quant is None, residual)[0])
-                for t in (1, LATENCY_TOKENS, PLAIN_WIDE_TOKENS) for residual in (True, False)]
+    def configs(self, dtype, spec, hidden, post: bool = False):
+        # The rules change only at these row counts (launch_config). post: the POST variants (a post call has a
+        # residual).
+        return [self.name_expression(dtype, spec.format, launch_config(hidden, t, spec.quant is None, residual)[0],
+                                     post)
+                for t in (1, LATENCY_TOKENS, PLAIN_WIDE_TOKENS) for residual in ((True,) if post else (True, False))]
 
     def plan(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int, *, residual: bool = True,
              nccl=None, post: bool = False) -> LaunchPlan:
@@ -163,10 +165,11 @@ def variants() -> List[str]:
     return FUSED_TAIL.variants()
 
 
-def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None) -> None:
+def warmup(dtype: torch.dtype, quant: Optional[str], hidden: int, device=None, post: bool = False) -> None:
     """Compile and load the variants `run` uses for (dtype, quant, hidden), any number of tokens,
-    on `device` (default: current), so later calls can be captured in a CUDA graph."""
-    FUSED_TAIL.warmup(dtype, TailSpec.of(quant), hidden, device)
+    on `device` (default: current), so later calls can be captured in a CUDA graph. post: those of calls with a
+    post weight (fused_all_reduce's post_weight) instead."""
+    FUSED_TAIL.warmup(dtype, TailSpec.of(quant), hidden, device, post=post)
 
 
 @functools.lru_cache(maxsize=4096)
