@@ -685,6 +685,34 @@ def test_an_all_reduce_whose_sum_is_not_the_residual_adds_says_what_reads_it(qui
 
 
 @mpi
+def test_a_post_norm_that_rounds_in_another_order_says_the_residual_carries_it(quiet_comm, gen):
+    """GLM-4's post-norms multiply by the weight after the cast to T (HF LlamaRMSNorm's order): fused, the report
+    says so for the post-norm too, and that the residual output carries it (the post-normed sum is added to the
+    residual); the residual within an ulp of the post-normed sum and one of its own of the graph's."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    post = (1 + 0.1 * torch.randn(weight.shape, generator=gen)).to(weight.device, weight.dtype)
+
+    def layer(x, residual, weight, wo, post):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        h = residual + hf_norm(y, post)
+        return hf_norm(h, weight), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, post), c)
+    assert counts(gm).get(FUSED_AR) == 1, report
+    (fused,) = report.fused
+    assert fused.pattern == "all_reduce + rmsnorm (post-norm) + add + rmsnorm", report
+    assert any(n.startswith("the post-norm: ") and n.endswith("carries it") for n in fused.notes), fused.notes
+    y = F.linear(x, wo)
+    summed = c.all_reduce(y)
+    why = tolerance.post_residual_within(got[1], want[1], hf_norm(summed, post), "residual")
+    assert why is None or sum_order() == "sum", why
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close_under_sum_order(g, w, i)
+
+
+@mpi
 @pytest.mark.parametrize("compiler", [None, "inductor"])
 def test_an_all_reduce_read_through_a_shared_view_names_that_view(quiet_comm, gen, compiler):
     """The sum reaches its residual add + RMSNorm through a view that another node reads too (the fused op would not

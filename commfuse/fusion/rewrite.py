@@ -469,7 +469,8 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
                                               f"the tail starts ({anchor.name}): nowhere to put one op", "pattern"))
                 return
 
-    for u, n in norm.shape_queries:  # x has the sizes of the replaced node they read
+    # x has the sizes of the replaced node they read (a post-norm's nodes too: the sum's, the add's shape)
+    for u, n in (*norm.shape_queries, *(post.shape_queries if post is not None else ())):
         u.replace_input_with(n, norm.input)
 
     # The op, on [tokens, h] views of its row inputs: it returns [tokens, h] outputs whatever the inputs'
@@ -586,6 +587,9 @@ def _fuse_norm(gm, norm: P.Norm, comm, targets, report: FusionReport, erased: se
         spelling.append(quant.spelling)
     notes = (list(moe.notes) if moe is not None else []) + list(norm.notes) + \
         (list(quant.notes) if quant is not None else [])
+    if post is not None:  # the post-normed sum is added to the residual: what differs in it reaches the residual
+        notes += [f"the post-norm: {n}; the residual output (the post-normed sum plus the residual) carries it"
+                  for n in post.notes]
     if ar is not None and ar.comm is None:
         notes.append("the graph's collective sums in its backend's order (NCCL: in T); commfuse sums in fp32 in rank "
                      "order, rounded once (docs/semantics.md section 1): the same bits on 2 ranks")
