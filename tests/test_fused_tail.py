@@ -569,6 +569,34 @@ def test_mxfp8_matches_reference(dtype, hidden, sf_layout, weight_offset, monkey
             assert (row_sf[NAN_ROW] == 0xFF).all() and (k.quant[NAN_ROW].view(torch.uint8) == 0x7F).all()
 
 
+def test_a_post_norm_call_captures_after_its_warmup():
+    """fused_tail.warmup(post=True) compiles and loads the POST variants of every row count, so that a post call of
+    a row count not run before is captured into a CUDA graph (compiling or loading there would raise), and its
+    replay gives an eager call's bits on new inputs."""
+    from commfuse.kernels import native
+
+    from compare import bits_equal
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(5)
+    t, h = 300, 3072  # a hidden size no other test here runs with a post-norm: its variants are first loaded here
+    a, residual = ((torch.randn(t, h, generator=g) * 3).bfloat16().cuda() for _ in range(2))
+    weight, post = ((1 + 0.1 * torch.randn(h, generator=g)).bfloat16().cuda() for _ in range(2))
+    ft.warmup(torch.bfloat16, "nvfp4", h, post=True)
+    scale = torch.tensor([0.05]).cuda()
+    spec = TailSpec.of("nvfp4", return_norm=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the plan too: it takes the kernel then
+        run = native.launcher(ft.FUSED_TAIL.plan(torch.bfloat16, t, h, spec, torch.cuda.current_device(), post=True))
+        captured = run(a, residual, weight, scale, None, post)
+    a.copy_(torch.randn(t, h, generator=g).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run(a, residual, weight, scale, None, post)
+    assert all(bits_equal(c, e) for c, e in zip(captured, eager) if e is not None)
+
+
 @pytest.mark.parametrize("quant", (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"))
 @pytest.mark.parametrize("weight_offset", (0.0, 1.0))
 # VPT 1 (decode), VPT 2 / 1 at 256-511 rows, VPT 4 (many rows), the looped variant (h 32768)

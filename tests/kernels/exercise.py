@@ -3,10 +3,10 @@
 One process: the fused-tail kernels over hidden sizes that take each variant (register tails with
 1, 2, 4 vectors per thread, the looped one), both dtypes, every quantization and scale(-factor)
 layout, token counts with and without swizzle padding rows; the same without a residual (a plain
-RMSNorm), the gated RMSNorm kernel, the quantize kernel, and the MoE combine and one-kernel MoE
-tail (both forms, a dropped slot and padding rows in the finalize form, a shared expert). Under mpirun with 2+ GPUs, also the
-P2P kernels (one-shot and two-shot, plain and fused; and two-shot in pieces over a 1 MiB workspace)
-through a Communicator. The outputs are checked
+RMSNorm), the POST variants (a post-norm first), the gated RMSNorm kernel, the quantize kernel, and the
+MoE combine and one-kernel MoE tail (both forms, a dropped slot and padding rows in the finalize form, a
+shared expert). Under mpirun with 2+ GPUs, also the P2P kernels (one-shot and two-shot, plain and fused;
+and two-shot in pieces over a 1 MiB workspace) through a Communicator. The outputs are checked
 against commfuse.reference as in the tests (tolerance.tail_mismatch), so a run that the sanitizer
 passes but that computes garbage still fails. Prints "exercised N launches" at the end.
 """
@@ -60,6 +60,40 @@ def fused_tails(g) -> int:
                           scaled)
                     n += 1
                     n += local_ops(a, residual, weight, quant, scale, layout, scaled, f"{t}x{h} {dtype} {quant} {layout}")
+    return n
+
+
+def post_tails(g) -> int:
+    """The POST variants (a post-norm first, its weight the launcher's z), as the NCCL and one-rank routes launch
+    them: the residual within ulp(a') + ulp(r) of the reference's, the rest within the tolerances of the tail of
+    the kernel's own residual (tests/test_fused_tail.py's post-norm test)."""
+    from commfuse.kernels import native
+
+    n, dev = 0, torch.cuda.current_device()
+    sm = torch.cuda.get_device_capability(dev)
+    for t, h in SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            a, residual, weight = inputs(g, t, h, dtype)
+            for quant, s, scale_layout, ue8m0, offset in PATTERNS:
+                spec = TailSpec.of(quant, return_norm=True, weight_offset=offset, scale_layout=scale_layout,
+                                   scale_ue8m0=ue8m0)
+                if skip(quant, h) or fused_tail.FUSED_TAIL.rejects(dtype, sm, h, t, spec):
+                    continue
+                scale = None if s is None else torch.tensor([s], device="cuda")
+                post = (1 - offset + 0.1 * torch.randn(h, generator=g, device="cuda")).to(dtype)
+                plan = fused_tail.FUSED_TAIL.plan(dtype, t, h, spec, dev, post=True)
+                got = reference.Tail(*native.launcher(plan)(a, residual, weight, scale, None, post))
+                want = reference.fused_tail(a, residual, weight, 1e-6, quant, scale, True, "swizzled", offset,
+                                            scale_layout, ue8m0, post)
+                own = reference.fused_tail(got.residual, None, weight, 1e-6, quant, scale, True, "swizzled", offset,
+                                           scale_layout, ue8m0)
+                why = tolerance.post_residual_within(got.residual, want.residual,
+                                                     reference.rmsnorm(a, post, 1e-6, offset), "residual") or \
+                    tolerance.tail_mismatch(got, own._replace(residual=got.residual), quant, scale_layout=scale_layout,
+                                            scale_ue8m0=ue8m0, scale=scale)
+                if why:
+                    sys.exit(f"fused_tail (post-norm) {t}x{h} {dtype} {quant}: {why}")
+                n += 1
     return n
 
 
@@ -220,7 +254,7 @@ def main():
 
     commfuse.init_distributed()
     g = torch.Generator(device="cuda").manual_seed(0)
-    n = fused_tails(g) + moe_kernels(g)
+    n = fused_tails(g) + post_tails(g) + moe_kernels(g)
     if torch.distributed.get_world_size() > 1:
         n += p2p_kernels(g)
     torch.cuda.synchronize()
