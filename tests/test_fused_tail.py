@@ -597,11 +597,14 @@ def test_a_post_norm_call_captures_after_its_warmup():
     assert all(bits_equal(c, e) for c, e in zip(captured, eager) if e is not None)
 
 
-@pytest.mark.parametrize("quant", (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block"))
+@pytest.mark.parametrize("quant", (None, "fp8", "nvfp4", "fp8_per_token", "fp8_block", "mxfp8"))
 @pytest.mark.parametrize("weight_offset", (0.0, 1.0))
-# VPT 1 (decode), VPT 2 / 1 at 256-511 rows, VPT 4 (many rows), the looped variant (h 32768)
-@pytest.mark.parametrize("t, h", [(1, 4096), (16, 7168), (300, 4096), (600, 7168), (3, 32768)])
-def test_a_post_norm_variant_matches_the_reference(t, h, weight_offset, quant):
+# VPT 1 (decode), VPT 2 / 1 at 256-511 rows, VPT 4 (many rows), the looped variant (h 32768); fp16; a row whose
+# vectors end inside a warp (h 2056: 257 vectors)
+@pytest.mark.parametrize("t, h, dtype", [(t, h, torch.bfloat16) for t, h in ((1, 4096), (16, 7168), (300, 4096),
+                                                                         (600, 7168), (3, 32768), (5, 2056))]
+                         + [(16, 7168, torch.float16), (600, 4096, torch.float16)])
+def test_a_post_norm_variant_matches_the_reference(t, h, dtype, weight_offset, quant):
     """The POST variants (docs/semantics.md section 2a; the post weight from the launcher's z): the sum is
     normalised with the post weight before the residual add. The residual within an ulp of the post-normed sum
     plus one of its own of the reference's (the kernel's post-norm may be an ulp off: the order of the sum of
@@ -613,15 +616,17 @@ def test_a_post_norm_variant_matches_the_reference(t, h, weight_offset, quant):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    g = torch.Generator().manual_seed(t * 7 + h)
-    a = (torch.randn(t, h, generator=g) * 3).bfloat16().cuda()
-    residual = torch.randn(t, h, generator=g).bfloat16().cuda()
-    base = 0.0 if weight_offset else 1.0
-    weight = (base + 0.1 * torch.randn(h, generator=g)).bfloat16().cuda()
-    post = (base + 0.1 * torch.randn(h, generator=g)).bfloat16().cuda()
-    scale = torch.tensor([0.05]).cuda() if quant in ("fp8", "nvfp4") else None
     spec = TailSpec.of(quant, return_norm=True, weight_offset=weight_offset)
-    plan = ft.FUSED_TAIL.plan(torch.bfloat16, t, h, spec, torch.cuda.current_device(), post=True)
+    if h % spec.hidden_multiple:
+        pytest.skip(f"{quant} needs h a multiple of {spec.hidden_multiple}")
+    g = torch.Generator().manual_seed(t * 7 + h)
+    a = (torch.randn(t, h, generator=g) * 3).to(dtype).cuda()
+    residual = torch.randn(t, h, generator=g).to(dtype).cuda()
+    base = 0.0 if weight_offset else 1.0
+    weight = (base + 0.1 * torch.randn(h, generator=g)).to(dtype).cuda()
+    post = (base + 0.1 * torch.randn(h, generator=g)).to(dtype).cuda()
+    scale = torch.tensor([0.05]).cuda() if quant in ("fp8", "nvfp4") else None
+    plan = ft.FUSED_TAIL.plan(dtype, t, h, spec, torch.cuda.current_device(), post=True)
     first, second = poisoned_runs(lambda: ref.Tail(*native.launcher(plan)(a, residual, weight, scale, None, post)))
     for name in ("residual", "norm", "quant", "scale_factors", "scales"):
         assert bits_equal(getattr(first, name), getattr(second, name)), f"{name} not written everywhere"

@@ -685,6 +685,35 @@ def test_an_all_reduce_whose_sum_is_not_the_residual_adds_says_what_reads_it(qui
 
 
 @mpi
+@pytest.mark.parametrize("differs", ["eps", "weight offset"])
+def test_a_post_norm_the_op_cannot_take_leaves_the_all_reduce_with_the_reason(quiet_comm, gen, differs):
+    """fused_all_reduce gives both norms one eps and one weight offset: a post-norm that differs from the norm after
+    the add in either is not its post_weight; the all-reduce stays, its reason says which, and the graph computes
+    what it did."""
+    c = quiet_comm
+    x, residual, weight, _, wo = setup(c, gen)
+    post = (0.1 * torch.randn(weight.shape, generator=gen)).to(weight.device, weight.dtype)
+
+    def plain_norm(h, w, eps=1e-6):  # weight offset 0, rounded once as the ops round
+        v = h.float()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w.float()).type_as(h)
+
+    def layer(x, residual, weight, wo, post):
+        y = F.linear(x, wo)
+        dist.all_reduce(y)
+        y = gemma_norm(y, post, eps=1e-5) if differs == "eps" else plain_norm(y, post + 1)
+        h = residual + y
+        return gemma_norm(h, weight - 1), h
+
+    gm, report, want, got = fuse_and_run(layer, (x, residual, weight, wo, post), c)
+    assert FUSED_AR not in counts(gm), report
+    (ar,) = _skip_reasons(report, "all-reduce")
+    words = {"eps": "eps 1e-05 is not the norm's 1e-06", "weight offset": "weight offset 0 is not the norm's 1"}
+    assert words[differs] in ar, report
+    assert_same(got, want)
+
+
+@mpi
 def test_a_post_norm_that_rounds_in_another_order_says_the_residual_carries_it(quiet_comm, gen):
     """GLM-4's post-norms multiply by the weight after the cast to T (HF LlamaRMSNorm's order): fused, the report
     says so for the post-norm too, and that the residual output carries it (the post-normed sum is added to the
