@@ -430,7 +430,7 @@ class Communicator:
             signature = (op, tuple(call.x.shape), str(call.x.dtype), spec, str(p.collective))
             outputs = (None,) if call.spec is None else tuple(routes.outputs_of(call))
             launcher = _Checked(self, signature, launcher, outputs,
-                                ("x", "residual", "weight", "scale", None, "post_weight" if call.post else None))
+                                ("x", "residual", "weight", "scale", None, "post_weight"))
         self.table.insert(op, args, p, launcher)
         return p, launcher
 
@@ -454,7 +454,8 @@ class Communicator:
                          eps: float = 1e-6, quant: Optional[str] = None,
                          scale: Union[torch.Tensor, float, None] = None, return_norm: bool = False,
                          sf_layout: str = "swizzled", weight_offset: float = 0.0, scale_layout: str = "row",
-                         scale_ue8m0: bool = False, out=None, post_weight: Optional[torch.Tensor] = None) -> FusedResult:
+                         scale_ue8m0: bool = False, out=None,
+                         post_weight: Optional[torch.Tensor] = None) -> FusedResult:
         """All-reduce `x`, then residual add, RMSNorm and optional quantization (docs/semantics.md).
 
         x, residual: T[..., h] (T = fp16, bf16 or fp32, else TypeError; fp32 takes the separated tail), same shape;

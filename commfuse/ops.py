@@ -113,8 +113,8 @@ def fused_all_reduce(comm, x: torch.Tensor, residual: torch.Tensor, weight: torc
                      post_weight: Optional[torch.Tensor] = None) -> Tail:
     """`comm.fused_all_reduce(...)` as a custom op (arguments and outputs as there; docs/semantics.md).
 
-    x, residual: T[..., h]; weight, post_weight (or None): T[h]; scale: float32[1] (the dequant scale, where the format takes
-    one), all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant; scale_factors;
+    x, residual: T[..., h]; weight, post_weight (or None): T[h]; scale: float32[1] (the dequant scale, where the
+    format takes one), all on comm's device. Returns a Tail (residual [t, h]; norm [t, h] or None; quant; scale_factors;
     scales; None where absent), without the plan: `comm.plan(...)` gives that. Outside torch.compile the
     call goes to the Communicator directly (the op's body, without the dispatcher's cost); compiled code
     calls the op. out: caller-owned outputs as for Communicator.fused_all_reduce (op

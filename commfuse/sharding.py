@@ -49,8 +49,8 @@ parameters do not require grad.
 Families it knows (the module names above): Llama, Mistral, Qwen2, Qwen3, Gemma, Seed-OSS, StableLM (with its
 per-head qk_layernorm), HunYuan, Arcee (an ungated MLP), SmolLM3, ERNIE 4.5, Phi-3 (Phi-4's class too) and GLM
 (projections in one), Gemma 2 / 3, EXAONE 4, GLM-4 and Ergo with dense MLPs (post-norms: fused_all_reduce's
-post_weight where the add's norm follows, as in Gemma 2 / 3 and GLM-4), Granite (its scaled sums unfused), Cohere 2 (parallel attention and MLP), and the MoE ones
-Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense
+post_weight where the add's norm follows, as in Gemma 2 / 3 and GLM-4), Granite (its scaled sums unfused),
+Cohere 2 (parallel attention and MLP), and the MoE ones Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, GLM4-MoE and DeepSeek V2 / V3 (shared experts, dense
 first layers; DeepSeek's latent attention), gpt-oss (transposed, interleaved experts with biases; attention sinks,
 one per head, shared out with the heads) and Qwen3.5-MoE (every MLP a MoE block, gated queries; its gated delta
 layers whole, below).

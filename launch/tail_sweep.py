@@ -34,7 +34,7 @@ import bench_local_ops as bench  # noqa: E402
 from commfuse import reference  # noqa: E402
 from commfuse.kernels import fused_tail, native, params  # noqa: E402
 from commfuse.kernels.fused_tail import FUSED_TAIL  # noqa: E402
-from commfuse.kernels.launch import X, Z, Launch, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
+from commfuse.kernels.launch import X, Z, LaunchPlan, PyLauncher, tail_fields, tail_patches  # noqa: E402
 from commfuse.tail.spec import TailSpec  # noqa: E402
 
 
@@ -51,12 +51,7 @@ def configs(h: int):
 def launcher(dtype, t, h, spec, vpt, threads, post=False):
     """The tail at (vpt, threads); post: the POST variant, its weight the launcher's z."""
     dev = torch.cuda.current_device()
-    blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
-    patches = [(params.FUSED_TAIL.offsets["a"], X, 0)] + tail_patches(params.FUSED_TAIL.offsets["tail"])
-    if post:
-        patches.append((params.FUSED_TAIL.offsets["post_weight"], Z, 0))
-    kernel = FUSED_TAIL.kernel(FUSED_TAIL.name_expression(dtype, spec.format, vpt, post), dev)
-    launch = Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches))
+    launch = FUSED_TAIL.launch(dtype, t, h, spec, dev, vpt, threads, post=post)
     return PyLauncher(LaunchPlan("sweep", (launch,), tuple(spec.outputs(t, h, dtype, True)), dev))
 
 
@@ -158,7 +153,8 @@ def post_check(x, r, w, post, quant, scale):
 def post_sweep(args) -> None:
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
-    print("| shape | quant | post config (vpt x threads) | us | Inductor us (unfused post-norm) |\n|---|---|---|---|---|")
+    print("| shape | quant | post config (vpt x threads) | us | Inductor us (unfused post-norm) |\n"
+          "|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         t, h = map(int, shape.split("x"))
         x, r = (torch.randn(t, h, generator=gen).to(dtype).cuda() for _ in range(2))

@@ -496,7 +496,8 @@ def match_residual_add(h: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
     return a, b
 
 
-def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict, also=frozenset()) -> Union[AllReduce, Mismatch, None]:
+def trace_all_reduce(v: fx.Node, before: fx.Node, positions: dict,
+                     also=frozenset()) -> Union[AllReduce, Mismatch, None]:
     """The all-reduce whose sum `v` is, read at node `before` (through views and no-op casts that
     feed nothing else). None when v is no all-reduce's result. also: other nodes that may read the sum itself (a
     post-norm's, which reads it twice: Gemma's `type_as(x)`)."""

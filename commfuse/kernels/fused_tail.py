@@ -146,15 +146,22 @@ class FusedTail(Family):
         launches = ()
         if t:
             vpt, threads = launch_config(h, t, spec.quant is None, residual)
-            blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
-            patches = [(params.FUSED_TAIL.offsets["a"], SUM if nccl is not None else X, 0)]
-            if post:
-                patches.append((params.FUSED_TAIL.offsets["post_weight"], Z, 0))
-            patches += tail_patches(params.FUSED_TAIL.offsets["tail"])
-            kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, post), device_index)
-            launches = (Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches)),)
+            launches = (self.launch(dtype, t, h, spec, device_index, vpt, threads, SUM if nccl is not None else X,
+                                    post),)
         name = ("ncclAllReduce + " if nccl is not None else "") + self.name
         return LaunchPlan(name, launches, tuple(spec.outputs(t, h, dtype, residual)), device_index, nccl, t * h)
+
+    def launch(self, dtype: torch.dtype, t: int, h: int, spec: TailSpec, device_index: int, vpt: int, threads: int,
+               a: int = X, post: bool = False) -> Launch:
+        """The kernel's launch at (vpt, threads) (plan's from launch_config; launch/tail_sweep.py tries each), its
+        input `a` from source `a`, the post weight (post) from Z."""
+        blob = params.FUSED_TAIL.pack(0, *tail_fields(spec, t, h), 0)
+        patches = [(params.FUSED_TAIL.offsets["a"], a, 0)]
+        if post:
+            patches.append((params.FUSED_TAIL.offsets["post_weight"], Z, 0))
+        patches += tail_patches(params.FUSED_TAIL.offsets["tail"])
+        kernel = self.kernel(self.name_expression(dtype, spec.format, vpt, post), device_index)
+        return Launch(kernel, spec.row_slots(t), threads, blob, tuple(patches))
 
 
 FUSED_TAIL = FusedTail()

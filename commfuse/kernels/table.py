@@ -16,8 +16,8 @@ word) is not 0 every lookup misses, so that the caller raises the workspace's er
 
 Lookups, one method per op (the C++ table's hot path): plain(x, out), fused(x, residual, weight, scale,
 out, eps, quant, return_norm, sf_layout, weight_offset, scale_layout, scale_ue8m0, post_weight), local(the
-same but post_weight; residual may be None), gated(x, z, weight, scale, eps, group_size, norm_before_gate, quant, return_norm,
-sf_layout, scale_layout, scale_ue8m0), quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0),
+same but post_weight; residual may be None), gated(x, z, weight, scale, eps, group_size, norm_before_gate,
+quant, return_norm, sf_layout, scale_layout, scale_ue8m0), quantize(x, scale, quant, sf_layout, scale_layout, scale_ue8m0),
 moe(y, weights, row_index, shared, residual, weight, scale, out, eps, quant, return_norm, sf_layout,
 weight_offset, scale_layout, scale_ue8m0): the result, or None on a miss. insert(op, args, plan,
 launcher): args the tuple of the op's lookup arguments. A hit calls launcher(x, residual, weight, scale,
