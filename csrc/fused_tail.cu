@@ -113,6 +113,13 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
   }
 }
 
+// The MoE tail's VPT 1 variants built for k slots (K > 0) hold a token's k rows, their weights, indices and the
+// indices' guess in flight at once: 512 threads at most, for up to 128 registers (under the 64 of 1024 threads the
+// finalize form at k 8 spilled up to 300 bytes). commfuse/kernels/moe_tail.py takes them only where the grid's CTAs
+// fit the SMs one each, so the registers cost no CTA its place.
+template <int VPT, int K>
+constexpr int kMoeMaxThreads = VPT == 1 && K > 0 ? 512 : kMaxThreads<VPT>;
+
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
 // fused_tail's row. FORM is kCombineReduction or kCombineFinalize32 / 64. A residual is required.
@@ -126,16 +133,23 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
 // cluster's maximum, row_scale). The combine is per vector: the same bits whichever CTA computes it.
 // K: the k the variant is built for (combine_vec's K; the VPT 1 variants), 0 for any.
 template <typename T, int FORM, int QUANT, int VPT, int K>
-__global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(const __grid_constant__ MoeTailParams p) {
-  __shared__ float red[kMaxThreads<VPT> / 32];
-  pdl_wait();
-  pdl_launch_dependents();
+__global__ void __launch_bounds__(kMoeMaxThreads<VPT, K>, kMinBlocks<VPT>)
+    moe_tail(const __grid_constant__ MoeTailParams p) {
+  __shared__ float red[kMoeMaxThreads<VPT, K> / 32];
   // split CTAs for each token's row, then one for each padding row (the grid rounded up to clusters).
   const unsigned split = VPT == 1 ? cluster_ctas() : 1;
   const unsigned data = static_cast<unsigned>(p.tail.t) * split;
   const int row = blockIdx.x >= data ? p.tail.t + static_cast<int>(blockIdx.x - data)
                   : VPT == 1            ? static_cast<int>(cluster_id())  // blockIdx.x / split, without the division
                                         : static_cast<int>(blockIdx.x);
+  // The finalize form at few tokens reads its row indices before the wait, as a guess (moe.cuh's guess_rows).
+  constexpr bool kGuess = VPT == 1 && K > 0 && FORM != kCombineReduction;
+  int guess[kGuess ? K : 1];
+  if constexpr (kGuess) {
+    if (row < p.tail.t) guess_rows<FORM, K>(p.combine, row, guess);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   if (row >= p.tail.t) {
     if (row < tail_row_slots<QUANT>(p.tail)) tail_padding_row<QUANT>(p.tail, row);
     return;  // a padding row's cluster holds padding rows only (the token rows come first, whole clusters)
@@ -154,7 +168,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
       const uint4 x = mine ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.tail.residual_in) + row_base)[v]
                            : zero;
       const uint4 w = mine ? __ldg(reinterpret_cast<const uint4*>(p.tail.weight) + v) : zero;
-      const uint4 a = mine ? combine_vec<T, FORM, K>(p.combine, row, v) : zero;
+      const uint4 a = mine ? combine_vec<T, FORM, K, kGuess>(p.combine, row, v, guess) : zero;
       float sumsq = 0.f;
       const uint4 y = norm_input<T, false>(p.tail, a, x, sumsq);
       if (mine) reinterpret_cast<uint4*>(static_cast<T*>(p.tail.residual_out) + row_base)[v] = y;
@@ -176,7 +190,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>) moe_tail(co
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
-      av[i] = v < nv ? combine_vec<T, FORM, K>(p.combine, row, v) : make_uint4(0, 0, 0, 0);
+      av[i] = v < nv ? combine_vec<T, FORM, K, kGuess>(p.combine, row, v, guess) : make_uint4(0, 0, 0, 0);
     }
     if constexpr (VPT != 1) tail_load<T, VPT>(p.tail, row, x, w);
     tail_row<T, QUANT, VPT, false>(p.tail, row, av, x, w, quant_scalar<QUANT>(p.tail), red);

@@ -19,11 +19,17 @@ constexpr int kCombineFinalize64 = 2;   // row_index int64
 // a branch on a field, the finalize form's cluster-split tail measured ~4% slower on an H200); the weights'
 // type is a field (MoeCombineParams::weights_f32, one branch a chunk: level in the reduction form).
 
-// The slots go in chunks of kCombineChunk whose index, weight and row loads are all issued before the
-// first sum: two memory latencies a chunk (the indices, then the rows) instead of one or two a slot. 4,
-// not 8: on an H200, chunks of 8 measured 7-10% slower at 1024 tokens (k = 2 and 8) and no faster at
-// 1-64 (more registers, the unused slots' predicates).
+// The slots go in chunks whose index, weight and row loads are all issued before the first sum: two memory
+// latencies a chunk (the indices, then the rows) instead of one or two a slot. The compiler issues a chunk's loads
+// only after the chunk before it is summed (the branch on the weights' type between them), so a chunk is a round
+// trip to memory. For any k, kCombineChunk (4), not 8: on an H200, chunks of 8 measured 7-10% slower at 1024
+// tokens (k = 2 and 8) and no faster at 1-64 (more registers, the unused slots' predicates). A variant built for one
+// k (K <= kSlotChunk) takes the token's slots in one chunk: no predicates, and at few tokens, where a row's time
+// is its chain of round trips, k 8 is one round trip for its rows, not two.
 constexpr int kCombineChunk = 4;
+constexpr int kSlotChunk = 8;
+template <int K>
+constexpr int kChunk = K > 0 && K <= kSlotChunk ? K : kCombineChunk;
 
 template <int FORM>
 struct RowIndex {
@@ -34,39 +40,55 @@ struct RowIndex<kCombineFinalize32> {
   using type = int;
 };
 
-// The rows of slots j0 .. j0 + kCombineChunk - 1 of the token whose first slot is slot0: -1 past k or
+// The rows of slots j0 .. j0 + N - 1 of the token whose first slot is slot0: -1 past k or
 // for a dropped slot (its step is left out, its row not read); an index outside [-1, rows) sets `bad`.
-template <int FORM>
-__device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, int k, size_t slot0, int j0,
-                                           long long (&r)[kCombineChunk], bool& bad) {
+template <int FORM, int N>
+__device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, int k, size_t slot0, int j0, long long (&r)[N],
+                                           bool& bad) {
   if constexpr (FORM == kCombineReduction) {
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < k ? static_cast<long long>(slot0 + j0 + c) : -1;
+    for (int c = 0; c < N; ++c) r[c] = j0 + c < k ? static_cast<long long>(slot0 + j0 + c) : -1;
   } else {
     const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0 + j0;
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) r[c] = j0 + c < k ? static_cast<long long>(index[c]) : -1;
+    for (int c = 0; c < N; ++c) r[c] = j0 + c < k ? static_cast<long long>(index[c]) : -1;
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) {
+    for (int c = 0; c < N; ++c) {
       bad |= r[c] < -1 || r[c] >= p.rows;
       if (r[c] >= p.rows) r[c] = -1;
     }
   }
 }
 
-// The routing weights of the chunk's kept slots as float32 (a T weight converted exactly), 0 elsewhere: one
-// branch on the weights' type a chunk.
-template <typename T>
-__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, const long long (&r)[kCombineChunk],
-                                              float (&w)[kCombineChunk]) {
+// The routing weights of the chunk's first n slots (those before k) as float32 (a T weight converted exactly), 0
+// past them: one branch on the weights' type a chunk. A dropped slot's weight is read too (and not used): loads
+// that wait for no index.
+template <typename T, int N>
+__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, int n, float (&w)[N]) {
   if (p.weights_f32) {
     const float* weights = static_cast<const float*>(p.weights) + first;
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) w[c] = r[c] >= 0 ? weights[c] : 0.0f;
+    for (int c = 0; c < N; ++c) w[c] = c < n ? weights[c] : 0.0f;
   } else {
     const unsigned short* weights = static_cast<const unsigned short*>(p.weights) + first;
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) w[c] = r[c] >= 0 ? Pack<T>::from_bits(weights[c]) : 0.0f;
+    for (int c = 0; c < N; ++c) w[c] = c < n ? Pack<T>::from_bits(weights[c]) : 0.0f;
+  }
+}
+
+// The finalize form's row indices of token `row`'s K slots read before pdl_wait (the kernel before may still be
+// writing them), through L2 only (ld.global.cg: no L1 line that a read after the wait could hit): -1 where outside
+// [0, rows), so that every guess is a row of y. combine_vec loads the guessed rows as soon as the wait is over, with
+// the indices themselves, and loads again each row whose index differs from its guess: the rows need not wait for
+// the index, one memory round trip fewer at few tokens, and a guess that the kernel before made stale costs time,
+// not bits.
+template <int FORM, int K>
+__device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, int (&g)[K]) {
+  const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + static_cast<size_t>(row) * K;
+#pragma unroll
+  for (int c = 0; c < K; ++c) {
+    const long long r = static_cast<long long>(__ldcg(index + c));
+    g[c] = r >= 0 && r < p.rows ? static_cast<int>(r) : -1;
   }
 }
 
@@ -77,17 +99,19 @@ __device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t 
 // drops the slots past k at compile time (their predicates, selects and skipped steps): at few tokens a row is
 // one chain of instructions at one or two warps a scheduler, so each one left out is time (commfuse/kernels/
 // moe_tail.py's SLOTS). With K 0 `#pragma unroll` leaves the loop as it is (its trip count is not constant).
-template <typename T, int FORM, int K = 0>
-__device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v) {
+// GUESS (K > 0, a finalize form): `guess` holds guess_rows' indices of the token.
+template <typename T, int FORM, int K = 0, bool GUESS = false>
+__device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
+  static_assert(!GUESS || (K > 0 && K <= kSlotChunk && FORM != kCombineReduction), "a guess is a finalize form's, one chunk");
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
+  // The shared expert's vector, or zero bits (+0.0): a select rather than a branch around its load, and unpacked
+  // at the first sum. Either way as it was (a branch, or the unpack here) the k 8 reduction form spilled under the
+  // 64-register bound.
+  const uint4 shared = p.shared != nullptr
+                           ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v]
+                           : make_uint4(0, 0, 0, 0);
   float acc[8];
-  if (p.shared != nullptr) {
-    unpack8<T>(reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v], acc);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-  }
   bool bad = false;
   // Vector v of row 0, and a row's vectors: a kept row's vector is one 32 x 32 -> 64-bit multiply away
   // (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
@@ -95,18 +119,28 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
   // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
 #pragma unroll
-  for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += kCombineChunk) {
-    long long r[kCombineChunk];
-    chunk_rows<FORM>(p, k, slot0, j0, r, bad);
-    float w[kCombineChunk];
-    chunk_weights<T>(p, slot0 + j0, r, w);
-    uint4 yv[kCombineChunk];
+  for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += kChunk<K>) {
+    long long r[kChunk<K>];
+    chunk_rows<FORM, kChunk<K>>(p, k, slot0, j0, r, bad);
+    float w[kChunk<K>];
+    chunk_weights<T, kChunk<K>>(p, slot0 + j0, k - j0, w);
+    uint4 yv[kChunk<K>];
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) {
-      yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < kChunk<K>; ++c) {
+      const long long q = GUESS ? guess[c] : r[c];
+      yv[c] = q >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(q)) * row_vectors] : make_uint4(0, 0, 0, 0);
     }
+    if constexpr (GUESS) {
 #pragma unroll
-    for (int c = 0; c < kCombineChunk; ++c) {
+      for (int c = 0; c < kChunk<K>; ++c) {
+        if (r[c] != guess[c]) {  // a stale guess: the row of the index read after the wait
+          yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    if (j0 == 0) unpack8<T>(shared, acc);
+#pragma unroll
+    for (int c = 0; c < kChunk<K>; ++c) {
       if (r[c] < 0) continue;
       float y[8];
       unpack8<T>(yv[c], y);
@@ -114,6 +148,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
       for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[c], y[e]));
     }
   }
+  if (K == 0 && k == 0) unpack8<T>(shared, acc);  // no slot: the shared expert's vector alone
   if (bad) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = __int_as_float(0x7fffffff);

@@ -6,7 +6,8 @@
 // pdl_launch_dependents (or exited), so its launch latency hides behind this kernel's run, and
 // this kernel may itself start before the previous kernel has finished: pdl_wait() blocks until
 // that kernel has completed and its memory is visible. A kernel launched with PDL must therefore
-// call pdl_wait() before it reads or writes any global memory.
+// call pdl_wait() before it writes any global memory or reads any that it uses unchecked (the MoE
+// tail's row-index guess, moe.cuh's guess_rows, is read before and checked after).
 #pragma once
 
 namespace commfuse {

@@ -628,7 +628,7 @@ def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype):
                                                             ("fp8_block", "swizzled", "mn_major")])
 # h 1152 (144 vectors): split 8 gives slices of 32 vectors, the fifth CTA's of 16 ending the row, the last three
 # CTAs none (they take part in the cluster's sums only). k 12: three of the combine's chunks of 4 slots.
-# k 1 and 6 (variants built for those k; 6: a chunk of 4 and one of 2); k 12: the variant for any k.
+# k 1 and 6 (variants built for those k, each one chunk of slots); k 12: the variant for any k.
 @pytest.mark.parametrize("t, k, h", [(1, 8, 7168), (7, 2, 4096), (33, 4, 3072), (3, 8, 1152), (2, 12, 2048),
                                      (1, 1, 7168), (4, 6, 2048)])
 @pytest.mark.parametrize("form", ["reduction", "int32", "int64"])
@@ -666,9 +666,12 @@ def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, s
     def run(split):
         plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, None if idx is None else idx.dtype, t, k, h,
                                       0 if idx is None else y.shape[0], spec, dev, split=split)
-        assert plan.launches[0].cluster == split
-        slots = k if k in moe_tail.SLOTS else 0  # the variant built for k slots where there is one
-        assert plan.launches[0].kernel.name.endswith(f", 1, {slots}>"), plan.launches[0].kernel.name
+        launch = plan.launches[0]
+        assert launch.cluster == split
+        # the variant built for k slots where there is one and it fits (one CTA an SM, at most 512 threads)
+        fits = moe_tail.slot_variant_fits(t * split, launch.block, dev)
+        slots = k if k in moe_tail.SLOTS and fits else 0
+        assert launch.kernel.name.endswith(f", 1, {slots}>"), launch.kernel.name
         return reference.Tail(*native.launcher(plan)(y, residual, weight, scale, None, w, idx, shared))
 
     ref = reference.fused_tail(combine, residual, weight, 1e-6, quant, scale, True, sf_layout, scale_layout=scale_layout)
@@ -702,6 +705,55 @@ def test_moe_tail_splits_few_tokens_only():
         s = per_token(t, 8, 7168, 1, dev)
         assert t * s <= sms, (t, s)
         assert s == moe_tail.MAX_SPLIT or t * s * 2 > sms, (t, s)
+
+
+@needs_gpu
+@pytest.mark.parametrize("form", ["int32", "int64"])
+# 1 x 4096 and 16 x 7168: split over clusters; 100 x 2048: one CTA a token (k 6: a variant built for k, 256 threads).
+@pytest.mark.parametrize("t, k, h", [(1, 8, 4096), (16, 8, 7168), (100, 6, 2048)])
+def test_moe_tail_reads_the_row_index_that_the_kernel_before_writes(form, t, k, h):
+    """The finalize form's variants built for k slots read the row index before their programmatic-launch wait, as a
+    guess. Here the kernel just before the call (tests/kernels/pdl_writer.cu) lets it start, then writes a new
+    index over an old one (another valid one: every slot's row differs, a dropped slot becomes kept and a kept one
+    dropped): every guess is stale, and the outputs must be those of the new index (reference.fused_tail of
+    reference.moe_finalize), which differ from the old one's."""
+    import struct
+    from pathlib import Path
+
+    from commfuse.kernels import jit, moe_tail
+
+    gen = torch.Generator().manual_seed(t * 31 + k + h)
+    n = t * k
+    y = torch.randn(n + 3, h, generator=gen).bfloat16().cuda()
+    w = torch.rand(t, k, generator=gen).cuda()
+    residual = torch.randn(t, h, generator=gen).bfloat16().cuda()
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16().cuda()
+    old = torch.randperm(n + 3, generator=gen)[:n].view(t, k)
+    new = (old + 1) % (n + 3)
+    old[0, 0], new[-1, -1] = -1, -1
+    old, new = old.to(getattr(torch, form)).cuda(), new.to(getattr(torch, form)).cuda()
+    spec = TailSpec.of(None, return_norm=True)
+    dev = torch.cuda.current_device()
+    plan = moe_tail.MOE_TAIL.plan(torch.bfloat16, w.dtype, new.dtype, t, k, h, y.shape[0], spec, dev)
+    if not plan.launches[0].kernel.name.endswith(f", 1, {k}>"):
+        pytest.skip(f"{plan.launches[0].kernel.name}: not a variant built for k slots on this GPU (no guess)")
+    if not plan.launches[0].kernel.pdl:
+        pytest.skip("kernels launched without programmatic dependent launch read the index after the kernel before")
+    writer = jit.kernel(str(Path(__file__).parent / "kernels" / "pdl_writer.cu"),
+                        "commfuse_test::write_after_launching_dependents", pdl=True)
+    want = reference.fused_tail(reference.moe_finalize(y, new, w), residual, weight, 1e-6, None, None, True)
+    stale = reference.fused_tail(reference.moe_finalize(y, old, w), residual, weight, 1e-6, None, None, True)
+    assert not bits_equal(want.residual, stale.residual)
+    row_index = old.clone()
+    moe_tail.run(y, w, row_index, None, residual, weight, None, spec)  # compiled and loaded before the timed part
+    torch.cuda.synchronize()
+    words = row_index.numel() * row_index.element_size() // 4
+    writer.launch((1, 1, 1), (128, 1, 1), struct.pack("<4Q", row_index.data_ptr(), new.data_ptr(), words, 2_000_000))
+    got = Tail(*moe_tail.run(y, w, row_index, None, residual, weight, None, spec))
+    torch.cuda.synchronize()
+    assert bits_equal(row_index, new)
+    assert bits_equal(got.residual, want.residual)
+    torch.testing.assert_close(got.norm.float(), want.norm.float(), rtol=2 ** -7, atol=0)  # the norm: 1 ulp of T
 
 
 def test_the_one_launch_routes_cache_stays_bounded():

@@ -10,7 +10,8 @@ variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes
 of `split` CTAs (up to 8, while the t * split CTAs fit the SMs), each running the tail on its slice of the
 row (slice_vectors), the sum of squares added over the cluster: one SM alone does not read the k expert
 rows at the HBM's pace (csrc/fused_tail.cu). The VPT 1 variants come also built for each k of SLOTS (the combine
-unrolled for that k). The kernels read the routing weights (float32 or T, a plan field) and the row index (int32
+unrolled for that k, the token's k rows loaded at once, the finalize form's row index guessed before the
+programmatic-launch wait), taken where their CTAs fit the SMs one each (slot_variant_fits). The kernels read the routing weights (float32 or T, a plan field) and the row index (int32
 or int64, the variant's form) as given.
 """
 from __future__ import annotations
@@ -95,7 +96,7 @@ class MoeTail(Family):
                 threads = whole_warps(per)
             blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h), per, 0)
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
-            slots = k if k in variant_slots(vpt) else 0
+            slots = k if k in variant_slots(vpt) and slot_variant_fits(t * split, threads, device_index) else 0
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt, slots),
                                  device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
@@ -114,7 +115,7 @@ class MoeTail(Family):
         an SM) beat the rule's 4 by 8%, at 64 tokens 4 lose to 2: left as it is."""
         if vpt != 1 or k * h <= SPLIT_ELEMENTS or not clusters(device_index):
             return 1
-        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        sms = multiprocessors(device_index)
         split = 1
         while split < MAX_SPLIT and t * split * 2 <= sms:
             split *= 2
@@ -134,6 +135,24 @@ SLOTS = (1, 2, 4, 6, 8)
 def variant_slots(vpt: int) -> tuple:
     """The slots of the variants of `vpt`: 0 (any k), and SLOTS for VPT 1."""
     return (0,) + SLOTS if vpt == 1 else (0,)
+
+
+# The CTA bound of the variants built for k slots (fused_tail.cu's kMoeMaxThreads): a token's k rows, weights and
+# indices in flight at once take up to 128 registers a thread (k 8 spilled under the 64 of 1024 threads).
+SLOT_THREADS = 512
+
+
+def slot_variant_fits(ctas: int, threads: int, device_index: int) -> bool:
+    """Whether a launch of `ctas` CTAs of `threads` takes a variant built for k slots: at most SLOT_THREADS a
+    CTA, and CTAs that fit the SMs one each, where their registers cost no CTA its place (at 256 x 4096, 256 CTAs
+    of 512 threads, the variant for any k fits two an SM)."""
+    return threads <= SLOT_THREADS and ctas <= multiprocessors(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int) -> int:
+    """The SMs of CUDA device `device_index`."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 MAX_SPLIT = 8  # CTAs per cluster that every SM 9.0+ GPU schedules (the portable cluster size)
