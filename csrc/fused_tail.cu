@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
 // finalize form at k 8 spilled up to 300 bytes). commfuse/kernels/moe_tail.py takes them only where the grid's CTAs
 // fit the SMs one each, so the registers cost no CTA its place.
 template <int VPT, int K>
-constexpr int kMoeMaxThreads = VPT == 1 && K > 0 ? 512 : kMaxThreads<VPT>;
+constexpr int kMoeMaxThreads = VPT == 1 && K > 0 ? 256 : kMaxThreads<VPT>;
 
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then
@@ -137,19 +137,23 @@ __global__ void __launch_bounds__(kMoeMaxThreads<VPT, K>, kMinBlocks<VPT>)
     moe_tail(const __grid_constant__ MoeTailParams p) {
   __shared__ float red[kMoeMaxThreads<VPT, K> / 32];
   // split CTAs for each token's row, then one for each padding row (the grid rounded up to clusters).
-  const unsigned split = VPT == 1 ? cluster_ctas() : 1;
-  const unsigned data = static_cast<unsigned>(p.tail.t) * split;
-  const int row = blockIdx.x >= data ? p.tail.t + static_cast<int>(blockIdx.x - data)
-                  : VPT == 1            ? static_cast<int>(cluster_id())  // blockIdx.x / split, without the division
-                                        : static_cast<int>(blockIdx.x);
+  const auto token_row = [&p](unsigned split) {
+    const unsigned data = static_cast<unsigned>(p.tail.t) * split;
+    return blockIdx.x >= data ? p.tail.t + static_cast<int>(blockIdx.x - data)
+           : VPT == 1         ? static_cast<int>(cluster_id())  // blockIdx.x / split, without the division
+                              : static_cast<int>(blockIdx.x);
+  };
   // The finalize form at few tokens reads its row indices before the wait, as a guess (moe.cuh's guess_rows).
   constexpr bool kGuess = VPT == 1 && K > 0 && FORM != kCombineReduction;
   int guess[kGuess ? K : 1];
   if constexpr (kGuess) {
+    const int row = token_row(cluster_ctas());
     if (row < p.tail.t) guess_rows<FORM, K>(p.combine, row, guess);
   }
   pdl_wait();
   pdl_launch_dependents();
+  const unsigned split = VPT == 1 ? cluster_ctas() : 1;
+  const int row = token_row(split);
   if (row >= p.tail.t) {
     if (row < tail_row_slots<QUANT>(p.tail)) tail_padding_row<QUANT>(p.tail, row);
     return;  // a padding row's cluster holds padding rows only (the token rows come first, whole clusters)

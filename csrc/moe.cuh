@@ -60,28 +60,31 @@ __device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, int k, siz
   }
 }
 
-// The routing weights of the chunk's first n slots (those before k) as float32 (a T weight converted exactly), 0
-// past them: one branch on the weights' type a chunk. A dropped slot's weight is read too (and not used): loads
-// that wait for no index.
-template <typename T, int N>
-__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, int n, float (&w)[N]) {
+// The routing weights of the chunk's kept slots as float32 (a T weight converted exactly), 0 elsewhere: one branch
+// on the weights' type a chunk. Kept: for any k (K 0) a slot with a row (r >= 0), whose weight load waits for the
+// row index; in a variant built for k, every slot before k (a dropped slot's weight is read and not used), loads
+// that wait for nothing.
+template <typename T, int K, int N>
+__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, int n, const long long (&r)[N],
+                                              float (&w)[N]) {
   if (p.weights_f32) {
     const float* weights = static_cast<const float*>(p.weights) + first;
 #pragma unroll
-    for (int c = 0; c < N; ++c) w[c] = c < n ? weights[c] : 0.0f;
+    for (int c = 0; c < N; ++c) w[c] = (K > 0 ? c < n : r[c] >= 0) ? weights[c] : 0.0f;
   } else {
     const unsigned short* weights = static_cast<const unsigned short*>(p.weights) + first;
 #pragma unroll
-    for (int c = 0; c < N; ++c) w[c] = c < n ? Pack<T>::from_bits(weights[c]) : 0.0f;
+    for (int c = 0; c < N; ++c) w[c] = (K > 0 ? c < n : r[c] >= 0) ? Pack<T>::from_bits(weights[c]) : 0.0f;
   }
 }
 
 // The finalize form's row indices of token `row`'s K slots read before pdl_wait (the kernel before may still be
-// writing them), through L2 only (ld.global.cg: no L1 line that a read after the wait could hit): -1 where outside
-// [0, rows), so that every guess is a row of y. combine_vec loads the guessed rows as soon as the wait is over, with
-// the indices themselves, and loads again each row whose index differs from its guess: the rows need not wait for
-// the index, one memory round trip fewer at few tokens, and a guess that the kernel before made stale costs time,
-// not bits.
+// writing them), through L2 only (ld.global.cg: no L1 line that a read after the wait could hit), checked there:
+// -1 where outside [0, rows), so that every guess is a row of y or none. combine_vec loads the guessed rows as soon
+// as the wait is over, with the indices themselves, and only if an index differs from its guess checks the indices
+// and loads their rows again: the rows wait for no index (one memory round trip fewer at few tokens, and the range
+// checks off the chain of dependent instructions), and a guess that the kernel before made stale costs time, not
+// bits.
 template <int FORM, int K>
 __device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, int (&g)[K]) {
   const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + static_cast<size_t>(row) * K;
@@ -103,15 +106,24 @@ __device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, i
 template <typename T, int FORM, int K = 0, bool GUESS = false>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
   static_assert(!GUESS || (K > 0 && K <= kSlotChunk && FORM != kCombineReduction), "a guess is a finalize form's, one chunk");
+  constexpr int N = kChunk<K>;
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
-  // The shared expert's vector, or zero bits (+0.0): a select rather than a branch around its load, and unpacked
-  // at the first sum. Either way as it was (a branch, or the unpack here) the k 8 reduction form spilled under the
-  // 64-register bound.
-  const uint4 shared = p.shared != nullptr
-                           ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v]
-                           : make_uint4(0, 0, 0, 0);
+  // The shared expert's vector (or +0.0). For any k loaded and unpacked first, behind a branch; a variant built for
+  // k selects it (zero bits without one) and unpacks it at the first sum: as for any k, the k 8 reduction form
+  // spilled under the 64-register bound, and at 1024 tokens the variants for any k were 1-2% slower this way.
   float acc[8];
+  uint4 shared = make_uint4(0, 0, 0, 0);
+  if constexpr (K == 0) {
+    if (p.shared != nullptr) {
+      unpack8<T>(reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v], acc);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    }
+  } else if (p.shared != nullptr) {
+    shared = reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v];
+  }
   bool bad = false;
   // Vector v of row 0, and a row's vectors: a kept row's vector is one 32 x 32 -> 64-bit multiply away
   // (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
@@ -119,28 +131,45 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
   // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
 #pragma unroll
-  for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += kChunk<K>) {
-    long long r[kChunk<K>];
-    chunk_rows<FORM, kChunk<K>>(p, k, slot0, j0, r, bad);
-    float w[kChunk<K>];
-    chunk_weights<T, kChunk<K>>(p, slot0 + j0, k - j0, w);
-    uint4 yv[kChunk<K>];
-#pragma unroll
-    for (int c = 0; c < kChunk<K>; ++c) {
-      const long long q = GUESS ? guess[c] : r[c];
-      yv[c] = q >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(q)) * row_vectors] : make_uint4(0, 0, 0, 0);
-    }
+  for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += N) {
+    long long r[N];  // the rows read, -1 for none
+    float w[N];
+    uint4 yv[N];
     if constexpr (GUESS) {
+      chunk_weights<T, K, N>(p, slot0, K, r, w);  // for K > 0 r is not read
+      const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0;
+      long long given[N];
 #pragma unroll
-      for (int c = 0; c < kChunk<K>; ++c) {
-        if (r[c] != guess[c]) {  // a stale guess: the row of the index read after the wait
-          yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+      for (int c = 0; c < N; ++c) {
+        given[c] = static_cast<long long>(index[c]);
+        r[c] = guess[c];
+        yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+      }
+      bool stale = false;
+#pragma unroll
+      for (int c = 0; c < N; ++c) stale |= given[c] != r[c];
+      if (stale) {  // the kernel before wrote the index after the guess: the index's rows, checked as chunk_rows does
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+          bad |= given[c] < -1 || given[c] >= p.rows;
+          const long long q = given[c] >= p.rows ? -1 : given[c];
+          if (q != r[c]) {
+            r[c] = q;
+            yv[c] = q >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(q)) * row_vectors] : make_uint4(0, 0, 0, 0);
+          }
         }
       }
-    }
-    if (j0 == 0) unpack8<T>(shared, acc);
+    } else {
+      chunk_rows<FORM, N>(p, k, slot0, j0, r, bad);
+      chunk_weights<T, K, N>(p, slot0 + j0, k - j0, r, w);
 #pragma unroll
-    for (int c = 0; c < kChunk<K>; ++c) {
+      for (int c = 0; c < N; ++c) {
+        yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (K > 0 && j0 == 0) unpack8<T>(shared, acc);
+#pragma unroll
+    for (int c = 0; c < N; ++c) {
       if (r[c] < 0) continue;
       float y[8];
       unpack8<T>(yv[c], y);
@@ -148,7 +177,6 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
       for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[c], y[e]));
     }
   }
-  if (K == 0 && k == 0) unpack8<T>(shared, acc);  // no slot: the shared expert's vector alone
   if (bad) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = __int_as_float(0x7fffffff);

@@ -139,7 +139,7 @@ def variant_slots(vpt: int) -> tuple:
 
 # The CTA bound of the variants built for k slots (fused_tail.cu's kMoeMaxThreads): a token's k rows, weights and
 # indices in flight at once take up to 128 registers a thread (k 8 spilled under the 64 of 1024 threads).
-SLOT_THREADS = 512
+SLOT_THREADS = 256
 
 
 def slot_variant_fits(ctas: int, threads: int, device_index: int) -> bool:
