@@ -113,12 +113,12 @@ __global__ void __launch_bounds__(kMaxThreads<VPT>, kMinBlocks<VPT>)
   }
 }
 
-// The MoE tail's VPT 1 variants built for k slots (K > 0) hold a token's k rows, their weights, indices and the
-// indices' guess in flight at once: 512 threads at most, for up to 128 registers (under the 64 of 1024 threads the
-// finalize form at k 8 spilled up to 300 bytes). commfuse/kernels/moe_tail.py takes them only where the grid's CTAs
-// fit the SMs one each, so the registers cost no CTA its place.
+// The MoE tail's VPT 1 variants built for more than kCombineChunk slots (k 6, 8) hold a token's k rows, their
+// weights, indices and the indices' guess in flight at once: 256 threads at most, for up to 255 registers (under the
+// 64 of 1024 threads the finalize form at k 8 spilled up to 300 bytes). commfuse/kernels/moe_tail.py takes them only
+// where the grid's CTAs fit the SMs one each, so the registers cost no CTA its place. Those for fewer slots fit 64.
 template <int VPT, int K>
-constexpr int kMoeMaxThreads = VPT == 1 && K > 0 ? 256 : kMaxThreads<VPT>;
+constexpr int kMoeMaxThreads = VPT == 1 && K > kCombineChunk ? 256 : kMaxThreads<VPT>;
 
 // The fused MoE tail (Communicator.moe_all_reduce at world size 1, where the all-reduce is the identity):
 // each token's combine (moe.cuh) is the tail's input a, computed as its vectors are loaded, then

@@ -668,8 +668,8 @@ def test_moe_tail_split_over_a_cluster_matches_the_reference(quant, sf_layout, s
                                       0 if idx is None else y.shape[0], spec, dev, split=split)
         launch = plan.launches[0]
         assert launch.cluster == split
-        # the variant built for k slots where there is one and it fits (one CTA an SM, at most 512 threads)
-        fits = moe_tail.slot_variant_fits(t * split, launch.block, dev)
+        # the variant built for k slots where there is one and it fits (k > 4: one CTA an SM, at most 256 threads)
+        fits = moe_tail.slot_variant_fits(k, t * split, launch.block, dev)
         slots = k if k in moe_tail.SLOTS and fits else 0
         assert launch.kernel.name.endswith(f", 1, {slots}>"), launch.kernel.name
         return reference.Tail(*native.launcher(plan)(y, residual, weight, scale, None, w, idx, shared))

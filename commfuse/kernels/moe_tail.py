@@ -96,7 +96,7 @@ class MoeTail(Family):
                 threads = whole_warps(per)
             blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h), per, 0)
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
-            slots = k if k in variant_slots(vpt) and slot_variant_fits(t * split, threads, device_index) else 0
+            slots = k if k in variant_slots(vpt) and slot_variant_fits(k, t * split, threads, device_index) else 0
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt, slots),
                                  device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
@@ -137,15 +137,22 @@ def variant_slots(vpt: int) -> tuple:
     return (0,) + SLOTS if vpt == 1 else (0,)
 
 
-# The CTA bound of the variants built for k slots (fused_tail.cu's kMoeMaxThreads): a token's k rows, weights and
-# indices in flight at once take up to 128 registers a thread (k 8 spilled under the 64 of 1024 threads).
+# The CTA bound of the variants built for more than COMBINE_CHUNK slots (fused_tail.cu's kMoeMaxThreads): a token's k
+# rows, weights and indices in flight at once take up to 116 registers a thread (k 8 spilled under the 64 of 1024
+# threads). COMBINE_CHUNK: csrc/moe.cuh's kCombineChunk, the slots in flight at once for any k; the variants for at
+# most that many slots keep the bound of 1024 threads.
 SLOT_THREADS = 256
+COMBINE_CHUNK = 4
 
 
-def slot_variant_fits(ctas: int, threads: int, device_index: int) -> bool:
-    """Whether a launch of `ctas` CTAs of `threads` takes a variant built for k slots: at most SLOT_THREADS a
-    CTA, and CTAs that fit the SMs one each, where their registers cost no CTA its place (at 256 x 4096, 256 CTAs
-    of 512 threads, the variant for any k fits two an SM)."""
+def slot_variant_fits(k: int, ctas: int, threads: int, device_index: int) -> bool:
+    """Whether a launch of `ctas` CTAs of `threads` takes the variant built for k slots (k in SLOTS): for k up to
+    COMBINE_CHUNK always; for more, at most SLOT_THREADS a CTA, and CTAs that fit the SMs one each, where their
+    registers cost no CTA its place. H100, graph us, bf16, k 8, the variant for any k / for 8 slots: 64 x 7168
+    (split 2, 448 threads a CTA) 5.28 / 5.36 (512-thread variant, chunk 8); 256 x 4096 (256 CTAs of 512 threads)
+    9.71 / 11.23 (bench/journal.md, session 55)."""
+    if k <= COMBINE_CHUNK:
+        return True
     return threads <= SLOT_THREADS and ctas <= multiprocessors(device_index)
 
 
