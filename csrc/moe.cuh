@@ -95,6 +95,12 @@ __device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, i
   }
 }
 
+// Vector v of row r of y (row0: y's vector v of row 0; zero for r < 0): a kept row's vector is one 32 x 32 -> 64-bit
+// multiply away (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
+__device__ __forceinline__ uint4 row_vector(const uint4* row0, unsigned row_vectors, long long r) {
+  return r >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r)) * row_vectors] : make_uint4(0, 0, 0, 0);
+}
+
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
 // [-1, rows) (that index's row is not read; nothing raises without a synchronisation; the reference
 // raises ValueError). The sums stay in slot order.
@@ -105,7 +111,8 @@ __device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, i
 // GUESS (K > 0, a finalize form): `guess` holds guess_rows' indices of the token.
 template <typename T, int FORM, int K = 0, bool GUESS = false>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
-  static_assert(!GUESS || (K > 0 && K <= kSlotChunk && FORM != kCombineReduction), "a guess is a finalize form's, one chunk");
+  static_assert(!GUESS || (K > 0 && K <= kSlotChunk && FORM != kCombineReduction),
+                "a guess is a finalize form's, of one chunk");
   constexpr int N = kChunk<K>;
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
@@ -125,8 +132,6 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
     shared = reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + static_cast<size_t>(row) * p.h)[v];
   }
   bool bad = false;
-  // Vector v of row 0, and a row's vectors: a kept row's vector is one 32 x 32 -> 64-bit multiply away
-  // (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
   const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
   // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
@@ -143,7 +148,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
       for (int c = 0; c < N; ++c) {
         given[c] = static_cast<long long>(index[c]);
         r[c] = guess[c];
-        yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
+        yv[c] = row_vector(row0, row_vectors, r[c]);
       }
       bool stale = false;
 #pragma unroll
@@ -155,7 +160,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
           const long long q = given[c] >= p.rows ? -1 : given[c];
           if (q != r[c]) {
             r[c] = q;
-            yv[c] = q >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(q)) * row_vectors] : make_uint4(0, 0, 0, 0);
+            yv[c] = row_vector(row0, row_vectors, q);
           }
         }
       }
@@ -163,9 +168,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
       chunk_rows<FORM, N>(p, k, slot0, j0, r, bad);
       chunk_weights<T, K, N>(p, slot0 + j0, k - j0, r, w);
 #pragma unroll
-      for (int c = 0; c < N; ++c) {
-        yv[c] = r[c] >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r[c])) * row_vectors] : make_uint4(0, 0, 0, 0);
-      }
+      for (int c = 0; c < N; ++c) yv[c] = row_vector(row0, row_vectors, r[c]);
     }
     if (K > 0 && j0 == 0) unpack8<T>(shared, acc);
 #pragma unroll
