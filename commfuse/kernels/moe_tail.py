@@ -124,11 +124,13 @@ class MoeTail(Family):
 
 # The k of the VPT 1 variants built for one number of slots a token (csrc/moe.cuh's combine_vec, K), the top-k of
 # the common MoE models (Llama 4: 1; Mixtral: 2; gpt-oss: 4; DeepSeek-V2: 6; Qwen3, DeepSeek-V3: 8): their combine
-# loop unrolled, the slots past k gone at compile time. A token's row at few tokens is a chain of dependent
-# instructions at one or two warps a scheduler, so each instruction left out is time. H100, graph us, any k / built
-# for k (bench/journal.md, session 53): k 2 1 x 4096 2.08 / 1.76, 16 x 4096 2.15 / 1.90, 64 x 7168 3.05 / 2.72; k 8
-# 1 x 4096 2.52 / 2.16, 1 x 7168 2.60 / 2.25, 64 x 7168 5.32 / 5.04; finalize k 8 1 x 4096 2.65 / 2.54, 64 x 7168
-# 5.80 / 5.65; level at 256 x 4096. The other k take the variants for any k.
+# loop unrolled, the slots past k gone at compile time, the token's k rows loaded at once, and in the finalize form
+# the row index guessed before the programmatic-launch wait (moe.cuh's guess_rows). A token's row at few tokens is a
+# chain of dependent instructions and memory round trips at one or two warps a scheduler, so each one left out is
+# time. H100, graph us (bench/journal.md, sessions 53 and 55), any k / built for k as in session 53 (chunks of 4
+# slots) / now: k 8 1 x 4096 2.52 / 2.16 / 1.89, 16 x 7168 - / 2.57 / 2.51; finalize k 8 1 x 4096 2.65 / 2.55 / 1.93,
+# 16 x 4096 - / 2.65 / 2.15, 1 x 7168 - / 2.61 / 2.00; k 2 1 x 4096 2.08 / 1.76. The other k take the variants for
+# any k, as do k 6 and 8 where slot_variant_fits says no.
 SLOTS = (1, 2, 4, 6, 8)
 
 
@@ -148,9 +150,9 @@ COMBINE_CHUNK = 4
 def slot_variant_fits(k: int, ctas: int, threads: int, device_index: int) -> bool:
     """Whether a launch of `ctas` CTAs of `threads` takes the variant built for k slots (k in SLOTS): for k up to
     COMBINE_CHUNK always; for more, at most SLOT_THREADS a CTA, and CTAs that fit the SMs one each, where their
-    registers cost no CTA its place. H100, graph us, bf16, k 8, the variant for any k / for 8 slots: 64 x 7168
-    (split 2, 448 threads a CTA) 5.28 / 5.36 (512-thread variant, chunk 8); 256 x 4096 (256 CTAs of 512 threads)
-    9.71 / 11.23 (bench/journal.md, session 55)."""
+    registers cost no CTA its place. H100, graph us, bf16, the variant for any k / for 8 slots (bound 512 threads):
+    64 x 7168 (split 2, 448 threads a CTA) k 8 5.28 / 5.36, finalize 5.83 / 6.14 (no guess); 256 x 4096 (256 CTAs of
+    512 threads, one an SM) k 8 9.69 / 11.23, finalize 10.26 / 12.96 (bench/journal.md, session 55)."""
     if k <= COMBINE_CHUNK:
         return True
     return threads <= SLOT_THREADS and ctas <= multiprocessors(device_index)
