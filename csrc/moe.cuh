@@ -116,9 +116,9 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   constexpr int N = kChunk<K>;
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
-  // The shared expert's vector (or +0.0). For any k loaded and unpacked first, behind a branch; a variant built for
-  // k selects it (zero bits without one) and unpacks it at the first sum: as for any k, the k 8 reduction form
-  // spilled under the 64-register bound, and at 1024 tokens the variants for any k were 1-2% slower this way.
+  // The shared expert's vector (or +0.0). For any k loaded and unpacked first (the variants for any k keep their
+  // machine code: another order measured 1-2% slower at 1024 tokens); a variant built for k unpacks it at the first
+  // sum (unpacked first, the k 8 reduction form spilled 16 bytes under a 64-register bound).
   float acc[8];
   uint4 shared = make_uint4(0, 0, 0, 0);
   if constexpr (K == 0) {
