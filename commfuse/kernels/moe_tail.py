@@ -96,7 +96,8 @@ class MoeTail(Family):
                 threads = whole_warps(per)
             blob = params.MOE_TAIL.pack(*fields(t, k, h, rows, weights_dtype, dtype), *tail_fields(spec, t, h), per, 0)
             patches = combine_patches(params.MOE_TAIL.offsets["combine"]) + tail_patches(params.MOE_TAIL.offsets["tail"])
-            slots = k if k in variant_slots(vpt) and slot_variant_fits(k, t * split, threads, device_index) else 0
+            fits = slot_variant_fits(k, t * split, threads, device_index)
+            slots = k if k in variant_slots(vpt) and fits else 0
             kernel = self.kernel(self.name_expression(dtype, form_of(index_dtype), spec.format, vpt, slots),
                                  device_index)
             # split CTAs a token, then one a padding row, rounded up to whole clusters (the kernel maps them).
