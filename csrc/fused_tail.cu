@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(kMoeMaxThreads<VPT, K>, kMinBlocks<VPT>)
                               : static_cast<int>(blockIdx.x);
   };
   // The finalize form at few tokens reads its row indices before the wait, as a guess (moe.cuh's guess_rows).
-  constexpr bool kGuess = VPT == 1 && K > 0 && FORM != kCombineReduction;
-  int guess[kGuess ? K : 1];
+  constexpr bool kGuess = VPT == 1 && FORM != kCombineReduction;
+  int guess[kGuessed<K>];
   if constexpr (kGuess) {
     const int row = token_row(cluster_ctas());
     if (row < p.tail.t) guess_rows<FORM, K>(p.combine, row, guess);

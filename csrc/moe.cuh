@@ -61,36 +61,40 @@ __device__ __forceinline__ void chunk_rows(const MoeCombineParams& p, int k, siz
 }
 
 // The routing weights of the chunk's kept slots as float32 (a T weight converted exactly), 0 elsewhere: one branch
-// on the weights' type a chunk. Kept: for any k (K 0) a slot with a row (r >= 0), whose weight load waits for the
-// row index; in a variant built for k, every slot before k (a dropped slot's weight is read and not used), loads
-// that wait for nothing.
-template <typename T, int K, int N>
-__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, int n, const long long (&r)[N],
+// on the weights' type a chunk. Kept: with EVERY (a variant built for k, or a guessed chunk) every slot before k
+// (n from the chunk's first; a dropped slot's weight is read and not used), loads that wait for nothing; else a slot
+// with a row (r >= 0), whose weight load waits for the row index.
+template <typename T, bool EVERY, int N, typename Row>
+__device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t first, int n, const Row (&r)[N],
                                               float (&w)[N]) {
   if (p.weights_f32) {
     const float* weights = static_cast<const float*>(p.weights) + first;
 #pragma unroll
-    for (int c = 0; c < N; ++c) w[c] = (K > 0 ? c < n : r[c] >= 0) ? weights[c] : 0.0f;
+    for (int c = 0; c < N; ++c) w[c] = (EVERY ? c < n : r[c] >= 0) ? weights[c] : 0.0f;
   } else {
     const unsigned short* weights = static_cast<const unsigned short*>(p.weights) + first;
 #pragma unroll
-    for (int c = 0; c < N; ++c) w[c] = (K > 0 ? c < n : r[c] >= 0) ? Pack<T>::from_bits(weights[c]) : 0.0f;
+    for (int c = 0; c < N; ++c) w[c] = (EVERY ? c < n : r[c] >= 0) ? Pack<T>::from_bits(weights[c]) : 0.0f;
   }
 }
 
-// The finalize form's row indices of token `row`'s K slots read before pdl_wait (the kernel before may still be
-// writing them), through L2 only (ld.global.cg: no L1 line that a read after the wait could hit), checked there:
-// -1 where outside [0, rows), so that every guess is a row of y or none. combine_vec loads the guessed rows as soon
-// as the wait is over, with the indices themselves, and only if an index differs from its guess checks the indices
-// and loads their rows again: the rows wait for no index (one memory round trip fewer at few tokens, and the range
-// checks off the chain of dependent instructions), and a guess that the kernel before made stale costs time, not
-// bits.
+// The finalize form's row indices of token `row`'s first G slots (all K of a variant built for K, the first
+// kGuessSlots for any k) read before pdl_wait (the kernel before may still be writing them), through L2 only
+// (ld.global.cg: no L1 line that a read after the wait could hit), checked there: -1 where outside [0, rows) or past
+// k, so that every guess is a row of y or none. combine_vec loads the guessed rows as soon as the wait is over, with
+// the indices themselves, and only if an index differs from its guess checks the indices and loads their rows again:
+// the rows wait for no index (one memory round trip fewer a chunk, and the range checks off the chain of dependent
+// instructions), and a guess that the kernel before made stale costs time, not bits.
+constexpr int kGuessSlots = kCombineChunk;
+template <int K>
+constexpr int kGuessed = K > 0 ? K : kGuessSlots;
 template <int FORM, int K>
-__device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, int (&g)[K]) {
-  const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + static_cast<size_t>(row) * K;
+__device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, int (&g)[kGuessed<K>]) {
+  const int k = K > 0 ? K : p.k;
+  const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + static_cast<size_t>(row) * k;
 #pragma unroll
-  for (int c = 0; c < K; ++c) {
-    const long long r = static_cast<long long>(__ldcg(index + c));
+  for (int c = 0; c < kGuessed<K>; ++c) {
+    const long long r = K > 0 || c < k ? static_cast<long long>(__ldcg(index + c)) : -1;
     g[c] = r >= 0 && r < p.rows ? static_cast<int>(r) : -1;
   }
 }
@@ -101,6 +105,20 @@ __device__ __forceinline__ uint4 row_vector(const uint4* row0, unsigned row_vect
   return r >= 0 ? row0[static_cast<size_t>(static_cast<unsigned>(r)) * row_vectors] : make_uint4(0, 0, 0, 0);
 }
 
+// acc += w_c * y_c over the chunk's kept slots (r >= 0), in slot order.
+template <typename T, int N, typename Row>
+__device__ __forceinline__ void add_chunk(float (&acc)[8], const Row (&r)[N], const float (&w)[N],
+                                          const uint4 (&yv)[N]) {
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    if (r[c] < 0) continue;
+    float y[8];
+    unpack8<T>(yv[c], y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[c], y[e]));
+  }
+}
+
 // The combined vector v of token `row`, rounded to T; NaN where the token has a row index outside
 // [-1, rows) (that index's row is not read; nothing raises without a synchronisation; the reference
 // raises ValueError). The sums stay in slot order.
@@ -108,12 +126,13 @@ __device__ __forceinline__ uint4 row_vector(const uint4* row0, unsigned row_vect
 // drops the slots past k at compile time (their predicates, selects and skipped steps): at few tokens a row is
 // one chain of instructions at one or two warps a scheduler, so each one left out is time (commfuse/kernels/
 // moe_tail.py's SLOTS). With K 0 `#pragma unroll` leaves the loop as it is (its trip count is not constant).
-// GUESS (K > 0, a finalize form): `guess` holds guess_rows' indices of the token.
+// GUESS (a finalize form): `guess` holds guess_rows' indices of the token's first kGuessed<K> slots, whose chunks
+// come first, unrolled; the slots after them (k past kGuessSlots, for any k) go as without a guess.
 template <typename T, int FORM, int K = 0, bool GUESS = false>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
-  static_assert(!GUESS || (K > 0 && K <= kSlotChunk && FORM != kCombineReduction),
-                "a guess is a finalize form's, of one chunk");
+  static_assert(!GUESS || FORM != kCombineReduction, "a guess is a finalize form's");
   constexpr int N = kChunk<K>;
+  constexpr int G = GUESS ? kGuessed<K> : 0;  // the slots whose rows are guessed
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
   // The shared expert's vector (or +0.0). For any k loaded and unpacked first (the variants for any k keep their
@@ -134,51 +153,51 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   bool bad = false;
   const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
-  // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
+  using Index = typename RowIndex<FORM>::type;
 #pragma unroll
-  for (int j0 = 0; j0 < (K > 0 ? K : p.k); j0 += N) {
-    long long r[N];  // the rows read, -1 for none
+  for (int j0 = 0; j0 < G; j0 += N) {
+    if (K == 0 && j0 >= k) break;
+    int r[N];  // the rows read, -1 for none (int: a row index < 2^31, moe_combine.index_limits)
     float w[N];
     uint4 yv[N];
-    if constexpr (GUESS) {
-      chunk_weights<T, K, N>(p, slot0, K, r, w);  // for K > 0 r is not read
-      const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0;
-      long long given[N];
-#pragma unroll
-      for (int c = 0; c < N; ++c) {
-        given[c] = static_cast<long long>(index[c]);
-        r[c] = guess[c];
-        yv[c] = row_vector(row0, row_vectors, r[c]);
-      }
-      bool stale = false;
-#pragma unroll
-      for (int c = 0; c < N; ++c) stale |= given[c] != r[c];
-      if (stale) {  // the kernel before wrote the index after the guess: the index's rows, checked as chunk_rows does
-#pragma unroll
-        for (int c = 0; c < N; ++c) {
-          bad |= given[c] < -1 || given[c] >= p.rows;
-          const long long q = given[c] >= p.rows ? -1 : given[c];
-          if (q != r[c]) {
-            r[c] = q;
-            yv[c] = row_vector(row0, row_vectors, q);
-          }
-        }
-      }
-    } else {
-      chunk_rows<FORM, N>(p, k, slot0, j0, r, bad);
-      chunk_weights<T, K, N>(p, slot0 + j0, k - j0, r, w);
-#pragma unroll
-      for (int c = 0; c < N; ++c) yv[c] = row_vector(row0, row_vectors, r[c]);
-    }
-    if (K > 0 && j0 == 0) unpack8<T>(shared, acc);
+    chunk_weights<T, true, N>(p, slot0 + j0, k - j0, r, w);  // r is not read
+    const Index* index = static_cast<const Index*>(p.row_index) + slot0 + j0;
+    Index given[N];
 #pragma unroll
     for (int c = 0; c < N; ++c) {
-      if (r[c] < 0) continue;
-      float y[8];
-      unpack8<T>(yv[c], y);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[c], y[e]));
+      given[c] = K > 0 || j0 + c < k ? index[c] : Index(-1);
+      r[c] = guess[j0 + c];
+      yv[c] = row_vector(row0, row_vectors, r[c]);
     }
+    bool stale = false;
+#pragma unroll
+    for (int c = 0; c < N; ++c) stale |= given[c] != r[c];
+    if (stale) {  // the kernel before wrote the index after the guess: the index's rows, checked as chunk_rows does
+#pragma unroll
+      for (int c = 0; c < N; ++c) {
+        bad |= given[c] < -1 || given[c] >= p.rows;
+        const int q = given[c] < 0 || given[c] >= p.rows ? -1 : static_cast<int>(given[c]);
+        if (q != r[c]) {
+          r[c] = q;
+          yv[c] = row_vector(row0, row_vectors, q);
+        }
+      }
+    }
+    if (K > 0 && j0 == 0) unpack8<T>(shared, acc);
+    add_chunk<T, N>(acc, r, w, yv);
+  }
+  // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
+#pragma unroll
+  for (int j0 = G; j0 < (K > 0 ? K : p.k); j0 += N) {
+    long long r[N];
+    float w[N];
+    uint4 yv[N];
+    chunk_rows<FORM, N>(p, k, slot0, j0, r, bad);
+    chunk_weights<T, (K > 0), N>(p, slot0 + j0, k - j0, r, w);
+#pragma unroll
+    for (int c = 0; c < N; ++c) yv[c] = row_vector(row0, row_vectors, r[c]);
+    if (K > 0 && j0 == 0) unpack8<T>(shared, acc);
+    add_chunk<T, N>(acc, r, w, yv);
   }
   if (bad) {
 #pragma unroll
