@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kMoeMaxThreads<VPT, K>, kMinBlocks<VPT>)
   };
   // The finalize form at few tokens reads its row indices before the wait, as a guess (moe.cuh's guess_rows).
   constexpr bool kGuess = VPT == 1 && FORM != kCombineReduction;
-  int guess[kGuessed<K>];
+  int guess[kChunk<K>];
   if constexpr (kGuess) {
     const int row = token_row(cluster_ctas());
     if (row < p.tail.t) guess_rows<FORM, K>(p.combine, row, guess);

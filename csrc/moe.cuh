@@ -78,26 +78,42 @@ __device__ __forceinline__ void chunk_weights(const MoeCombineParams& p, size_t 
   }
 }
 
-// The finalize form's row indices of token `row`'s first G slots (all K of a variant built for K, the first
-// kGuessSlots for any k) read before pdl_wait (the kernel before may still be writing them), through L2 only
-// (ld.global.cg: no L1 line that a read after the wait could hit), checked there: -1 where outside [0, rows) or past
-// k, so that every guess is a row of y or none. combine_vec loads the guessed rows as soon as the wait is over, with
-// the indices themselves, and only if an index differs from its guess checks the indices and loads their rows again:
-// the rows wait for no index (one memory round trip fewer a chunk, and the range checks off the chain of dependent
-// instructions), and a guess that the kernel before made stale costs time, not bits.
-constexpr int kGuessSlots = kCombineChunk;
-template <int K>
-constexpr int kGuessed = K > 0 ? K : kGuessSlots;
+// The finalize form's row indices of token `row`'s first chunk of slots (kChunk<K>: all K of a variant built for K,
+// the first kCombineChunk for any k) read before pdl_wait (the kernel before may still be writing them), through L2
+// only (ld.global.cg: no L1 line that a read after the wait could hit), checked there: -1 where outside [0, rows) or
+// past k, so that every guess is a row of y or none. combine_vec loads the guessed rows as soon as the wait is over,
+// with the indices themselves, and only if an index differs from its guess checks the indices and loads their rows
+// again: the rows wait for no index (one memory round trip fewer at few tokens, and the range checks off the chain
+// of dependent instructions), and a guess that the kernel before made stale costs time, not bits.
 template <int FORM, int K>
-__device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, int (&g)[kGuessed<K>]) {
+__device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, int (&g)[kChunk<K>]) {
   const int k = K > 0 ? K : p.k;
   const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + static_cast<size_t>(row) * k;
 #pragma unroll
-  for (int c = 0; c < kGuessed<K>; ++c) {
+  for (int c = 0; c < kChunk<K>; ++c) {
     const long long r = K > 0 || c < k ? static_cast<long long>(__ldcg(index + c)) : -1;
     g[c] = r >= 0 && r < p.rows ? static_cast<int>(r) : -1;
   }
 }
+
+// The guessed chunk's rows and indices: for a variant built for k long long (int measured 3-7% slower at 1-16 tokens,
+// k 8, H100); for any k int (under the 64 registers of 1024 threads long long spilled): a row index is < 2^31
+// (moe_combine.index_limits), and an int64 one outside [-1, rows) becomes kOutside (INT_MIN), still outside.
+constexpr int kOutside = -2147483647 - 1;
+template <int FORM, int K>
+struct Guessed {
+  using row = long long;
+  using given = long long;
+  static __device__ __forceinline__ given of(typename RowIndex<FORM>::type x, long long) { return x; }
+};
+template <int FORM>
+struct Guessed<FORM, 0> {
+  using row = int;
+  using given = int;
+  static __device__ __forceinline__ int of(typename RowIndex<FORM>::type x, long long rows) {
+    return x < -1 || x >= rows ? kOutside : static_cast<int>(x);
+  }
+};
 
 // Vector v of row r of y (row0: y's vector v of row 0; zero for r < 0): a kept row's vector is one 32 x 32 -> 64-bit
 // multiply away (r < 2^31: moe_combine.index_limits), not a 64-bit product of the element index.
@@ -126,13 +142,14 @@ __device__ __forceinline__ void add_chunk(float (&acc)[8], const Row (&r)[N], co
 // drops the slots past k at compile time (their predicates, selects and skipped steps): at few tokens a row is
 // one chain of instructions at one or two warps a scheduler, so each one left out is time (commfuse/kernels/
 // moe_tail.py's SLOTS). With K 0 `#pragma unroll` leaves the loop as it is (its trip count is not constant).
-// GUESS (a finalize form): `guess` holds guess_rows' indices of the token's first kGuessed<K> slots, whose chunks
-// come first, unrolled; the slots after them (k past kGuessSlots, for any k) go as without a guess.
+// GUESS (a finalize form): `guess` holds guess_rows' indices of the token's first chunk, which comes first; for any k
+// the second chunk's indices are read with the first's indices after the wait (its rows wait for those, not for the
+// first chunk's sum), and the chunks after those go as without a guess.
 template <typename T, int FORM, int K = 0, bool GUESS = false>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
   static_assert(!GUESS || FORM != kCombineReduction, "a guess is a finalize form's");
   constexpr int N = kChunk<K>;
-  constexpr int G = GUESS ? kGuessed<K> : 0;  // the slots whose rows are guessed
+  constexpr int G = GUESS ? (K > 0 ? K : 2 * N) : 0;  // the slots before the loop: the guessed chunk and the next
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
   // The shared expert's vector (or +0.0). For any k loaded and unpacked first (the variants for any k keep their
@@ -153,20 +170,28 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   bool bad = false;
   const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
-  using Index = typename RowIndex<FORM>::type;
+  if constexpr (GUESS) {
+    using Row = typename Guessed<FORM, K>::row;
+    using Given = typename Guessed<FORM, K>::given;
+    const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0;
+    Row next[N];  // any k: the second chunk's rows, -1 for none, checked as chunk_rows does
+    if constexpr (K == 0) {
 #pragma unroll
-  for (int j0 = 0; j0 < G; j0 += N) {
-    if (K == 0 && j0 >= k) break;
-    int r[N];  // the rows read, -1 for none (int: a row index < 2^31, moe_combine.index_limits)
+      for (int c = 0; c < N; ++c) {
+        const long long x = N + c < k ? static_cast<long long>(index[N + c]) : -1;
+        bad |= x < -1 || x >= p.rows;
+        next[c] = x < 0 || x >= p.rows ? Row(-1) : static_cast<Row>(x);
+      }
+    }
+    Row r[N];  // the rows read, -1 for none
     float w[N];
     uint4 yv[N];
-    chunk_weights<T, true, N>(p, slot0 + j0, k - j0, r, w);  // r is not read
-    const Index* index = static_cast<const Index*>(p.row_index) + slot0 + j0;
-    Index given[N];
+    chunk_weights<T, true, N>(p, slot0, k, r, w);  // r is not read
+    Given given[N];
 #pragma unroll
     for (int c = 0; c < N; ++c) {
-      given[c] = K > 0 || j0 + c < k ? index[c] : Index(-1);
-      r[c] = guess[j0 + c];
+      given[c] = K > 0 || c < k ? Guessed<FORM, K>::of(index[c], p.rows) : Given(-1);
+      r[c] = guess[c];
       yv[c] = row_vector(row0, row_vectors, r[c]);
     }
     bool stale = false;
@@ -176,15 +201,21 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
 #pragma unroll
       for (int c = 0; c < N; ++c) {
         bad |= given[c] < -1 || given[c] >= p.rows;
-        const int q = given[c] < 0 || given[c] >= p.rows ? -1 : static_cast<int>(given[c]);
+        const Row q = given[c] >= p.rows || (K == 0 && given[c] < 0) ? Row(-1) : static_cast<Row>(given[c]);
         if (q != r[c]) {
           r[c] = q;
           yv[c] = row_vector(row0, row_vectors, q);
         }
       }
     }
-    if (K > 0 && j0 == 0) unpack8<T>(shared, acc);
+    if (K > 0) unpack8<T>(shared, acc);
     add_chunk<T, N>(acc, r, w, yv);
+    if (K == 0 && N < k) {
+      chunk_weights<T, false, N>(p, slot0 + N, k - N, next, w);
+#pragma unroll
+      for (int c = 0; c < N; ++c) yv[c] = row_vector(row0, row_vectors, next[c]);
+      add_chunk<T, N>(acc, next, w, yv);
+    }
   }
   // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
 #pragma unroll

@@ -601,16 +601,19 @@ def test_fused_moe_tail_writes_every_output(comm, gen, quant, sf_layout, t):
 
 @mpi
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype):
+@pytest.mark.parametrize("k", [2, 5])  # 2: the variant built for k 2; 5: the one for any k (its guessed chunk, the next)
+def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype, k):
     """World 1 on a GPU: a row index outside [-1, R) (int32 as given; int64 beyond int32's range too) makes
     that token's rows NaN in the one-kernel MoE tail, and the other tokens' outputs the reference's."""
     if comm.device.type != "cuda" or comm.world_size != 1:
         pytest.skip("the fused MoE tail runs at world size 1 on a GPU")
-    t, k, h = 4, 2, 256
-    rows = torch.randn(8, h, generator=gen).bfloat16().cuda()
+    t, h = 4, 256
+    rows = torch.randn(t * k, h, generator=gen).bfloat16().cuda()
     w = torch.rand(t, k, generator=gen).cuda()
-    far = 2 ** 33 if index_dtype == torch.int64 else 8  # int64: wraps to a valid row if cast without a clamp
-    idx = torch.tensor([[0, 1], [2, 3], [4, far], [6, -2]], dtype=index_dtype).cuda()
+    far = 2 ** 33 if index_dtype == torch.int64 else t * k  # int64: wraps to a valid row if cast without a clamp
+    idx = torch.arange(t * k).view(t, k).to(index_dtype)
+    idx[2, -1], idx[3, 1] = far, -2
+    idx = idx.cuda()
     residual, weight, _ = tail_inputs(comm, gen, t, h, torch.bfloat16, None)
     r = comm.moe_all_reduce(rows, w, residual, weight, return_norm=True, row_index=idx)
     assert r.plan.combine == "fused", str(r.plan)
