@@ -10,9 +10,10 @@ variant, more than SPLIT_ELEMENTS expert elements a token) each token's row goes
 of `split` CTAs (up to 8, while the t * split CTAs fit the SMs), each running the tail on its slice of the
 row (slice_vectors), the sum of squares added over the cluster: one SM alone does not read the k expert
 rows at the HBM's pace (csrc/fused_tail.cu). The VPT 1 variants come also built for each k of SLOTS (the combine
-unrolled for that k, the token's k rows loaded at once, the finalize form's row index guessed before the
-programmatic-launch wait), where slot_variant_fits. The kernels read the routing weights (float32 or T, a plan
-field) and the row index (int32 or int64, the variant's form) as given.
+unrolled for that k, the token's k rows loaded at once), where slot_variant_fits; in the finalize form every VPT 1
+variant guesses the row index before the programmatic-launch wait (all k slots of one built for k, the first 4 of one
+for any k: csrc/moe.cuh's guess_rows). The kernels read the routing weights (float32 or T, a plan field) and the row
+index (int32 or int64, the variant's form) as given.
 """
 from __future__ import annotations
 
