@@ -97,22 +97,17 @@ __device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, i
 }
 
 // The guessed chunk's rows and indices: for a variant built for k long long (int measured 3-7% slower at 1-16 tokens,
-// k 8, H100); for any k int (under the 64 registers of 1024 threads long long spilled): a row index is < 2^31
-// (moe_combine.index_limits), and an int64 one outside [-1, rows) becomes kOutside (INT_MIN), still outside.
-constexpr int kOutside = -2147483647 - 1;
+// k 8, H100); for any k the rows int (under the 64 registers of 1024 threads long long spilled; a row index is < 2^31,
+// moe_combine.index_limits) and the indices as read.
 template <int FORM, int K>
 struct Guessed {
   using row = long long;
   using given = long long;
-  static __device__ __forceinline__ given of(typename RowIndex<FORM>::type x, long long) { return x; }
 };
 template <int FORM>
 struct Guessed<FORM, 0> {
   using row = int;
-  using given = int;
-  static __device__ __forceinline__ int of(typename RowIndex<FORM>::type x, long long rows) {
-    return x < -1 || x >= rows ? kOutside : static_cast<int>(x);
-  }
+  using given = typename RowIndex<FORM>::type;
 };
 
 // Vector v of row r of y (row0: y's vector v of row 0; zero for r < 0): a kept row's vector is one 32 x 32 -> 64-bit
@@ -142,14 +137,13 @@ __device__ __forceinline__ void add_chunk(float (&acc)[8], const Row (&r)[N], co
 // drops the slots past k at compile time (their predicates, selects and skipped steps): at few tokens a row is
 // one chain of instructions at one or two warps a scheduler, so each one left out is time (commfuse/kernels/
 // moe_tail.py's SLOTS). With K 0 `#pragma unroll` leaves the loop as it is (its trip count is not constant).
-// GUESS (a finalize form): `guess` holds guess_rows' indices of the token's first chunk, which comes first; for any k
-// the second chunk's indices are read with the first's indices after the wait (its rows wait for those, not for the
-// first chunk's sum), and the chunks after those go as without a guess.
+// GUESS (a finalize form): `guess` holds guess_rows' indices of the token's first chunk, which comes first; the
+// chunks after it (for any k, past kCombineChunk slots) go as without a guess.
 template <typename T, int FORM, int K = 0, bool GUESS = false>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
   static_assert(!GUESS || FORM != kCombineReduction, "a guess is a finalize form's");
   constexpr int N = kChunk<K>;
-  constexpr int G = GUESS ? (K > 0 ? K : 2 * N) : 0;  // the slots before the loop: the guessed chunk and the next
+  constexpr int G = GUESS ? N : 0;  // the slots before the loop: the guessed chunk
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
   // The shared expert's vector (or +0.0). For any k loaded and unpacked first (the variants for any k keep their
@@ -174,15 +168,6 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
     using Row = typename Guessed<FORM, K>::row;
     using Given = typename Guessed<FORM, K>::given;
     const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0;
-    Row next[N];  // any k: the second chunk's rows, -1 for none, checked as chunk_rows does
-    if constexpr (K == 0) {
-#pragma unroll
-      for (int c = 0; c < N; ++c) {
-        const long long x = N + c < k ? static_cast<long long>(index[N + c]) : -1;
-        bad |= x < -1 || x >= p.rows;
-        next[c] = x < 0 || x >= p.rows ? Row(-1) : static_cast<Row>(x);
-      }
-    }
     Row r[N];  // the rows read, -1 for none
     float w[N];
     uint4 yv[N];
@@ -190,7 +175,7 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
     Given given[N];
 #pragma unroll
     for (int c = 0; c < N; ++c) {
-      given[c] = K > 0 || c < k ? Guessed<FORM, K>::of(index[c], p.rows) : Given(-1);
+      given[c] = K > 0 || c < k ? static_cast<Given>(index[c]) : Given(-1);
       r[c] = guess[c];
       yv[c] = row_vector(row0, row_vectors, r[c]);
     }
@@ -210,12 +195,6 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
     }
     if (K > 0) unpack8<T>(shared, acc);
     add_chunk<T, N>(acc, r, w, yv);
-    if (K == 0 && N < k) {
-      chunk_weights<T, false, N>(p, slot0 + N, k - N, next, w);
-#pragma unroll
-      for (int c = 0; c < N; ++c) yv[c] = row_vector(row0, row_vectors, next[c]);
-      add_chunk<T, N>(acc, next, w, yv);
-    }
   }
   // The bound spelled out rather than `k`: with `k` the looped any-k variant compiled to other code (sm_90).
 #pragma unroll
