@@ -97,8 +97,9 @@ __device__ __forceinline__ void guess_rows(const MoeCombineParams& p, int row, i
 }
 
 // The guessed chunk's rows and indices: for a variant built for k long long (int measured 3-7% slower at 1-16 tokens,
-// k 8, H100); for any k the rows int (under the 64 registers of 1024 threads long long spilled; a row index is < 2^31,
-// moe_combine.index_limits) and the indices as read.
+// k 8, H100); for any k the rows int (a row index is < 2^31, moe_combine.index_limits) and the indices as read: with
+// long long rows those variants spilled 8-28 bytes under the 64 registers of 1024 threads; with int only fp8_block's
+// int32 ones spill, 4 bytes (in the cluster-split path: one store before the combine, one load after the sum).
 template <int FORM, int K>
 struct Guessed {
   using row = long long;
@@ -143,7 +144,7 @@ template <typename T, int FORM, int K = 0, bool GUESS = false>
 __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row, int v, const int* guess = nullptr) {
   static_assert(!GUESS || FORM != kCombineReduction, "a guess is a finalize form's");
   constexpr int N = kChunk<K>;
-  constexpr int G = GUESS ? N : 0;  // the slots before the loop: the guessed chunk
+  constexpr int G = GUESS ? N : 0;  // the slots guessed
   const int k = K > 0 ? K : p.k;
   const size_t slot0 = static_cast<size_t>(row) * k;
   // The shared expert's vector (or +0.0). For any k loaded and unpacked first (the variants for any k keep their
@@ -164,19 +165,22 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
   bool bad = false;
   const uint4* row0 = static_cast<const uint4*>(p.y) + v;
   const unsigned row_vectors = static_cast<unsigned>(p.h) / kVecElems;
-  if constexpr (GUESS) {
-    using Row = typename Guessed<FORM, K>::row;
-    using Given = typename Guessed<FORM, K>::given;
-    const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0;
+  using Row = typename Guessed<FORM, K>::row;
+  using Given = typename Guessed<FORM, K>::given;
+#pragma unroll
+  for (int j0 = 0; j0 < G; j0 += N) {  // the guessed chunk: one pass (G = N), none without a guess
+    // as a loop, with this break, the variants for any k compile to the code measured (bench/journal.md, session 56)
+    if (K == 0 && j0 >= k) break;
     Row r[N];  // the rows read, -1 for none
     float w[N];
     uint4 yv[N];
-    chunk_weights<T, true, N>(p, slot0, k, r, w);  // r is not read
+    chunk_weights<T, true, N>(p, slot0 + j0, k - j0, r, w);  // r is not read
+    const auto* index = static_cast<const typename RowIndex<FORM>::type*>(p.row_index) + slot0 + j0;
     Given given[N];
 #pragma unroll
     for (int c = 0; c < N; ++c) {
-      given[c] = K > 0 || c < k ? static_cast<Given>(index[c]) : Given(-1);
-      r[c] = guess[c];
+      given[c] = K > 0 || j0 + c < k ? static_cast<Given>(index[c]) : Given(-1);
+      r[c] = guess[j0 + c];
       yv[c] = row_vector(row0, row_vectors, r[c]);
     }
     bool stale = false;
@@ -186,7 +190,9 @@ __device__ __forceinline__ uint4 combine_vec(const MoeCombineParams& p, int row,
 #pragma unroll
       for (int c = 0; c < N; ++c) {
         bad |= given[c] < -1 || given[c] >= p.rows;
-        const Row q = given[c] >= p.rows || (K == 0 && given[c] < 0) ? Row(-1) : static_cast<Row>(given[c]);
+        // for any k an int64 index below -1 must not be cast to an int row
+        const Row q = K == 0 ? (given[c] < 0 || given[c] >= p.rows ? Row(-1) : static_cast<Row>(given[c]))
+                             : (given[c] >= p.rows ? Row(-1) : static_cast<Row>(given[c]));
         if (q != r[c]) {
           r[c] = q;
           yv[c] = row_vector(row0, row_vectors, q);

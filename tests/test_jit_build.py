@@ -176,14 +176,13 @@ def test_vpt4_tail_variants_fit_four_ctas_without_spills():
 
 
 def test_moe_tail_slot_variants_fit_without_spills():
-    """The VPT 1 MoE tails built for a k of moe_tail.SLOTS (the combine unrolled, its rows in flight at once), and
-    the finalize form's VPT 1 tails for any k (their first row indices guessed before the wait), fit their bounds
-    without a spill: 1024 threads (<= 64 registers on SM 9.0) up to moe_tail.COMBINE_CHUNK slots and for any k,
+    """The VPT 1 MoE tails built for a k of moe_tail.SLOTS (the combine unrolled, its rows in flight at once) fit
+    their bounds without a spill: 1024 threads (<= 64 registers on SM 9.0) up to moe_tail.COMBINE_CHUNK slots,
     moe_tail.SLOT_THREADS above; bf16, every form and format (ptxas' report)."""
     if 90 not in nvrtc_archs():
         pytest.skip(f"NVRTC {jit.nvrtc_version()} cannot target sm_90")
     slots = {moe_tail.MOE_TAIL.name_expression(torch.bfloat16, form, f, 1, k): k for form in FORMS.values()
-             for f in FORMATS for k in moe_tail.SLOTS + ((0,) if form else ())}
+             for f in FORMATS for k in moe_tail.SLOTS}
     names = list(slots)
     n = max(1, min(os.cpu_count() or 1, 8))
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
