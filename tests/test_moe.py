@@ -601,7 +601,7 @@ def test_fused_moe_tail_writes_every_output(comm, gen, quant, sf_layout, t):
 
 @mpi
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("k", [2, 5])  # 2: the variant built for k 2; 5: the one for any k (its guessed chunk, the next)
+@pytest.mark.parametrize("k", [2, 5])  # 2: the variant built for k 2; 5: the one for any k (a bad index in each chunk)
 def test_fused_moe_tail_makes_a_bad_row_index_nan(comm, gen, index_dtype, k):
     """World 1 on a GPU: a row index outside [-1, R) (int32 as given; int64 beyond int32's range too) makes
     that token's rows NaN in the one-kernel MoE tail, and the other tokens' outputs the reference's."""
