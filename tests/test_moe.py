@@ -713,7 +713,7 @@ def test_moe_tail_splits_few_tokens_only():
 @needs_gpu
 @pytest.mark.parametrize("form", ["int32", "int64"])
 # Variants built for k: 1 x 4096 and 16 x 7168 split over clusters, 100 x 2048 one CTA a token (k 6, 256 threads).
-# Variants for any k (their first moe.cuh kGuessSlots slots guessed): 64 x 7168 split (k 8, 448 threads a CTA), 256 x
+# Variants for any k (their first moe.cuh kCombineChunk slots guessed): 64 x 7168 split (k 8, 448 threads a CTA), 256 x
 # 4096 (512 threads), 5 x 4096 k 3, 3 x 2048 k 10 (slots past the guessed ones).
 @pytest.mark.parametrize("t, k, h", [(1, 8, 4096), (16, 8, 7168), (100, 6, 2048), (64, 8, 7168), (256, 8, 4096),
                                      (5, 3, 4096), (3, 10, 2048)])
@@ -753,7 +753,8 @@ def test_moe_tail_reads_the_row_index_that_the_kernel_before_writes(form, t, k, 
     stale = reference.fused_tail(reference.moe_finalize(y, old, w), residual, weight, 1e-6, None, None, True)
     assert not bits_equal(want.residual, stale.residual)
     row_index = old.clone()
-    moe_tail.run(y, w, row_index, None, residual, weight, None, spec)  # compiled and loaded before the timed part
+    moe_tail.run(y, w, row_index, None, residual, weight, None, spec)  # compiled and loaded: the call below starts
+    # within the writer's delay
     torch.cuda.synchronize()
     words = row_index.numel() * row_index.element_size() // 4
     writer.launch((1, 1, 1), (128, 1, 1), struct.pack("<4Q", row_index.data_ptr(), new.data_ptr(), words, 2_000_000))
